@@ -1,0 +1,32 @@
+# Two commands matter: `make run` and `make test`. Both create .venv when missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: run test lint setup bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(VENV)/bin/tokenmill serve demo --host 127.0.0.1 --port 8000
+
+test: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(PY) -m pytest
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+bench: setup
+	$(PY) benchmarks/engine_core.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info src/*.egg-info

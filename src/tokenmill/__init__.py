@@ -1,0 +1,1 @@
+"""tokenmill: an LLM inference engine and OpenAI-compatible server."""

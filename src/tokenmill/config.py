@@ -1,0 +1,82 @@
+"""EngineConfig: every engine limit and strategy in one frozen, validated dataclass.
+
+CLI flags map 1:1 onto these fields (vLLM's names where one exists).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from tokenmill.errors import ConfigError
+
+KVCacheKind = Literal["paged", "static"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Configuration of one engine instance."""
+
+    model: str = "demo"
+    """Path of a Hugging Face model folder, or ``demo`` for the built-in model."""
+    dtype: DType = "auto"
+    """Weights and activations dtype; ``auto`` follows torch_dtype (float32 on CPU for bf16)."""
+    device: str = "auto"
+    """``cpu``, ``cuda`` or ``auto`` (cuda when available)."""
+    kv_cache: KVCacheKind = "paged"
+    """KV memory strategy: ``paged`` blocks on demand or ``static`` per-slot regions."""
+    block_size: int = 16
+    """Tokens per KV block (paged)."""
+    kv_cache_memory: float | None = None
+    """KV budget: bytes if > 1, else a fraction of free memory. None: a sane default."""
+    gpu_memory_utilization: float = 0.9
+    """On CUDA, the fraction of total GPU memory the engine may use (weights + KV)."""
+    max_num_seqs: int = 256
+    """Maximum number of requests in the running batch."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one engine step (prefill chunks plus decodes)."""
+    max_model_len: int | None = None
+    """Context length limit; None means the model's max_position_embeddings."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes across requests."""
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    """``fcfs`` or ``priority`` (lower value first, then arrival)."""
+    max_logprobs: int = 20
+    """Largest ``logprobs`` / ``prompt_logprobs`` a request may ask for."""
+    seed: int = 0
+    """Seed of the engine's global generator (for requests without their own seed)."""
+    enforce_eager: bool = False
+    """Disable torch.compile and graph capture (static strategy)."""
+    num_threads: int | None = None
+    """CPU threads for torch; None keeps torch's default."""
+    rope_theta_override: float | None = None
+    """Test-only: replace the model's RoPE base to make the engine diverge on purpose."""
+
+    def __post_init__(self) -> None:
+        def check(cond: bool, message: str) -> None:
+            if not cond:
+                raise ConfigError(message)
+
+        check(self.kv_cache in ("paged", "static"), f"kv_cache must be paged or static, got {self.kv_cache!r}")
+        check(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unsupported dtype {self.dtype!r}")
+        check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), f"unsupported device {self.device!r}")
+        check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two <= 128, got {self.block_size}")
+        check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
+        check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0")
+        check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
+        check(self.scheduling_policy in ("fcfs", "priority"), f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        check(self.max_logprobs >= 0, "max_logprobs must be >= 0")
+        check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build a config, rejecting unknown keys with the list of valid ones."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {unknown}; valid options: {sorted(names)}")
+        return cls(**kwargs)

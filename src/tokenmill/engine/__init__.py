@@ -1,0 +1,1 @@
+"""The engine: request state, scheduler, KV block management and the step loop."""

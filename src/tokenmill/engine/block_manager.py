@@ -1,0 +1,211 @@
+"""Paged KV: a pool of fixed-size blocks with ref counts and automatic prefix caching.
+
+Full blocks are identified by a chained hash (sha256 of the parent hash, the request's
+cache salt and the block's tokens); the cached block also keeps its tokens, which are
+compared on every hit to guard against collisions. Freed blocks keep their hash and sit
+in an LRU free queue, so a later request with the same prefix can reuse them until the
+space is actually needed. Requests fanned out from one ``n > 1`` request share a salt,
+which is how they share the prompt's blocks (ref count > 1) even with prefix caching off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tokenmill.engine.kv_manager import KVCacheManager, KVCacheStats, PrefixHit
+from tokenmill.engine.request import Request
+
+BlockHash = bytes
+
+
+@dataclass
+class Block:
+    """One KV block: how many requests use it and, when full and cached, its identity."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+def hash_block(parent: BlockHash | None, salt: str | None, token_ids: tuple[int, ...]) -> BlockHash:
+    """Chained hash of a full block: identical iff the whole prefix up to it is identical."""
+    h = hashlib.sha256()
+    h.update(parent or b"root")
+    h.update((salt or "").encode())
+    h.update(b"|")
+    h.update(",".join(map(str, token_ids)).encode())
+    return h.digest()
+
+
+class BlockPool:
+    """Owns every block: the free queue (LRU order), ref counts and the hash table."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Head is evicted first. Uncached blocks go to the head, cached ones to the tail.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[BlockHash, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def get_cached(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> Block | None:
+        """The cached block for this hash, if its tokens really match."""
+        block_id = self.cached.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        return block if block.token_ids == token_ids else None
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Take a reference on blocks found in the cache (removing free ones from the queue)."""
+        for block in blocks:
+            if block.ref_count == 0:
+                del self.free_queue[block.block_id]
+            block.ref_count += 1
+
+    def allocate(self, num_blocks: int) -> list[Block]:
+        """Pop blocks from the head of the free queue, evicting their cached identity."""
+        if num_blocks > len(self.free_queue):
+            raise RuntimeError(f"asked for {num_blocks} blocks, {len(self.free_queue)} free")
+        out = []
+        for _ in range(num_blocks):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            self._uncache(block)
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def cache(self, block: Block, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+        """Register a newly full block; a hash already cached elsewhere keeps its block."""
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self.cached[block_hash] = block.block_id
+
+    def free(self, blocks: list[Block], keep_cached: bool = True) -> None:
+        """Drop one reference per block; blocks reaching zero return to the free queue.
+
+        Callers pass blocks tail first, so a request's last blocks are evicted before its
+        (more shareable) first ones.
+        """
+        for block in blocks:
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise RuntimeError(f"block {block.block_id} freed more often than taken")
+            if block.ref_count == 0:
+                if not keep_cached:
+                    self._uncache(block)
+                self.free_queue[block.block_id] = None
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block.block_id, last=False)
+
+    def reset_cache(self) -> None:
+        """Forget every cached identity (blocks in use keep their data)."""
+        for block in self.blocks:
+            self._uncache(block)
+
+    def _uncache(self, block: Block) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) == block.block_id:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+
+
+class PagedKVManager(KVCacheManager):
+    """Block tables per request over a shared BlockPool, with prefix caching."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.stats = KVCacheStats()
+        self._blocks: dict[str, list[Block]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+
+    # ---- hashing -------------------------------------------------------------------
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
+        """Chained hashes of the request's first ``num_full_blocks`` blocks (memoised)."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            tokens = tuple(request.token_slice(i * bs, (i + 1) * bs))
+            hashes.append(hash_block(hashes[-1] if hashes else None, request.cache_salt, tokens))
+        return hashes[:num_full_blocks]
+
+    # ---- KVCacheManager ------------------------------------------------------------
+    def lookup_prefix(self, request: Request) -> PrefixHit:
+        if request.sampling_params.prompt_logprobs is not None:
+            return PrefixHit()  # every prompt position must be computed for its logprobs
+        # At least one token must be computed to produce logits, hence num_tokens - 1.
+        num_full = (request.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        hit: list[int] = []
+        for i, block_hash in enumerate(self._block_hashes(request, num_full)):
+            block = self.pool.get_cached(block_hash, tuple(request.token_slice(i * bs, (i + 1) * bs)))
+            if block is None:
+                break
+            hit.append(block.block_id)
+        return PrefixHit(block_ids=hit, num_tokens=len(hit) * bs)
+
+    def allocate(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
+        rid = request.request_id
+        blocks = self._blocks.get(rid, [])
+        prefix_blocks = [self.pool.blocks[b] for b in prefix.block_ids] if prefix else []
+        num_computed = request.num_computed_tokens + (prefix.num_tokens if prefix else 0)
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = max(0, num_needed - len(blocks) - len(prefix_blocks))
+        num_reviving = sum(1 for b in prefix_blocks if b.ref_count == 0)
+        if num_new_blocks + num_reviving > self.pool.num_free_blocks:
+            return False
+        if prefix is not None and not blocks:
+            self.stats.num_query_tokens += request.num_prompt_tokens
+            self.stats.num_hit_tokens += prefix.num_tokens
+        self.pool.touch(prefix_blocks)
+        blocks = blocks + prefix_blocks + self.pool.allocate(num_new_blocks)
+        self._blocks[rid] = blocks
+        self._cache_full_blocks(request, blocks, (num_computed + num_new_tokens) // self.block_size)
+        return True
+
+    def _cache_full_blocks(self, request: Request, blocks: list[Block], num_full: int) -> None:
+        bs = self.block_size
+        for i, block_hash in enumerate(self._block_hashes(request, num_full)):
+            if blocks[i].block_hash is None:
+                self.pool.cache(blocks[i], block_hash, tuple(request.token_slice(i * bs, (i + 1) * bs)))
+
+    def free(self, request: Request) -> None:
+        blocks = self._blocks.pop(request.request_id, [])
+        self._hashes.pop(request.request_id, None)
+        self.pool.free(list(reversed(blocks)), keep_cached=self.enable_prefix_caching)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, [])]
+
+    def can_admit(self, request: Request) -> bool:
+        return self.pool.num_free_blocks > 0
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.num_blocks
+
+    @property
+    def num_reserved_token_slots(self) -> int:
+        return sum(len(b) for b in self._blocks.values()) * self.block_size
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_cache()
+
+    def num_blocks_held(self, request_id: str) -> int:
+        return len(self._blocks.get(request_id, []))

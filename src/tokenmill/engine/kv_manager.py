@@ -1,0 +1,73 @@
+"""KVCacheManager: the one small interface the scheduler uses to reserve KV memory.
+
+``paged`` (block_manager.PagedKVManager) and ``static`` (static_kv_manager.StaticKVManager)
+implement it. Both describe a request's KV as a block table of block ids into one
+``[num_blocks, block_size, ...]`` tensor per layer, so the model runner reads K/V the same
+way whatever the strategy. No torch here: this is pure bookkeeping.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from tokenmill.engine.request import Request
+
+
+@dataclass
+class PrefixHit:
+    """Result of a prefix lookup: blocks whose KV is already computed for this request."""
+
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+@dataclass
+class KVCacheStats:
+    """Counters exported as metrics."""
+
+    num_query_tokens: int = 0
+    """Prompt tokens looked up in the prefix cache."""
+    num_hit_tokens: int = 0
+    """Of those, tokens found already computed."""
+
+
+class KVCacheManager(ABC):
+    """Reserves and releases KV memory for requests; maps them to block tables."""
+
+    block_size: int
+    num_blocks: int
+    stats: KVCacheStats
+
+    @abstractmethod
+    def lookup_prefix(self, request: Request) -> PrefixHit:
+        """Find already-computed KV for a request about to start (no state change)."""
+
+    @abstractmethod
+    def allocate(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
+        """Reserve room for ``num_new_tokens`` more tokens; False (and no change) if full."""
+
+    @abstractmethod
+    def free(self, request: Request) -> None:
+        """Release everything the request holds (finish, abort or preemption)."""
+
+    @abstractmethod
+    def block_table(self, request_id: str) -> list[int]:
+        """Block ids holding the request's KV, in token order."""
+
+    @abstractmethod
+    def can_admit(self, request: Request) -> bool:
+        """Whether a new request could start now (static: a slot is free)."""
+
+    @property
+    @abstractmethod
+    def usage(self) -> float:
+        """Fraction of KV memory in use, 0..1."""
+
+    @property
+    @abstractmethod
+    def num_reserved_token_slots(self) -> int:
+        """Token slots reserved by live requests (for the memory-waste metric)."""
+
+    def reset_prefix_cache(self) -> None:  # noqa: B027 - optional
+        """Forget cached prefixes (optional)."""

@@ -1,0 +1,260 @@
+"""LLMEngine: the synchronous core loop tying scheduler, runner and output processor.
+
+Data flows one way each ``step()``: scheduler -> model runner (forward + sampler) ->
+request state update -> output processor -> RequestOutputs. Everything a caller does
+(add, abort, step) happens on one thread; the async server wraps this object.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.block_manager import PagedKVManager
+from tokenmill.engine.kv_manager import KVCacheManager
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.errors import ContextLengthError, InvalidRequestError
+from tokenmill.model.config import ModelConfig
+from tokenmill.model.loader import load_model, resolve_dtype
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling.params import SamplingParams
+from tokenmill.sampling.sampler import Sampler
+from tokenmill.tokenizer.tokenizer import Tokenizer
+from tokenmill.worker.kv_cache import allocate_kv_cache, kv_budget_bytes, kv_bytes_per_token
+from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges for metrics; cumulative unless said otherwise."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_steps: int = 0
+
+
+def resolve_model_path(model: str) -> Path:
+    """``demo`` means the built-in demo model (built on first use)."""
+    if model == "demo":
+        from tokenmill.model.demo import demo_model_path
+
+        return demo_model_path()
+    return Path(model)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _generation_eos_ids(folder: Path) -> set[int]:
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return set()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, json.JSONDecodeError):
+        logger.warning("ignoring unreadable %s", path)
+        return set()
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}
+
+
+class LLMEngine:
+    """Loads a model and serves many requests at once with continuous batching."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.monotonic()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_folder(self.model_path)
+        if config.rope_theta_override is not None:
+            from dataclasses import replace
+
+            self.model_config = replace(self.model_config, rope_theta=config.rope_theta_override)
+        self.tokenizer = Tokenizer.from_pretrained(self.model_path)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        eos = set(mc.eos_token_ids) | _generation_eos_ids(self.model_path)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+        model = load_model(self.model_path, self.dtype, self.device, self.max_model_len, mc)
+        self.kv_manager, kv_caches = self._build_kv_cache()
+        self.scheduler = Scheduler(
+            self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
+        )
+        self.runner = ModelRunner(
+            model, kv_caches, self.kv_manager.block_size, Sampler(self.device, config.seed), self.device
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = EngineStats()
+        self.startup_time_s = time.monotonic() - start
+        logger.info(
+            "loaded %s (%s, %.1fM params) on %s in %s; KV: %d blocks of %d tokens (%.2f GiB); ready in %.1fs",
+            self.model_path, mc.architecture, mc.num_params / 1e6, self.device, self.dtype,
+            self.kv_manager.num_blocks, self.kv_manager.block_size, self.kv_cache_bytes / 2**30, self.startup_time_s,
+        )
+
+    # ---- construction ------------------------------------------------------------------
+    def _build_kv_cache(self) -> tuple[KVCacheManager, list[tuple[torch.Tensor, torch.Tensor]]]:
+        cfg = self.config
+        block_size = cfg.block_size
+        per_token = kv_bytes_per_token(self.model_config, self.dtype)
+        budget = kv_budget_bytes(cfg.kv_cache_memory, cfg.gpu_memory_utilization, self.device)
+        blocks_per_seq = -(-self.max_model_len // block_size)
+        num_blocks = min(budget // (per_token * block_size), cfg.max_num_seqs * blocks_per_seq)
+        if num_blocks < 1:
+            raise InvalidRequestError(
+                f"KV cache budget of {budget} bytes holds no block of {block_size} tokens "
+                f"({per_token * block_size} bytes); raise --kv-cache-memory"
+            )
+        if num_blocks < blocks_per_seq:
+            logger.warning(
+                "KV cache holds %d tokens, less than max_model_len %d: long requests will be cut short",
+                num_blocks * block_size, self.max_model_len,
+            )
+        self.kv_cache_bytes = num_blocks * block_size * per_token
+        manager = PagedKVManager(num_blocks, block_size, cfg.enable_prefix_caching)
+        caches = allocate_kv_cache(self.model_config, num_blocks, block_size, self.dtype, self.device)
+        return manager, caches
+
+    # ---- requests ----------------------------------------------------------------------
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Reject empty, out-of-vocabulary and over-context prompts with a clear error."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {vocab})", param="prompt")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"prompt has {len(prompt_token_ids)} tokens, leaving no room for output.",
+                param="prompt",
+            )
+        kv_capacity = self.kv_manager.num_blocks * self.kv_manager.block_size
+        if len(prompt_token_ids) >= kv_capacity:
+            raise ContextLengthError(
+                f"the prompt ({len(prompt_token_ids)} tokens) does not fit the KV cache ({kv_capacity} tokens)",
+                param="prompt",
+            )
+
+    def validate_params(self, params: SamplingParams) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise InvalidRequestError(
+                    f"{name} must be at most {self.config.max_logprobs}, got {value}", param=name
+                )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; a text prompt is tokenized here, token ids are taken as they are."""
+        params = params or SamplingParams()
+        if self.output_processor.has_request(request_id):
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if isinstance(prompt, str):
+            prompt_text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_text, token_ids = None, list(prompt)
+        self.validate_prompt(token_ids)
+        self.validate_params(params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        salt = None if self.config.enable_prefix_caching else request_id
+        children = [
+            Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=token_ids,
+                sampling_params=params,
+                eos_token_ids=self.eos_token_ids,
+                max_total_tokens=self.max_model_len,
+                priority=priority,
+                arrival_time=arrival,
+                cache_salt=salt,
+                parent_id=request_id,
+                index=i,
+            )
+            for i in range(params.n)
+        ]
+        self.output_processor.add_request(request_id, prompt_text, children)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Abort requests wherever they are; their KV is freed at once."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            for child_id in self.output_processor.child_ids(rid):
+                if self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED) is not None:
+                    self.output_processor.mark_finished(child_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return outputs of requests that changed."""
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched, self.kv_manager)
+        self.scheduler.update_after_step(sched.scheduled)
+        now = time.monotonic()
+        stats = self.stats
+        for request, num_new in sched.scheduled:
+            rid = request.request_id
+            if rid in result.prompt_logprobs:
+                self.output_processor.add_prompt_logprobs(rid, result.prompt_logprobs[rid])
+            token = result.sampled.get(rid)
+            if token is None:
+                continue
+            stats.num_generation_tokens += 1
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+                stats.num_prompt_tokens += request.num_prompt_tokens
+            request.metrics.last_token_time = now
+            status = request.append_output_token(token)
+            stop = self.output_processor.on_token(rid, token, result.logprobs.get(rid))
+            if stop is not None:
+                request.stop_reason = stop
+                status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                self.scheduler.finish_request(rid, status)
+                self.output_processor.mark_finished(rid)
+        stats.num_steps += 1
+        stats.num_running = self.scheduler.num_running
+        stats.num_waiting = self.scheduler.num_waiting
+        stats.kv_usage = self.kv_manager.usage
+        stats.num_preemptions = self.scheduler.num_preemptions
+        stats.num_prefix_query_tokens = self.kv_manager.stats.num_query_tokens
+        stats.num_prefix_hit_tokens = self.kv_manager.stats.num_hit_tokens
+        return self.output_processor.collect()

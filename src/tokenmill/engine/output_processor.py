@@ -1,0 +1,213 @@
+"""OutputProcessor: from sampled tokens to user-facing RequestOutputs.
+
+Owns incremental detokenization, stop-string matching (which may span token boundaries),
+logprob text, and folding the n child sequences of a request back into one RequestOutput.
+While a stop string could still be forming, the last ``len(longest stop) - 1`` characters
+are held back from streaming so a client never sees text that is later retracted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer
+from tokenmill.tokenizer.tokenizer import Tokenizer
+
+
+@dataclass
+class _Child:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    num_chars_emitted: int = 0
+    num_tokens_emitted: int = 0
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    is_reported_finished: bool = False
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Child]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    streaming_text_holdback: int = 0
+    touched: bool = field(default=False)
+
+
+class OutputProcessor:
+    """Tracks every live request's text; produces outputs after each step."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._child_to_parent: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
+        params = children[0].sampling_params
+        kids = [
+            _Child(
+                request=c,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens),
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            for c in children
+        ]
+        parent = _Parent(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=children[0].prompt_token_ids,
+            children=kids,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            streaming_text_holdback=max((len(s) for s in params.stop or []), default=1) - 1,
+        )
+        self._parents[request_id] = parent
+        for c in children:
+            self._child_to_parent[c.request_id] = request_id
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._parents
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self._parents.get(request_id)
+        return [c.request.request_id for c in parent.children] if parent else []
+
+    def _find(self, child_id: str) -> tuple[_Parent, _Child] | None:
+        parent_id = self._child_to_parent.get(child_id)
+        if parent_id is None:
+            return None
+        parent = self._parents[parent_id]
+        for child in parent.children:
+            if child.request.request_id == child_id:
+                return parent, child
+        return None
+
+    def add_prompt_logprobs(self, child_id: str, entries: list[PositionLogprobs | None]) -> None:
+        found = self._find(child_id)
+        if found is None:
+            return
+        parent, child = found
+        if child.request.index == 0 and parent.prompt_logprobs is not None:
+            self._decode_logprob_text(entries)
+            parent.prompt_logprobs.extend(entries)
+
+    def on_token(self, child_id: str, token_id: int, logprobs: PositionLogprobs | None) -> str | None:
+        """Record a new token's text; returns the matched stop string, if one ended it."""
+        found = self._find(child_id)
+        if found is None:
+            return None
+        parent, child = found
+        parent.touched = True
+        params = child.request.sampling_params
+        if child.logprobs is not None and logprobs is not None:
+            self._decode_logprob_text([logprobs])
+            child.logprobs.append(logprobs)
+            child.cumulative_logprob += logprobs[token_id].logprob
+        previous_len = len(child.text)
+        child.text += child.detokenizer.add_tokens([token_id])
+        return self._check_stop_strings(child, params.stop or [], previous_len, params.include_stop_str_in_output)
+
+    @staticmethod
+    def _check_stop_strings(child: _Child, stops: list[str], previous_len: int, include: bool) -> str | None:
+        if not stops or child.finish_reason is not None:
+            return None
+        longest = max(len(s) for s in stops)
+        search_from = max(0, previous_len - longest + 1)
+        best: tuple[int, str] | None = None
+        for stop in stops:
+            idx = child.text.find(stop, search_from)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        child.text = child.text[: idx + len(stop)] if include else child.text[:idx]
+        child.finish_reason = "stop"
+        child.stop_reason = stop
+        return stop
+
+    def _decode_logprob_text(self, entries: list[PositionLogprobs | None]) -> None:
+        if self.tokenizer is None:
+            return
+        for entry in entries:
+            if entry is None:
+                continue
+            for token_id, lp in entry.items():
+                if lp.decoded_token is None:
+                    lp.decoded_token = self.tokenizer.id_to_token_text(token_id)
+
+    def mark_finished(self, child_id: str) -> None:
+        """A child finished in the scheduler (eos, length, stop token, abort)."""
+        found = self._find(child_id)
+        if found is None:
+            return
+        parent, child = found
+        parent.touched = True
+        if child.finish_reason is None:
+            status = child.request.status
+            child.finish_reason = status.finish_reason or RequestStatus.FINISHED_ABORTED.value
+            child.stop_reason = child.request.stop_reason
+            tail = child.detokenizer.finish()
+            child.text += tail
+            stops = child.request.sampling_params.stop or []
+            if tail and status is not RequestStatus.FINISHED_ABORTED:
+                self._check_stop_strings(
+                    child, stops, len(child.text) - len(tail),
+                    child.request.sampling_params.include_stop_str_in_output,
+                )
+
+    def collect(self) -> list[RequestOutput]:
+        """Outputs for every request that changed since the last call."""
+        outputs = []
+        for parent_id in list(self._parents):
+            parent = self._parents[parent_id]
+            if not parent.touched:
+                continue
+            parent.touched = False
+            outputs.append(self._build(parent))
+            if all(c.finish_reason is not None for c in parent.children):
+                del self._parents[parent_id]
+                for c in parent.children:
+                    self._child_to_parent.pop(c.request.request_id, None)
+        return outputs
+
+    def _build(self, parent: _Parent) -> RequestOutput:
+        completions = []
+        for child in parent.children:
+            finished = child.finish_reason is not None
+            visible = len(child.text) if finished else max(
+                child.num_chars_emitted, len(child.text) - parent.streaming_text_holdback
+            )
+            tokens = child.request.output_token_ids
+            completions.append(
+                CompletionOutput(
+                    index=child.request.index,
+                    text=child.text[:visible],
+                    token_ids=list(tokens),
+                    logprobs=list(child.logprobs) if child.logprobs is not None else None,
+                    cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
+                    finish_reason=child.finish_reason,
+                    stop_reason=child.stop_reason,
+                    text_delta=child.text[child.num_chars_emitted : visible],
+                    token_ids_delta=list(tokens[child.num_tokens_emitted :]),
+                )
+            )
+            child.num_chars_emitted = visible
+            child.num_tokens_emitted = len(tokens)
+        first = parent.children[0].request
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=all(c.finish_reason is not None for c in parent.children),
+            metrics=first.metrics,
+            prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
+            num_cached_tokens=first.num_cached_tokens,
+        )

@@ -1,0 +1,141 @@
+"""Request: the scheduler's view of one sequence being generated (no torch here).
+
+A request owns its token ids (prompt + output), how many of them already have KV in the
+cache (``num_computed_tokens``), and its life-cycle status. One user request with
+``n > 1`` becomes n of these, sharing a ``cache_salt`` so their prompt blocks are shared.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.outputs import RequestMetrics
+from tokenmill.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life cycle."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason for a finished status, else None."""
+        return self.value if self.is_finished else None
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence: prompt tokens, generated tokens and scheduling state."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    max_total_tokens: int = 2**31
+    """Hard cap on prompt + output length (the context limit)."""
+    priority: int = 0
+    """Lower runs first under the priority policy."""
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+    """Requests share prefix-cache blocks only when their salts are equal."""
+    parent_id: str | None = None
+    """The user-visible request this one belongs to (n > 1 fans out into children)."""
+    index: int = 0
+    """Position among the parent's n completions."""
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first schedule."""
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if self.parent_id is None:
+            self.parent_id = self.request_id
+
+    # ---- token views -------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_id(self, position: int) -> int:
+        """Token at absolute position (prompt first, then output)."""
+        num_prompt = len(self.prompt_token_ids)
+        if position < num_prompt:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - num_prompt]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens in [start, end) over prompt + output."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def max_output_tokens(self) -> int:
+        """Tokens this request may still produce in total, bounded by the context limit."""
+        budget = self.max_total_tokens - self.num_prompt_tokens
+        max_tokens = self.sampling_params.max_tokens
+        return budget if max_tokens is None else min(max_tokens, budget)
+
+    # ---- transitions -------------------------------------------------------------
+    def append_output_token(self, token_id: int) -> RequestStatus | None:
+        """Record a sampled token; return the finished status it causes, if any."""
+        self.output_token_ids.append(token_id)
+        params = self.sampling_params
+        num_out = len(self.output_token_ids)
+        if num_out >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                self.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if num_out >= self.max_output_tokens or self.num_tokens >= self.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: its KV is dropped, so every token must be computed again."""
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.metrics.num_preemptions = self.num_preemptions

@@ -1,0 +1,186 @@
+"""Scheduler: decides, every step, how many tokens of which requests to compute.
+
+The output is ``{request_id: num_tokens}``: prefill, chunked prefill, decode and recompute
+after preemption are one mechanism (a request simply has ``num_tokens -
+num_computed_tokens`` tokens left to compute). Running requests are served first, in
+policy order, then waiting ones are admitted while the token budget, ``max_num_seqs`` and
+KV memory allow. When memory runs out the lowest-priority, most recently arrived running
+request is preempted (its KV freed, recomputed later). No torch here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.engine.kv_manager import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan, consumed by the model runner."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    """(request, number of tokens to compute this step), running ones first."""
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+    """Requests finished since the previous step (the runner drops their state)."""
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {req.request_id: n for req, n in self.scheduled}
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Continuous batching over a KVCacheManager, FCFS or priority."""
+
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
+    ) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r}")
+        self.kv = kv_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- ordering --------------------------------------------------------------------
+    def _key(self, request: Request) -> tuple[int, float, str]:
+        """Sort key: earlier means more important."""
+        priority = request.priority if self.policy == "priority" else 0
+        return (priority, request.arrival_time, request.request_id)
+
+    # ---- public API ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        self._insert_waiting(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (stop, length or abort) a request wherever it is; frees its KV."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        request.metrics.finished_time = time.monotonic()
+        self._finished_ids.append(request_id)
+        return request
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- scheduling ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.max_num_batched_tokens
+        now = time.monotonic()
+
+        # 1. Running requests, most important first; preempt from the back when full.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the current request itself was preempted: nothing after it fits
+
+        # 2. Waiting requests, unless this step had to preempt (memory is tight).
+        while self.waiting and budget > 0 and not out.preempted_ids:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            request = self.waiting[0]
+            if not self.kv.can_admit(request):
+                break
+            prefix = self.kv.lookup_prefix(request) if request.num_computed_tokens == 0 else None
+            num_cached = prefix.num_tokens if prefix else 0
+            num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            if not self.kv.allocate(request, num_new, prefix):
+                break
+            self.waiting.pop(0)
+            request.num_computed_tokens += num_cached
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+                request.num_cached_tokens = num_cached
+                request.metrics.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self._insert_running(request)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+        return out
+
+    def update_after_step(self, scheduled: list[tuple[Request, int]]) -> None:
+        """Advance computed-token counts once the runner has written their KV."""
+        for request, num_new in scheduled:
+            if request.status is RequestStatus.RUNNING:
+                request.num_computed_tokens += num_new
+
+    # ---- internals -------------------------------------------------------------------
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.reset_for_recompute()
+        self.num_preemptions += 1
+        self._insert_waiting(request)
+
+    def _insert_waiting(self, request: Request) -> None:
+        self._insert_sorted(self.waiting, request)
+
+    def _insert_running(self, request: Request) -> None:
+        self._insert_sorted(self.running, request)
+
+    def _insert_sorted(self, queue: list[Request], request: Request) -> None:
+        key = self._key(request)
+        lo, hi = 0, len(queue)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._key(queue[mid]) <= key:
+                lo = mid + 1
+            else:
+                hi = mid
+        queue.insert(lo, request)

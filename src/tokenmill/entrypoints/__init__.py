@@ -1,0 +1,1 @@
+"""Entry points: the offline LLM API, the CLI and the HTTP server."""

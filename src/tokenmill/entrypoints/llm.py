@@ -1,0 +1,85 @@
+"""LLM: the offline API (vLLM's ``LLM``): generate or chat over many prompts at once."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling.params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Run batches of prompts to completion with continuous batching."""
+
+    def __init__(self, model: str = "demo", **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - tokenmill.tokenizer.Tokenizer
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete every prompt (text or token ids); outputs come back in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        ids = [str(next(self._ids)) for _ in prompts]
+        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
+            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+        return self._run(ids, use_tqdm if use_tqdm is not None else len(prompts) >= 8)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render conversations with the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template),
+                add_special_tokens=False,
+            )
+            for conv in conversations  # type: ignore[union-attr]
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]

@@ -1,0 +1,32 @@
+"""Exception types that carry enough context for a clear message to the user.
+
+Every error raised for bad user input derives from ``InvalidRequestError`` and names the
+offending parameter, so the HTTP layer can answer with OpenAI's ``param`` field.
+"""
+
+from __future__ import annotations
+
+
+class TokenmillError(Exception):
+    """Base class of every error tokenmill raises on purpose."""
+
+
+class InvalidRequestError(TokenmillError, ValueError):
+    """A request parameter is invalid; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt does not fit the model's context window."""
+
+
+class ModelLoadError(TokenmillError):
+    """A model folder could not be loaded; the message names the file and tensor."""
+
+
+class ConfigError(TokenmillError, ValueError):
+    """An engine configuration value is invalid."""

@@ -1,0 +1,1 @@
+"""Model definitions: config parsing, layers, model families, weight loading, the demo model."""

@@ -1,0 +1,127 @@
+"""The shared decoder-only transformer (Llama, Mistral, Qwen2, Qwen3).
+
+Families differ only by ModelConfig flags: q/k/v bias (Qwen2), per-head q/k RMSNorm
+(Qwen3), sliding-window layers (Mistral, Qwen), RoPE scaling (Llama 3). Projections are
+fused at load time: one [q|k|v] matmul and one [gate|up] matmul per layer. The forward
+takes a flat batch of tokens from many requests; attention reads the paged KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.model.attention import AttentionMetadata, paged_attention, write_kv
+from tokenmill.model.config import ModelConfig
+from tokenmill.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Attention(nn.Module):
+    """Self-attention with fused QKV, optional q/k norm and an optional sliding window."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_weight = _param(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
+        self.qkv_bias = _param(cfg.q_size + 2 * cfg.kv_size) if cfg.qkv_bias else None
+        self.o_weight = _param(cfg.hidden_size, cfg.q_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.window = cfg.sliding_windows[layer_idx]
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = nn.functional.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, _ = self.q_norm(q)
+            k, _ = self.k_norm(k)
+        q, k = rope(positions, q, k)
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)
+        return nn.functional.linear(out, self.o_weight)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with a fused [gate|up] projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_weight = _param(2 * cfg.intermediate_size, cfg.hidden_size)
+        self.down_weight = _param(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(silu_and_mul(nn.functional.linear(x, self.gate_up_weight)), self.down_weight)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; the residual add is fused into the next RMSNorm."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer_idx)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_norm(x, residual)
+        h = self.attn(h, positions, rope, kv_cache, meta)
+        h, residual = self.post_attn_norm(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, N decoder layers, final norm and LM head."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for a flat batch of tokens."""
+        x = nn.functional.embedding(input_ids, self.embed)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, self.rope, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in float32 for the rows that need them."""
+        return nn.functional.linear(hidden, self.lm_head).float()

@@ -1,0 +1,193 @@
+"""Sampler: turns a batch of logits into next tokens, vectorised over requests.
+
+Order of operations follows vLLM: min_tokens masking and penalties on the raw logits, then
+greedy rows take the argmax; other rows get temperature, min_p, top_k, top_p and are
+sampled by the exponential race (argmax of p / E with E ~ Exp(1)), which lets a seeded
+request draw its noise from its own generator while the rest of the batch shares one.
+Reported logprobs are the model's raw log-probabilities (before any processing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.engine.request import Request
+from tokenmill.outputs import Logprob, PositionLogprobs
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled token per row, its raw logprob, and the top-k logprobs where asked."""
+
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Repetition (prompt + output), frequency and presence (output) penalties, in place."""
+    batch, vocab = logits.shape
+    device = logits.device
+    max_out = max(len(r.output_token_ids) for r in requests)
+    counts = torch.zeros(batch, vocab + 1, device=device)
+    if max_out:
+        out_ids = torch.full((batch, max_out), vocab, dtype=torch.long, device=device)
+        for i, r in enumerate(requests):
+            if r.output_token_ids:
+                out_ids[i, : len(r.output_token_ids)] = torch.tensor(r.output_token_ids, device=device)
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+    counts = counts[:, :vocab]
+    rep = _column([r.sampling_params.repetition_penalty for r in requests], device)
+    if (rep != 1.0).any():
+        seen = counts > 0
+        max_prompt = max(r.num_prompt_tokens for r in requests)
+        prompt_ids = torch.full((batch, max_prompt), vocab, dtype=torch.long, device=device)
+        for i, r in enumerate(requests):
+            prompt_ids[i, : r.num_prompt_tokens] = torch.tensor(r.prompt_token_ids, device=device)
+        prompt_seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
+        prompt_seen.scatter_(1, prompt_ids, True)
+        seen |= prompt_seen[:, :vocab]
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+    freq = _column([r.sampling_params.frequency_penalty for r in requests], device)
+    presence = _column([r.sampling_params.presence_penalty for r in requests], device)
+    return logits - freq * counts - presence * (counts > 0).float()
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the most likely one's."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the top_k tokens (0 = all), then the smallest nucleus with mass >= top_p."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1 - top_p).unsqueeze(1)
+    drop[:, -1] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    """Stateful only for per-request generators (kept across preemption, dropped on finish)."""
+
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def drop(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._generators.pop(rid, None)
+
+    def _request_generator(self, request: Request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed((seed + request.index) % 2**64)
+            self._generators[request.request_id] = gen
+        return gen
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        raw = logits
+        logits = logits.clone()
+        self._mask_min_tokens(logits, requests)
+        if any(r.sampling_params.has_penalties for r in requests):
+            logits = apply_penalties(logits, requests)
+        greedy = logits.argmax(dim=-1)
+        is_greedy = [r.sampling_params.is_greedy for r in requests]
+        if all(is_greedy):
+            tokens = greedy
+        else:
+            tokens = torch.where(torch.tensor(is_greedy, device=self.device), greedy, self._sample(logits, requests))
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw, token_list, requests))
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        temperature = _column([p.temperature if not p.is_greedy else 1.0 for p in params], self.device)
+        logits = logits / temperature
+        min_p = _column([p.min_p for p in params], self.device)
+        if (min_p > 0).any():
+            logits = apply_min_p(logits, min_p)
+        top_k = torch.tensor([p.top_k for p in params], device=self.device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
+        if (top_k > 0).any() or (top_p < 1).any():
+            logits = apply_top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self.generator)
+        for i, r in enumerate(requests):
+            gen = self._request_generator(r)
+            if gen is not None and not params[i].is_greedy:
+                noise[i].exponential_(generator=gen)
+        return probs.div(noise).argmax(dim=-1)
+
+    @staticmethod
+    def _mask_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+        for i, r in enumerate(requests):
+            params = r.sampling_params
+            if r.num_output_tokens < params.min_tokens:
+                banned = set(params.stop_token_ids)
+                if not params.ignore_eos:
+                    banned |= set(r.eos_token_ids)
+                if banned:
+                    logits[i, sorted(banned)] = float("-inf")
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: list[int], requests: list[Request]) -> list[PositionLogprobs | None]:
+        wanted = [r.sampling_params.logprobs for r in requests]
+        if all(w is None for w in wanted):
+            return [None] * len(requests)
+        rows = [i for i, w in enumerate(wanted) if w is not None]
+        logprobs = raw[rows].log_softmax(dim=-1)
+        chosen = torch.tensor([tokens[i] for i in rows], device=raw.device)
+        return _fill(wanted, rows, logprobs, chosen, len(requests))
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[PositionLogprobs]:
+    """For each row: the chosen token's logprob and rank, plus the top-k tokens."""
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
+    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+    out: list[PositionLogprobs] = []
+    for j in range(logprobs.shape[0]):
+        entry: PositionLogprobs = {}
+        if top_vals is not None and top_ids is not None:
+            for rank, (tid, val) in enumerate(zip(top_ids[j].tolist(), top_vals[j].tolist(), strict=True), 1):
+                entry[tid] = Logprob(val, rank)
+        entry[int(chosen[j])] = Logprob(float(chosen_lp[j]), int(ranks[j]))
+        out.append(entry)
+    return out
+
+
+def _fill(
+    wanted: list[int | None], rows: list[int], logprobs: torch.Tensor, chosen: torch.Tensor, size: int
+) -> list[PositionLogprobs | None]:
+    k = max(w or 0 for w in wanted)
+    entries = top_logprobs(logprobs, chosen, k)
+    out: list[PositionLogprobs | None] = [None] * size
+    for j, i in enumerate(rows):
+        entry = entries[j]
+        keep = wanted[i] or 0
+        if keep < k:  # trim the extra top entries this row did not ask for
+            chosen_id = int(chosen[j])
+            entry = {t: lp for t, lp in entry.items() if lp.rank <= keep or t == chosen_id}
+        out[i] = entry
+    return out

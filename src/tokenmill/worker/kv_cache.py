@@ -1,0 +1,54 @@
+"""KV cache tensors: one [num_blocks, block_size, num_kv_heads, head_dim] K and V per layer.
+
+Sizing turns the user's memory budget into a block count. The tensors are zero-filled:
+attention masks padding and stale slots, and zeros (unlike uninitialised memory) can never
+be NaN, which would leak through a masked softmax as 0 * NaN.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from tokenmill.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1024**3
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one token across all layers."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def kv_budget_bytes(kv_cache_memory: float | None, gpu_memory_utilization: float, device: torch.device) -> int:
+    """The KV budget: explicit bytes, a fraction of free memory, or a default."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        if kv_cache_memory is not None and kv_cache_memory > 1:
+            return int(kv_cache_memory)
+        if kv_cache_memory is not None:
+            return int(free * kv_cache_memory)
+        used = total - free
+        return max(0, int(total * gpu_memory_utilization) - used - _GIB)  # 1 GiB activation headroom
+    available = psutil.virtual_memory().available
+    if kv_cache_memory is not None and kv_cache_memory > 1:
+        return int(kv_cache_memory)
+    if kv_cache_memory is not None:
+        return int(available * kv_cache_memory)
+    return int(min(4 * _GIB, 0.25 * available))
+
+
+def allocate_kv_cache(
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zero-filled K and V tensors for every layer."""
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(cfg.num_layers)
+    ]

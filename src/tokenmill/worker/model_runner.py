@@ -1,0 +1,158 @@
+"""ModelRunner: turns a SchedulerOutput into tensors, runs the model, samples.
+
+``prepare_inputs`` is the one place where per-step tensors are built (token ids,
+positions, KV slot mapping, block tables, logits rows). Decode-shaped requests (one new
+token) form one attention group and multi-token chunks another, so each is a single
+batched attention call. Logits are computed only for rows that need them: the last token
+of a request that reached its end (to sample) and prompt rows whose logprobs were asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.engine.kv_manager import KVCacheManager
+from tokenmill.engine.request import Request
+from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.model.attention import AttentionGroup, AttentionMetadata
+from tokenmill.model.decoder import DecoderModel
+from tokenmill.outputs import PositionLogprobs
+from tokenmill.sampling.sampler import Sampler, top_logprobs
+
+
+@dataclass
+class StepInputs:
+    """Tensors and bookkeeping for one forward pass."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[int]
+    sample_requests: list[Request]
+    prompt_logprob_rows: dict[str, tuple[list[int], int]] = field(default_factory=dict)
+    """request_id -> (rows, first position) for prompt logprobs in this chunk."""
+
+
+@dataclass
+class StepOutput:
+    """What the step produced per request."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, PositionLogprobs | None] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
+
+
+def _pad(rows: list[list[int]], value: int) -> list[list[int]]:
+    width = max(len(r) for r in rows)
+    return [r + [value] * (width - len(r)) for r in rows]
+
+
+class ModelRunner:
+    """Owns the model, the KV tensors and the sampler on one device."""
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        sampler: Sampler,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sampler = sampler
+        self.device = device
+
+    def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def prepare_inputs(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
+        bs = self.block_size
+        decodes = [(r, n) for r, n in sched.scheduled if n == 1]
+        chunks = [(r, n) for r, n in sched.scheduled if n > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        groups: list[AttentionGroup] = []
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+        prompt_rows: dict[str, tuple[list[int], int]] = {}
+        for members, is_decode in ((decodes, True), (chunks, False)):
+            if not members:
+                continue
+            token_index, query_pos, tables, ctx_lens, valid = [], [], [], [], []
+            for request, num_new in members:
+                start = request.num_computed_tokens
+                table = kv.block_table(request.request_id)
+                first_row = len(input_ids)
+                rows = list(range(first_row, first_row + num_new))
+                pos = list(range(start, start + num_new))
+                input_ids.extend(request.token_slice(start, start + num_new))
+                positions.extend(pos)
+                slots.extend(table[p // bs] * bs + p % bs for p in pos)
+                token_index.append(rows)
+                query_pos.append(pos)
+                valid.append([True] * num_new)
+                tables.append(table[: -(-(start + num_new) // bs)])
+                ctx_lens.append(start + num_new)
+                if start + num_new == request.num_tokens:
+                    sample_rows.append(rows[-1])
+                    sample_requests.append(request)
+                if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+                    last = min(start + num_new, request.num_prompt_tokens - 1)
+                    prompt_rows[request.request_id] = (rows[: last - start], start)
+            max_q = max(len(r) for r in token_index)
+            groups.append(
+                AttentionGroup(
+                    token_index=self._tensor([r + [r[-1]] * (max_q - len(r)) for r in token_index]),
+                    valid=self._tensor(_pad(valid, False), torch.bool),
+                    block_tables=self._tensor(_pad(tables, 0)),
+                    query_positions=self._tensor([p + [p[-1]] * (max_q - len(p)) for p in query_pos]),
+                    context_lens=self._tensor(ctx_lens),
+                    is_decode=is_decode,
+                )
+            )
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), groups=groups, num_tokens=len(input_ids))
+        return StepInputs(
+            input_ids=self._tensor(input_ids),
+            positions=self._tensor(positions),
+            meta=meta,
+            sample_rows=sample_rows,
+            sample_requests=sample_requests,
+            prompt_logprob_rows=prompt_rows,
+        )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepOutput:
+        """Run one step: forward the scheduled tokens and sample where a request ends."""
+        self.sampler.drop(sched.finished_ids)
+        out = StepOutput()
+        if sched.is_empty:
+            return out
+        inputs = self.prepare_inputs(sched, kv)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if inputs.sample_rows:
+            logits = self.model.compute_logits(hidden[self._tensor(inputs.sample_rows)])
+            result = self.sampler(logits, inputs.sample_requests)
+            for request, token, lp in zip(inputs.sample_requests, result.token_ids, result.logprobs, strict=True):
+                out.sampled[request.request_id] = token
+                out.logprobs[request.request_id] = lp
+        for request, _ in sched.scheduled:
+            entry = inputs.prompt_logprob_rows.get(request.request_id)
+            if entry is not None:
+                out.prompt_logprobs[request.request_id] = self._prompt_logprobs(hidden, request, *entry)
+        return out
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, request: Request, rows: list[int], first_pos: int
+    ) -> list[PositionLogprobs | None]:
+        """Logprobs of prompt tokens first_pos+1 .. given the logits at rows."""
+        logprobs = self.model.compute_logits(hidden[self._tensor(rows)]).log_softmax(dim=-1)
+        targets = self._tensor(request.prompt_token_ids[first_pos + 1 : first_pos + 1 + len(rows)])
+        entries: list[PositionLogprobs | None] = list(
+            top_logprobs(logprobs, targets, request.sampling_params.prompt_logprobs or 0)
+        )
+        return entries

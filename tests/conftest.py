@@ -1,0 +1,144 @@
+"""Shared fixtures: tiny random Hugging Face models of every supported family.
+
+Models are made with transformers' own config classes and ``save_pretrained`` (so the
+loader is tested on real files), with a real byte-level BPE tokenizer, once per session.
+Weights are re-initialised with a larger spread than transformers' default so logits are
+peaked: greedy parity then tests the engine, not fp32 noise on near-ties.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+
+_BASE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+
+def _hf_config(family: str, vocab_size: int, **overrides: Any):
+    import transformers
+
+    kwargs = {**_BASE, "vocab_size": vocab_size, **overrides}
+    if family == "llama":
+        return transformers.LlamaConfig(**kwargs)
+    if family == "mistral":
+        kwargs.setdefault("sliding_window", 24)
+        return transformers.MistralConfig(**kwargs)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**kwargs)
+    if family == "qwen3":
+        kwargs.setdefault("head_dim", 16)
+        return transformers.Qwen3Config(**kwargs)
+    raise ValueError(family)
+
+
+def _reinit(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tokenmill.model.demo import build_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    build_bpe_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def make_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Callable[..., Path]:
+    """``make_model(family, **config_overrides) -> folder``, cached per argument set."""
+    import transformers
+
+    cache: dict[tuple, Path] = {}
+
+    def make(family: str = "llama", seed: int = 0, dtype: str = "float32", **overrides: Any) -> Path:
+        key = (family, seed, dtype, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key in cache:
+            return cache[key]
+        from tokenmill.tokenizer import Tokenizer
+
+        vocab = Tokenizer.from_pretrained(tokenizer_dir).vocab_size
+        config = _hf_config(family, vocab, **overrides)
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        _reinit(model, seed)
+        model = model.to(getattr(torch, dtype))
+        folder = tmp_path_factory.mktemp(f"{family}-model")
+        model.save_pretrained(folder)
+        for f in tokenizer_dir.iterdir():
+            shutil.copy(f, folder / f.name)
+        cache[key] = folder
+        return folder
+
+    return make
+
+
+def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Reference: transformers ``generate`` (greedy, EOS ignored), one prompt at a time.
+
+    Returns the generated ids and, per prompt, the raw log-softmax of each step's logits.
+    """
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    outs, logprobs = [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            res = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            outs.append(res.sequences[0, len(prompt) :].tolist())
+            logprobs.append(torch.stack(res.logits, dim=0)[:, 0].float().log_softmax(-1))
+    return outs, logprobs
+
+
+@pytest.fixture(scope="session")
+def reference_greedy() -> Callable[..., tuple[list[list[int]], list[torch.Tensor]]]:
+    """Memoised ``hf_greedy``: parity tests of one model share the reference run."""
+    cache: dict[tuple, tuple[list[list[int]], list[torch.Tensor]]] = {}
+
+    def run(folder: Path, prompts: list[list[int]], max_new_tokens: int):
+        key = (str(folder), tuple(map(tuple, prompts)), max_new_tokens)
+        if key not in cache:
+            cache[key] = hf_greedy(folder, prompts, max_new_tokens)
+        return cache[key]
+
+    return run

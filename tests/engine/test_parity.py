@@ -1,0 +1,84 @@
+"""Greedy outputs are token-identical to transformers for every supported family (fp32)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.conftest import FAMILIES
+from tokenmill.entrypoints.llm import LLM
+from tokenmill.sampling import SamplingParams
+
+MAX_NEW = 10
+LOGPROB_ATOL = 1e-4  # fp32: different matmul shapes and op order than transformers
+
+
+def _prompts(vocab: int, num: int, seed: int, max_len: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(rng.randint(1, max_len))] for _ in range(num)]
+
+
+def _greedy(logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=logprobs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_single_request_matches_transformers(make_model, reference_greedy, family: str) -> None:
+    folder = make_model(family)
+    llm = LLM(str(folder), dtype="float32", max_model_len=256)
+    prompts = _prompts(llm.tokenizer.vocab_size, 2, seed=1)
+    expected, ref_logprobs = reference_greedy(folder, prompts, MAX_NEW)
+    for prompt, want, ref_lp in zip(prompts, expected, ref_logprobs, strict=True):
+        out = llm.generate([prompt], _greedy(logprobs=3), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == want
+        got = torch.tensor([entry[t].logprob for entry, t in zip(out.logprobs, out.token_ids, strict=True)])
+        ref = ref_lp[torch.arange(len(want)), torch.tensor(want)]
+        assert torch.allclose(got, ref, atol=LOGPROB_ATOL), (got - ref).abs().max()
+        # top-3 alternatives agree with the reference distribution too
+        for step, entry in enumerate(out.logprobs):
+            for token_id, lp in entry.items():
+                assert abs(lp.logprob - ref_lp[step, token_id].item()) < LOGPROB_ATOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("max_num_batched_tokens", [2048, 7])
+def test_batch_of_16_mixed_lengths(make_model, reference_greedy, family: str, max_num_batched_tokens: int) -> None:
+    folder = make_model(family)
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, max_num_batched_tokens=max_num_batched_tokens)
+    prompts = _prompts(llm.tokenizer.vocab_size, 16, seed=2)
+    expected, _ = reference_greedy(folder, prompts, MAX_NEW)
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.0}},
+        {"tie_word_embeddings": True},
+        {"num_key_value_heads": 1},
+        {"num_key_value_heads": 4},
+    ],
+    ids=["rope-llama3", "rope-linear", "tied", "mqa", "mha"],
+)
+def test_llama_variants(make_model, reference_greedy, overrides: dict) -> None:
+    folder = make_model("llama", **overrides)
+    llm = LLM(str(folder), dtype="float32", max_model_len=256)
+    prompts = _prompts(llm.tokenizer.vocab_size, 4, seed=3, max_len=100)
+    expected, _ = reference_greedy(folder, prompts, MAX_NEW)
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_mistral_sliding_window_beyond_window(make_model, reference_greedy) -> None:
+    """Prompts far longer than the window: only the last `sliding_window` keys count."""
+    folder = make_model("mistral", sliding_window=8)
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, max_num_batched_tokens=16)
+    prompts = _prompts(llm.tokenizer.vocab_size, 3, seed=4, max_len=80)
+    expected, _ = reference_greedy(folder, prompts, MAX_NEW)
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
