@@ -230,7 +230,7 @@ class LLMEngine:
         self.scheduler.update_after_step(sched.scheduled)
         now = time.monotonic()
         stats = self.stats
-        for request, num_new in sched.scheduled:
+        for request, _ in sched.scheduled:
             rid = request.request_id
             if rid in result.prompt_logprobs:
                 self.output_processor.add_prompt_logprobs(rid, result.prompt_logprobs[rid])

@@ -24,7 +24,7 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - tokenmill.tokenizer.Tokenizer
+    def tokenizer(self):
         return self.engine.tokenizer
 
     def generate(

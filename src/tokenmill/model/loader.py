@@ -12,8 +12,8 @@ import logging
 from pathlib import Path
 
 import torch
-from torch import nn
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.config import ModelConfig
@@ -162,6 +162,5 @@ def load_model(
         put(layer.mlp, "down_weight", p + "mlp.down_proj.weight")
         put(layer.input_norm, "weight", p + "input_layernorm.weight")
         put(layer.post_attn_norm, "weight", p + "post_attention_layernorm.weight")
-    del tensors
     model.eval()
     return model

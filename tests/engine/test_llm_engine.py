@@ -1,0 +1,178 @@
+"""The whole engine on a tiny model: caching, preemption, n > 1, stops, aborts, seeds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenmill.entrypoints.llm import LLM
+from tokenmill.errors import ContextLengthError, InvalidRequestError
+from tokenmill.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def folder(make_model):
+    return make_model("llama")
+
+
+def _prompts(num: int, seed: int, low: int = 5, high: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 500) for _ in range(rng.randint(low, high))] for _ in range(num)]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_prefix_caching_on_and_off_give_identical_tokens(folder) -> None:
+    system = list(range(10, 50))  # a 40-token shared prefix
+    prompts = [system + p for p in _prompts(6, seed=5, low=1, high=20)]
+    on = LLM(str(folder), dtype="float32", max_model_len=256, block_size=8)
+    off = LLM(str(folder), dtype="float32", max_model_len=256, block_size=8, enable_prefix_caching=False)
+    first = on.generate(prompts[:1], GREEDY, use_tqdm=False)
+    rest = on.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert rest[0].num_cached_tokens == 40  # 5 full blocks of the shared prefix reused
+    stats = on.engine.stats
+    assert stats.num_prefix_hit_tokens >= 40 * 5
+    assert _tokens(first + rest) == _tokens(off.generate(prompts, GREEDY, use_tqdm=False))
+    assert off.engine.stats.num_prefix_hit_tokens == 0
+
+
+def test_kv_overflow_preempts_and_reproduces_unpressured_outputs(folder) -> None:
+    prompts = _prompts(12, seed=6, low=30, high=60)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    roomy = LLM(str(folder), dtype="float32", max_model_len=256)
+    # 12 blocks of 16 tokens: room for ~2 requests at full length
+    tight = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=12 * 16 * 2 * 2 * 2 * 16 * 4)
+    assert tight.engine.kv_manager.num_blocks == 12
+    got = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.engine.stats.num_preemptions > 0
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in got)
+    assert _tokens(got) == _tokens(roomy.generate(prompts, params, use_tqdm=False))
+    assert tight.engine.kv_manager.pool.num_free_blocks == 12
+    assert all(b.ref_count == 0 for b in tight.engine.kv_manager.pool.blocks)
+
+
+def test_n_samples_share_prompt_blocks(folder) -> None:
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, block_size=4, enable_prefix_caching=False)
+    prompt = _prompts(1, seed=7, low=33, high=33)[0]
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request("x", prompt, params)
+    engine.step()  # all four children prefill in one step
+    tables = [engine.kv_manager.block_table(f"x#{i}") for i in range(4)]
+    assert all(t[:8] == tables[0][:8] for t in tables)  # 8 full prompt blocks shared
+    assert engine.kv_manager.pool.blocks[tables[0][0]].ref_count == 4
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    (out,) = outs
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_seed_reproduces_across_batches(folder) -> None:
+    llm = LLM(str(folder), dtype="float32", max_model_len=256)
+    prompt = _prompts(1, seed=8)[0]
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)] * 5
+    batch = llm.generate(_prompts(5, seed=9) + [prompt], [*others, params], use_tqdm=False)
+    assert batch[-1].outputs[0].token_ids == alone
+
+
+def test_stop_strings_span_tokens_and_are_excluded(folder) -> None:
+    llm = LLM(str(folder), dtype="float32", max_model_len=256)
+    prompt = _prompts(1, seed=10)[0]
+    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    text = full[0].outputs[0].text
+    assert len(text) > 12
+    stop = text[5:9]  # likely crosses a token boundary
+    for include in (False, True):
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop],
+                                include_stop_str_in_output=include)
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        cut = text.index(stop)
+        assert out.text == (text[: cut + len(stop)] if include else text[:cut])
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_stop_token_ids_and_eos(folder) -> None:
+    llm = LLM(str(folder), dtype="float32", max_model_len=256)
+    prompt = _prompts(1, seed=11)[0]
+    tokens = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[tokens[3]], ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    cut = tokens.index(tokens[3])
+    assert out.token_ids == tokens[: cut + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == tokens[3]
+
+
+def test_abort_returns_blocks_and_finishes_with_abort(folder) -> None:
+    llm = LLM(str(folder), dtype="float32", max_model_len=256)
+    engine = llm.engine
+    engine.add_request("a", _prompts(1, seed=12)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("b", _prompts(1, seed=13)[0], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.abort_request("a")
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["a"].finished and outs["a"].outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_manager.usage == 0.0
+
+
+def test_prompt_logprobs_match_transformers(folder) -> None:
+    import transformers
+
+    prompt = _prompts(1, seed=14, low=20, high=20)[0]
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, max_num_batched_tokens=7)
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        assert abs(entry[prompt[pos]].logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4
+        assert len(entry) in (2, 3)
+
+
+def test_bad_requests_raise_clear_errors(folder) -> None:
+    llm = LLM(str(folder), dtype="float32", max_model_len=64)
+    with pytest.raises(ContextLengthError, match="maximum context length is 64"):
+        llm.generate([[5] * 64], GREEDY)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.generate([[5, 10**6]], GREEDY)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.generate([[5, -1]], GREEDY)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(InvalidRequestError, match="logprobs must be at most 20"):
+        llm.generate(["hi"], SamplingParams(logprobs=21))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_max_tokens_is_clamped_to_the_context(folder) -> None:
+    llm = LLM(str(folder), dtype="float32", max_model_len=32)
+    out = llm.generate([[5] * 28], SamplingParams(max_tokens=1000, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_chat_uses_the_template(folder) -> None:
+    llm = LLM(str(folder), dtype="float32", max_model_len=256)
+    out = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=3), use_tqdm=False)[0]
+    rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
+    assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def test_request_metrics_are_ordered(folder) -> None:
+    llm = LLM(str(folder), dtype="float32", max_model_len=256)
+    m = llm.generate(["hello there"], GREEDY, use_tqdm=False)[0].metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
