@@ -1,1 +1,28 @@
-"""tokenmill: an LLM inference engine and OpenAI-compatible server."""
+"""tokenmill: an LLM inference engine and OpenAI-compatible server.
+
+The top-level names load lazily, so that importing a torch-free module such as
+``tokenmill.engine.scheduler`` does not pull in torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams", "__version__"]
+
+_LAZY = {
+    "LLM": "tokenmill.entrypoints.llm",
+    "EngineConfig": "tokenmill.config",
+    "CompletionOutput": "tokenmill.outputs",
+    "RequestOutput": "tokenmill.outputs",
+    "SamplingParams": "tokenmill.sampling.params",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")

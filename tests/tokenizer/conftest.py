@@ -49,7 +49,9 @@ def build_sentencepiece_style_tokenizer(folder: Path, vocab_size: int = 800) -> 
     specials = ["<unk>", "<s>", "</s>"]
     trainer_tok = BackendTokenizer(models.BPE(unk_token="<unk>"))
     trainer_tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, show_progress=False
+    )
     trainer_tok.train_from_iterator(DEMO_CORPUS.splitlines(), trainer=trainer)
     trained = json.loads(trainer_tok.to_str())["model"]
 
@@ -81,7 +83,13 @@ def build_sentencepiece_style_tokenizer(folder: Path, vocab_size: int = 800) -> 
         folder / "tokenizer_config.json",
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False, "normalized": False, "special": True},
+            "bos_token": {
+                "__type": "AddedToken",
+                "content": "<s>",
+                "lstrip": False,
+                "normalized": False,
+                "special": True,
+            },
             "eos_token": "</s>",
             "unk_token": "<unk>",
             "chat_template": LLAMA2_TEMPLATE,

@@ -54,7 +54,9 @@ class OutputProcessor:
         kids = [
             _Child(
                 request=c,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens),
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, skip_special_tokens=params.skip_special_tokens, prompt_ids=c.prompt_token_ids
+                ),
                 logprobs=[] if params.logprobs is not None else None,
             )
             for c in children

@@ -13,8 +13,7 @@ def _generate(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.llm import LLM
     from tokenmill.sampling import SamplingParams
 
-    config = engine_config_from_args(args, args.model)
-    llm = LLM(**{k: v for k, v in vars(config).items()})
+    llm = LLM(config=engine_config_from_args(args, args.model))
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
         seed=args.sampling_seed, n=args.n,

@@ -19,8 +19,9 @@ Prompt = str | list[int]
 class LLM:
     """Run batches of prompts to completion with continuous batching."""
 
-    def __init__(self, model: str = "demo", **engine_kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
+    def __init__(self, model: str = "demo", config: EngineConfig | None = None, **engine_kwargs: Any) -> None:
+        """Build an engine from keyword options (EngineConfig field names) or a ready config."""
+        self.engine = LLMEngine(config or EngineConfig.from_kwargs(model=model, **engine_kwargs))
         self._ids = itertools.count()
 
     @property

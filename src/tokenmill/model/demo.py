@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+# Cache folder name; bump the version whenever the build output changes.
 DEMO_MODEL_NAME = "demo-v1"
 CACHE_ENV_VAR = "TOKENMILL_CACHE"
 

@@ -3,8 +3,9 @@
 Owns the prefix_offset/read_offset technique (as in vLLM and TGI): each step decodes only a
 short window of recent tokens twice, with and without the new ones, and emits the
 difference. Decoding in context keeps the spaces that SentencePiece-style decoders strip
-from a sequence's first token, and holding back text that ends in U+FFFD keeps a
-multi-byte character split across byte-level tokens from being streamed broken.
+from a sequence's first token. Text is held back while it ends in U+FFFD (a multi-byte
+character split across byte-level tokens) or in a ByteFallback byte token (whose whole
+run decodes as U+FFFDs if a later byte turns out invalid), so nothing broken is streamed.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._text = ""
         self._is_finished = False
+        self._byte_fallback_ids = tokenizer.byte_fallback_ids
+        self._special_ids = tokenizer.all_special_ids
 
     @property
     def text(self) -> str:
@@ -68,6 +71,8 @@ class IncrementalDetokenizer:
         if not ids:
             return ""
         self._ids.extend(ids)
+        if self._ends_in_byte_run():
+            return ""
         prefix_text, new_text = self._decode_window()
         # Text ending in U+FFFD may be a multi-byte character whose last bytes are still to come.
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
@@ -93,6 +98,16 @@ class IncrementalDetokenizer:
         self._read_offset = self._prefix_offset = len(self._ids)
         self._text += rest
         return rest
+
+    def _ends_in_byte_run(self) -> bool:
+        """Whether the last decoded token is a ByteFallback byte, so its run may go on."""
+        if not self._byte_fallback_ids:
+            return False
+        for token_id in reversed(self._ids):
+            if self.skip_special_tokens and token_id in self._special_ids:
+                continue  # skipped tokens do not end a run of bytes
+            return token_id in self._byte_fallback_ids
+        return False
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -19,7 +19,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, processors
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
 from tokenmill.errors import InvalidRequestError, ModelLoadError
@@ -90,13 +90,8 @@ class Tokenizer:
 
         special_tokens = _special_tokens_from_config(config)
         _add_missing_tokens(backend, config, special_tokens)
-        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
-            # transformers rebuilds the post-processor from these flags when they are explicit.
-            backend.post_processor = _build_post_processor(
-                backend,
-                bos_token=special_tokens.get("bos_token") if config.get("add_bos_token") else None,
-                eos_token=special_tokens.get("eos_token") if config.get("add_eos_token") else None,
-            )
+        # add_bos_token/add_eos_token are ignored on purpose: transformers v5 drops them when
+        # tokenizer.json exists, whose post-processor alone decides BOS/EOS.
         return cls(
             backend,
             special_tokens=special_tokens,
@@ -144,6 +139,19 @@ class Tokenizer:
             if token_id is not None:
                 ids.add(token_id)
         return ids
+
+    @functools.cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of "<0xNN>" byte tokens, if the decoder has ByteFallback (Llama 2, Mistral).
+
+        That decoder turns a whole run of byte tokens into U+FFFDs when any byte in it is
+        invalid, so streaming must wait for such a run to end.
+        """
+        decoder = self._backend.decoder
+        if decoder is None or b'"ByteFallback"' not in decoder.__getstate__():
+            return frozenset()
+        ids = (self._backend.token_to_id(f"<0x{byte:02X}>") for byte in range(256))
+        return frozenset(i for i in ids if i is not None)
 
     @property
     def has_chat_template(self) -> bool:
@@ -212,9 +220,13 @@ class Tokenizer:
         (e.g. ``tools``) is passed to the template. Encode the result with
         ``add_special_tokens=False``: templates write their own BOS.
         """
-        source = self._select_chat_template(chat_template, has_tools=bool(extra_context.get("tools")))
+        source = self._select_chat_template(
+            chat_template, has_tools=bool(extra_context.get("tools"))
+        )
         if not messages:
-            raise InvalidRequestError("messages must contain at least one message", param="messages")
+            raise InvalidRequestError(
+                "messages must contain at least one message", param="messages"
+            )
         template = compile_chat_template(source)
         context: dict[str, Any] = {"tools": None, "documents": None}
         context.update(self.special_tokens)
@@ -353,26 +365,6 @@ def _add_missing_tokens(
                 consider(_added_token(value, special=True))
     if to_add:
         backend.add_tokens(to_add)
-
-
-def _build_post_processor(
-    backend: BackendTokenizer, *, bos_token: str | None, eos_token: str | None
-) -> processors.TemplateProcessing:
-    """The post-processor transformers builds from ``add_bos_token``/``add_eos_token``."""
-    bos_id = None if bos_token is None else backend.token_to_id(bos_token)
-    eos_id = None if eos_token is None else backend.token_to_id(eos_token)
-    prefix = f"{bos_token}:0 " if bos_id is not None else ""
-    suffix = f" {eos_token}:0" if eos_id is not None else ""
-    single = f"{prefix}$A:0{suffix}"
-    pair_bos = f" {bos_token}:1" if bos_id is not None else ""
-    pair_eos = f" {eos_token}:1" if eos_id is not None else ""
-    pair = f"{single}{pair_bos} $B:1{pair_eos}"
-    special: list[tuple[str, int]] = []
-    if bos_id is not None:
-        special.append((bos_token, bos_id))  # type: ignore[arg-type]
-    if eos_id is not None:
-        special.append((eos_token, eos_id))  # type: ignore[arg-type]
-    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
 
 def _read_chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:

@@ -1,0 +1,112 @@
+"""Loader: sharded checkpoints, dtypes, and clear errors naming the file and tensor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tokenmill.entrypoints.llm import LLM
+from tokenmill.errors import ModelLoadError
+from tokenmill.model.config import ModelConfig
+from tokenmill.model.loader import load_model, resolve_dtype
+from tokenmill.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture
+def model_copy(make_model, tmp_path: Path) -> Path:
+    dst = tmp_path / "model"
+    shutil.copytree(make_model("llama"), dst)
+    return dst
+
+
+def _load(folder: Path):
+    return load_model(folder, torch.float32, torch.device("cpu"), 64)
+
+
+def _edit_weights(folder: Path, edit) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors")
+
+
+def test_sharded_checkpoint_loads_and_matches(model_copy: Path, make_model) -> None:
+    tensors = load_file(model_copy / "model.safetensors")
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, model_copy / shard)
+    (model_copy / "model.safetensors").unlink()
+    weight_map = {k: shard for shard, keys in shards.items() for k in keys}
+    (model_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    prompt = [[5, 6, 7, 8]]
+    sharded = LLM(str(model_copy), dtype="float32", max_model_len=64).generate(prompt, GREEDY, use_tqdm=False)
+    single = LLM(str(make_model("llama")), dtype="float32", max_model_len=64).generate(prompt, GREEDY, use_tqdm=False)
+    assert sharded[0].outputs[0].token_ids == single[0].outputs[0].token_ids
+
+
+def test_unknown_architecture_lists_supported(model_copy: Path) -> None:
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
+        ModelConfig.from_folder(model_copy)
+
+
+def test_missing_tensor_is_named(model_copy: Path) -> None:
+    _edit_weights(model_copy, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ModelLoadError, match=r"missing tensor.*model\.layers\.1\.mlp\.up_proj\.weight"):
+        _load(model_copy)
+
+
+def test_unexpected_tensor_is_named_with_file(model_copy: Path) -> None:
+    _edit_weights(model_copy, lambda t: t.update({"model.extra.weight": torch.zeros(2)}))
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: unexpected tensor 'model\.extra\.weight'"):
+        _load(model_copy)
+
+
+def test_shape_mismatch_is_named(model_copy: Path) -> None:
+    _edit_weights(model_copy, lambda t: t.update({"model.norm.weight": torch.ones(3)}))
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: tensor 'model\.norm\.weight' has shape \(3,\), expected \(64,\)"):
+        _load(model_copy)
+
+
+def test_corrupt_safetensors_names_the_file(model_copy: Path) -> None:
+    path = model_copy / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: corrupt or unreadable"):
+        _load(model_copy)
+
+
+def test_missing_tokenizer_is_reported(model_copy: Path) -> None:
+    (model_copy / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match="tokenizer.json"):
+        LLM(str(model_copy), dtype="float32", max_model_len=64)
+
+
+def test_missing_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        ModelConfig.from_folder(tmp_path)
+
+
+def test_dtype_auto_falls_back_to_float32_on_cpu(model_copy: Path, caplog) -> None:
+    cfg = ModelConfig.from_dict({**json.loads((model_copy / "config.json").read_text()), "torch_dtype": "bfloat16"})
+    with caplog.at_level("INFO"):
+        assert resolve_dtype("auto", cfg, torch.device("cpu")) == torch.float32
+    assert "float32 on CPU" in caplog.text
+    assert resolve_dtype("bfloat16", cfg, torch.device("cpu")) == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs(make_model, dtype: str) -> None:
+    llm = LLM(str(make_model("qwen2")), dtype=dtype, max_model_len=64)
+    assert next(llm.engine.runner.model.parameters()).dtype == getattr(torch, dtype)
+    out = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6
