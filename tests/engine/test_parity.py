@@ -82,3 +82,14 @@ def test_mistral_sliding_window_beyond_window(make_model, reference_greedy) -> N
     expected, _ = reference_greedy(folder, prompts, MAX_NEW)
     outs = llm.generate(prompts, _greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_kv_matches_paged_and_transformers(make_model, reference_greedy, family: str) -> None:
+    folder = make_model(family)
+    prompts = _prompts(500, 6, seed=2)
+    expected, _ = reference_greedy(folder, prompts, MAX_NEW)
+    for kind in ("static", "paged"):
+        llm = LLM(str(folder), dtype="float32", max_model_len=128, max_num_seqs=4, kv_cache=kind, enforce_eager=True)
+        outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected, kind

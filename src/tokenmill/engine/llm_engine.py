@@ -21,7 +21,8 @@ from tokenmill.engine.kv_manager import KVCacheManager
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.errors import ContextLengthError, InvalidRequestError
+from tokenmill.engine.static_kv_manager import StaticKVManager
+from tokenmill.errors import ConfigError, ContextLengthError, InvalidRequestError
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.outputs import RequestOutput
@@ -126,20 +127,31 @@ class LLMEngine:
         per_token = kv_bytes_per_token(self.model_config, self.dtype)
         budget = kv_budget_bytes(cfg.kv_cache_memory, cfg.gpu_memory_utilization, self.device)
         blocks_per_seq = -(-self.max_model_len // block_size)
-        num_blocks = min(budget // (per_token * block_size), cfg.max_num_seqs * blocks_per_seq)
-        if num_blocks < 1:
-            raise InvalidRequestError(
-                f"KV cache budget of {budget} bytes holds no block of {block_size} tokens "
-                f"({per_token * block_size} bytes); raise --kv-cache-memory"
-            )
-        if num_blocks < blocks_per_seq:
-            logger.warning(
-                "KV cache holds %d tokens, less than max_model_len %d: long requests will be cut short",
-                num_blocks * block_size, self.max_model_len,
-            )
-        self.kv_cache_bytes = num_blocks * block_size * per_token
-        manager = PagedKVManager(num_blocks, block_size, cfg.enable_prefix_caching)
-        caches = allocate_kv_cache(self.model_config, num_blocks, block_size, self.dtype, self.device)
+        manager: KVCacheManager
+        if cfg.kv_cache == "static":
+            manager = StaticKVManager(cfg.max_num_seqs, self.max_model_len, block_size, cfg.enable_prefix_caching)
+            needed = manager.num_blocks * block_size * per_token
+            if needed > budget and cfg.kv_cache_memory is not None:
+                raise ConfigError(
+                    f"static KV needs {needed / 2**30:.2f} GiB ({cfg.max_num_seqs} slots x {self.max_model_len} "
+                    f"tokens) but --kv-cache-memory allows {budget / 2**30:.2f} GiB; lower --max-num-seqs "
+                    f"or --max-model-len"
+                )
+        else:
+            num_blocks = min(budget // (per_token * block_size), cfg.max_num_seqs * blocks_per_seq)
+            if num_blocks < 1:
+                raise ConfigError(
+                    f"KV cache budget of {budget} bytes holds no block of {block_size} tokens "
+                    f"({per_token * block_size} bytes); raise --kv-cache-memory"
+                )
+            if num_blocks < blocks_per_seq:
+                logger.warning(
+                    "KV cache holds %d tokens, less than max_model_len %d: long prompts will be rejected",
+                    num_blocks * block_size, self.max_model_len,
+                )
+            manager = PagedKVManager(num_blocks, block_size, cfg.enable_prefix_caching)
+        self.kv_cache_bytes = manager.num_blocks * block_size * per_token
+        caches = allocate_kv_cache(self.model_config, manager.num_blocks, block_size, self.dtype, self.device)
         return manager, caches
 
     # ---- requests ----------------------------------------------------------------------
