@@ -1,0 +1,352 @@
+"""Command-line front of the measurement tools: ``tokenmill bench {serve,offline,compare}``
+and ``tokenmill verify``.
+
+Owns the flags (vLLM's ``bench serve`` names where one exists), turning them into the
+configs of ``serve``, ``offline``, ``compare``/``report`` and ``verify``, and the exit
+codes: 0 on success, 1 when ``verify`` fails or every request of a run failed, 2 for
+bad input. ``register`` is called by ``tokenmill.entrypoints.cli`` to add the parsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from tokenmill.bench.datasets import DATASET_NAMES, BenchRequest, build_requests
+from tokenmill.bench.tokenization import TokenizerLike, load_tokenizer
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _parse_key_values(items: list[str] | None, flag: str) -> dict[str, Any]:
+    """``["max_num_seqs=16", "enforce_eager=true"]`` into a dict, values parsed as JSON when they can be."""
+    result: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag} expects KEY=VALUE, got {item!r}")
+        try:
+            result[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            result[key] = raw
+    return result
+
+
+def _add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
+    group = parser.add_argument_group("workload")
+    group.add_argument("--dataset", choices=DATASET_NAMES, default="random", help="prompt source (default: random)")
+    group.add_argument("--dataset-path", help="file for --dataset sharegpt (JSON) or jsonl")
+    group.add_argument("--num-prompts", type=int, default=num_prompts, help="requests to measure")
+    group.add_argument("--input-len", type=int, default=256,
+                       help="prompt tokens (random); unique suffix tokens (prefix)")
+    group.add_argument("--output-len", type=int, default=None,
+                       help="max_tokens of every request (default 128; sharegpt keeps each reply's length)")
+    group.add_argument("--range-ratio", type=float, default=0.0,
+                       help="random lengths are uniform in len*[1-r, 1+r]")
+    group.add_argument("--prefix-len", type=int, default=256, help="shared prefix tokens (--dataset prefix)")
+    group.add_argument("--num-prefixes", type=int, default=4, help="distinct shared prefixes (--dataset prefix)")
+    group.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
+    group.add_argument("--tokenizer", help="local tokenizer folder or tokenizer.json (default: --model if local)")
+    group.add_argument("--vocab-size", type=int, help="token-id range of random prompts when there is no tokenizer")
+
+
+def _workload(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "dataset": args.dataset,
+        "dataset_path": args.dataset_path,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len if args.output_len is not None else 128,
+        "range_ratio": args.range_ratio,
+        "seed": args.seed,
+        **({"prefix_len": args.prefix_len, "num_prefixes": args.num_prefixes} if args.dataset == "prefix" else {}),
+    }
+
+
+def _try_tokenizer(name: str | None, is_required: bool) -> TokenizerLike | None:
+    if not name:
+        return None
+    try:
+        return load_tokenizer(name)
+    except (FileNotFoundError, OSError, ValueError) as exc:
+        if is_required:
+            raise
+        _log(f"[bench] no local tokenizer for {name!r} ({exc}); prompts stay token ids, counts come from usage")
+        return None
+
+
+def _build_workload(args: argparse.Namespace, tokenizer: TokenizerLike | None) -> list[BenchRequest]:
+    return build_requests(
+        args.dataset, args.num_prompts,
+        input_len=args.input_len, output_len=args.output_len if args.output_len is not None else 128,
+        range_ratio=args.range_ratio, seed=args.seed, dataset_path=args.dataset_path,
+        tokenizer=tokenizer, vocab_size=args.vocab_size, prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes, output_len_is_set=args.output_len is not None,
+    )
+
+
+# ---- bench serve -----------------------------------------------------------------------
+def _add_serve_target_args(parser: argparse.ArgumentParser, with_base_url: bool) -> None:
+    group = parser.add_argument_group("target")
+    if with_base_url:
+        group.add_argument("--base-url", default=DEFAULT_BASE_URL, help=f"server root (default {DEFAULT_BASE_URL})")
+    group.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"))
+    group.add_argument("--model", help="model name in requests (default: the first of /v1/models)")
+    group.add_argument("--api-key", help="bearer token")
+    group.add_argument("--prompt-format", choices=("auto", "ids", "text"), default="auto",
+                       help="completions prompts as token ids or text (auto: ids if the server takes them)")
+    group.add_argument("--extra-body", help="JSON object merged into every request body")
+    load = parser.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, default=math.inf, help="mean req/s (default inf: all at once)")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 = Poisson")
+    load.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
+    load.add_argument("--num-warmups", type=int, default=0, help="uncounted requests after the probe")
+    load.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (fixed output lengths)")
+    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--request-timeout-s", type=float, default=600.0)
+    load.add_argument("--ready-timeout-s", type=float, default=120.0,
+                      help="how long to wait for a starting server (connection refused or 503)")
+    load.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput, e.g. ttft:500 tpot:50")
+    load.add_argument("--no-server-metrics", action="store_true", help="do not poll the target's /metrics")
+    load.add_argument("--metrics-interval-s", type=float, default=0.5)
+    load.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _serve_config(args: argparse.Namespace, base_url: str, label: str | None, max_concurrency: int | None) -> Any:
+    from tokenmill.bench.metrics import parse_goodput
+    from tokenmill.bench.serve import ServeConfig
+
+    extra = json.loads(args.extra_body) if args.extra_body else {}
+    if not isinstance(extra, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    return ServeConfig(
+        base_url=base_url, endpoint=args.endpoint, model=args.model, api_key=args.api_key,
+        request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=max_concurrency,
+        num_warmups=args.num_warmups, prompt_format=args.prompt_format, temperature=args.temperature,
+        ignore_eos=args.ignore_eos, request_timeout_s=args.request_timeout_s,
+        ready_timeout_s=args.ready_timeout_s, seed=args.seed,
+        goodput_slos_ms=parse_goodput(args.goodput), scrape_metrics=not args.no_server_metrics,
+        metrics_interval_s=args.metrics_interval_s, show_progress=not args.no_progress, label=label,
+        extra_body=extra,
+    )
+
+
+def _serve_tokenizer(args: argparse.Namespace) -> TokenizerLike | None:
+    if args.tokenizer:
+        return _try_tokenizer(args.tokenizer, is_required=True)
+    return _try_tokenizer(args.model, is_required=False)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``tokenmill bench serve``."""
+    from tokenmill.bench.serve import format_summary, run_serve_benchmark, save_result
+
+    tokenizer = _serve_tokenizer(args)
+    requests = _build_workload(args, tokenizer)
+    config = _serve_config(args, args.base_url, args.label, args.max_concurrency)
+    result = run_serve_benchmark(config, requests, tokenizer, _workload(args))
+    print(format_summary(result))
+    if args.save_result:
+        _log(f"[bench serve] saved {save_result(result, args.save_result)}")
+    return 1 if result["completed"] == 0 else 0
+
+
+# ---- bench offline ---------------------------------------------------------------------
+def cmd_offline(args: argparse.Namespace) -> int:
+    """``tokenmill bench offline``."""
+    from tokenmill.bench.offline import OfflineConfig, format_offline_table, run_offline_benchmark
+    from tokenmill.bench.serve import save_result
+
+    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    config = OfflineConfig(
+        model=args.model, backends=backends, kv_cache=args.kv_cache, dtype=args.dtype, device=args.device,
+        batch_size=args.batch_size, ignore_eos=args.ignore_eos, compare=args.compare,
+        num_rounds=args.num_rounds, num_warmups=args.num_warmups,
+        engine_kwargs=_parse_key_values(args.engine_arg, "--engine-arg"),
+    )
+    tokenizer = _try_tokenizer(args.tokenizer or args.model, is_required=False)
+    requests = _build_workload(args, tokenizer)
+    result = run_offline_benchmark(config, requests, _workload(args), log=_log)
+    print(format_offline_table(result))
+    if args.save_result:
+        _log(f"[bench offline] saved {save_result(result, args.save_result)}")
+    return 0
+
+
+# ---- bench compare ---------------------------------------------------------------------
+def _named_results_from_files(specs: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    from tokenmill.bench.compare import load_result
+
+    named: list[tuple[str, dict[str, Any]]] = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or (not Path(path).exists() and Path(spec).exists()):
+            name, path = "", spec
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"result file {path!r} not found")
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        if isinstance(data, dict) and data.get("kind") == "offline":
+            for row in data.get("backends", []):
+                if not row.get("skipped"):
+                    row_name = f"{name}/{row['label']}" if name else row["label"]
+                    named.append((row_name, {**row, "workload": data.get("workload", {}), "source": path}))
+            continue
+        result = load_result(path)
+        named.append((name or result["label"], result))
+    return named
+
+
+def _run_targets(args: argparse.Namespace, out_dir: Path) -> list[tuple[str, dict[str, Any]]]:
+    from tokenmill.bench.serve import format_summary, run_serve_benchmark, save_result
+
+    targets = []
+    for spec in args.target:
+        name, sep, url = spec.partition("=")
+        if not sep or not name or not url:
+            raise ValueError(f"--target expects NAME=URL, got {spec!r}")
+        targets.append((name, url))
+    levels: list[int | None] = (
+        [int(c) for c in args.concurrency.split(",") if c.strip()] if args.concurrency else [args.max_concurrency]
+    )
+    tokenizer = _serve_tokenizer(args)
+    requests = _build_workload(args, tokenizer)
+    named = []
+    for name, url in targets:
+        for level in levels:
+            _log(f"[bench compare] {name} at max concurrency {level or 'unbounded'}")
+            result = run_serve_benchmark(_serve_config(args, url, name, level), requests, tokenizer, _workload(args))
+            print(format_summary(result))
+            save_result(result, out_dir / "results" / f"{name}_c{level or 'inf'}.json")
+            named.append((name, result))
+    return named
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """``tokenmill bench compare``."""
+    from tokenmill.bench.compare import build_comparison, format_comparison, parse_sla
+    from tokenmill.bench.report import write_report
+
+    if not args.results and not args.target:
+        raise ValueError("give result files (NAME=FILE or FILE) or --target NAME=URL endpoints")
+    sla = parse_sla(args.sla)
+    out_dir = Path(args.output_dir)
+    named = _named_results_from_files(args.results or [])
+    if args.target:
+        named += _run_targets(args, out_dir)
+    comparison = build_comparison(named, baseline=args.baseline, sla=sla)
+    print(format_comparison(comparison))
+    files = write_report(comparison, out_dir)
+    _log(f"[bench compare] wrote {files['html']} and {len(files) - 1} plots in {out_dir}")
+    return 0
+
+
+# ---- verify ----------------------------------------------------------------------------
+def _read_prompt_texts(path: str | None) -> list[str] | None:
+    if not path:
+        return None
+    texts = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            item = json.loads(line)
+            texts.append(item if isinstance(item, str) else item.get("prompt", item.get("text")))
+    return texts
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``tokenmill verify``."""
+    from tokenmill.bench.verify import format_verify_report, run_verify, save_verify_report
+
+    min_match = args.min_match if args.min_match is not None else (1.0 if args.dtype == "float32" else 0.8)
+    report = run_verify(
+        args.model, max_tokens=args.max_tokens, texts=_read_prompt_texts(args.prompts_file),
+        num_prompts=args.num_prompts, dtype=args.dtype, device=args.device, server_url=args.server_url,
+        server_model=args.served_model_name, api_key=args.api_key, min_match=min_match,
+        engine_kwargs=_parse_key_values(args.engine_arg, "--engine-arg"),
+    )
+    print(format_verify_report(report))
+    if args.save_result:
+        save_verify_report(report, args.save_result)
+    return 0 if report.passed else 1
+
+
+# ---- registration ----------------------------------------------------------------------
+def _guard(func: Any) -> Any:
+    """Turn expected user errors into a one-line message and exit code 2."""
+
+    def run(args: argparse.Namespace) -> int:
+        from tokenmill.bench.serve import BenchmarkError
+
+        try:
+            return func(args)
+        except (BenchmarkError, ValueError, FileNotFoundError, RuntimeError) as exc:
+            _log(f"error: {exc}")
+            return 2
+
+    run.__doc__ = func.__doc__
+    return run
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``bench`` (serve, offline, compare) and ``verify`` to the tokenmill CLI."""
+    bench = subparsers.add_parser("bench", help="measure serving and offline performance, compare backends")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    serve = bench_sub.add_parser("serve", help="load-test any OpenAI-compatible endpoint")
+    _add_serve_target_args(serve, with_base_url=True)
+    _add_workload_args(serve, num_prompts=200)
+    serve.add_argument("--label", help="name of this target in reports (default: model name)")
+    serve.add_argument("--save-result", metavar="FILE.json", help="write the summary and every request's timings")
+    serve.set_defaults(func=_guard(cmd_serve))
+
+    offline = bench_sub.add_parser("offline", help="in-process throughput and latency, without HTTP")
+    offline.add_argument("--model", default="demo", help="local model folder (default: demo)")
+    offline.add_argument("--backends", default="tokenmill,transformers",
+                         help="comma list of tokenmill, transformers, transformers-cb (first is the baseline)")
+    offline.add_argument("--kv-cache", default="paged", choices=("paged", "static"), help="tokenmill's KV strategy")
+    offline.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    offline.add_argument("--device", default="auto")
+    offline.add_argument("--batch-size", type=int, default=8, help="static batch size of the transformers backend")
+    offline.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                         help="generate full output lengths so backends do equal work (default on)")
+    offline.add_argument("--compare", action="store_true", help="interleave backends over several rounds")
+    offline.add_argument("--num-rounds", type=int, default=3, help="rounds of --compare")
+    offline.add_argument("--num-warmups", type=int, default=2, help="uncounted requests per backend")
+    offline.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="extra tokenmill LLM(...) kwarg")
+    offline.add_argument("--save-result", metavar="FILE.json")
+    _add_workload_args(offline, num_prompts=32)
+    offline.set_defaults(func=_guard(cmd_offline))
+
+    compare = bench_sub.add_parser("compare", help="side-by-side report of results or endpoints, with an SLA verdict")
+    compare.add_argument("results", nargs="*", metavar="[NAME=]FILE", help="result JSON files (serve or offline)")
+    compare.add_argument("--target", action="append", metavar="NAME=URL", help="endpoint to benchmark (repeatable)")
+    compare.add_argument("--concurrency", help="sweep of max concurrency for --target runs, e.g. 1,4,16,64")
+    compare.add_argument("--baseline", help="target the ratios are against (default: the first)")
+    compare.add_argument("--sla", help="latency limits, e.g. ttft_p95_ms=800,tpot_p95_ms=50")
+    compare.add_argument("--output-dir", default="bench-report", help="where report.html and the PNGs go")
+    _add_serve_target_args(compare, with_base_url=False)
+    _add_workload_args(compare, num_prompts=100)
+    compare.set_defaults(func=_guard(cmd_compare))
+
+    verify = subparsers.add_parser("verify", help="check tokenmill's greedy tokens against transformers")
+    verify.add_argument("--model", default="demo", help="local model folder (default: demo)")
+    verify.add_argument("--max-tokens", type=int, default=32)
+    verify.add_argument("--num-prompts", type=int, help="repeat the prompts up to this many")
+    verify.add_argument("--prompts-file", help="JSONL of prompts (strings or {\"prompt\": ...})")
+    verify.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    verify.add_argument("--device", default="cpu")
+    verify.add_argument("--server-url", help="verify a running server instead of in-process tokenmill")
+    verify.add_argument("--served-model-name", help="model name the server expects (default: --model)")
+    verify.add_argument("--api-key")
+    verify.add_argument("--min-match", type=float, help="required exact-match rate (default 1.0 for float32, else 0.8)")
+    verify.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
+                        help="extra LLM(...) kwarg, e.g. rope_theta_override=5000")
+    verify.add_argument("--save-result", metavar="FILE.json", help="write every token of both sides")
+    verify.set_defaults(func=_guard(cmd_verify))

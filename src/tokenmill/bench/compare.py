@@ -1,0 +1,353 @@
+"""``tokenmill bench compare``: turn several benchmark results into a decision.
+
+Owns loading result files (tokenmill's and vLLM's ``bench serve`` JSON), grouping them
+into one load sweep per target, checking each point against an SLA, computing ratios
+against a baseline, and wording the verdict: which target to pick for this workload and
+the highest load each one sustains within the SLA. Drawing and HTML live in
+``report.py``; this module stays free of matplotlib.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenmill.bench.metrics import LATENCY_METRICS, STATS
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """A figure the comparison table shows."""
+
+    key: str
+    """Key in the result dict."""
+    title: str
+    """Row label."""
+    is_higher_better: bool
+    """Direction of 'better', for ratios and colours."""
+
+
+TABLE_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("output_throughput", "Output tok/s", True),
+    MetricSpec("request_throughput", "Requests/s", True),
+    MetricSpec("request_goodput", "Goodput req/s", True),
+    MetricSpec("total_token_throughput", "Total tok/s", True),
+    MetricSpec("max_output_tokens_per_s", "Peak output tok/s", True),
+    MetricSpec("median_ttft_ms", "TTFT median ms", False),
+    MetricSpec("p95_ttft_ms", "TTFT p95 ms", False),
+    MetricSpec("p99_ttft_ms", "TTFT p99 ms", False),
+    MetricSpec("median_tpot_ms", "TPOT median ms", False),
+    MetricSpec("p95_tpot_ms", "TPOT p95 ms", False),
+    MetricSpec("p99_tpot_ms", "TPOT p99 ms", False),
+    MetricSpec("p95_itl_ms", "ITL p95 ms", False),
+    MetricSpec("p95_e2el_ms", "E2E p95 ms", False),
+    MetricSpec("failed", "Failed requests", False),
+    MetricSpec("peak_memory_gib", "Peak memory GiB", False),
+    MetricSpec("peak_kv_cache_usage_perc", "Peak KV cache %", False),
+    MetricSpec("num_preemptions", "Preemptions", False),
+)
+"""Rows of the side-by-side table, in order."""
+
+
+def parse_sla(text: str | None) -> dict[str, float]:
+    """``"ttft_p95_ms=800,tpot_p95_ms=50"`` into ``{"p95_ttft_ms": 800, "p95_tpot_ms": 50}``.
+
+    Each bound is an upper limit on a latency statistic; the result keys are the summary
+    keys. ``p95_ttft_ms`` (summary spelling) and ``e2e`` for ``e2el`` are accepted too.
+    """
+    sla: dict[str, float] = {}
+    if not text:
+        return sla
+    for part in text.replace(" ", ",").split(","):
+        if not part:
+            continue
+        name, sep, value = part.partition("=")
+        key = _sla_key(name.strip().lower())
+        if not sep or key is None:
+            raise ValueError(
+                f"bad SLA term {part!r}: expected METRIC_STAT_ms=LIMIT, e.g. ttft_p95_ms=800 "
+                f"(metrics {', '.join(LATENCY_METRICS)}; stats {', '.join(STATS)})"
+            )
+        try:
+            limit = float(value)
+        except ValueError:
+            raise ValueError(f"bad SLA term {part!r}: {value!r} is not a number") from None
+        if not math.isfinite(limit) or limit < 0:
+            raise ValueError(f"bad SLA term {part!r}: the limit must be a finite number >= 0")
+        sla[key] = limit
+    return sla
+
+
+def _sla_key(name: str) -> str | None:
+    """Summary key of an SLA term name in either order (``ttft_p95_ms`` or ``p95_ttft_ms``)."""
+    if not name.endswith("_ms"):
+        return None
+    words = ["e2el" if w == "e2e" else w for w in name[: -len("_ms")].split("_")]
+    if len(words) != 2:
+        return None
+    for metric, stat in (words, words[::-1]):
+        if metric in LATENCY_METRICS and stat in STATS:
+            return f"{stat}_{metric}_ms"
+    return None
+
+
+def check_sla(result: dict[str, Any], sla: dict[str, float]) -> list[str]:
+    """Why ``result`` misses the SLA (empty when it meets it); failed requests always miss."""
+    misses = []
+    if result.get("failed"):
+        misses.append(f"{result['failed']} failed requests")
+    for key, limit in sla.items():
+        value = result.get(key)
+        if value is None:
+            misses.append(f"{key} not measured")
+        elif value > limit:
+            misses.append(f"{key} {value:.1f} > {limit:g}")
+    return misses
+
+
+def load_result(path: str | Path) -> dict[str, Any]:
+    """Read a result JSON (tokenmill or vLLM), with a label and the source path recorded."""
+    file = Path(path)
+    try:
+        result = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file}: not a JSON result file ({exc.msg})") from None
+    if not isinstance(result, dict) or "output_throughput" not in result:
+        raise ValueError(f"{file}: not a benchmark result (no output_throughput)")
+    result.setdefault("label", result.get("model_id") or file.stem)
+    result["source"] = str(file)
+    return add_derived_figures(result)
+
+
+def add_derived_figures(result: dict[str, Any]) -> dict[str, Any]:
+    """Lift memory and KV figures to top-level keys the table shows, whatever their source.
+
+    Offline results carry ``peak_memory_bytes``; serve results carry the server's
+    ``/metrics`` figures under ``server_metrics``.
+    """
+    server = result.get("server_metrics") or {}
+    memory_bytes = result.get("peak_memory_bytes") or server.get("peak_resident_memory_bytes")
+    if memory_bytes:
+        result.setdefault("peak_memory_gib", memory_bytes / 2**30)
+    if server.get("peak_kv_cache_usage") is not None:
+        result.setdefault("peak_kv_cache_usage_perc", server["peak_kv_cache_usage"] * 100)
+    if server.get("num_preemptions") is not None:
+        result.setdefault("num_preemptions", server["num_preemptions"])
+    return result
+
+
+def load_of(result: dict[str, Any]) -> tuple[str, float | None]:
+    """The load a result was measured at: ``("concurrency", n)``, ``("request_rate", r)`` or none."""
+    concurrency = result.get("max_concurrency")
+    if concurrency:
+        return "concurrency", float(concurrency)
+    rate = result.get("request_rate")
+    if isinstance(rate, (int, float)) and math.isfinite(rate):
+        return "request_rate", float(rate)
+    return "unbounded", None
+
+
+@dataclass
+class TargetSummary:
+    """One target's sweep and its verdict against the SLA."""
+
+    name: str
+    points: list[dict[str, Any]]
+    """Results sorted by load."""
+    headline: dict[str, Any]
+    """The point the side-by-side table shows."""
+    sla_points: list[dict[str, Any]] = field(default_factory=list)
+    """Points that meet the SLA."""
+    sla_misses: dict[int, list[str]] = field(default_factory=dict)
+    """For each point index, why it misses the SLA."""
+
+    @property
+    def meets_sla(self) -> bool:
+        return bool(self.sla_points)
+
+    @property
+    def best_within_sla(self) -> dict[str, Any] | None:
+        """The SLA-meeting point with the highest output throughput."""
+        if not self.sla_points:
+            return None
+        return max(self.sla_points, key=lambda p: p.get("output_throughput") or 0.0)
+
+    @property
+    def max_load_within_sla(self) -> float | None:
+        """The highest load at which the SLA still held."""
+        loads = [load_of(p)[1] for p in self.sla_points]
+        loads = [x for x in loads if x is not None]
+        return max(loads) if loads else None
+
+
+@dataclass
+class Comparison:
+    """Everything the table, the plots and the HTML report show."""
+
+    targets: list[TargetSummary]
+    baseline: str
+    sla: dict[str, float]
+    load_kind: str
+    verdict: str
+    """One or two sentences: which target to pick and why."""
+
+    def target(self, name: str) -> TargetSummary:
+        return next(t for t in self.targets if t.name == name)
+
+
+def _sort_key(result: dict[str, Any]) -> float:
+    load = load_of(result)[1]
+    return math.inf if load is None else load
+
+
+def _headline_points(groups: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each target's point at the highest load all targets share, else its highest load."""
+    load_sets = [{load_of(p)[1] for p in points} for points in groups.values()]
+    common = set.intersection(*load_sets) if load_sets else set()
+    if common:
+        chosen = max(common, key=lambda x: math.inf if x is None else x)
+        return {name: next(p for p in pts if load_of(p)[1] == chosen) for name, pts in groups.items()}
+    return {name: pts[-1] for name, pts in groups.items()}
+
+
+def describe_load(kind: str, load: float | None) -> str:
+    """Human words for a load level, e.g. ``concurrency 16`` or ``4 req/s``."""
+    if load is None:
+        return "unbounded load"
+    if kind == "concurrency":
+        return f"concurrency {load:g}"
+    return f"{load:g} req/s"
+
+
+def _within_sla_text(kind: str, load: float | None) -> str:
+    return f"up to {describe_load(kind, load)}" if load is not None else "at its measured load"
+
+
+def _ratio_text(value: float, base: float) -> str:
+    return f"{value / base:.2f}x" if base else "n/a"
+
+
+def _verdict(targets: list[TargetSummary], baseline: str, sla: dict[str, float], load_kind: str) -> str:
+    base = next(t for t in targets if t.name == baseline)
+    if sla:
+        passing = [t for t in targets if t.meets_sla]
+        if not passing:
+            return "No target meets the SLA at any measured load; relax the SLA or add capacity."
+        best = max(passing, key=lambda t: (t.best_within_sla or {}).get("output_throughput") or 0.0)
+        point = best.best_within_sla or {}
+        text = (
+            f"Pick {best.name}: it meets the SLA {_within_sla_text(load_kind, best.max_load_within_sla)} "
+            f"with {point.get('output_throughput', 0.0):.1f} output tok/s"
+        )
+        base_point = base.best_within_sla
+        if best is not base and base_point and base_point.get("output_throughput"):
+            text += f", {_ratio_text(point['output_throughput'], base_point['output_throughput'])} {base.name}'s best within SLA"
+        elif best is not base:
+            text += f"; {base.name} never meets it"
+        failing = [t.name for t in targets if not t.meets_sla]
+        if failing:
+            text += f". Never within the SLA: {', '.join(failing)}"
+        return text + "."
+    fastest = max(targets, key=lambda t: t.headline.get("output_throughput") or 0.0)
+    quickest = min(targets, key=lambda t: t.headline.get("p95_ttft_ms") or math.inf)
+    text = f"Highest throughput: {fastest.name} ({fastest.headline.get('output_throughput', 0.0):.1f} output tok/s"
+    if fastest is not base and base.headline.get("output_throughput"):
+        text += f", {_ratio_text(fastest.headline['output_throughput'], base.headline['output_throughput'])} {base.name}"
+    text += ")."
+    if quickest is fastest:
+        text += f" It also has the lowest p95 TTFT, so pick {fastest.name}."
+    else:
+        text += (
+            f" Lowest p95 TTFT: {quickest.name} ({quickest.headline.get('p95_ttft_ms', 0.0):.1f} ms); "
+            "pass --sla to decide between throughput and latency."
+        )
+    return text
+
+
+def build_comparison(
+    named_results: list[tuple[str, dict[str, Any]]],
+    baseline: str | None = None,
+    sla: dict[str, float] | None = None,
+) -> Comparison:
+    """Group results by target name into sweeps and judge them.
+
+    Several results under one name form that target's sweep (e.g. concurrency 1, 4, 16);
+    the baseline defaults to the first target.
+    """
+    if not named_results:
+        raise ValueError("nothing to compare: give result files or --target endpoints")
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for name, result in named_results:
+        groups.setdefault(name, []).append(add_derived_figures(result))
+    for points in groups.values():
+        points.sort(key=_sort_key)
+    baseline = baseline or next(iter(groups))
+    if baseline not in groups:
+        raise ValueError(f"baseline {baseline!r} is not one of the targets: {', '.join(groups)}")
+    kinds = {load_of(p)[0] for pts in groups.values() for p in pts} - {"unbounded"}
+    load_kind = kinds.pop() if len(kinds) == 1 else ("concurrency" if "concurrency" in kinds else "unbounded")
+    sla = sla or {}
+    headlines = _headline_points(groups)
+    targets = []
+    for name, points in groups.items():
+        target = TargetSummary(name=name, points=points, headline=headlines[name])
+        for i, point in enumerate(points):
+            misses = check_sla(point, sla) if sla else []
+            if sla and not misses:
+                target.sla_points.append(point)
+            elif misses:
+                target.sla_misses[i] = misses
+        targets.append(target)
+    return Comparison(targets, baseline, sla, load_kind, _verdict(targets, baseline, sla, load_kind))
+
+
+def table_rows(comparison: Comparison) -> list[tuple[MetricSpec, list[tuple[float | None, float | None]]]]:
+    """For each shown metric: per target (value, value / baseline value or None)."""
+    base = comparison.target(comparison.baseline).headline
+    rows = []
+    for spec in TABLE_METRICS:
+        if all(t.headline.get(spec.key) is None for t in comparison.targets):
+            continue
+        cells = []
+        for target in comparison.targets:
+            value = target.headline.get(spec.key)
+            base_value = base.get(spec.key)
+            ratio = None
+            if target.name != comparison.baseline and value is not None and base_value:
+                ratio = value / base_value
+            cells.append((value, ratio))
+        rows.append((spec, cells))
+    return rows
+
+
+def _cell(value: float | None, ratio: float | None) -> str:
+    if value is None:
+        return "n/a"
+    text = f"{value:.2f}" if isinstance(value, float) else str(value)
+    return f"{text} ({ratio:.2f}x)" if ratio is not None else text
+
+
+def format_comparison(comparison: Comparison) -> str:
+    """The terminal report: verdict, side-by-side table with ratios, SLA lines."""
+    names = [t.name for t in comparison.targets]
+    loads = {t.name: describe_load(comparison.load_kind, load_of(t.headline)[1]) for t in comparison.targets}
+    header = ["Metric"] + [f"{n}{' (baseline)' if n == comparison.baseline else ''}" for n in names]
+    body = [[spec.title] + [_cell(v, r) for v, r in cells] for spec, cells in table_rows(comparison)]
+    body.insert(0, ["Load"] + [loads[n] for n in names])
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    lines = [f"Verdict: {comparison.verdict}", ""]
+    for row in [header, ["-" * w for w in widths], *body]:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+    if comparison.sla:
+        lines.append("")
+        lines.append("SLA: " + ", ".join(f"{k} <= {v:g}" for k, v in comparison.sla.items()))
+        for target in comparison.targets:
+            if target.meets_sla:
+                lines.append(f"  {target.name}: meets it {_within_sla_text(comparison.load_kind, target.max_load_within_sla)}")
+            else:
+                last = target.sla_misses.get(0, ["no point measured"])
+                lines.append(f"  {target.name}: misses it at every load (lowest load: {'; '.join(last)})")
+    return "\n".join(lines)

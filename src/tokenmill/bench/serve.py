@@ -1,0 +1,370 @@
+"""``tokenmill bench serve``: load-test an OpenAI-compatible endpoint and summarize it.
+
+Owns the run: resolve the model name, send a probe request (which also decides whether
+the server takes token-id prompts), warm up, then release requests on the arrival
+schedule under an optional concurrency cap while ``/metrics`` is polled, and finally
+build the result dict (vLLM-compatible keys plus every per-request timing) and its
+printed summary table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm.auto import tqdm
+
+from tokenmill.bench.arrivals import build_arrival_offsets_s
+from tokenmill.bench.client import ENDPOINTS, RequestOptions, send_request
+from tokenmill.bench.datasets import BenchRequest
+from tokenmill.bench.metrics import LATENCY_METRICS, STATS, RequestRecord, summarize
+from tokenmill.bench.server_metrics import MetricsScraper
+from tokenmill.bench.tokenization import TokenizerLike
+
+RESULT_FORMAT_VERSION = 1
+"""Bumped when the result JSON changes incompatibly; ``compare`` checks it."""
+PROMPT_FORMATS: tuple[str, ...] = ("auto", "ids", "text")
+"""``--prompt-format`` values: ``auto`` tries token ids and falls back to text."""
+_READY_POLL_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything one serve benchmark run needs besides the workload itself."""
+
+    base_url: str
+    """Server root, e.g. ``http://127.0.0.1:8000`` (a trailing ``/v1`` is accepted)."""
+    endpoint: str = "/v1/completions"
+    """``/v1/completions`` or ``/v1/chat/completions``."""
+    model: str | None = None
+    """Model name for the body; None asks ``/v1/models`` for the first one."""
+    api_key: str | None = None
+    """Bearer token, if the server wants one."""
+    request_rate: float = math.inf
+    """Mean requests per second; inf sends everything at once."""
+    burstiness: float = 1.0
+    """Gamma shape of inter-arrival gaps; 1 is Poisson."""
+    max_concurrency: int | None = None
+    """Cap on requests in flight; None for no cap."""
+    num_warmups: int = 0
+    """Uncounted requests sent after the probe, before measuring."""
+    prompt_format: str = "auto"
+    """``auto``, ``ids`` or ``text`` (completions only; chat always sends text)."""
+    temperature: float = 0.0
+    """Sampling temperature of every request."""
+    ignore_eos: bool = False
+    """Ask the server to ignore EOS so every request produces its full output length."""
+    request_timeout_s: float = 600.0
+    """Give up on a request after this long."""
+    ready_timeout_s: float = 120.0
+    """How long the probe retries while the server is unreachable or answers 503 (loading)."""
+    seed: int = 0
+    """Seed of the arrival schedule."""
+    goodput_slos_ms: dict[str, float] = field(default_factory=dict)
+    """``ttft``/``tpot``/``e2el`` limits for goodput."""
+    scrape_metrics: bool = True
+    """Poll the target's ``/metrics`` for server-side figures."""
+    metrics_interval_s: float = 0.5
+    """Seconds between ``/metrics`` polls during the run."""
+    show_progress: bool = True
+    """Show a tqdm bar while requests complete."""
+    label: str | None = None
+    """Name of this target in reports; defaults to the model name."""
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    """Extra JSON fields for every request body."""
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format must be one of {', '.join(PROMPT_FORMATS)}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError("max_concurrency must be >= 1")
+        if self.num_warmups < 0:
+            raise ValueError("num_warmups must be >= 0")
+
+    @property
+    def root_url(self) -> str:
+        """Server root without a trailing slash or ``/v1``."""
+        url = self.base_url.rstrip("/")
+        return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+class BenchmarkError(RuntimeError):
+    """The run cannot produce meaningful numbers (e.g. the probe request failed)."""
+
+
+async def _resolve_model(client: httpx.AsyncClient, config: ServeConfig) -> str:
+    if config.model:
+        return config.model
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    deadline_s = time.perf_counter() + config.ready_timeout_s
+    while True:
+        try:
+            response = await client.get(f"{config.root_url}/v1/models", headers=headers)
+            if response.status_code == 503 and time.perf_counter() < deadline_s:
+                await asyncio.sleep(_READY_POLL_INTERVAL_S)
+                continue
+            models = response.json().get("data") or []
+            return str(models[0]["id"])
+        except httpx.ConnectError as exc:
+            if time.perf_counter() >= deadline_s:
+                raise BenchmarkError(f"cannot reach {config.root_url}: {exc}") from exc
+            await asyncio.sleep(_READY_POLL_INTERVAL_S)
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            raise BenchmarkError(f"--model not given and {config.root_url}/v1/models did not name one: {exc}") from exc
+
+
+def _initial_options(config: ServeConfig, model: str, requests: list[BenchRequest]) -> RequestOptions:
+    is_chat = config.endpoint == "/v1/chat/completions"
+    has_ids = all(r.prompt_token_ids is not None for r in requests)
+    use_ids = not is_chat and (config.prompt_format == "ids" or (config.prompt_format == "auto" and has_ids))
+    return RequestOptions(
+        url=f"{config.root_url}{config.endpoint}",
+        model=model,
+        is_chat=is_chat,
+        use_token_ids=use_ids,
+        api_key=config.api_key,
+        temperature=config.temperature,
+        ignore_eos=config.ignore_eos,
+        extra_body=dict(config.extra_body),
+    )
+
+
+def _is_not_ready(error: str) -> bool:
+    """A server still starting: connection refused, or 503 while the model loads."""
+    return error.startswith(("HTTP 503", "ConnectError", "RemoteProtocolError", "ReadError"))
+
+
+async def _send_when_ready(
+    client: httpx.AsyncClient,
+    config: ServeConfig,
+    request: BenchRequest,
+    options: RequestOptions,
+    tokenizer: TokenizerLike | None,
+) -> RequestRecord:
+    """Send one uncounted request, retrying for ``ready_timeout_s`` while the server starts."""
+    deadline_s = time.perf_counter() + config.ready_timeout_s
+    while True:
+        record = await send_request(client, -1, request, options, time.perf_counter(), tokenizer)
+        if record.success or not _is_not_ready(record.error) or time.perf_counter() >= deadline_s:
+            return record
+        await asyncio.sleep(_READY_POLL_INTERVAL_S)
+
+
+async def _probe(
+    client: httpx.AsyncClient,
+    config: ServeConfig,
+    options: RequestOptions,
+    requests: list[BenchRequest],
+    tokenizer: TokenizerLike | None,
+) -> RequestOptions:
+    """Send the first prompt once (waiting for the server to be ready); fall back from token
+    ids to text if the server refuses ids."""
+    record = await _send_when_ready(client, config, requests[0], options, tokenizer)
+    if record.success:
+        return options
+    has_text = all(r.prompt_text is not None for r in requests)
+    is_refusal = record.error.startswith(("HTTP 400", "HTTP 422"))
+    if options.use_token_ids and config.prompt_format == "auto" and is_refusal and has_text:
+        text_options = replace(options, use_token_ids=False)
+        retry = await send_request(client, -1, requests[0], text_options, time.perf_counter(), tokenizer)
+        if retry.success:
+            return text_options
+        record = retry
+    hint = ""
+    if options.use_token_ids and not has_text and is_refusal:
+        hint = " (the server may not take token-id prompts: pass --tokenizer to send text)"
+    elif _is_not_ready(record.error):
+        hint = f" (still not ready after {config.ready_timeout_s:g}s)"
+    raise BenchmarkError(f"probe request to {options.url} failed: {record.error}{hint}")
+
+
+async def _measure(
+    client: httpx.AsyncClient,
+    config: ServeConfig,
+    options: RequestOptions,
+    requests: list[BenchRequest],
+    tokenizer: TokenizerLike | None,
+) -> tuple[list[RequestRecord], float]:
+    """Release requests on schedule under the concurrency cap; return records and duration."""
+    offsets_s = build_arrival_offsets_s(len(requests), config.request_rate, config.burstiness, config.seed)
+    semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+    bar = tqdm(total=len(requests), disable=not config.show_progress, desc="bench serve", unit="req")
+    start_s = time.perf_counter()
+
+    async def one(index: int, request: BenchRequest) -> RequestRecord:
+        if semaphore is None:
+            record = await send_request(client, index, request, options, start_s, tokenizer)
+        else:
+            async with semaphore:
+                record = await send_request(client, index, request, options, start_s, tokenizer)
+        bar.update(1)
+        return record
+
+    tasks = []
+    for index, (request, offset_s) in enumerate(zip(requests, offsets_s, strict=True)):
+        delay_s = start_s + offset_s - time.perf_counter()
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        tasks.append(asyncio.create_task(one(index, request)))
+    records = list(await asyncio.gather(*tasks))
+    duration_s = time.perf_counter() - start_s
+    bar.close()
+    return records, duration_s
+
+
+async def arun_serve_benchmark(
+    config: ServeConfig,
+    requests: list[BenchRequest],
+    tokenizer: TokenizerLike | None = None,
+    workload: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Run one serve benchmark and return its result dict (see ``build_result``)."""
+    if not requests:
+        raise BenchmarkError("no requests to send")
+    limit = config.max_concurrency or len(requests)
+    timeout = httpx.Timeout(config.request_timeout_s, connect=min(30.0, config.request_timeout_s))
+    limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+        model = await _resolve_model(client, config)
+        options = await _probe(client, config, _initial_options(config, model, requests), requests, tokenizer)
+        if config.num_warmups:
+            warmups = [requests[i % len(requests)] for i in range(config.num_warmups)]
+            warm_cap = asyncio.Semaphore(limit)
+
+            async def warm(request: BenchRequest) -> None:
+                async with warm_cap:
+                    await send_request(client, -1, request, options, time.perf_counter(), tokenizer)
+
+            await asyncio.gather(*(warm(r) for r in warmups))
+        scraper = MetricsScraper(client, f"{config.root_url}/metrics", config.metrics_interval_s)
+        if config.scrape_metrics:
+            await scraper.start()
+        try:
+            records, duration_s = await _measure(client, config, options, requests, tokenizer)
+        finally:
+            await scraper.stop()
+    return build_result(config, options, records, duration_s, scraper.report(), workload)
+
+
+def run_serve_benchmark(
+    config: ServeConfig,
+    requests: list[BenchRequest],
+    tokenizer: TokenizerLike | None = None,
+    workload: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Blocking wrapper of ``arun_serve_benchmark`` for the CLI and comparisons."""
+    return asyncio.run(arun_serve_benchmark(config, requests, tokenizer, workload))
+
+
+def build_result(
+    config: ServeConfig,
+    options: RequestOptions,
+    records: list[RequestRecord],
+    duration_s: float,
+    server_metrics: dict[str, Any],
+    workload: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The saved result: run settings, summary, server figures and per-request timings.
+
+    Top-level keys follow vLLM's result files (``request_throughput``, ``p99_ttft_ms``,
+    ``ttfts``, ``itls``...) so those files and these can be compared by the same tools.
+    """
+    result: dict[str, Any] = {
+        "format_version": RESULT_FORMAT_VERSION,
+        "kind": "serve",
+        "label": config.label or options.model,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "base_url": config.root_url,
+        "endpoint": config.endpoint,
+        "model_id": options.model,
+        "prompt_format": "chat" if options.is_chat else ("ids" if options.use_token_ids else "text"),
+        "request_rate": config.request_rate if math.isfinite(config.request_rate) else "inf",
+        "burstiness": config.burstiness,
+        "max_concurrency": config.max_concurrency,
+        "ignore_eos": config.ignore_eos,
+        "temperature": config.temperature,
+        "seed": config.seed,
+        "workload": workload or {},
+    }
+    result.update(summarize(records, duration_s, config.goodput_slos_ms or None))
+    result["server_metrics"] = server_metrics
+    result["input_lens"] = [r.prompt_tokens for r in records]
+    result["output_lens"] = [r.output_tokens for r in records]
+    result["ttfts"] = [r.ttft_s for r in records]
+    result["itls"] = [r.itl_s for r in records]
+    result["generated_texts"] = [r.generated_text for r in records]
+    result["errors"] = [r.error for r in records]
+    result["requests"] = [r.to_dict() for r in records]
+    return result
+
+
+def save_result(result: dict[str, Any], path: str | Path) -> Path:
+    """Write the result JSON (creating parent folders) and return its path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def format_summary(result: dict[str, Any]) -> str:
+    """The end-of-run table, laid out like vLLM's so eyes trained on it find things."""
+    width = 50
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=width, c="=")]
+
+    def row(name: str, value: Any) -> None:
+        lines.append(f"{name:<40}{_fmt(value):>10}")
+
+    row("Target:", result.get("label"))
+    row("Successful requests:", result.get("completed"))
+    row("Failed requests:", result.get("failed"))
+    row("Max request concurrency:", result.get("max_concurrency"))
+    row("Benchmark duration (s):", result.get("duration"))
+    row("Total input tokens:", result.get("total_input_tokens"))
+    row("Total generated tokens:", result.get("total_output_tokens"))
+    row("Request throughput (req/s):", result.get("request_throughput"))
+    if result.get("request_goodput") is not None:
+        row("Request goodput (req/s):", result.get("request_goodput"))
+    row("Output token throughput (tok/s):", result.get("output_throughput"))
+    row("Peak output token throughput (tok/s):", result.get("max_output_tokens_per_s"))
+    row("Peak concurrent requests:", result.get("max_concurrent_requests"))
+    row("Total token throughput (tok/s):", result.get("total_token_throughput"))
+    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    for metric in LATENCY_METRICS:
+        lines.append("{s:{c}^{n}}".format(s=f" {titles[metric]} ", n=width, c="-"))
+        for stat in STATS:
+            label = {"mean": "Mean", "median": "Median", "std": "Std"}.get(stat, stat.upper())
+            row(f"{label} {metric.upper()} (ms):", result.get(f"{stat}_{metric}_ms"))
+    server = result.get("server_metrics") or {}
+    if server.get("available"):
+        lines.append("{s:{c}^{n}}".format(s=" Server /metrics ", n=width, c="-"))
+        kv = server.get("peak_kv_cache_usage")
+        row("Peak KV cache usage (%):", None if kv is None else kv * 100)
+        row("Preemptions:", server.get("num_preemptions"))
+        hit_rate = server.get("prefix_cache_hit_rate")
+        row("Prefix cache hit rate (%):", None if hit_rate is None else hit_rate * 100)
+        rss = server.get("peak_resident_memory_bytes")
+        row("Peak server RSS (MiB):", None if rss is None else rss / 2**20)
+    if result.get("failure_reasons"):
+        lines.append("{s:{c}^{n}}".format(s=" Failures ", n=width, c="-"))
+        for reason, count in result["failure_reasons"].items():
+            lines.append(f"{count:>6} x {reason}")
+    lines.append("=" * width)
+    return "\n".join(lines)

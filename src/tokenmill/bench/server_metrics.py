@@ -1,0 +1,186 @@
+"""Server-side figures read from a target's Prometheus ``/metrics`` during a benchmark.
+
+Client timings say how fast; the server's own gauges say why: how full the KV cache got,
+how often requests were preempted, how much memory the process held. The scraper reads
+``/metrics`` before, periodically during, and after the run, keeping peaks of gauges and
+deltas of counters. tokenmill's names (``tokenmill:``) and vLLM's (``vllm:``) are both
+understood; a target without ``/metrics`` simply yields ``{"available": False}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+# Each figure lists the metric names that carry it, first match wins.
+KV_USAGE_NAMES: tuple[str, ...] = (
+    "tokenmill:kv_cache_usage_perc",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+)
+PREEMPTION_NAMES: tuple[str, ...] = (
+    "tokenmill:num_preemptions_total",
+    "vllm:num_preemptions_total",
+    "vllm:num_preemptions",
+)
+RUNNING_NAMES: tuple[str, ...] = ("tokenmill:num_requests_running", "vllm:num_requests_running")
+WAITING_NAMES: tuple[str, ...] = ("tokenmill:num_requests_waiting", "vllm:num_requests_waiting")
+PREFIX_QUERY_NAMES: tuple[str, ...] = (
+    "tokenmill:prefix_cache_queries_total",
+    "vllm:prefix_cache_queries_total",
+)
+PREFIX_HIT_NAMES: tuple[str, ...] = ("tokenmill:prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
+RSS_NAMES: tuple[str, ...] = ("process_resident_memory_bytes",)
+
+
+def parse_prometheus_text(text: str) -> dict[str, list[float]]:
+    """Sample values per metric name from the Prometheus text format, labels dropped.
+
+    Handles label values containing spaces or braces, and skips comments and lines that
+    are not samples. Several label sets of one name give several values.
+    """
+    samples: dict[str, list[float]] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if brace != -1 and (space == -1 or brace < space):
+            name = line[:brace]
+            rest = _after_labels(line, brace)
+            if rest is None:
+                continue
+        else:
+            if space == -1:
+                continue
+            name, rest = line[:space], line[space:]
+        parts = rest.split()
+        if not parts:
+            continue
+        try:
+            value = float(parts[0])
+        except ValueError:
+            continue
+        samples.setdefault(name, []).append(value)
+    return samples
+
+
+def _after_labels(line: str, brace: int) -> str | None:
+    """The text after the closing brace of a label set, honouring quoted values."""
+    in_quotes = False
+    i = brace + 1
+    while i < len(line):
+        ch = line[i]
+        if ch == "\\" and in_quotes:
+            i += 2
+            continue
+        if ch == '"':
+            in_quotes = not in_quotes
+        elif ch == "}" and not in_quotes:
+            return line[i + 1 :]
+        i += 1
+    return None
+
+
+def _first(samples: dict[str, list[float]], names: tuple[str, ...], combine: str) -> float | None:
+    for name in names:
+        values = [v for v in samples.get(name, []) if math.isfinite(v)]
+        if values:
+            return max(values) if combine == "max" else sum(values)
+    return None
+
+
+def read_figures(samples: dict[str, list[float]]) -> dict[str, float | None]:
+    """The figures the bench reports, from one scrape: gauges by max, counters by sum."""
+    return {
+        "kv_cache_usage": _first(samples, KV_USAGE_NAMES, "max"),
+        "num_preemptions": _first(samples, PREEMPTION_NAMES, "sum"),
+        "num_requests_running": _first(samples, RUNNING_NAMES, "max"),
+        "num_requests_waiting": _first(samples, WAITING_NAMES, "max"),
+        "prefix_cache_queries": _first(samples, PREFIX_QUERY_NAMES, "sum"),
+        "prefix_cache_hits": _first(samples, PREFIX_HIT_NAMES, "sum"),
+        "resident_memory_bytes": _first(samples, RSS_NAMES, "sum"),
+    }
+
+
+def _delta(after: float | None, before: float | None) -> float | None:
+    if after is None:
+        return None
+    return after - (before or 0.0)
+
+
+@dataclass
+class MetricsScraper:
+    """Polls ``metrics_url`` while a benchmark runs and keeps peaks and counter deltas."""
+
+    client: httpx.AsyncClient
+    metrics_url: str
+    interval_s: float = 0.5
+    is_available: bool = False
+    num_scrapes: int = 0
+    before: dict[str, float | None] = field(default_factory=dict)
+    after: dict[str, float | None] = field(default_factory=dict)
+    peaks: dict[str, float] = field(default_factory=dict)
+    _task: asyncio.Task[None] | None = None
+
+    async def scrape(self) -> dict[str, float | None] | None:
+        """One scrape; None when the target has no usable ``/metrics``."""
+        try:
+            response = await self.client.get(self.metrics_url)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        figures = read_figures(parse_prometheus_text(response.text))
+        self.num_scrapes += 1
+        for name, value in figures.items():
+            if value is not None:
+                self.peaks[name] = max(self.peaks.get(name, value), value)
+        return figures
+
+    async def start(self) -> None:
+        """Take the 'before' scrape and, if it worked, start polling for peaks."""
+        figures = await self.scrape()
+        self.is_available = figures is not None and any(v is not None for v in figures.values())
+        if not self.is_available:
+            return
+        self.before = figures or {}
+        self._task = asyncio.create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.scrape()
+
+    async def stop(self) -> None:
+        """Stop polling and take the 'after' scrape."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self.is_available:
+            self.after = await self.scrape() or {}
+
+    def report(self) -> dict[str, Any]:
+        """What the result file stores: peaks of gauges, counter deltas over the run."""
+        if not self.is_available:
+            return {"available": False}
+        queries = _delta(self.after.get("prefix_cache_queries"), self.before.get("prefix_cache_queries"))
+        hits = _delta(self.after.get("prefix_cache_hits"), self.before.get("prefix_cache_hits"))
+        return {
+            "available": True,
+            "num_scrapes": self.num_scrapes,
+            "peak_kv_cache_usage": self.peaks.get("kv_cache_usage"),
+            "num_preemptions": _delta(self.after.get("num_preemptions"), self.before.get("num_preemptions")),
+            "peak_num_requests_running": self.peaks.get("num_requests_running"),
+            "peak_num_requests_waiting": self.peaks.get("num_requests_waiting"),
+            "prefix_cache_hit_rate": (hits / queries) if queries and hits is not None else None,
+            "peak_resident_memory_bytes": self.peaks.get("resident_memory_bytes"),
+        }

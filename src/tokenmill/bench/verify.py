@@ -1,0 +1,268 @@
+"""``tokenmill verify``: do tokenmill's greedy tokens match ``transformers`` exactly?
+
+Owns running the same prompts with greedy decoding through a reference (a plain
+``transformers`` forward loop with a KV cache, one prompt at a time, so nothing but the
+model's maths decides the tokens) and through tokenmill (in-process ``LLM`` or a server
+URL), then reporting the exact-match rate of token sequences, where each mismatch first
+diverges, and the largest difference between the two sides' log-probabilities of the
+same token. EOS is ignored on both sides so sequences have equal length.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+import torch
+
+from tokenmill.bench.tokenization import (
+    TokenizerLike,
+    encode_text,
+    load_tokenizer,
+    resolve_model_folder,
+)
+
+DEFAULT_PROMPTS: tuple[str, ...] = (
+    "The quick brown fox",
+    "Once upon a time, in a village by the sea,",
+    "A tokenizer splits text into pieces, and",
+    "Every morning they walked down to the harbor",
+    "The river ran quietly through the valley",
+    "She opened the window, and",
+    "def add(a, b):",
+    "1, 2, 3, 4, 5,",
+)
+"""Prompts used when no dataset is given: varied enough to exercise several positions."""
+
+
+@dataclass
+class Generation:
+    """Greedy tokens of one prompt and the log-probability each side gave each token."""
+
+    token_ids: list[Any]
+    """Token ids; per-token texts when a server can only name tokens by text."""
+    logprobs: list[float | None]
+
+
+@dataclass
+class PromptVerdict:
+    """How one prompt's two generations compare."""
+
+    index: int
+    is_match: bool
+    first_divergence: int | None
+    """Position of the first differing token; None when the sequences are equal."""
+    max_logprob_diff: float | None
+    """Largest |reference - tokenmill| log-probability over the agreeing prefix."""
+    reference_tokens: list[int] = field(default_factory=list)
+    tokenmill_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of a verify run."""
+
+    num_prompts: int
+    match_rate: float
+    max_logprob_diff: float | None
+    min_match: float
+    prompts: list[PromptVerdict]
+
+    @property
+    def passed(self) -> bool:
+        return self.match_rate >= self.min_match
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["passed"] = self.passed
+        return data
+
+
+def compare_generations(reference: list[Generation], candidate: list[Generation], min_match: float = 1.0) -> VerifyReport:
+    """Exact-match rate, first divergence per mismatch and max logprob difference."""
+    if len(reference) != len(candidate):
+        raise ValueError(f"{len(reference)} reference generations but {len(candidate)} from tokenmill")
+    verdicts = []
+    overall_diff: float | None = None
+    for index, (ref, cand) in enumerate(zip(reference, candidate, strict=True)):
+        divergence = next(
+            (i for i, (a, b) in enumerate(zip(ref.token_ids, cand.token_ids, strict=False)) if a != b), None
+        )
+        if divergence is None and len(ref.token_ids) != len(cand.token_ids):
+            divergence = min(len(ref.token_ids), len(cand.token_ids))
+        agreeing = len(ref.token_ids) if divergence is None else divergence
+        diffs = [
+            abs(a - b)
+            for a, b in zip(ref.logprobs[:agreeing], cand.logprobs[:agreeing], strict=False)
+            if a is not None and b is not None
+        ]
+        prompt_diff = max(diffs) if diffs else None
+        if prompt_diff is not None:
+            overall_diff = prompt_diff if overall_diff is None else max(overall_diff, prompt_diff)
+        verdicts.append(PromptVerdict(index, divergence is None, divergence, prompt_diff, ref.token_ids, cand.token_ids))
+    num_match = sum(v.is_match for v in verdicts)
+    rate = num_match / len(verdicts) if verdicts else 0.0
+    return VerifyReport(len(verdicts), rate, overall_diff, min_match, verdicts)
+
+
+def run_transformers_greedy(
+    model: str, prompts: list[list[int]], max_tokens: int, dtype: str = "float32", device: str = "cpu"
+) -> list[Generation]:
+    """Reference: one prompt at a time, argmax of the raw logits, EOS ignored."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    hf_model = AutoModelForCausalLM.from_pretrained(str(resolve_model_folder(model)), dtype=torch_dtype)
+    hf_model.to(device).eval()
+    # transformers renamed ``past_key_values`` to ``cache`` (input and output); use what this version has.
+    cache_name = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
+    generations = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            input_ids = torch.tensor([prompt], device=device)
+            out = hf_model(input_ids=input_ids, use_cache=True)
+            tokens: list[int] = []
+            logprobs: list[float | None] = []
+            for step in range(max_tokens):
+                step_logprobs = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+                token = int(torch.argmax(step_logprobs))
+                tokens.append(token)
+                logprobs.append(float(step_logprobs[token]))
+                if step + 1 < max_tokens:
+                    out = hf_model(
+                        input_ids=torch.tensor([[token]], device=device),
+                        use_cache=True,
+                        **{cache_name: getattr(out, cache_name)},
+                    )
+            generations.append(Generation(tokens, logprobs))
+    del hf_model
+    return generations
+
+
+def run_tokenmill_greedy(
+    model: str, prompts: list[list[int]], max_tokens: int, dtype: str = "float32", device: str = "cpu",
+    **engine_kwargs: Any,
+) -> list[Generation]:
+    """tokenmill in-process, all prompts batched, greedy with ignore_eos and the sampled logprob."""
+    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.sampling import SamplingParams
+
+    llm = LLM(model=model, dtype=dtype, device=device, **engine_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    generations = []
+    for out in outputs:
+        completion = out.outputs[0]
+        logprobs: list[float | None] = []
+        for position, token in enumerate(completion.token_ids):
+            entry = completion.logprobs[position].get(token) if completion.logprobs else None
+            logprobs.append(entry.logprob if entry is not None else None)
+        generations.append(Generation(list(completion.token_ids), logprobs))
+    del llm
+    return generations
+
+
+def token_text_of(tokenizer: TokenizerLike, token_id: int) -> str:
+    """The per-token text a server puts in ``logprobs.tokens`` (tokenmill's own mapping first)."""
+    for name in ("id_to_token_text", "convert_ids_to_tokens"):
+        method = getattr(tokenizer, name, None)
+        if callable(method):
+            return str(method(token_id))
+    return tokenizer.decode([token_id])
+
+
+def _post_completion(client: httpx.Client, url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    """POST, dropping ``return_tokens_as_token_ids`` once if the server rejects that extension."""
+    response = client.post(url, json=body, headers=headers)
+    if response.status_code == 400 and "return_tokens_as_token_ids" in response.text:
+        body = {k: v for k, v in body.items() if k != "return_tokens_as_token_ids"}
+        response = client.post(url, json=body, headers=headers)
+    if response.status_code != 200:
+        raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:300]}")
+    return response.json()
+
+
+def run_server_greedy(
+    base_url: str, model: str, prompts: list[list[int]], max_tokens: int,
+    api_key: str | None = None, timeout_s: float = 300.0,
+) -> list[Generation]:
+    """tokenmill behind a URL: ``/v1/completions`` with token-id prompts and logprobs.
+
+    Asks for ``return_tokens_as_token_ids`` (vLLM's extension) to get exact ids. A server
+    without it returns each token's text instead: those generations hold strings, and
+    ``run_verify`` compares them with the reference's tokens mapped to text the same way.
+    """
+    root = base_url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    generations = []
+    with httpx.Client(timeout=timeout_s, trust_env=False) as client:
+        for prompt in prompts:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                    "logprobs": 1, "ignore_eos": True, "return_tokens_as_token_ids": True}
+            choice = _post_completion(client, f"{root}/v1/completions", body, headers)["choices"][0]
+            logprobs = choice.get("logprobs") or {}
+            tokens: list[Any] = list(logprobs.get("tokens") or [])
+            if tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+                tokens = [int(t[len("token_id:") :]) for t in tokens]
+            generations.append(Generation(tokens, list(logprobs.get("token_logprobs") or [None] * len(tokens))))
+    return generations
+
+
+def build_prompt_ids(tokenizer: TokenizerLike, texts: list[str] | None = None, num_prompts: int | None = None) -> list[list[int]]:
+    """Token ids of the verify prompts (the defaults unless ``texts`` is given)."""
+    texts = list(texts or DEFAULT_PROMPTS)
+    if num_prompts is not None:
+        texts = [texts[i % len(texts)] for i in range(num_prompts)]
+    return [encode_text(tokenizer, t) for t in texts]
+
+
+def run_verify(
+    model: str,
+    *,
+    max_tokens: int = 32,
+    texts: list[str] | None = None,
+    num_prompts: int | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    server_url: str | None = None,
+    server_model: str | None = None,
+    api_key: str | None = None,
+    min_match: float = 1.0,
+    engine_kwargs: dict[str, Any] | None = None,
+) -> VerifyReport:
+    """Reference vs tokenmill on the same prompts; see ``VerifyReport.passed``."""
+    tokenizer = load_tokenizer(model)
+    prompts = build_prompt_ids(tokenizer, texts, num_prompts)
+    reference = run_transformers_greedy(model, prompts, max_tokens, dtype, device)
+    if server_url:
+        candidate = run_server_greedy(server_url, server_model or model, prompts, max_tokens, api_key)
+        if any(isinstance(t, str) for g in candidate for t in g.token_ids):
+            reference = [Generation([token_text_of(tokenizer, t) for t in g.token_ids], g.logprobs) for g in reference]
+    else:
+        candidate = run_tokenmill_greedy(model, prompts, max_tokens, dtype, device, **(engine_kwargs or {}))
+    return compare_generations(reference, candidate, min_match)
+
+
+def format_verify_report(report: VerifyReport) -> str:
+    """The terminal summary: one line per mismatch and the overall verdict."""
+    lines = [f"exact match: {report.match_rate * 100:.1f}% of {report.num_prompts} prompts "
+             f"(required {report.min_match * 100:.1f}%)"]
+    diff = "n/a" if report.max_logprob_diff is None else f"{report.max_logprob_diff:.3e}"
+    lines.append(f"max |logprob difference| over agreeing tokens: {diff}")
+    for v in report.prompts:
+        if not v.is_match:
+            pos = v.first_divergence
+            ref = v.reference_tokens[pos] if pos is not None and pos < len(v.reference_tokens) else None
+            got = v.tokenmill_tokens[pos] if pos is not None and pos < len(v.tokenmill_tokens) else None
+            lines.append(f"  prompt {v.index}: diverges at token {pos} (transformers {ref}, tokenmill {got})")
+    lines.append("PASS" if report.passed else "FAIL")
+    return "\n".join(lines)
+
+
+def save_verify_report(report: VerifyReport, path: str) -> None:
+    """Write the full report, every token of both sides included, as JSON."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report.to_dict(), f, indent=2)

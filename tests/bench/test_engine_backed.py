@@ -1,0 +1,66 @@
+"""``bench offline --compare`` and ``verify`` on a tiny fp32 model, in-process.
+
+These drive tokenmill's engine and transformers for real, on the session's tiny Llama
+(peaked logits, so greedy parity tests the engine rather than fp32 near-ties).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from tokenmill.bench.cli import register
+from tokenmill.bench.verify import run_verify
+
+pytestmark = pytest.mark.slow
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill")
+    register(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def test_offline_compare_gives_a_row_per_backend(make_model, tmp_path: Path, capsys) -> None:
+    folder = make_model("llama")
+    out = tmp_path / "offline.json"
+    args = _parser().parse_args([
+        "bench", "offline", "--model", str(folder), "--compare", "--num-rounds", "2", "--num-warmups", "1",
+        "--backends", "tokenmill,transformers,transformers-cb", "--num-prompts", "4", "--input-len", "8",
+        "--output-len", "4", "--batch-size", "2", "--device", "cpu", "--save-result", str(out),
+        "--engine-arg", "kv_cache_memory=16777216",
+    ])
+    assert args.func(args) == 0
+    result = json.loads(out.read_text())
+    rows = {row["backend"]: row for row in result["backends"]}
+    assert list(rows) == ["tokenmill", "transformers", "transformers-cb"]
+    for name in ("tokenmill", "transformers"):
+        row = rows[name]
+        assert not row["skipped"] and row["completed"] == 8 and row["failed"] == 0  # 4 prompts x 2 rounds
+        assert row["total_output_tokens"] == 32  # ignore_eos: every request gives its 4 tokens
+        assert row["output_throughput"] > 0 and row["median_ttft_ms"] > 0 and row["median_tpot_ms"] > 0
+        assert row["peak_memory_bytes"] >= 0 and len(row["round_output_throughputs"]) == 2
+    cb = rows["transformers-cb"]
+    assert (cb["skipped"] and cb["note"]) or cb["completed"] == 8
+    assert rows["tokenmill"]["throughput_ratio_vs_baseline"] == pytest.approx(1.0)
+    table = capsys.readouterr().out
+    assert "tokenmill[paged]" in table and "transformers[bs=2]" in table
+
+
+def test_verify_passes_on_a_tiny_fp32_model(make_model) -> None:
+    report = run_verify(str(make_model("llama")), max_tokens=8, num_prompts=3)
+    assert report.passed and report.match_rate == 1.0
+    assert report.max_logprob_diff is not None and report.max_logprob_diff < 1e-3
+
+
+def test_verify_fails_when_the_engine_diverges_on_purpose(make_model, capsys) -> None:
+    args = _parser().parse_args([
+        "verify", "--model", str(make_model("llama")), "--max-tokens", "8", "--num-prompts", "3",
+        "--engine-arg", "rope_theta_override=1.0",
+    ])
+    assert args.func(args) == 1
+    printed = capsys.readouterr().out
+    assert "diverges at token" in printed and printed.rstrip().endswith("FAIL")

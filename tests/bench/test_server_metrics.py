@@ -1,0 +1,37 @@
+"""Prometheus text parsing and the figures read from it."""
+
+from __future__ import annotations
+
+from tokenmill.bench.server_metrics import parse_prometheus_text, read_figures
+
+TEXT = """\
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="a b {c}"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="x\\"y"} 0.5
+vllm:num_preemptions_total{engine="0"} 3
+vllm:num_preemptions_total{engine="1"} 4
+process_resident_memory_bytes 2.5e+08
+broken_line_without_value
+weird{unclosed="x 1
+"""
+
+
+def test_parse_handles_labels_comments_and_garbage() -> None:
+    samples = parse_prometheus_text(TEXT)
+    assert samples["vllm:kv_cache_usage_perc"] == [0.25, 0.5]
+    assert samples["process_resident_memory_bytes"] == [2.5e8]
+    assert "broken_line_without_value" not in samples and "weird" not in samples
+
+
+def test_figures_take_max_of_gauges_and_sum_of_counters() -> None:
+    figures = read_figures(parse_prometheus_text(TEXT))
+    assert figures["kv_cache_usage"] == 0.5
+    assert figures["num_preemptions"] == 7
+    assert figures["resident_memory_bytes"] == 2.5e8
+    assert figures["num_requests_running"] is None
+
+
+def test_tokenmill_names_win_over_vllm_names() -> None:
+    figures = read_figures(parse_prometheus_text(TEXT + "tokenmill:kv_cache_usage_perc 0.9\n"))
+    assert figures["kv_cache_usage"] == 0.9
