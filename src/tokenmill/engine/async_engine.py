@@ -122,7 +122,8 @@ class AsyncLLMEngine:
             logger.warning("engine thread did not stop within %.1fs", timeout_s)
         if self.state is not EngineState.DEAD:
             self.state = EngineState.STOPPED
-        self._fail_all_streams("the engine was shut down")
+        # Streams belong to the event loop; this may be called from a worker thread.
+        self._call_on_loop(self._fail_all_streams, "the engine was shut down")
 
     @property
     def is_ready(self) -> bool:

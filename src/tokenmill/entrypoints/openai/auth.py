@@ -1,0 +1,65 @@
+"""API-key authentication, as pure-ASGI middleware in front of every route.
+
+Owns the rule that nothing runs without a valid key when keys are configured: the check
+is deny-by-default on the decoded path the router itself matches, so trailing slashes,
+double slashes, percent-encoding, unknown routes and OPTIONS all need the key too. Only
+``GET /health`` and ``GET /metrics`` (exact paths) can be opened, by an operator flag.
+Keys are compared in constant time, against every configured key without stopping early.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tokenmill.entrypoints.openai.middleware import header_value, send_error
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def _digest(value: bytes) -> bytes:
+    # Hashing first makes the comparison independent of the lengths involved.
+    return hashlib.sha256(value).digest()
+
+
+class APIKeyAuthMiddleware:
+    """401 unless ``Authorization: Bearer <key>`` names a configured key."""
+
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str], open_health_metrics: bool = False) -> None:
+        self.app = app
+        self._key_digests = [_digest(k.encode()) for k in api_keys]
+        self._open_paths = OPEN_PATHS if open_health_metrics else frozenset()
+
+    def _key_index(self, scope: Scope) -> int | None:
+        values = header_value(scope, b"authorization")
+        if len(values) != 1:
+            return None
+        scheme, _, token = values[0].partition(b" ")
+        if scheme.lower() != b"bearer" or not token.strip():
+            return None
+        presented = _digest(token.strip())
+        match = None
+        for index, digest in enumerate(self._key_digests):
+            if hmac.compare_digest(presented, digest) and match is None:
+                match = index
+        return match
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self._key_digests:
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] in ("GET", "HEAD") and scope["path"] in self._open_paths:
+            await self.app(scope, receive, send)
+            return
+        index = self._key_index(scope)
+        if index is None:
+            await send_error(
+                send, 401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                code="invalid_api_key", headers=[("WWW-Authenticate", "Bearer")],
+            )
+            return
+        scope.setdefault("state", {})["api_key_id"] = index
+        await self.app(scope, receive, send)

@@ -1,0 +1,307 @@
+"""Request models of the OpenAI-compatible API, and the one way request bodies are parsed.
+
+Owns what a valid body is. Models are strict (``"5"`` is not an integer, ``1.5`` is not
+``n``) and forbid unknown fields, so a feature tokenmill does not implement is a clear 400
+naming the field rather than something silently ignored. Fields OpenAI defines but
+tokenmill cannot honour (tools, JSON schemas, logit bias, suffix) are declared only so the
+rejection can say why. Bodies are decoded here, before pydantic sees them: wrong content
+type, invalid UTF-8, lone surrogates and non-object JSON all fail with OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tokenmill.entrypoints.openai.errors import APIError
+from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling.params import SamplingParams
+
+_INT32_MAX = 2**31 - 1
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+class StrictModel(BaseModel):
+    """Base of every request model: strict types, unknown fields rejected."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+    """Send a final chunk with the request's usage (and empty choices) before [DONE]."""
+    continuous_usage_stats: bool = False
+    """vLLM extension: put the running usage in every chunk."""
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class TextContentPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+
+class SamplingFields(StrictModel):
+    """Fields shared by completions and chat: OpenAI's plus the vLLM extras."""
+
+    model: str | None = None
+    """Served model name; defaults to the first one."""
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    """Accepted for compatibility; not used."""
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    priority: int = 0
+    """Lower runs first when the server uses ``--scheduling-policy priority``."""
+
+    def check_common(self) -> None:
+        """Reject what tokenmill cannot honour, naming the field."""
+        if self.logit_bias:
+            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+        if not -_INT32_MAX <= self.priority <= _INT32_MAX:
+            raise InvalidRequestError("priority must fit in 32 bits", param="priority")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """The engine's SamplingParams; its validation errors name the offending field."""
+        values: dict[str, Any] = {
+            "n": self.n,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": 0 if self.top_k is None else self.top_k,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+        return SamplingParams(**values)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+Prompt = str | list[int] | list[list[int]] | list[str]
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: Prompt
+    """A string, a list of strings, token ids, or a list of token-id lists."""
+    suffix: str | None = None
+    max_tokens: int | None = 16
+    """Clamped to the context left after the prompt; null means all of it."""
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
+    add_special_tokens: bool = True
+
+    def check(self) -> None:
+        self.check_common()
+        if self.suffix is not None:
+            raise InvalidRequestError("suffix is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of other than n is not supported", param="best_of")
+        prompts = self.prompt if isinstance(self.prompt, list) else [self.prompt]
+        if not prompts:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        for p in prompts:
+            if isinstance(p, (str, list)) and len(p) == 0:
+                raise InvalidRequestError("prompt must not be empty", param="prompt")
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts as a list: each a string or a token-id list."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ChatTemplateFields(StrictModel):
+    """Chat-template inputs shared by chat completions and tokenize."""
+
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    """A template source; only honoured with ``--trust-request-chat-template``."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the template (e.g. ``enable_thinking``)."""
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    """Deprecated by OpenAI in favour of max_completion_tokens; null means the context left."""
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.tools or self.functions:
+            param = "tools" if self.tools else "functions"
+            raise InvalidRequestError("tool and function calling are not supported yet", param=param)
+        for name in ("tool_choice", "function_call"):
+            value = getattr(self, name)
+            if value is not None and value != "none":
+                raise InvalidRequestError(f"{name} is not supported yet (only 'none')", param=name)
+        if self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequestError(
+                f"response_format {self.response_format.type!r} is not supported yet; only 'text'",
+                param="response_format",
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        for i, message in enumerate(self.messages):
+            if message.content is None and message.role != "assistant":
+                raise InvalidRequestError(f"messages[{i}].content is required", param=f"messages.{i}.content")
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(ChatTemplateFields):
+    """``POST /tokenize``: either ``prompt`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    """Default: true for a prompt, false for messages (the template writes them)."""
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
+        if self.messages is not None and not self.messages:
+            raise InvalidRequestError("messages must not be empty", param="messages")
+
+
+class DetokenizeRequest(StrictModel):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- body parsing ----------------------------------------------------------------------------
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "is-instance", "function-after"}
+
+
+def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
+    return ".".join(parts) or None
+
+
+def _check_strings(value: Any, path: str) -> None:
+    """Reject lone surrogates (valid JSON escapes, but not text) anywhere in the body."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequestError(f"{where or 'body'} contains invalid Unicode (a lone surrogate)",
+                                          param=where or None) from None
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}.{i}" if where else str(i)) for i, v in enumerate(item))
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                if not isinstance(k, str) or any(0xD800 <= ord(c) <= 0xDFFF for c in k):
+                    raise InvalidRequestError("a field name contains invalid Unicode", param=where or None)
+                stack.append((v, f"{where}.{k}" if where else k))
+
+
+def decode_json_object(raw: bytes, content_type: str | None) -> dict[str, Any]:
+    """The body as a JSON object, or an APIError saying exactly what is wrong with it."""
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise APIError(415, "the request body must be JSON (Content-Type: application/json)",
+                       code="unsupported_media_type")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise APIError(400, "the request body is not valid UTF-8", code="invalid_json") from None
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):  # ValueError also covers integers over the digit limit
+        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    _check_strings(data, "")
+    return data
+
+
+def validate_model(model_cls: type[ModelT], data: dict[str, Any]) -> ModelT:
+    """Validate a decoded body; the first problem becomes a 400 naming its field."""
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_input=False)[0]
+        param = _param_from_loc(tuple(first.get("loc", ())))
+        if first.get("type") == "extra_forbidden":
+            message = f"unknown or unsupported field {param!r}"
+        elif first.get("type") == "missing":
+            message = f"{param} is required"
+        else:
+            message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid body")
+        raise InvalidRequestError(message, param=param) from None

@@ -1,0 +1,1 @@
+"""One small FastAPI router per endpoint family."""

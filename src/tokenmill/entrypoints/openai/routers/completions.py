@@ -1,0 +1,205 @@
+"""``POST /v1/completions``: text completion of one or many prompts, streamed or not.
+
+Owns the completions wire format: choices indexed ``prompt_index * n + i`` (as vLLM and
+OpenAI do for batched prompts), ``echo`` (the prompt's text, and its logprobs when
+``logprobs`` is set), the legacy logprobs object, and the usage chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.entrypoints.openai.generation import (
+    ChoiceDelta,
+    GenerationRun,
+    choice_logprob_entries,
+    finite_logprob,
+    guard_stream,
+    tokenize_prompts,
+)
+from tokenmill.entrypoints.openai.protocol import (
+    CompletionRequest,
+    decode_json_object,
+    validate_model,
+)
+from tokenmill.entrypoints.openai.state import get_state, new_request_id
+from tokenmill.entrypoints.openai.streaming import (
+    ClientDisconnected,
+    SSEResponse,
+    run_until_disconnected,
+    sse_event,
+)
+from tokenmill.errors import InvalidRequestError
+from tokenmill.outputs import PositionLogprobs, RequestOutput
+
+router = APIRouter()
+
+
+def completion_logprobs(
+    token_ids: list[int], entries: list[PositionLogprobs | None] | None, tokenizer: Any, text_offset: int
+) -> dict[str, Any]:
+    """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+    result: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for _, text, logprob, top in choice_logprob_entries(token_ids, entries, tokenizer):
+        result["tokens"].append(text)
+        result["token_logprobs"].append(logprob)
+        result["top_logprobs"].append(dict(top) if logprob is not None else None)
+        result["text_offset"].append(text_offset)
+        text_offset += len(text)
+    return result
+
+
+def vllm_prompt_logprobs(output: RequestOutput | None) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt position, token id -> logprob, rank, text."""
+    if output is None or output.prompt_logprobs is None:
+        return None
+    return [
+        None if entry is None else {
+            str(token_id): {"logprob": finite_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for token_id, lp in entry.items()
+        }
+        for entry in output.prompt_logprobs
+    ]
+
+
+def _merge_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    return {k: first[k] + second[k] for k in first}
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request) -> Response:
+    arrival_time = time.monotonic()
+    state = get_state(request)
+    request_id = new_request_id("cmpl")
+    request.scope.setdefault("state", {})["request_id"] = request_id
+    body = validate_model(CompletionRequest, decode_json_object(await request.body(), request.headers.get("content-type")))
+    body.check()
+    model = state.resolve_model(body.model)
+    engine = state.ready_engine()
+    want_prompt_logprobs = body.echo and body.logprobs is not None
+    params = body.sampling_params(
+        body.max_tokens, body.logprobs,
+        prompt_logprobs=body.logprobs if want_prompt_logprobs else body.prompt_logprobs,
+    )
+    engine.validate_params(params)
+    if body.priority != 0 and state.engine_config.scheduling_policy != "priority":
+        raise InvalidRequestError("priority requires the server to run with --scheduling-policy priority",
+                                  param="priority")
+    prompts = await tokenize_prompts(state, body.prompt_list(), body.add_special_tokens)
+    for p in prompts:
+        if p.text is None and body.echo:
+            p.text = engine.tokenizer.decode(p.token_ids, skip_special_tokens=False)
+    run = GenerationRun(state, request_id, prompts, params, body.priority, arrival_time)
+    created = int(time.time())
+    headers = {"X-Request-Id": request_id}
+    if body.stream:
+        events = guard_stream(_stream(run, body, model, created), request_id,
+                              on_close=lambda: run.record_for_access_log(request))
+        return SSEResponse(events, headers=headers)
+    try:
+        outputs = await run_until_disconnected(request, run.collect())
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        run.record_for_access_log(request)
+    return JSONResponse(_response(run, body, model, created, outputs), headers=headers)
+
+
+def _echo_prefix(
+    run: GenerationRun, body: CompletionRequest, prompt_index: int, output: RequestOutput | None
+) -> tuple[str, dict[str, Any] | None]:
+    """(text, logprobs) that echo puts before a choice of this prompt."""
+    prompt = run.prompts[prompt_index]
+    if not body.echo:
+        return "", None
+    text = prompt.text or ""
+    if body.logprobs is None:
+        return text, None
+    tokenizer = run.state.engine.tokenizer
+    entries = output.prompt_logprobs if output is not None else None
+    return text, completion_logprobs(prompt.token_ids, entries, tokenizer, 0)
+
+
+def _response(
+    run: GenerationRun, body: CompletionRequest, model: str, created: int, outputs: list[RequestOutput | None]
+) -> dict[str, Any]:
+    tokenizer = run.state.engine.tokenizer
+    n = run.params.n
+    choices = []
+    for prompt_index, output in enumerate(outputs):
+        echo_text, echo_logprobs = _echo_prefix(run, body, prompt_index, output)
+        completions = output.outputs if output is not None else []
+        by_index = {c.index: c for c in completions}
+        for i in range(n):
+            c = by_index.get(i)
+            text = c.text if c is not None else ""
+            logprobs = None
+            if body.logprobs is not None:
+                ids = c.token_ids if c is not None else []
+                logprobs = completion_logprobs(ids, c.logprobs if c else None, tokenizer, len(echo_text))
+                if echo_logprobs is not None:
+                    logprobs = _merge_logprobs(echo_logprobs, logprobs)
+            choice = {
+                "index": prompt_index * n + i,
+                "text": echo_text + text,
+                "logprobs": logprobs,
+                "finish_reason": (c.finish_reason if c is not None else None) or "length",
+                "stop_reason": c.stop_reason if c is not None else None,
+            }
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(output)
+            choices.append(choice)
+    return {
+        "id": run.request_id, "object": "text_completion", "created": created, "model": model,
+        "choices": choices, "usage": run.usage(), "system_fingerprint": None,
+    }
+
+
+async def _stream(run: GenerationRun, body: CompletionRequest, model: str, created: int) -> AsyncIterator[bytes]:
+    tokenizer = run.state.engine.tokenizer
+    n = run.params.n
+    offsets = [0] * run.num_choices
+    echoed: set[int] = set()
+    first_extra: dict[int, Any] = {}
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+        payload = {"id": run.request_id, "object": "text_completion", "created": created, "model": model,
+                   "choices": choices}
+        if usage is not None or body.continuous_usage:
+            payload["usage"] = usage if usage is not None else run.usage()
+        return sse_event(payload)
+
+    async for batch in run.deltas():
+        choices = []
+        for d in batch:
+            text, logprobs = d.text, None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(d.token_ids, d.logprobs, tokenizer, offsets[d.index])
+            if d.index not in echoed:
+                echoed.add(d.index)
+                prompt_index = d.index // n
+                echo_text, echo_logprobs = _echo_prefix(run, body, prompt_index, run.latest[prompt_index])
+                text = echo_text + text
+                if echo_logprobs is not None and logprobs is not None:
+                    logprobs = _merge_logprobs(echo_logprobs, completion_logprobs(
+                        d.token_ids, d.logprobs, tokenizer, len(echo_text)))
+                if body.prompt_logprobs is not None:
+                    first_extra[d.index] = vllm_prompt_logprobs(run.latest[prompt_index])
+            offsets[d.index] += len(text)
+            choice = _stream_choice(d, text, logprobs)
+            if d.index in first_extra:
+                choice["prompt_logprobs"] = first_extra.pop(d.index)
+            choices.append(choice)
+        yield chunk(choices)
+    if body.include_usage:
+        yield chunk([], usage=run.usage())
+
+
+def _stream_choice(d: ChoiceDelta, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": d.index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason,
+            "stop_reason": d.stop_reason}

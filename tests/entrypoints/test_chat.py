@@ -1,0 +1,112 @@
+"""``POST /v1/chat/completions`` through the official client and raw HTTP."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.conftest import ServerHandle, assert_error, sse_events
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the sea."}]
+EOS_OFF = {"ignore_eos": True}
+
+
+def test_chat_uses_template_and_counts_usage(client: openai.OpenAI, http: httpx.Client) -> None:
+    result = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=6, temperature=0,
+                                            extra_body=EOS_OFF)
+    assert result.id.startswith("chatcmpl-") and result.object == "chat.completion"
+    choice = result.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason == "length"
+    rendered = http.post("/tokenize", json={"messages": MESSAGES}).json()
+    assert result.usage.prompt_tokens == rendered["count"]
+    assert result.usage.completion_tokens == 6
+    assert result.usage.total_tokens == rendered["count"] + 6
+
+
+def test_max_completion_tokens_wins_over_max_tokens(client: openai.OpenAI) -> None:
+    result = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=9,
+                                            max_completion_tokens=3, extra_body=EOS_OFF)
+    assert result.usage.completion_tokens == 3
+
+
+def test_stream_order_role_content_finish_usage_done(server: ServerHandle) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 5, "stream": True, "seed": 3, "n": 2,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, headers=server.headers()) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    first = chunks[0]["choices"]
+    assert [c["delta"] for c in first] == [{"role": "assistant", "content": ""}] * 2
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+    finishes = [c for chunk in chunks[1:-1] for c in chunk["choices"] if c["finish_reason"]]
+    assert sorted(c["index"] for c in finishes) == [0, 1]
+    assert all(c["delta"] == {} for c in finishes)
+    # nothing for a choice comes after its finish chunk
+    for index in (0, 1):
+        positions = [i for i, chunk in enumerate(chunks) for c in chunk["choices"] if c["index"] == index]
+        finish_at = next(i for i, chunk in enumerate(chunks) for c in chunk["choices"]
+                         if c["index"] == index and c["finish_reason"])
+        assert positions[-1] == finish_at
+
+
+def test_streamed_equals_non_streamed_for_same_seed(client: openai.OpenAI) -> None:
+    kwargs = dict(model="demo", messages=MESSAGES, max_tokens=10, seed=42, temperature=0.9, extra_body=EOS_OFF)
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    stream = client.chat.completions.create(stream=True, **kwargs)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == full
+
+
+def test_logprobs_and_top_logprobs(client: openai.OpenAI) -> None:
+    result = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=4, logprobs=True,
+                                            top_logprobs=3, extra_body=EOS_OFF)
+    content = result.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.bytes == list(entry.token.encode())
+    streamed = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=4, logprobs=True,
+                                              top_logprobs=1, stream=True, extra_body=EOS_OFF)
+    entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == 4
+
+
+def test_response_format_text_is_accepted(client: openai.OpenAI) -> None:
+    result = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=2,
+                                            response_format={"type": "text"})
+    assert result.choices[0].message.role == "assistant"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+         "response_format"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 10**6}, "top_logprobs"),
+        ({"chat_template": "{{ messages }}"}, "chat_template"),
+        ({"audio": {"voice": "x"}}, "audio"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         "messages.0.content"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ],
+)
+def test_unsupported_features_are_clear_400s(http: httpx.Client, extra: dict, param: str) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 2, **extra}
+    error = assert_error(http.post("/v1/chat/completions", json=body), 400)
+    assert error["param"].startswith(param), error
+
+
+def test_request_chat_template_needs_operator_trust(http: httpx.Client) -> None:
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "chat_template": "{{ 'x' }}"})
+    error = assert_error(r, 400, param="chat_template")
+    assert "--trust-request-chat-template" in error["message"]

@@ -1,0 +1,118 @@
+"""A stalled or crashing engine, in-process: timeouts answer, a dead engine fails fast.
+
+The server runs in-process (uvicorn on a thread) so the test can stall and then break the
+engine's ``step``; clients still talk to it over loopback HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from tests.entrypoints.conftest import assert_error, free_port
+from tokenmill.config import EngineConfig
+from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.entrypoints.openai.server import build_app
+from tokenmill.entrypoints.openai.state import ServerConfig
+
+
+@dataclass
+class InProcessServer:
+    engine: AsyncLLMEngine
+    base_url: str
+    stall: threading.Event
+    crash: threading.Event
+
+
+@pytest.fixture(scope="module")
+def inproc(demo_cache: str) -> Iterator[InProcessServer]:
+    threads = torch.get_num_threads()
+    engine_config = EngineConfig(model="demo", max_model_len=256, max_num_seqs=4, num_threads=1)
+    engine = AsyncLLMEngine(engine_config)
+    port = free_port()
+    config = ServerConfig(port=port, request_timeout_s=1.0, max_num_seqs=4, max_queue_len=4)
+    app = build_app(engine, config, engine_config)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    handle = InProcessServer(engine, f"http://127.0.0.1:{port}", threading.Event(), threading.Event())
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{handle.base_url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "in-process server never became healthy"
+        time.sleep(0.1)
+    real_step = engine.engine.step
+
+    def step():
+        if handle.crash.is_set():
+            raise RuntimeError("boom at 0x7f3a2b1c /secret/path/model.py")
+        if handle.stall.is_set():
+            time.sleep(0.02)
+            return []
+        return real_step()
+
+    engine.engine.step = step  # type: ignore[method-assign]
+    yield handle
+    server.should_exit = True
+    thread.join(30)
+    torch.set_num_threads(threads)
+
+
+def _chat_stream(base_url: str) -> list:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+    return events
+
+
+def test_request_that_never_gets_output_times_out_with_503(inproc: InProcessServer) -> None:
+    inproc.stall.set()
+    try:
+        start = time.monotonic()
+        r = httpx.post(f"{inproc.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 5}, timeout=30)
+        assert_error(r, 503, code="request_timeout")
+        assert 0.9 < time.monotonic() - start < 10
+        events = _chat_stream(inproc.base_url)
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "request_timeout"
+    finally:
+        inproc.stall.clear()
+    ok = httpx.post(f"{inproc.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+    assert ok.status_code == 200, ok.text
+
+
+def test_engine_crash_fails_in_flight_marks_unhealthy(inproc: InProcessServer) -> None:
+    body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", f"{inproc.base_url}/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+            if len(events) == 1:
+                inproc.crash.set()
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert error["type"] == "internal_server_error"
+    for leak in ("boom", "0x", "/secret", "Traceback"):
+        assert leak not in error["message"]
+    r = httpx.post(f"{inproc.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=10)
+    error = assert_error(r, 500, code="engine_dead")
+    assert "boom" not in error["message"]
+    assert_error(httpx.get(f"{inproc.base_url}/health", timeout=10), 503)
