@@ -13,7 +13,7 @@ from torch import nn
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention, write_kv
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -27,9 +27,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv_weight = _param(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
-        self.qkv_bias = _param(cfg.q_size + 2 * cfg.kv_size) if cfg.qkv_bias else None
-        self.o_weight = _param(cfg.hidden_size, cfg.q_size)
+        self.qkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o = Linear(cfg.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.window = cfg.sliding_windows[layer_idx]
@@ -43,7 +42,7 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = nn.functional.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -55,7 +54,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)
-        return nn.functional.linear(out, self.o_weight)
+        return self.o(out)
 
 
 class MLP(nn.Module):
@@ -63,11 +62,11 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_weight = _param(2 * cfg.intermediate_size, cfg.hidden_size)
-        self.down_weight = _param(cfg.hidden_size, cfg.intermediate_size)
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(silu_and_mul(nn.functional.linear(x, self.gate_up_weight)), self.down_weight)
+        return self.down(silu_and_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -104,7 +103,7 @@ class DecoderModel(nn.Module):
         self.embed = _param(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
 
     def forward(
@@ -124,4 +123,8 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that need them."""
-        return nn.functional.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
+
+    def linears(self) -> list[Linear]:
+        """Every projection, for weight-layout changes such as oneDNN prepacking."""
+        return [m for m in self.modules() if isinstance(m, Linear)]

@@ -144,23 +144,26 @@ def load_model(
 
     put(model, "embed", "model.embed_tokens.weight")
     if cfg.tie_word_embeddings:
-        model.lm_head = model.embed
+        model.lm_head.weight = model.embed
     else:
-        put(model, "lm_head", "lm_head.weight")
+        put(model.lm_head, "weight", "lm_head.weight")
     put(model.norm, "weight", "model.norm.weight")
     for n, layer in enumerate(model.layers):
         p = f"model.layers.{n}."
         a = p + "self_attn."
-        put(layer.attn, "qkv_weight", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
+        put(layer.attn.qkv, "weight", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
         if cfg.qkv_bias:
-            put(layer.attn, "qkv_bias", a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
-        put(layer.attn, "o_weight", a + "o_proj.weight")
+            put(layer.attn.qkv, "bias", a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+        put(layer.attn.o, "weight", a + "o_proj.weight")
         if cfg.qk_norm:
             put(layer.attn.q_norm, "weight", a + "q_norm.weight")
             put(layer.attn.k_norm, "weight", a + "k_norm.weight")
-        put(layer.mlp, "gate_up_weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-        put(layer.mlp, "down_weight", p + "mlp.down_proj.weight")
+        put(layer.mlp.gate_up, "weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+        put(layer.mlp.down, "weight", p + "mlp.down_proj.weight")
         put(layer.input_norm, "weight", p + "input_layernorm.weight")
         put(layer.post_attn_norm, "weight", p + "post_attention_layernorm.weight")
     model.eval()
+    if device.type == "cpu" and dtype == torch.float32:
+        num_packed = sum(linear.pack_for_onednn() for linear in model.linears())
+        logger.info("prepacked %d/%d projections for oneDNN", num_packed, len(model.linears()))
     return model
