@@ -49,6 +49,8 @@ class EngineConfig:
     """Seed of the engine's global generator (for requests without their own seed)."""
     enforce_eager: bool = False
     """Disable torch.compile and graph capture (static strategy)."""
+    compile_batch_sizes: tuple[int, ...] | None = None
+    """Decode batch sizes compiled (static strategy); None: powers of two up to max_num_seqs."""
     num_threads: int | None = None
     """CPU threads for torch; None keeps torch's default."""
     rope_theta_override: float | None = None
@@ -70,6 +72,10 @@ class EngineConfig:
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
         check(self.scheduling_policy in ("fcfs", "priority"), f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         check(self.max_logprobs >= 0, "max_logprobs must be >= 0")
+        check(
+            self.compile_batch_sizes is None or (bool(self.compile_batch_sizes) and all(b >= 1 for b in self.compile_batch_sizes)),
+            "compile_batch_sizes must be positive integers",
+        )
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
 
     @classmethod

@@ -176,3 +176,27 @@ def test_request_metrics_are_ordered(folder) -> None:
     llm = LLM(str(folder), dtype="float32", max_model_len=256)
     m = llm.generate(["hello there"], GREEDY, use_tqdm=False)[0].metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+
+
+def test_static_slots_queue_abort_and_reuse_prefixes(folder) -> None:
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, max_num_seqs=2, kv_cache="static", enforce_eager=True)
+    engine = llm.engine
+    shared = list(range(20, 60))
+    for i in range(5):  # more requests than slots
+        engine.add_request(f"r{i}", shared + [100 + i], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert engine.scheduler.num_running == 2 and engine.scheduler.num_waiting == 3
+    engine.abort_request("r0")  # its slot goes to the next request
+    done = {out.request_id: out for out in engine.step() if out.finished}
+    assert engine.scheduler.num_running == 2 and engine.scheduler.num_waiting == 2
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert sorted(done) == ["r0", "r1", "r2", "r3", "r4"]
+    assert done["r0"].outputs[0].finish_reason == "abort"
+    assert all(len(done[f"r{i}"].outputs[0].token_ids) == 4 for i in range(1, 5))
+    # later requests found the shared 40-token prefix in a freed slot
+    assert engine.kv_manager.stats.num_hit_tokens >= 40 * 2
+    assert max(done[f"r{i}"].num_cached_tokens for i in range(2, 5)) >= 40
+    assert engine.kv_manager.usage == 0.0

@@ -30,6 +30,7 @@ from tokenmill.sampling.params import SamplingParams
 from tokenmill.sampling.sampler import Sampler
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.worker.kv_cache import allocate_kv_cache, kv_budget_bytes, kv_bytes_per_token
+from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class EngineStats:
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     num_steps: int = 0
+    compile_time_s: float = 0.0
+    """Start-up time spent compiling / capturing the decode step (static strategy)."""
 
 
 def resolve_model_path(model: str) -> Path:
@@ -108,11 +111,20 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
         )
+        compiled = None
+        if config.kv_cache == "static" and not config.enforce_eager:
+            compiled = CompiledDecodeStep(
+                model, kv_caches, self.kv_manager.block_size,
+                max_blocks_per_seq=-(-self.max_model_len // self.kv_manager.block_size),
+                scratch_block=self.kv_manager.num_blocks,
+                buckets=list(config.compile_batch_sizes or default_buckets(config.max_num_seqs, self.device)),
+                device=self.device,
+            )
         self.runner = ModelRunner(
-            model, kv_caches, self.kv_manager.block_size, Sampler(self.device, config.seed), self.device
+            model, kv_caches, self.kv_manager.block_size, Sampler(self.device, config.seed), self.device, compiled
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.stats = EngineStats()
+        self.stats = EngineStats(compile_time_s=compiled.compile_time_s if compiled else 0.0)
         self.startup_time_s = time.monotonic() - start
         logger.info(
             "loaded %s (%s, %.1fM params) on %s in %s; KV: %d blocks of %d tokens (%.2f GiB); ready in %.1fs",

@@ -27,6 +27,13 @@ def parse_memory(text: str) -> float:
     return value
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that builds an engine."""
     g = parser.add_argument_group("engine")
@@ -48,6 +55,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs a request may ask for")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's global generator")
     g.add_argument("--enforce-eager", action="store_true", help="no torch.compile / graph capture")
+    g.add_argument("--compile-batch-sizes", type=_int_list, default=None,
+                   help="static: decode batch sizes to compile, e.g. 1,2,4,8 (default: powers of two)")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
 
 
@@ -58,7 +67,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         for name in (
             "dtype", "device", "kv_cache", "block_size", "kv_cache_memory", "gpu_memory_utilization",
             "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
-            "scheduling_policy", "max_logprobs", "seed", "enforce_eager", "num_threads",
+            "scheduling_policy", "max_logprobs", "seed", "enforce_eager", "compile_batch_sizes", "num_threads",
         )
     }
     return EngineConfig(model=model, **kwargs)

@@ -62,6 +62,27 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
 
+def _attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, max_q, Hq, D] over K/V gathered through block_tables; mask [B, 1, max_q, L]."""
+    batch, max_q, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    # K/V: [B, max_blocks, block_size, Hkv, D] -> [B, Hkv, L, D]
+    keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    values = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    # Queries: [B, max_q, Hkv, G, D] -> [B, Hkv, G * max_q, D]
+    qg = q.view(batch, max_q, num_kv_heads, group_size, head_dim)
+    qg = qg.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group_size * max_q, head_dim)
+    if max_q > 1:
+        mask = mask.unsqueeze(2).expand(-1, -1, group_size, -1, -1).reshape(batch, 1, group_size * max_q, -1)
+    attn = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    attn = attn.view(batch, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    return attn.reshape(batch * max_q, num_heads * head_dim)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -72,26 +93,68 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of queries q [T, Hq, D] over the cached K/V; returns [T, Hq * D]."""
     num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group_size = num_heads // num_kv_heads
+    block_size = k_cache.shape[1]
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in meta.groups:
         batch, max_q = group.token_index.shape
-        # K/V: [B, max_blocks, block_size, Hkv, D] -> [B, Hkv, L, D]
-        keys = k_cache[group.block_tables].flatten(1, 2).transpose(1, 2)
-        values = v_cache[group.block_tables].flatten(1, 2).transpose(1, 2)
-        # Queries: [B, max_q, Hkv, G, D] -> [B, Hkv, G * max_q, D]
-        qg = q[group.token_index].view(batch, max_q, num_kv_heads, group_size, head_dim)
-        qg = qg.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group_size * max_q, head_dim)
-        mask = group.mask(window, block_size)
-        if max_q > 1:
-            mask = mask.unsqueeze(2).expand(-1, -1, group_size, -1, -1).reshape(batch, 1, group_size * max_q, -1)
-        attn = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
-        attn = attn.view(batch, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
-        attn = attn.reshape(batch * max_q, num_heads * head_dim)
+        rows = q[group.token_index]
+        attn = _attend(rows, k_cache, v_cache, group.block_tables, group.mask(window, block_size), scale)
         if group.is_decode:
             out[group.token_index.view(-1)] = attn
         else:
             valid = group.valid.view(-1)
             out[group.token_index.view(-1)[valid]] = attn[valid]
     return out
+
+
+@dataclass
+class DecodeMetadata:
+    """A decode-only step with fixed shapes (the compiled / graph-captured path).
+
+    Row i is one request's single new token; padding rows point at a scratch block.
+    """
+
+    slot_mapping: torch.Tensor
+    """[B] KV slot of each row's token."""
+    block_tables: torch.Tensor
+    """[B, max_blocks_per_seq] block ids, fixed width."""
+    context_lens: torch.Tensor
+    """[B] tokens with KV after this step's write (>= 1)."""
+    trim_to_longest: bool = True
+    """Gather only up to the longest context (data-dependent: off under CUDA graphs)."""
+
+
+@torch.library.custom_op("tokenmill::decode_attention", mutates_args=("k_cache", "v_cache"))
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int,
+    trim_to_longest: bool,
+) -> torch.Tensor:
+    """Write this step's K/V and attend, one query per row; opaque to torch.compile.
+
+    Being one op with declared mutations lets inductor compile everything around it
+    (norms, RoPE, SwiGLU) without copying the cache, and keeps the data-dependent trim
+    out of the traced graph. ``window`` 0 means full attention.
+    """
+    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    block_size = k_cache.shape[1]
+    if trim_to_longest:
+        block_tables = block_tables[:, : -(-int(context_lens.max()) // block_size)]
+    kv_pos = torch.arange(block_tables.shape[1] * block_size, device=q.device)
+    allowed = kv_pos[None, :] < context_lens[:, None]
+    if window > 0:
+        allowed &= kv_pos[None, :] > (context_lens[:, None] - 1 - window)
+    return _attend(q.unsqueeze(1), k_cache, v_cache, block_tables, allowed[:, None, None, :], scale)
+
+
+@decode_attention.register_fake
+def _decode_attention_fake(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale, window, trim_to_longest):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

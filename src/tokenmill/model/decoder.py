@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.model.attention import AttentionMetadata, paged_attention, write_kv
+from tokenmill.model.attention import AttentionMetadata, DecodeMetadata, paged_attention, write_kv
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 
@@ -40,7 +40,7 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         rope: RotaryEmbedding,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | DecodeMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -52,8 +52,14 @@ class Attention(nn.Module):
             k, _ = self.k_norm(k)
         q, k = rope(positions, q, k)
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)
+        if isinstance(meta, DecodeMetadata):
+            out = torch.ops.tokenmill.decode_attention(
+                q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.context_lens,
+                self.scale, self.window or 0, meta.trim_to_longest,
+            )
+        else:
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)
         return self.o(out)
 
 
@@ -86,7 +92,7 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         rope: RotaryEmbedding,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | DecodeMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_norm(x, residual)
         h = self.attn(h, positions, rope, kv_cache, meta)
@@ -111,7 +117,7 @@ class DecoderModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | DecodeMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat batch of tokens."""
         x = nn.functional.embedding(input_ids, self.embed)

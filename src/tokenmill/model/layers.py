@@ -17,6 +17,17 @@ def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@torch.library.custom_op("tokenmill::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """A prepacked oneDNN linear as an opaque op, so torch.compile fuses around it."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _onednn_linear_fake(x, packed, bias, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 class Linear(nn.Module):
     """``y = x W^T + b``, optionally with the weight prepacked for oneDNN on CPU.
 
@@ -33,9 +44,12 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         )
         self.packed: torch.Tensor | None = None
+        self.out_features = out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
+            if torch.compiler.is_compiling():  # inductor cannot lower a prepacked weight itself
+                return torch.ops.tokenmill.onednn_linear(x, self.packed, self.bias, self.out_features)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return nn.functional.linear(x, self.weight, self.bias)
 

@@ -46,8 +46,11 @@ def kv_budget_bytes(kv_cache_memory: float | None, gpu_memory_utilization: float
 def allocate_kv_cache(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zero-filled K and V tensors for every layer."""
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    """Zero-filled K and V tensors for every layer, plus one scratch block at index num_blocks.
+
+    The scratch block absorbs the K/V writes of padding rows in fixed-shape steps.
+    """
+    shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(cfg.num_layers)

@@ -20,6 +20,7 @@ from tokenmill.model.attention import AttentionGroup, AttentionMetadata
 from tokenmill.model.decoder import DecoderModel
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.sampling.sampler import Sampler, top_logprobs
+from tokenmill.worker.compiled_step import CompiledDecodeStep
 
 
 @dataclass
@@ -33,6 +34,8 @@ class StepInputs:
     sample_requests: list[Request]
     prompt_logprob_rows: dict[str, tuple[list[int], int]] = field(default_factory=dict)
     """request_id -> (rows, first position) for prompt logprobs in this chunk."""
+    decode_rows: tuple[list[int], list[int], list[int], list[list[int]]] | None = None
+    """(token ids, positions, slots, block tables) when every row is a lone decode token."""
 
 
 @dataclass
@@ -59,7 +62,11 @@ class ModelRunner:
         block_size: int,
         sampler: Sampler,
         device: torch.device,
+        compiled_decode: CompiledDecodeStep | None = None,
     ) -> None:
+        self.compiled_decode = compiled_decode
+        self.num_compiled_steps = 0
+        """Steps that ran the compiled decode forward (the rest ran eagerly)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -77,6 +84,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         groups: list[AttentionGroup] = []
+        block_tables_used: list[list[int]] = []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         prompt_rows: dict[str, tuple[list[int], int]] = {}
@@ -97,6 +105,7 @@ class ModelRunner:
                 query_pos.append(pos)
                 valid.append([True] * num_new)
                 tables.append(table[: -(-(start + num_new) // bs)])
+                block_tables_used.append(tables[-1])
                 ctx_lens.append(start + num_new)
                 if start + num_new == request.num_tokens:
                     sample_rows.append(rows[-1])
@@ -114,6 +123,13 @@ class ModelRunner:
                     context_lens=self._tensor(ctx_lens),
                     is_decode=is_decode,
                 )
+            )
+        is_decode_only = not chunks and not prompt_rows and len(sample_rows) == len(input_ids)
+        if is_decode_only and self.compiled_decode is not None and len(input_ids) <= self.compiled_decode.max_batch:
+            return StepInputs(
+                input_ids=torch.empty(0), positions=torch.empty(0), meta=AttentionMetadata(torch.empty(0), [], 0),
+                sample_rows=sample_rows, sample_requests=sample_requests,
+                decode_rows=(input_ids, positions, slots, block_tables_used),
             )
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), groups=groups, num_tokens=len(input_ids))
         return StepInputs(
@@ -133,7 +149,11 @@ class ModelRunner:
         if sched.is_empty:
             return out
         inputs = self.prepare_inputs(sched, kv)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if inputs.decode_rows is not None and self.compiled_decode is not None:
+            hidden = self.compiled_decode.run(*inputs.decode_rows)
+            self.num_compiled_steps += 1
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden[self._tensor(inputs.sample_rows)])
             result = self.sampler(logits, inputs.sample_requests)
