@@ -29,8 +29,8 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.sampling.sampler import Sampler
 from tokenmill.tokenizer.tokenizer import Tokenizer
-from tokenmill.worker.kv_cache import allocate_kv_cache, kv_budget_bytes, kv_bytes_per_token
 from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
+from tokenmill.worker.kv_cache import allocate_kv_cache, kv_budget_bytes, kv_bytes_per_token
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -96,7 +96,6 @@ def paged_attention(
     block_size = k_cache.shape[1]
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in meta.groups:
-        batch, max_q = group.token_index.shape
         rows = q[group.token_index]
         attn = _attend(rows, k_cache, v_cache, group.block_tables, group.mask(window, block_size), scale)
         if group.is_decode:
