@@ -200,3 +200,61 @@ def test_static_slots_queue_abort_and_reuse_prefixes(folder) -> None:
     assert engine.kv_manager.stats.num_hit_tokens >= 40 * 2
     assert max(done[f"r{i}"].num_cached_tokens for i in range(2, 5)) >= 40
     assert engine.kv_manager.usage == 0.0
+
+
+def test_out_of_vocab_stop_token_ids_are_rejected(folder) -> None:
+    llm = LLM(str(folder), dtype="float32", max_model_len=64)
+    with pytest.raises(InvalidRequestError, match="stop_token_ids") as info:
+        llm.generate([[5, 6]], SamplingParams(stop_token_ids=[10**6], min_tokens=2))
+    assert info.value.param == "stop_token_ids"
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_bad_prompt_leaves_no_orphans(folder) -> None:
+    llm = LLM(str(folder), dtype="float32", max_model_len=64)
+    with pytest.raises(InvalidRequestError):
+        llm.generate([[5, 6, 7], [5, -3]], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv_manager.usage == 0.0
+
+
+def test_requests_end_at_kv_capacity_instead_of_hanging(folder) -> None:
+    # 4 blocks of 16 tokens, but a context of 256: a request must stop at 64 tokens
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=4 * 16 * 512)
+    out = llm.generate([[5] * 30], SamplingParams(max_tokens=1000, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 64 - 30
+
+
+def test_static_kv_over_budget_is_a_clear_config_error(folder) -> None:
+    from tokenmill.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="lower --max-num-seqs or --max-model-len"):
+        LLM(str(folder), dtype="float32", max_model_len=256, max_num_seqs=64, kv_cache="static",
+            kv_cache_memory=1024 * 1024, enforce_eager=True)
+
+
+def test_prompt_logprobs_survive_preemption(folder) -> None:
+    prompts = _prompts(6, seed=15, low=40, high=60)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, prompt_logprobs=1)
+    roomy = LLM(str(folder), dtype="float32", max_model_len=128).generate(prompts, params, use_tqdm=False)
+    tight_llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=10 * 16 * 512,
+                    max_num_batched_tokens=32)
+    tight = tight_llm.generate(prompts, params, use_tqdm=False)
+    assert tight_llm.engine.stats.num_preemptions > 0
+    for a, b in zip(roomy, tight, strict=True):
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids)
+        for pos in range(1, len(a.prompt_logprobs)):
+            token = a.prompt_token_ids[pos]
+            assert abs(a.prompt_logprobs[pos][token].logprob - b.prompt_logprobs[pos][token].logprob) < 1e-4
+
+
+def test_min_tokens_defers_stop_strings(folder) -> None:
+    llm = LLM(str(folder), dtype="float32", max_model_len=256)
+    prompt = _prompts(1, seed=16)[0]
+    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    first_token_text = llm.tokenizer.decode(full[0].outputs[0].token_ids[:1])
+    assert first_token_text.strip()
+    stop = first_token_text.strip()[0]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop], min_tokens=16)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 16  # the stop string in the first token did not end it early

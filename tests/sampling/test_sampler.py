@@ -126,7 +126,8 @@ def test_logprobs_are_raw_with_rank() -> None:
      ("temperature", float("inf")), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
      ("min_p", 2.0), ("presence_penalty", 3.0), ("frequency_penalty", float("nan")), ("repetition_penalty", 0.0),
      ("seed", 2**63), ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 2**63), ("logprobs", -1),
-     ("stop", [""]), ("stop", ["x"] * 100_000), ("stop_token_ids", [-1]), ("min_tokens", -1)],
+     ("stop", [""]), ("stop", ["x"] * 100_000), ("stop_token_ids", [-1]), ("min_tokens", -1),
+     ("spaces_between_special_tokens", False)],
 )
 def test_invalid_params_name_the_field(field: str, value) -> None:
     with pytest.raises(InvalidRequestError) as info:

@@ -206,6 +206,3 @@ class PagedKVManager(KVCacheManager):
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()
-
-    def num_blocks_held(self, request_id: str) -> int:
-        return len(self._blocks.get(request_id, []))

@@ -143,7 +143,7 @@ class LLMEngine:
         if cfg.kv_cache == "static":
             manager = StaticKVManager(cfg.max_num_seqs, self.max_model_len, block_size, cfg.enable_prefix_caching)
             needed = manager.num_blocks * block_size * per_token
-            if needed > budget and cfg.kv_cache_memory is not None:
+            if needed > budget:
                 raise ConfigError(
                     f"static KV needs {needed / 2**30:.2f} GiB ({cfg.max_num_seqs} slots x {self.max_model_len} "
                     f"tokens) but --kv-cache-memory allows {budget / 2**30:.2f} GiB; lower --max-num-seqs "
@@ -181,7 +181,7 @@ class LLMEngine:
                 f"prompt has {len(prompt_token_ids)} tokens, leaving no room for output.",
                 param="prompt",
             )
-        kv_capacity = self.kv_manager.num_blocks * self.kv_manager.block_size
+        kv_capacity = self.kv_capacity_tokens
         if len(prompt_token_ids) >= kv_capacity:
             raise ContextLengthError(
                 f"the prompt ({len(prompt_token_ids)} tokens) does not fit the KV cache ({kv_capacity} tokens)",
@@ -189,6 +189,12 @@ class LLMEngine:
             )
 
     def validate_params(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids or [] if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="stop_token_ids"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.config.max_logprobs:
@@ -223,7 +229,7 @@ class LLMEngine:
                 prompt_token_ids=token_ids,
                 sampling_params=params,
                 eos_token_ids=self.eos_token_ids,
-                max_total_tokens=self.max_model_len,
+                max_total_tokens=min(self.max_model_len, self.kv_capacity_tokens),
                 priority=priority,
                 arrival_time=arrival,
                 cache_salt=salt,
@@ -243,6 +249,13 @@ class LLMEngine:
                 if self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED) is not None:
                     self.output_processor.mark_finished(child_id)
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The most tokens one request can hold in the KV cache (the whole pool, or a slot)."""
+        if isinstance(self.kv_manager, StaticKVManager):
+            return self.kv_manager.blocks_per_slot * self.kv_manager.block_size
+        return self.kv_manager.num_blocks * self.kv_manager.block_size
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -257,7 +270,7 @@ class LLMEngine:
         for request, _ in sched.scheduled:
             rid = request.request_id
             if rid in result.prompt_logprobs:
-                self.output_processor.add_prompt_logprobs(rid, result.prompt_logprobs[rid])
+                self.output_processor.add_prompt_logprobs(rid, *result.prompt_logprobs[rid])
             token = result.sampled.get(rid)
             if token is None:
                 continue

@@ -44,7 +44,7 @@ class _Parent:
 class OutputProcessor:
     """Tracks every live request's text; produces outputs after each step."""
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, str] = {}
@@ -90,14 +90,19 @@ class OutputProcessor:
                 return parent, child
         return None
 
-    def add_prompt_logprobs(self, child_id: str, entries: list[PositionLogprobs | None]) -> None:
+    def add_prompt_logprobs(self, child_id: str, first_pos: int, entries: list[PositionLogprobs | None]) -> None:
+        """Logprobs of prompt positions first_pos...; positions already known (a chunk
+        recomputed after preemption) are skipped, so each position is reported once."""
         found = self._find(child_id)
         if found is None:
             return
         parent, child = found
-        if child.request.index == 0 and parent.prompt_logprobs is not None:
-            self._decode_logprob_text(entries)
-            parent.prompt_logprobs.extend(entries)
+        if child.request.index != 0 or parent.prompt_logprobs is None:
+            return
+        new = entries[max(0, len(parent.prompt_logprobs) - first_pos) :]
+        if first_pos + len(entries) > len(parent.prompt_logprobs) >= first_pos:
+            self._decode_logprob_text(new)
+            parent.prompt_logprobs.extend(new)
 
     def on_token(self, child_id: str, token_id: int, logprobs: PositionLogprobs | None) -> str | None:
         """Record a new token's text; returns the matched stop string, if one ended it."""
@@ -119,6 +124,8 @@ class OutputProcessor:
     def _check_stop_strings(child: _Child, stops: list[str], previous_len: int, include: bool) -> str | None:
         if not stops or child.finish_reason is not None:
             return None
+        if child.request.num_output_tokens < child.request.sampling_params.min_tokens:
+            return None
         longest = max(len(s) for s in stops)
         search_from = max(0, previous_len - longest + 1)
         best: tuple[int, str] | None = None
@@ -135,8 +142,6 @@ class OutputProcessor:
         return stop
 
     def _decode_logprob_text(self, entries: list[PositionLogprobs | None]) -> None:
-        if self.tokenizer is None:
-            return
         for entry in entries:
             if entry is None:
                 continue
@@ -153,16 +158,16 @@ class OutputProcessor:
         parent.touched = True
         if child.finish_reason is None:
             status = child.request.status
-            child.finish_reason = status.finish_reason or RequestStatus.FINISHED_ABORTED.value
-            child.stop_reason = child.request.stop_reason
             tail = child.detokenizer.finish()
             child.text += tail
-            stops = child.request.sampling_params.stop or []
+            params = child.request.sampling_params
             if tail and status is not RequestStatus.FINISHED_ABORTED:
                 self._check_stop_strings(
-                    child, stops, len(child.text) - len(tail),
-                    child.request.sampling_params.include_stop_str_in_output,
+                    child, params.stop or [], len(child.text) - len(tail), params.include_stop_str_in_output
                 )
+            if child.finish_reason is None:  # no stop string in the flushed tail
+                child.finish_reason = status.finish_reason or RequestStatus.FINISHED_ABORTED.value
+                child.stop_reason = child.request.stop_reason
 
     def collect(self) -> list[RequestOutput]:
         """Outputs for every request that changed since the last call."""

@@ -37,9 +37,6 @@ class StaticKVManager(KVCacheManager):
         # Tokens whose KV each slot holds (for reuse by the next request of that slot).
         self._slot_tokens: list[list[int]] = [[] for _ in range(num_slots)]
 
-    def slot_of(self, request_id: str) -> int | None:
-        return self._slot_of.get(request_id)
-
     def _slot_blocks(self, slot: int) -> list[int]:
         start = slot * self.blocks_per_slot
         return list(range(start, start + self.blocks_per_slot))

@@ -46,8 +46,13 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         ids = [str(next(self._ids)) for _ in prompts]
-        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
-            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+        try:
+            for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+        except Exception:
+            self.engine.abort_request(ids)  # nothing half-submitted keeps running
+            self.engine.step()
+            raise
         return self._run(ids, use_tqdm if use_tqdm is not None else len(prompts) >= 8)
 
     def chat(

@@ -164,6 +164,8 @@ def load_model(
         put(layer.post_attn_norm, "weight", p + "post_attention_layernorm.weight")
     model.eval()
     if device.type == "cpu" and dtype == torch.float32:
-        num_packed = sum(linear.pack_for_onednn() for linear in model.linears())
+        # A tied LM head shares the embedding: packing it would add a second copy.
+        linears = [m for m in model.linears() if not (cfg.tie_word_embeddings and m is model.lm_head)]
+        num_packed = sum(linear.pack_for_onednn() for linear in linears)
         logger.info("prepacked %d/%d projections for oneDNN", num_packed, len(model.linears()))
     return model

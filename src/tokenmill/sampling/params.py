@@ -7,7 +7,7 @@ field, before the request ever reaches the engine.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
@@ -68,8 +68,6 @@ class SamplingParams:
     """Kept for vLLM compatibility; the tokenizer's decoder decides spacing."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the text."""
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
-    """Opaque per-request data (e.g. the API key) carried for the server; never sampled on."""
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -132,9 +130,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a boolean")
+        if not self.spaces_between_special_tokens:
+            raise bad("spaces_between_special_tokens", "false is not supported (the tokenizer's decoder sets spacing)")
 
     @property
     def is_greedy(self) -> bool:
@@ -157,4 +157,4 @@ class SamplingParams:
     @classmethod
     def field_names(cls) -> list[str]:
         """Names of every public field, for API layers that map request bodies."""
-        return [f.name for f in fields(cls) if f.name != "extra"]
+        return [f.name for f in fields(cls)]

@@ -147,6 +147,7 @@ class Sampler:
                 banned = set(params.stop_token_ids)
                 if not params.ignore_eos:
                     banned |= set(r.eos_token_ids)
+                banned = {t for t in banned if t < logits.shape[1]}
                 if banned:
                     logits[i, sorted(banned)] = float("-inf")
 

@@ -44,7 +44,8 @@ class StepOutput:
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, PositionLogprobs | None] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs | None]]] = field(default_factory=dict)
+    """request_id -> (position of the first entry, logprobs of the prompt tokens that follow)."""
 
 
 def _pad(rows: list[list[int]], value: int) -> list[list[int]]:
@@ -163,7 +164,7 @@ class ModelRunner:
         for request, _ in sched.scheduled:
             entry = inputs.prompt_logprob_rows.get(request.request_id)
             if entry is not None:
-                out.prompt_logprobs[request.request_id] = self._prompt_logprobs(hidden, request, *entry)
+                out.prompt_logprobs[request.request_id] = (entry[1] + 1, self._prompt_logprobs(hidden, request, *entry))
         return out
 
     def _prompt_logprobs(
