@@ -3,7 +3,8 @@
 It answers ``/v1/completions`` and ``/v1/chat/completions`` by streaming ``max_tokens``
 chunks: the first after ``ttft_delay_s``, each next one ``itl_delay_s`` later, so the
 bench client's TTFT/ITL/TPOT maths can be checked end to end against known delays. It
-also serves ``/v1/models`` and a Prometheus ``/metrics`` with tokenmill-style names.
+also serves ``/v1/models`` and a Prometheus ``/metrics`` with tokenmill-style names, all
+behind an API key when ``required_api_key`` is set (401 otherwise, as tokenmill does).
 Runs uvicorn in a thread on 127.0.0.1 with a free port; nothing leaves loopback.
 """
 
@@ -41,6 +42,8 @@ class FakeBehavior:
     has_metrics: bool = True
     loading_requests_left: int = 0
     """Answer this many generation requests with 503, as a server still loading."""
+    required_api_key: str | None = None
+    """When set, every route wants ``Authorization: Bearer <key>`` and answers 401 without it."""
     num_in_flight: int = 0
     peak_in_flight: int = 0
     num_requests: int = 0
@@ -99,7 +102,16 @@ def build_app(behavior: FakeBehavior) -> Starlette:
         finally:
             behavior.num_in_flight -= 1
 
+    def unauthorized(request: Request) -> Response | None:
+        if behavior.required_api_key is None:
+            return None
+        if request.headers.get("authorization") == f"Bearer {behavior.required_api_key}":
+            return None
+        return JSONResponse({"error": {"message": "invalid API key", "type": "authentication_error"}}, status_code=401)
+
     async def handle(request: Request, is_chat: bool) -> Response:
+        if (refusal := unauthorized(request)) is not None:
+            return refusal
         body = await request.json()
         if behavior.loading_requests_left > 0:
             behavior.loading_requests_left -= 1
@@ -120,9 +132,13 @@ def build_app(behavior: FakeBehavior) -> Starlette:
         return await handle(request, is_chat=True)
 
     async def models(request: Request) -> Response:
+        if (refusal := unauthorized(request)) is not None:
+            return refusal
         return JSONResponse({"object": "list", "data": [{"id": MODEL_NAME, "object": "model"}]})
 
     async def metrics(request: Request) -> Response:
+        if (refusal := unauthorized(request)) is not None:
+            return refusal
         if not behavior.has_metrics:
             return PlainTextResponse("not found", status_code=404)
         lines = [

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tokenmill.bench.cli import register
+from tokenmill.bench.cli import _comma_list, _offline_engine_kwargs, register
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,6 +38,16 @@ def test_offline_compare_and_verify_parsers() -> None:
     assert verify.model == "demo" and verify.min_match is None and callable(verify.func)
     with pytest.raises(SystemExit):
         _parser().parse_args(["bench"])
+
+
+def test_offline_kv_cache_list_and_compile_batch_sizes() -> None:
+    args = _parser().parse_args(["bench", "offline", "--kv-cache", "paged, static", "--compile-batch-sizes", "1,2,4,8",
+                                 "--engine-arg", "max_num_seqs=8"])
+    assert _comma_list(args.kv_cache) == ("paged", "static")
+    assert _offline_engine_kwargs(args) == {"max_num_seqs": 8, "compile_batch_sizes": (1, 2, 4, 8)}
+    assert _offline_engine_kwargs(_parser().parse_args(["bench", "offline"])) == {}
+    with pytest.raises(ValueError, match="compile-batch-sizes"):
+        _offline_engine_kwargs(_parser().parse_args(["bench", "offline", "--compile-batch-sizes", "1,x"]))
 
 
 def test_serve_cli_runs_against_the_fake_server(fake_server, tmp_path, capsys) -> None:

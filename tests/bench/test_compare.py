@@ -151,3 +151,20 @@ def test_cli_compare_reports_bad_input_with_exit_code_2(tmp_path: Path) -> None:
     assert args.func(args) == 2
     args = _parser().parse_args(["bench", "compare"])
     assert args.func(args) == 2
+
+
+def test_different_workloads_are_warned_about_in_text_and_html(tmp_path: Path) -> None:
+    assert build_comparison(_sweeps()).warnings == []  # one workload for every point
+    a = make_result("a", 4, 100, 20, 50)
+    b = make_result("b", 4, 150, 10, 80)
+    b["workload"] = {**b["workload"], "input_len": 40}
+    comparison = build_comparison([("a", a), ("b", b)])
+    assert comparison.warnings == [
+        "the results ran different workloads (input_len: a=20, b=40), so their figures compare unlike work"
+    ]
+    assert "Warning: the results ran different workloads (input_len: a=20, b=40)" in format_comparison(comparison)
+    html = write_report(comparison, tmp_path)["html"].read_text()
+    assert 'class="warning">Warning: the results ran different workloads' in html
+    del b["workload"]  # e.g. a vLLM result file
+    (warning,) = build_comparison([("a", a), ("b", b)]).warnings
+    assert warning.startswith("no workload recorded in the results of b")

@@ -12,6 +12,7 @@ from tokenmill.bench.datasets import (
     build_prefix_requests,
     build_random_requests,
     build_requests,
+    build_warmup_requests,
     load_jsonl_requests,
     load_sharegpt_requests,
 )
@@ -135,3 +136,32 @@ def test_load_tokenizer_reads_a_tokenizer_json(tmp_path: Path) -> None:
     assert ids and decode_ids(loaded, ids).replace(" ", "") == "thelazyfox"
     with pytest.raises(FileNotFoundError, match="never download"):
         load_tokenizer(tmp_path / "missing")
+
+
+def test_warmups_are_shaped_like_the_measured_requests_but_never_repeat_a_prompt(char_tokenizer) -> None:
+    measured = build_random_requests(4, input_len=12, output_len=5, range_ratio=0.5, seed=0, vocab_size=50)
+    warmups = build_warmup_requests(measured, 6, seed=0)
+    assert [(w.prompt_len, w.output_len) for w in warmups] == [
+        (measured[i % 4].prompt_len, measured[i % 4].output_len) for i in range(6)
+    ]
+    measured_prompts = {tuple(r.prompt_token_ids) for r in measured}
+    assert all(len(w.prompt_token_ids) == w.prompt_len and w.prompt_text is None for w in warmups)
+    assert not measured_prompts & {tuple(w.prompt_token_ids) for w in warmups}
+    # Drawn among the workload's own tokens, reproducibly per seed.
+    assert {t for w in warmups for t in w.prompt_token_ids} <= {t for r in measured for t in r.prompt_token_ids}
+    assert [w.prompt_token_ids for w in build_warmup_requests(measured, 6, seed=0)] == [w.prompt_token_ids for w in warmups]
+    assert build_warmup_requests(measured, 0) == []
+
+
+def test_warmups_of_text_workloads_have_text_of_their_own(char_tokenizer) -> None:
+    with_text = build_random_requests(3, input_len=10, output_len=4, seed=1, tokenizer=char_tokenizer)
+    for measured, warmup in zip(with_text, build_warmup_requests(with_text, 3, seed=1, tokenizer=char_tokenizer),
+                                strict=True):
+        assert warmup.prompt_text and warmup.prompt_text != measured.prompt_text
+        assert len(encode_text(char_tokenizer, warmup.prompt_text)) == measured.prompt_len
+        assert warmup.prompt_token_ids != measured.prompt_token_ids
+    text_only = [BenchRequest(5, 3, prompt_text="the cat sat on the mat"), BenchRequest(3, 2, prompt_text="a dog ran")]
+    warmups = build_warmup_requests(text_only, 2, seed=0)  # no tokenizer: words of the workload
+    assert [w.prompt_token_ids for w in warmups] == [None, None]
+    assert [len(w.prompt_text.split()) for w in warmups] == [6, 3]
+    assert [w.prompt_text for w in warmups] != [r.prompt_text for r in text_only]

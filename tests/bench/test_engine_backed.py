@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 
 from tokenmill.bench.cli import register
+from tokenmill.bench.datasets import build_random_requests
+from tokenmill.bench.offline import OfflineConfig
+from tokenmill.bench.offline_backends import TokenmillBackend
+from tokenmill.bench.tokenization import load_tokenizer
 from tokenmill.bench.verify import run_verify
 
 pytestmark = pytest.mark.slow
@@ -31,13 +35,14 @@ def test_offline_compare_gives_a_row_per_backend(make_model, tmp_path: Path, cap
         "bench", "offline", "--model", str(folder), "--compare", "--num-rounds", "2", "--num-warmups", "1",
         "--backends", "tokenmill,transformers,transformers-cb", "--num-prompts", "4", "--input-len", "8",
         "--output-len", "4", "--batch-size", "2", "--device", "cpu", "--save-result", str(out),
-        "--engine-arg", "kv_cache_memory=16777216",
+        "--kv-cache", "paged,static", "--engine-arg", "kv_cache_memory=16777216", "--engine-arg", "max_num_seqs=4",
+        "--engine-arg", "max_model_len=64", "--engine-arg", "enforce_eager=true",
     ])
     assert args.func(args) == 0
     result = json.loads(out.read_text())
-    rows = {row["backend"]: row for row in result["backends"]}
-    assert list(rows) == ["tokenmill", "transformers", "transformers-cb"]
-    for name in ("tokenmill", "transformers"):
+    rows = {row["label"]: row for row in result["backends"]}
+    assert list(rows) == ["tokenmill[paged]", "tokenmill[static]", "transformers[bs=2]", "transformers-cb"]
+    for name in ("tokenmill[paged]", "tokenmill[static]", "transformers[bs=2]"):
         row = rows[name]
         assert not row["skipped"] and row["completed"] == 8 and row["failed"] == 0  # 4 prompts x 2 rounds
         assert row["total_output_tokens"] == 32  # ignore_eos: every request gives its 4 tokens
@@ -45,9 +50,29 @@ def test_offline_compare_gives_a_row_per_backend(make_model, tmp_path: Path, cap
         assert row["peak_memory_bytes"] >= 0 and len(row["round_output_throughputs"]) == 2
     cb = rows["transformers-cb"]
     assert (cb["skipped"] and cb["note"]) or cb["completed"] == 8
-    assert rows["tokenmill"]["throughput_ratio_vs_baseline"] == pytest.approx(1.0)
+    assert rows["tokenmill[paged]"]["throughput_ratio_vs_baseline"] == pytest.approx(1.0)
+    assert rows["tokenmill[static]"]["throughput_ratio_vs_baseline"] > 0
+    for label in ("tokenmill[paged]", "tokenmill[static]"):
+        assert rows[label]["load_s"] > 0 and rows[label]["compile_time_s"] == 0.0  # enforce_eager: nothing compiled
     table = capsys.readouterr().out
-    assert "tokenmill[paged]" in table and "transformers[bs=2]" in table
+    assert "tokenmill[static]" in table and "transformers[bs=2]" in table
+
+
+def test_tokenmill_runs_start_with_an_empty_prefix_cache(make_model) -> None:
+    folder = make_model("llama")
+    config = OfflineConfig(model=str(folder), device="cpu", engine_kwargs={"kv_cache_memory": 16 * 2**20})
+    backend = TokenmillBackend(config, "paged")
+    requests = build_random_requests(2, input_len=40, output_len=2, seed=0, tokenizer=load_tokenizer(folder))
+    kv_stats = backend.llm.engine.kv_manager.stats
+    for _ in range(2):
+        records, _ = backend.run(requests)
+        assert all(r.success for r in records)
+    assert kv_stats.num_hit_tokens == 0  # the second run found nothing cached from the first
+    from tokenmill.sampling import SamplingParams
+
+    backend.llm.generate([r.prompt_token_ids for r in requests], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert kv_stats.num_hit_tokens > 0  # without the reset these prompts do hit
+    backend.close()
 
 
 def test_verify_passes_on_a_tiny_fp32_model(make_model) -> None:

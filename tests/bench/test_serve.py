@@ -176,3 +176,42 @@ def test_config_validation() -> None:
     with pytest.raises(ValueError, match="endpoint"):
         ServeConfig(base_url="http://127.0.0.1:1", endpoint="/v1/embeddings")
     assert ServeConfig(base_url="http://127.0.0.1:1/v1/").root_url == "http://127.0.0.1:1"
+
+
+def test_probe_and_warmups_never_send_a_measured_prompt(fake_server) -> None:
+    b = fake_server.behavior
+    b.ttft_delay_s = b.itl_delay_s = 0.0
+    requests = build_random_requests(4, input_len=12, output_len=3, range_ratio=0.5, vocab_size=100, seed=0)
+    result = run_serve_benchmark(_config(fake_server, num_warmups=3), requests)
+    assert result["completed"] == 4
+    probe_and_warmups, measured_bodies = b.bodies[:4], b.bodies[4:]
+    measured = [r.prompt_token_ids for r in requests]
+    assert sorted(body["prompt"] for body in measured_bodies) == sorted(measured)
+    assert not any(body["prompt"] in measured for body in probe_and_warmups)
+    # Shaped like the measured requests: the probe like request 0, warm-up i like request i.
+    shapes = [(len(body["prompt"]), body["max_tokens"]) for body in probe_and_warmups]
+    assert shapes[0] == (requests[0].prompt_len, requests[0].output_len)
+    assert sorted(shapes[1:]) == sorted((r.prompt_len, r.output_len) for r in requests[1:])
+
+
+def test_api_key_reaches_requests_and_the_metrics_scrape(fake_server) -> None:
+    b = fake_server.behavior
+    b.ttft_delay_s = b.itl_delay_s = 0.0
+    b.required_api_key = "sekret"
+    requests = build_random_requests(2, input_len=4, output_len=2, vocab_size=20)
+    result = run_serve_benchmark(_config(fake_server, api_key="sekret"), requests)
+    assert result["completed"] == 2 and result["model_id"] == MODEL_NAME
+    assert result["server_metrics"]["available"] and result["server_metrics"]["num_scrapes"] >= 2
+    with pytest.raises(BenchmarkError, match="HTTP 401"):
+        run_serve_benchmark(_config(fake_server, model=MODEL_NAME), requests)
+
+
+def test_request_timeout_is_a_total_deadline(fake_server) -> None:
+    b = fake_server.behavior
+    b.ttft_delay_s, b.itl_delay_s = 0.0, 0.05  # each read is quick; the whole stream is not
+    short = build_random_requests(1, input_len=4, output_len=2, vocab_size=20, seed=0)
+    long = build_random_requests(2, input_len=4, output_len=40, vocab_size=20, seed=1)
+    result = run_serve_benchmark(_config(fake_server, request_timeout_s=0.6), short + long)
+    assert (result["completed"], result["failed"]) == (1, 2)  # the probe is request 0's short shape
+    assert result["failure_reasons"] == {"timeout": 2}
+    assert result["duration"] < 0.6 + 0.5  # not 40 x 0.05 = 2 s

@@ -114,7 +114,7 @@ def test_completions_result_has_every_field_and_the_servers_token_counts(tokenmi
     assert result["output_lens"] == [w.output_len for w in workload]
     assert result["input_lens"] == [w.prompt_len for w in workload]
     assert result["total_output_tokens"] == sum(r["output_tokens"] for r in requests)
-    # The server generated the bench's tokens plus the uncounted probe (request 0 again).
+    # The server generated the bench's tokens plus the uncounted probe (a fresh prompt shaped like request 0).
     assert after - before == result["total_output_tokens"] + requests[0]["output_tokens"]
     assert all(len(r["itl_s"]) == r["output_tokens"] - 1 for r in requests)  # one chunk per token
     server = result["server_metrics"]

@@ -160,21 +160,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # ---- bench offline ---------------------------------------------------------------------
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def _offline_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``--engine-arg`` pairs, plus ``compile_batch_sizes`` from its own flag."""
+    engine_kwargs = _parse_key_values(args.engine_arg, "--engine-arg")
+    if args.compile_batch_sizes:
+        try:
+            sizes = tuple(int(b) for b in _comma_list(args.compile_batch_sizes))
+        except ValueError:
+            raise ValueError(f"--compile-batch-sizes expects integers like 1,2,4,8, got {args.compile_batch_sizes!r}") from None
+        engine_kwargs["compile_batch_sizes"] = sizes
+    return engine_kwargs
+
+
 def cmd_offline(args: argparse.Namespace) -> int:
     """``tokenmill bench offline``."""
     from tokenmill.bench.offline import OfflineConfig, format_offline_table, run_offline_benchmark
     from tokenmill.bench.serve import save_result
 
-    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     config = OfflineConfig(
-        model=args.model, backends=backends, kv_cache=args.kv_cache, dtype=args.dtype, device=args.device,
-        batch_size=args.batch_size, ignore_eos=args.ignore_eos, compare=args.compare,
-        num_rounds=args.num_rounds, num_warmups=args.num_warmups,
-        engine_kwargs=_parse_key_values(args.engine_arg, "--engine-arg"),
+        model=args.model, backends=_comma_list(args.backends), kv_caches=_comma_list(args.kv_cache),
+        dtype=args.dtype, device=args.device, batch_size=args.batch_size, ignore_eos=args.ignore_eos,
+        compare=args.compare, num_rounds=args.num_rounds, num_warmups=args.num_warmups, seed=args.seed,
+        engine_kwargs=_offline_engine_kwargs(args),
     )
     tokenizer = _try_tokenizer(args.tokenizer or args.model, is_required=False)
     requests = _build_workload(args, tokenizer)
-    result = run_offline_benchmark(config, requests, _workload(args), log=_log)
+    result = run_offline_benchmark(config, requests, _workload(args), log=_log, tokenizer=tokenizer)
     print(format_offline_table(result))
     if args.save_result:
         _log(f"[bench offline] saved {save_result(result, args.save_result)}")
@@ -310,7 +325,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     offline.add_argument("--model", default="demo", help="local model folder (default: demo)")
     offline.add_argument("--backends", default="tokenmill,transformers",
                          help="comma list of tokenmill, transformers, transformers-cb (first is the baseline)")
-    offline.add_argument("--kv-cache", default="paged", choices=("paged", "static"), help="tokenmill's KV strategy")
+    offline.add_argument("--kv-cache", default="paged",
+                         help="tokenmill's KV strategies, comma list of paged, static (one tokenmill row each)")
+    offline.add_argument("--compile-batch-sizes", metavar="N,N,...",
+                         help="decode batch sizes tokenmill compiles for the static strategy, e.g. 1,2,4,8")
     offline.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     offline.add_argument("--device", default="auto")
     offline.add_argument("--batch-size", type=int, default=8, help="static batch size of the transformers backend")
@@ -318,7 +336,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="generate full output lengths so backends do equal work (default on)")
     offline.add_argument("--compare", action="store_true", help="interleave backends over several rounds")
     offline.add_argument("--num-rounds", type=int, default=3, help="rounds of --compare")
-    offline.add_argument("--num-warmups", type=int, default=2, help="uncounted requests per backend")
+    offline.add_argument("--num-warmups", type=int, default=2,
+                         help="uncounted requests per backend (prompts of their own, shaped like the measured ones)")
     offline.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="extra tokenmill LLM(...) kwarg")
     offline.add_argument("--save-result", metavar="FILE.json")
     _add_workload_args(offline, num_prompts=32)

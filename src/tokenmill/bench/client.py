@@ -5,11 +5,13 @@ server-sent events, and turns them into a ``RequestRecord``: TTFT at the first c
 carries a token, ITL between token chunks, E2E at the last chunk with choices (vLLM's
 rules), and token counts from the ``usage`` chunk that ``stream_options.include_usage``
 asks for. Every failure becomes a record with a short reason instead of an exception,
-so one bad request never stops a benchmark.
+so one bad request never stops a benchmark; a request past its total deadline fails
+with the reason ``timeout``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -46,6 +48,18 @@ class RequestOptions:
     """Ask the server to keep going past EOS (vLLM's extension), for fixed output lengths."""
     extra_body: dict[str, Any] = field(default_factory=dict)
     """Extra fields merged into every request body."""
+    timeout_s: float | None = None
+    """Total deadline of one request, send to last chunk; None for none."""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """HTTP headers of every request to this server (the API key, if any)."""
+        return auth_headers(self.api_key)
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The ``Authorization`` header for ``api_key``; empty without one."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def build_payload(request: BenchRequest, options: RequestOptions) -> dict[str, Any]:
@@ -175,6 +189,37 @@ def finish_record(
     return record
 
 
+async def _read_stream(
+    client: httpx.AsyncClient,
+    payload: dict[str, Any],
+    options: RequestOptions,
+    state: _StreamState,
+    send_s: float,
+) -> str:
+    """Stream one response into ``state``; the failure reason, or "" when it completed."""
+    async with client.stream("POST", options.url, json=payload, headers=options.headers) as response:
+        if response.status_code != 200:
+            body = await response.aread()
+            return _short(f"HTTP {response.status_code}: {_error_message(body)}")
+        async for line in response.aiter_lines():
+            now_s = time.perf_counter() - send_s
+            line = line.strip()
+            if not line.startswith("data:"):
+                continue  # blank separators, comments and event names
+            body = line[len("data:") :].strip()
+            if body == "[DONE]":
+                break
+            try:
+                data = json.loads(body)
+            except json.JSONDecodeError:
+                return _short(f"bad SSE chunk: {body}")
+            if isinstance(data, dict) and data.get("error"):
+                return _short(f"stream error: {_error_message(json.dumps(data))}")
+            if isinstance(data, dict):
+                consume_chunk(state, data, now_s, options.is_chat)
+    return ""
+
+
 async def send_request(
     client: httpx.AsyncClient,
     index: int,
@@ -183,9 +228,12 @@ async def send_request(
     benchmark_start_s: float,
     tokenizer: TokenizerLike | None = None,
 ) -> RequestRecord:
-    """Send one streamed request and time it; never raises for server or network errors."""
+    """Send one streamed request and time it; never raises for server or network errors.
+
+    ``options.timeout_s`` bounds the whole request (connecting, waiting and streaming),
+    not each read as httpx's timeout does.
+    """
     record = RequestRecord(index=index, prompt_tokens=request.prompt_len)
-    headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
     try:
         payload = build_payload(request, options)
     except ValueError as exc:
@@ -195,33 +243,11 @@ async def send_request(
     send_s = time.perf_counter()
     record.send_time_s = send_s - benchmark_start_s
     try:
-        async with client.stream("POST", options.url, json=payload, headers=headers) as response:
-            if response.status_code != 200:
-                body = await response.aread()
-                record.error = _short(f"HTTP {response.status_code}: {_error_message(body)}")
-                return record
-            async for line in response.aiter_lines():
-                now_s = time.perf_counter() - send_s
-                line = line.strip()
-                if not line.startswith("data:"):
-                    continue  # blank separators, comments and event names
-                body = line[len("data:") :].strip()
-                if body == "[DONE]":
-                    break
-                try:
-                    data = json.loads(body)
-                except json.JSONDecodeError:
-                    record.error = _short(f"bad SSE chunk: {body}")
-                    return record
-                if isinstance(data, dict) and data.get("error"):
-                    record.error = _short(f"stream error: {_error_message(json.dumps(data))}")
-                    return record
-                if isinstance(data, dict):
-                    consume_chunk(state, data, now_s, options.is_chat)
-    except httpx.TimeoutException:
+        record.error = await asyncio.wait_for(_read_stream(client, payload, options, state, send_s), options.timeout_s)
+    except (asyncio.TimeoutError, httpx.TimeoutException):
         record.error = "timeout"
-        return record
     except httpx.HTTPError as exc:
         record.error = _short(f"{type(exc).__name__}: {exc}")
+    if record.error:
         return record
     return finish_record(record, state, request, tokenizer)

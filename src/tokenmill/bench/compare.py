@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.metrics import LATENCY_METRICS, STATS
+from tokenmill.bench.metrics import LATENCY_METRICS, STATS, parse_latency_limits
 
 
 @dataclass(frozen=True)
@@ -58,27 +58,10 @@ def parse_sla(text: str | None) -> dict[str, float]:
     Each bound is an upper limit on a latency statistic; the result keys are the summary
     keys. ``p95_ttft_ms`` (summary spelling) and ``e2e`` for ``e2el`` are accepted too.
     """
-    sla: dict[str, float] = {}
-    if not text:
-        return sla
-    for part in text.replace(" ", ",").split(","):
-        if not part:
-            continue
-        name, sep, value = part.partition("=")
-        key = _sla_key(name.strip().lower())
-        if not sep or key is None:
-            raise ValueError(
-                f"bad SLA term {part!r}: expected METRIC_STAT_ms=LIMIT, e.g. ttft_p95_ms=800 "
-                f"(metrics {', '.join(LATENCY_METRICS)}; stats {', '.join(STATS)})"
-            )
-        try:
-            limit = float(value)
-        except ValueError:
-            raise ValueError(f"bad SLA term {part!r}: {value!r} is not a number") from None
-        if not math.isfinite(limit) or limit < 0:
-            raise ValueError(f"bad SLA term {part!r}: the limit must be a finite number >= 0")
-        sla[key] = limit
-    return sla
+    return parse_latency_limits(
+        text, "=", _sla_key, "SLA term",
+        f"METRIC_STAT_ms=LIMIT, e.g. ttft_p95_ms=800 (metrics {', '.join(LATENCY_METRICS)}; stats {', '.join(STATS)})",
+    )
 
 
 def _sla_key(name: str) -> str | None:
@@ -193,6 +176,8 @@ class Comparison:
     load_kind: str
     verdict: str
     """One or two sentences: which target to pick and why."""
+    warnings: list[str] = field(default_factory=list)
+    """Why the figures may not be comparable (e.g. targets ran different workloads)."""
 
     def target(self, name: str) -> TargetSummary:
         return next(t for t in self.targets if t.name == name)
@@ -267,6 +252,46 @@ def _verdict(targets: list[TargetSummary], baseline: str, sla: dict[str, float],
     return text
 
 
+def _value_text(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+
+
+def workload_warnings(named_results: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Why the results may not be comparable: targets that ran different workloads.
+
+    Each result's ``workload`` dict (dataset, lengths, seed...) is compared; a result
+    without one (e.g. a vLLM file) cannot be checked, which is said too.
+    """
+    workloads: dict[str, list[dict[str, Any]]] = {}
+    unrecorded: list[str] = []
+    for name, result in named_results:
+        workload = result.get("workload")
+        if not workload:
+            if name not in unrecorded:
+                unrecorded.append(name)
+        elif workload not in workloads.setdefault(name, []):
+            workloads[name].append(workload)
+    distinct: list[dict[str, Any]] = []
+    for target_workloads in workloads.values():
+        distinct += [w for w in target_workloads if w not in distinct]
+    warnings = []
+    if len(distinct) > 1:
+        keys = sorted({k for w in distinct for k in w})
+        differing = [k for k in keys if len({_value_text(w.get(k)) for w in distinct}) > 1]
+        details = "; ".join(
+            f"{key}: " + ", ".join(
+                f"{name}={'/'.join(dict.fromkeys(_value_text(w.get(key)) for w in ws))}" for name, ws in workloads.items()
+            )
+            for key in differing
+        )
+        warnings.append(f"the results ran different workloads ({details}), so their figures compare unlike work")
+    if unrecorded and len({name for name, _ in named_results}) > 1:
+        warnings.append(
+            f"no workload recorded in the results of {', '.join(unrecorded)}: cannot check they ran the same workload"
+        )
+    return warnings
+
+
 def build_comparison(
     named_results: list[tuple[str, dict[str, Any]]],
     baseline: str | None = None,
@@ -301,7 +326,8 @@ def build_comparison(
             elif misses:
                 target.sla_misses[i] = misses
         targets.append(target)
-    return Comparison(targets, baseline, sla, load_kind, _verdict(targets, baseline, sla, load_kind))
+    verdict = _verdict(targets, baseline, sla, load_kind)
+    return Comparison(targets, baseline, sla, load_kind, verdict, workload_warnings(named_results))
 
 
 def table_rows(comparison: Comparison) -> list[tuple[MetricSpec, list[tuple[float | None, float | None]]]]:
@@ -338,7 +364,9 @@ def format_comparison(comparison: Comparison) -> str:
     body = [[spec.title] + [_cell(v, r) for v, r in cells] for spec, cells in table_rows(comparison)]
     body.insert(0, ["Load"] + [loads[n] for n in names])
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-    lines = [f"Verdict: {comparison.verdict}", ""]
+    lines = [f"Verdict: {comparison.verdict}"]
+    lines += [f"Warning: {warning}" for warning in comparison.warnings]
+    lines.append("")
     for row in [header, ["-" * w for w in widths], *body]:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
     if comparison.sla:

@@ -5,7 +5,8 @@ length, as text too when a tokenizer is given), ``sharegpt`` (real conversations
 ShareGPT-format JSON file), ``jsonl`` (one prompt per line, with an optional output
 length) and ``prefix`` (a few shared system prompts followed by unique suffixes, to show
 what prefix caching buys). Every builder is seeded, so two runs, or two targets in a
-comparison, see the same requests.
+comparison, see the same requests. Warm-up requests are built here too: shaped like the
+measured ones, but with prompts of their own.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ _SHAREGPT_MAX_PROMPT_TOKENS = 1024
 _SHAREGPT_MAX_TOTAL_TOKENS = 2048
 _MAX_LENGTH_FIX_ROUNDS = 10
 _CHARS_PER_TOKEN_ESTIMATE = 4
+_WARMUP_STREAM = 1  # second entry of the warm-up RNG's seed: a stream apart from the workload's
 
 
 @dataclass
@@ -295,6 +297,62 @@ def load_jsonl_requests(
 def _cycle_to(requests: list[BenchRequest], num_prompts: int) -> list[BenchRequest]:
     """Repeat a short dataset until it has ``num_prompts`` requests (as vLLM oversamples)."""
     return [requests[i % len(requests)] for i in range(num_prompts)]
+
+
+def _warmup_token_pool(requests: list[BenchRequest], tokenizer: TokenizerLike | None) -> np.ndarray:
+    """Distinct token ids the workload's prompts use (encoded from text with a tokenizer), minus special ones."""
+    ids: set[int] = set()
+    for r in requests:
+        if r.prompt_token_ids is not None:
+            ids.update(r.prompt_token_ids)
+        elif tokenizer is not None:
+            ids.update(encode_text(tokenizer, r.prompt_text or ""))
+    if tokenizer is not None:
+        ids -= special_ids_of(tokenizer)
+    return np.array(sorted(ids), dtype=np.int64)
+
+
+def build_warmup_requests(
+    requests: list[BenchRequest],
+    num_warmups: int,
+    seed: int = 0,
+    tokenizer: TokenizerLike | None = None,
+) -> list[BenchRequest]:
+    """Uncounted requests shaped like the measured ones, with prompts of their own.
+
+    Warming up on measured prompts would leave their KV in the target's prefix cache, so
+    the measured run would skip prefill that another engine recomputes. Warm-up ``i``
+    keeps the prompt length, output length and prompt form (ids, text or both) of
+    measured request ``i % len(requests)``; its tokens are drawn, on a stream apart from
+    the workload's, among the tokens the workload uses (its words, for text without a
+    tokenizer), so they are valid and never special.
+    """
+    if num_warmups <= 0:
+        return []
+    if not requests:
+        raise ValueError("warm-up requests are shaped like the measured ones: give at least one")
+    rng = np.random.default_rng([seed, _WARMUP_STREAM])
+    token_pool = _warmup_token_pool(requests, tokenizer)
+    word_pool = sorted({w for r in requests for w in (r.prompt_text or "").split()})
+    warmups = []
+    for i in range(num_warmups):
+        shape = requests[i % len(requests)]
+        prompt_len = shape.prompt_len
+        ids: list[int] | None = None
+        text: str | None = None
+        if token_pool.size and (shape.prompt_token_ids is not None or tokenizer is not None):
+            ids = rng.choice(token_pool, size=max(prompt_len, 1)).tolist()
+            if shape.prompt_text is not None and tokenizer is not None:
+                text, text_len = _text_of_length(ids, tokenizer, rng, token_pool)
+                prompt_len = prompt_len if shape.prompt_token_ids is not None else text_len
+        if shape.prompt_text is not None and text is None:
+            num_words = max(len(shape.prompt_text.split()), 1)
+            text = " ".join(rng.choice(word_pool, size=num_words).tolist()) if word_pool else shape.prompt_text
+        warmups.append(BenchRequest(
+            prompt_len, shape.output_len,
+            prompt_token_ids=ids if shape.prompt_token_ids is not None else None, prompt_text=text,
+        ))
+    return warmups
 
 
 def build_requests(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -88,25 +88,43 @@ class RequestRecord:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
+def parse_latency_limits(
+    items: str | Iterable[str] | None,
+    separator: str,
+    key_of: Callable[[str], str | None],
+    what: str,
+    expected: str,
+) -> dict[str, float]:
+    """Parse ``NAME<separator>MS`` terms, split on commas and spaces, into ``{key: MS}``.
+
+    The one grammar behind ``--goodput`` (``ttft:500``) and ``--sla`` (``ttft_p95_ms=800``).
+    ``key_of`` maps a lower-cased name to its key, or None when the name is unknown; each
+    limit must be a finite number of milliseconds >= 0. Errors name the bad term, calling
+    it a ``what``, and say what was ``expected``.
+    """
+    limits_ms: dict[str, float] = {}
+    for item in [items] if isinstance(items, str) else items or []:
+        for part in item.replace(",", " ").split():
+            name, sep, value = part.partition(separator)
+            key = key_of(name.strip().lower()) if sep else None
+            if key is None:
+                raise ValueError(f"bad {what} {part!r}: expected {expected}")
+            try:
+                limit_ms = float(value)
+            except ValueError:
+                raise ValueError(f"bad {what} {part!r}: {value!r} is not a number of ms") from None
+            if not math.isfinite(limit_ms) or limit_ms < 0:
+                raise ValueError(f"bad {what} {part!r}: the limit must be a finite number of ms >= 0")
+            limits_ms[key] = limit_ms
+    return limits_ms
+
+
 def parse_goodput(items: Iterable[str] | None) -> dict[str, float]:
     """Parse ``["ttft:500", "tpot:50"]`` into SLOs in milliseconds, naming any bad item."""
-    slos_ms: dict[str, float] = {}
-    for item in items or []:
-        for part in item.replace(",", " ").split():
-            name, sep, value = part.partition(":")
-            name = name.strip().lower()
-            if not sep or name not in GOODPUT_METRICS:
-                raise ValueError(
-                    f"bad goodput SLO {part!r}: expected NAME:MS with NAME in {', '.join(GOODPUT_METRICS)}"
-                )
-            try:
-                value_ms = float(value)
-            except ValueError:
-                raise ValueError(f"bad goodput SLO {part!r}: {value!r} is not a number of ms") from None
-            if not math.isfinite(value_ms) or value_ms < 0:
-                raise ValueError(f"bad goodput SLO {part!r}: must be a finite number >= 0")
-            slos_ms[name] = value_ms
-    return slos_ms
+    return parse_latency_limits(
+        items, ":", lambda name: name if name in GOODPUT_METRICS else None, "goodput SLO",
+        f"NAME:MS with NAME in {', '.join(GOODPUT_METRICS)}",
+    )
 
 
 def latency_stats_ms(values_s: Sequence[float], metric: str) -> dict[str, float]:

@@ -7,7 +7,8 @@ it. All requests arrive at time zero, so TTFT includes waiting for a batch slot:
 exactly the cost static batching pays. Memory is what each backend adds: RSS growth on
 CPU (sampled), allocated-bytes growth on GPU. ``--compare`` loads every backend once and
 runs them interleaved for several rounds, rotating the order, so the ratios survive a
-noisy machine.
+noisy machine. tokenmill gives one row per KV strategy. Warm-ups use prompts of their
+own (shaped like the measured ones), so no backend measures prompts it has seen.
 """
 
 from __future__ import annotations
@@ -25,12 +26,16 @@ from typing import Any
 import psutil
 import torch
 
-from tokenmill.bench.datasets import BenchRequest
+from tokenmill.bench.datasets import BenchRequest, build_warmup_requests
 from tokenmill.bench.metrics import RequestRecord, summarize
 from tokenmill.bench.offline_backends import BACKEND_NAMES, OfflineBackend, make_backend
+from tokenmill.bench.tokenization import TokenizerLike
 
-__all__ = ["BACKEND_NAMES", "OfflineConfig", "format_offline_table", "run_offline_benchmark"]
+__all__ = ["BACKEND_NAMES", "KV_CACHE_KINDS", "OfflineConfig", "format_offline_table", "run_offline_benchmark"]
+KV_CACHE_KINDS: tuple[str, ...] = ("paged", "static")
+"""tokenmill's KV strategies ``--kv-cache`` may list."""
 _RSS_SAMPLE_INTERVAL_S = 0.01
+_SET_BY_CONFIG = ("model", "dtype", "device", "kv_cache")  # LLM(...) kwargs engine_kwargs must not repeat
 
 
 @dataclass(frozen=True)
@@ -40,9 +45,9 @@ class OfflineConfig:
     model: str = "demo"
     """Model folder, or ``demo``."""
     backends: tuple[str, ...] = ("tokenmill", "transformers")
-    """Backends to run, in order; the first is the ratio baseline."""
-    kv_cache: str = "paged"
-    """tokenmill's KV strategy (``paged`` or ``static``)."""
+    """Backends to run, in order; the first row is the ratio baseline."""
+    kv_caches: tuple[str, ...] = ("paged",)
+    """tokenmill's KV strategies (``paged``, ``static``): one tokenmill row, and LLM instance, each."""
     dtype: str = "float32"
     """Weights dtype for every backend."""
     device: str = "auto"
@@ -56,14 +61,24 @@ class OfflineConfig:
     num_rounds: int = 3
     """Rounds of the interleaved comparison (1 without ``compare``)."""
     num_warmups: int = 2
-    """Uncounted requests each backend runs after loading."""
+    """Uncounted requests each backend runs after loading (own prompts, measured shapes)."""
+    seed: int = 0
+    """Seed the warm-up prompts are drawn with (the workload's seed)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra ``LLM(...)`` keyword arguments for tokenmill."""
+    """Extra ``LLM(...)`` keyword arguments for tokenmill, e.g. ``compile_batch_sizes``."""
 
     def __post_init__(self) -> None:
         unknown = [b for b in self.backends if b not in BACKEND_NAMES]
         if unknown or not self.backends:
             raise ValueError(f"unknown backends {unknown}; choose from {', '.join(BACKEND_NAMES)}")
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError(f"backends are listed more than once: {', '.join(self.backends)}")
+        bad_kv = [k for k in self.kv_caches if k not in KV_CACHE_KINDS]
+        if bad_kv or not self.kv_caches or len(set(self.kv_caches)) != len(self.kv_caches):
+            raise ValueError(f"kv_caches must be distinct values of {', '.join(KV_CACHE_KINDS)}, got {self.kv_caches}")
+        repeated = sorted(set(self.engine_kwargs) & set(_SET_BY_CONFIG))
+        if repeated:
+            raise ValueError(f"engine_kwargs may not set {', '.join(repeated)}: use the offline option of that name")
         if self.batch_size < 1 or self.num_rounds < 1 or self.num_warmups < 0:
             raise ValueError("batch_size and num_rounds must be >= 1, num_warmups >= 0")
 
@@ -73,6 +88,11 @@ class OfflineConfig:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
+
+    @property
+    def rows(self) -> list[tuple[str, str | None]]:
+        """(backend, KV strategy) of each result row, in order: tokenmill once per strategy."""
+        return [(b, kv) for b in self.backends for kv in (self.kv_caches if b == "tokenmill" else (None,))]
 
 
 class MemoryMeter:
@@ -128,8 +148,13 @@ class BackendResult:
 
     name: str
     label: str = ""
+    kv_cache: str | None = None
+    """tokenmill's KV strategy; None for other backends."""
     skipped_reason: str | None = None
     load_s: float = 0.0
+    """Start-up seconds: loading the model and, for tokenmill, compiling."""
+    load_figures: dict[str, Any] = field(default_factory=dict)
+    """Backend-specific start-up figures, e.g. tokenmill's ``compile_time_s``."""
     load_memory_bytes: int = 0
     run_memory_bytes: int = 0
     process_peak_bytes: int = 0
@@ -138,8 +163,8 @@ class BackendResult:
     def summary(self, memory_kind: str) -> dict[str, Any]:
         """vLLM-style summary over all rounds, plus memory; ITL only where per-token times exist."""
         if self.skipped_reason is not None:
-            return {"backend": self.name, "label": self.label or self.name, "skipped": True,
-                    "note": self.skipped_reason}
+            return {"backend": self.name, "label": self.label or self.name, "kv_cache": self.kv_cache,
+                    "skipped": True, "note": self.skipped_reason}
         records = [r for records, _ in self.rounds for r in records]
         duration_s = sum(d for _, d in self.rounds)
         result = summarize(records, duration_s)
@@ -151,8 +176,10 @@ class BackendResult:
         result.update(
             backend=self.name,
             label=self.label or self.name,
+            kv_cache=self.kv_cache,
             skipped=False,
             load_s=self.load_s,
+            **self.load_figures,
             memory_kind=memory_kind,
             peak_memory_bytes=self.load_memory_bytes + self.run_memory_bytes,
             load_memory_bytes=self.load_memory_bytes,
@@ -166,16 +193,16 @@ class BackendResult:
 
 
 def _load(
-    name: str, config: OfflineConfig, requests: list[BenchRequest], meter: MemoryMeter
+    name: str, kv_cache: str | None, config: OfflineConfig, requests: list[BenchRequest], meter: MemoryMeter
 ) -> tuple[OfflineBackend | None, BackendResult]:
     """Load and prepare one backend, measuring time and memory; failures become a skip note."""
-    result = BackendResult(name)
+    result = BackendResult(name, label=f"{name}[{kv_cache}]" if kv_cache else name, kv_cache=kv_cache)
     gc.collect()
     start_s = time.perf_counter()
     backend: OfflineBackend | None = None
     with meter.peak_growth() as box:
         try:
-            backend = make_backend(name, config)
+            backend = make_backend(name, config, kv_cache)
             skip = backend.unavailable_reason()
             if skip is None:
                 backend.prepare(requests)
@@ -186,6 +213,7 @@ def _load(
         result.skipped_reason = skip
         return None, result
     result.label = backend.label
+    result.load_figures = backend.load_figures()
     result.load_memory_bytes = max(meter.current_bytes() - box["start_bytes"], 0)
     return backend, result
 
@@ -203,43 +231,46 @@ def run_offline_benchmark(
     requests: list[BenchRequest],
     workload: dict[str, Any] | None = None,
     log: Any = print,
+    tokenizer: TokenizerLike | None = None,
 ) -> dict[str, Any]:
     """Run the backends on ``requests`` and return the offline result dict.
 
     Without ``compare`` each backend is loaded, measured once and released before the
-    next; with it all are loaded, then measured round-robin ``num_rounds`` times.
+    next; with it all are loaded, then measured round-robin ``num_rounds`` times. Warm-ups
+    are ``num_warmups`` requests with prompts of their own (``tokenizer`` gives them text
+    when the workload has text).
     """
     meter = MemoryMeter(config.resolved_device)
     results: list[BackendResult] = []
-    warmups = requests[: config.num_warmups]
+    warmups = build_warmup_requests(requests, config.num_warmups, config.seed, tokenizer)
     if config.compare:
         loaded: list[tuple[OfflineBackend, BackendResult]] = []
-        for name in config.backends:
-            backend, result = _load(name, config, requests, meter)
+        for name, kv_cache in config.rows:
+            backend, result = _load(name, kv_cache, config, requests, meter)
             results.append(result)
             if backend is not None:
                 if warmups:
                     backend.run(warmups)
                 loaded.append((backend, result))
             else:
-                log(f"[bench offline] skipping {name}: {result.skipped_reason}")
+                log(f"[bench offline] skipping {result.label}: {result.skipped_reason}")
         for round_index in range(config.num_rounds):
             shift = round_index % max(len(loaded), 1)
             for backend, result in loaded[shift:] + loaded[:shift]:
-                log(f"[bench offline] round {round_index + 1}/{config.num_rounds}: {result.name}")
+                log(f"[bench offline] round {round_index + 1}/{config.num_rounds}: {result.label}")
                 _measure(backend, requests, result, meter)
         for backend, _ in loaded:
             backend.close()
     else:
-        for name in config.backends:
-            backend, result = _load(name, config, requests, meter)
+        for name, kv_cache in config.rows:
+            backend, result = _load(name, kv_cache, config, requests, meter)
             results.append(result)
             if backend is None:
-                log(f"[bench offline] skipping {name}: {result.skipped_reason}")
+                log(f"[bench offline] skipping {result.label}: {result.skipped_reason}")
                 continue
             if warmups:
                 backend.run(warmups)
-            log(f"[bench offline] measuring {name}")
+            log(f"[bench offline] measuring {result.label}")
             _measure(backend, requests, result, meter)
             backend.close()
             del backend
@@ -248,7 +279,7 @@ def run_offline_benchmark(
 
 
 def _median_ratios(results: list[BackendResult]) -> dict[str, float | None]:
-    """Per backend, the median over rounds of its throughput over the baseline's in that round."""
+    """Per row label, the median over rounds of its throughput over the baseline's in that round."""
     measured = [r for r in results if r.skipped_reason is None and r.rounds]
     if not measured:
         return {}
@@ -261,7 +292,7 @@ def _median_ratios(results: list[BackendResult]) -> dict[str, float | None]:
             tps = sum(x.output_tokens for x in recs if x.success) / d
             if base_tps > 0:
                 per_round.append(tps / base_tps)
-        ratios[r.name] = statistics.median(per_round) if per_round else None
+        ratios[r.label] = statistics.median(per_round) if per_round else None
     return ratios
 
 
@@ -272,7 +303,7 @@ def _build_result(
     rows = []
     for r in results:
         row = r.summary(memory_kind)
-        row["throughput_ratio_vs_baseline"] = ratios.get(r.name)
+        row["throughput_ratio_vs_baseline"] = ratios.get(r.label)
         rows.append(row)
     return {
         "kind": "offline",
@@ -280,7 +311,7 @@ def _build_result(
         "model": config.model,
         "device": config.resolved_device,
         "dtype": config.dtype,
-        "kv_cache": config.kv_cache,
+        "kv_cache": list(config.kv_caches),
         "batch_size": config.batch_size,
         "ignore_eos": config.ignore_eos,
         "compare": config.compare,
@@ -292,15 +323,16 @@ def _build_result(
 
 
 def format_offline_table(result: dict[str, Any]) -> str:
-    """One row per backend: throughput, latency, memory, and the ratio to the first."""
+    """One row per backend: throughput, latency, memory, start-up, and the ratio to the first."""
     header = ("backend", "out tok/s", "req/s", "TTFT p50 ms", "TTFT p95 ms", "TPOT p50 ms",
-              "TPOT p95 ms", "peak mem MiB", "x baseline")
+              "TPOT p95 ms", "peak mem MiB", "load s", "compile s", "x baseline")
     lines = []
     for row in result["backends"]:
         if row.get("skipped"):
             lines.append((row["label"], f"skipped: {row['note']}"))
             continue
         ratio = row.get("throughput_ratio_vs_baseline")
+        compile_s = row.get("compile_time_s")
         lines.append((
             row["label"],
             f"{row['output_throughput']:.1f}",
@@ -310,9 +342,11 @@ def format_offline_table(result: dict[str, Any]) -> str:
             f"{row['median_tpot_ms']:.2f}",
             f"{row['p95_tpot_ms']:.2f}",
             f"{row['peak_memory_bytes'] / 2**20:.0f}",
+            f"{row['load_s']:.1f}",
+            "-" if compile_s is None else f"{compile_s:.1f}",
             "n/a" if ratio is None else f"{ratio:.2f}x",
         ))
-    widths = [max(len(header[i]), *(len(ln[i]) for ln in lines if len(ln) == len(header))) for i in range(len(header))]
+    widths = [max([len(header[i])] + [len(ln[i]) for ln in lines if len(ln) == len(header)]) for i in range(len(header))]
     out = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths, strict=True)))]
     for ln in lines:
         if len(ln) == 2:
@@ -321,5 +355,5 @@ def format_offline_table(result: dict[str, Any]) -> str:
             out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(ln, widths, strict=True))))
     mode = f"interleaved, {result['num_rounds']} rounds" if result.get("compare") else "sequential"
     out.append(f"({result['device']}, {result['dtype']}, {mode}; memory = {result['backends'][0].get('memory_kind', 'rss')} "
-               "growth while loading plus peak growth while running)")
+               "growth while loading plus peak growth while running; load s includes compiling)")
     return "\n".join(out)

@@ -2,10 +2,12 @@
 
 Each backend loads a model once, then ``run`` completes a list of requests that all
 arrive at the start and returns one ``RequestRecord`` per request plus the wall time.
-``tokenmill`` uses the ``LLM`` API; ``transformers`` runs ``generate`` on left-padded
+``tokenmill`` uses the ``LLM`` API, one instance per KV strategy, with its prefix cache
+emptied before every run so no run reuses an earlier one's prompts; ``transformers`` runs ``generate`` on left-padded
 static batches (a batch starts only when the previous one is done, as users of plain
 ``generate`` do); ``transformers-cb`` uses transformers' own continuous batching
 manager when the installed version has one, and otherwise reports why it is skipped.
+Loading a ``transformers`` model (also ``verify``'s reference) lives here too.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from tokenmill.bench.datasets import BenchRequest
 from tokenmill.bench.metrics import RequestRecord
-from tokenmill.bench.tokenization import encode_text, load_tokenizer, resolve_model_folder
+from tokenmill.bench.tokenization import encode_text, load_tokenizer
 
 if TYPE_CHECKING:
     from tokenmill.bench.offline import OfflineConfig
@@ -28,7 +30,8 @@ if TYPE_CHECKING:
 BACKEND_NAMES: tuple[str, ...] = ("tokenmill", "transformers", "transformers-cb")
 """Values accepted by ``--backends``."""
 _CB_MAX_BATCH_TOKENS = 2048  # tokenmill's default max_num_batched_tokens, for a like-for-like step budget
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The dtypes ``--dtype`` names, for the ``transformers`` side of ``bench offline`` and ``verify``."""
 
 
 class OfflineBackend(Protocol):
@@ -39,6 +42,9 @@ class OfflineBackend(Protocol):
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run here (then it is skipped), or None."""
+
+    def load_figures(self) -> dict[str, Any]:
+        """Backend-specific start-up figures for its row, e.g. ``compile_time_s``."""
 
     def prepare(self, requests: list[BenchRequest]) -> None:
         """Size anything workload-dependent once, before warm-up."""
@@ -56,27 +62,36 @@ def _prompt_ids(request: BenchRequest, tokenizer: Any) -> list[int]:
     return encode_text(tokenizer, request.prompt_text or "")
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    if name not in _TORCH_DTYPES:
-        raise ValueError(f"transformers backends need an explicit dtype ({', '.join(_TORCH_DTYPES)}), got {name!r}")
-    return _TORCH_DTYPES[name]
+def load_transformers_model(model: str, dtype: str, device: torch.device | str) -> Any:
+    """``AutoModelForCausalLM`` of a local model folder (or ``demo``) in ``dtype``, on ``device``, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.engine.llm_engine import resolve_model_path
+
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"transformers needs an explicit dtype ({', '.join(TORCH_DTYPES)}), got {dtype!r}")
+    hf_model = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(model)), dtype=TORCH_DTYPES[dtype])
+    return hf_model.to(device).eval()
 
 
 class TokenmillBackend:
-    """tokenmill's engine through the offline ``LLM`` API."""
+    """tokenmill's engine through the offline ``LLM`` API, with one KV strategy."""
 
-    def __init__(self, config: OfflineConfig) -> None:
+    def __init__(self, config: OfflineConfig, kv_cache: str) -> None:
         from tokenmill.entrypoints.llm import LLM
 
-        self.label = f"tokenmill[{config.kv_cache}]"
+        self.label = f"tokenmill[{kv_cache}]"
         self.ignore_eos = config.ignore_eos
         self.llm = LLM(
-            model=config.model, dtype=config.dtype, kv_cache=config.kv_cache, device=config.device,
+            model=config.model, dtype=config.dtype, kv_cache=kv_cache, device=config.device,
             **config.engine_kwargs,
         )
 
     def unavailable_reason(self) -> str | None:
         return None
+
+    def load_figures(self) -> dict[str, Any]:
+        return {"compile_time_s": self.llm.engine.stats.compile_time_s}
 
     def prepare(self, requests: list[BenchRequest]) -> None:
         return None
@@ -84,6 +99,9 @@ class TokenmillBackend:
     def run(self, requests: list[BenchRequest]) -> tuple[list[RequestRecord], float]:
         from tokenmill.sampling import SamplingParams
 
+        # Each run starts cold: KV left by warm-ups or earlier rounds would let tokenmill skip
+        # prefill that the other backends recompute.
+        self.llm.engine.kv_manager.reset_prefix_cache()
         prompts = [_prompt_ids(r, self.llm.tokenizer) for r in requests]
         params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=self.ignore_eos) for r in requests]
         start_mono_s = time.monotonic()
@@ -126,14 +144,10 @@ class _TransformersBase:
     """Loads the model folder with ``AutoModelForCausalLM`` in the configured dtype."""
 
     def __init__(self, config: OfflineConfig) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.folder = resolve_model_folder(config.model)
         self.device = torch.device(config.resolved_device)
         self.ignore_eos = config.ignore_eos
-        self.model = AutoModelForCausalLM.from_pretrained(str(self.folder), dtype=_torch_dtype(config.dtype))
-        self.model.to(self.device).eval()
-        self.tokenizer = load_tokenizer(self.folder)
+        self.model = load_transformers_model(config.model, config.dtype, self.device)
+        self.tokenizer = load_tokenizer(config.model)
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
         pad = self.model.generation_config.pad_token_id
@@ -141,6 +155,9 @@ class _TransformersBase:
 
     def unavailable_reason(self) -> str | None:
         return None
+
+    def load_figures(self) -> dict[str, Any]:
+        return {}
 
     def prepare(self, requests: list[BenchRequest]) -> None:
         return None
@@ -289,10 +306,10 @@ class TransformersCBBackend(_TransformersBase):
         super().close()
 
 
-def make_backend(name: str, config: OfflineConfig) -> OfflineBackend:
-    """Load the named backend (slow: it loads the model)."""
+def make_backend(name: str, config: OfflineConfig, kv_cache: str | None = None) -> OfflineBackend:
+    """Load the named backend (slow: it loads the model); ``kv_cache`` picks tokenmill's strategy."""
     if name == "tokenmill":
-        return TokenmillBackend(config)
+        return TokenmillBackend(config, kv_cache or config.kv_caches[0])
     if name == "transformers":
         return TransformersBackend(config)
     if name == "transformers-cb":

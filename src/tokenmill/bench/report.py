@@ -146,6 +146,7 @@ _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1100px;color:#222}
 .verdict{font-size:1.25em;padding:1em 1.2em;border-left:6px solid #2e7d32;background:#eef7ee;margin:1em 0}
 .verdict.none{border-color:#c62828;background:#fbeeee}
+.warning{padding:.6em 1.2em;border-left:6px solid #ef6c00;background:#fff4e5;margin:1em 0}
 table{border-collapse:collapse;margin:1em 0;font-size:.92em}
 th,td{border:1px solid #ccc;padding:.35em .7em;text-align:right}
 th:first-child,td:first-child{text-align:left}
@@ -222,6 +223,10 @@ def _sweep_html(comparison: Comparison) -> str:
     return "<table>" + "".join(rows) + "</table>"
 
 
+def _warnings_html(comparison: Comparison) -> str:
+    return "".join(f'<div class="warning">Warning: {_esc(w)}</div>' for w in comparison.warnings)
+
+
 def _workload_html(comparison: Comparison) -> str:
     first = comparison.targets[0].points[0]
     items = {"endpoint": first.get("endpoint"), "num_prompts": first.get("num_prompts"),
@@ -242,6 +247,7 @@ def render_html(comparison: Comparison, plots: dict[str, Path]) -> str:
         f"<style>{_CSS}</style></head><body>"
         "<h1>Which backend for this workload?</h1>"
         f'<div class="{verdict_cls}">{_esc(comparison.verdict)}</div>'
+        f"{_warnings_html(comparison)}"
         f"{_workload_html(comparison)}"
         "<h2>Side by side</h2>"
         f'<p class="note">Ratios are against {_esc(comparison.baseline)}; green is better, red worse.</p>'

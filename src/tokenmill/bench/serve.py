@@ -1,8 +1,9 @@
 """``tokenmill bench serve``: load-test an OpenAI-compatible endpoint and summarize it.
 
 Owns the run: resolve the model name, send a probe request (which also decides whether
-the server takes token-id prompts), warm up, then release requests on the arrival
-schedule under an optional concurrency cap while ``/metrics`` is polled, and finally
+the server takes token-id prompts), warm up (probe and warm-ups use prompts of their own,
+shaped like the measured ones, so a prefix cache holds nothing the measured run could
+reuse), then release requests on the arrival schedule under an optional concurrency cap while ``/metrics`` is polled, and finally
 build the result dict (vLLM-compatible keys plus every per-request timing) and its
 printed summary table.
 """
@@ -22,8 +23,8 @@ import httpx
 from tqdm.auto import tqdm
 
 from tokenmill.bench.arrivals import build_arrival_offsets_s
-from tokenmill.bench.client import ENDPOINTS, RequestOptions, send_request
-from tokenmill.bench.datasets import BenchRequest
+from tokenmill.bench.client import ENDPOINTS, RequestOptions, auth_headers, send_request
+from tokenmill.bench.datasets import BenchRequest, build_warmup_requests
 from tokenmill.bench.metrics import LATENCY_METRICS, STATS, RequestRecord, summarize
 from tokenmill.bench.server_metrics import MetricsScraper
 from tokenmill.bench.tokenization import TokenizerLike
@@ -54,7 +55,7 @@ class ServeConfig:
     max_concurrency: int | None = None
     """Cap on requests in flight; None for no cap."""
     num_warmups: int = 0
-    """Uncounted requests sent after the probe, before measuring."""
+    """Uncounted requests sent after the probe, before measuring (own prompts, measured shapes)."""
     prompt_format: str = "auto"
     """``auto``, ``ids`` or ``text`` (completions only; chat always sends text)."""
     temperature: float = 0.0
@@ -62,7 +63,7 @@ class ServeConfig:
     ignore_eos: bool = False
     """Ask the server to ignore EOS so every request produces its full output length."""
     request_timeout_s: float = 600.0
-    """Give up on a request after this long."""
+    """Total deadline of one request (send to last chunk); past it the request fails as ``timeout``."""
     ready_timeout_s: float = 120.0
     """How long the probe retries while the server is unreachable or answers 503 (loading)."""
     seed: int = 0
@@ -89,6 +90,8 @@ class ServeConfig:
             raise ValueError("max_concurrency must be >= 1")
         if self.num_warmups < 0:
             raise ValueError("num_warmups must be >= 0")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
     @property
     def root_url(self) -> str:
@@ -104,7 +107,7 @@ class BenchmarkError(RuntimeError):
 async def _resolve_model(client: httpx.AsyncClient, config: ServeConfig) -> str:
     if config.model:
         return config.model
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    headers = auth_headers(config.api_key)
     deadline_s = time.perf_counter() + config.ready_timeout_s
     while True:
         try:
@@ -135,6 +138,7 @@ def _initial_options(config: ServeConfig, model: str, requests: list[BenchReques
         temperature=config.temperature,
         ignore_eos=config.ignore_eos,
         extra_body=dict(config.extra_body),
+        timeout_s=config.request_timeout_s,
     )
 
 
@@ -163,19 +167,20 @@ async def _probe(
     client: httpx.AsyncClient,
     config: ServeConfig,
     options: RequestOptions,
+    probe: BenchRequest,
     requests: list[BenchRequest],
     tokenizer: TokenizerLike | None,
 ) -> RequestOptions:
-    """Send the first prompt once (waiting for the server to be ready); fall back from token
-    ids to text if the server refuses ids."""
-    record = await _send_when_ready(client, config, requests[0], options, tokenizer)
+    """Send ``probe`` once (waiting for the server to be ready); fall back from token ids to
+    text if the server refuses ids and every measured request has text."""
+    record = await _send_when_ready(client, config, probe, options, tokenizer)
     if record.success:
         return options
     has_text = all(r.prompt_text is not None for r in requests)
     is_refusal = record.error.startswith(("HTTP 400", "HTTP 422"))
     if options.use_token_ids and config.prompt_format == "auto" and is_refusal and has_text:
         text_options = replace(options, use_token_ids=False)
-        retry = await send_request(client, -1, requests[0], text_options, time.perf_counter(), tokenizer)
+        retry = await send_request(client, -1, probe, text_options, time.perf_counter(), tokenizer)
         if retry.success:
             return text_options
         record = retry
@@ -235,9 +240,9 @@ async def arun_serve_benchmark(
     limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         model = await _resolve_model(client, config)
-        options = await _probe(client, config, _initial_options(config, model, requests), requests, tokenizer)
-        if config.num_warmups:
-            warmups = [requests[i % len(requests)] for i in range(config.num_warmups)]
+        probe, *warmups = build_warmup_requests(requests, 1 + config.num_warmups, config.seed, tokenizer)
+        options = await _probe(client, config, _initial_options(config, model, requests), probe, requests, tokenizer)
+        if warmups:
             warm_cap = asyncio.Semaphore(limit)
 
             async def warm(request: BenchRequest) -> None:
@@ -245,7 +250,7 @@ async def arun_serve_benchmark(
                     await send_request(client, -1, request, options, time.perf_counter(), tokenizer)
 
             await asyncio.gather(*(warm(r) for r in warmups))
-        scraper = MetricsScraper(client, f"{config.root_url}/metrics", config.metrics_interval_s)
+        scraper = MetricsScraper(client, f"{config.root_url}/metrics", config.metrics_interval_s, options.headers)
         if config.scrape_metrics:
             await scraper.start()
         try:

@@ -122,6 +122,8 @@ class MetricsScraper:
     client: httpx.AsyncClient
     metrics_url: str
     interval_s: float = 0.5
+    headers: dict[str, str] = field(default_factory=dict)
+    """Sent with every scrape: a server started with an API key guards ``/metrics`` too."""
     is_available: bool = False
     num_scrapes: int = 0
     before: dict[str, float | None] = field(default_factory=dict)
@@ -132,7 +134,7 @@ class MetricsScraper:
     async def scrape(self) -> dict[str, float | None] | None:
         """One scrape; None when the target has no usable ``/metrics``."""
         try:
-            response = await self.client.get(self.metrics_url)
+            response = await self.client.get(self.metrics_url, headers=self.headers)
         except httpx.HTTPError:
             return None
         if response.status_code != 200:

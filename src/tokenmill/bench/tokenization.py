@@ -68,15 +68,6 @@ def special_ids_of(tokenizer: TokenizerLike) -> set[int]:
     return set()
 
 
-def resolve_model_folder(name_or_path: str | Path) -> Path:
-    """``demo`` names tokenmill's built-in demo model (built locally on first use)."""
-    if str(name_or_path) == "demo":
-        from tokenmill.model.demo import demo_model_path
-
-        return demo_model_path()
-    return Path(name_or_path)
-
-
 def load_tokenizer(name_or_path: str | Path) -> TokenizerLike:
     """Load a tokenizer from a local model folder, ``tokenizer.json`` file, or ``demo``.
 
@@ -84,7 +75,9 @@ def load_tokenizer(name_or_path: str | Path) -> TokenizerLike:
     tokenmill server would give them; a bare ``tokenizer.json`` uses the ``tokenizers``
     library; ``transformers`` is the last resort for folders with only slow files.
     """
-    path = resolve_model_folder(name_or_path)
+    from tokenmill.engine.llm_engine import resolve_model_path  # lazy: it imports the whole engine
+
+    path = resolve_model_path(str(name_or_path))
     if path.is_file() and path.suffix == ".json":
         from tokenizers import Tokenizer as BackendTokenizer
 

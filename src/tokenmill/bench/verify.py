@@ -18,12 +18,9 @@ from typing import Any
 import httpx
 import torch
 
-from tokenmill.bench.tokenization import (
-    TokenizerLike,
-    encode_text,
-    load_tokenizer,
-    resolve_model_folder,
-)
+from tokenmill.bench.client import auth_headers
+from tokenmill.bench.offline_backends import load_transformers_model
+from tokenmill.bench.tokenization import TokenizerLike, encode_text, load_tokenizer
 
 DEFAULT_PROMPTS: tuple[str, ...] = (
     "The quick brown fox",
@@ -112,11 +109,7 @@ def run_transformers_greedy(
     model: str, prompts: list[list[int]], max_tokens: int, dtype: str = "float32", device: str = "cpu"
 ) -> list[Generation]:
     """Reference: one prompt at a time, argmax of the raw logits, EOS ignored."""
-    from transformers import AutoModelForCausalLM
-
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    hf_model = AutoModelForCausalLM.from_pretrained(str(resolve_model_folder(model)), dtype=torch_dtype)
-    hf_model.to(device).eval()
+    hf_model = load_transformers_model(model, dtype, device)
     # transformers renamed ``past_key_values`` to ``cache`` (input and output); use what this version has.
     cache_name = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
     generations = []
@@ -196,7 +189,7 @@ def run_server_greedy(
     ``run_verify`` compares them with the reference's tokens mapped to text the same way.
     """
     root = base_url.rstrip("/").removesuffix("/v1")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_headers(api_key)
     generations = []
     with httpx.Client(timeout=timeout_s, trust_env=False) as client:
         for prompt in prompts:
