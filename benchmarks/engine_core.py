@@ -102,14 +102,14 @@ def workload(name: str, seed: int = 0) -> list[BenchRequest]:
     raise ValueError(name)
 
 
-def kv_waste_after_prefill(model: str, requests: list[BenchRequest], engine_kwargs: dict[str, Any]) -> dict[str, float]:
+def kv_waste_after_prefill(model: str, requests: list[BenchRequest], engine_kwargs: dict[str, Any]) -> dict[str, dict]:
     """Reserved-but-unused KV token slots over reserved, when the last prompt is prefilled."""
     from tokenmill.entrypoints.llm import LLM
     from tokenmill.sampling import SamplingParams
 
     out = {}
     for kind in ("paged", "static"):
-        llm = LLM(model, dtype="float32", **{**engine_kwargs, "kv_cache": kind})
+        llm = LLM(model, dtype="float32", **{**engine_kwargs, "kv_cache": kind, "enforce_eager": True})
         engine = llm.engine
         for i, r in enumerate(requests):
             engine.add_request(str(i), r.prompt_token_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True))
@@ -119,7 +119,7 @@ def kv_waste_after_prefill(model: str, requests: list[BenchRequest], engine_kwar
             engine.step()
         reserved = engine.kv_manager.num_reserved_token_slots
         used = sum(q.num_computed_tokens for q in engine.scheduler.running)
-        out[kind] = (reserved - used) / reserved
+        out[kind] = {"reserved_tokens": reserved, "used_tokens": used, "waste": (reserved - used) / reserved}
         engine.abort_request([str(i) for i in range(len(requests))])
         del llm, engine
     return out
@@ -132,13 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16, help="transformers static batch size")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds per workload")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--kv-cache", default="paged", choices=["paged", "static"])
+    parser.add_argument("--kv-caches", default="paged,static", help="tokenmill KV strategies to compare")
+    parser.add_argument("--compile-batch-sizes", default="1,8,32", help="static: decode buckets to compile")
     parser.add_argument("--out", type=Path, default=None, help="write the full result JSON here")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     model = str(build_model(args.model_dir))
-    engine_kwargs = {"max_model_len": 512, "max_num_seqs": 32, "num_threads": args.threads}
+    engine_kwargs: dict[str, Any] = {"max_model_len": 512, "max_num_seqs": 32, "num_threads": args.threads,
+                                     "compile_batch_sizes": tuple(int(b) for b in args.compile_batch_sizes.split(","))}
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "threads": args.threads,
                               "torch": torch.__version__, "model_shape": MODEL_SHAPE, "workloads": {}}
     result["gemm_gflops"] = gemm_gflops()
@@ -150,32 +152,40 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.workloads.split(","):
         requests = workload(name)
         config = OfflineConfig(
-            model=model, backends=("tokenmill", "transformers"), kv_cache=args.kv_cache, dtype="float32",
+            model=model, backends=("tokenmill", "transformers"), kv_caches=tuple(args.kv_caches.split(",")), dtype="float32",
             device="cpu", batch_size=args.batch_size, compare=True, num_rounds=args.rounds, num_warmups=1,
             engine_kwargs=engine_kwargs,
         )
         res = run_offline_benchmark(config, requests, workload={"name": name})
-        rows = {row["backend"]: row for row in res["backends"]}
-        tm = rows["tokenmill"]
+        rows = {row["label"]: row for row in res["backends"] if not row.get("skipped")}
+        hf = next(row for label, row in rows.items() if label.startswith("transformers"))
         forward_tokens = sum(r.prompt_len + r.output_len - 1 for r in requests)
         flops = model_flops(MODEL_SHAPE, forward_tokens, sum(r.output_len for r in requests))
-        seconds = sum(r.output_len for r in requests) / tm["output_throughput"]
-        summary = {
-            "tokenmill_output_tok_s": tm["output_throughput"],
-            "transformers_output_tok_s": rows["transformers"]["output_throughput"],
-            "ratio": tm["output_throughput"] / rows["transformers"]["output_throughput"],
-            "tokenmill_tpot_ms_median": tm["median_tpot_ms"],
-            "transformers_tpot_ms_median": rows["transformers"]["median_tpot_ms"],
-            "tokenmill_gflops": flops / seconds / 1e9,
-            "fraction_of_gemm_ceiling": flops / seconds / 1e9 / ceiling,
-        }
+        summary: dict[str, Any] = {"transformers_output_tok_s": hf["output_throughput"],
+                                   "transformers_tpot_ms_median": hf["median_tpot_ms"]}
+        for label, row in rows.items():
+            if not label.startswith("tokenmill"):
+                continue
+            seconds = sum(r.output_len for r in requests) / row["output_throughput"]
+            summary[label] = {
+                "output_tok_s": row["output_throughput"],
+                "ratio_vs_transformers": row["output_throughput"] / hf["output_throughput"],
+                "tpot_ms_median": row["median_tpot_ms"],
+                "gflops": flops / seconds / 1e9,
+                "fraction_of_gemm_ceiling": flops / seconds / 1e9 / ceiling,
+                "load_s": row.get("load_s"),
+                "compile_time_s": row.get("compile_time_s"),
+            }
         if name == "single":
             weight_bytes = model_flops(MODEL_SHAPE, 1, 1) / 2 * 4
             summary["decode_bound_ms"] = weight_bytes / (result["read_bandwidth_gbs"] * 1e9) * 1e3
         result["workloads"][name] = {"summary": summary, "offline": res}
         print(f"\n== {name} ==\n{format_offline_table(res)}\n{json.dumps(summary, indent=2)}", flush=True)
 
-    result["kv_waste_after_prefill"] = kv_waste_after_prefill(model, workload("mixed"), engine_kwargs)
+    result["kv_waste_after_prefill"] = {
+        f"block_size={bs}": kv_waste_after_prefill(model, workload("mixed"), {**engine_kwargs, "block_size": bs})
+        for bs in (16, 8)
+    }
     print(f"KV waste after prefill (mixed): {result['kv_waste_after_prefill']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

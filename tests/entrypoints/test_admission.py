@@ -1,14 +1,17 @@
-"""Admission control on the shared server: 429 beyond batch + queue, priorities, /health.
+"""Admission control: the controller's counts, then the shared server's 429s, 400s and priorities.
 
-The shared server runs ``--max-num-seqs 4 --max-queue-len 4 --scheduling-policy priority``.
+The shared server runs ``--max-num-seqs 4 --max-queue-len 4 --scheduling-policy priority``,
+so it admits 8 sequences (prompts times n) at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import httpx
+import pytest
 
 from tests.entrypoints.conftest import (
     MAIN_MAX_NUM_SEQS,
@@ -16,8 +19,78 @@ from tests.entrypoints.conftest import (
     ServerHandle,
     assert_error,
 )
+from tokenmill.entrypoints.openai.admission import AdmissionController
+from tokenmill.entrypoints.openai.errors import APIError
+from tokenmill.errors import InvalidRequestError
 
 CAPACITY = MAIN_MAX_NUM_SEQS + MAIN_MAX_QUEUE_LEN
+
+
+def test_controller_counts_sequences_and_requests_per_key() -> None:
+    controller = AdmissionController(max_seqs_in_flight=8, per_key_max=2)
+    first = controller.acquire(key_id=1)
+    controller.grow(first, num_prompts=2, n=3)
+    assert (controller.num_requests_in_flight, controller.num_seqs_in_flight) == (1, 6)
+    second = controller.acquire(key_id=1)
+    with pytest.raises(APIError) as refused:
+        controller.grow(second, num_prompts=1, n=3)  # 6 + 3 > 8: not now
+    assert refused.value.status_code == 429 and refused.value.headers["Retry-After"]
+    assert second.num_seqs == 1 and controller.num_seqs_in_flight == 7
+    with pytest.raises(APIError, match="API key"):
+        controller.acquire(key_id=1)
+    third = controller.acquire(key_id=2)
+    with pytest.raises(APIError, match="capacity"):
+        controller.acquire(key_id=3)
+    for ticket in (first, second, third):
+        controller.release(ticket)
+    assert (controller.num_requests_in_flight, controller.num_seqs_in_flight) == (0, 0)
+
+
+@pytest.mark.parametrize(("num_prompts", "n", "param"), [(3, 3, "prompt"), (9, 1, "prompt"), (1, 9, "n")])
+def test_controller_rejects_a_request_that_could_never_fit(num_prompts: int, n: int, param: str) -> None:
+    controller = AdmissionController(max_seqs_in_flight=8, per_key_max=None)
+    ticket = controller.acquire(key_id=None)
+    with pytest.raises(InvalidRequestError) as info:
+        controller.grow(ticket, num_prompts, n)
+    assert info.value.param == param and "--max-num-seqs + --max-queue-len" in info.value.message
+    controller.release(ticket)
+    assert controller.num_seqs_in_flight == 0
+
+
+def test_request_larger_than_capacity_is_400_naming_prompt_or_n(http: httpx.Client) -> None:
+    too_many_prompts = {"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 1}
+    error = assert_error(http.post("/v1/completions", json=too_many_prompts), 400, param="prompt")
+    assert "9 sequences" in error["message"] and str(CAPACITY) in error["message"]
+    assert_error(http.post("/v1/completions", json={"prompt": "a", "n": CAPACITY + 1, "max_tokens": 1}),
+                 400, param="n")
+    chat = {"messages": [{"role": "user", "content": "hi"}], "n": CAPACITY + 1, "max_tokens": 1}
+    assert_error(http.post("/v1/chat/completions", json=chat), 400, param="n")
+    exact = {"prompt": ["a", "b"], "n": CAPACITY // 2, "max_tokens": 2, "ignore_eos": True}
+    r = http.post("/v1/completions", json=exact)
+    assert r.status_code == 200 and len(r.json()["choices"]) == CAPACITY, r.text
+
+
+def test_request_that_does_not_fit_now_is_429(server: ServerHandle, http: httpx.Client) -> None:
+    # A request whose body is still arriving holds its one admitted sequence, however fast the engine is.
+    head_body, tail_body = b'{"prompt": "held", ', b'"max_tokens": 1}'
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {server.api_key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(head_body + tail_body)}\r\n"
+            "Connection: close\r\n\r\n").encode()
+    full = {"prompt": ["a", "b"], "n": CAPACITY // 2, "max_tokens": 1}
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as held:
+        held.sendall(head + head_body)
+        deadline = time.monotonic() + 10
+        while (r := http.post("/v1/completions", json=full)).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the server has read the held request's head
+        assert_error(r, 429, code="rate_limit_exceeded")
+        assert r.headers["Retry-After"]
+        assert http.post("/v1/completions", json={**full, "n": 1}).status_code == 200
+        held.sendall(tail_body)
+        response = b""
+        while chunk := held.recv(65536):
+            response += chunk
+    assert response.startswith(b"HTTP/1.1 200"), response[:200]
+    assert http.post("/v1/completions", json=full).status_code == 200
 
 
 async def _overload(server: ServerHandle, num_requests: int) -> tuple[list[httpx.Response], list[float], list[int]]:

@@ -81,6 +81,12 @@ JSON_CASES += [
     (CHAT, _chat(stop=[""]), 400, "stop"),
     (COMPLETIONS, _completion(stream_options={"include_usage": True}), 400, "stream_options"),
     (COMPLETIONS, _completion(no_such_field=1), 400, "no_such_field"),
+    (COMPLETIONS, _completion(spaces_between_special_tokens=False), 400, "spaces_between_special_tokens"),
+    (CHAT, _chat(spaces_between_special_tokens=False), 400, "spaces_between_special_tokens"),
+    (COMPLETIONS, _completion(stop_token_ids=[10**6]), 400, "stop_token_ids"),
+    (COMPLETIONS, _completion(stop_token_ids=[10**6], stream=True), 400, "stop_token_ids"),
+    (CHAT, _chat(stop_token_ids=[2, 10**6]), 400, "stop_token_ids"),
+    (CHAT, _chat(stop_token_ids=[-1]), 400, "stop_token_ids"),
     (COMPLETIONS, _completion(model="gpt-4"), 404, "model"),
     (CHAT, _chat(model="gpt-4"), 404, "model"),
 ]

@@ -1,7 +1,7 @@
-"""A stalled or crashing engine, in-process: timeouts answer, a dead engine fails fast.
+"""A stalled or crashing engine, in-process: timeouts answer, a dead engine fails fast, then exits 1.
 
-The server runs in-process (uvicorn on a thread) so the test can stall and then break the
-engine's ``step``; clients still talk to it over loopback HTTP.
+The server (``tokenmill serve``'s GracefulServer) runs in-process on a thread so the test can
+stall and then break the engine's ``step``; clients still talk to it over loopback HTTP.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import uvicorn
 from tests.entrypoints.conftest import assert_error, free_port
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine
-from tokenmill.entrypoints.openai.server import build_app
+from tokenmill.entrypoints.openai.server import GracefulServer, build_app
 from tokenmill.entrypoints.openai.state import ServerConfig
+
+DEAD_ENGINE_GRACE_S = 3.0
 
 
 @dataclass
@@ -30,6 +32,8 @@ class InProcessServer:
     base_url: str
     stall: threading.Event
     crash: threading.Event
+    server: GracefulServer
+    thread: threading.Thread
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +44,13 @@ def inproc(demo_cache: str) -> Iterator[InProcessServer]:
     port = free_port()
     config = ServerConfig(port=port, request_timeout_s=1.0, max_num_seqs=4, max_queue_len=4)
     app = build_app(engine, config, engine_config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    uv_config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    server = GracefulServer(uv_config, app)
+    server.dead_engine_grace_s = DEAD_ENGINE_GRACE_S
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    handle = InProcessServer(engine, f"http://127.0.0.1:{port}", threading.Event(), threading.Event())
+    handle = InProcessServer(engine, f"http://127.0.0.1:{port}", threading.Event(), threading.Event(),
+                             server, thread)
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -97,7 +104,7 @@ def test_request_that_never_gets_output_times_out_with_503(inproc: InProcessServ
     assert ok.status_code == 200, ok.text
 
 
-def test_engine_crash_fails_in_flight_marks_unhealthy(inproc: InProcessServer) -> None:
+def test_engine_crash_fails_in_flight_marks_unhealthy_then_exits_1(inproc: InProcessServer) -> None:
     body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
     events = []
     with httpx.stream("POST", f"{inproc.base_url}/v1/completions", json=body, timeout=30) as r:
@@ -116,3 +123,6 @@ def test_engine_crash_fails_in_flight_marks_unhealthy(inproc: InProcessServer) -
     error = assert_error(r, 500, code="engine_dead")
     assert "boom" not in error["message"]
     assert_error(httpx.get(f"{inproc.base_url}/health", timeout=10), 503)
+    inproc.thread.join(30)
+    assert not inproc.thread.is_alive(), "the server kept running with a dead engine"
+    assert inproc.server.exit_code == 1

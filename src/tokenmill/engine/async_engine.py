@@ -152,6 +152,11 @@ class AsyncLLMEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids must be below this (the model's embedding rows)."""
+        return self.engine.model_config.vocab_size
+
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         """Check a prompt before submitting it, so a batch fails before any part starts."""
         self.engine.validate_prompt(prompt_token_ids)

@@ -1,5 +1,5 @@
 """Metrics: Prometheus collectors for the server (vLLM-compatible names, ``tokenmill:`` prefix)."""
 
-from tokenmill.metrics.prometheus import ServerMetrics
+from tokenmill.metrics.prometheus import ChoiceTiming, RequestTiming, ServerMetrics
 
-__all__ = ["ServerMetrics"]
+__all__ = ["ChoiceTiming", "RequestTiming", "ServerMetrics"]

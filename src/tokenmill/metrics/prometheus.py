@@ -3,14 +3,17 @@
 Names follow vLLM's (``vllm:num_requests_running`` becomes ``tokenmill:num_requests_running``)
 so dashboards and ``bench serve`` read either server, and every series carries a
 ``model_name`` label. Engine-wide gauges and counters are read from the engine thread's
-latest published ``EngineStats`` at scrape time, so they never drift from the engine;
-per-request histograms are observed by the HTTP layer when a request finishes. Each
-instance owns its own registry, so several servers can live in one process (tests).
+latest published ``EngineStats`` at scrape time, so they never drift from the engine.
+Per-request latencies are timed by the HTTP layer on the event loop, from the outputs it
+receives (never from objects the engine thread still mutates): inter-token latency per
+choice as tokens arrive, everything else once per engine request when it ends. Each instance
+owns its own registry, so several servers can live in one process (tests).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -24,7 +27,6 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from tokenmill.engine.llm_engine import EngineStats
-from tokenmill.outputs import RequestMetrics
 
 PREFIX = "tokenmill:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -36,6 +38,52 @@ TOKEN_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0
                            5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                              50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass
+class ChoiceTiming:
+    """When one choice's first and last tokens reached the server, and how many it has."""
+
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_tokens: int = 0
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first; None below two tokens."""
+        if self.first_token_time is None or self.last_token_time is None or self.num_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_tokens - 1)
+
+
+@dataclass
+class RequestTiming:
+    """One engine request (one prompt, all its n choices) as the server saw it end."""
+
+    arrival_time: float
+    """When the HTTP request arrived (time.monotonic), so tokenization counts."""
+    end_time: float
+    """Its final output, or when it was aborted or timed out."""
+    num_prompt_tokens: int
+    finished_reason: str
+    """The first choice's reason (stop, length, abort): vLLM counts requests, not choices."""
+    choices: list[ChoiceTiming] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    """From the engine; None if it was never scheduled."""
+
+    @property
+    def first_token_time(self) -> float | None:
+        times = [c.first_token_time for c in self.choices if c.first_token_time is not None]
+        return min(times) if times else None
+
+    @property
+    def last_token_time(self) -> float | None:
+        times = [c.last_token_time for c in self.choices if c.last_token_time is not None]
+        return max(times) if times else None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -100,14 +148,14 @@ class ServerMetrics:
 
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_success = Counter(
-            PREFIX + "request_success", "Finished completions, by finish reason (stop, length, abort).",
+            PREFIX + "request_success", "Finished requests, by the first choice's finish reason (stop, length, abort).",
             [*labels, "finished_reason"], registry=reg,
         )
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token, from arrival.", TTFT_BUCKETS_S)
-        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.",
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive outputs of one choice.",
                              TOKEN_LATENCY_BUCKETS_S)
         self.tpot = histogram("request_time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request.", TOKEN_LATENCY_BUCKETS_S)
+                              "Mean time per output token after the first, per choice.", TOKEN_LATENCY_BUCKETS_S)
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_LATENCY_BUCKETS_S)
         self.queue_time = histogram("request_queue_time_seconds", "Time waiting before the first schedule.",
                                     REQUEST_LATENCY_BUCKETS_S)
@@ -119,38 +167,30 @@ class ServerMetrics:
         self.generation_tokens = histogram("request_generation_tokens", "Generated tokens per finished request.",
                                            token_buckets)
 
-    def observe_finished(
-        self,
-        metrics: RequestMetrics,
-        num_prompt_tokens: int,
-        finish_reasons: Sequence[str | None],
-        num_output_tokens: int,
-        inter_token_latencies_s: Sequence[float] = (),
-    ) -> None:
-        """Record one finished engine request (all its n completions)."""
+    def observe_inter_token_latency(self, gap_s: float) -> None:
+        """Record the gap between two successive token-carrying outputs of one choice."""
+        self.itl.labels(self.model_name).observe(gap_s)
+
+    def observe_finished(self, timing: RequestTiming) -> None:
+        """Record one ended engine request: counted once, TPOT once per choice."""
         name = self.model_name
-        for reason in finish_reasons:
-            self.request_success.labels(name, reason or "abort").inc()
-        self.prompt_tokens.labels(name).observe(num_prompt_tokens)
-        self.generation_tokens.labels(name).observe(num_output_tokens)
-        for gap in inter_token_latencies_s:
-            self.itl.labels(name).observe(gap)
-        m = metrics
-        if m.first_token_time is not None:
-            self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)
-            if m.first_scheduled_time is not None:
-                self.prefill_time.labels(name).observe(m.first_token_time - m.first_scheduled_time)
-            if m.last_token_time is not None:
-                self.decode_time.labels(name).observe(m.last_token_time - m.first_token_time)
-                per_request_outputs = max(1, num_output_tokens // max(1, len(finish_reasons)))
-                if per_request_outputs > 1:
-                    self.tpot.labels(name).observe(
-                        (m.last_token_time - m.first_token_time) / (per_request_outputs - 1)
-                    )
-        if m.first_scheduled_time is not None:
-            self.queue_time.labels(name).observe(m.first_scheduled_time - m.arrival_time)
-        if m.finished_time is not None:
-            self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
+        self.request_success.labels(name, timing.finished_reason).inc()
+        self.prompt_tokens.labels(name).observe(timing.num_prompt_tokens)
+        self.generation_tokens.labels(name).observe(timing.num_output_tokens)
+        self.e2e.labels(name).observe(timing.end_time - timing.arrival_time)
+        scheduled = timing.first_scheduled_time
+        if scheduled is not None:
+            self.queue_time.labels(name).observe(scheduled - timing.arrival_time)
+        first, last = timing.first_token_time, timing.last_token_time
+        if first is not None and last is not None:
+            self.ttft.labels(name).observe(first - timing.arrival_time)
+            if scheduled is not None:
+                self.prefill_time.labels(name).observe(max(0.0, first - scheduled))
+            self.decode_time.labels(name).observe(last - first)
+        for choice in timing.choices:
+            tpot_s = choice.tpot_s
+            if tpot_s is not None:
+                self.tpot.labels(name).observe(tpot_s)
 
     def render(self) -> bytes:
         """The exposition text for ``GET /metrics``."""

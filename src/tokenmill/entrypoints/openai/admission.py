@@ -1,55 +1,109 @@
-"""Admission control: bound the requests in flight, per server and per API key.
+"""Admission control: bound the sequences in flight, per server, and the requests per API key.
 
-Owns the decision to take a generation request at all, made before its body is read or
-tokenized: beyond ``--max-num-seqs + --max-queue-len`` requests in flight, or beyond an
-API key's ``--per-key-max-concurrency``, the answer is an immediate 429 with
-``Retry-After``, so overload costs almost nothing and a few heavy clients cannot take every
-slot. While the server drains on SIGTERM every new request gets 503.
+Owns the decision to take a generation request at all. It is made in two steps, so overload
+costs almost nothing: before the body is read, a request is admitted as one sequence (or
+refused with 429 and ``Retry-After``); once the body is parsed, the route grows that to the
+request's real number of sequences (prompts times ``n``), with 429 if they do not fit now and
+400 if they could never fit in ``--max-num-seqs + --max-queue-len``. An API key's
+``--per-key-max-concurrency`` counts its HTTP requests, so a few heavy clients cannot take
+every slot. While the server drains on SIGTERM every new request gets 503.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.middleware import send_error
 from tokenmill.entrypoints.openai.state import ServerState
+from tokenmill.errors import InvalidRequestError
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 RETRY_AFTER_S = 1
+TICKET_SCOPE_KEY = "admission_ticket"
+"""Where the middleware leaves the request's AdmissionTicket in ``scope["state"]``."""
+
+
+def _refusal(message: str) -> APIError:
+    return APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+@dataclass
+class AdmissionTicket:
+    """One admitted HTTP request: its API key and the sequences it holds."""
+
+    key_id: int | None
+    num_seqs: int = 1
 
 
 class AdmissionController:
-    """Counts admitted requests, in total and per API key."""
+    """Counts admitted sequences and requests, in total and per API key."""
 
-    def __init__(self, max_in_flight: int, per_key_max: int | None) -> None:
-        self.max_in_flight = max_in_flight
+    def __init__(self, max_seqs_in_flight: int, per_key_max: int | None) -> None:
+        self.max_seqs_in_flight = max_seqs_in_flight
+        """Sequences admitted at once: the running batch plus the waiting queue."""
         self.per_key_max = per_key_max
-        self.num_in_flight = 0
+        """Most HTTP requests one API key may have in flight; None for no quota."""
+        self.num_requests_in_flight = 0
+        self.num_seqs_in_flight = 0
         self._per_key: Counter[int] = Counter()
 
-    def try_acquire(self, key_id: int | None) -> str | None:
-        """Admit one request, or return why not."""
-        if self.num_in_flight >= self.max_in_flight:
-            return "the server is at capacity (running batch and waiting queue are full); retry later"
+    def acquire(self, key_id: int | None) -> AdmissionTicket:
+        """Admit one request as one sequence; raises a 429 APIError saying why not."""
+        if self.num_seqs_in_flight >= self.max_seqs_in_flight:
+            raise _refusal("the server is at capacity (running batch and waiting queue are full); retry later")
         if key_id is not None and self.per_key_max is not None and self._per_key[key_id] >= self.per_key_max:
-            return f"this API key already has {self.per_key_max} requests in flight; retry later"
-        self.num_in_flight += 1
+            raise _refusal(f"this API key already has {self.per_key_max} requests in flight; retry later")
+        self.num_requests_in_flight += 1
+        self.num_seqs_in_flight += 1
         if key_id is not None:
             self._per_key[key_id] += 1
-        return None
+        return AdmissionTicket(key_id)
 
-    def release(self, key_id: int | None) -> None:
-        self.num_in_flight -= 1
+    def grow(self, ticket: AdmissionTicket, num_prompts: int, n: int) -> None:
+        """Hold ``num_prompts * n`` sequences for this request: 400 if they never fit, 429 if not now."""
+        num_seqs = num_prompts * n
+        if num_seqs > self.max_seqs_in_flight:
+            param = "n" if n > self.max_seqs_in_flight else "prompt"
+            raise InvalidRequestError(
+                f"this request needs {num_seqs} sequences ({num_prompts} prompt(s) x n={n}), more than the "
+                f"{self.max_seqs_in_flight} this server admits at once (--max-num-seqs + --max-queue-len); "
+                "split it into smaller requests",
+                param=param,
+            )
+        extra = num_seqs - ticket.num_seqs
+        if extra <= 0:
+            return
+        if self.num_seqs_in_flight + extra > self.max_seqs_in_flight:
+            raise _refusal(f"the server has no room for {num_seqs} more sequences now; retry later")
+        self.num_seqs_in_flight += extra
+        ticket.num_seqs = num_seqs
+
+    def release(self, ticket: AdmissionTicket) -> None:
+        self.num_requests_in_flight -= 1
+        self.num_seqs_in_flight -= ticket.num_seqs
+        ticket.num_seqs = 0
+        key_id = ticket.key_id
         if key_id is not None:
             self._per_key[key_id] -= 1
             if self._per_key[key_id] <= 0:
                 del self._per_key[key_id]
 
 
+def admit_sequences(request: Request, num_prompts: int, n: int) -> None:
+    """Grow the admission of this HTTP request to its real number of sequences."""
+    ticket = request.scope.get("state", {}).get(TICKET_SCOPE_KEY)
+    if ticket is not None:
+        controller: AdmissionController = request.app.state.admission
+        controller.grow(ticket, num_prompts, n)
+
+
 class AdmissionMiddleware:
-    """429 when full, 503 while draining; otherwise holds a slot until the response ends."""
+    """429 when full, 503 while draining; otherwise holds a ticket until the response ends."""
 
     def __init__(self, app: ASGIApp, state: ServerState, controller: AdmissionController) -> None:
         self.app = app
@@ -66,13 +120,15 @@ class AdmissionMiddleware:
         if scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
-        key_id = scope.get("state", {}).get("api_key_id")
-        refusal = self.controller.try_acquire(key_id)
-        if refusal is not None:
-            await send_error(send, 429, refusal, code="rate_limit_exceeded",
-                             headers=[("Retry-After", str(RETRY_AFTER_S))])
+        scope_state = scope.setdefault("state", {})
+        try:
+            ticket = self.controller.acquire(scope_state.get("api_key_id"))
+        except APIError as refusal:
+            await send_error(send, refusal.status_code, refusal.message, code=refusal.code,
+                             headers=refusal.headers.items())
             return
+        scope_state[TICKET_SCOPE_KEY] = ticket
         try:
             await self.app(scope, receive, send)
         finally:
-            self.controller.release(key_id)
+            self.controller.release(ticket)

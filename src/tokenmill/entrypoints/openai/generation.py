@@ -1,10 +1,12 @@
 """GenerationRun: one HTTP request's engine requests, from tokenized prompts to choice deltas.
 
-Owns what completions and chat share: tokenizing off the event loop, submitting one engine
-request per prompt and merging their outputs, the ``--request-timeout`` deadline (partial
-output finishes with ``length``; nothing produced yet is a 503), per-request metrics,
-usage counts, and turning RequestOutputs into per-choice deltas for streaming. Closing a
-run's iterator, which a client disconnect does, aborts every engine request it started.
+Owns what completions and chat share: parsing and checking the body up to admission
+(``parse_request``), tokenizing off the event loop, submitting one engine request per
+prompt and merging their outputs, the ``--request-timeout`` deadline (partial output
+finishes with ``length``; nothing produced yet is a 503), per-request metrics timed on the
+event loop from the outputs received, usage counts, turning RequestOutputs into per-choice
+deltas, and answering with a stream or one JSON body (``respond``). Closing a run's
+iterator, which a client disconnect does, aborts every engine request it started.
 """
 
 from __future__ import annotations
@@ -15,14 +17,25 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
+from tokenmill.entrypoints.openai.admission import admit_sequences
 from tokenmill.entrypoints.openai.errors import APIError, to_api_error
-from tokenmill.entrypoints.openai.state import ServerState
-from tokenmill.entrypoints.openai.streaming import SSE_DONE, sse_event
+from tokenmill.entrypoints.openai.protocol import SamplingFields, decode_json_object, validate_model
+from tokenmill.entrypoints.openai.state import ServerState, get_state, new_request_id
+from tokenmill.entrypoints.openai.streaming import (
+    SSE_DONE,
+    ClientDisconnected,
+    SSEResponse,
+    run_until_disconnected,
+    sse_event,
+)
+from tokenmill.errors import InvalidRequestError
+from tokenmill.metrics import ChoiceTiming, RequestTiming
 from tokenmill.outputs import PositionLogprobs, RequestOutput
 from tokenmill.sampling.params import SamplingParams
 
@@ -30,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 MIN_LOGPROB = -9999.0
 """Stands in for -inf so the JSON stays valid (vLLM does the same)."""
+
+BodyT = TypeVar("BodyT", bound=SamplingFields)
 
 
 class RequestTimeoutError(Exception):
@@ -58,6 +73,52 @@ class ChoiceDelta:
 
 def finite_logprob(value: float) -> float:
     return value if math.isfinite(value) else MIN_LOGPROB
+
+
+# ---- parsing: what both endpoints check before their own work ---------------------------------
+@dataclass
+class ParsedRequest(Generic[BodyT]):
+    """A generation request whose body passed every check that needs no tokenizing."""
+
+    http: Request
+    state: ServerState
+    request_id: str
+    arrival_time: float
+    """When the HTTP request arrived (time.monotonic), so TTFT and queue time include parsing."""
+    body: BodyT
+    model: str
+    """The served model name the request addressed, echoed in the response."""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-Request-Id": self.request_id}
+
+    def admit(self, num_prompts: int, n: int) -> None:
+        """Hold this request's ``num_prompts * n`` sequences (400 if they never fit, 429 if not now)."""
+        admit_sequences(self.http, num_prompts, n)
+
+
+def check_priority(state: ServerState, body: SamplingFields) -> None:
+    """A priority other than 0 only means something under ``--scheduling-policy priority``."""
+    if body.priority != 0 and state.engine_config.scheduling_policy != "priority":
+        raise InvalidRequestError("priority requires the server to run with --scheduling-policy priority",
+                                  param="priority")
+
+
+async def parse_request(request: Request, body_cls: type[BodyT], id_prefix: str) -> ParsedRequest[BodyT]:
+    """Decode and check the body, resolve the model and check the engine can take it now."""
+    arrival_time = time.monotonic()
+    state = get_state(request)
+    request_id = new_request_id(id_prefix)
+    request.scope.setdefault("state", {})["request_id"] = request_id
+    body = validate_model(body_cls, decode_json_object(await request.body(), request.headers.get("content-type")))
+    body.check()
+    model = state.resolve_model(body.model)
+    engine = state.ready_engine()
+    body.check_token_ids(engine.vocab_size)
+    check_priority(state, body)
+    return ParsedRequest(request, state, request_id, arrival_time, body, model)
 
 
 async def tokenize_prompts(
@@ -101,9 +162,10 @@ class GenerationRun:
         """When the HTTP request arrived, so TTFT and queue time include tokenization."""
         self.latest: list[RequestOutput | None] = [None] * len(prompts)
         self.is_timed_out = False
-        self._last_token_time: list[float | None] = [None] * len(prompts)
-        self._itl_s: list[list[float]] = [[] for _ in prompts]
+        self._timings = [[ChoiceTiming() for _ in range(params.n)] for _ in prompts]
+        """Per prompt, per choice: when its tokens reached the server (event-loop clock)."""
         self._is_observed = [False] * len(prompts)
+        self._engine_error: BaseException | None = None
 
     # ---- counts ------------------------------------------------------------------------
     @property
@@ -122,10 +184,15 @@ class GenerationRun:
         prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    @property
+    def ttft_s(self) -> float | None:
+        """From arrival to the first token of any choice reaching the server."""
+        times = [t.first_token_time for choices in self._timings for t in choices if t.first_token_time is not None]
+        return min(times) - self.arrival_time if times else None
+
     def record_for_access_log(self, request: Request) -> None:
         """Token counts and TTFT for the access-log line of this HTTP request."""
-        first = self.latest[0]
-        ttft = first.metrics.ttft_s if first is not None else None
+        ttft = self.ttft_s
         request.scope.setdefault("state", {})["generation"] = {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": self.num_completion_tokens,
@@ -167,6 +234,7 @@ class GenerationRun:
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, BaseException):
+                    self._engine_error = item
                     raise item
                 else:
                     self._record(index, item)
@@ -230,29 +298,103 @@ class GenerationRun:
     # ---- metrics ---------------------------------------------------------------------------
     def _record(self, index: int, output: RequestOutput) -> None:
         now = time.monotonic()
-        if any(c.token_ids_delta for c in output.outputs):
-            last = self._last_token_time[index]
-            if last is not None:
-                self._itl_s[index].append(now - last)
-            self._last_token_time[index] = now
+        timings = self._timings[index]
+        for c in output.outputs:
+            if not c.token_ids_delta:
+                continue
+            timing = timings[c.index]
+            if timing.last_token_time is None:
+                timing.first_token_time = now
+            else:
+                self.state.metrics.observe_inter_token_latency(now - timing.last_token_time)
+            timing.last_token_time = now
+            timing.num_tokens = len(c.token_ids)
         self.latest[index] = output
         if output.finished:
-            self._observe(index, output)
+            self._observe(index, now)
 
-    def _observe(self, index: int, output: RequestOutput) -> None:
+    def _observe(self, index: int, end_time: float) -> None:
+        """Record engine request ``index`` once, finished or cut short (abort, timeout)."""
         if self._is_observed[index]:
             return
         self._is_observed[index] = True
-        reasons = [c.finish_reason or ("length" if self.is_timed_out else "abort") for c in output.outputs]
-        self.state.metrics.observe_finished(
-            output.metrics, len(output.prompt_token_ids), reasons,
-            sum(len(c.token_ids) for c in output.outputs), self._itl_s[index],
-        )
+        output = self.latest[index]
+        timings = self._timings[index]
+        first = output.outputs[0] if output is not None and output.outputs else None
+        reason = first.finish_reason if first is not None else None
+        if reason is None:  # cut short: a timed-out choice with output is answered as "length"
+            reason = "length" if self.is_timed_out and timings[0].num_tokens else "abort"
+        self.state.metrics.observe_finished(RequestTiming(
+            arrival_time=self.arrival_time,
+            end_time=end_time,
+            num_prompt_tokens=len(self.prompts[index].token_ids),
+            finished_reason=reason,
+            choices=timings,
+            # Set once by the engine thread before the first output; read, never written, here.
+            first_scheduled_time=output.metrics.first_scheduled_time if output is not None else None,
+        ))
 
     def _observe_unfinished(self) -> None:
+        now = time.monotonic()
         for index, output in enumerate(self.latest):
-            if output is not None:
-                self._observe(index, output)
+            # An engine request refused with an error before any output was never served.
+            if output is None and self._engine_error is not None:
+                continue
+            self._observe(index, now)
+
+
+# ---- responding: one JSON body, or a stream of chunks ------------------------------------------
+class ChunkWriter:
+    """The SSE chunks of one stream: the shared envelope, and the usage a chunk may carry."""
+
+    def __init__(self, req: ParsedRequest[Any], run: GenerationRun, object_name: str) -> None:
+        self.req = req
+        self.run = run
+        self.object_name = object_name
+
+    def __call__(self, choices: list[dict[str, Any]]) -> bytes:
+        """A chunk of these choices (with the running usage if ``continuous_usage_stats``)."""
+        return self._event(choices, self.run.usage() if self.req.body.continuous_usage else None)
+
+    def usage(self) -> bytes:
+        """The final chunk ``include_usage`` asks for: no choices, the request's usage."""
+        return self._event([], self.run.usage())
+
+    def _event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> bytes:
+        req = self.req
+        payload: dict[str, Any] = {"id": req.request_id, "object": self.object_name, "created": req.created,
+                                   "model": req.model, "choices": choices}
+        if usage is not None:
+            payload["usage"] = usage
+        return sse_event(payload)
+
+
+async def respond(
+    req: ParsedRequest[Any],
+    run: GenerationRun,
+    object_name: str,
+    stream: Callable[[], AsyncIterator[bytes]],
+    build_choices: Callable[[list[RequestOutput | None]], list[dict[str, Any]]],
+) -> Response:
+    """Stream ``stream()``'s chunks, or run to the end and answer the choices in one body.
+
+    A client that disconnects before a plain body is ready gets 499 (nginx's code), which
+    only the access log sees.
+    """
+    request = req.http
+    if req.body.stream:
+        events = guard_stream(stream(), req.request_id, on_close=lambda: run.record_for_access_log(request))
+        return SSEResponse(events, headers=req.headers)
+    try:
+        outputs = await run_until_disconnected(request, run.collect())
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        run.record_for_access_log(request)
+    return JSONResponse({
+        "id": req.request_id, "object": object_name, "created": req.created, "model": req.model,
+        "choices": build_choices(outputs), "usage": run.usage(), "system_fingerprint": None,
+    }, headers=req.headers)
 
 
 async def guard_stream(

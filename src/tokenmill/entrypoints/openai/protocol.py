@@ -80,10 +80,11 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    """Only true is accepted: the tokenizer's decoder decides that spacing."""
     priority: int = 0
     """Lower runs first when the server uses ``--scheduling-policy priority``."""
 
-    def check_common(self) -> None:
+    def check(self) -> None:
         """Reject what tokenmill cannot honour, naming the field."""
         if self.logit_bias:
             raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
@@ -91,6 +92,21 @@ class SamplingFields(StrictModel):
             raise InvalidRequestError("priority must fit in 32 bits", param="priority")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+        if not self.spaces_between_special_tokens:
+            raise InvalidRequestError(
+                "spaces_between_special_tokens=false is not supported: the tokenizer's decoder decides the "
+                "spacing between special tokens",
+                param="spaces_between_special_tokens",
+            )
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Reject stop_token_ids outside the model's vocabulary (its size is known once loaded)."""
+        for token_id in self.stop_token_ids or []:
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequestError(
+                    f"stop_token_ids: token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                    param="stop_token_ids",
+                )
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -146,7 +162,7 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
     def check(self) -> None:
-        self.check_common()
+        super().check()
         if self.suffix is not None:
             raise InvalidRequestError("suffix is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -195,7 +211,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     function_call: Any | None = None
 
     def check(self) -> None:
-        self.check_common()
+        super().check()
         if self.tools or self.functions:
             param = "tools" if self.tools else "functions"
             raise InvalidRequestError("tool and function calling are not supported yet", param=param)

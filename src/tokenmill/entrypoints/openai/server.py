@@ -4,7 +4,8 @@ Owns assembling the server: flags (vLLM's names where vLLM has one) into a Serve
 the middleware order (access log, header limit, API key, admission, then body limit, so
 an unauthenticated or excess request costs nothing), the routers, and the process life cycle.
 HTTP is up at once and ``/health`` says 503 while the model loads on the engine thread; if
-loading fails the process exits 1. On SIGTERM the server drains: ``/health`` and new
+loading fails the process exits 1. If the engine dies later, ``/health`` says 503 and
+in-flight requests get an error for a few seconds, then the process exits 1. On SIGTERM the server drains: ``/health`` and new
 requests get 503 while in-flight ones finish (up to ``--shutdown-timeout``), then it exits 0.
 """
 
@@ -24,7 +25,7 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineState
 from tokenmill.entrypoints.engine_args import parse_memory
 from tokenmill.entrypoints.openai.admission import AdmissionController, AdmissionMiddleware
 from tokenmill.entrypoints.openai.auth import APIKeyAuthMiddleware
@@ -43,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 API_KEY_ENV_VAR = "TOKENMILL_API_KEY"
 DEFAULT_BUCKET_MAX_TOKENS = 2**17
+DEAD_ENGINE_GRACE_S = 5.0
+"""After the engine dies at runtime: how long /health answers 503 before the process exits."""
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -56,8 +59,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help=f"accepted bearer token; repeat for several (also ${API_KEY_ENV_VAR}, comma-separated)")
     g.add_argument("--disable-auth-for-health-metrics", action="store_true",
                    help="leave GET /health and GET /metrics open when API keys are set")
-    g.add_argument("--max-queue-len", type=int, default=1024,
-                   help="requests admitted beyond --max-num-seqs; more get 429 with Retry-After at once")
+    g.add_argument("--max-queue-len", type=int, default=ServerConfig.max_queue_len,
+                   help="sequences (prompts x n) admitted beyond --max-num-seqs; more get 429 with "
+                        "Retry-After at once, and a request that alone needs more than both gets 400")
     g.add_argument("--per-key-max-concurrency", type=int, default=None,
                    help="most requests one API key may have in flight (429 beyond it)")
     g.add_argument("--request-timeout", type=float, default=600.0,
@@ -116,7 +120,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
         config.served_model_names[0], engine_config.max_model_len or DEFAULT_BUCKET_MAX_TOKENS, lambda: engine.stats
     )
     state = ServerState(config, engine_config, engine, metrics)
-    admission = AdmissionController(config.max_in_flight, config.per_key_max_concurrency)
+    admission = AdmissionController(config.max_seqs_in_flight, config.per_key_max_concurrency)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -167,7 +171,7 @@ class _JSONErrorH11Protocol(H11Protocol):
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn.Server whose SIGTERM drains in-flight requests before exiting."""
+    """uvicorn.Server that drains on SIGTERM, and exits 1 when the engine failed to load or died."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
         super().__init__(config)
@@ -176,16 +180,38 @@ class GracefulServer(uvicorn.Server):
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._is_drain_started = False
+        self._engine_dead_since: float | None = None
+        self.dead_engine_grace_s = DEAD_ENGINE_GRACE_S
 
     async def startup(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
 
     async def on_tick(self, counter: int) -> bool:
-        if self.state.engine.failed_to_load:
+        engine = self.state.engine
+        if engine.failed_to_load:
+            self.exit_code = 1
+            return True
+        if engine.state is EngineState.DEAD and self._should_exit_dead():
             self.exit_code = 1
             return True
         return await super().on_tick(counter)
+
+    def _should_exit_dead(self) -> bool:
+        """After a runtime engine death: True once the grace time passed and in-flight requests ended.
+
+        They fail at once; ``--shutdown-timeout`` bounds the wait for clients slow to read the error.
+        """
+        now = asyncio.get_running_loop().time()
+        if self._engine_dead_since is None:
+            self._engine_dead_since = now
+            logger.error("the engine died; /health answers 503 and the server exits in %.0fs",
+                         self.dead_engine_grace_s)
+        elapsed = now - self._engine_dead_since
+        if elapsed < self.dead_engine_grace_s:
+            return False
+        return (self.admission.num_requests_in_flight == 0
+                or elapsed >= self.dead_engine_grace_s + self.state.config.shutdown_timeout_s)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and not self._is_drain_started and self._loop is not None:
@@ -200,18 +226,21 @@ class GracefulServer(uvicorn.Server):
         state = self.state
         state.is_draining = True
         timeout_s = state.config.shutdown_timeout_s
-        logger.info("SIGTERM: draining %d in-flight request(s), up to %.0fs", self.admission.num_in_flight, timeout_s)
+        admission = self.admission
+        logger.info("SIGTERM: draining %d in-flight request(s), up to %.0fs", admission.num_requests_in_flight,
+                    timeout_s)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.admission.num_in_flight > 0 and loop.time() < deadline:
+        while admission.num_requests_in_flight > 0 and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        if self.admission.num_in_flight:
-            logger.warning("shutdown timeout: %d request(s) still in flight are cut off", self.admission.num_in_flight)
+        if admission.num_requests_in_flight:
+            logger.warning("shutdown timeout: %d request(s) still in flight are cut off",
+                           admission.num_requests_in_flight)
         self.should_exit = True
 
 
 def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
-    """Serve until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the model failed to load."""
+    """Serve until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the engine failed to load or died."""
     config = server_config_from_args(args, engine_config)
     engine = AsyncLLMEngine(engine_config)
     app = build_app(engine, config, engine_config)

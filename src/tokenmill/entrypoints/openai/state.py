@@ -34,8 +34,8 @@ class ServerConfig:
     """Accepted bearer tokens; empty means no authentication."""
     disable_auth_for_health_metrics: bool = False
     """Leave GET /health and GET /metrics open even when API keys are set."""
-    max_queue_len: int = 256
-    """Requests admitted beyond the running batch; more get 429 at once."""
+    max_queue_len: int = 1024
+    """Sequences admitted beyond the running batch; more get 429 at once."""
     per_key_max_concurrency: int | None = None
     """Most requests one API key may have in flight; None for no quota."""
     request_timeout_s: float = 600.0
@@ -52,8 +52,8 @@ class ServerConfig:
     """The engine's running-batch bound, copied here for admission control."""
 
     @property
-    def max_in_flight(self) -> int:
-        """Requests admitted at once: the running batch plus the waiting queue."""
+    def max_seqs_in_flight(self) -> int:
+        """Sequences admitted at once: the running batch plus the waiting queue."""
         return self.max_num_seqs + self.max_queue_len
 
 

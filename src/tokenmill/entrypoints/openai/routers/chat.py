@@ -9,35 +9,29 @@ then content deltas, a finish chunk per choice, the optional usage chunk and ``[
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tokenmill.entrypoints.openai.generation import (
+    ChunkWriter,
     GenerationRun,
+    ParsedRequest,
     PromptInput,
     choice_logprob_entries,
-    guard_stream,
+    parse_request,
+    respond,
 )
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     ChatTemplateFields,
-    decode_json_object,
-    validate_model,
 )
-from tokenmill.entrypoints.openai.state import ServerState, get_state, new_request_id
-from tokenmill.entrypoints.openai.streaming import (
-    ClientDisconnected,
-    SSEResponse,
-    run_until_disconnected,
-    sse_event,
-)
+from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.errors import InvalidRequestError
-from tokenmill.outputs import PositionLogprobs
+from tokenmill.outputs import PositionLogprobs, RequestOutput
 
 router = APIRouter()
 
@@ -65,15 +59,17 @@ def render_chat_prompt(
     )
 
 
+def encode_chat_prompt(state: ServerState, messages: list[ChatMessage], fields: ChatTemplateFields,
+                       add_special_tokens: bool = False) -> list[int]:
+    """Token ids of the rendered conversation (templates write their own BOS; call off the event loop)."""
+    text = render_chat_prompt(state, messages, fields)
+    return state.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
 async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], fields: ChatTemplateFields,
                           add_special_tokens: bool = False) -> list[int]:
-    """Token ids of the rendered conversation (templates write their own BOS)."""
-
-    def work() -> list[int]:
-        text = render_chat_prompt(state, messages, fields)
-        return state.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    return await asyncio.to_thread(work)
+    """``encode_chat_prompt`` on a worker thread."""
+    return await asyncio.to_thread(encode_chat_prompt, state, messages, fields, add_special_tokens)
 
 
 def chat_logprobs(
@@ -95,49 +91,38 @@ def chat_logprobs(
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
-    arrival_time = time.monotonic()
-    state = get_state(request)
-    request_id = new_request_id("chatcmpl")
-    request.scope.setdefault("state", {})["request_id"] = request_id
-    body = validate_model(
-        ChatCompletionRequest, decode_json_object(await request.body(), request.headers.get("content-type"))
-    )
-    body.check()
-    model = state.resolve_model(body.model)
-    engine = state.ready_engine()
+    req = await parse_request(request, ChatCompletionRequest, "chatcmpl")
+    body, state = req.body, req.state
     num_top = body.top_logprobs or 0
     try:
         params = body.sampling_params(body.max_new_tokens(), num_top if body.logprobs else None)
-        engine.validate_params(params)
+        state.engine.validate_params(params)
     except InvalidRequestError as exc:
         if exc.param == "logprobs":
             exc.param = "top_logprobs"
         if exc.param == "max_tokens" and body.max_completion_tokens is not None:
             exc.param = "max_completion_tokens"
         raise
-    if body.priority != 0 and state.engine_config.scheduling_policy != "priority":
-        raise InvalidRequestError("priority requires the server to run with --scheduling-policy priority",
-                                  param="priority")
-    ids = await chat_prompt_ids(state, body.messages, body)
-    engine.validate_prompt(ids)
-    run = GenerationRun(state, request_id, [PromptInput(ids)], params, body.priority, arrival_time)
-    created = int(time.time())
-    headers = {"X-Request-Id": request_id}
-    if body.stream:
-        events = guard_stream(_stream(run, body, model, created, num_top), request_id,
-                              on_close=lambda: run.record_for_access_log(request))
-        return SSEResponse(events, headers=headers)
-    try:
-        outputs = await run_until_disconnected(request, run.collect())
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        run.record_for_access_log(request)
-    tokenizer = engine.tokenizer
-    output = outputs[0]
+    req.admit(1, params.n)
+
+    def tokenize() -> list[int]:
+        ids = encode_chat_prompt(state, body.messages, body)
+        state.engine.validate_prompt(ids)
+        return ids
+
+    ids = await asyncio.to_thread(tokenize)
+    run = GenerationRun(state, req.request_id, [PromptInput(ids)], params, body.priority, req.arrival_time)
+    return await respond(req, run, "chat.completion", stream=lambda: _stream(req, run, num_top),
+                         build_choices=lambda outputs: _choices(run, body, outputs[0], num_top))
+
+
+def _choices(
+    run: GenerationRun, body: ChatCompletionRequest, output: RequestOutput | None, num_top: int
+) -> list[dict[str, Any]]:
+    tokenizer = run.state.engine.tokenizer
     by_index = {c.index: c for c in output.outputs} if output is not None else {}
     choices = []
-    for i in range(params.n):
+    for i in range(run.params.n):
         c = by_index.get(i)
         choices.append({
             "index": i,
@@ -147,24 +132,13 @@ async def create_chat_completion(request: Request) -> Response:
             "finish_reason": (c.finish_reason if c is not None else None) or "length",
             "stop_reason": c.stop_reason if c is not None else None,
         })
-    return JSONResponse({
-        "id": request_id, "object": "chat.completion", "created": created, "model": model,
-        "choices": choices, "usage": run.usage(), "system_fingerprint": None,
-    }, headers=headers)
+    return choices
 
 
-async def _stream(
-    run: GenerationRun, body: ChatCompletionRequest, model: str, created: int, num_top: int
-) -> AsyncIterator[bytes]:
+async def _stream(req: ParsedRequest[ChatCompletionRequest], run: GenerationRun, num_top: int) -> AsyncIterator[bytes]:
+    body = req.body
     tokenizer = run.state.engine.tokenizer
-
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
-        payload = {"id": run.request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": choices}
-        if usage is not None or body.continuous_usage:
-            payload["usage"] = usage if usage is not None else run.usage()
-        return sse_event(payload)
-
+    chunk = ChunkWriter(req, run, "chat.completion.chunk")
     yield chunk([
         {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         for i in range(run.num_choices)
@@ -185,4 +159,4 @@ async def _stream(
         if finishes:
             yield chunk(finishes)
     if body.include_usage:
-        yield chunk([], usage=run.usage())
+        yield chunk.usage()

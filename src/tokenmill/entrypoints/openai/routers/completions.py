@@ -7,34 +7,24 @@ OpenAI do for batched prompts), ``echo`` (the prompt's text, and its logprobs wh
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tokenmill.entrypoints.openai.generation import (
     ChoiceDelta,
+    ChunkWriter,
     GenerationRun,
+    ParsedRequest,
     choice_logprob_entries,
     finite_logprob,
-    guard_stream,
+    parse_request,
+    respond,
     tokenize_prompts,
 )
-from tokenmill.entrypoints.openai.protocol import (
-    CompletionRequest,
-    decode_json_object,
-    validate_model,
-)
-from tokenmill.entrypoints.openai.state import get_state, new_request_id
-from tokenmill.entrypoints.openai.streaming import (
-    ClientDisconnected,
-    SSEResponse,
-    run_until_disconnected,
-    sse_event,
-)
-from tokenmill.errors import InvalidRequestError
+from tokenmill.entrypoints.openai.protocol import CompletionRequest
 from tokenmill.outputs import PositionLogprobs, RequestOutput
 
 router = APIRouter()
@@ -73,41 +63,24 @@ def _merge_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, 
 
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
-    arrival_time = time.monotonic()
-    state = get_state(request)
-    request_id = new_request_id("cmpl")
-    request.scope.setdefault("state", {})["request_id"] = request_id
-    body = validate_model(CompletionRequest, decode_json_object(await request.body(), request.headers.get("content-type")))
-    body.check()
-    model = state.resolve_model(body.model)
-    engine = state.ready_engine()
+    req = await parse_request(request, CompletionRequest, "cmpl")
+    body = req.body
+    engine = req.state.engine
     want_prompt_logprobs = body.echo and body.logprobs is not None
     params = body.sampling_params(
         body.max_tokens, body.logprobs,
         prompt_logprobs=body.logprobs if want_prompt_logprobs else body.prompt_logprobs,
     )
     engine.validate_params(params)
-    if body.priority != 0 and state.engine_config.scheduling_policy != "priority":
-        raise InvalidRequestError("priority requires the server to run with --scheduling-policy priority",
-                                  param="priority")
-    prompts = await tokenize_prompts(state, body.prompt_list(), body.add_special_tokens)
+    prompt_list = body.prompt_list()
+    req.admit(len(prompt_list), params.n)
+    prompts = await tokenize_prompts(req.state, prompt_list, body.add_special_tokens)
     for p in prompts:
         if p.text is None and body.echo:
             p.text = engine.tokenizer.decode(p.token_ids, skip_special_tokens=False)
-    run = GenerationRun(state, request_id, prompts, params, body.priority, arrival_time)
-    created = int(time.time())
-    headers = {"X-Request-Id": request_id}
-    if body.stream:
-        events = guard_stream(_stream(run, body, model, created), request_id,
-                              on_close=lambda: run.record_for_access_log(request))
-        return SSEResponse(events, headers=headers)
-    try:
-        outputs = await run_until_disconnected(request, run.collect())
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        run.record_for_access_log(request)
-    return JSONResponse(_response(run, body, model, created, outputs), headers=headers)
+    run = GenerationRun(req.state, req.request_id, prompts, params, body.priority, req.arrival_time)
+    return await respond(req, run, "text_completion", stream=lambda: _stream(req, run),
+                         build_choices=lambda outputs: _choices(run, body, outputs))
 
 
 def _echo_prefix(
@@ -125,9 +98,7 @@ def _echo_prefix(
     return text, completion_logprobs(prompt.token_ids, entries, tokenizer, 0)
 
 
-def _response(
-    run: GenerationRun, body: CompletionRequest, model: str, created: int, outputs: list[RequestOutput | None]
-) -> dict[str, Any]:
+def _choices(run: GenerationRun, body: CompletionRequest, outputs: list[RequestOutput | None]) -> list[dict[str, Any]]:
     tokenizer = run.state.engine.tokenizer
     n = run.params.n
     choices = []
@@ -154,26 +125,17 @@ def _response(
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(output)
             choices.append(choice)
-    return {
-        "id": run.request_id, "object": "text_completion", "created": created, "model": model,
-        "choices": choices, "usage": run.usage(), "system_fingerprint": None,
-    }
+    return choices
 
 
-async def _stream(run: GenerationRun, body: CompletionRequest, model: str, created: int) -> AsyncIterator[bytes]:
+async def _stream(req: ParsedRequest[CompletionRequest], run: GenerationRun) -> AsyncIterator[bytes]:
+    body = req.body
     tokenizer = run.state.engine.tokenizer
     n = run.params.n
     offsets = [0] * run.num_choices
     echoed: set[int] = set()
     first_extra: dict[int, Any] = {}
-
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
-        payload = {"id": run.request_id, "object": "text_completion", "created": created, "model": model,
-                   "choices": choices}
-        if usage is not None or body.continuous_usage:
-            payload["usage"] = usage if usage is not None else run.usage()
-        return sse_event(payload)
-
+    chunk = ChunkWriter(req, run, "text_completion")
     async for batch in run.deltas():
         choices = []
         for d in batch:
@@ -197,7 +159,7 @@ async def _stream(run: GenerationRun, body: CompletionRequest, model: str, creat
             choices.append(choice)
         yield chunk(choices)
     if body.include_usage:
-        yield chunk([], usage=run.usage())
+        yield chunk.usage()
 
 
 def _stream_choice(d: ChoiceDelta, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:

@@ -45,7 +45,7 @@ async def detokenize(request: Request) -> JSONResponse:
     body = validate_model(DetokenizeRequest, decode_json_object(await request.body(), request.headers.get("content-type")))
     state.resolve_model(body.model)
     engine = state.ready_engine()
-    vocab = engine.engine.model_config.vocab_size
+    vocab = engine.vocab_size
     for token_id in body.tokens:
         if not 0 <= token_id < vocab:
             raise InvalidRequestError(f"token id {token_id} is outside the vocabulary [0, {vocab})", param="tokens")
