@@ -4,6 +4,7 @@ Workloads (issue "engine core"), on a ~250M-parameter Llama with random fp32 wei
   fixed   32 requests, 128 prompt -> 64 output tokens (EOS ignored), all at once
   mixed   32 requests, prompts U[16, 256], outputs U[16, 128]
   single  1 request, 128 -> 64
+  batch8  8 requests, 128 -> 64 (TPOT at batch 8, for the static-vs-paged comparison)
 Baseline: transformers ``generate`` on left-padded static batches of ``--batch-size`` (16).
 Also measured in the same process: torch's fp32 GEMM GFLOP/s (the compute ceiling), the
 memory read bandwidth (the decode bound at batch 1), and KV-cache waste after prefill.
@@ -99,6 +100,8 @@ def workload(name: str, seed: int = 0) -> list[BenchRequest]:
         return [req(rng.randint(16, 256), rng.randint(16, 128)) for _ in range(32)]
     if name == "single":
         return [req(128, 64)]
+    if name == "batch8":
+        return [req(128, 64) for _ in range(8)]
     raise ValueError(name)
 
 

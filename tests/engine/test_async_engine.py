@@ -11,7 +11,7 @@ import pytest
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineState
 from tokenmill.engine.kv_manager import KVCacheStats
-from tokenmill.engine.llm_engine import EngineStats
+from tokenmill.engine.stats import EngineStats
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling.params import SamplingParams

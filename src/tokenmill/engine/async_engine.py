@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import enum
 import logging
 import queue
@@ -23,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.llm_engine import EngineStats, LLMEngine
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.stats import EngineStats
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling.params import SamplingParams
@@ -317,13 +317,4 @@ class AsyncLLMEngine:
             self._call_on_loop(self._dispatch_error, command.request_id, exc)
 
     def _publish_stats(self, engine: LLMEngine) -> None:
-        # Gauges are read live: engine.stats only refreshes them inside step().
-        self._stats = dataclasses.replace(
-            engine.stats,
-            num_running=engine.scheduler.num_running,
-            num_waiting=engine.scheduler.num_waiting,
-            kv_usage=engine.kv_manager.usage,
-            num_preemptions=engine.scheduler.num_preemptions,
-            num_prefix_query_tokens=engine.kv_manager.stats.num_query_tokens,
-            num_prefix_hit_tokens=engine.kv_manager.stats.num_hit_tokens,
-        )
+        self._stats = engine.stats  # a fresh snapshot, handed to the event loop

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.static_kv_manager import StaticKVManager
+from tokenmill.engine.stats import EngineStats
 from tokenmill.errors import ConfigError, ContextLengthError, InvalidRequestError
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.loader import load_model, resolve_dtype
@@ -34,23 +35,6 @@ from tokenmill.worker.kv_cache import allocate_kv_cache, kv_budget_bytes, kv_byt
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    """Counters and gauges for metrics; cumulative unless said otherwise."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_prefix_query_tokens: int = 0
-    num_prefix_hit_tokens: int = 0
-    num_steps: int = 0
-    compile_time_s: float = 0.0
-    """Start-up time spent compiling / capturing the decode step (static strategy)."""
 
 
 def resolve_model_path(model: str) -> Path:
@@ -93,8 +77,6 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_folder(self.model_path)
         if config.rope_theta_override is not None:
-            from dataclasses import replace
-
             self.model_config = replace(self.model_config, rope_theta=config.rope_theta_override)
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
         self.device = resolve_device(config.device)
@@ -124,7 +106,7 @@ class LLMEngine:
             model, kv_caches, self.kv_manager.block_size, Sampler(self.device, config.seed), self.device, compiled
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.stats = EngineStats(compile_time_s=compiled.compile_time_s if compiled else 0.0)
+        self._counters = EngineStats(compile_time_s=compiled.compile_time_s if compiled else 0.0)
         self.startup_time_s = time.monotonic() - start
         logger.info(
             "loaded %s (%s, %.1fM params) on %s in %s; KV: %d blocks of %d tokens (%.2f GiB); ready in %.1fs",
@@ -266,7 +248,7 @@ class LLMEngine:
         result = self.runner.execute(sched, self.kv_manager)
         self.scheduler.update_after_step(sched.scheduled)
         now = time.monotonic()
-        stats = self.stats
+        stats = self._counters
         for request, _ in sched.scheduled:
             rid = request.request_id
             if rid in result.prompt_logprobs:
@@ -288,10 +270,17 @@ class LLMEngine:
                 self.scheduler.finish_request(rid, status)
                 self.output_processor.mark_finished(rid)
         stats.num_steps += 1
-        stats.num_running = self.scheduler.num_running
-        stats.num_waiting = self.scheduler.num_waiting
-        stats.kv_usage = self.kv_manager.usage
-        stats.num_preemptions = self.scheduler.num_preemptions
-        stats.num_prefix_query_tokens = self.kv_manager.stats.num_query_tokens
-        stats.num_prefix_hit_tokens = self.kv_manager.stats.num_hit_tokens
         return self.output_processor.collect()
+
+    @property
+    def stats(self) -> EngineStats:
+        """Counters plus gauges read now; a copy, safe to hand to another thread."""
+        return replace(
+            self._counters,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_usage=self.kv_manager.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prefix_query_tokens=self.kv_manager.stats.num_query_tokens,
+            num_prefix_hit_tokens=self.kv_manager.stats.num_hit_tokens,
+        )

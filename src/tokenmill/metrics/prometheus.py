@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from tokenmill.engine.llm_engine import EngineStats
+from tokenmill.engine.stats import EngineStats
 
 PREFIX = "tokenmill:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -122,6 +122,8 @@ class _EngineStatsCollector(Collector):
         yield gauge("num_requests_running", "Number of requests in the running batch.", stats.num_running)
         yield gauge("num_requests_waiting", "Number of requests waiting to be scheduled.", stats.num_waiting)
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", stats.kv_usage)
+        yield gauge("compile_time_seconds", "Start-up time spent compiling the decode step (static KV).",
+                    stats.compile_time_s)
         yield counter("prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens)
         yield counter("generation_tokens", "Number of generated tokens.", stats.num_generation_tokens)
         yield counter("num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
