@@ -28,7 +28,9 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    """Times the request was preempted and recomputed."""
     num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first schedule."""
 
     @property
     def ttft_s(self) -> float | None:

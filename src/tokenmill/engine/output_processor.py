@@ -216,5 +216,5 @@ class OutputProcessor:
             finished=all(c.finish_reason is not None for c in parent.children),
             metrics=first.metrics,
             prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
-            num_cached_tokens=first.num_cached_tokens,
+            num_cached_tokens=first.metrics.num_cached_tokens,
         )

@@ -66,9 +66,6 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache at first schedule."""
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -137,5 +134,4 @@ class Request:
         """Preempted: its KV is dropped, so every token must be computed again."""
         self.num_computed_tokens = 0
         self.status = RequestStatus.PREEMPTED
-        self.num_preemptions += 1
-        self.metrics.num_preemptions = self.num_preemptions
+        self.metrics.num_preemptions += 1

@@ -146,7 +146,6 @@ class Scheduler:
             request.num_computed_tokens += num_cached
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
-                request.num_cached_tokens = num_cached
                 request.metrics.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self._insert_running(request)

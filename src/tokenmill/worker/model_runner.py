@@ -27,9 +27,10 @@ from tokenmill.worker.compiled_step import CompiledDecodeStep
 class StepInputs:
     """Tensors and bookkeeping for one forward pass."""
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
+    input_ids: torch.Tensor | None
+    """Flat token batch; None when the compiled decode step takes ``decode_rows`` instead."""
+    positions: torch.Tensor | None
+    meta: AttentionMetadata | None
     sample_rows: list[int]
     sample_requests: list[Request]
     prompt_logprob_rows: dict[str, tuple[list[int], int]] = field(default_factory=dict)
@@ -128,8 +129,7 @@ class ModelRunner:
         is_decode_only = not chunks and not prompt_rows and len(sample_rows) == len(input_ids)
         if is_decode_only and self.compiled_decode is not None and len(input_ids) <= self.compiled_decode.max_batch:
             return StepInputs(
-                input_ids=torch.empty(0), positions=torch.empty(0), meta=AttentionMetadata(torch.empty(0), [], 0),
-                sample_rows=sample_rows, sample_requests=sample_requests,
+                input_ids=None, positions=None, meta=None, sample_rows=sample_rows, sample_requests=sample_requests,
                 decode_rows=(input_ids, positions, slots, block_tables_used),
             )
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), groups=groups, num_tokens=len(input_ids))
