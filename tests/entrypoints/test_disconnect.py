@@ -43,10 +43,16 @@ async def _cancel_many(server: ServerHandle, num_streams: int, num_plain: int) -
         async def post_then_give_up(i: int) -> None:
             body = {"prompt": f"essay {i}", "max_tokens": 200, "ignore_eos": True}
             async with gate:
-                try:
-                    await client.post("/v1/completions", json=body, timeout=0.05 + 0.02 * i)
-                except httpx.TimeoutException:
-                    counts["cancelled"] += 1
+                while True:
+                    try:
+                        response = await client.post("/v1/completions", json=body, timeout=0.05 + 0.02 * i)
+                    except httpx.TimeoutException:
+                        counts["cancelled"] += 1
+                        return
+                    # a slot not yet released by a previous close; anything else is a failure
+                    assert response.status_code == 429, response.text
+                    counts["rejected"] += 1
+                    await asyncio.sleep(0.05)
 
         await asyncio.gather(*(stream_then_close(i) for i in range(num_streams)),
                              *(post_then_give_up(i) for i in range(num_plain)))
