@@ -135,3 +135,24 @@ def test_any_workload_finishes_with_the_unpressured_outputs(specs, num_blocks, m
     # every single request fits alone (30 + 12 tokens <= 11 blocks of 4)
     finished, _, _ = run(specs, num_blocks, max_num_seqs, budget, policy, arrivals)
     assert finished == expected_outputs(specs)
+
+
+def test_priority_arrival_preempts_a_less_urgent_running_request() -> None:
+    kv = PagedKVManager(32, BS)
+    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=64, policy="priority")
+    low = Request("low", [3] * 8, SamplingParams(max_tokens=20, ignore_eos=True), priority=5, arrival_time=0.0)
+    sched.add_request(low)
+    out = sched.schedule()
+    sched.update_after_step(out.scheduled)
+    low.append_output_token(7)
+    urgent = Request("urgent", [4] * 8, SamplingParams(max_tokens=2, ignore_eos=True), priority=0, arrival_time=1.0)
+    sched.add_request(urgent)
+    out = sched.schedule()
+    assert out.preempted_ids == ["low"]
+    assert [r.request_id for r, _ in out.scheduled] == ["urgent"]
+    assert low.num_computed_tokens == 0 and low.output_token_ids == [7]  # recomputed later, output kept
+    # equal priority never preempts (no ping-pong)
+    peer = Request("peer", [5] * 8, SamplingParams(max_tokens=2), priority=0, arrival_time=2.0)
+    sched.add_request(peer)
+    sched.update_after_step(out.scheduled)
+    assert sched.schedule().preempted_ids == []

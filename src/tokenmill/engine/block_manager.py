@@ -193,8 +193,8 @@ class PagedKVManager(KVCacheManager):
     def block_table(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, [])]
 
-    def can_admit(self, request: Request) -> bool:
-        return self.pool.num_free_blocks > 0
+    def can_admit(self, request: Request, num_new_tokens: int = 1) -> bool:
+        return self.pool.num_free_blocks >= -(-num_new_tokens // self.block_size)
 
     @property
     def usage(self) -> float:

@@ -56,8 +56,8 @@ class KVCacheManager(ABC):
         """Block ids holding the request's KV, in token order."""
 
     @abstractmethod
-    def can_admit(self, request: Request) -> bool:
-        """Whether a new request could start now (static: a slot is free)."""
+    def can_admit(self, request: Request, num_new_tokens: int = 1) -> bool:
+        """Whether a new request could start now with this many tokens (static: a slot is free)."""
 
     @property
     @abstractmethod

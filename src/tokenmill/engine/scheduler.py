@@ -108,8 +108,11 @@ class Scheduler:
         self._finished_ids = []
         budget = self.max_num_batched_tokens
         now = time.monotonic()
+        if self.policy == "priority":
+            self._preempt_for_urgent_waiting(out)
 
         # 1. Running requests, most important first; preempt from the back when full.
+        is_memory_tight = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -121,6 +124,7 @@ class Scheduler:
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
+                is_memory_tight = True
                 if victim is request:
                     break
             else:
@@ -131,7 +135,7 @@ class Scheduler:
             break  # the current request itself was preempted: nothing after it fits
 
         # 2. Waiting requests, unless this step had to preempt (memory is tight).
-        while self.waiting and budget > 0 and not out.preempted_ids:
+        while self.waiting and budget > 0 and not is_memory_tight:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
@@ -160,6 +164,21 @@ class Scheduler:
                 request.num_computed_tokens += num_new
 
     # ---- internals -------------------------------------------------------------------
+    def _preempt_for_urgent_waiting(self, out: SchedulerOutput) -> None:
+        """Make room for a waiting request more urgent than the least urgent running one.
+
+        Runs before anything is scheduled, so a victim never holds KV for this step.
+        """
+        while self.waiting and self.running:
+            urgent, victim = self.waiting[0], self.running[-1]
+            if victim.priority <= urgent.priority:
+                return
+            first_chunk = min(urgent.num_tokens, self.max_num_batched_tokens)
+            if len(self.running) < self.max_num_seqs and self.kv.can_admit(urgent, first_chunk):
+                return
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)

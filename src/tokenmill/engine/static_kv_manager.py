@@ -86,7 +86,7 @@ class StaticKVManager(KVCacheManager):
         slot = self._slot_of.get(request_id)
         return [] if slot is None else self._slot_blocks(slot)
 
-    def can_admit(self, request: Request) -> bool:
+    def can_admit(self, request: Request, num_new_tokens: int = 1) -> bool:
         return bool(self._free_slots)
 
     @property
