@@ -18,7 +18,7 @@ from torch import nn
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.decoder import DecoderModel
-from tokenmill.model.layers import RotaryEmbedding
+from tokenmill.model.layers import Linear, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -55,22 +55,43 @@ def _checkpoint_files(folder: Path) -> list[Path]:
     raise ModelLoadError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-def _read_tensors(files: list[Path]) -> dict[str, tuple[torch.Tensor, Path]]:
-    tensors: dict[str, tuple[torch.Tensor, Path]] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+class _Checkpoint:
+    """Tensor names, shapes and files of a checkpoint; tensors are read one at a time.
+
+    Reading lazily keeps peak memory near the size of the loaded model instead of
+    checkpoint + fused copies + prepacked copies all at once.
+    """
+
+    def __init__(self, files: list[Path]) -> None:
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.files: dict[str, Path] = {}
+        self._handles: dict[Path, object] = {}
+        for path in files:
+            try:
+                handle = safe_open(str(path), framework="pt")
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
                     if name.endswith(_IGNORED_SUFFIXES):
                         continue
-                    if name in tensors:
-                        raise ModelLoadError(f"{path}: tensor {name!r} also appears in {tensors[name][1]}")
-                    tensors[name] = (f.get_tensor(name), path)
-        except SafetensorError as exc:
-            raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from None
-        except OSError as exc:
-            raise ModelLoadError(f"{path}: cannot read: {exc}") from None
-    return tensors
+                    if name in self.files:
+                        raise ModelLoadError(f"{path}: tensor {name!r} also appears in {self.files[name]}")
+                    self.shapes[name] = tuple(handle.get_slice(name).get_shape())
+                    self.files[name] = path
+            except SafetensorError as exc:
+                raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from None
+            except OSError as exc:
+                raise ModelLoadError(f"{path}: cannot read: {exc}") from None
+            self._handles[path] = handle
+
+    def read(self, name: str) -> torch.Tensor:
+        path = self.files[name]
+        try:
+            return self._handles[path].get_tensor(name)  # type: ignore[attr-defined]
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{path}: cannot read tensor {name!r}: {exc}") from None
+
+    def discard(self, name: str) -> None:
+        self.shapes.pop(name, None)
+        self.files.pop(name, None)
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -114,39 +135,46 @@ def load_model(
     """Build the decoder for ``folder`` and fill it with the checkpoint's weights."""
     folder = Path(folder)
     cfg = cfg or ModelConfig.from_folder(folder)
-    tensors = _read_tensors(_checkpoint_files(folder))
+    ckpt = _Checkpoint(_checkpoint_files(folder))
     expected = _expected_shapes(cfg)
     if cfg.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)  # some tied checkpoints still store it
-    missing = sorted(set(expected) - set(tensors))
+        ckpt.discard("lm_head.weight")  # some tied checkpoints still store it
+    missing = sorted(set(expected) - set(ckpt.shapes))
     if missing:
         raise ModelLoadError(f"{folder}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    unexpected = sorted(set(tensors) - set(expected))
+    unexpected = sorted(set(ckpt.shapes) - set(expected))
     if unexpected:
         name = unexpected[0]
-        raise ModelLoadError(f"{tensors[name][1]}: unexpected tensor {name!r} for {cfg.architecture}")
+        raise ModelLoadError(f"{ckpt.files[name]}: unexpected tensor {name!r} for {cfg.architecture}")
     for name, shape in expected.items():
-        tensor, path = tensors[name]
-        if tuple(tensor.shape) != shape:
-            raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
-
-    def get(name: str) -> torch.Tensor:
-        return tensors[name][0]
+        if ckpt.shapes[name] != shape:
+            raise ModelLoadError(
+                f"{ckpt.files[name]}: tensor {name!r} has shape {ckpt.shapes[name]}, expected {shape}"
+            )
+    pack = device.type == "cpu" and dtype == torch.float32
+    num_packed = 0
 
     with torch.device("meta"):
         model = DecoderModel(cfg, max_positions)
     model.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling).to(device)
 
     def put(module: nn.Module, attr: str, *names: str) -> None:
-        value = torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
+        value = torch.cat([ckpt.read(n) for n in names]) if len(names) > 1 else ckpt.read(names[0])
         param = nn.Parameter(value.to(device=device, dtype=dtype).contiguous(), requires_grad=False)
         setattr(module, attr, param)
+
+    def pack_all(module: nn.Module) -> None:
+        """Prepack a module's projections right away, so only one layer is ever unpacked."""
+        nonlocal num_packed
+        if pack:
+            num_packed += sum(m.pack_for_onednn() for m in module.modules() if isinstance(m, Linear))
 
     put(model, "embed", "model.embed_tokens.weight")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed
     else:
         put(model.lm_head, "weight", "lm_head.weight")
+        pack_all(model.lm_head)  # a tied LM head is left unpacked: packing would copy the embedding
     put(model.norm, "weight", "model.norm.weight")
     for n, layer in enumerate(model.layers):
         p = f"model.layers.{n}."
@@ -162,10 +190,8 @@ def load_model(
         put(layer.mlp.down, "weight", p + "mlp.down_proj.weight")
         put(layer.input_norm, "weight", p + "input_layernorm.weight")
         put(layer.post_attn_norm, "weight", p + "post_attention_layernorm.weight")
+        pack_all(layer)
     model.eval()
-    if device.type == "cpu" and dtype == torch.float32:
-        # A tied LM head shares the embedding: packing it would add a second copy.
-        linears = [m for m in model.linears() if not (cfg.tie_word_embeddings and m is model.lm_head)]
-        num_packed = sum(linear.pack_for_onednn() for linear in linears)
+    if pack:
         logger.info("prepacked %d/%d projections for oneDNN", num_packed, len(model.linears()))
     return model
