@@ -201,6 +201,10 @@ class PagedKVManager(KVCacheManager):
         return 1.0 - self.pool.num_free_blocks / self.num_blocks
 
     @property
+    def max_tokens_per_request(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
     def num_reserved_token_slots(self) -> int:
         return sum(len(b) for b in self._blocks.values()) * self.block_size
 

@@ -66,6 +66,11 @@ class KVCacheManager(ABC):
 
     @property
     @abstractmethod
+    def max_tokens_per_request(self) -> int:
+        """The most tokens one request can ever hold (the whole pool, or one slot)."""
+
+    @property
+    @abstractmethod
     def num_reserved_token_slots(self) -> int:
         """Token slots reserved by live requests (for the memory-waste metric)."""
 

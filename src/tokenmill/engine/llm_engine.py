@@ -233,10 +233,8 @@ class LLMEngine:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        """The most tokens one request can hold in the KV cache (the whole pool, or a slot)."""
-        if isinstance(self.kv_manager, StaticKVManager):
-            return self.kv_manager.blocks_per_slot * self.kv_manager.block_size
-        return self.kv_manager.num_blocks * self.kv_manager.block_size
+        """The most tokens one request can hold in the KV cache."""
+        return self.kv_manager.max_tokens_per_request
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -259,7 +257,8 @@ class LLMEngine:
             stats.num_generation_tokens += 1
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-                stats.num_prompt_tokens += request.num_prompt_tokens
+                if request.index == 0:  # n > 1 samples share one prompt
+                    stats.num_prompt_tokens += request.num_prompt_tokens
             request.metrics.last_token_time = now
             status = request.append_output_token(token)
             stop = self.output_processor.on_token(rid, token, result.logprobs.get(rid))

@@ -94,6 +94,10 @@ class StaticKVManager(KVCacheManager):
         return len(self._slot_of) / self.num_slots
 
     @property
+    def max_tokens_per_request(self) -> int:
+        return self.blocks_per_slot * self.block_size
+
+    @property
     def num_reserved_token_slots(self) -> int:
         return len(self._slot_of) * self.blocks_per_slot * self.block_size
 
