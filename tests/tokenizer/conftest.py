@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from tokenmill.model.demo import DEMO_CORPUS, build_bpe_tokenizer
+from tokenmill.model.demo import DEMO_CORPUS
 from tokenmill.tokenizer import Tokenizer
 
 # A Llama-2-style template: BOS from the template, strict role alternation.
@@ -99,11 +99,9 @@ def build_sentencepiece_style_tokenizer(folder: Path, vocab_size: int = 800) -> 
 
 
 @pytest.fixture(scope="session")
-def byte_level_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def byte_level_dir(tokenizer_dir: Path) -> Path:
     """The demo model's tokenizer: byte-level BPE, ChatML template, BOS post-processor."""
-    folder = tmp_path_factory.mktemp("byte_level")
-    build_bpe_tokenizer(folder)
-    return folder
+    return tokenizer_dir
 
 
 @pytest.fixture(scope="session")
