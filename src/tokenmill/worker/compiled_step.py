@@ -87,9 +87,16 @@ class CompiledDecodeStep:
     @torch.inference_mode()
     def _capture(self, bucket: int, compiled: DecodeFn) -> DecodeFn:
         inputs = self._dummy_inputs(bucket)
-        compiled(*inputs)  # compile (CPU) / warm up (CUDA) with padding-only rows
         if not self.use_cuda_graphs:
+            compiled(*inputs)  # compile now, with padding-only rows
             return compiled
+        # CUDA: warm up (and compile) on a side stream before capture, as PyTorch requires.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                compiled(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             output = compiled(*inputs)
