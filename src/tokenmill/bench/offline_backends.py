@@ -23,6 +23,7 @@ import torch
 from tokenmill.bench.datasets import BenchRequest
 from tokenmill.bench.metrics import RequestRecord
 from tokenmill.bench.tokenization import encode_text, load_tokenizer
+from tokenmill.model.loader import TORCH_DTYPES
 
 if TYPE_CHECKING:
     from tokenmill.bench.offline import OfflineConfig
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
 BACKEND_NAMES: tuple[str, ...] = ("tokenmill", "transformers", "transformers-cb")
 """Values accepted by ``--backends``."""
 _CB_MAX_BATCH_TOKENS = 2048  # tokenmill's default max_num_batched_tokens, for a like-for-like step budget
-TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""The dtypes ``--dtype`` names, for the ``transformers`` side of ``bench offline`` and ``verify``."""
 
 
 class OfflineBackend(Protocol):

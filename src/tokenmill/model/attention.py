@@ -36,13 +36,20 @@ class AttentionGroup:
     def mask(self, window: int | None, block_size: int) -> torch.Tensor:
         if window not in self.masks:
             max_kv = self.block_tables.shape[1] * block_size
-            kv_pos = torch.arange(max_kv, device=self.context_lens.device)
-            q_pos = self.query_positions[:, :, None]
-            allowed = (kv_pos[None, None, :] <= q_pos) & (kv_pos[None, None, :] < self.context_lens[:, None, None])
-            if window is not None:
-                allowed &= kv_pos[None, None, :] > q_pos - window
-            self.masks[window] = allowed.unsqueeze(1)
+            self.masks[window] = attention_mask(self.query_positions, self.context_lens, max_kv, window)
         return self.masks[window]
+
+
+def attention_mask(
+    query_positions: torch.Tensor, context_lens: torch.Tensor, max_kv: int, window: int | None
+) -> torch.Tensor:
+    """[B, 1, max_q, max_kv] bool: causal, within the context, and within the sliding window."""
+    kv_pos = torch.arange(max_kv, device=context_lens.device)[None, None, :]
+    q_pos = query_positions[:, :, None]
+    allowed = (kv_pos <= q_pos) & (kv_pos < context_lens[:, None, None])
+    if window is not None:
+        allowed &= kv_pos > q_pos - window
+    return allowed.unsqueeze(1)
 
 
 @dataclass
@@ -149,11 +156,8 @@ def decode_attention(
     block_size = k_cache.shape[1]
     if trim_to_longest:
         block_tables = block_tables[:, : -(-int(context_lens.max()) // block_size)]
-    kv_pos = torch.arange(block_tables.shape[1] * block_size, device=q.device)
-    allowed = kv_pos[None, :] < context_lens[:, None]
-    if window > 0:
-        allowed &= kv_pos[None, :] > (context_lens[:, None] - 1 - window)
-    return _attend(q.unsqueeze(1), k_cache, v_cache, block_tables, allowed[:, None, None, :], scale)
+    mask = attention_mask((context_lens - 1)[:, None], context_lens, block_tables.shape[1] * block_size, window or None)
+    return _attend(q.unsqueeze(1), k_cache, v_cache, block_tables, mask, scale)
 
 
 @decode_attention.register_fake

@@ -24,13 +24,15 @@ logger = logging.getLogger(__name__)
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The dtype names accepted by ``--dtype`` (besides ``auto``) and found in ``torch_dtype``."""
+
 
 def resolve_dtype(requested: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
     """``auto`` follows the checkpoint's torch_dtype, except bf16/fp16 on CPU -> float32."""
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if requested != "auto":
-        return names[requested]
-    declared = names.get(str(cfg.torch_dtype).replace("torch.", ""), torch.float32)
+        return TORCH_DTYPES[requested]
+    declared = TORCH_DTYPES.get(str(cfg.torch_dtype).replace("torch.", ""), torch.float32)
     if device.type == "cpu" and declared != torch.float32:
         logger.info("dtype auto: checkpoint is %s, using float32 on CPU (half-precision matmuls are slow there)", declared)
         return torch.float32

@@ -85,15 +85,17 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        groups: list[AttentionGroup] = []
-        block_tables_used: list[list[int]] = []
+        group_rows: list[tuple[bool, list[list[int]], list[list[int]], list[list[int]], list[int]]] = []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         prompt_rows: dict[str, tuple[list[int], int]] = {}
         for members, is_decode in ((decodes, True), (chunks, False)):
             if not members:
                 continue
-            token_index, query_pos, tables, ctx_lens, valid = [], [], [], [], []
+            token_index: list[list[int]] = []
+            query_pos: list[list[int]] = []
+            tables: list[list[int]] = []
+            ctx_lens: list[int] = []
             for request, num_new in members:
                 start = request.num_computed_tokens
                 table = kv.block_table(request.request_id)
@@ -105,9 +107,7 @@ class ModelRunner:
                 slots.extend(table[p // bs] * bs + p % bs for p in pos)
                 token_index.append(rows)
                 query_pos.append(pos)
-                valid.append([True] * num_new)
                 tables.append(table[: -(-(start + num_new) // bs)])
-                block_tables_used.append(tables[-1])
                 ctx_lens.append(start + num_new)
                 if start + num_new == request.num_tokens:
                     sample_rows.append(rows[-1])
@@ -115,23 +115,14 @@ class ModelRunner:
                 if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
                     last = min(start + num_new, request.num_prompt_tokens - 1)
                     prompt_rows[request.request_id] = (rows[: last - start], start)
-            max_q = max(len(r) for r in token_index)
-            groups.append(
-                AttentionGroup(
-                    token_index=self._tensor([r + [r[-1]] * (max_q - len(r)) for r in token_index]),
-                    valid=self._tensor(_pad(valid, False), torch.bool),
-                    block_tables=self._tensor(_pad(tables, 0)),
-                    query_positions=self._tensor([p + [p[-1]] * (max_q - len(p)) for p in query_pos]),
-                    context_lens=self._tensor(ctx_lens),
-                    is_decode=is_decode,
-                )
-            )
+            group_rows.append((is_decode, token_index, query_pos, tables, ctx_lens))
         is_decode_only = not chunks and not prompt_rows and len(sample_rows) == len(input_ids)
         if is_decode_only and self.compiled_decode is not None and len(input_ids) <= self.compiled_decode.max_batch:
             return StepInputs(
                 input_ids=None, positions=None, meta=None, sample_rows=sample_rows, sample_requests=sample_requests,
-                decode_rows=(input_ids, positions, slots, block_tables_used),
+                decode_rows=(input_ids, positions, slots, group_rows[0][3]),
             )
+        groups = [self._build_group(*rows) for rows in group_rows]
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), groups=groups, num_tokens=len(input_ids))
         return StepInputs(
             input_ids=self._tensor(input_ids),
@@ -140,6 +131,21 @@ class ModelRunner:
             sample_rows=sample_rows,
             sample_requests=sample_requests,
             prompt_logprob_rows=prompt_rows,
+        )
+
+    def _build_group(
+        self, is_decode: bool, token_index: list[list[int]], query_pos: list[list[int]],
+        tables: list[list[int]], ctx_lens: list[int],
+    ) -> AttentionGroup:
+        """Pad one group's rows to rectangles: padding repeats a valid row and is masked."""
+        max_q = max(len(r) for r in token_index)
+        return AttentionGroup(
+            token_index=self._tensor([r + [r[-1]] * (max_q - len(r)) for r in token_index]),
+            valid=self._tensor(_pad([[True] * len(r) for r in token_index], False), torch.bool),
+            block_tables=self._tensor(_pad(tables, 0)),
+            query_positions=self._tensor([p + [p[-1]] * (max_q - len(p)) for p in query_pos]),
+            context_lens=self._tensor(ctx_lens),
+            is_decode=is_decode,
         )
 
     @torch.inference_mode()
