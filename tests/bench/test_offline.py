@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import pytest
@@ -44,9 +45,11 @@ def test_config_gives_a_tokenmill_row_per_kv_strategy() -> None:
 def test_memory_meter_sees_rss_growth() -> None:
     meter = MemoryMeter("cpu")
     with meter.peak_growth() as box:
-        blob = bytearray(64 * 2**20)
-        blob[::4096] = b"x" * len(blob[::4096])  # touch every page so it is resident
-    del blob
+        # A fresh anonymous mapping: malloc could hand back already-resident heap pages.
+        blob = mmap.mmap(-1, 64 * 2**20)
+        for offset in range(0, len(blob), mmap.PAGESIZE):
+            blob[offset] = 1  # touch every page so it is resident
+    blob.close()
     assert meter.kind == "rss"
     assert box["growth_bytes"] >= 32 * 2**20
 
