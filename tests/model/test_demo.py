@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -38,12 +37,9 @@ def test_demo_model_path_builds_once_in_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
-    start = time.perf_counter()
     path = demo_model_path()
-    elapsed_s = time.perf_counter() - start
     assert path == tmp_path / "demo-v1"
     assert all((path / name).is_file() for name in MODEL_FILES)
-    assert elapsed_s < 20  # budget is 10 s on 2 busy cores; it takes well under 1 s
     # No staging folders are left behind, and a second call reuses the folder.
     assert [p.name for p in tmp_path.iterdir()] == ["demo-v1"]
     mtime = (path / "model.safetensors").stat().st_mtime_ns
