@@ -110,3 +110,25 @@ def test_half_precision_runs(make_model, dtype: str) -> None:
     assert next(llm.engine.runner.model.parameters()).dtype == getattr(torch, dtype)
     out = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 6
+
+
+def test_weights_arrive_fused_and_converted(model_copy: Path) -> None:
+    """bf16 checkpoint read as float16: every value is the stored one, q/k/v and gate/up in order."""
+    stored = {k: v.to(torch.bfloat16) for k, v in load_file(model_copy / "model.safetensors").items()}
+    save_file(stored, model_copy / "model.safetensors")
+    model = load_model(model_copy, torch.float16, torch.device("cpu"), 64)
+    layer = model.layers[1]
+    p = "model.layers.1."
+    expect_qkv = torch.cat([stored[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).to(torch.float16)
+    expect_gate_up = torch.cat([stored[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")]).to(torch.float16)
+    assert torch.equal(layer.attn.qkv.weight, expect_qkv)
+    assert torch.equal(layer.mlp.gate_up.weight, expect_gate_up)
+    assert torch.equal(model.embed, stored["model.embed_tokens.weight"].to(torch.float16))
+    assert torch.equal(layer.input_norm.weight, stored[p + "input_layernorm.weight"].to(torch.float16))
+
+
+def test_truncated_tensor_data_names_the_file(model_copy: Path) -> None:
+    path = model_copy / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-64])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: (corrupt or unreadable|tensor .* is truncated)"):
+        _load(model_copy)

@@ -103,14 +103,16 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, N decoder layers, final norm and LM head."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, rope: RotaryEmbedding | None = None) -> None:
+        """``rope`` may come prebuilt: the loader builds the model on the meta device, where
+        computing the RoPE tables would only cost seconds of lazy torch imports."""
         super().__init__()
         self.config = cfg
         self.embed = _param(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rope = rope or RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
 
     def forward(
         self,
