@@ -138,8 +138,11 @@ def test_chat_endpoint_with_text_prompts(tokenmill_server: str, tmp_path: Path) 
 
 
 def test_verify_against_the_server_url(tokenmill_server: str) -> None:
-    from tokenmill.bench.verify import run_verify
+    from tokenmill.bench.verify import run_server_greedy, run_verify
 
     report = run_verify("demo", max_tokens=6, num_prompts=3, server_url=tokenmill_server)
     assert report.passed and report.match_rate == 1.0
+    # The server names tokens by id (return_tokens_as_token_ids), so the comparison is by id.
+    generations = run_server_greedy(tokenmill_server, "demo", [[5, 6, 7]], 4)
+    assert len(generations[0].token_ids) == 4 and all(isinstance(t, int) for t in generations[0].token_ids)
     assert report.max_logprob_diff is not None and report.max_logprob_diff < 1e-3

@@ -76,6 +76,18 @@ def test_logprobs_and_top_logprobs(client: openai.OpenAI) -> None:
     assert len(entries) == 4
 
 
+def test_return_tokens_as_token_ids_in_chat(client: openai.OpenAI, http: httpx.Client) -> None:
+    result = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=4, logprobs=True,
+                                            top_logprobs=2, extra_body={**EOS_OFF, "return_tokens_as_token_ids": True})
+    choice = result.choices[0]
+    ids = [int(e.token.removeprefix("token_id:")) for e in choice.logprobs.content]
+    assert all(e.token.startswith("token_id:") for e in choice.logprobs.content)
+    assert all(t.token.startswith("token_id:") for e in choice.logprobs.content for t in e.top_logprobs)
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == choice.message.content
+    # bytes stay the token's own text, so clients can still rebuild the reply from them.
+    assert b"".join(bytes(e.bytes) for e in choice.logprobs.content).decode() == choice.message.content
+
+
 def test_response_format_text_is_accepted(client: openai.OpenAI) -> None:
     result = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=2,
                                             response_format={"type": "text"})

@@ -90,6 +90,27 @@ def test_echo_and_logprobs(client: openai.OpenAI) -> None:
     assert all(1 <= len(top) <= 3 for top in plain.choices[0].logprobs.top_logprobs)
 
 
+def test_return_tokens_as_token_ids_names_exact_ids(client: openai.OpenAI, http: httpx.Client) -> None:
+    kwargs = dict(model="demo", prompt="hello there", max_tokens=4, echo=True, logprobs=2, temperature=0)
+    plain = client.completions.create(**kwargs, extra_body=EOS_OFF).choices[0]
+    as_ids = client.completions.create(**kwargs, extra_body={**EOS_OFF, "return_tokens_as_token_ids": True}).choices[0]
+    ids = [int(t.removeprefix("token_id:")) for t in as_ids.logprobs.tokens]
+    assert all(t.startswith("token_id:") for t in as_ids.logprobs.tokens)
+    prompt_ids = http.post("/tokenize", json={"prompt": "hello there"}).json()["tokens"]
+    assert ids[: len(prompt_ids)] == prompt_ids
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == as_ids.text == plain.text
+    # Same numbers and offsets into the text; only the token names change.
+    assert as_ids.logprobs.token_logprobs == plain.logprobs.token_logprobs
+    assert as_ids.logprobs.text_offset == plain.logprobs.text_offset
+    for top in as_ids.logprobs.top_logprobs[1:]:
+        assert top and all(k.startswith("token_id:") for k in top)
+    streamed = client.completions.create(**kwargs, stream=True,
+                                         extra_body={**EOS_OFF, "return_tokens_as_token_ids": True})
+    assert [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == (
+        as_ids.logprobs.tokens
+    )
+
+
 def test_prompt_logprobs_are_returned(client: openai.OpenAI) -> None:
     result = client.completions.create(model="demo", prompt="hello there", max_tokens=2,
                                        extra_body={"prompt_logprobs": 1})

@@ -182,11 +182,12 @@ def run_server_greedy(
     base_url: str, model: str, prompts: list[list[int]], max_tokens: int,
     api_key: str | None = None, timeout_s: float = 300.0,
 ) -> list[Generation]:
-    """tokenmill behind a URL: ``/v1/completions`` with token-id prompts and logprobs.
+    """Any OpenAI-compatible server: ``/v1/completions`` with token-id prompts and logprobs.
 
-    Asks for ``return_tokens_as_token_ids`` (vLLM's extension) to get exact ids. A server
-    without it returns each token's text instead: those generations hold strings, and
-    ``run_verify`` compares them with the reference's tokens mapped to text the same way.
+    Asks for ``return_tokens_as_token_ids`` (vLLM's extension, which tokenmill serves too)
+    to get exact ids. A server without it returns each token's text instead: those
+    generations hold strings, and ``run_verify`` compares them with the reference's tokens
+    mapped to text the same way.
     """
     root = base_url.rstrip("/").removesuffix("/v1")
     headers = auth_headers(api_key)

@@ -417,10 +417,16 @@ async def guard_stream(
     yield SSE_DONE
 
 
+def token_label(token_id: int, text: str, as_token_ids: bool) -> str:
+    """How a logprob entry names its token: its text, or vLLM's ``token_id:N`` when the
+    request set ``return_tokens_as_token_ids`` (exact ids, whatever the detokenizer does)."""
+    return f"token_id:{token_id}" if as_token_ids else text
+
+
 def choice_logprob_entries(
     token_ids: list[int], entries: list[PositionLogprobs | None] | None, tokenizer: Any
-) -> list[tuple[int, str, float | None, list[tuple[str, float]]]]:
-    """(token id, token text, logprob, top (text, logprob) by rank) for each position."""
+) -> list[tuple[int, str, float | None, list[tuple[int, str, float]]]]:
+    """(token id, token text, logprob, top (id, text, logprob) by rank) for each position."""
     rows = []
     for i, token_id in enumerate(token_ids):
         entry = entries[i] if entries is not None and i < len(entries) else None
@@ -431,7 +437,8 @@ def choice_logprob_entries(
         text = chosen.decoded_token if chosen and chosen.decoded_token is not None else tokenizer.id_to_token_text(token_id)
         top = sorted(entry.items(), key=lambda kv: kv[1].rank)
         top_rows = [
-            (lp.decoded_token if lp.decoded_token is not None else tokenizer.id_to_token_text(t), finite_logprob(lp.logprob))
+            (t, lp.decoded_token if lp.decoded_token is not None else tokenizer.id_to_token_text(t),
+             finite_logprob(lp.logprob))
             for t, lp in top
         ]
         rows.append((token_id, text, finite_logprob(chosen.logprob) if chosen else None, top_rows))

@@ -83,6 +83,8 @@ class SamplingFields(StrictModel):
     """Only true is accepted: the tokenizer's decoder decides that spacing."""
     priority: int = 0
     """Lower runs first when the server uses ``--scheduling-policy priority``."""
+    return_tokens_as_token_ids: bool = False
+    """Name logprob tokens ``token_id:N`` instead of their text, as vLLM does."""
 
     def check(self) -> None:
         """Reject what tokenmill cannot honour, naming the field."""

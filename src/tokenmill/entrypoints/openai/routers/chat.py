@@ -23,6 +23,7 @@ from tokenmill.entrypoints.openai.generation import (
     choice_logprob_entries,
     parse_request,
     respond,
+    token_label,
 )
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -73,17 +74,21 @@ async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], field
 
 
 def chat_logprobs(
-    token_ids: list[int], entries: list[PositionLogprobs | None] | None, tokenizer: Any, num_top: int
+    token_ids: list[int], entries: list[PositionLogprobs | None] | None, tokenizer: Any, num_top: int,
+    as_token_ids: bool = False,
 ) -> dict[str, Any]:
-    """OpenAI's chat logprobs object: one entry per token with its top alternatives."""
+    """OpenAI's chat logprobs object: one entry per token with its top alternatives.
+
+    ``bytes`` are the token's text even when it is labelled ``token_id:N``."""
     content = []
-    for _, text, logprob, top in choice_logprob_entries(token_ids, entries, tokenizer):
+    for token_id, text, logprob, top in choice_logprob_entries(token_ids, entries, tokenizer):
         content.append({
-            "token": text,
+            "token": token_label(token_id, text, as_token_ids),
             "logprob": logprob,
             "bytes": list(text.encode("utf-8")),
             "top_logprobs": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in top[:num_top]
+                {"token": token_label(t, t_text, as_token_ids), "logprob": lp, "bytes": list(t_text.encode("utf-8"))}
+                for t, t_text, lp in top[:num_top]
             ],
         })
     return {"content": content}
@@ -127,7 +132,8 @@ def _choices(
         choices.append({
             "index": i,
             "message": {"role": "assistant", "content": c.text if c is not None else ""},
-            "logprobs": chat_logprobs(c.token_ids if c else [], c.logprobs if c else None, tokenizer, num_top)
+            "logprobs": chat_logprobs(c.token_ids if c else [], c.logprobs if c else None, tokenizer, num_top,
+                                      body.return_tokens_as_token_ids)
             if body.logprobs else None,
             "finish_reason": (c.finish_reason if c is not None else None) or "length",
             "stop_reason": c.stop_reason if c is not None else None,
@@ -148,7 +154,8 @@ async def _stream(req: ParsedRequest[ChatCompletionRequest], run: GenerationRun,
         finishes = []
         for d in batch:
             if d.text or d.token_ids:
-                logprobs = chat_logprobs(d.token_ids, d.logprobs, tokenizer, num_top) if body.logprobs else None
+                logprobs = (chat_logprobs(d.token_ids, d.logprobs, tokenizer, num_top, body.return_tokens_as_token_ids)
+                            if body.logprobs else None)
                 content.append({"index": d.index, "delta": {"content": d.text}, "logprobs": logprobs,
                                 "finish_reason": None})
             if d.finish_reason is not None:

@@ -22,6 +22,7 @@ from tokenmill.entrypoints.openai.generation import (
     finite_logprob,
     parse_request,
     respond,
+    token_label,
     tokenize_prompts,
 )
 from tokenmill.entrypoints.openai.protocol import CompletionRequest
@@ -31,14 +32,19 @@ router = APIRouter()
 
 
 def completion_logprobs(
-    token_ids: list[int], entries: list[PositionLogprobs | None] | None, tokenizer: Any, text_offset: int
+    token_ids: list[int], entries: list[PositionLogprobs | None] | None, tokenizer: Any, text_offset: int,
+    as_token_ids: bool = False,
 ) -> dict[str, Any]:
-    """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+    """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs, text_offset.
+
+    Offsets index the choice's text even when tokens are labelled ``token_id:N``."""
     result: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for _, text, logprob, top in choice_logprob_entries(token_ids, entries, tokenizer):
-        result["tokens"].append(text)
+    for token_id, text, logprob, top in choice_logprob_entries(token_ids, entries, tokenizer):
+        result["tokens"].append(token_label(token_id, text, as_token_ids))
         result["token_logprobs"].append(logprob)
-        result["top_logprobs"].append(dict(top) if logprob is not None else None)
+        result["top_logprobs"].append(
+            {token_label(t, t_text, as_token_ids): lp for t, t_text, lp in top} if logprob is not None else None
+        )
         result["text_offset"].append(text_offset)
         text_offset += len(text)
     return result
@@ -95,7 +101,7 @@ def _echo_prefix(
         return text, None
     tokenizer = run.state.engine.tokenizer
     entries = output.prompt_logprobs if output is not None else None
-    return text, completion_logprobs(prompt.token_ids, entries, tokenizer, 0)
+    return text, completion_logprobs(prompt.token_ids, entries, tokenizer, 0, body.return_tokens_as_token_ids)
 
 
 def _choices(run: GenerationRun, body: CompletionRequest, outputs: list[RequestOutput | None]) -> list[dict[str, Any]]:
@@ -112,7 +118,9 @@ def _choices(run: GenerationRun, body: CompletionRequest, outputs: list[RequestO
             logprobs = None
             if body.logprobs is not None:
                 ids = c.token_ids if c is not None else []
-                logprobs = completion_logprobs(ids, c.logprobs if c else None, tokenizer, len(echo_text))
+                logprobs = completion_logprobs(
+                    ids, c.logprobs if c else None, tokenizer, len(echo_text), body.return_tokens_as_token_ids
+                )
                 if echo_logprobs is not None:
                     logprobs = _merge_logprobs(echo_logprobs, logprobs)
             choice = {
@@ -141,7 +149,9 @@ async def _stream(req: ParsedRequest[CompletionRequest], run: GenerationRun) -> 
         for d in batch:
             text, logprobs = d.text, None
             if body.logprobs is not None:
-                logprobs = completion_logprobs(d.token_ids, d.logprobs, tokenizer, offsets[d.index])
+                logprobs = completion_logprobs(
+                    d.token_ids, d.logprobs, tokenizer, offsets[d.index], body.return_tokens_as_token_ids
+                )
             if d.index not in echoed:
                 echoed.add(d.index)
                 prompt_index = d.index // n
@@ -149,7 +159,7 @@ async def _stream(req: ParsedRequest[CompletionRequest], run: GenerationRun) -> 
                 text = echo_text + text
                 if echo_logprobs is not None and logprobs is not None:
                     logprobs = _merge_logprobs(echo_logprobs, completion_logprobs(
-                        d.token_ids, d.logprobs, tokenizer, len(echo_text)))
+                        d.token_ids, d.logprobs, tokenizer, len(echo_text), body.return_tokens_as_token_ids))
                 if body.prompt_logprobs is not None:
                     first_extra[d.index] = vllm_prompt_logprobs(run.latest[prompt_index])
             offsets[d.index] += len(text)
