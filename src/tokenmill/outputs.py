@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -82,3 +82,34 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+
+    def copy(self) -> RequestOutput:
+        """A copy whose completions' lists are its own, to fold later outputs into."""
+        return replace(self, outputs=[_own_lists(c) for c in self.outputs])
+
+    def add(self, delta: RequestOutput) -> None:
+        """Fold the next DELTA output of the same request into this accumulated one."""
+        mine = {c.index: c for c in self.outputs}
+        for new in delta.outputs:
+            c = mine.get(new.index)
+            if c is None:
+                self.outputs.append(_own_lists(new))
+                continue
+            c.text += new.text
+            c.token_ids.extend(new.token_ids)
+            if new.logprobs is not None:
+                if c.logprobs is None:
+                    c.logprobs = []
+                c.logprobs.extend(new.logprobs)
+            c.cumulative_logprob = new.cumulative_logprob
+            c.finish_reason, c.stop_reason = new.finish_reason, new.stop_reason
+            c.text_delta, c.token_ids_delta = new.text_delta, new.token_ids_delta
+        self.finished = delta.finished
+        self.metrics = delta.metrics
+        self.num_cached_tokens = delta.num_cached_tokens
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = delta.prompt_logprobs
+
+
+def _own_lists(c: CompletionOutput) -> CompletionOutput:
+    return replace(c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))

@@ -258,3 +258,45 @@ def test_min_tokens_defers_stop_strings(folder) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop], min_tokens=16)
     out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 16  # the stop string in the first token did not end it early
+
+
+def _outputs_by_kind(llm: LLM, prompts: list[list[int]], params: SamplingParams, kind) -> dict[str, list]:
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{kind.name}-{i}", prompt, params.clone(output_kind=kind))
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id.split("-")[1], []).append(out)
+    return outputs
+
+
+def test_delta_and_final_only_outputs_add_up_to_the_cumulative_ones(folder) -> None:
+    from tokenmill.sampling import RequestOutputKind
+
+    prompts = _prompts(4, seed=8)
+    # Sampled n=2 with logprobs, prompt logprobs and a stop string that holds text back.
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=1, stop=["never-seen-stop"])
+    llm = LLM(str(folder), dtype="float32", max_model_len=256)
+    cumulative = _outputs_by_kind(llm, prompts, params, RequestOutputKind.CUMULATIVE)
+    delta = _outputs_by_kind(llm, prompts, params, RequestOutputKind.DELTA)
+    final = _outputs_by_kind(llm, prompts, params, RequestOutputKind.FINAL_ONLY)
+
+    def fields(out) -> list[tuple]:
+        return [(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason) for c in out.outputs]
+
+    for key, steps in cumulative.items():
+        last = steps[-1]
+        assert last.finished and len(last.outputs[0].token_ids) == 10
+        (only,) = final[key]
+        assert only.finished and fields(only) == fields(last) and only.prompt_logprobs == last.prompt_logprobs
+        deltas = delta[key]
+        assert len(deltas) == len(steps)
+        assert all(len(c.token_ids) <= 2 for d in deltas for c in d.outputs)  # never the whole history
+        assert deltas[0].prompt_logprobs == last.prompt_logprobs
+        assert all(d.prompt_logprobs is None for d in deltas[1:])
+        folded = deltas[0].copy()
+        for d in deltas[1:]:
+            folded.add(d)
+        assert folded.finished and fields(folded) == fields(last)

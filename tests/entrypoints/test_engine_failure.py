@@ -20,6 +20,7 @@ import uvicorn
 from tests.entrypoints.conftest import assert_error, free_port
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.openai.server import GracefulServer, build_app
 from tokenmill.entrypoints.openai.state import ServerConfig
 
@@ -36,30 +37,71 @@ class InProcessServer:
     thread: threading.Thread
 
 
-@pytest.fixture(scope="module")
-def inproc(demo_cache: str) -> Iterator[InProcessServer]:
-    threads = torch.get_num_threads()
-    engine_config = EngineConfig(model="demo", max_model_len=256, max_num_seqs=4, num_threads=1)
-    engine = AsyncLLMEngine(engine_config)
+ENGINE_CONFIG = EngineConfig(model="demo", max_model_len=256, max_num_seqs=4, num_threads=1)
+
+
+def _serve_in_process(engine: AsyncLLMEngine) -> tuple[GracefulServer, threading.Thread, str]:
+    """``tokenmill serve``'s server on a thread; returns once it answers HTTP (loaded or not)."""
     port = free_port()
     config = ServerConfig(port=port, request_timeout_s=1.0, max_num_seqs=4, max_queue_len=4)
-    app = build_app(engine, config, engine_config)
+    app = build_app(engine, config, ENGINE_CONFIG)
     uv_config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     server = GracefulServer(uv_config, app)
     server.dead_engine_grace_s = DEAD_ENGINE_GRACE_S
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    handle = InProcessServer(engine, f"http://127.0.0.1:{port}", threading.Event(), threading.Event(),
-                             server, thread)
-    deadline = time.monotonic() + 120
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline, "in-process server never started"
+        time.sleep(0.05)
+    return server, thread, base_url
+
+
+def _wait_healthy(base_url: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if httpx.get(f"{handle.base_url}/health", timeout=2).status_code == 200:
-                break
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
         except httpx.TransportError:
             pass
         assert time.monotonic() < deadline, "in-process server never became healthy"
         time.sleep(0.1)
+
+
+def test_health_and_requests_are_503_while_the_model_loads(demo_cache: str) -> None:
+    threads = torch.get_num_threads()
+    loaded = threading.Event()
+
+    def gated_engine(config: EngineConfig) -> LLMEngine:
+        assert loaded.wait(60), "the test never let the model load"
+        return LLMEngine(config)
+
+    server, thread, base_url = _serve_in_process(AsyncLLMEngine(ENGINE_CONFIG, engine_factory=gated_engine))
+    try:
+        assert_error(httpx.get(f"{base_url}/health", timeout=10), 503, code="unhealthy")
+        assert "loading" in httpx.get(f"{base_url}/health", timeout=10).json()["error"]["message"]
+        early = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        assert early.status_code == 503 and early.json()["error"]["message"]
+        loaded.set()
+        _wait_healthy(base_url)
+        ok = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert ok.status_code == 200, ok.text
+    finally:
+        loaded.set()
+        server.should_exit = True
+        thread.join(30)
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def inproc(demo_cache: str) -> Iterator[InProcessServer]:
+    threads = torch.get_num_threads()
+    engine = AsyncLLMEngine(ENGINE_CONFIG)
+    server, thread, base_url = _serve_in_process(engine)
+    handle = InProcessServer(engine, base_url, threading.Event(), threading.Event(), server, thread)
+    _wait_healthy(base_url)
     real_step = engine.engine.step
 
     def step():

@@ -56,8 +56,10 @@ def _stream_events(handle: ServerHandle, key: str, body: dict, first_event: thre
     return events
 
 
-def test_health_was_503_while_loading(lifecycle: ServerHandle) -> None:
-    assert 503 in lifecycle.health_seen and lifecycle.health_seen[-1] == 200
+def test_health_during_start_up_is_503_then_200(lifecycle: ServerHandle) -> None:
+    # Whether a poll lands inside the (sub-second) load is a race; test_engine_failure gates
+    # the load to see the 503 for certain. Here: nothing but 503 before the first 200.
+    assert lifecycle.health_seen[-1] == 200 and set(lifecycle.health_seen[:-1]) <= {503}
 
 
 def test_health_and_metrics_open_by_flag_and_nothing_else(lifecycle: ServerHandle) -> None:
@@ -117,7 +119,8 @@ def test_request_timeout_returns_partial_output_as_length(lifecycle: ServerHandl
 
 
 def test_sigterm_drains_in_flight_refuses_new_and_exits(lifecycle: ServerHandle) -> None:
-    body = {"prompt": "drain me", "max_tokens": 100, "ignore_eos": True}
+    # 60 tokens take ~0.5 s here: long enough to be in flight at SIGTERM, well inside the 2 s timeout.
+    body = {"prompt": "drain me", "max_tokens": 60, "ignore_eos": True, "stream_options": {"include_usage": True}}
     started = [threading.Event(), threading.Event()]
     with ThreadPoolExecutor(2) as pool:
         streams = [pool.submit(_stream_events, lifecycle, key, body, ev)
@@ -130,8 +133,9 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits(lifecycle: ServerHandle)
         results = [f.result() for f in streams]
     for events in results:
         assert events[-1] == "[DONE]"
-        assert events[-2]["choices"][0]["finish_reason"] == "length"
-        assert sum(1 for e in events[:-1] if e["choices"][0]["text"] or e["choices"][0]["finish_reason"]) >= 1
+        assert events[-3]["choices"][0]["finish_reason"] == "length"
+        # Ran to max_tokens: a request cut short by the drain or the timeout would have fewer.
+        assert events[-2]["usage"]["completion_tokens"] == 60
     assert lifecycle.process.wait(timeout=30) == 0
 
 

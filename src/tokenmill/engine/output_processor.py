@@ -1,7 +1,8 @@
 """OutputProcessor: from sampled tokens to user-facing RequestOutputs.
 
 Owns incremental detokenization, stop-string matching (which may span token boundaries),
-logprob text, and folding the n child sequences of a request back into one RequestOutput.
+logprob text, and folding the n child sequences of a request back into one RequestOutput
+carrying everything so far, only what is new, or only the end (``RequestOutputKind``).
 While a stop string could still be forming, the last ``len(longest stop) - 1`` characters
 are held back from streaming so a client never sees text that is later retracted.
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tokenmill.sampling.params import RequestOutputKind
 from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
@@ -37,8 +39,10 @@ class _Parent:
     prompt_token_ids: list[int]
     children: list[_Child]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     streaming_text_holdback: int = 0
     touched: bool = field(default=False)
+    num_outputs: int = 0
 
 
 class OutputProcessor:
@@ -67,6 +71,7 @@ class OutputProcessor:
             prompt_token_ids=children[0].prompt_token_ids,
             children=kids,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            output_kind=params.output_kind,
             streaming_text_holdback=max((len(s) for s in params.stop or []), default=1) - 1,
         )
         self._parents[request_id] = parent
@@ -170,51 +175,64 @@ class OutputProcessor:
                 child.stop_reason = child.request.stop_reason
 
     def collect(self) -> list[RequestOutput]:
-        """Outputs for every request that changed since the last call."""
+        """Outputs for every request that changed since the last call (per its output kind)."""
         outputs = []
         for parent_id in list(self._parents):
             parent = self._parents[parent_id]
             if not parent.touched:
                 continue
             parent.touched = False
-            outputs.append(self._build(parent))
-            if all(c.finish_reason is not None for c in parent.children):
+            finished = all(c.finish_reason is not None for c in parent.children)
+            if parent.output_kind is RequestOutputKind.FINAL_ONLY and not finished:
+                continue
+            outputs.append(self._build(parent, finished))
+            if finished:
                 del self._parents[parent_id]
                 for c in parent.children:
                     self._child_to_parent.pop(c.request.request_id, None)
         return outputs
 
-    def _build(self, parent: _Parent) -> RequestOutput:
+    def _build(self, parent: _Parent, finished: bool) -> RequestOutput:
+        delta = parent.output_kind is RequestOutputKind.DELTA
         completions = []
         for child in parent.children:
-            finished = child.finish_reason is not None
-            visible = len(child.text) if finished else max(
+            done = child.finish_reason is not None
+            visible = len(child.text) if done else max(
                 child.num_chars_emitted, len(child.text) - parent.streaming_text_holdback
             )
             tokens = child.request.output_token_ids
+            text_delta = child.text[child.num_chars_emitted : visible]
+            ids_delta = tokens[child.num_tokens_emitted :]
+            logprobs = None
+            if child.logprobs is not None:
+                logprobs = child.logprobs[child.num_tokens_emitted :] if delta else list(child.logprobs)
             completions.append(
                 CompletionOutput(
                     index=child.request.index,
-                    text=child.text[:visible],
-                    token_ids=list(tokens),
-                    logprobs=list(child.logprobs) if child.logprobs is not None else None,
+                    text=text_delta if delta else child.text[:visible],
+                    token_ids=ids_delta if delta else list(tokens),
+                    logprobs=logprobs,
                     cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
                     finish_reason=child.finish_reason,
                     stop_reason=child.stop_reason,
-                    text_delta=child.text[child.num_chars_emitted : visible],
-                    token_ids_delta=list(tokens[child.num_tokens_emitted :]),
+                    text_delta=text_delta,
+                    token_ids_delta=ids_delta,
                 )
             )
             child.num_chars_emitted = visible
             child.num_tokens_emitted = len(tokens)
+        prompt_logprobs = parent.prompt_logprobs
+        if prompt_logprobs is not None:
+            prompt_logprobs = None if delta and parent.num_outputs else list(prompt_logprobs)
+        parent.num_outputs += 1
         first = parent.children[0].request
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             outputs=completions,
-            finished=all(c.finish_reason is not None for c in parent.children),
+            finished=finished,
             metrics=first.metrics,
-            prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=first.metrics.num_cached_tokens,
         )

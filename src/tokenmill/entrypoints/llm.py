@@ -11,7 +11,7 @@ from tqdm import tqdm
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling.params import SamplingParams
+from tokenmill.sampling.params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 
@@ -45,6 +45,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        # Only finished outputs are read here: FINAL_ONLY spares a per-step copy of each request.
+        params = [p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         ids = [str(next(self._ids)) for _ in prompts]
         try:
             for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):

@@ -1,5 +1,5 @@
 """Sampling: user-facing parameters and the batched sampler."""
 
-from tokenmill.sampling.params import SamplingParams
+from tokenmill.sampling.params import RequestOutputKind, SamplingParams
 
-__all__ = ["SamplingParams"]
+__all__ = ["RequestOutputKind", "SamplingParams"]

@@ -6,6 +6,7 @@ field, before the request ever reaches the engine.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -24,6 +25,22 @@ def _is_int(value: Any) -> bool:
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class RequestOutputKind(enum.Enum):
+    """What each of a request's outputs carries (vLLM's names).
+
+    Cumulative outputs copy everything generated so far at every step, which costs
+    O(length) per request per step; streaming front ends want DELTA and batch callers
+    FINAL_ONLY.
+    """
+
+    CUMULATIVE = 0
+    """Text, token ids and logprobs so far, at every step."""
+    DELTA = 1
+    """Only what is new since the previous output; prompt logprobs in the first one."""
+    FINAL_ONLY = 2
+    """One output, when every completion of the request has finished."""
 
 
 @dataclass
@@ -68,6 +85,8 @@ class SamplingParams:
     """Kept for vLLM compatibility; the tokenizer's decoder decides spacing."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the text."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """What each output carries; ``LLM.generate`` uses FINAL_ONLY, the server DELTA."""
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -133,6 +152,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a boolean")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}")
         if not self.spaces_between_special_tokens:
             raise bad("spaces_between_special_tokens", "false is not supported (the tokenizer's decoder sets spacing)")
 

@@ -37,7 +37,7 @@ from tokenmill.entrypoints.openai.streaming import (
 from tokenmill.errors import InvalidRequestError
 from tokenmill.metrics import ChoiceTiming, RequestTiming
 from tokenmill.outputs import PositionLogprobs, RequestOutput
-from tokenmill.sampling.params import SamplingParams
+from tokenmill.sampling.params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class GenerationRun:
         self.state = state
         self.request_id = request_id
         self.prompts = prompts
-        self.params = params
+        self.params = params.clone(output_kind=RequestOutputKind.DELTA)
         self.priority = priority
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         """When the HTTP request arrived, so TTFT and queue time include tokenization."""
@@ -308,8 +308,13 @@ class GenerationRun:
             else:
                 self.state.metrics.observe_inter_token_latency(now - timing.last_token_time)
             timing.last_token_time = now
-            timing.num_tokens = len(c.token_ids)
-        self.latest[index] = output
+            timing.num_tokens += len(c.token_ids_delta)
+        # The engine sends deltas (cheap per step); ``latest`` accumulates them.
+        previous = self.latest[index]
+        if previous is None:
+            self.latest[index] = output.copy()
+        else:
+            previous.add(output)
         if output.finished:
             self._observe(index, now)
 
