@@ -165,3 +165,20 @@ def test_warmups_of_text_workloads_have_text_of_their_own(char_tokenizer) -> Non
     assert [w.prompt_token_ids for w in warmups] == [None, None]
     assert [len(w.prompt_text.split()) for w in warmups] == [6, 3]
     assert [w.prompt_text for w in warmups] != [r.prompt_text for r in text_only]
+
+
+def test_length_ranges_per_side() -> None:
+    from tokenmill.bench.datasets import parse_length
+
+    assert parse_length("256") == 256 and parse_length("16:1024") == (16, 1024)
+    for bad in ("0:5", "9:3", "a:b", "x"):
+        with pytest.raises(ValueError):
+            parse_length(bad)
+    requests = build_random_requests(400, input_len=(16, 1024), output_len=(16, 256), vocab_size=1000, seed=1)
+    prompt_lens = [r.prompt_len for r in requests]
+    output_lens = [r.output_len for r in requests]
+    assert all(len(r.prompt_token_ids) == r.prompt_len for r in requests)
+    assert 16 <= min(prompt_lens) < 80 and 960 < max(prompt_lens) <= 1024
+    assert 16 <= min(output_lens) < 30 and 240 < max(output_lens) <= 256
+    with pytest.raises(ValueError, match="random only"):
+        build_requests("prefix", 4, input_len=(4, 8), vocab_size=1000)

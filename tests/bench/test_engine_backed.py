@@ -54,8 +54,18 @@ def test_offline_compare_gives_a_row_per_backend(make_model, tmp_path: Path, cap
     assert rows["tokenmill[static]"]["throughput_ratio_vs_baseline"] > 0
     for label in ("tokenmill[paged]", "tokenmill[static]"):
         assert rows[label]["load_s"] > 0 and rows[label]["compile_time_s"] == 0.0  # enforce_eager: nothing compiled
+    # KV reserved vs holding tokens, per step: 4 requests of 8 prompt tokens hold 8, 9, 10, 11
+    # tokens over their 4 steps (mean 9.5) in one 16-token block (paged) or a 64-token slot (static).
+    paged, static = rows["tokenmill[paged]"], rows["tokenmill[static]"]
+    assert paged["kv_used_tokens_mean"] == pytest.approx(4 * 9.5) == static["kv_used_tokens_mean"]
+    assert paged["kv_reserved_tokens_mean"] == pytest.approx(4 * 16)
+    assert static["kv_reserved_tokens_mean"] == pytest.approx(4 * 64)
+    assert paged["kv_waste"] == pytest.approx(1 - 9.5 / 16) and static["kv_waste"] == pytest.approx(1 - 9.5 / 64)
+    assert static["kv_pool_tokens"] == 4 * 64 and paged["kv_pool_tokens"] > 0
+    assert "kv_waste" not in rows["transformers[bs=2]"]
     table = capsys.readouterr().out
     assert "tokenmill[static]" in table and "transformers[bs=2]" in table
+    assert "40.6%" in table and "85.2%" in table  # the KV waste column
 
 
 def test_tokenmill_runs_start_with_an_empty_prefix_cache(make_model) -> None:

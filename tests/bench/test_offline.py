@@ -88,6 +88,9 @@ class _RecordingBackend:
     def load_figures(self) -> dict[str, Any]:
         return {} if self.compile_time_s is None else {"compile_time_s": self.compile_time_s}
 
+    def run_figures(self) -> dict[str, Any]:
+        return {"runs_so_far": len(self.runs)}
+
     def prepare(self, requests: list[BenchRequest]) -> None:
         return None
 
@@ -126,6 +129,8 @@ def test_warmups_never_reuse_measured_prompts(monkeypatch: pytest.MonkeyPatch, c
     assert rows["tokenmill[static]"]["compile_time_s"] == 1.5 and rows["tokenmill[static]"]["kv_cache"] == "static"
     assert rows["tokenmill[paged]"]["compile_time_s"] == 0.0 and "compile_time_s" not in rows["transformers[bs=8]"]
     assert all(row["load_s"] >= 0 for row in rows.values())
+    # Run figures are averaged over measured rounds only: the warm-up was run 1.
+    assert all(row["runs_so_far"] == (2.5 if compare else 2) for row in rows.values())
     assert rows["tokenmill[static]"]["throughput_ratio_vs_baseline"] == pytest.approx(1.0)  # keyed by row, not backend
     table = format_offline_table(result)
     assert "compile s" in table and "tokenmill[static]" in table

@@ -16,7 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.datasets import DATASET_NAMES, BenchRequest, build_requests
+from tokenmill.bench.datasets import (
+    DATASET_NAMES,
+    BenchRequest,
+    Length,
+    build_requests,
+    parse_length,
+)
 from tokenmill.bench.tokenization import TokenizerLike, load_tokenizer
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -40,15 +46,24 @@ def _parse_key_values(items: list[str] | None, flag: str) -> dict[str, Any]:
     return result
 
 
+def _length_arg(text: str) -> Length:
+    try:
+        return parse_length(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
     group = parser.add_argument_group("workload")
     group.add_argument("--dataset", choices=DATASET_NAMES, default="random", help="prompt source (default: random)")
     group.add_argument("--dataset-path", help="file for --dataset sharegpt (JSON) or jsonl")
     group.add_argument("--num-prompts", type=int, default=num_prompts, help="requests to measure")
-    group.add_argument("--input-len", type=int, default=256,
-                       help="prompt tokens (random); unique suffix tokens (prefix)")
-    group.add_argument("--output-len", type=int, default=None,
-                       help="max_tokens of every request (default 128; sharegpt keeps each reply's length)")
+    group.add_argument("--input-len", type=_length_arg, default=256,
+                       help="prompt tokens (random; or a uniform range LOW:HIGH, e.g. 16:1024); "
+                            "unique suffix tokens (prefix)")
+    group.add_argument("--output-len", type=_length_arg, default=None,
+                       help="max_tokens of every request (default 128; random also takes LOW:HIGH; "
+                            "sharegpt keeps each reply's length)")
     group.add_argument("--range-ratio", type=float, default=0.0,
                        help="random lengths are uniform in len*[1-r, 1+r]")
     group.add_argument("--prefix-len", type=int, default=256, help="shared prefix tokens (--dataset prefix)")

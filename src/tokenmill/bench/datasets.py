@@ -57,8 +57,26 @@ class BenchRequest:
             raise ValueError(f"output_len must be >= 1, got {self.output_len}")
 
 
-def _length_bounds(length: int, range_ratio: float, minimum: int) -> tuple[int, int]:
-    """vLLM's ``[len * (1 - r), len * (1 + r)]`` integer range, clamped below."""
+Length = int | tuple[int, int]
+"""A token count, or an inclusive ``(low, high)`` range to draw uniformly from."""
+
+
+def parse_length(text: str) -> Length:
+    """``--input-len``/``--output-len`` values: ``256`` or a range ``16:1024``."""
+    low, sep, high = text.partition(":")
+    try:
+        value: Length = (int(low), int(high)) if sep else int(text)
+    except ValueError:
+        raise ValueError(f"expected a token count like 256 or a range like 16:1024, got {text!r}") from None
+    if isinstance(value, tuple) and not 1 <= value[0] <= value[1]:
+        raise ValueError(f"a length range needs 1 <= LOW <= HIGH, got {text!r}")
+    return value
+
+
+def _length_bounds(length: Length, range_ratio: float, minimum: int) -> tuple[int, int]:
+    """An explicit range as given, else vLLM's ``[len * (1 - r), len * (1 + r)]``, clamped below."""
+    if isinstance(length, tuple):
+        return length
     low = max(int(length * (1 - range_ratio)), minimum)
     high = max(int(length * (1 + range_ratio)), low)
     return low, high
@@ -110,21 +128,22 @@ def _text_of_length(
 
 def build_random_requests(
     num_prompts: int,
-    input_len: int,
-    output_len: int,
+    input_len: Length,
+    output_len: Length,
     range_ratio: float = 0.0,
     seed: int = 0,
     tokenizer: TokenizerLike | None = None,
     vocab_size: int | None = None,
 ) -> list[BenchRequest]:
-    """Random token-id prompts with lengths uniform in ``len * [1 - r, 1 + r]``.
+    """Random token-id prompts with lengths uniform in ``len * [1 - r, 1 + r]``, or in an
+    explicit ``(low, high)`` range per side (e.g. prompts 16..1024, outputs 16..256).
 
     Without a tokenizer only token ids are built (``vocab_size`` is then required); with
     one, each prompt also gets a text form whose token count is ``prompt_len``.
     """
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
-    if input_len < 1 or output_len < 1:
+    if min(_length_bounds(input_len, 0.0, 0)[0], _length_bounds(output_len, 0.0, 0)[0]) < 1:
         raise ValueError("input_len and output_len must be >= 1")
     rng = np.random.default_rng(seed)
     allowed_ids = _allowed_ids(_resolve_vocab_size(tokenizer, vocab_size), tokenizer)
@@ -359,8 +378,8 @@ def build_requests(
     dataset: str,
     num_prompts: int,
     *,
-    input_len: int = 1024,
-    output_len: int = 128,
+    input_len: Length = 1024,
+    output_len: Length = 128,
     range_ratio: float = 0.0,
     seed: int = 0,
     dataset_path: str | Path | None = None,
@@ -378,6 +397,8 @@ def build_requests(
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     if dataset in ("sharegpt", "jsonl") and dataset_path is None:
         raise ValueError(f"--dataset {dataset} needs --dataset-path FILE")
+    if dataset != "random" and (isinstance(input_len, tuple) or isinstance(output_len, tuple)):
+        raise ValueError(f"length ranges (LOW:HIGH) apply to --dataset random only, not {dataset}")
     if dataset == "random":
         return build_random_requests(
             num_prompts, input_len, output_len, range_ratio, seed, tokenizer, vocab_size

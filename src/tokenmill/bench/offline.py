@@ -159,6 +159,8 @@ class BackendResult:
     run_memory_bytes: int = 0
     process_peak_bytes: int = 0
     rounds: list[tuple[list[RequestRecord], float]] = field(default_factory=list)
+    round_figures: list[dict[str, Any]] = field(default_factory=list)
+    """The backend's ``run_figures`` after each measured round; the row shows their mean."""
 
     def summary(self, memory_kind: str) -> dict[str, Any]:
         """vLLM-style summary over all rounds, plus memory; ITL only where per-token times exist."""
@@ -180,6 +182,7 @@ class BackendResult:
             skipped=False,
             load_s=self.load_s,
             **self.load_figures,
+            **_mean_figures(self.round_figures),
             memory_kind=memory_kind,
             peak_memory_bytes=self.load_memory_bytes + self.run_memory_bytes,
             load_memory_bytes=self.load_memory_bytes,
@@ -190,6 +193,16 @@ class BackendResult:
             ],
         )
         return result
+
+
+def _mean_figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per key, the mean over the rounds that reported a number (None if none did)."""
+    keys = dict.fromkeys(k for figures in rounds for k in figures)
+    means: dict[str, Any] = {}
+    for key in keys:
+        values = [f[key] for f in rounds if isinstance(f.get(key), (int, float))]
+        means[key] = sum(values) / len(values) if values else None
+    return means
 
 
 def _load(
@@ -224,6 +237,7 @@ def _measure(backend: OfflineBackend, requests: list[BenchRequest], result: Back
     result.run_memory_bytes = max(result.run_memory_bytes, box["growth_bytes"])
     result.process_peak_bytes = max(result.process_peak_bytes, box["peak_bytes"])
     result.rounds.append((records, duration_s))
+    result.round_figures.append(backend.run_figures())
 
 
 def run_offline_benchmark(
@@ -325,7 +339,7 @@ def _build_result(
 def format_offline_table(result: dict[str, Any]) -> str:
     """One row per backend: throughput, latency, memory, start-up, and the ratio to the first."""
     header = ("backend", "out tok/s", "req/s", "TTFT p50 ms", "TTFT p95 ms", "TPOT p50 ms",
-              "TPOT p95 ms", "peak mem MiB", "load s", "compile s", "x baseline")
+              "TPOT p95 ms", "peak mem MiB", "KV waste", "load s", "compile s", "x baseline")
     lines = []
     for row in result["backends"]:
         if row.get("skipped"):
@@ -333,6 +347,7 @@ def format_offline_table(result: dict[str, Any]) -> str:
             continue
         ratio = row.get("throughput_ratio_vs_baseline")
         compile_s = row.get("compile_time_s")
+        kv_waste = row.get("kv_waste")
         lines.append((
             row["label"],
             f"{row['output_throughput']:.1f}",
@@ -342,6 +357,7 @@ def format_offline_table(result: dict[str, Any]) -> str:
             f"{row['median_tpot_ms']:.2f}",
             f"{row['p95_tpot_ms']:.2f}",
             f"{row['peak_memory_bytes'] / 2**20:.0f}",
+            "-" if kv_waste is None else f"{100 * kv_waste:.1f}%",
             f"{row['load_s']:.1f}",
             "-" if compile_s is None else f"{compile_s:.1f}",
             "n/a" if ratio is None else f"{ratio:.2f}x",
@@ -355,5 +371,6 @@ def format_offline_table(result: dict[str, Any]) -> str:
             out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(ln, widths, strict=True))))
     mode = f"interleaved, {result['num_rounds']} rounds" if result.get("compare") else "sequential"
     out.append(f"({result['device']}, {result['dtype']}, {mode}; memory = {result['backends'][0].get('memory_kind', 'rss')} "
-               "growth while loading plus peak growth while running; load s includes compiling)")
+               "growth while loading plus peak growth while running; KV waste = reserved KV slots not holding a "
+               "token, averaged over steps; load s includes compiling)")
     return "\n".join(out)

@@ -45,6 +45,9 @@ class OfflineBackend(Protocol):
     def load_figures(self) -> dict[str, Any]:
         """Backend-specific start-up figures for its row, e.g. ``compile_time_s``."""
 
+    def run_figures(self) -> dict[str, Any]:
+        """Backend-specific figures of the latest run, e.g. KV reserved vs used."""
+
     def prepare(self, requests: list[BenchRequest]) -> None:
         """Size anything workload-dependent once, before warm-up."""
 
@@ -81,6 +84,8 @@ class TokenmillBackend:
 
         self.label = f"tokenmill[{kv_cache}]"
         self.ignore_eos = config.ignore_eos
+        self._run_kv = (0, 0, 0)
+        """Steps, reserved token-steps and used token-steps of the latest run."""
         self.llm = LLM(
             model=config.model, dtype=config.dtype, kv_cache=kv_cache, device=config.device,
             **config.engine_kwargs,
@@ -91,6 +96,18 @@ class TokenmillBackend:
 
     def load_figures(self) -> dict[str, Any]:
         return {"compile_time_s": self.llm.engine.stats.compile_time_s}
+
+    def run_figures(self) -> dict[str, Any]:
+        """KV token slots reserved vs holding tokens, averaged over the latest run's steps."""
+        steps, reserved, used = self._run_kv
+        if not steps:
+            return {}
+        return {
+            "kv_pool_tokens": self.llm.engine.stats.kv_capacity_tokens,
+            "kv_reserved_tokens_mean": reserved / steps,
+            "kv_used_tokens_mean": used / steps,
+            "kv_waste": 1.0 - used / reserved if reserved else None,
+        }
 
     def prepare(self, requests: list[BenchRequest]) -> None:
         return None
@@ -103,10 +120,15 @@ class TokenmillBackend:
         self.llm.engine.kv_manager.reset_prefix_cache()
         prompts = [_prompt_ids(r, self.llm.tokenizer) for r in requests]
         params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=self.ignore_eos) for r in requests]
+        before = self.llm.engine.stats
         start_mono_s = time.monotonic()
         start_s = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         duration_s = time.perf_counter() - start_s
+        after = self.llm.engine.stats
+        self._run_kv = (after.num_steps - before.num_steps,
+                        after.kv_reserved_token_steps - before.kv_reserved_token_steps,
+                        after.kv_used_token_steps - before.kv_used_token_steps)
         records = []
         for index, out in enumerate(outputs):
             m = out.metrics
@@ -156,6 +178,9 @@ class _TransformersBase:
         return None
 
     def load_figures(self) -> dict[str, Any]:
+        return {}
+
+    def run_figures(self) -> dict[str, Any]:
         return {}
 
     def prepare(self, requests: list[BenchRequest]) -> None:

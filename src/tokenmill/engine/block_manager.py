@@ -206,7 +206,8 @@ class PagedKVManager(KVCacheManager):
 
     @property
     def num_reserved_token_slots(self) -> int:
-        return sum(len(b) for b in self._blocks.values()) * self.block_size
+        # Blocks with a reference, each once however many requests share it; O(1) per step.
+        return (self.num_blocks - self.pool.num_free_blocks) * self.block_size
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()

@@ -72,7 +72,7 @@ class KVCacheManager(ABC):
     @property
     @abstractmethod
     def num_reserved_token_slots(self) -> int:
-        """Token slots reserved by live requests (for the memory-waste metric)."""
+        """Token slots reserved by live requests, shared blocks once (for memory-waste figures)."""
 
     def reset_prefix_cache(self) -> None:  # noqa: B027 - optional
         """Forget cached prefixes (optional)."""

@@ -106,7 +106,10 @@ class LLMEngine:
             model, kv_caches, self.kv_manager.block_size, Sampler(self.device, config.seed), self.device, compiled
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._counters = EngineStats(compile_time_s=compiled.compile_time_s if compiled else 0.0)
+        self._counters = EngineStats(
+            compile_time_s=compiled.compile_time_s if compiled else 0.0,
+            kv_capacity_tokens=self.kv_manager.num_blocks * self.kv_manager.block_size,
+        )
         self.startup_time_s = time.monotonic() - start
         logger.info(
             "loaded %s (%s, %.1fM params) on %s in %s; KV: %d blocks of %d tokens (%.2f GiB); ready in %.1fs",
@@ -247,6 +250,7 @@ class LLMEngine:
         self.scheduler.update_after_step(sched.scheduled)
         now = time.monotonic()
         stats = self._counters
+        self._record_kv_footprint(stats)
         for request, _ in sched.scheduled:
             rid = request.request_id
             if rid in result.prompt_logprobs:
@@ -270,6 +274,15 @@ class LLMEngine:
                 self.output_processor.mark_finished(rid)
         stats.num_steps += 1
         return self.output_processor.collect()
+
+    def _record_kv_footprint(self, stats: EngineStats) -> None:
+        """KV reserved vs holding tokens right after this step's writes (before frees)."""
+        reserved = self.kv_manager.num_reserved_token_slots
+        # Shared prefix blocks count once in ``reserved`` but per request here, so cap it.
+        used = min(sum(r.num_computed_tokens for r in self.scheduler.running), reserved)
+        stats.kv_reserved_tokens, stats.kv_used_tokens = reserved, used
+        stats.kv_reserved_token_steps += reserved
+        stats.kv_used_token_steps += used
 
     @property
     def stats(self) -> EngineStats:
