@@ -5,6 +5,8 @@ Workloads (issue "engine core"), on a ~250M-parameter Llama with random fp32 wei
   mixed   32 requests, prompts U[16, 256], outputs U[16, 128]
   single  1 request, 128 -> 64
   batch8  8 requests, 128 -> 64 (TPOT at batch 8, for the static-vs-paged comparison)
+  mixed-long  32 requests, prompts U[16, 1024], outputs U[16, 256] (issue "static KV";
+          run with max_model_len 1280 so every request fits a static slot)
 Baseline: transformers ``generate`` on left-padded static batches of ``--batch-size`` (16).
 Also measured in the same process: torch's fp32 GEMM GFLOP/s (the compute ceiling), the
 memory read bandwidth (the decode bound at batch 1), and KV-cache waste after prefill.
@@ -86,6 +88,10 @@ def model_flops(cfg: dict[str, int], forward_tokens: int, logit_rows: int) -> fl
     return 2.0 * (cfg["num_hidden_layers"] * per_layer * forward_tokens + v * h * logit_rows)
 
 
+WORKLOAD_MAX_MODEL_LEN = {"mixed-long": 1280}
+"""max_model_len per workload (512 otherwise): static reserves max_num_seqs x this."""
+
+
 def workload(name: str, seed: int = 0) -> list[BenchRequest]:
     rng = random.Random(seed)
     vocab = MODEL_SHAPE["vocab_size"]
@@ -102,6 +108,8 @@ def workload(name: str, seed: int = 0) -> list[BenchRequest]:
         return [req(128, 64)]
     if name == "batch8":
         return [req(128, 64) for _ in range(8)]
+    if name == "mixed-long":
+        return [req(rng.randint(16, 1024), rng.randint(16, 256)) for _ in range(32)]
     raise ValueError(name)
 
 
@@ -157,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         config = OfflineConfig(
             model=model, backends=("tokenmill", "transformers"), kv_caches=tuple(args.kv_caches.split(",")), dtype="float32",
             device="cpu", batch_size=args.batch_size, compare=True, num_rounds=args.rounds, num_warmups=1,
-            engine_kwargs=engine_kwargs,
+            engine_kwargs={**engine_kwargs, "max_model_len": WORKLOAD_MAX_MODEL_LEN.get(name, 512)},
         )
         res = run_offline_benchmark(config, requests, workload={"name": name})
         rows = {row["label"]: row for row in res["backends"] if not row.get("skipped")}
@@ -178,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
                 "fraction_of_gemm_ceiling": flops / seconds / 1e9 / ceiling,
                 "load_s": row.get("load_s"),
                 "compile_time_s": row.get("compile_time_s"),
+                "kv_pool_tokens": row.get("kv_pool_tokens"),
+                "kv_reserved_tokens_mean": row.get("kv_reserved_tokens_mean"),
+                "kv_used_tokens_mean": row.get("kv_used_tokens_mean"),
+                "kv_waste_step_mean": row.get("kv_waste"),
             }
         if name == "single":
             weight_bytes = model_flops(MODEL_SHAPE, 1, 1) / 2 * 4
