@@ -112,7 +112,9 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        self.rope = rope or RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rope = rope if rope is not None else RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
+        )
 
     def forward(
         self,
