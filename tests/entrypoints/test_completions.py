@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import time
+
 import httpx
 import openai
 import pytest
@@ -169,3 +172,17 @@ def test_client_errors_surface_as_openai_exceptions(client: openai.OpenAI, strea
     assert info.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1, stream=stream)
+
+
+def test_access_log_line_has_id_tokens_and_ttft(server: ServerHandle, http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"model": "demo", "prompt": "log me", "max_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200
+    rid, usage = r.headers["x-request-id"], r.json()["usage"]
+    line = re.compile(
+        rf'"POST /v1/completions" 200 [\d.]+ms id={re.escape(rid)} '
+        rf"prompt_tokens={usage['prompt_tokens']} completion_tokens=3 ttft_ms=[\d.]+$"
+    )
+    deadline = time.monotonic() + 10
+    while not any(line.search(text) for text in server.log().splitlines()):
+        assert time.monotonic() < deadline, f"no access-log line for {rid}"
+        time.sleep(0.05)
