@@ -20,7 +20,7 @@ from tokenmill.entrypoints.openai.state import ServerConfig
 from tokenmill.errors import InvalidRequestError
 from tokenmill.metrics import ServerMetrics
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenmill.sampling.params import SamplingParams
+from tokenmill.sampling.params import RequestOutputKind, SamplingParams
 
 MODEL = "demo"
 PROMPT = [1, 2, 3]
@@ -28,10 +28,11 @@ STEP_S = 0.01
 
 
 def _output(choices: list[tuple[list[int], list[int], str | None]]) -> RequestOutput:
-    """One step's output: per choice (all token ids so far, the new ones, finish reason)."""
+    """One step's DELTA output (what the server asks for): per choice (all token ids so far,
+    for the script's readability; the new ones, which the output carries; finish reason)."""
     completions = [
-        CompletionOutput(index=i, text="", token_ids=ids, finish_reason=reason, token_ids_delta=delta)
-        for i, (ids, delta, reason) in enumerate(choices)
+        CompletionOutput(index=i, text="", token_ids=list(delta), finish_reason=reason, token_ids_delta=delta)
+        for i, (_, delta, reason) in enumerate(choices)
     ]
     finished = all(reason is not None for _, _, reason in choices)
     metrics = RequestMetrics(arrival_time=0.0, first_scheduled_time=None)
@@ -48,6 +49,7 @@ class ScriptedEngine:
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
                        arrival_time: float) -> AsyncIterator[RequestOutput]:
+        assert params.output_kind is RequestOutputKind.DELTA  # the contract these scripts follow
         if self.error is not None:
             raise self.error
         for output in self.script:
@@ -76,7 +78,10 @@ def test_n2_counts_once_and_times_each_choice() -> None:
         _output([([5, 6, 8], [8], "length"), ([7, 9], [9], "stop")]),
     ]
     run, metrics = _run(ScriptedEngine(script), n=2)
-    asyncio.run(run.collect())
+    (output,) = asyncio.run(run.collect())
+    # The deltas are folded into one whole output per choice.
+    assert [c.token_ids for c in output.outputs] == [[5, 6, 8], [7, 9]] and output.finished
+    assert run.num_completion_tokens == 5
     assert _sample(metrics, "request_success_total", finished_reason="length") == 1
     assert _sample(metrics, "request_success_total", finished_reason="stop") == 0
     # One ITL per token-carrying output after a choice's first: 2 for choice 0, 1 for choice 1.

@@ -14,8 +14,18 @@ EXPECTED_METRICS = [
     "tokenmill:time_to_first_token_seconds_count", "tokenmill:inter_token_latency_seconds_count",
     "tokenmill:request_time_per_output_token_seconds_count", "tokenmill:e2e_request_latency_seconds_count",
     "tokenmill:request_queue_time_seconds_count", "tokenmill:request_prompt_tokens_count",
-    "tokenmill:request_generation_tokens_count",
+    "tokenmill:request_generation_tokens_count", "tokenmill:compile_time_seconds",
 ]
+
+
+def test_compile_time_is_exported_from_the_engine_stats() -> None:
+    from tokenmill.engine.stats import EngineStats
+    from tokenmill.metrics import ServerMetrics
+
+    metrics = ServerMetrics("demo", 1024, lambda: EngineStats(compile_time_s=12.5, num_running=3))
+    sample = metrics.registry.get_sample_value
+    assert sample("tokenmill:compile_time_seconds", {"model_name": "demo"}) == 12.5
+    assert sample("tokenmill:num_requests_running", {"model_name": "demo"}) == 3
 
 
 def test_models_list_and_retrieve(client: openai.OpenAI, http: httpx.Client) -> None:
