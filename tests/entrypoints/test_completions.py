@@ -186,3 +186,13 @@ def test_access_log_line_has_id_tokens_and_ttft(server: ServerHandle, http: http
     while not any(line.search(text) for text in server.log().splitlines()):
         assert time.monotonic() < deadline, f"no access-log line for {rid}"
         time.sleep(0.05)
+
+
+def test_streamed_echo_equals_non_streamed(client: openai.OpenAI) -> None:
+    kwargs = dict(model="demo", prompt="hello there", max_tokens=4, echo=True, logprobs=1, temperature=0,
+                  extra_body=EOS_OFF)
+    full = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    assert chunks[0].text.startswith("hello there")  # the prompt comes first, once
+    assert "".join(c.text for c in chunks) == full.text
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == full.logprobs.tokens

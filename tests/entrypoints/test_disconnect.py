@@ -88,3 +88,18 @@ def test_disconnect_aborts_within_a_step(server: ServerHandle) -> None:
     m = server.wait_idle(timeout_s=5)
     assert m["tokenmill:num_requests_running"] == 0 and m["tokenmill:kv_cache_usage_perc"] == 0
     assert m["tokenmill:generation_tokens_total"] - before < 50
+
+
+def test_non_streaming_client_that_gives_up_aborts_the_request(server: ServerHandle) -> None:
+    server.wait_idle()
+    before = server.metrics()["tokenmill:generation_tokens_total"]
+    body = {"prompt": "a long one", "max_tokens": 240, "ignore_eos": True}
+    try:
+        httpx.post(f"{server.base_url}/v1/completions", json=body, headers=server.headers(), timeout=0.2)
+    except httpx.TimeoutException:
+        pass
+    else:
+        raise AssertionError("240 tokens came back within 0.2 s; the test needs a longer request")
+    m = server.wait_idle(timeout_s=5)
+    assert m["tokenmill:num_requests_running"] == 0 and m["tokenmill:kv_cache_usage_perc"] == 0
+    assert m["tokenmill:generation_tokens_total"] - before < 150  # stopped well before its 240 tokens
