@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds per workload")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-caches", default="paged,static", help="tokenmill KV strategies to compare")
+    parser.add_argument("--backends", default="tokenmill,transformers",
+                        help="bench offline backends; transformers (static batches) is the baseline, "
+                             "transformers-cb adds its continuous batching")
     parser.add_argument("--compile-batch-sizes", default="1,8,32", help="static: decode buckets to compile")
     parser.add_argument("--out", type=Path, default=None, help="write the full result JSON here")
     args = parser.parse_args(argv)
@@ -163,17 +166,20 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.workloads.split(","):
         requests = workload(name)
         config = OfflineConfig(
-            model=model, backends=("tokenmill", "transformers"), kv_caches=tuple(args.kv_caches.split(",")), dtype="float32",
+            model=model, backends=tuple(args.backends.split(",")), kv_caches=tuple(args.kv_caches.split(",")), dtype="float32",
             device="cpu", batch_size=args.batch_size, compare=True, num_rounds=args.rounds, num_warmups=1,
             engine_kwargs={**engine_kwargs, "max_model_len": WORKLOAD_MAX_MODEL_LEN.get(name, 512)},
         )
         res = run_offline_benchmark(config, requests, workload={"name": name})
         rows = {row["label"]: row for row in res["backends"] if not row.get("skipped")}
-        hf = next(row for label, row in rows.items() if label.startswith("transformers"))
+        hf = next(row for label, row in rows.items() if label.startswith("transformers["))  # static batches
         forward_tokens = sum(r.prompt_len + r.output_len - 1 for r in requests)
         flops = model_flops(MODEL_SHAPE, forward_tokens, sum(r.output_len for r in requests))
         summary: dict[str, Any] = {"transformers_output_tok_s": hf["output_throughput"],
                                    "transformers_tpot_ms_median": hf["median_tpot_ms"]}
+        if "transformers-cb" in rows:
+            summary["transformers_cb_output_tok_s"] = rows["transformers-cb"]["output_throughput"]
+            summary["transformers_cb_tpot_ms_median"] = rows["transformers-cb"]["median_tpot_ms"]
         for label, row in rows.items():
             if not label.startswith("tokenmill"):
                 continue
