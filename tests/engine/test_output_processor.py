@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.outputs import RequestOutput
 from tokenmill.sampling import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
@@ -29,22 +30,23 @@ def _processor_with(params: SamplingParams, tail: str, tokenizer_dir) -> tuple[O
     return proc, req
 
 
-def test_stop_string_in_the_final_flush_still_stops(tokenizer_dir) -> None:
-    proc, req = _processor_with(SamplingParams(stop=["X"], max_tokens=1), "abXcd", tokenizer_dir)
+def _finish_by_length(params: SamplingParams, tail: str, tokenizer_dir) -> RequestOutput:
+    """One token, then the scheduler ends the request by length; the flush emits ``tail``."""
+    proc, req = _processor_with(params, tail, tokenizer_dir)
     req.append_output_token(7)
     req.status = RequestStatus.FINISHED_LENGTH
     proc.on_token("r", 7, None)
     proc.mark_finished("r")
     (out,) = proc.collect()
+    return out
+
+
+def test_stop_string_in_the_final_flush_still_stops(tokenizer_dir) -> None:
+    out = _finish_by_length(SamplingParams(stop=["X"], max_tokens=1), "abXcd", tokenizer_dir)
     assert out.outputs[0].text == "ab"
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == "X"
 
 
 def test_length_finish_without_stop_keeps_reason(tokenizer_dir) -> None:
-    proc, req = _processor_with(SamplingParams(stop=["X"], max_tokens=1), "abc", tokenizer_dir)
-    req.append_output_token(7)
-    req.status = RequestStatus.FINISHED_LENGTH
-    proc.on_token("r", 7, None)
-    proc.mark_finished("r")
-    (out,) = proc.collect()
+    out = _finish_by_length(SamplingParams(stop=["X"], max_tokens=1), "abc", tokenizer_dir)
     assert out.outputs[0].text == "abc" and out.outputs[0].finish_reason == "length"

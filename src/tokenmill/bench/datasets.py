@@ -73,11 +73,13 @@ def parse_length(text: str) -> Length:
     return value
 
 
-def _length_bounds(length: Length, range_ratio: float, minimum: int) -> tuple[int, int]:
-    """An explicit range as given, else vLLM's ``[len * (1 - r), len * (1 + r)]``, clamped below."""
+def _length_bounds(length: Length, range_ratio: float) -> tuple[int, int]:
+    """An explicit range as given, else vLLM's ``[len * (1 - r), len * (1 + r)]``, at least 1."""
+    if (length[0] if isinstance(length, tuple) else length) < 1:
+        raise ValueError("input_len and output_len must be >= 1")
     if isinstance(length, tuple):
         return length
-    low = max(int(length * (1 - range_ratio)), minimum)
+    low = max(int(length * (1 - range_ratio)), 1)
     high = max(int(length * (1 + range_ratio)), low)
     return low, high
 
@@ -143,12 +145,10 @@ def build_random_requests(
     """
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
-    if min(_length_bounds(input_len, 0.0, 0)[0], _length_bounds(output_len, 0.0, 0)[0]) < 1:
-        raise ValueError("input_len and output_len must be >= 1")
+    in_low, in_high = _length_bounds(input_len, range_ratio)
+    out_low, out_high = _length_bounds(output_len, range_ratio)
     rng = np.random.default_rng(seed)
     allowed_ids = _allowed_ids(_resolve_vocab_size(tokenizer, vocab_size), tokenizer)
-    in_low, in_high = _length_bounds(input_len, range_ratio, 1)
-    out_low, out_high = _length_bounds(output_len, range_ratio, 1)
     input_lens = rng.integers(in_low, in_high + 1, size=num_prompts)
     output_lens = rng.integers(out_low, out_high + 1, size=num_prompts)
     requests = []

@@ -46,7 +46,8 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         # Only finished outputs are read here: FINAL_ONLY spares a per-step copy of each request.
-        params = [p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
+        final_only = {id(p): p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params}  # once per object
+        params = [final_only[id(p)] for p in params]
         ids = [str(next(self._ids)) for _ in prompts]
         try:
             for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
