@@ -62,7 +62,8 @@ class ScriptedEngine:
 
 def _run(engine: ScriptedEngine, n: int, timeout_s: float = 30.0) -> tuple[GenerationRun, ServerMetrics]:
     metrics = ServerMetrics(MODEL, 1024, lambda: None)
-    state: Any = SimpleNamespace(engine=engine, config=ServerConfig(request_timeout_s=timeout_s), metrics=metrics)
+    state: Any = SimpleNamespace(engine=engine, config=ServerConfig(request_timeout_s=timeout_s), metrics=metrics,
+                                 is_cut_off=False, active_runs=set())
     return GenerationRun(state, "cmpl-test", [PromptInput(PROMPT)], SamplingParams(n=n, max_tokens=16)), metrics
 
 
@@ -135,3 +136,66 @@ def test_engine_refusal_is_a_400_naming_the_param_and_not_counted() -> None:
     error = to_api_error(info.value)
     assert error.status_code == 400 and error.param == "stop_token_ids"
     assert _sample(metrics, "e2e_request_latency_seconds_count") == 0
+
+
+class HandFedEngine:
+    """An engine request whose outputs the test puts in by hand; records whether it was closed."""
+
+    def __init__(self) -> None:
+        self.outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.is_closed = False
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
+                       arrival_time: float) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                yield await self.outputs.get()
+        finally:
+            self.is_closed = True
+
+
+def test_a_cancel_that_lands_with_an_output_is_never_lost() -> None:
+    """The client leaves in the very loop turn its next output arrives (asyncio.wait_for's race)."""
+
+    async def scenario() -> tuple[bool, bool]:
+        engine = HandFedEngine()
+        run, _ = _run(engine, n=1)  # type: ignore[arg-type]
+        consumer = asyncio.ensure_future(run.collect())
+        engine.outputs.put_nowait(_output([([1], [1], None)]))
+        for _ in range(5):  # the consumer is now waiting for the second output
+            await asyncio.sleep(0)
+        # The output and the cancel arrive together: whatever the consumer awaits must not
+        # pick the output and drop the cancel (Python 3.11's wait_for did).
+        engine.outputs.put_nowait(_output([([1, 2], [2], None)]))
+        for _ in range(2):
+            await asyncio.sleep(0)
+        consumer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(consumer, 5)
+        return consumer.cancelled(), engine.is_closed
+
+    for _ in range(20):  # each round puts the cancel at the same point; any loss fails the test
+        cancelled, closed = asyncio.run(scenario())
+        assert cancelled and closed
+
+
+def test_cut_off_answers_503_and_closes_the_engine_request() -> None:
+    async def scenario() -> tuple[Exception | None, bool, int]:
+        engine = HandFedEngine()
+        run, _ = _run(engine, n=1)  # type: ignore[arg-type]
+        consumer = asyncio.ensure_future(run.collect())
+        engine.outputs.put_nowait(_output([([1], [1], None)]))
+        while not run.state.active_runs:
+            await asyncio.sleep(0)
+        run.cut_off()
+        error = None
+        try:
+            await asyncio.wait_for(consumer, 5)
+        except Exception as exc:
+            error = exc
+        return error, engine.is_closed, len(run.state.active_runs)
+
+    error, closed, num_active = asyncio.run(scenario())
+    api_error = to_api_error(error, "cmpl-test")  # type: ignore[arg-type]
+    assert api_error.status_code == 503 and "shutting down" in api_error.message
+    assert closed and num_active == 0

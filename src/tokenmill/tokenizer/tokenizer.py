@@ -11,18 +11,14 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
 from tokenmill.errors import InvalidRequestError, ModelLoadError
+from tokenmill.tokenizer.chat_template import compile_chat_template, render_bounded
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -166,8 +162,28 @@ class Tokenizer:
     # ---------------------------------------------------------- text <-> ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; special tokens in the text become their ids."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``; special tokens in the text become their ids.
+
+        Goes through ``encode_batch``, which releases the GIL while it works (``encode``
+        holds it), so a long prompt tokenized on a worker thread does not stall the server.
+        """
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        """The most input characters one token can stand for, or None when unknown.
+
+        With it, a text longer than ``max_tokens * max_chars_per_token`` characters is known
+        to need more than ``max_tokens`` tokens without tokenizing it. It is only sound when
+        the normalizer and pre-tokenizer never delete or merge characters; for any other
+        pipeline (whitespace splitting, stripping, NFKC, ...) it is None.
+        """
+        pipeline = json.loads(self._backend.to_str())
+        if not (_keeps_characters(pipeline.get("normalizer")) and _keeps_characters(pipeline.get("pre_tokenizer"))):
+            return None
+        size = self._backend.get_vocab_size(with_added_tokens=True)
+        texts = self._backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+        return max(1, *(len(t) for t in texts))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``, as transformers' ``decode`` returns it."""
@@ -212,13 +228,16 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        max_chars: int | None = None,
+        time_budget_s: float | None = None,
         **extra_context: Any,
     ) -> str:
         """Render a conversation to a prompt string with the model's chat template.
 
         ``chat_template`` may be a template name or a template source; ``extra_context``
         (e.g. ``tools``) is passed to the template. Encode the result with
-        ``add_special_tokens=False``: templates write their own BOS.
+        ``add_special_tokens=False``: templates write their own BOS. A render longer than
+        ``max_chars`` or slower than ``time_budget_s`` is stopped (see ``render_bounded``).
         """
         source = self._select_chat_template(
             chat_template, has_tools=bool(extra_context.get("tools"))
@@ -234,7 +253,7 @@ class Tokenizer:
         context["messages"] = _normalize_messages(messages)
         context["add_generation_prompt"] = add_generation_prompt
         try:
-            return template.render(**context)
+            return render_bounded(template, context, max_chars, time_budget_s)
         except InvalidRequestError:
             raise
         except Exception as exc:  # the template is untrusted code; any failure is the request's
@@ -284,6 +303,26 @@ class Tokenizer:
                 if decoded == candidate:
                     return token_id[0]
         return None
+
+
+_CHARACTER_KEEPING_STEPS = frozenset({"Lowercase", "Prepend", "NFD", "ByteLevel", "Metaspace", "Digits", "Punctuation"})
+"""Normalizer and pre-tokenizer steps that never delete or merge input characters."""
+
+
+def _keeps_characters(step: Mapping[str, Any] | None) -> bool:
+    """True when a normalizer or pre-tokenizer (as tokenizer.json has it) keeps every character."""
+    if step is None:
+        return True
+    kind = step.get("type")
+    if kind == "Sequence":
+        parts = step.get("normalizers") or step.get("pretokenizers") or []
+        return all(_keeps_characters(part) for part in parts)
+    if kind == "Replace":  # e.g. " " -> "▁": fine unless the replacement is shorter
+        pattern = step.get("pattern", {})
+        return "String" in pattern and len(step.get("content", "")) >= len(pattern["String"])
+    if kind == "Split":
+        return step.get("behavior") != "Removed"
+    return kind in _CHARACTER_KEEPING_STEPS
 
 
 # ------------------------------------------------------------------ config reading
@@ -423,62 +462,3 @@ def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str,
             clean = {"thinking": reasoning, **clean, "reasoning_content": reasoning}
         normalized.append(clean)
     return normalized
-
-
-def _raise_exception(message: str) -> None:
-    raise InvalidRequestError(f"chat template error: {message}", param="messages")
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's own tojson escapes HTML characters, which would change prompts.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """Accepts ``{% generation %}...{% endgeneration %}`` (assistant masks) as plain output."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-@functools.lru_cache(maxsize=1)
-def _jinja_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
-@functools.lru_cache(maxsize=64)
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template once; a syntax error becomes an InvalidRequestError."""
-    try:
-        return _jinja_environment().from_string(source)
-    except jinja2.TemplateError as exc:
-        raise InvalidRequestError(
-            f"chat template is invalid: {type(exc).__name__}: {exc}", param="chat_template"
-        ) from exc

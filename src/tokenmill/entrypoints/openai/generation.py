@@ -51,6 +51,22 @@ class RequestTimeoutError(Exception):
     """The request outlived ``--request-timeout``."""
 
 
+class ServerShuttingDownError(APIError):
+    """The drain's ``--shutdown-timeout`` ran out while this request was still running."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "the server is shutting down; the request was cut off before it finished",
+                         headers={"Retry-After": "1"})
+
+
+_TIMED_OUT = object()
+"""Queue item the deadline timer puts into a run's queue."""
+_CUT_OFF = object()
+"""Queue item ``GenerationRun.cut_off`` puts into a run's queue."""
+_QueueItem = Any
+"""``(prompt index, output | error | None when that engine request ended)``, or a sentinel."""
+
+
 @dataclass
 class PromptInput:
     """One prompt, tokenized; ``text`` is kept for ``echo``."""
@@ -124,21 +140,24 @@ async def parse_request(request: Request, body_cls: type[BodyT], id_prefix: str)
 async def tokenize_prompts(
     state: ServerState, prompts: list[str | list[int]], add_special_tokens: bool = True
 ) -> list[PromptInput]:
-    """Tokenize and validate every prompt on a worker thread, so the event loop stays free."""
-    engine = state.engine
+    """Tokenize and validate every prompt on the tokenizing pool, so the event loop stays free."""
+    engine, tokenization = state.engine, state.tokenization
+    for prompt in prompts:  # refuse what cannot fit before tokenizing any of it
+        if isinstance(prompt, str):
+            tokenization.check_length(prompt)
 
     def work() -> list[PromptInput]:
         inputs = []
         for prompt in prompts:
             if isinstance(prompt, str):
-                ids = engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+                ids = tokenization.encode(prompt, add_special_tokens)
                 inputs.append(PromptInput(ids, prompt))
             else:
                 inputs.append(PromptInput(list(prompt)))
             engine.validate_prompt(inputs[-1].token_ids)
         return inputs
 
-    return await asyncio.to_thread(work)
+    return await tokenization.run(work)
 
 
 class GenerationRun:
@@ -166,6 +185,7 @@ class GenerationRun:
         """Per prompt, per choice: when its tokens reached the server (event-loop clock)."""
         self._is_observed = [False] * len(prompts)
         self._engine_error: BaseException | None = None
+        self._queue: asyncio.Queue[_QueueItem] | None = None
 
     # ---- counts ------------------------------------------------------------------------
     @property
@@ -201,10 +221,22 @@ class GenerationRun:
 
     # ---- outputs ---------------------------------------------------------------------------
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) as steps produce them; raises RequestTimeoutError at the deadline."""
+        """(prompt index, output) as steps produce them.
+
+        Raises RequestTimeoutError at the deadline and ServerShuttingDownError when the drain
+        cuts the run off. Both arrive as items in the run's one queue, so the loop awaits a
+        plain ``queue.get()``: ``asyncio.wait_for`` around it would swallow a cancellation
+        (a client that left) that lands in the turn the item arrives (Python < 3.12).
+        """
         engine = self.state.engine
-        deadline = self.arrival_time + self.state.config.request_timeout_s  # waiting counts too
-        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+        queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
+        self._queue = queue
+        if self.state.is_cut_off:
+            raise ServerShuttingDownError()
+        self.state.active_runs.add(self)
+        # The deadline counts waiting too: it runs from the request's arrival.
+        remaining_s = self.arrival_time + self.state.config.request_timeout_s - time.monotonic()
+        timer = asyncio.get_running_loop().call_later(max(remaining_s, 0.0), queue.put_nowait, _TIMED_OUT)
 
         async def pump(index: int) -> None:
             stream = engine.generate(
@@ -224,13 +256,12 @@ class GenerationRun:
         remaining = len(tasks)
         try:
             while remaining:
-                timeout_s = deadline - time.monotonic()
-                if timeout_s <= 0:
+                entry = await queue.get()
+                if entry is _TIMED_OUT:
                     raise RequestTimeoutError()
-                try:
-                    index, item = await asyncio.wait_for(queue.get(), timeout_s)
-                except asyncio.TimeoutError:
-                    raise RequestTimeoutError() from None
+                if entry is _CUT_OFF:
+                    raise ServerShuttingDownError()
+                index, item = entry
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, BaseException):
@@ -244,10 +275,17 @@ class GenerationRun:
             logger.info("request %s timed out after %.1fs", self.request_id, self.state.config.request_timeout_s)
             raise
         finally:
+            timer.cancel()
+            self.state.active_runs.discard(self)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self._observe_unfinished()
+
+    def cut_off(self) -> None:
+        """End this run now (the drain's time is up): it answers 503 and aborts its engine requests."""
+        if self._queue is not None:
+            self._queue.put_nowait(_CUT_OFF)
 
     async def collect(self) -> list[RequestOutput | None]:
         """Run to the end; on timeout, keep the partial outputs (a 503 if there are none)."""

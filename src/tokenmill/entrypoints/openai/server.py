@@ -6,7 +6,9 @@ an unauthenticated or excess request costs nothing), the routers, and the proces
 HTTP is up at once and ``/health`` says 503 while the model loads on the engine thread; if
 loading fails the process exits 1. If the engine dies later, ``/health`` says 503 and
 in-flight requests get an error for a few seconds, then the process exits 1. On SIGTERM the server drains: ``/health`` and new
-requests get 503 while in-flight ones finish (up to ``--shutdown-timeout``), then it exits 0.
+requests get 503 while in-flight ones finish (up to ``--shutdown-timeout``); those still running
+then are cut off with a 503 (an error event and ``[DONE]`` on a stream) and aborted, and the
+process exits 0 about a second after the timeout. Ctrl-C (SIGINT) does the same with no wait.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import FrameType
 
 import uvicorn
@@ -37,6 +39,7 @@ from tokenmill.entrypoints.openai.middleware import (
 )
 from tokenmill.entrypoints.openai.routers import chat, completions, health, models, tokenize
 from tokenmill.entrypoints.openai.state import ServerConfig, ServerState
+from tokenmill.entrypoints.openai.tokenization import RequestTokenizer
 from tokenmill.errors import ConfigError
 from tokenmill.metrics import ServerMetrics
 
@@ -46,6 +49,8 @@ API_KEY_ENV_VAR = "TOKENMILL_API_KEY"
 DEFAULT_BUCKET_MAX_TOKENS = 2**17
 DEAD_ENGINE_GRACE_S = 5.0
 """After the engine dies at runtime: how long /health answers 503 before the process exits."""
+CUT_OFF_GRACE_S = 0.5
+"""After the drain cuts requests off: how long they get to send their 503 before connections close."""
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -72,9 +77,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-header-bytes", type=parse_memory, default=16 * 2**10,
                    help="largest request line plus headers (431 beyond it)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds in-flight requests may take to finish before exit")
+                   help="on SIGTERM, seconds in-flight requests may take to finish; those still running then "
+                        "get a 503 and the server exits about a second later")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests supply their own chat template (still sandboxed)")
+    g.add_argument("--chat-template-timeout", type=float, default=ServerConfig.chat_template_timeout_s,
+                   help="seconds a request-supplied chat template may take to render (400 beyond it)")
+    g.add_argument("--max-concurrent-tokenizations", type=int, default=ServerConfig.max_concurrent_tokenizations,
+                   help="threads that tokenize prompts and render chat templates; more requests wait for one")
     g.add_argument("--disable-access-log", action="store_true", help="no per-request log line")
     parser.epilog = (
         "max_tokens beyond the context left after the prompt (--max-model-len minus prompt tokens) "
@@ -97,6 +107,8 @@ def server_config_from_args(args: argparse.Namespace, engine_config: EngineConfi
         (args.shutdown_timeout >= 0, "--shutdown-timeout must be >= 0"),
         (args.max_request_body_bytes >= 1024, "--max-request-body-bytes must be at least 1KiB"),
         (args.max_header_bytes >= 1024, "--max-header-bytes must be at least 1KiB"),
+        (args.chat_template_timeout > 0, "--chat-template-timeout must be > 0"),
+        (args.max_concurrent_tokenizations >= 1, "--max-concurrent-tokenizations must be >= 1"),
     ]
     for ok, message in checks:
         if not ok:
@@ -111,6 +123,8 @@ def server_config_from_args(args: argparse.Namespace, engine_config: EngineConfi
         request_timeout_s=args.request_timeout, max_request_body_bytes=int(args.max_request_body_bytes),
         max_header_bytes=int(args.max_header_bytes), shutdown_timeout_s=args.shutdown_timeout,
         trust_request_chat_template=args.trust_request_chat_template, max_num_seqs=engine_config.max_num_seqs,
+        chat_template_timeout_s=args.chat_template_timeout,
+        max_concurrent_tokenizations=args.max_concurrent_tokenizations,
     )
 
 
@@ -119,17 +133,20 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
     metrics = ServerMetrics(
         config.served_model_names[0], engine_config.max_model_len or DEFAULT_BUCKET_MAX_TOKENS, lambda: engine.stats
     )
-    state = ServerState(config, engine_config, engine, metrics)
+    tokenization = RequestTokenizer(engine, config.max_concurrent_tokenizations, config.chat_template_timeout_s,
+                                    config.max_request_body_bytes)
+    state = ServerState(config, engine_config, engine, metrics, tokenization)
     admission = AdmissionController(config.max_seqs_in_flight, config.per_key_max_concurrency)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
-        watcher = asyncio.ensure_future(_log_when_ready(engine, config))
+        watcher = asyncio.ensure_future(_log_when_ready(state))
         try:
             yield
         finally:
             watcher.cancel()
+            tokenization.shutdown()
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -148,12 +165,14 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
     return app
 
 
-async def _log_when_ready(engine: AsyncLLMEngine, config: ServerConfig) -> None:
+async def _log_when_ready(state: ServerState) -> None:
+    engine, config = state.engine, state.config
     try:
         await engine.wait_ready()
     except EngineDeadError:
         logger.error("the model failed to load; shutting down")
         return
+    await state.tokenization.warm_up()
     logger.info("ready: serving %s on http://%s:%d", ", ".join(config.served_model_names), config.host, config.port)
 
 
@@ -214,29 +233,41 @@ class GracefulServer(uvicorn.Server):
                 or elapsed >= self.dead_engine_grace_s + self.state.config.shutdown_timeout_s)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig == signal.SIGTERM and not self._is_drain_started and self._loop is not None:
+        """SIGTERM drains for ``--shutdown-timeout``; SIGINT (Ctrl-C) cuts off at once; a second signal forces."""
+        if sig in (signal.SIGTERM, signal.SIGINT) and not self._is_drain_started and self._loop is not None:
             self._is_drain_started = True
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+            timeout_s = self.state.config.shutdown_timeout_s if sig == signal.SIGTERM else 0.0
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain(timeout_s)))
             return
         if self.should_exit:
             self.force_exit = True
         self.should_exit = True
 
-    async def _drain(self) -> None:
+    async def _drain(self, timeout_s: float) -> None:
+        """Refuse new requests, let in-flight ones finish for ``timeout_s``, then cut off the rest.
+
+        Cut-off requests answer 503 (an error event then ``[DONE]`` on a stream) and are
+        aborted in the engine; the server exits once they have answered, within
+        ``CUT_OFF_GRACE_S`` more, so the process ends about a second after the timeout.
+        """
         state = self.state
         state.is_draining = True
-        timeout_s = state.config.shutdown_timeout_s
         admission = self.admission
-        logger.info("SIGTERM: draining %d in-flight request(s), up to %.0fs", admission.num_requests_in_flight,
-                    timeout_s)
+        logger.info("shutting down: draining %d in-flight request(s), up to %.0fs",
+                    admission.num_requests_in_flight, timeout_s)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while admission.num_requests_in_flight > 0 and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        await _wait_until(lambda: admission.num_requests_in_flight == 0, loop.time() + timeout_s)
         if admission.num_requests_in_flight:
-            logger.warning("shutdown timeout: %d request(s) still in flight are cut off",
-                           admission.num_requests_in_flight)
+            num_cut = state.cut_off_running()
+            logger.warning("shutdown timeout: %d request(s) still in flight are cut off (503)", num_cut)
+            await _wait_until(lambda: admission.num_requests_in_flight == 0, loop.time() + CUT_OFF_GRACE_S)
         self.should_exit = True
+
+
+async def _wait_until(is_done: Callable[[], bool], deadline: float) -> None:
+    loop = asyncio.get_running_loop()
+    while not is_done() and loop.time() < deadline:
+        await asyncio.sleep(0.02)
 
 
 def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
@@ -250,7 +281,7 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         app, host=config.host, port=config.port, http=_JSONErrorH11Protocol, lifespan="on",
         access_log=False, log_level=logging.getLogger().getEffectiveLevel(), server_header=False,
         h11_max_incomplete_event_size=config.max_header_bytes, timeout_keep_alive=5,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=CUT_OFF_GRACE_S,
     )
     server = GracefulServer(uv_config, app)
     server.run()

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from starlette.requests import Request
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineState
 from tokenmill.entrypoints.openai.errors import APIError
+from tokenmill.entrypoints.openai.tokenization import RequestTokenizer
 from tokenmill.metrics import ServerMetrics
 
 _SAFE_MODEL_NAME = re.compile(r"[A-Za-z0-9_:@+-][A-Za-z0-9._:@/+-]{0,127}")
@@ -50,11 +52,21 @@ class ServerConfig:
     """Let requests pass their own chat template (rendered in the sandbox either way)."""
     max_num_seqs: int = 256
     """The engine's running-batch bound, copied here for admission control."""
+    max_concurrent_tokenizations: int = 4
+    """Threads tokenizing and rendering chat templates at once; more requests queue for them."""
+    chat_template_timeout_s: float = 2.0
+    """Time budget of rendering a request-supplied chat template."""
 
     @property
     def max_seqs_in_flight(self) -> int:
         """Sequences admitted at once: the running batch plus the waiting queue."""
         return self.max_num_seqs + self.max_queue_len
+
+
+class RunningRequest(Protocol):
+    """What the drain needs of a request that is generating: a way to end it now."""
+
+    def cut_off(self) -> None: ...
 
 
 @dataclass
@@ -65,8 +77,22 @@ class ServerState:
     engine_config: EngineConfig
     engine: AsyncLLMEngine
     metrics: ServerMetrics
+    tokenization: RequestTokenizer
+    """Where request text becomes token ids (bounded length, bounded pool)."""
     is_draining: bool = False
     """Set on SIGTERM: new requests get 503 while in-flight ones finish."""
+    is_cut_off: bool = False
+    """Set when the drain's time is up: running requests end with 503 and no new one starts."""
+    active_runs: set[RunningRequest] = field(default_factory=set)
+    """Requests generating now (GenerationRuns register themselves), so the drain can end them."""
+
+    def cut_off_running(self) -> int:
+        """End every generating request with a 503 (its engine requests are aborted); returns how many."""
+        self.is_cut_off = True
+        runs = list(self.active_runs)
+        for run in runs:
+            run.cut_off()
+        return len(runs)
 
     @property
     def default_model(self) -> str:

@@ -8,7 +8,6 @@ then content deltas, a finish chunk per choice, the optional usage chunk and ``[
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -52,10 +51,13 @@ def render_chat_prompt(
     if fields.chat_template is None and not tokenizer.has_chat_template:
         raise InvalidRequestError("this model has no chat template; use the completions endpoint", param="messages")
     kwargs = {k: v for k, v in (fields.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KEYS}
+    tokenization = state.tokenization
     return tokenizer.apply_chat_template(
         [m.model_dump(exclude_none=True) for m in messages],
         add_generation_prompt=fields.add_generation_prompt,
         chat_template=fields.chat_template,
+        max_chars=tokenization.max_render_chars,
+        time_budget_s=tokenization.chat_template_timeout_s if fields.chat_template is not None else None,
         **kwargs,
     )
 
@@ -64,13 +66,13 @@ def encode_chat_prompt(state: ServerState, messages: list[ChatMessage], fields: 
                        add_special_tokens: bool = False) -> list[int]:
     """Token ids of the rendered conversation (templates write their own BOS; call off the event loop)."""
     text = render_chat_prompt(state, messages, fields)
-    return state.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return state.tokenization.encode(text, add_special_tokens, param="messages")
 
 
 async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], fields: ChatTemplateFields,
                           add_special_tokens: bool = False) -> list[int]:
-    """``encode_chat_prompt`` on a worker thread."""
-    return await asyncio.to_thread(encode_chat_prompt, state, messages, fields, add_special_tokens)
+    """``encode_chat_prompt`` on the tokenizing pool."""
+    return await state.tokenization.run(encode_chat_prompt, state, messages, fields, add_special_tokens)
 
 
 def chat_logprobs(
@@ -115,7 +117,7 @@ async def create_chat_completion(request: Request) -> Response:
         state.engine.validate_prompt(ids)
         return ids
 
-    ids = await asyncio.to_thread(tokenize)
+    ids = await state.tokenization.run(tokenize)
     run = GenerationRun(state, req.request_id, [PromptInput(ids)], params, body.priority, req.arrival_time)
     return await respond(req, run, "chat.completion", stream=lambda: _stream(req, run, num_top),
                          build_choices=lambda outputs: _choices(run, body, outputs[0], num_top))

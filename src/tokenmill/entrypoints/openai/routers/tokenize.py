@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -32,7 +30,8 @@ async def tokenize(request: Request) -> JSONResponse:
         ids = await chat_prompt_ids(state, body.messages, body, add_special_tokens=bool(body.add_special_tokens))
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        ids = await asyncio.to_thread(tokenizer.encode, body.prompt or "", add_special)
+        state.tokenization.check_length(body.prompt or "")
+        ids = await state.tokenization.run(state.tokenization.encode, body.prompt or "", add_special)
     result = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
     if body.return_token_strs:
         result["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
@@ -49,5 +48,5 @@ async def detokenize(request: Request) -> JSONResponse:
     for token_id in body.tokens:
         if not 0 <= token_id < vocab:
             raise InvalidRequestError(f"token id {token_id} is outside the vocabulary [0, {vocab})", param="tokens")
-    text = await asyncio.to_thread(engine.tokenizer.decode, body.tokens)
+    text = await state.tokenization.run(engine.tokenizer.decode, body.tokens)
     return JSONResponse({"prompt": text})
