@@ -126,7 +126,7 @@ async def parse_request(request: Request, body_cls: type[BodyT], id_prefix: str)
     """Decode and check the body, resolve the model and check the engine can take it now."""
     arrival_time = time.monotonic()
     state = get_state(request)
-    request_id = new_request_id(id_prefix)
+    request_id = new_request_id(id_prefix, request.headers.get("x-request-id"))
     request.scope.setdefault("state", {})["request_id"] = request_id
     body = validate_model(body_cls, decode_json_object(await request.body(), request.headers.get("content-type")))
     body.check()

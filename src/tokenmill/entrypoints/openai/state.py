@@ -129,6 +129,13 @@ def get_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def new_request_id(prefix: str) -> str:
-    """OpenAI-style ids: ``cmpl-<hex>``, ``chatcmpl-<hex>``."""
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+"""What a client may send as ``X-Request-Id`` (anything else gets a generated id)."""
+
+
+def new_request_id(prefix: str, client_id: str | None = None) -> str:
+    """OpenAI-style ids: ``cmpl-<hex>``, ``chatcmpl-<hex>``; ``cmpl-<client id>`` when the
+    client sent a plain ``X-Request-Id`` (as vLLM does), so its logs and ours line up."""
+    if client_id and _CLIENT_REQUEST_ID.fullmatch(client_id):
+        return f"{prefix}-{client_id}"
     return f"{prefix}-{uuid.uuid4().hex}"
