@@ -79,7 +79,8 @@ class StepGate:
                 self._cond.wait(0.05)
 
     # ---- engine-thread side ----------------------------------------------------------------
-    def _wait_turn(self) -> None:
+    def wait_turn(self) -> None:
+        """AsyncLLMEngine's ``step_gate``: block until a step is allowed."""
         with self._cond:
             while not (self._is_open or self._num_allowed > 0):
                 self._cond.wait()
@@ -93,13 +94,15 @@ class StepGate:
                 self.scheduled[request_id].append(Scheduled(self.num_steps, is_prefill_done))
             self._cond.notify_all()
 
-    def engine_factory(self, config: EngineConfig) -> LLMEngine:
-        """An LLMEngine whose every step waits for this gate, for AsyncLLMEngine."""
+    def async_engine(self, config: EngineConfig) -> AsyncLLMEngine:
+        """An AsyncLLMEngine whose steps wait for this gate and are recorded here."""
+        return AsyncLLMEngine(config, engine_factory=self._engine_factory, step_gate=self.wait_turn)
+
+    def _engine_factory(self, config: EngineConfig) -> LLMEngine:
         gate = self
 
         class GatedEngine(LLMEngine):
             def step(self):  # type: ignore[no-untyped-def]
-                gate._wait_turn()
                 requests = []
                 schedule = self.scheduler.schedule
 

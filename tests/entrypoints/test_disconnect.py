@@ -20,7 +20,6 @@ import pytest
 from tests.entrypoints.conftest import ServerHandle
 from tests.entrypoints.inprocess import InProcessServer, StepGate, serve_in_process, wait_healthy
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.entrypoints.openai.state import ServerConfig
 
 ENGINE_CONFIG = EngineConfig(model="demo", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24,
@@ -55,7 +54,7 @@ class RawClient:
 @pytest.fixture(scope="module")
 def gated(demo_cache: str) -> Iterator[tuple[InProcessServer, StepGate]]:
     gate = StepGate()
-    engine = AsyncLLMEngine(ENGINE_CONFIG, engine_factory=gate.engine_factory)
+    engine = gate.async_engine(ENGINE_CONFIG)
     config = ServerConfig(max_num_seqs=ENGINE_CONFIG.max_num_seqs, max_queue_len=64)
     server = serve_in_process(engine, config, ENGINE_CONFIG)
     wait_healthy(server.base_url)

@@ -78,10 +78,14 @@ class AsyncLLMEngine:
         config: EngineConfig,
         engine_factory: Callable[[EngineConfig], LLMEngine] = LLMEngine,
         idle_wait_s: float = 1.0,
+        step_gate: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self._engine_factory = engine_factory
         self._idle_wait_s = idle_wait_s
+        self._step_gate = step_gate
+        """Called on the engine thread before each step; commands that arrive while it
+        blocks are applied before that step. Tests hand out steps with it."""
         self._engine: LLMEngine | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -278,23 +282,35 @@ class AsyncLLMEngine:
 
     def _loop_forever(self, engine: LLMEngine) -> None:
         while True:
-            is_busy = engine.has_unfinished_requests()
-            commands = self._take_commands(block=not is_busy)
-            needs_flush = False
-            for command in commands:
-                if isinstance(command, _StopCommand):
-                    return
-                if isinstance(command, _AddCommand):
-                    self._add(engine, command)
-                else:
-                    engine.abort_request(command.request_ids)
-                    needs_flush = True
+            commands = self._take_commands(block=not engine.has_unfinished_requests())
+            is_stopped, needs_flush = self._apply(engine, commands)
+            if is_stopped:
+                return
             # An abort's final output is only collected by a step; an empty step is cheap.
             if engine.has_unfinished_requests() or needs_flush:
+                if self._step_gate is not None:
+                    self._step_gate()
+                    is_stopped, more_flush = self._apply(engine, self._take_commands(block=False))
+                    if is_stopped:
+                        return
+                    needs_flush |= more_flush
                 outputs = engine.step()
                 if outputs:
                     self._call_on_loop(self._dispatch, outputs)
             self._publish_stats(engine)
+
+    def _apply(self, engine: LLMEngine, commands: list[_Command]) -> tuple[bool, bool]:
+        """Apply commands in order; returns (stop was asked, something was aborted)."""
+        needs_flush = False
+        for command in commands:
+            if isinstance(command, _StopCommand):
+                return True, needs_flush
+            if isinstance(command, _AddCommand):
+                self._add(engine, command)
+            else:
+                engine.abort_request(command.request_ids)
+                needs_flush = True
+        return False, needs_flush
 
     def _take_commands(self, block: bool) -> list[_Command]:
         try:
