@@ -160,6 +160,22 @@ def test_oversized_headers_are_refused(server: ServerHandle) -> None:
     assert r.status_code in (400, 431)
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "a " * 400_000, "max_tokens": 2}),
+        ("/v1/completions", {"prompt": ["short", "a " * 400_000], "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * 400_000}], "max_tokens": 2}),
+        ("/tokenize", {"prompt": "a " * 400_000}),
+    ],
+)
+def test_prompts_that_cannot_fit_are_refused_before_tokenizing(http: httpx.Client, path: str, body: dict) -> None:
+    # 800 KB of text can never fit 256 tokens: the refusal names characters, not tokens,
+    # because the prompt was measured against the bound, never tokenized.
+    error = assert_error(http.post(path, json=body), 400, code="context_length_exceeded")
+    assert "characters" in error["message"]
+
+
 def test_server_healthy_and_nothing_leaked_after_the_table(server: ServerHandle, http: httpx.Client) -> None:
     assert http.get("/health").status_code == 200
     ok = http.post(COMPLETIONS, json=_completion(max_tokens=3))
