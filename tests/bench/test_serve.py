@@ -24,8 +24,6 @@ from tokenmill.bench.serve import (
     save_result,
 )
 
-SLACK_S = 0.06  # event-loop and thread scheduling on a busy 2-core machine
-
 
 def _config(server, **kwargs) -> ServeConfig:
     kwargs.setdefault("show_progress", False)
@@ -41,16 +39,17 @@ def test_timings_match_the_servers_known_delays(fake_server) -> None:
     assert result["completed"] == 6 and result["failed"] == 0
     assert result["model_id"] == MODEL_NAME  # resolved from /v1/models
     assert result["prompt_format"] == "ids"
+    # Only what holds on a busy machine: the server's delays are lower bounds on what the
+    # client sees (a late read can bunch chunks, so single gaps and upper bounds are not).
     for r in result["requests"]:
-        assert 0.1 <= r["ttft_s"] <= 0.1 + SLACK_S
-        assert len(r["itl_s"]) == 4
-        assert all(0.03 - 0.005 <= gap <= 0.03 + SLACK_S for gap in r["itl_s"])
+        assert r["ttft_s"] >= 0.1
+        assert len(r["itl_s"]) == 4 and all(gap >= 0 for gap in r["itl_s"])
+        assert r["e2e_s"] >= 0.1 + 4 * 0.03
         assert r["e2e_s"] == pytest.approx(r["ttft_s"] + sum(r["itl_s"]), abs=1e-6)
-        assert 0.03 - 0.005 <= r["tpot_s"] <= 0.03 + SLACK_S
+        assert r["tpot_s"] == pytest.approx(sum(r["itl_s"]) / 4, abs=1e-6)
         assert (r["output_tokens"], r["output_tokens_source"]) == (5, "usage")
         assert r["prompt_tokens"] == 8
-    assert 100 <= result["median_ttft_ms"] <= 100 + SLACK_S * 1000
-    assert 30 - 5 <= result["median_itl_ms"] <= 30 + SLACK_S * 1000
+    assert result["median_ttft_ms"] >= 100
     assert result["total_output_tokens"] == 30 and result["total_input_tokens"] == 48
     # max_concurrency is honoured: the server never saw more than 2 in flight.
     assert b.peak_in_flight == 2
@@ -90,7 +89,7 @@ def test_chat_endpoint_with_text_prompts(fake_server, char_tokenizer) -> None:
     assert result["completed"] == 3 and result["prompt_format"] == "chat"
     for r in result["requests"]:
         # The role chunk arrives at once but is not a token; the trailing finish chunk is no ITL.
-        assert 0.08 <= r["ttft_s"] <= 0.08 + SLACK_S
+        assert r["ttft_s"] >= 0.08
         assert len(r["itl_s"]) == 3
     assert "messages" in b.bodies[-1] and b.bodies[-1]["max_tokens"] == 4
 
@@ -147,8 +146,10 @@ def test_request_rate_spreads_sends_on_the_schedule(fake_server) -> None:
     result = run_serve_benchmark(_config(fake_server, request_rate=20.0, seed=5), requests)
     planned = build_arrival_offsets_s(8, 20.0, 1.0, seed=5)
     sent = [r["send_time_s"] for r in result["requests"]]
+    # Never early, and in the planned order; how late a busy machine sends is not asserted.
     for want, got in zip(planned, sent, strict=True):
-        assert want - 0.001 <= got <= want + SLACK_S
+        assert got >= want - 0.001
+    assert sent == sorted(sent)
     assert result["duration"] >= planned[-1]
 
 

@@ -127,10 +127,9 @@ def test_overload_gets_429_admitted_complete_health_answers(server: ServerHandle
     for r in ok:
         body = r.json()
         assert body["usage"]["completion_tokens"] == 48 and body["choices"][0]["finish_reason"] == "length"
-    for r, latency in rejected:
+    for r, _ in rejected:
         assert_error(r, 429, code="rate_limit_exceeded")
         assert int(r.headers["Retry-After"]) >= 1
-        assert latency < 5.0
     assert health and set(health) == {200}
     m = server.wait_idle()
     assert m["tokenmill:num_requests_running"] == 0 and m["tokenmill:kv_cache_usage_perc"] == 0

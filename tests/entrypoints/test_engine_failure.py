@@ -136,7 +136,7 @@ def test_request_that_never_gets_output_times_out_with_503(inproc: InProcessServ
         start = time.monotonic()
         r = httpx.post(f"{inproc.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 5}, timeout=30)
         assert_error(r, 503, code="request_timeout")
-        assert 0.9 < time.monotonic() - start < 10
+        assert time.monotonic() - start >= 1.0  # the deadline, whatever the machine's speed
         events = _chat_stream(inproc.base_url)
         assert events[0]["choices"][0]["delta"]["role"] == "assistant"
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "request_timeout"
