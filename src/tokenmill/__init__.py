@@ -1,7 +1,7 @@
 """tokenmill: an LLM inference engine and OpenAI-compatible server.
 
 The top-level names load lazily, so that importing a torch-free module such as
-``tokenmill.engine.scheduler`` does not pull in torch.
+``tokenmill.core.scheduler`` does not pull in torch.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.kv.base import KVCacheStats
+from tokenmill.core.stats import EngineStats
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineState
-from tokenmill.engine.kv_manager import KVCacheStats
-from tokenmill.engine.stats import EngineStats
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling.params import SamplingParams

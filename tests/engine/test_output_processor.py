@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from tokenmill.core.request import Request, RequestStatus
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling import SamplingParams
 from tokenmill.tokenizer import Tokenizer

@@ -19,7 +19,7 @@ EXPECTED_METRICS = [
 
 
 def test_compile_time_is_exported_from_the_engine_stats() -> None:
-    from tokenmill.engine.stats import EngineStats
+    from tokenmill.core.stats import EngineStats
     from tokenmill.metrics import ServerMetrics
 
     metrics = ServerMetrics("demo", 1024, lambda: EngineStats(compile_time_s=12.5, num_running=3))

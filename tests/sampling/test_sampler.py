@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.engine.request import Request
+from tokenmill.core.request import Request
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling import SamplingParams
 from tokenmill.sampling.sampler import Sampler, apply_penalties

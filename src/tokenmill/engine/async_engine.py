@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.stats import EngineStats
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.stats import EngineStats
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling.params import SamplingParams

@@ -16,14 +16,12 @@ from pathlib import Path
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.block_manager import PagedKVManager
-from tokenmill.engine.kv_manager import KVCacheManager
+from tokenmill.core.kv import KVCacheManager, KVSizing, build_kv_manager
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.stats import EngineStats
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler import Scheduler
-from tokenmill.engine.static_kv_manager import StaticKVManager
-from tokenmill.engine.stats import EngineStats
-from tokenmill.errors import ConfigError, ContextLengthError, InvalidRequestError
+from tokenmill.errors import ContextLengthError, InvalidRequestError
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.outputs import RequestOutput
@@ -94,7 +92,7 @@ class LLMEngine:
             self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
         )
         compiled = None
-        if config.kv_cache == "static" and not config.enforce_eager:
+        if self.kv_manager.wants_compiled_decode and not config.enforce_eager:
             compiled = CompiledDecodeStep(
                 model, kv_caches, self.kv_manager.block_size,
                 max_blocks_per_seq=-(-self.max_model_len // self.kv_manager.block_size),
@@ -123,30 +121,10 @@ class LLMEngine:
         block_size = cfg.block_size
         per_token = kv_bytes_per_token(self.model_config, self.dtype)
         budget = kv_budget_bytes(cfg.kv_cache_memory, cfg.gpu_memory_utilization, self.device)
-        blocks_per_seq = -(-self.max_model_len // block_size)
-        manager: KVCacheManager
-        if cfg.kv_cache == "static":
-            manager = StaticKVManager(cfg.max_num_seqs, self.max_model_len, block_size, cfg.enable_prefix_caching)
-            needed = manager.num_blocks * block_size * per_token
-            if needed > budget:
-                raise ConfigError(
-                    f"static KV needs {needed / 2**30:.2f} GiB ({cfg.max_num_seqs} slots x {self.max_model_len} "
-                    f"tokens) but --kv-cache-memory allows {budget / 2**30:.2f} GiB; lower --max-num-seqs "
-                    f"or --max-model-len"
-                )
-        else:
-            num_blocks = min(budget // (per_token * block_size), cfg.max_num_seqs * blocks_per_seq)
-            if num_blocks < 1:
-                raise ConfigError(
-                    f"KV cache budget of {budget} bytes holds no block of {block_size} tokens "
-                    f"({per_token * block_size} bytes); raise --kv-cache-memory"
-                )
-            if num_blocks < blocks_per_seq:
-                logger.warning(
-                    "KV cache holds %d tokens, less than max_model_len %d: long prompts will be rejected",
-                    num_blocks * block_size, self.max_model_len,
-                )
-            manager = PagedKVManager(num_blocks, block_size, cfg.enable_prefix_caching)
+        manager = build_kv_manager(cfg.kv_cache, KVSizing(
+            max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len, block_size=block_size,
+            enable_prefix_caching=cfg.enable_prefix_caching, budget_bytes=budget, bytes_per_token=per_token,
+        ))
         self.kv_cache_bytes = manager.num_blocks * block_size * per_token
         caches = allocate_kv_cache(self.model_config, manager.num_blocks, block_size, self.dtype, self.device)
         return manager, caches
@@ -246,7 +224,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return outputs of requests that changed."""
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched, self.kv_manager)
+        result = self.runner.execute(sched)
         self.scheduler.update_after_step(sched.scheduled)
         now = time.monotonic()
         stats = self._counters

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.core.request import Request, RequestStatus
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenmill.sampling.params import RequestOutputKind
 from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer

@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from tokenmill.engine.stats import EngineStats
+from tokenmill.core.stats import EngineStats
 
 PREFIX = "tokenmill:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.request import Request
+from tokenmill.core.request import Request
 from tokenmill.outputs import Logprob, PositionLogprobs
 
 

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.engine.kv_manager import KVCacheManager
-from tokenmill.engine.request import Request
-from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.model.attention import AttentionGroup, AttentionMetadata
 from tokenmill.model.decoder import DecoderModel
 from tokenmill.outputs import PositionLogprobs
@@ -78,7 +77,7 @@ class ModelRunner:
     def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def prepare_inputs(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
+    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         bs = self.block_size
         decodes = [(r, n) for r, n in sched.scheduled if n == 1]
         chunks = [(r, n) for r, n in sched.scheduled if n > 1]
@@ -98,7 +97,7 @@ class ModelRunner:
             ctx_lens: list[int] = []
             for request, num_new in members:
                 start = request.num_computed_tokens
-                table = kv.block_table(request.request_id)
+                table = sched.block_tables[request.request_id]
                 first_row = len(input_ids)
                 rows = list(range(first_row, first_row + num_new))
                 pos = list(range(start, start + num_new))
@@ -149,13 +148,13 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> StepOutput:
+    def execute(self, sched: SchedulerOutput) -> StepOutput:
         """Run one step: forward the scheduled tokens and sample where a request ends."""
         self.sampler.drop(sched.finished_ids)
         out = StepOutput()
         if sched.is_empty:
             return out
-        inputs = self.prepare_inputs(sched, kv)
+        inputs = self.prepare_inputs(sched)
         if inputs.decode_rows is not None and self.compiled_decode is not None:
             hidden = self.compiled_decode.run(*inputs.decode_rows)
             self.num_compiled_steps += 1

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tokenmill.engine.kv_manager import KVCacheManager
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.core.kv.base import KVCacheManager
+from tokenmill.core.request import Request, RequestStatus
 
 
 @dataclass
@@ -26,6 +26,9 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
     """Requests finished since the previous step (the runner drops their state)."""
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
+    """Per scheduled request, the block ids holding its KV in token order, so the runner
+    needs nothing from the KV manager."""
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -155,6 +158,7 @@ class Scheduler:
             self._insert_running(request)
             out.scheduled.append((request, num_new))
             budget -= num_new
+        out.block_tables = {r.request_id: self.kv.block_table(r.request_id) for r, _ in out.scheduled}
         return out
 
     def update_after_step(self, scheduled: list[tuple[Request, int]]) -> None:

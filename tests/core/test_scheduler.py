@@ -11,9 +11,9 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.engine.block_manager import PagedKVManager
-from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.core.kv.paged import PagedKVManager
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduler import Scheduler
 from tokenmill.sampling import SamplingParams
 
 BS = 4

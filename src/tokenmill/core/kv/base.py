@@ -1,7 +1,7 @@
 """KVCacheManager: the one small interface the scheduler uses to reserve KV memory.
 
-``paged`` (block_manager.PagedKVManager) and ``static`` (static_kv_manager.StaticKVManager)
-implement it. Both describe a request's KV as a block table of block ids into one
+``paged`` (``paged.PagedKVManager``) and ``static`` (``static.StaticKVManager``) implement
+it; ``tokenmill.core.kv.build_kv_manager`` picks one by name and sizes it. Both describe a request's KV as a block table of block ids into one
 ``[num_blocks, block_size, ...]`` tensor per layer, so the model runner reads K/V the same
 way whatever the strategy. No torch here: this is pure bookkeeping.
 """
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from tokenmill.engine.request import Request
+from tokenmill.core.request import Request
 
 
 @dataclass
@@ -20,6 +21,25 @@ class PrefixHit:
 
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class KVSizing:
+    """What a strategy needs to size its pool: the engine's limits and the memory budget."""
+
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int
+    enable_prefix_caching: bool
+    budget_bytes: int
+    """Memory the KV pool may take."""
+    bytes_per_token: int
+    """K and V of one token over all layers, in the cache's dtype."""
+
+    @property
+    def blocks_per_seq(self) -> int:
+        """Blocks one request of ``max_model_len`` tokens needs."""
+        return -(-self.max_model_len // self.block_size)
 
 
 @dataclass
@@ -38,6 +58,13 @@ class KVCacheManager(ABC):
     block_size: int
     num_blocks: int
     stats: KVCacheStats
+    wants_compiled_decode: ClassVar[bool] = False
+    """Whether the layout is fixed enough for the worker to compile a decode step (static)."""
+
+    @classmethod
+    @abstractmethod
+    def for_budget(cls, sizing: KVSizing) -> KVCacheManager:
+        """A manager sized for these limits; ConfigError (naming the flag) if they cannot fit."""
 
     @abstractmethod
     def lookup_prefix(self, request: Request) -> PrefixHit:

@@ -11,11 +11,15 @@ which is how they share the prompt's blocks (ref count > 1) even with prefix cac
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from tokenmill.engine.kv_manager import KVCacheManager, KVCacheStats, PrefixHit
-from tokenmill.engine.request import Request
+from tokenmill.core.kv.base import KVCacheManager, KVCacheStats, KVSizing, PrefixHit
+from tokenmill.core.request import Request
+from tokenmill.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 BlockHash = bytes
 
@@ -133,6 +137,23 @@ class PagedKVManager(KVCacheManager):
         self.stats = KVCacheStats()
         self._blocks: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
+
+    @classmethod
+    def for_budget(cls, sizing: KVSizing) -> PagedKVManager:
+        """As many blocks as the budget holds, but no more than every sequence could use."""
+        block_bytes = sizing.bytes_per_token * sizing.block_size
+        num_blocks = min(sizing.budget_bytes // block_bytes, sizing.max_num_seqs * sizing.blocks_per_seq)
+        if num_blocks < 1:
+            raise ConfigError(
+                f"KV cache budget of {sizing.budget_bytes} bytes holds no block of {sizing.block_size} tokens "
+                f"({block_bytes} bytes); raise --kv-cache-memory"
+            )
+        if num_blocks < sizing.blocks_per_seq:
+            logger.warning(
+                "KV cache holds %d tokens, less than max_model_len %d: long prompts will be rejected",
+                num_blocks * sizing.block_size, sizing.max_model_len,
+            )
+        return cls(num_blocks, sizing.block_size, sizing.enable_prefix_caching)
 
     # ---- hashing -------------------------------------------------------------------
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.engine.block_manager import PagedKVManager
-from tokenmill.engine.kv_manager import KVCacheManager
-from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler import Scheduler
-from tokenmill.engine.static_kv_manager import StaticKVManager
+from tokenmill.core.kv.base import KVCacheManager
+from tokenmill.core.kv.paged import PagedKVManager
+from tokenmill.core.kv.static import StaticKVManager
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduler import Scheduler
 from tokenmill.sampling import SamplingParams
 
 BS = 4

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.engine.block_manager import PagedKVManager
-from tokenmill.engine.request import Request
+from tokenmill.core.kv.paged import PagedKVManager
+from tokenmill.core.request import Request
 from tokenmill.sampling import SamplingParams
 
 BS = 4

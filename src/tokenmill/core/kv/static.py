@@ -10,8 +10,11 @@ exactly as it reads the paged cache. No torch here.
 
 from __future__ import annotations
 
-from tokenmill.engine.kv_manager import KVCacheManager, KVCacheStats, PrefixHit
-from tokenmill.engine.request import Request
+from typing import ClassVar
+
+from tokenmill.core.kv.base import KVCacheManager, KVCacheStats, KVSizing, PrefixHit
+from tokenmill.core.request import Request
+from tokenmill.errors import ConfigError
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -25,6 +28,8 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
 class StaticKVManager(KVCacheManager):
     """Fixed per-request slots over one preallocated KV region."""
 
+    wants_compiled_decode: ClassVar[bool] = True
+
     def __init__(self, num_slots: int, max_model_len: int, block_size: int, enable_prefix_reuse: bool = True) -> None:
         self.num_slots = num_slots
         self.block_size = block_size
@@ -36,6 +41,22 @@ class StaticKVManager(KVCacheManager):
         self._free_slots: list[int] = list(range(num_slots))
         # Tokens whose KV each slot holds (for reuse by the next request of that slot).
         self._slot_tokens: list[list[int]] = [[] for _ in range(num_slots)]
+
+    @classmethod
+    def for_budget(cls, sizing: KVSizing) -> StaticKVManager:
+        """One slot of ``max_model_len`` tokens per sequence; the budget must hold them all."""
+        manager = cls(sizing.max_num_seqs, sizing.max_model_len, sizing.block_size, sizing.enable_prefix_caching)
+        needed = manager.num_blocks * sizing.block_size * sizing.bytes_per_token
+        if needed > sizing.budget_bytes:
+            raise ConfigError(
+                f"static KV needs {needed / 2**30:.2f} GiB ({sizing.max_num_seqs} slots x {sizing.max_model_len} "
+                f"tokens) but --kv-cache-memory allows {sizing.budget_bytes / 2**30:.2f} GiB; lower --max-num-seqs "
+                f"or --max-model-len"
+            )
+        return manager
+
+    def _slot_of_block(self, block_id: int) -> int:
+        return block_id // self.blocks_per_slot
 
     def _slot_blocks(self, slot: int) -> list[int]:
         start = slot * self.blocks_per_slot
@@ -53,7 +74,8 @@ class StaticKVManager(KVCacheManager):
         best_len = min(best_len, request.num_tokens - 1)  # one token must run to get logits
         if best_slot is None or best_len <= 0:
             return PrefixHit()
-        return PrefixHit(block_ids=self._slot_blocks(best_slot)[:1], num_tokens=best_len)
+        # The slot's blocks that hold the prefix; ``allocate`` takes the slot they belong to.
+        return PrefixHit(block_ids=self._slot_blocks(best_slot)[: -(-best_len // self.block_size)], num_tokens=best_len)
 
     def allocate(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
         rid = request.request_id
@@ -62,7 +84,7 @@ class StaticKVManager(KVCacheManager):
                 return False
             slot = self._free_slots[-1]
             if prefix is not None and prefix.block_ids:
-                slot = prefix.block_ids[0] // self.blocks_per_slot
+                slot = self._slot_of_block(prefix.block_ids[0])
             self._free_slots.remove(slot)
             self._slot_of[rid] = slot
             self.stats.num_query_tokens += request.num_prompt_tokens
