@@ -55,7 +55,7 @@ def _length_arg(text: str) -> Length:
 
 def _add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
     group = parser.add_argument_group("workload")
-    group.add_argument("--dataset", choices=DATASET_NAMES, default="random", help="prompt source (default: random)")
+    group.add_argument("--dataset", choices=DATASET_NAMES, default="random", help="prompt source")
     group.add_argument("--dataset-path", help="file for --dataset sharegpt (JSON) or jsonl")
     group.add_argument("--num-prompts", type=int, default=num_prompts, help="requests to measure")
     group.add_argument("--input-len", type=_length_arg, default=256,
@@ -112,26 +112,28 @@ def _build_workload(args: argparse.Namespace, tokenizer: TokenizerLike | None) -
 def _add_serve_target_args(parser: argparse.ArgumentParser, with_base_url: bool) -> None:
     group = parser.add_argument_group("target")
     if with_base_url:
-        group.add_argument("--base-url", default=DEFAULT_BASE_URL, help=f"server root (default {DEFAULT_BASE_URL})")
-    group.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"))
+        group.add_argument("--base-url", default=DEFAULT_BASE_URL, help="server root")
+    group.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"),
+                       help="API to load (chat sends text prompts)")
     group.add_argument("--model", help="model name in requests (default: the first of /v1/models)")
     group.add_argument("--api-key", help="bearer token")
     group.add_argument("--prompt-format", choices=("auto", "ids", "text"), default="auto",
                        help="completions prompts as token ids or text (auto: ids if the server takes them)")
     group.add_argument("--extra-body", help="JSON object merged into every request body")
     load = parser.add_argument_group("load")
-    load.add_argument("--request-rate", type=float, default=math.inf, help="mean req/s (default inf: all at once)")
+    load.add_argument("--request-rate", type=float, default=math.inf, help="mean req/s; inf sends all at once")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 = Poisson")
     load.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
     load.add_argument("--num-warmups", type=int, default=0, help="uncounted requests after the probe")
     load.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (fixed output lengths)")
-    load.add_argument("--temperature", type=float, default=0.0)
-    load.add_argument("--request-timeout-s", type=float, default=600.0)
+    load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
+    load.add_argument("--request-timeout-s", type=float, default=600.0,
+                      help="deadline of one request, send to last chunk; past it the request fails")
     load.add_argument("--ready-timeout-s", type=float, default=120.0,
                       help="how long to wait for a starting server (connection refused or 503)")
     load.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput, e.g. ttft:500 tpot:50")
     load.add_argument("--no-server-metrics", action="store_true", help="do not poll the target's /metrics")
-    load.add_argument("--metrics-interval-s", type=float, default=0.5)
+    load.add_argument("--metrics-interval-s", type=float, default=0.5, help="seconds between /metrics polls")
     load.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -337,15 +339,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=_guard(cmd_serve))
 
     offline = bench_sub.add_parser("offline", help="in-process throughput and latency, without HTTP")
-    offline.add_argument("--model", default="demo", help="local model folder (default: demo)")
+    offline.add_argument("--model", default="demo", help="local model folder, or 'demo'")
     offline.add_argument("--backends", default="tokenmill,transformers",
                          help="comma list of tokenmill, transformers, transformers-cb (first is the baseline)")
     offline.add_argument("--kv-cache", default="paged",
                          help="tokenmill's KV strategies, comma list of paged, static (one tokenmill row each)")
     offline.add_argument("--compile-batch-sizes", metavar="N,N,...",
                          help="decode batch sizes tokenmill compiles for the static strategy, e.g. 1,2,4,8")
-    offline.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    offline.add_argument("--device", default="auto")
+    offline.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                         help="weights dtype of every backend")
+    offline.add_argument("--device", default="auto", help="cpu, cuda or auto")
     offline.add_argument("--batch-size", type=int, default=8, help="static batch size of the transformers backend")
     offline.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                          help="generate full output lengths so backends do equal work (default on)")
@@ -354,7 +357,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     offline.add_argument("--num-warmups", type=int, default=2,
                          help="uncounted requests per backend (prompts of their own, shaped like the measured ones)")
     offline.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="extra tokenmill LLM(...) kwarg")
-    offline.add_argument("--save-result", metavar="FILE.json")
+    offline.add_argument("--save-result", metavar="FILE.json", help="write every backend's summary")
     _add_workload_args(offline, num_prompts=32)
     offline.set_defaults(func=_guard(cmd_offline))
 
@@ -370,15 +373,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     compare.set_defaults(func=_guard(cmd_compare))
 
     verify = subparsers.add_parser("verify", help="check tokenmill's greedy tokens against transformers")
-    verify.add_argument("--model", default="demo", help="local model folder (default: demo)")
-    verify.add_argument("--max-tokens", type=int, default=32)
+    verify.add_argument("--model", default="demo", help="local model folder the reference runs, or 'demo'")
+    verify.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (EOS ignored)")
     verify.add_argument("--num-prompts", type=int, help="repeat the prompts up to this many")
     verify.add_argument("--prompts-file", help="JSONL of prompts (strings or {\"prompt\": ...})")
-    verify.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    verify.add_argument("--device", default="cpu")
+    verify.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="weights dtype of both sides")
+    verify.add_argument("--device", default="cpu", help="torch device of both sides (cpu or cuda)")
     verify.add_argument("--server-url", help="verify a running server instead of in-process tokenmill")
     verify.add_argument("--served-model-name", help="model name the server expects (default: --model)")
-    verify.add_argument("--api-key")
+    verify.add_argument("--api-key", help="bearer token for --server-url")
     verify.add_argument("--min-match", type=float, help="required exact-match rate (default 1.0 for float32, else 0.8)")
     verify.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
                         help="extra LLM(...) kwarg, e.g. rope_theta_override=5000")
