@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import matplotlib.image
@@ -168,3 +169,16 @@ def test_different_workloads_are_warned_about_in_text_and_html(tmp_path: Path) -
     del b["workload"]  # e.g. a vLLM result file
     (warning,) = build_comparison([("a", a), ("b", b)]).warnings
     assert warning.startswith("no workload recorded in the results of b")
+
+
+def test_cli_compare_without_matplotlib_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps(make_result("one", 4, 100, 20, 50)))
+    for name in ("matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.delitem(sys.modules, "tokenmill.bench.report", raising=False)  # imported afresh, then restored
+    args = _parser().parse_args(["bench", "compare", str(path), "--output-dir", str(tmp_path / "cmp")])
+    assert args.func(args) == 2
+    assert "matplotlib is not installed; the bench tools need it: pip install 'tokenmill[bench]'" in capsys.readouterr().err

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench import MissingExtraError
 from tokenmill.bench.datasets import (
     DATASET_NAMES,
     BenchRequest,
@@ -314,11 +315,9 @@ def _guard(func: Any) -> Any:
     """Turn expected user errors into a one-line message and exit code 2."""
 
     def run(args: argparse.Namespace) -> int:
-        from tokenmill.bench.serve import BenchmarkError
-
         try:
             return func(args)
-        except (BenchmarkError, ValueError, FileNotFoundError, RuntimeError) as exc:
+        except (MissingExtraError, ValueError, FileNotFoundError, RuntimeError) as exc:  # BenchmarkError too
             _log(f"error: {exc}")
             return 2
 

@@ -16,14 +16,18 @@ import math
 from pathlib import Path
 from typing import Any
 
-from matplotlib.figure import Figure
-
+from tokenmill.bench import MissingExtraError
 from tokenmill.bench.compare import (
     Comparison,
     describe_load,
     load_of,
     table_rows,
 )
+
+try:
+    from matplotlib.figure import Figure
+except ImportError as exc:  # in the bench extra: serving does not need it
+    raise MissingExtraError("matplotlib") from exc
 
 PLOT_FILES: dict[str, str] = {
     "latency_percentiles": "latency_percentiles.png",

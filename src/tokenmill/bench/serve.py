@@ -19,15 +19,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import httpx
 from tqdm.auto import tqdm
 
+from tokenmill.bench import MissingExtraError
 from tokenmill.bench.arrivals import build_arrival_offsets_s
 from tokenmill.bench.client import ENDPOINTS, RequestOptions, auth_headers, send_request
 from tokenmill.bench.datasets import BenchRequest, build_warmup_requests
 from tokenmill.bench.metrics import LATENCY_METRICS, STATS, RequestRecord, summarize
 from tokenmill.bench.server_metrics import MetricsScraper
 from tokenmill.bench.tokenization import TokenizerLike
+
+try:
+    import httpx
+except ImportError as exc:  # in the bench extra: serving does not need it
+    raise MissingExtraError("httpx") from exc
 
 RESULT_FORMAT_VERSION = 1
 """Bumped when the result JSON changes incompatibly; ``compare`` checks it."""

@@ -15,12 +15,17 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import httpx
 import torch
 
+from tokenmill.bench import MissingExtraError
 from tokenmill.bench.client import auth_headers
 from tokenmill.bench.offline_backends import load_transformers_model
 from tokenmill.bench.tokenization import TokenizerLike, encode_text, load_tokenizer
+
+try:
+    import httpx
+except ImportError as exc:  # in the bench extra: serving does not need it
+    raise MissingExtraError("httpx") from exc
 
 DEFAULT_PROMPTS: tuple[str, ...] = (
     "The quick brown fox",
