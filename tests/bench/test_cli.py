@@ -35,7 +35,7 @@ def test_offline_compare_and_verify_parsers() -> None:
                                     "--concurrency", "1,4,16,64", "--sla", "ttft_p95_ms=800"])
     assert compare.results == ["a=x.json"] and compare.target == ["t=http://127.0.0.1:1"]
     verify = _parser().parse_args(["verify", "--engine-arg", "rope_theta_override=5000"])
-    assert verify.model == "demo" and verify.min_match is None and callable(verify.func)
+    assert verify.model is None and verify.min_match is None and callable(verify.func)
     with pytest.raises(SystemExit):
         _parser().parse_args(["bench"])
 

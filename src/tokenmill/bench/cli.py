@@ -54,7 +54,10 @@ def _length_arg(text: str) -> Length:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
+def _add_workload_args(parser: argparse.ArgumentParser, num_prompts: int, has_server: bool = True) -> None:
+    tokenizer_default = (
+        "--model, or the served model, if local; else the server's /tokenize" if has_server else "--model's"
+    )
     group = parser.add_argument_group("workload")
     group.add_argument("--dataset", choices=DATASET_NAMES, default="random", help="prompt source")
     group.add_argument("--dataset-path", help="file for --dataset sharegpt (JSON) or jsonl")
@@ -70,7 +73,7 @@ def _add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> Non
     group.add_argument("--prefix-len", type=int, default=256, help="shared prefix tokens (--dataset prefix)")
     group.add_argument("--num-prefixes", type=int, default=4, help="distinct shared prefixes (--dataset prefix)")
     group.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
-    group.add_argument("--tokenizer", help="local tokenizer folder or tokenizer.json (default: --model if local)")
+    group.add_argument("--tokenizer", help=f"local tokenizer folder or tokenizer.json (default: {tokenizer_default})")
     group.add_argument("--vocab-size", type=int, help="token-id range of random prompts when there is no tokenizer")
 
 
@@ -157,20 +160,78 @@ def _serve_config(args: argparse.Namespace, base_url: str, label: str | None, ma
     )
 
 
-def _serve_tokenizer(args: argparse.Namespace) -> TokenizerLike | None:
+def _local_tokenizer(name: str) -> tuple[TokenizerLike | None, str]:
+    """The local tokenizer of ``name``, or None and why not."""
+    try:
+        return load_tokenizer(name), ""
+    except (FileNotFoundError, OSError, ValueError) as exc:
+        return None, str(exc)
+
+
+def _serve_tokenizer(args: argparse.Namespace, base_url: str) -> tuple[TokenizerLike | None, bool]:
+    """The tokenizer the workload is built with, and whether it is the server's.
+
+    In order: ``--tokenizer``; ``--model`` when it resolves locally; the served model's
+    name (first of ``/v1/models``) when it resolves locally (e.g. ``demo``); the server's
+    ``/tokenize``. The server is asked only when random or prefix prompts have no other
+    way to pick token ids (no ``--vocab-size``); other datasets count without one.
+    """
     if args.tokenizer:
-        return _try_tokenizer(args.tokenizer, is_required=True)
-    return _try_tokenizer(args.model, is_required=False)
+        return _try_tokenizer(args.tokenizer, is_required=True), False
+    from tokenmill.bench.target import RemoteTokenizer, TargetError, first_served_model
+
+    model, why_not = args.model, []
+    if model:
+        tokenizer, reason = _local_tokenizer(model)
+        if tokenizer is not None:
+            return tokenizer, False
+        why_not.append(reason)
+    if args.dataset not in ("random", "prefix") or args.vocab_size is not None:
+        if why_not:
+            _log(f"[bench] no local tokenizer for {model!r} ({why_not[0]}); prompts stay as given, counts come from usage")
+        return None, False
+    try:
+        if not model:
+            model = first_served_model(base_url, args.api_key, args.ready_timeout_s)
+            tokenizer, reason = _local_tokenizer(model)
+            if tokenizer is not None:
+                return tokenizer, False
+            why_not.append(reason)
+        remote = RemoteTokenizer.connect(base_url, model, args.api_key, args.ready_timeout_s)
+    except TargetError as exc:
+        raise ValueError(
+            f"--dataset {args.dataset} needs token ids, and neither a local tokenizer nor the server gave them "
+            f"({'; '.join([*why_not, str(exc)])}); pass --tokenizer PATH or --vocab-size N"
+        ) from None
+    _log(f"[bench] no local tokenizer for {model!r}: prompts are tokenized by {remote.root_url}/tokenize")
+    return remote, True
+
+
+def _build_served_workload(
+    args: argparse.Namespace, base_url: str
+) -> tuple[list[BenchRequest], TokenizerLike | None, dict[str, Any]]:
+    """The requests, the tokenizer the run may count with, and the workload's description.
+
+    The run only gets a local tokenizer: the server's would put blocking HTTP calls inside
+    the measured run (and servers report usage anyway).
+    """
+    tokenizer, is_remote = _serve_tokenizer(args, base_url)
+    requests = _build_workload(args, tokenizer)
+    workload = _workload(args)
+    if is_remote:
+        tokenizer.close()  # type: ignore[union-attr]
+        tokenizer = None
+        workload["tokenizer"] = "server /tokenize"
+    return requests, tokenizer, workload
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``tokenmill bench serve``."""
     from tokenmill.bench.serve import format_summary, run_serve_benchmark, save_result
 
-    tokenizer = _serve_tokenizer(args)
-    requests = _build_workload(args, tokenizer)
+    requests, tokenizer, workload = _build_served_workload(args, args.base_url)
     config = _serve_config(args, args.base_url, args.label, args.max_concurrency)
-    result = run_serve_benchmark(config, requests, tokenizer, _workload(args))
+    result = run_serve_benchmark(config, requests, tokenizer, workload)
     print(format_summary(result))
     if args.save_result:
         _log(f"[bench serve] saved {save_result(result, args.save_result)}")
@@ -249,13 +310,12 @@ def _run_targets(args: argparse.Namespace, out_dir: Path) -> list[tuple[str, dic
     levels: list[int | None] = (
         [int(c) for c in args.concurrency.split(",") if c.strip()] if args.concurrency else [args.max_concurrency]
     )
-    tokenizer = _serve_tokenizer(args)
-    requests = _build_workload(args, tokenizer)
+    requests, tokenizer, workload = _build_served_workload(args, targets[0][1])
     named = []
     for name, url in targets:
         for level in levels:
             _log(f"[bench compare] {name} at max concurrency {level or 'unbounded'}")
-            result = run_serve_benchmark(_serve_config(args, url, name, level), requests, tokenizer, _workload(args))
+            result = run_serve_benchmark(_serve_config(args, url, name, level), requests, tokenizer, workload)
             print(format_summary(result))
             save_result(result, out_dir / "results" / f"{name}_c{level or 'inf'}.json")
             named.append((name, result))
@@ -298,10 +358,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from tokenmill.bench.verify import format_verify_report, run_verify, save_verify_report
 
     min_match = args.min_match if args.min_match is not None else (1.0 if args.dtype == "float32" else 0.8)
+    # A --model given names the served model too (vLLM serves a folder under its path);
+    # without one the reference runs demo and the server is asked what it serves.
+    served_model = args.served_model_name or args.model
     report = run_verify(
-        args.model, max_tokens=args.max_tokens, texts=_read_prompt_texts(args.prompts_file),
+        args.model or "demo", max_tokens=args.max_tokens, texts=_read_prompt_texts(args.prompts_file),
         num_prompts=args.num_prompts, dtype=args.dtype, device=args.device, server_url=args.server_url,
-        server_model=args.served_model_name, api_key=args.api_key, min_match=min_match,
+        server_model=served_model, api_key=args.api_key, min_match=min_match,
         engine_kwargs=_parse_key_values(args.engine_arg, "--engine-arg"),
     )
     print(format_verify_report(report))
@@ -357,7 +420,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="uncounted requests per backend (prompts of their own, shaped like the measured ones)")
     offline.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="extra tokenmill LLM(...) kwarg")
     offline.add_argument("--save-result", metavar="FILE.json", help="write every backend's summary")
-    _add_workload_args(offline, num_prompts=32)
+    _add_workload_args(offline, num_prompts=32, has_server=False)
     offline.set_defaults(func=_guard(cmd_offline))
 
     compare = bench_sub.add_parser("compare", help="side-by-side report of results or endpoints, with an SLA verdict")
@@ -372,7 +435,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     compare.set_defaults(func=_guard(cmd_compare))
 
     verify = subparsers.add_parser("verify", help="check tokenmill's greedy tokens against transformers")
-    verify.add_argument("--model", default="demo", help="local model folder the reference runs, or 'demo'")
+    verify.add_argument("--model", help="local model folder the reference runs, or 'demo' (default: demo)")
     verify.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (EOS ignored)")
     verify.add_argument("--num-prompts", type=int, help="repeat the prompts up to this many")
     verify.add_argument("--prompts-file", help="JSONL of prompts (strings or {\"prompt\": ...})")
@@ -380,7 +443,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="weights dtype of both sides")
     verify.add_argument("--device", default="cpu", help="torch device of both sides (cpu or cuda)")
     verify.add_argument("--server-url", help="verify a running server instead of in-process tokenmill")
-    verify.add_argument("--served-model-name", help="model name the server expects (default: --model)")
+    verify.add_argument("--served-model-name",
+                        help="model name the server expects (default: --model if given, else the first of /v1/models)")
     verify.add_argument("--api-key", help="bearer token for --server-url")
     verify.add_argument("--min-match", type=float, help="required exact-match rate (default 1.0 for float32, else 0.8)")
     verify.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
