@@ -59,7 +59,9 @@ def test_serve_cli_runs_against_the_fake_server(fake_server, tmp_path, capsys) -
         "--goodput", "ttft:1000",
     ])
     assert args.func(args) == 0
-    assert "Serving Benchmark Result" in capsys.readouterr().out and out.is_file()
+    printed = capsys.readouterr().out
+    assert "Serving Benchmark Result" in printed and out.is_file()
+    assert "Peak requests in flight:" in printed and "Peak concurrent requests" not in printed
 
 
 def test_compare_targets_sweeps_concurrency_and_writes_the_report(fake_server, tmp_path, capsys) -> None:

@@ -13,6 +13,7 @@ from tokenmill.bench.metrics import (
     RequestRecord,
     latency_stats_ms,
     parse_goodput,
+    peak_in_flight,
     peak_output_rate,
     summarize,
 )
@@ -99,6 +100,21 @@ def test_peak_output_rate_and_concurrency_use_one_second_buckets() -> None:
     assert peak_tokens == 6.0
     assert peak_requests == 2
     assert peak_output_rate([]) == (0.0, 0)
+
+
+def test_peak_in_flight_respects_the_concurrency_cap_where_the_one_second_figure_cannot() -> None:
+    # 16 lanes, each sending 3 requests of 0.3 s back to back: 48 requests within one second,
+    # never more than 16 at once.
+    records = [
+        RequestRecord(lane * 3 + k, send_time_s=k * 0.3, success=True, output_tokens=2,
+                      ttft_s=0.1, itl_s=[0.2], e2e_s=0.3)
+        for lane in range(16) for k in range(3)
+    ]
+    assert peak_in_flight(records) == 16
+    summary = summarize(records, duration_s=0.9)
+    assert summary["max_in_flight_requests"] == 16
+    assert summary["max_concurrent_requests"] == 48  # vLLM's name: requests active in the busiest second
+    assert peak_in_flight(_records()) == 1 and peak_in_flight([]) == 0
 
 
 def test_empty_and_all_failed_runs_still_have_every_key() -> None:

@@ -353,7 +353,8 @@ def format_summary(result: dict[str, Any]) -> str:
         row("Request goodput (req/s):", result.get("request_goodput"))
     row("Output token throughput (tok/s):", result.get("output_throughput"))
     row("Peak output token throughput (tok/s):", result.get("max_output_tokens_per_s"))
-    row("Peak concurrent requests:", result.get("max_concurrent_requests"))
+    row("Peak requests in flight:", result.get("max_in_flight_requests"))
+    row("Requests active in the busiest second:", result.get("max_concurrent_requests"))
     row("Total token throughput (tok/s):", result.get("total_token_throughput"))
     titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
               "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
