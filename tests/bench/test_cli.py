@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 import pytest
@@ -81,3 +82,20 @@ def test_compare_targets_sweeps_concurrency_and_writes_the_report(fake_server, t
     assert sorted(p.name for p in (out_dir / "results").iterdir()) == ["a_c1.json", "a_c2.json", "b_c1.json", "b_c2.json"]
     assert (out_dir / "report.html").is_file()
     assert matplotlib.image.imread(str(out_dir / "throughput_vs_concurrency.png")).ndim == 3
+
+
+def test_serve_num_rounds_measures_each_round_with_prompts_of_its_own(fake_server, tmp_path, capsys) -> None:
+    fake_server.behavior.ttft_delay_s = fake_server.behavior.itl_delay_s = 0.0
+    out = tmp_path / "r.json"
+    args = _parser().parse_args([
+        "bench", "serve", "--base-url", fake_server.base_url, "--num-prompts", "3", "--input-len", "4",
+        "--output-len", "2", "--vocab-size", "50", "--no-progress", "--num-rounds", "2", "--save-result", str(out),
+    ])
+    assert args.func(args) == 0
+    assert "min-max over 2 rounds:" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["num_rounds"] == 2 and result["completed"] == 6
+    assert [r["completed"] for r in result["rounds"]] == [3, 3]
+    assert [r["round"] for r in result["requests"]] == [0, 0, 0, 1, 1, 1]
+    prompts = [tuple(body["prompt"]) for body in fake_server.behavior.bodies[1:]]  # after the probe
+    assert len(prompts) == 6 and not set(prompts[:3]) & set(prompts[3:])  # no prompt is measured twice

@@ -16,6 +16,7 @@ from tokenmill.bench.metrics import (
     peak_in_flight,
     peak_output_rate,
     summarize,
+    summarize_rounds,
 )
 
 
@@ -151,3 +152,20 @@ def test_percentiles_match_linear_interpolation_and_are_ordered(values: list[flo
     assert ordered[0] - 1e-6 <= stats["mean_x_ms"] <= ordered[-1] + 1e-6
     assert stats["p90_x_ms"] <= stats["p95_x_ms"] + 1e-9 <= stats["p99_x_ms"] + 2e-9
     assert stats["std_x_ms"] == pytest.approx(float(np.std(ordered)), rel=1e-9, abs=1e-6)
+
+
+def test_rounds_pool_their_requests_and_keep_each_rounds_figures() -> None:
+    def one_round(num_tokens: int, duration_s: float) -> tuple[list[RequestRecord], float]:
+        record = RequestRecord(0, send_time_s=0.0, success=True, prompt_tokens=4, output_tokens=num_tokens,
+                               ttft_s=0.1, itl_s=[0.01] * (num_tokens - 1), e2e_s=0.1 + 0.01 * (num_tokens - 1))
+        return [record], duration_s
+
+    summary = summarize_rounds([one_round(10, 1.0), one_round(30, 1.0)])
+    assert summary["num_rounds"] == 2 and summary["completed"] == 2
+    assert summary["output_throughput"] == pytest.approx(20.0)  # 40 tokens over 2 s
+    assert [r["output_throughput"] for r in summary["rounds"]] == pytest.approx([10.0, 30.0])
+    # Rounds do not overlap in time: peaks are the highest round's, not a sum over rounds.
+    assert summary["max_output_tokens_per_s"] == 30 and summary["max_in_flight_requests"] == 1
+    assert "failure_reasons" not in summary["rounds"][0]
+    with pytest.raises(ValueError):
+        summarize_rounds([])

@@ -102,11 +102,13 @@ def _try_tokenizer(name: str | None, is_required: bool) -> TokenizerLike | None:
         return None
 
 
-def _build_workload(args: argparse.Namespace, tokenizer: TokenizerLike | None) -> list[BenchRequest]:
+def _build_workload(
+    args: argparse.Namespace, tokenizer: TokenizerLike | None, seed: int | None = None
+) -> list[BenchRequest]:
     return build_requests(
         args.dataset, args.num_prompts,
         input_len=args.input_len, output_len=args.output_len if args.output_len is not None else 128,
-        range_ratio=args.range_ratio, seed=args.seed, dataset_path=args.dataset_path,
+        range_ratio=args.range_ratio, seed=args.seed if seed is None else seed, dataset_path=args.dataset_path,
         tokenizer=tokenizer, vocab_size=args.vocab_size, prefix_len=args.prefix_len,
         num_prefixes=args.num_prefixes, output_len_is_set=args.output_len is not None,
     )
@@ -129,6 +131,9 @@ def _add_serve_target_args(parser: argparse.ArgumentParser, with_base_url: bool)
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 = Poisson")
     load.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
     load.add_argument("--num-warmups", type=int, default=0, help="uncounted requests after the probe")
+    load.add_argument("--num-rounds", type=int, default=1,
+                      help="measured runs, each with prompts of its own (seed, seed+1, ...); "
+                           "bench compare only calls a difference when it exceeds their spread")
     load.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (fixed output lengths)")
     load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     load.add_argument("--request-timeout-s", type=float, default=600.0,
@@ -209,29 +214,36 @@ def _serve_tokenizer(args: argparse.Namespace, base_url: str) -> tuple[Tokenizer
 
 def _build_served_workload(
     args: argparse.Namespace, base_url: str
-) -> tuple[list[BenchRequest], TokenizerLike | None, dict[str, Any]]:
-    """The requests, the tokenizer the run may count with, and the workload's description.
+) -> tuple[list[list[BenchRequest]], TokenizerLike | None, dict[str, Any]]:
+    """Each round's requests, the tokenizer the run may count with, and the workload's description.
 
-    The run only gets a local tokenizer: the server's would put blocking HTTP calls inside
-    the measured run (and servers report usage anyway).
+    Round ``k`` draws the dataset with seed ``--seed + k``: prompts of its own, so a prefix
+    cache cannot serve it from the round before (a jsonl file has one order, so its rounds
+    repeat). The run only gets a local tokenizer: the server's would put blocking HTTP
+    calls inside the measured run (and servers report usage anyway).
     """
+    if args.num_rounds < 1:
+        raise ValueError(f"--num-rounds must be >= 1, got {args.num_rounds}")
+    if args.dataset == "jsonl" and args.num_rounds > 1:
+        _log("[bench] --dataset jsonl has one order: every round sends the same prompts, "
+             "which a prefix cache may serve from the round before")
     tokenizer, is_remote = _serve_tokenizer(args, base_url)
-    requests = _build_workload(args, tokenizer)
+    rounds = [_build_workload(args, tokenizer, seed=args.seed + k) for k in range(args.num_rounds)]
     workload = _workload(args)
     if is_remote:
         tokenizer.close()  # type: ignore[union-attr]
         tokenizer = None
         workload["tokenizer"] = "server /tokenize"
-    return requests, tokenizer, workload
+    return rounds, tokenizer, workload
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``tokenmill bench serve``."""
     from tokenmill.bench.serve import format_summary, run_serve_benchmark, save_result
 
-    requests, tokenizer, workload = _build_served_workload(args, args.base_url)
+    rounds, tokenizer, workload = _build_served_workload(args, args.base_url)
     config = _serve_config(args, args.base_url, args.label, args.max_concurrency)
-    result = run_serve_benchmark(config, requests, tokenizer, workload)
+    result = run_serve_benchmark(config, rounds[0], tokenizer, workload, rounds[1:])
     print(format_summary(result))
     if args.save_result:
         _log(f"[bench serve] saved {save_result(result, args.save_result)}")
@@ -263,7 +275,8 @@ def cmd_offline(args: argparse.Namespace) -> int:
     config = OfflineConfig(
         model=args.model, backends=_comma_list(args.backends), kv_caches=_comma_list(args.kv_cache),
         dtype=args.dtype, device=args.device, batch_size=args.batch_size, ignore_eos=args.ignore_eos,
-        compare=args.compare, num_rounds=args.num_rounds, num_warmups=args.num_warmups, seed=args.seed,
+        compare=args.compare, num_rounds=args.num_rounds or (3 if args.compare else 1),
+        num_warmups=args.num_warmups, seed=args.seed,
         engine_kwargs=_offline_engine_kwargs(args),
     )
     tokenizer = _try_tokenizer(args.tokenizer or args.model, is_required=False)
@@ -310,12 +323,13 @@ def _run_targets(args: argparse.Namespace, out_dir: Path) -> list[tuple[str, dic
     levels: list[int | None] = (
         [int(c) for c in args.concurrency.split(",") if c.strip()] if args.concurrency else [args.max_concurrency]
     )
-    requests, tokenizer, workload = _build_served_workload(args, targets[0][1])
+    rounds, tokenizer, workload = _build_served_workload(args, targets[0][1])
     named = []
     for name, url in targets:
         for level in levels:
             _log(f"[bench compare] {name} at max concurrency {level or 'unbounded'}")
-            result = run_serve_benchmark(_serve_config(args, url, name, level), requests, tokenizer, workload)
+            config = _serve_config(args, url, name, level)
+            result = run_serve_benchmark(config, rounds[0], tokenizer, workload, rounds[1:])
             print(format_summary(result))
             save_result(result, out_dir / "results" / f"{name}_c{level or 'inf'}.json")
             named.append((name, result))
@@ -415,7 +429,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     offline.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                          help="generate full output lengths so backends do equal work (default on)")
     offline.add_argument("--compare", action="store_true", help="interleave backends over several rounds")
-    offline.add_argument("--num-rounds", type=int, default=3, help="rounds of --compare")
+    offline.add_argument("--num-rounds", type=int,
+                         help="measured runs of each backend (default: 3 with --compare, else 1); "
+                              "bench compare only calls a difference when it exceeds their spread")
     offline.add_argument("--num-warmups", type=int, default=2,
                          help="uncounted requests per backend (prompts of their own, shaped like the measured ones)")
     offline.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="extra tokenmill LLM(...) kwarg")

@@ -252,3 +252,30 @@ def summarize(
     for metric, values_s in zip(LATENCY_METRICS, (ttfts_s, tpots_s, itls_s, e2els_s), strict=True):
         summary.update(latency_stats_ms(values_s, metric))
     return summary
+
+
+PEAK_KEYS: tuple[str, ...] = ("max_output_tokens_per_s", "max_concurrent_requests", "max_in_flight_requests")
+"""Summary keys that are peaks within one round: over several rounds, the highest round's."""
+
+
+def summarize_rounds(
+    rounds: Sequence[tuple[Sequence[RequestRecord], float]],
+    goodput_slos: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """The summary of repeated runs of one workload, with each round's figures kept.
+
+    Counts, throughputs and latency statistics pool every round (throughput is all tokens
+    over all measured seconds); peaks are the highest round's, since rounds do not overlap
+    in time. ``rounds`` lists each round's scalar figures, so a reader can see the spread.
+    """
+    if not rounds:
+        raise ValueError("summarize_rounds needs at least one round")
+    per_round = [summarize(records, duration_s, goodput_slos) for records, duration_s in rounds]
+    pooled = summarize([r for records, _ in rounds for r in records], sum(d for _, d in rounds), goodput_slos)
+    for key in PEAK_KEYS:
+        pooled[key] = max(s[key] for s in per_round)
+    pooled["num_rounds"] = len(rounds)
+    pooled["rounds"] = [
+        {k: v for k, v in s.items() if v is None or isinstance(v, (int, float))} for s in per_round
+    ]
+    return pooled
