@@ -78,7 +78,8 @@ def test_compare_targets_sweeps_concurrency_and_writes_the_report(fake_server, t
     ])
     assert args.func(args) == 0
     printed = capsys.readouterr().out
-    assert "Verdict: Pick" in printed and "up to concurrency 2" in printed
+    # Both targets are one server: a pick or a tie, whichever the timing noise says.
+    assert "Verdict: " in printed and "a: meets it up to concurrency 2" in printed
     assert sorted(p.name for p in (out_dir / "results").iterdir()) == ["a_c1.json", "a_c2.json", "b_c1.json", "b_c2.json"]
     assert (out_dir / "report.html").is_file()
     assert matplotlib.image.imread(str(out_dir / "throughput_vs_concurrency.png")).ndim == 3

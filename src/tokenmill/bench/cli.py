@@ -243,7 +243,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     rounds, tokenizer, workload = _build_served_workload(args, args.base_url)
     config = _serve_config(args, args.base_url, args.label, args.max_concurrency)
+    metadata = _parse_key_values(args.metadata, "--metadata")
     result = run_serve_benchmark(config, rounds[0], tokenizer, workload, rounds[1:])
+    if metadata:
+        result["metadata"] = metadata
     print(format_summary(result))
     if args.save_result:
         _log(f"[bench serve] saved {save_result(result, args.save_result)}")
@@ -289,10 +292,19 @@ def cmd_offline(args: argparse.Namespace) -> int:
 
 
 # ---- bench compare ---------------------------------------------------------------------
-def _named_results_from_files(specs: list[str]) -> list[tuple[str, dict[str, Any]]]:
-    from tokenmill.bench.compare import load_result
+_OFFLINE_RUN_KEYS = ("model", "dtype", "device", "batch_size", "engine_kwargs", "workload")
+"""Settings of an offline file that every one of its rows ran with."""
 
-    named: list[tuple[str, dict[str, Any]]] = []
+
+def _named_results_from_files(specs: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """``[NAME=]FILE`` specs as (target name, result); an offline file gives one per row.
+
+    A name given is kept; results named by their own label that share it but not their
+    config are told apart by what differs (``name_by_config``), e.g. ``demo[static]``.
+    """
+    from tokenmill.bench.compare import load_result, name_by_config
+
+    loaded: list[tuple[str, dict[str, Any], bool]] = []  # name, result, is the name given
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or (not Path(path).exists() and Path(spec).exists()):
@@ -301,14 +313,16 @@ def _named_results_from_files(specs: list[str]) -> list[tuple[str, dict[str, Any
             raise FileNotFoundError(f"result file {path!r} not found")
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         if isinstance(data, dict) and data.get("kind") == "offline":
+            run = {k: data[k] for k in _OFFLINE_RUN_KEYS if k in data}
             for row in data.get("backends", []):
                 if not row.get("skipped"):
                     row_name = f"{name}/{row['label']}" if name else row["label"]
-                    named.append((row_name, {**row, "workload": data.get("workload", {}), "source": path}))
+                    loaded.append((row_name, {**run, **row, "source": path}, bool(name)))
             continue
         result = load_result(path)
-        named.append((name or result["label"], result))
-    return named
+        loaded.append((name or result["label"], result, bool(name)))
+    renamed = iter(name_by_config([(n, r) for n, r, is_given in loaded if not is_given]))
+    return [(n, r) if is_given else next(renamed) for n, r, is_given in loaded]
 
 
 def _run_targets(args: argparse.Namespace, out_dir: Path) -> list[tuple[str, dict[str, Any]]]:
@@ -411,6 +425,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_serve_target_args(serve, with_base_url=True)
     _add_workload_args(serve, num_prompts=200)
     serve.add_argument("--label", help="name of this target in reports (default: model name)")
+    serve.add_argument("--metadata", nargs="+", metavar="KEY=VALUE",
+                       help="settings of the target saved in the result, e.g. kv_cache=static; "
+                            "bench compare names unlabelled targets by the ones that differ")
     serve.add_argument("--save-result", metavar="FILE.json", help="write the summary and every request's timings")
     serve.set_defaults(func=_guard(cmd_serve))
 
