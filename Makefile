@@ -1,7 +1,11 @@
 # Two commands matter: `make run` and `make test`. Both create .venv when missing.
+# `make run` serves in the foreground (Ctrl-C stops it); `make run PORT=8001 HOST=0.0.0.0 MODEL=/path` overrides.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?= demo
 
 .PHONY: run test lint setup bench clean
 
@@ -9,13 +13,13 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,bench]'
 	touch $@
 
 setup: $(VENV)/.installed
 
 run: setup
-	$(VENV)/bin/tokenmill serve demo --host 127.0.0.1 --port 8000
+	$(VENV)/bin/tokenmill serve $(MODEL) --host $(HOST) --port $(PORT)
 
 test: setup
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -3,8 +3,10 @@
 It answers ``/v1/completions`` and ``/v1/chat/completions`` by streaming ``max_tokens``
 chunks: the first after ``ttft_delay_s``, each next one ``itl_delay_s`` later, so the
 bench client's TTFT/ITL/TPOT maths can be checked end to end against known delays. It
-also serves ``/v1/models`` and a Prometheus ``/metrics`` with tokenmill-style names, all
-behind an API key when ``required_api_key`` is set (401 otherwise, as tokenmill does).
+also serves ``/v1/models``, a Prometheus ``/metrics`` with tokenmill-style names, and
+``/tokenize``/``/detokenize`` in vLLM's or llama.cpp's shape (one token per character, the
+id being its code point), all behind an API key when ``required_api_key`` is set (401
+otherwise, as tokenmill does).
 Runs uvicorn in a thread on 127.0.0.1 with a free port; nothing leaves loopback.
 """
 
@@ -44,6 +46,9 @@ class FakeBehavior:
     """Answer this many generation requests with 503, as a server still loading."""
     required_api_key: str | None = None
     """When set, every route wants ``Authorization: Bearer <key>`` and answers 401 without it."""
+    tokenize_style: str | None = "vllm"
+    """``vllm`` (strict ``{"model", "prompt"}``), ``llama.cpp`` (``{"content"}``), or None for no route (404)."""
+    tokenize_bodies: list[dict[str, Any]] = field(default_factory=list)
     num_in_flight: int = 0
     peak_in_flight: int = 0
     num_requests: int = 0
@@ -152,11 +157,38 @@ def build_app(behavior: FakeBehavior) -> Starlette:
         ]
         return PlainTextResponse("\n".join(lines) + "\n")
 
+    async def tokenize(request: Request) -> Response:
+        if (refusal := unauthorized(request)) is not None:
+            return refusal
+        body = await request.json()
+        behavior.tokenize_bodies.append(body)
+        if behavior.tokenize_style == "vllm":
+            if set(body) - {"model", "prompt", "add_special_tokens"} or not isinstance(body.get("prompt"), str):
+                return JSONResponse({"error": {"message": "bad tokenize body"}}, status_code=400)
+            tokens = [ord(c) for c in body["prompt"]]
+            return JSONResponse({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
+        if behavior.tokenize_style == "llama.cpp":  # a body without content tokenizes to nothing, as llama.cpp does
+            return JSONResponse({"tokens": [ord(c) for c in str(body.get("content", ""))]})
+        return PlainTextResponse("not found", status_code=404)
+
+    async def detokenize(request: Request) -> Response:
+        if (refusal := unauthorized(request)) is not None:
+            return refusal
+        body = await request.json()
+        text = "".join(chr(t) for t in body.get("tokens", []))
+        if behavior.tokenize_style == "vllm":
+            return JSONResponse({"prompt": text})
+        if behavior.tokenize_style == "llama.cpp":
+            return JSONResponse({"content": text})
+        return PlainTextResponse("not found", status_code=404)
+
     return Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/models", models),
         Route("/metrics", metrics),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
     ])
 
 

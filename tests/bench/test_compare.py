@@ -4,21 +4,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import matplotlib.image
 import pytest
 
-from tokenmill.bench.cli import register
+from tokenmill.bench.cli import _named_results_from_files, register
 from tokenmill.bench.compare import (
     build_comparison,
     check_sla,
     format_comparison,
+    name_by_config,
     parse_sla,
     table_rows,
 )
 from tokenmill.bench.metrics import RequestRecord, summarize
-from tokenmill.bench.report import PLOT_FILES, write_report
+from tokenmill.bench.report import (
+    PLOT_FILES,
+    build_latency_vs_throughput_figure,
+    build_throughput_figure,
+    write_report,
+)
 
 NUM_REQUESTS, NUM_TOKENS = 10, 11
 
@@ -88,10 +95,10 @@ def test_without_sla_the_verdict_weighs_throughput_and_latency() -> None:
 def test_table_ratios_are_against_the_baseline_at_the_shared_highest_load() -> None:
     comparison = build_comparison(_sweeps(), baseline="slow")
     rows = {spec.key: cells for spec, cells in table_rows(comparison)}
-    (slow_tps, slow_ratio), (fast_tps, fast_ratio) = rows["output_throughput"]
-    assert slow_tps == pytest.approx(90) and fast_tps == pytest.approx(300)  # concurrency 16
-    assert slow_ratio is None and fast_ratio == pytest.approx(300 / 90)
-    assert rows["p95_ttft_ms"][1][1] == pytest.approx(900 / 2000)
+    slow_cell, fast_cell = rows["output_throughput"]
+    assert slow_cell.value == pytest.approx(90) and fast_cell.value == pytest.approx(300)  # concurrency 16
+    assert slow_cell.ratio is None and fast_cell.ratio == pytest.approx(300 / 90) and fast_cell.is_clear
+    assert rows["p95_ttft_ms"][1].ratio == pytest.approx(900 / 2000)
     with pytest.raises(ValueError, match="baseline"):
         build_comparison(_sweeps(), baseline="nope")
 
@@ -168,3 +175,104 @@ def test_different_workloads_are_warned_about_in_text_and_html(tmp_path: Path) -
     del b["workload"]  # e.g. a vLLM result file
     (warning,) = build_comparison([("a", a), ("b", b)]).warnings
     assert warning.startswith("no workload recorded in the results of b")
+
+
+def test_cli_compare_without_matplotlib_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps(make_result("one", 4, 100, 20, 50)))
+    for name in ("matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.delitem(sys.modules, "tokenmill.bench.report", raising=False)  # imported afresh, then restored
+    args = _parser().parse_args(["bench", "compare", str(path), "--output-dir", str(tmp_path / "cmp")])
+    assert args.func(args) == 2
+    assert "matplotlib is not installed; the bench tools need it: pip install 'tokenmill[bench]'" in capsys.readouterr().err
+
+
+def _with_rounds(result: dict, throughputs: list[float]) -> dict:
+    result["rounds"] = [{"output_throughput": x} for x in throughputs]
+    result["num_rounds"] = len(throughputs)
+    return result
+
+
+def test_single_runs_within_noise_are_a_tie_and_are_not_coloured(tmp_path: Path) -> None:
+    # Issue 9: 2758 vs 2744 tok/s, one run each, was called a win; 3-6% apart were coloured.
+    a = make_result("a", 16, 100, 20, 2758)
+    b = make_result("b", 16, 100, 20, 2744)
+    comparison = build_comparison([("a", a), ("b", b)])
+    assert comparison.pick is None
+    assert comparison.verdict.startswith("Output throughput is a tie: a 2758.0, b 2744.0 tok/s")
+    assert "cannot be told from noise" in comparison.verdict and "No target is clearly better" in comparison.verdict
+    text = format_comparison(comparison)
+    assert "(~0.99x)" in text and "~ marks a ratio within noise" in text
+    c = make_result("c", 16, 100, 20, 2758 * 1.06)  # 6% faster: still within single-run noise
+    rows = {spec.key: cells for spec, cells in table_rows(build_comparison([("a", a), ("c", c)]))}
+    assert not rows["output_throughput"][1].is_clear
+    html = write_report(build_comparison([("a", a), ("c", c)]), tmp_path)["html"].read_text()
+    assert 'class="better"' not in html and 'class="worse"' not in html and 'class="noise">(~1.06x)' in html
+    assert 'class="verdict tie"' in html
+
+
+def test_a_large_single_run_difference_is_still_called() -> None:
+    a = make_result("a", 16, 100, 20, 2000)
+    b = make_result("b", 16, 100, 20, 2300)  # 15% faster
+    comparison = build_comparison([("a", a), ("b", b)])
+    assert comparison.pick == "b" and "so pick b" in comparison.verdict
+
+
+def test_rounds_decide_by_their_spread(tmp_path: Path) -> None:
+    a = _with_rounds(make_result("a", 16, 100, 20, 2750), [2700, 2750, 2800])
+    b = _with_rounds(make_result("b", 16, 100, 20, 2770), [2740, 2770, 2790])
+    tie = build_comparison([("a", a), ("b", b)])
+    assert tie.pick is None and "their ranges over 3 rounds overlap" in tie.verdict
+    c = _with_rounds(make_result("c", 16, 100, 20, 2900), [2850, 2900, 2950])  # 5%, but every round above a's
+    win = build_comparison([("a", a), ("c", c)])
+    assert win.pick == "c" and win.verdict.startswith("Highest throughput: c")
+    text = format_comparison(win)
+    assert "2900.00 [2850.00-2950.00] (1.05x)" in text and "2750.00 [2700.00-2800.00]" in text
+    assert "Rounds" in text
+    html = write_report(win, tmp_path)["html"].read_text()
+    assert 'class="better">(1.05x)' in html and 'class="verdict"' in html
+
+
+def test_sla_verdict_calls_a_tie_between_targets_within_noise() -> None:
+    a = make_result("a", 4, 100, 20, 1000)
+    b = make_result("b", 4, 100, 20, 1030)
+    comparison = build_comparison([("a", a), ("b", b)], sla=parse_sla("ttft_p95_ms=800"))
+    assert comparison.pick is None
+    assert comparison.verdict.startswith("b, a meet the SLA, and their best output throughput within it is a tie")
+
+
+def test_unlabelled_results_are_named_by_what_differs(tmp_path: Path) -> None:
+    paths = []
+    for kv_cache in ("paged", "static"):
+        for concurrency in (1, 4):
+            result = make_result("demo", concurrency, 100, 20, 50 * concurrency)
+            result["metadata"] = {"kv_cache": kv_cache}
+            path = tmp_path / f"{kv_cache}_{concurrency}.json"
+            path.write_text(json.dumps(result))
+            paths.append(str(path))
+    named = _named_results_from_files(paths)
+    assert [name for name, _ in named] == ["demo[paged]"] * 2 + ["demo[static]"] * 2
+    assert [t.name for t in build_comparison(named).targets] == ["demo[paged]", "demo[static]"]
+    assert [name for name, _ in _named_results_from_files([f"mine={paths[0]}", paths[2]])] == ["mine", "demo"]
+    two = [("demo", {**make_result("demo", 1, 1, 1, 1), "base_url": f"http://127.0.0.1:{port}", "endpoint": e})
+           for port, e in ((8000, "/v1/completions"), (8001, "/v1/chat/completions"))]
+    assert [n for n, _ in name_by_config(two)] == [
+        "demo[base_url=127.0.0.1:8000,endpoint=/v1/completions]",
+        "demo[base_url=127.0.0.1:8001,endpoint=/v1/chat/completions]",
+    ]
+
+
+def test_plots_of_one_point_per_target_say_so_and_start_at_zero() -> None:
+    a = _with_rounds(make_result("a", 16, 100, 20, 2758), [2740, 2758, 2770])
+    b = make_result("b", 16, 100, 20, 2744)
+    comparison = build_comparison([("a", a), ("b", b)])
+    ax = build_throughput_figure(comparison).axes[0]
+    assert "one load per target: bars, not a curve" in ax.get_title() and len(ax.patches) == 2
+    assert ax.get_ylim()[0] == 0 and "error bars: min-max over 1/3 rounds" in ax.get_title()
+    for ax in build_latency_vs_throughput_figure(comparison).axes:
+        assert "one point per target" in ax.get_title() and ax.get_ylim()[0] == 0 and ax.get_xlim()[0] == 0
+    sweep = build_throughput_figure(build_comparison(_sweeps())).axes[0]
+    assert "against load" in sweep.get_title() and sweep.get_ylim()[0] == 0 and not sweep.patches

@@ -13,8 +13,10 @@ from tokenmill.bench.metrics import (
     RequestRecord,
     latency_stats_ms,
     parse_goodput,
+    peak_in_flight,
     peak_output_rate,
     summarize,
+    summarize_rounds,
 )
 
 
@@ -101,6 +103,21 @@ def test_peak_output_rate_and_concurrency_use_one_second_buckets() -> None:
     assert peak_output_rate([]) == (0.0, 0)
 
 
+def test_peak_in_flight_respects_the_concurrency_cap_where_the_one_second_figure_cannot() -> None:
+    # 16 lanes, each sending 3 requests of 0.3 s back to back: 48 requests within one second,
+    # never more than 16 at once.
+    records = [
+        RequestRecord(lane * 3 + k, send_time_s=k * 0.3, success=True, output_tokens=2,
+                      ttft_s=0.1, itl_s=[0.2], e2e_s=0.3)
+        for lane in range(16) for k in range(3)
+    ]
+    assert peak_in_flight(records) == 16
+    summary = summarize(records, duration_s=0.9)
+    assert summary["max_in_flight_requests"] == 16
+    assert summary["max_concurrent_requests"] == 48  # vLLM's name: requests active in the busiest second
+    assert peak_in_flight(_records()) == 1 and peak_in_flight([]) == 0
+
+
 def test_empty_and_all_failed_runs_still_have_every_key() -> None:
     s = summarize([RequestRecord(0, error="timeout")], duration_s=1.0)
     assert s["completed"] == 0 and s["failed"] == 1
@@ -135,3 +152,20 @@ def test_percentiles_match_linear_interpolation_and_are_ordered(values: list[flo
     assert ordered[0] - 1e-6 <= stats["mean_x_ms"] <= ordered[-1] + 1e-6
     assert stats["p90_x_ms"] <= stats["p95_x_ms"] + 1e-9 <= stats["p99_x_ms"] + 2e-9
     assert stats["std_x_ms"] == pytest.approx(float(np.std(ordered)), rel=1e-9, abs=1e-6)
+
+
+def test_rounds_pool_their_requests_and_keep_each_rounds_figures() -> None:
+    def one_round(num_tokens: int, duration_s: float) -> tuple[list[RequestRecord], float]:
+        record = RequestRecord(0, send_time_s=0.0, success=True, prompt_tokens=4, output_tokens=num_tokens,
+                               ttft_s=0.1, itl_s=[0.01] * (num_tokens - 1), e2e_s=0.1 + 0.01 * (num_tokens - 1))
+        return [record], duration_s
+
+    summary = summarize_rounds([one_round(10, 1.0), one_round(30, 1.0)])
+    assert summary["num_rounds"] == 2 and summary["completed"] == 2
+    assert summary["output_throughput"] == pytest.approx(20.0)  # 40 tokens over 2 s
+    assert [r["output_throughput"] for r in summary["rounds"]] == pytest.approx([10.0, 30.0])
+    # Rounds do not overlap in time: peaks are the highest round's, not a sum over rounds.
+    assert summary["max_output_tokens_per_s"] == 30 and summary["max_in_flight_requests"] == 1
+    assert "failure_reasons" not in summary["rounds"][0]
+    with pytest.raises(ValueError):
+        summarize_rounds([])

@@ -122,7 +122,7 @@ def test_warmups_never_reuse_measured_prompts(monkeypatch: pytest.MonkeyPatch, c
     assert list(made) == ["tokenmill[paged]", "tokenmill[static]", "transformers[bs=8]"]
     for backend in made.values():
         warmup, *rounds = backend.runs
-        assert len(rounds) == (2 if compare else 1) and all(run == measured for run in rounds)
+        assert len(rounds) == 2 and all(run == measured for run in rounds)  # back to back without compare
         assert len(warmup) == 3 and not set(warmup) & set(measured)
         assert [len(p) for p in warmup] == [len(p) for p in measured[:3]]  # same shapes
     rows = {row["label"]: row for row in result["backends"]}
@@ -130,7 +130,8 @@ def test_warmups_never_reuse_measured_prompts(monkeypatch: pytest.MonkeyPatch, c
     assert rows["tokenmill[paged]"]["compile_time_s"] == 0.0 and "compile_time_s" not in rows["transformers[bs=8]"]
     assert all(row["load_s"] >= 0 for row in rows.values())
     # Run figures are averaged over measured rounds only: the warm-up was run 1.
-    assert all(row["runs_so_far"] == (2.5 if compare else 2) for row in rows.values())
+    assert all(row["runs_so_far"] == 2.5 for row in rows.values())
+    assert result["num_rounds"] == 2 and all(len(row["rounds"]) == 2 for row in rows.values())
     assert rows["tokenmill[static]"]["throughput_ratio_vs_baseline"] == pytest.approx(1.0)  # keyed by row, not backend
     table = format_offline_table(result)
     assert "compile s" in table and "tokenmill[static]" in table

@@ -21,7 +21,7 @@ import pytest
 from tokenmill.bench.cli import register
 from tokenmill.bench.datasets import build_requests
 from tokenmill.bench.server_metrics import parse_prometheus_text
-from tokenmill.bench.tokenization import load_tokenizer
+from tokenmill.bench.tokenization import encode_text, load_tokenizer, special_ids_of
 
 pytestmark = pytest.mark.slow
 STARTUP_TIMEOUT_S = 180.0
@@ -146,3 +146,19 @@ def test_verify_against_the_server_url(tokenmill_server: str) -> None:
     generations = run_server_greedy(tokenmill_server, "demo", [[5, 6, 7]], 4)
     assert len(generations[0].token_ids) == 4 and all(isinstance(t, int) for t in generations[0].token_ids)
     assert report.max_logprob_diff is not None and report.max_logprob_diff < 1e-3
+
+
+def test_the_servers_tokenizer_matches_the_local_one(tokenmill_server: str) -> None:
+    from tokenmill.bench.target import RemoteTokenizer
+
+    local = load_tokenizer("demo")
+    remote = RemoteTokenizer.connect(tokenmill_server, "demo")
+    try:
+        assert remote.style == "vllm"  # tokenmill's /tokenize takes vLLM's shape
+        text = "Once upon a time, in a village by the sea,"
+        ids = encode_text(remote, text)
+        assert ids == encode_text(local, text) and remote.decode(ids) == text
+        pool = remote.sample_token_ids()
+        assert len(pool) > 20 and not set(pool) & special_ids_of(local)
+    finally:
+        remote.close()

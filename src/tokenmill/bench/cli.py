@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench import MissingExtraError
 from tokenmill.bench.datasets import (
     DATASET_NAMES,
     BenchRequest,
@@ -53,9 +54,12 @@ def _length_arg(text: str) -> Length:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> None:
+def _add_workload_args(parser: argparse.ArgumentParser, num_prompts: int, has_server: bool = True) -> None:
+    tokenizer_default = (
+        "--model, or the served model, if local; else the server's /tokenize" if has_server else "--model's"
+    )
     group = parser.add_argument_group("workload")
-    group.add_argument("--dataset", choices=DATASET_NAMES, default="random", help="prompt source (default: random)")
+    group.add_argument("--dataset", choices=DATASET_NAMES, default="random", help="prompt source")
     group.add_argument("--dataset-path", help="file for --dataset sharegpt (JSON) or jsonl")
     group.add_argument("--num-prompts", type=int, default=num_prompts, help="requests to measure")
     group.add_argument("--input-len", type=_length_arg, default=256,
@@ -69,7 +73,7 @@ def _add_workload_args(parser: argparse.ArgumentParser, num_prompts: int) -> Non
     group.add_argument("--prefix-len", type=int, default=256, help="shared prefix tokens (--dataset prefix)")
     group.add_argument("--num-prefixes", type=int, default=4, help="distinct shared prefixes (--dataset prefix)")
     group.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
-    group.add_argument("--tokenizer", help="local tokenizer folder or tokenizer.json (default: --model if local)")
+    group.add_argument("--tokenizer", help=f"local tokenizer folder or tokenizer.json (default: {tokenizer_default})")
     group.add_argument("--vocab-size", type=int, help="token-id range of random prompts when there is no tokenizer")
 
 
@@ -98,11 +102,13 @@ def _try_tokenizer(name: str | None, is_required: bool) -> TokenizerLike | None:
         return None
 
 
-def _build_workload(args: argparse.Namespace, tokenizer: TokenizerLike | None) -> list[BenchRequest]:
+def _build_workload(
+    args: argparse.Namespace, tokenizer: TokenizerLike | None, seed: int | None = None
+) -> list[BenchRequest]:
     return build_requests(
         args.dataset, args.num_prompts,
         input_len=args.input_len, output_len=args.output_len if args.output_len is not None else 128,
-        range_ratio=args.range_ratio, seed=args.seed, dataset_path=args.dataset_path,
+        range_ratio=args.range_ratio, seed=args.seed if seed is None else seed, dataset_path=args.dataset_path,
         tokenizer=tokenizer, vocab_size=args.vocab_size, prefix_len=args.prefix_len,
         num_prefixes=args.num_prefixes, output_len_is_set=args.output_len is not None,
     )
@@ -112,26 +118,31 @@ def _build_workload(args: argparse.Namespace, tokenizer: TokenizerLike | None) -
 def _add_serve_target_args(parser: argparse.ArgumentParser, with_base_url: bool) -> None:
     group = parser.add_argument_group("target")
     if with_base_url:
-        group.add_argument("--base-url", default=DEFAULT_BASE_URL, help=f"server root (default {DEFAULT_BASE_URL})")
-    group.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"))
+        group.add_argument("--base-url", default=DEFAULT_BASE_URL, help="server root")
+    group.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"),
+                       help="API to load (chat sends text prompts)")
     group.add_argument("--model", help="model name in requests (default: the first of /v1/models)")
     group.add_argument("--api-key", help="bearer token")
     group.add_argument("--prompt-format", choices=("auto", "ids", "text"), default="auto",
                        help="completions prompts as token ids or text (auto: ids if the server takes them)")
     group.add_argument("--extra-body", help="JSON object merged into every request body")
     load = parser.add_argument_group("load")
-    load.add_argument("--request-rate", type=float, default=math.inf, help="mean req/s (default inf: all at once)")
+    load.add_argument("--request-rate", type=float, default=math.inf, help="mean req/s; inf sends all at once")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 = Poisson")
     load.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
     load.add_argument("--num-warmups", type=int, default=0, help="uncounted requests after the probe")
+    load.add_argument("--num-rounds", type=int, default=1,
+                      help="measured runs, each with prompts of its own (seed, seed+1, ...); "
+                           "bench compare only calls a difference when it exceeds their spread")
     load.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (fixed output lengths)")
-    load.add_argument("--temperature", type=float, default=0.0)
-    load.add_argument("--request-timeout-s", type=float, default=600.0)
+    load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
+    load.add_argument("--request-timeout-s", type=float, default=600.0,
+                      help="deadline of one request, send to last chunk; past it the request fails")
     load.add_argument("--ready-timeout-s", type=float, default=120.0,
                       help="how long to wait for a starting server (connection refused or 503)")
     load.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput, e.g. ttft:500 tpot:50")
     load.add_argument("--no-server-metrics", action="store_true", help="do not poll the target's /metrics")
-    load.add_argument("--metrics-interval-s", type=float, default=0.5)
+    load.add_argument("--metrics-interval-s", type=float, default=0.5, help="seconds between /metrics polls")
     load.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -154,20 +165,88 @@ def _serve_config(args: argparse.Namespace, base_url: str, label: str | None, ma
     )
 
 
-def _serve_tokenizer(args: argparse.Namespace) -> TokenizerLike | None:
+def _local_tokenizer(name: str) -> tuple[TokenizerLike | None, str]:
+    """The local tokenizer of ``name``, or None and why not."""
+    try:
+        return load_tokenizer(name), ""
+    except (FileNotFoundError, OSError, ValueError) as exc:
+        return None, str(exc)
+
+
+def _serve_tokenizer(args: argparse.Namespace, base_url: str) -> tuple[TokenizerLike | None, bool]:
+    """The tokenizer the workload is built with, and whether it is the server's.
+
+    In order: ``--tokenizer``; ``--model`` when it resolves locally; the served model's
+    name (first of ``/v1/models``) when it resolves locally (e.g. ``demo``); the server's
+    ``/tokenize``. The server is asked only when random or prefix prompts have no other
+    way to pick token ids (no ``--vocab-size``); other datasets count without one.
+    """
     if args.tokenizer:
-        return _try_tokenizer(args.tokenizer, is_required=True)
-    return _try_tokenizer(args.model, is_required=False)
+        return _try_tokenizer(args.tokenizer, is_required=True), False
+    from tokenmill.bench.target import RemoteTokenizer, TargetError, first_served_model
+
+    model, why_not = args.model, []
+    if model:
+        tokenizer, reason = _local_tokenizer(model)
+        if tokenizer is not None:
+            return tokenizer, False
+        why_not.append(reason)
+    if args.dataset not in ("random", "prefix") or args.vocab_size is not None:
+        if why_not:
+            _log(f"[bench] no local tokenizer for {model!r} ({why_not[0]}); prompts stay as given, counts come from usage")
+        return None, False
+    try:
+        if not model:
+            model = first_served_model(base_url, args.api_key, args.ready_timeout_s)
+            tokenizer, reason = _local_tokenizer(model)
+            if tokenizer is not None:
+                return tokenizer, False
+            why_not.append(reason)
+        remote = RemoteTokenizer.connect(base_url, model, args.api_key, args.ready_timeout_s)
+    except TargetError as exc:
+        raise ValueError(
+            f"--dataset {args.dataset} needs token ids, and neither a local tokenizer nor the server gave them "
+            f"({'; '.join([*why_not, str(exc)])}); pass --tokenizer PATH or --vocab-size N"
+        ) from None
+    _log(f"[bench] no local tokenizer for {model!r}: prompts are tokenized by {remote.root_url}/tokenize")
+    return remote, True
+
+
+def _build_served_workload(
+    args: argparse.Namespace, base_url: str
+) -> tuple[list[list[BenchRequest]], TokenizerLike | None, dict[str, Any]]:
+    """Each round's requests, the tokenizer the run may count with, and the workload's description.
+
+    Round ``k`` draws the dataset with seed ``--seed + k``: prompts of its own, so a prefix
+    cache cannot serve it from the round before (a jsonl file has one order, so its rounds
+    repeat). The run only gets a local tokenizer: the server's would put blocking HTTP
+    calls inside the measured run (and servers report usage anyway).
+    """
+    if args.num_rounds < 1:
+        raise ValueError(f"--num-rounds must be >= 1, got {args.num_rounds}")
+    if args.dataset == "jsonl" and args.num_rounds > 1:
+        _log("[bench] --dataset jsonl has one order: every round sends the same prompts, "
+             "which a prefix cache may serve from the round before")
+    tokenizer, is_remote = _serve_tokenizer(args, base_url)
+    rounds = [_build_workload(args, tokenizer, seed=args.seed + k) for k in range(args.num_rounds)]
+    workload = _workload(args)
+    if is_remote:
+        tokenizer.close()  # type: ignore[union-attr]
+        tokenizer = None
+        workload["tokenizer"] = "server /tokenize"
+    return rounds, tokenizer, workload
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``tokenmill bench serve``."""
     from tokenmill.bench.serve import format_summary, run_serve_benchmark, save_result
 
-    tokenizer = _serve_tokenizer(args)
-    requests = _build_workload(args, tokenizer)
+    rounds, tokenizer, workload = _build_served_workload(args, args.base_url)
     config = _serve_config(args, args.base_url, args.label, args.max_concurrency)
-    result = run_serve_benchmark(config, requests, tokenizer, _workload(args))
+    metadata = _parse_key_values(args.metadata, "--metadata")
+    result = run_serve_benchmark(config, rounds[0], tokenizer, workload, rounds[1:])
+    if metadata:
+        result["metadata"] = metadata
     print(format_summary(result))
     if args.save_result:
         _log(f"[bench serve] saved {save_result(result, args.save_result)}")
@@ -199,7 +278,8 @@ def cmd_offline(args: argparse.Namespace) -> int:
     config = OfflineConfig(
         model=args.model, backends=_comma_list(args.backends), kv_caches=_comma_list(args.kv_cache),
         dtype=args.dtype, device=args.device, batch_size=args.batch_size, ignore_eos=args.ignore_eos,
-        compare=args.compare, num_rounds=args.num_rounds, num_warmups=args.num_warmups, seed=args.seed,
+        compare=args.compare, num_rounds=args.num_rounds or (3 if args.compare else 1),
+        num_warmups=args.num_warmups, seed=args.seed,
         engine_kwargs=_offline_engine_kwargs(args),
     )
     tokenizer = _try_tokenizer(args.tokenizer or args.model, is_required=False)
@@ -212,10 +292,19 @@ def cmd_offline(args: argparse.Namespace) -> int:
 
 
 # ---- bench compare ---------------------------------------------------------------------
-def _named_results_from_files(specs: list[str]) -> list[tuple[str, dict[str, Any]]]:
-    from tokenmill.bench.compare import load_result
+_OFFLINE_RUN_KEYS = ("model", "dtype", "device", "batch_size", "engine_kwargs", "workload")
+"""Settings of an offline file that every one of its rows ran with."""
 
-    named: list[tuple[str, dict[str, Any]]] = []
+
+def _named_results_from_files(specs: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """``[NAME=]FILE`` specs as (target name, result); an offline file gives one per row.
+
+    A name given is kept; results named by their own label that share it but not their
+    config are told apart by what differs (``name_by_config``), e.g. ``demo[static]``.
+    """
+    from tokenmill.bench.compare import load_result, name_by_config
+
+    loaded: list[tuple[str, dict[str, Any], bool]] = []  # name, result, is the name given
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or (not Path(path).exists() and Path(spec).exists()):
@@ -224,14 +313,16 @@ def _named_results_from_files(specs: list[str]) -> list[tuple[str, dict[str, Any
             raise FileNotFoundError(f"result file {path!r} not found")
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         if isinstance(data, dict) and data.get("kind") == "offline":
+            run = {k: data[k] for k in _OFFLINE_RUN_KEYS if k in data}
             for row in data.get("backends", []):
                 if not row.get("skipped"):
                     row_name = f"{name}/{row['label']}" if name else row["label"]
-                    named.append((row_name, {**row, "workload": data.get("workload", {}), "source": path}))
+                    loaded.append((row_name, {**run, **row, "source": path}, bool(name)))
             continue
         result = load_result(path)
-        named.append((name or result["label"], result))
-    return named
+        loaded.append((name or result["label"], result, bool(name)))
+    renamed = iter(name_by_config([(n, r) for n, r, is_given in loaded if not is_given]))
+    return [(n, r) if is_given else next(renamed) for n, r, is_given in loaded]
 
 
 def _run_targets(args: argparse.Namespace, out_dir: Path) -> list[tuple[str, dict[str, Any]]]:
@@ -246,13 +337,13 @@ def _run_targets(args: argparse.Namespace, out_dir: Path) -> list[tuple[str, dic
     levels: list[int | None] = (
         [int(c) for c in args.concurrency.split(",") if c.strip()] if args.concurrency else [args.max_concurrency]
     )
-    tokenizer = _serve_tokenizer(args)
-    requests = _build_workload(args, tokenizer)
+    rounds, tokenizer, workload = _build_served_workload(args, targets[0][1])
     named = []
     for name, url in targets:
         for level in levels:
             _log(f"[bench compare] {name} at max concurrency {level or 'unbounded'}")
-            result = run_serve_benchmark(_serve_config(args, url, name, level), requests, tokenizer, _workload(args))
+            config = _serve_config(args, url, name, level)
+            result = run_serve_benchmark(config, rounds[0], tokenizer, workload, rounds[1:])
             print(format_summary(result))
             save_result(result, out_dir / "results" / f"{name}_c{level or 'inf'}.json")
             named.append((name, result))
@@ -295,10 +386,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from tokenmill.bench.verify import format_verify_report, run_verify, save_verify_report
 
     min_match = args.min_match if args.min_match is not None else (1.0 if args.dtype == "float32" else 0.8)
+    # A --model given names the served model too (vLLM serves a folder under its path);
+    # without one the reference runs demo and the server is asked what it serves.
+    served_model = args.served_model_name or args.model
     report = run_verify(
-        args.model, max_tokens=args.max_tokens, texts=_read_prompt_texts(args.prompts_file),
+        args.model or "demo", max_tokens=args.max_tokens, texts=_read_prompt_texts(args.prompts_file),
         num_prompts=args.num_prompts, dtype=args.dtype, device=args.device, server_url=args.server_url,
-        server_model=args.served_model_name, api_key=args.api_key, min_match=min_match,
+        server_model=served_model, api_key=args.api_key, min_match=min_match,
         engine_kwargs=_parse_key_values(args.engine_arg, "--engine-arg"),
     )
     print(format_verify_report(report))
@@ -312,11 +406,9 @@ def _guard(func: Any) -> Any:
     """Turn expected user errors into a one-line message and exit code 2."""
 
     def run(args: argparse.Namespace) -> int:
-        from tokenmill.bench.serve import BenchmarkError
-
         try:
             return func(args)
-        except (BenchmarkError, ValueError, FileNotFoundError, RuntimeError) as exc:
+        except (MissingExtraError, ValueError, FileNotFoundError, RuntimeError) as exc:  # BenchmarkError too
             _log(f"error: {exc}")
             return 2
 
@@ -333,29 +425,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_serve_target_args(serve, with_base_url=True)
     _add_workload_args(serve, num_prompts=200)
     serve.add_argument("--label", help="name of this target in reports (default: model name)")
+    serve.add_argument("--metadata", nargs="+", metavar="KEY=VALUE",
+                       help="settings of the target saved in the result, e.g. kv_cache=static; "
+                            "bench compare names unlabelled targets by the ones that differ")
     serve.add_argument("--save-result", metavar="FILE.json", help="write the summary and every request's timings")
     serve.set_defaults(func=_guard(cmd_serve))
 
     offline = bench_sub.add_parser("offline", help="in-process throughput and latency, without HTTP")
-    offline.add_argument("--model", default="demo", help="local model folder (default: demo)")
+    offline.add_argument("--model", default="demo", help="local model folder, or 'demo'")
     offline.add_argument("--backends", default="tokenmill,transformers",
                          help="comma list of tokenmill, transformers, transformers-cb (first is the baseline)")
     offline.add_argument("--kv-cache", default="paged",
                          help="tokenmill's KV strategies, comma list of paged, static (one tokenmill row each)")
     offline.add_argument("--compile-batch-sizes", metavar="N,N,...",
                          help="decode batch sizes tokenmill compiles for the static strategy, e.g. 1,2,4,8")
-    offline.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    offline.add_argument("--device", default="auto")
+    offline.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                         help="weights dtype of every backend")
+    offline.add_argument("--device", default="auto", help="cpu, cuda or auto")
     offline.add_argument("--batch-size", type=int, default=8, help="static batch size of the transformers backend")
     offline.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                          help="generate full output lengths so backends do equal work (default on)")
     offline.add_argument("--compare", action="store_true", help="interleave backends over several rounds")
-    offline.add_argument("--num-rounds", type=int, default=3, help="rounds of --compare")
+    offline.add_argument("--num-rounds", type=int,
+                         help="measured runs of each backend (default: 3 with --compare, else 1); "
+                              "bench compare only calls a difference when it exceeds their spread")
     offline.add_argument("--num-warmups", type=int, default=2,
                          help="uncounted requests per backend (prompts of their own, shaped like the measured ones)")
     offline.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="extra tokenmill LLM(...) kwarg")
-    offline.add_argument("--save-result", metavar="FILE.json")
-    _add_workload_args(offline, num_prompts=32)
+    offline.add_argument("--save-result", metavar="FILE.json", help="write every backend's summary")
+    _add_workload_args(offline, num_prompts=32, has_server=False)
     offline.set_defaults(func=_guard(cmd_offline))
 
     compare = bench_sub.add_parser("compare", help="side-by-side report of results or endpoints, with an SLA verdict")
@@ -370,15 +468,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     compare.set_defaults(func=_guard(cmd_compare))
 
     verify = subparsers.add_parser("verify", help="check tokenmill's greedy tokens against transformers")
-    verify.add_argument("--model", default="demo", help="local model folder (default: demo)")
-    verify.add_argument("--max-tokens", type=int, default=32)
+    verify.add_argument("--model", help="local model folder the reference runs, or 'demo' (default: demo)")
+    verify.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (EOS ignored)")
     verify.add_argument("--num-prompts", type=int, help="repeat the prompts up to this many")
     verify.add_argument("--prompts-file", help="JSONL of prompts (strings or {\"prompt\": ...})")
-    verify.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    verify.add_argument("--device", default="cpu")
+    verify.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="weights dtype of both sides")
+    verify.add_argument("--device", default="cpu", help="torch device of both sides (cpu or cuda)")
     verify.add_argument("--server-url", help="verify a running server instead of in-process tokenmill")
-    verify.add_argument("--served-model-name", help="model name the server expects (default: --model)")
-    verify.add_argument("--api-key")
+    verify.add_argument("--served-model-name",
+                        help="model name the server expects (default: --model if given, else the first of /v1/models)")
+    verify.add_argument("--api-key", help="bearer token for --server-url")
     verify.add_argument("--min-match", type=float, help="required exact-match rate (default 1.0 for float32, else 0.8)")
     verify.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
                         help="extra LLM(...) kwarg, e.g. rope_theta_override=5000")

@@ -17,11 +17,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
+from tokenmill.bench import MissingExtraError
 from tokenmill.bench.datasets import BenchRequest
 from tokenmill.bench.metrics import RequestRecord
 from tokenmill.bench.tokenization import TokenizerLike, encode_text
+
+try:
+    import httpx
+except ImportError as exc:  # in the bench extra: serving does not need it
+    raise MissingExtraError("httpx") from exc
 
 ENDPOINTS: tuple[str, ...] = ("/v1/completions", "/v1/chat/completions")
 """Endpoints the serve benchmark knows how to stream from."""

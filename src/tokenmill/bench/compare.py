@@ -1,10 +1,14 @@
 """``tokenmill bench compare``: turn several benchmark results into a decision.
 
-Owns loading result files (tokenmill's and vLLM's ``bench serve`` JSON), grouping them
-into one load sweep per target, checking each point against an SLA, computing ratios
-against a baseline, and wording the verdict: which target to pick for this workload and
-the highest load each one sustains within the SLA. Drawing and HTML live in
-``report.py``; this module stays free of matplotlib.
+Owns loading result files (tokenmill's and vLLM's ``bench serve`` JSON), naming targets
+by what differs between their configs, grouping them into one load sweep per target,
+checking each point against an SLA, computing ratios against a baseline, and wording the
+verdict: which target to pick for this workload and the highest load each one sustains
+within the SLA. A difference is only called when it exceeds the noise: with two or more
+rounds per target (``--num-rounds``), when their ranges over rounds do not overlap; with
+one round, when one figure is at least ``SINGLE_RUN_NOISE`` above the other. Anything
+less is a tie, and the report says so. Drawing and HTML live in ``report.py``; this
+module stays free of matplotlib.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +55,100 @@ TABLE_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("num_preemptions", "Preemptions", False),
 )
 """Rows of the side-by-side table, in order."""
+
+SINGLE_RUN_NOISE = 0.10
+"""Smallest relative difference called from one round per target (one figure at least
+1.10x the other). Single runs of one workload on a shared machine move by several percent
+from run to run (3-6% was seen between identical configs), so less than 10% is a tie
+unless ``--num-rounds`` measures the spread."""
+
+
+def round_values(result: dict[str, Any], key: str) -> list[float]:
+    """``key``'s value in each measured round; one value for a single run, none if unmeasured."""
+    rounds = result.get("rounds") or []
+    values = [r.get(key) for r in rounds if isinstance(r, dict)]
+    if len(values) > 1 and all(isinstance(v, (int, float)) for v in values):
+        return [float(v) for v in values]
+    if key == "output_throughput" and len(result.get("round_output_throughputs") or []) > 1:
+        return [float(v) for v in result["round_output_throughputs"]]  # offline results
+    value = result.get(key)
+    return [float(value)] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
+
+
+def spread_of(result: dict[str, Any], key: str) -> tuple[float, float] | None:
+    """(min, max) of ``key`` over rounds; None for a single run."""
+    values = round_values(result, key)
+    return (min(values), max(values)) if len(values) > 1 else None
+
+
+def is_clear_difference(a: dict[str, Any], b: dict[str, Any], key: str) -> bool:
+    """Whether ``a`` and ``b`` differ on ``key`` by more than the noise.
+
+    With two or more rounds each: their ranges over rounds do not overlap. Otherwise:
+    the larger value is at least ``1 + SINGLE_RUN_NOISE`` times the smaller.
+    """
+    va, vb = round_values(a, key), round_values(b, key)
+    if not va or not vb:
+        return False
+    if len(va) > 1 and len(vb) > 1:
+        return max(va) < min(vb) or max(vb) < min(va)
+    low, high = sorted((float(a[key]), float(b[key])))
+    return high > low and high >= low * (1 + SINGLE_RUN_NOISE)
+
+
+def noise_rule(points: list[dict[str, Any]]) -> str:
+    """How ``is_clear_difference`` judged these points, in words for the report."""
+    counts = {max(len(round_values(p, "output_throughput")), 1) for p in points}
+    if min(counts) > 1:
+        return f"their ranges over {'/'.join(str(c) for c in sorted(counts))} rounds overlap"
+    return (f"from one round, a difference under {SINGLE_RUN_NOISE:.0%} cannot be told from noise; "
+            "measure the spread with --num-rounds 3")
+
+
+CONFIG_KEYS: tuple[str, ...] = (
+    "backend", "kv_cache", "model", "model_id", "base_url", "endpoint", "prompt_format", "dtype", "device",
+    "batch_size", "engine_kwargs", "ignore_eos", "temperature", "metadata",
+)
+"""Settings that tell targets apart (load and workload are not among them: they form sweeps
+and are checked by ``workload_warnings``)."""
+
+
+def config_of(result: dict[str, Any]) -> dict[str, str]:
+    """The result's settings as text, ``metadata`` and ``engine_kwargs`` entries flattened."""
+    config: dict[str, str] = {}
+    for key in CONFIG_KEYS:
+        value = result.get(key)
+        if isinstance(value, dict):
+            config.update({k: _value_text(v) for k, v in value.items()})
+        elif value is not None:
+            text = _value_text(value)
+            config[key] = text.split("://", 1)[-1] if key == "base_url" else text
+    return config
+
+
+def name_by_config(named_results: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """Results that share a name but not a config get the name plus what differs.
+
+    Two ``demo`` results run against servers given ``--metadata kv_cache=paged`` and
+    ``kv_cache=static`` become ``demo[paged]`` and ``demo[static]``; with several settings
+    differing, ``demo[kv_cache=static,max_num_seqs=64]``. Results with one config stay
+    one target, so a concurrency sweep keeps its name.
+    """
+    configs: dict[str, list[dict[str, str]]] = {}
+    for name, result in named_results:
+        config = config_of(result)
+        if config not in configs.setdefault(name, []):
+            configs[name].append(config)
+    renamed = []
+    for name, result in named_results:
+        distinct = configs[name]
+        if len(distinct) > 1:
+            config = config_of(result)
+            keys = [k for k in dict.fromkeys(k for c in distinct for k in c) if len({c.get(k) for c in distinct}) > 1]
+            parts = [config.get(k, "-") if len(keys) == 1 else f"{k}={config.get(k, '-')}" for k in keys]
+            name = f"{name}[{','.join(parts)}]"
+        renamed.append((name, result))
+    return renamed
 
 
 def parse_sla(text: str | None) -> dict[str, float]:
@@ -175,7 +274,9 @@ class Comparison:
     sla: dict[str, float]
     load_kind: str
     verdict: str
-    """One or two sentences: which target to pick and why."""
+    """One or two sentences: which target to pick and why, or that it is a tie."""
+    pick: str | None = None
+    """The recommended target; None for a tie, a trade-off, or no target within the SLA."""
     warnings: list[str] = field(default_factory=list)
     """Why the figures may not be comparable (e.g. targets ran different workloads)."""
 
@@ -215,41 +316,79 @@ def _ratio_text(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base else "n/a"
 
 
-def _verdict(targets: list[TargetSummary], baseline: str, sla: dict[str, float], load_kind: str) -> str:
+def _leader(
+    targets: list[TargetSummary], key: str, is_higher_better: bool, point_of: Any
+) -> tuple[TargetSummary | None, list[TargetSummary]]:
+    """The target with the best ``key`` at ``point_of(target)``, and the others within noise of it."""
+    valued = [t for t in targets if (point_of(t) or {}).get(key) is not None]
+    if not valued:
+        return None, []
+    pick = max if is_higher_better else min
+    best = pick(valued, key=lambda t: point_of(t)[key])
+    tied = [t for t in valued if t is not best and not is_clear_difference(point_of(t), point_of(best), key)]
+    return best, tied
+
+
+def _tie_text(tied: list[TargetSummary], point_of: Any) -> str:
+    """``a 2758.0, b 2744.0 tok/s (why that is within noise)`` for output throughput."""
+    figures = ", ".join(f"{t.name} {point_of(t)['output_throughput']:.1f}" for t in tied)
+    return f"{figures} tok/s ({noise_rule([point_of(t) for t in tied])})"
+
+
+def _sla_verdict(targets: list[TargetSummary], base: TargetSummary, load_kind: str) -> tuple[str, str | None]:
+    passing = [t for t in targets if t.meets_sla]
+    if not passing:
+        return "No target meets the SLA at any measured load; relax the SLA or add capacity.", None
+    best_point = attrgetter("best_within_sla")
+    best, tied = _leader(passing, "output_throughput", True, best_point)
+    failing = [t.name for t in targets if not t.meets_sla]
+    never = f". Never within the SLA: {', '.join(failing)}" if failing else ""
+    if best is None:
+        return "No target within the SLA reports output throughput; nothing to decide on.", None
+    if tied:
+        names = ", ".join(t.name for t in [best, *tied])
+        return (f"{names} meet the SLA, and their best output throughput within it is a tie: "
+                f"{_tie_text([best, *tied], best_point)}; choose on other grounds{never}."), None
+    point = best.best_within_sla or {}
+    text = (
+        f"Pick {best.name}: it meets the SLA {_within_sla_text(load_kind, best.max_load_within_sla)} "
+        f"with {point.get('output_throughput', 0.0):.1f} output tok/s"
+    )
+    base_point = base.best_within_sla
+    if best is not base and base_point and base_point.get("output_throughput"):
+        text += f", {_ratio_text(point['output_throughput'], base_point['output_throughput'])} {base.name}'s best within SLA"
+    elif best is not base:
+        text += f"; {base.name} never meets it"
+    return text + never + ".", best.name
+
+
+def _verdict(targets: list[TargetSummary], baseline: str, sla: dict[str, float], load_kind: str) -> tuple[str, str | None]:
+    """The verdict sentence and the picked target (None when nothing is clearly better)."""
     base = next(t for t in targets if t.name == baseline)
     if sla:
-        passing = [t for t in targets if t.meets_sla]
-        if not passing:
-            return "No target meets the SLA at any measured load; relax the SLA or add capacity."
-        best = max(passing, key=lambda t: (t.best_within_sla or {}).get("output_throughput") or 0.0)
-        point = best.best_within_sla or {}
-        text = (
-            f"Pick {best.name}: it meets the SLA {_within_sla_text(load_kind, best.max_load_within_sla)} "
-            f"with {point.get('output_throughput', 0.0):.1f} output tok/s"
-        )
-        base_point = base.best_within_sla
-        if best is not base and base_point and base_point.get("output_throughput"):
-            text += f", {_ratio_text(point['output_throughput'], base_point['output_throughput'])} {base.name}'s best within SLA"
-        elif best is not base:
-            text += f"; {base.name} never meets it"
-        failing = [t.name for t in targets if not t.meets_sla]
-        if failing:
-            text += f". Never within the SLA: {', '.join(failing)}"
-        return text + "."
-    fastest = max(targets, key=lambda t: t.headline.get("output_throughput") or 0.0)
-    quickest = min(targets, key=lambda t: t.headline.get("p95_ttft_ms") or math.inf)
+        return _sla_verdict(targets, base, load_kind)
+    headline = attrgetter("headline")
+    fastest, tp_tied = _leader(targets, "output_throughput", True, headline)
+    quickest, ttft_tied = _leader(targets, "p95_ttft_ms", False, headline)
+    if fastest is None:
+        return "No target reports output throughput; nothing to decide on.", None
+    if tp_tied:
+        text = f"Output throughput is a tie: {_tie_text([fastest, *tp_tied], headline)}."
+        if quickest is not None and not ttft_tied:
+            return (f"{text} Lowest p95 TTFT, by more than the noise: {quickest.name} "
+                    f"({quickest.headline['p95_ttft_ms']:.1f} ms), so pick {quickest.name}."), quickest.name
+        return f"{text} No target is clearly better on this workload.", None
     text = f"Highest throughput: {fastest.name} ({fastest.headline.get('output_throughput', 0.0):.1f} output tok/s"
     if fastest is not base and base.headline.get("output_throughput"):
         text += f", {_ratio_text(fastest.headline['output_throughput'], base.headline['output_throughput'])} {base.name}"
     text += ")."
-    if quickest is fastest:
-        text += f" It also has the lowest p95 TTFT, so pick {fastest.name}."
-    else:
-        text += (
-            f" Lowest p95 TTFT: {quickest.name} ({quickest.headline.get('p95_ttft_ms', 0.0):.1f} ms); "
-            "pass --sla to decide between throughput and latency."
-        )
-    return text
+    if quickest is None or quickest is fastest or fastest in ttft_tied:
+        also = "also has the lowest p95 TTFT" if quickest is fastest else "has a p95 TTFT within noise of the lowest"
+        return f"{text} It {also}, so pick {fastest.name}.", fastest.name
+    return text + (
+        f" Lowest p95 TTFT: {quickest.name} ({quickest.headline.get('p95_ttft_ms', 0.0):.1f} ms); "
+        "pass --sla to decide between throughput and latency."
+    ), None
 
 
 def _value_text(value: Any) -> str:
@@ -326,12 +465,25 @@ def build_comparison(
             elif misses:
                 target.sla_misses[i] = misses
         targets.append(target)
-    verdict = _verdict(targets, baseline, sla, load_kind)
-    return Comparison(targets, baseline, sla, load_kind, verdict, workload_warnings(named_results))
+    verdict, pick = _verdict(targets, baseline, sla, load_kind)
+    return Comparison(targets, baseline, sla, load_kind, verdict, pick, workload_warnings(named_results))
 
 
-def table_rows(comparison: Comparison) -> list[tuple[MetricSpec, list[tuple[float | None, float | None]]]]:
-    """For each shown metric: per target (value, value / baseline value or None)."""
+@dataclass(frozen=True)
+class Cell:
+    """One target's figure in the side-by-side table."""
+
+    value: float | None
+    ratio: float | None
+    """value / the baseline's; None for the baseline itself."""
+    spread: tuple[float, float] | None
+    """(min, max) over rounds; None for a single run."""
+    is_clear: bool
+    """The difference from the baseline exceeds the noise (see ``is_clear_difference``)."""
+
+
+def table_rows(comparison: Comparison) -> list[tuple[MetricSpec, list[Cell]]]:
+    """For each shown metric: each target's cell, against the baseline's headline point."""
     base = comparison.target(comparison.baseline).headline
     rows = []
     for spec in TABLE_METRICS:
@@ -344,16 +496,35 @@ def table_rows(comparison: Comparison) -> list[tuple[MetricSpec, list[tuple[floa
             ratio = None
             if target.name != comparison.baseline and value is not None and base_value:
                 ratio = value / base_value
-            cells.append((value, ratio))
+            is_clear = ratio is not None and is_clear_difference(target.headline, base, spec.key)
+            cells.append(Cell(value, ratio, spread_of(target.headline, spec.key), is_clear))
         rows.append((spec, cells))
     return rows
 
 
-def _cell(value: float | None, ratio: float | None) -> str:
+def format_number(value: float | None) -> str:
+    """A table figure: two decimals for floats, integers as they are."""
     if value is None:
         return "n/a"
-    text = f"{value:.2f}" if isinstance(value, float) else str(value)
-    return f"{text} ({ratio:.2f}x)" if ratio is not None else text
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def _cell(cell: Cell) -> str:
+    text = format_number(cell.value)
+    if cell.spread is not None and cell.spread[0] != cell.spread[1]:
+        text += f" [{format_number(cell.spread[0])}-{format_number(cell.spread[1])}]"
+    if cell.ratio is not None:
+        text += f" ({'' if cell.is_clear else '~'}{cell.ratio:.2f}x)"
+    return text
+
+
+def num_rounds_of(result: dict[str, Any]) -> int:
+    """Measured rounds behind a result's figures."""
+    return max(len(round_values(result, "output_throughput")), 1)
+
+
+TABLE_LEGEND = "[min-max] over rounds; ~ marks a ratio within noise ({rule})."
+"""The line under the table; ``rule`` is ``noise_rule`` of the headline points."""
 
 
 def format_comparison(comparison: Comparison) -> str:
@@ -361,14 +532,16 @@ def format_comparison(comparison: Comparison) -> str:
     names = [t.name for t in comparison.targets]
     loads = {t.name: describe_load(comparison.load_kind, load_of(t.headline)[1]) for t in comparison.targets}
     header = ["Metric"] + [f"{n}{' (baseline)' if n == comparison.baseline else ''}" for n in names]
-    body = [[spec.title] + [_cell(v, r) for v, r in cells] for spec, cells in table_rows(comparison)]
+    body = [[spec.title] + [_cell(c) for c in cells] for spec, cells in table_rows(comparison)]
     body.insert(0, ["Load"] + [loads[n] for n in names])
+    body.insert(1, ["Rounds"] + [str(num_rounds_of(t.headline)) for t in comparison.targets])
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     lines = [f"Verdict: {comparison.verdict}"]
     lines += [f"Warning: {warning}" for warning in comparison.warnings]
     lines.append("")
     for row in [header, ["-" * w for w in widths], *body]:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+    lines.append(TABLE_LEGEND.format(rule=noise_rule([t.headline for t in comparison.targets])))
     if comparison.sla:
         lines.append("")
         lines.append("SLA: " + ", ".join(f"{k} <= {v:g}" for k, v in comparison.sla.items()))

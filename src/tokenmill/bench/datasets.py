@@ -23,6 +23,7 @@ from tokenmill.bench.tokenization import (
     TokenizerLike,
     decode_ids,
     encode_text,
+    sample_token_ids_of,
     special_ids_of,
     vocab_size_of,
 )
@@ -84,22 +85,23 @@ def _length_bounds(length: Length, range_ratio: float) -> tuple[int, int]:
     return low, high
 
 
-def _allowed_ids(vocab_size: int, tokenizer: TokenizerLike | None) -> np.ndarray:
-    """Token ids a random prompt may use: the vocabulary minus special tokens."""
+def _allowed_ids(tokenizer: TokenizerLike | None, vocab_size: int | None) -> np.ndarray:
+    """Token ids a random prompt may use: the vocabulary minus special tokens, or the
+    tokenizer's sample ids when the vocabulary size is unknown (a server's tokenizer)."""
     special = special_ids_of(tokenizer) if tokenizer is not None else set()
-    ids = np.setdiff1d(np.arange(vocab_size, dtype=np.int64), np.array(sorted(special), dtype=np.int64))
-    if ids.size == 0:
-        raise ValueError("the vocabulary has no non-special tokens to build prompts from")
-    return ids
-
-
-def _resolve_vocab_size(tokenizer: TokenizerLike | None, vocab_size: int | None) -> int:
     size = vocab_size if vocab_size is not None else (
         vocab_size_of(tokenizer) if tokenizer is not None else None
     )
-    if size is None or size < 1:
+    sample = sample_token_ids_of(tokenizer) if size is None and tokenizer is not None else None
+    if sample:
+        ids = np.array(sorted(set(sample) - special), dtype=np.int64)
+    elif size is None or size < 1:
         raise ValueError("random prompts need a tokenizer (--tokenizer) or --vocab-size")
-    return size
+    else:
+        ids = np.setdiff1d(np.arange(size, dtype=np.int64), np.array(sorted(special), dtype=np.int64))
+    if ids.size == 0:
+        raise ValueError("the vocabulary has no non-special tokens to build prompts from")
+    return ids
 
 
 def _text_of_length(
@@ -148,7 +150,7 @@ def build_random_requests(
     in_low, in_high = _length_bounds(input_len, range_ratio)
     out_low, out_high = _length_bounds(output_len, range_ratio)
     rng = np.random.default_rng(seed)
-    allowed_ids = _allowed_ids(_resolve_vocab_size(tokenizer, vocab_size), tokenizer)
+    allowed_ids = _allowed_ids(tokenizer, vocab_size)
     input_lens = rng.integers(in_low, in_high + 1, size=num_prompts)
     output_lens = rng.integers(out_low, out_high + 1, size=num_prompts)
     requests = []
@@ -180,7 +182,7 @@ def build_prefix_requests(
     if num_prefixes < 1 or prefix_len < 1 or suffix_len < 1 or output_len < 1:
         raise ValueError("num_prefixes, prefix_len, suffix_len and output_len must be >= 1")
     rng = np.random.default_rng(seed)
-    allowed_ids = _allowed_ids(_resolve_vocab_size(tokenizer, vocab_size), tokenizer)
+    allowed_ids = _allowed_ids(tokenizer, vocab_size)
     prefixes = [rng.choice(allowed_ids, size=prefix_len).tolist() for _ in range(num_prefixes)]
     prefix_texts = (
         [_text_of_length(p, tokenizer, rng, allowed_ids)[0] for p in prefixes]

@@ -153,10 +153,13 @@ def is_good_request(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
 
 
 def peak_output_rate(records: Sequence[RequestRecord]) -> tuple[float, int]:
-    """Peak output tokens/s and peak concurrent requests over 1-second buckets.
+    """Peak output tokens/s, and the most requests active during one 1-second bucket.
 
-    Mirrors vLLM: each token chunk lands in the bucket of its arrival second counted from
-    the first send; a request counts as concurrent in every second it was in flight.
+    Mirrors vLLM (its ``max_concurrent_requests``): each token chunk lands in the bucket of
+    its arrival second counted from the first send; a request counts in every second it
+    was in flight. Requests that run one after another within a second all count, so the
+    second figure exceeds ``--max-concurrency`` when requests are short; see
+    ``peak_in_flight`` for the number in flight at one instant.
     """
     done = [r for r in records if r.success]
     if not done:
@@ -177,6 +180,24 @@ def peak_output_rate(records: Sequence[RequestRecord]) -> tuple[float, int]:
     return float(tokens_per_bucket.max()), int(requests_per_bucket.max())
 
 
+def peak_in_flight(records: Sequence[RequestRecord]) -> int:
+    """The most successful requests in flight at one instant (send to last chunk).
+
+    A request that ends as another starts does not overlap it, so under a concurrency cap
+    this never exceeds the cap.
+    """
+    events = []
+    for r in records:
+        if r.success:
+            events += [(r.send_time_s, 1), (r.send_time_s + r.e2e_s, -1)]
+    events.sort()  # at equal times an end (-1) sorts before a start (+1)
+    peak = in_flight = 0
+    for _, change in events:
+        in_flight += change
+        peak = max(peak, in_flight)
+    return peak
+
+
 def failure_reasons(records: Iterable[RequestRecord]) -> dict[str, int]:
     """Count of failed requests per reason, most frequent first."""
     counts = Counter(r.error or "unknown error" for r in records if not r.success)
@@ -189,6 +210,9 @@ def summarize(
     goodput_slos: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The benchmark summary with vLLM's key names: counts, throughputs and latency stats.
+
+    ``max_concurrent_requests`` keeps vLLM's name and meaning (most requests active within
+    one second); ``max_in_flight_requests`` is the most in flight at one instant.
 
     ``duration_s`` is the wall time of the measured run (warm-up excluded); throughputs
     divide by it. ``goodput_slos`` maps ``ttft``/``tpot``/``e2el`` to limits in ms; when
@@ -203,7 +227,7 @@ def summarize(
     tpots_s = [t for t in (r.tpot_s for r in done) if t is not None]
     itls_s = [gap for r in done for gap in r.itl_s]
     e2els_s = [r.e2e_s for r in done]
-    peak_tokens_per_s, peak_concurrency = peak_output_rate(done)
+    peak_tokens_per_s, peak_requests_per_s = peak_output_rate(done)
 
     summary: dict[str, Any] = {
         "duration": duration_s,
@@ -218,7 +242,8 @@ def summarize(
         "output_throughput": total_output / duration_s,
         "total_token_throughput": (total_input + total_output) / duration_s,
         "max_output_tokens_per_s": peak_tokens_per_s,
-        "max_concurrent_requests": peak_concurrency,
+        "max_concurrent_requests": peak_requests_per_s,
+        "max_in_flight_requests": peak_in_flight(done),
     }
     if goodput_slos:
         num_good = sum(is_good_request(r, goodput_slos) for r in done)
@@ -227,3 +252,30 @@ def summarize(
     for metric, values_s in zip(LATENCY_METRICS, (ttfts_s, tpots_s, itls_s, e2els_s), strict=True):
         summary.update(latency_stats_ms(values_s, metric))
     return summary
+
+
+PEAK_KEYS: tuple[str, ...] = ("max_output_tokens_per_s", "max_concurrent_requests", "max_in_flight_requests")
+"""Summary keys that are peaks within one round: over several rounds, the highest round's."""
+
+
+def summarize_rounds(
+    rounds: Sequence[tuple[Sequence[RequestRecord], float]],
+    goodput_slos: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """The summary of repeated runs of one workload, with each round's figures kept.
+
+    Counts, throughputs and latency statistics pool every round (throughput is all tokens
+    over all measured seconds); peaks are the highest round's, since rounds do not overlap
+    in time. ``rounds`` lists each round's scalar figures, so a reader can see the spread.
+    """
+    if not rounds:
+        raise ValueError("summarize_rounds needs at least one round")
+    per_round = [summarize(records, duration_s, goodput_slos) for records, duration_s in rounds]
+    pooled = summarize([r for records, _ in rounds for r in records], sum(d for _, d in rounds), goodput_slos)
+    for key in PEAK_KEYS:
+        pooled[key] = max(s[key] for s in per_round)
+    pooled["num_rounds"] = len(rounds)
+    pooled["rounds"] = [
+        {k: v for k, v in s.items() if v is None or isinstance(v, (int, float))} for s in per_round
+    ]
+    return pooled

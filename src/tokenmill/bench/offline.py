@@ -27,7 +27,7 @@ import psutil
 import torch
 
 from tokenmill.bench.datasets import BenchRequest, build_warmup_requests
-from tokenmill.bench.metrics import RequestRecord, summarize
+from tokenmill.bench.metrics import RequestRecord, summarize_rounds
 from tokenmill.bench.offline_backends import BACKEND_NAMES, OfflineBackend, make_backend
 from tokenmill.bench.tokenization import TokenizerLike
 
@@ -57,9 +57,9 @@ class OfflineConfig:
     ignore_eos: bool = True
     """Generate every request's full output length, so backends do equal work."""
     compare: bool = False
-    """Interleave backends for ``num_rounds`` rounds in one process."""
-    num_rounds: int = 3
-    """Rounds of the interleaved comparison (1 without ``compare``)."""
+    """Load every backend at once and interleave their rounds, rotating the order."""
+    num_rounds: int = 1
+    """Measured runs of each backend: interleaved with ``compare``, else back to back."""
     num_warmups: int = 2
     """Uncounted requests each backend runs after loading (own prompts, measured shapes)."""
     seed: int = 0
@@ -167,14 +167,13 @@ class BackendResult:
         if self.skipped_reason is not None:
             return {"backend": self.name, "label": self.label or self.name, "kv_cache": self.kv_cache,
                     "skipped": True, "note": self.skipped_reason}
-        records = [r for records, _ in self.rounds for r in records]
-        duration_s = sum(d for _, d in self.rounds)
-        result = summarize(records, duration_s)
-        if not any(r.itl_s for r in records):
+        result = summarize_rounds(self.rounds)
+        if not any(r.itl_s for records, _ in self.rounds for r in records):
             # Without per-token times only first tokens are placed in time: no ITL, no peak rate.
-            for key in [k for k in result if "_itl_" in k]:
-                result[key] = None
-            result["max_output_tokens_per_s"] = None
+            for summary in [result, *result["rounds"]]:
+                for key in [k for k in summary if "_itl_" in k]:
+                    summary[key] = None
+                summary["max_output_tokens_per_s"] = None
         result.update(
             backend=self.name,
             label=self.label or self.name,
@@ -249,8 +248,8 @@ def run_offline_benchmark(
 ) -> dict[str, Any]:
     """Run the backends on ``requests`` and return the offline result dict.
 
-    Without ``compare`` each backend is loaded, measured once and released before the
-    next; with it all are loaded, then measured round-robin ``num_rounds`` times. Warm-ups
+    Without ``compare`` each backend is loaded, measured ``num_rounds`` times and released
+    before the next; with it all are loaded, then measured round-robin ``num_rounds`` times. Warm-ups
     are ``num_warmups`` requests with prompts of their own (``tokenizer`` gives them text
     when the workload has text).
     """
@@ -284,8 +283,9 @@ def run_offline_benchmark(
                 continue
             if warmups:
                 backend.run(warmups)
-            log(f"[bench offline] measuring {result.label}")
-            _measure(backend, requests, result, meter)
+            for round_index in range(config.num_rounds):
+                log(f"[bench offline] measuring {result.label} (round {round_index + 1}/{config.num_rounds})")
+                _measure(backend, requests, result, meter)
             backend.close()
             del backend
             gc.collect()
@@ -327,9 +327,10 @@ def _build_result(
         "dtype": config.dtype,
         "kv_cache": list(config.kv_caches),
         "batch_size": config.batch_size,
+        "engine_kwargs": dict(config.engine_kwargs),
         "ignore_eos": config.ignore_eos,
         "compare": config.compare,
-        "num_rounds": config.num_rounds if config.compare else 1,
+        "num_rounds": max((len(r.rounds) for r in results), default=0),
         "torch_num_threads": torch.get_num_threads(),
         "workload": workload or {},
         "backends": rows,
@@ -369,7 +370,9 @@ def format_offline_table(result: dict[str, Any]) -> str:
             out.append(f"{ln[0].ljust(widths[0])}  {ln[1]}")
         else:
             out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(ln, widths, strict=True))))
-    mode = f"interleaved, {result['num_rounds']} rounds" if result.get("compare") else "sequential"
+    num_rounds = result.get("num_rounds", 1)
+    mode = f"interleaved, {num_rounds} rounds" if result.get("compare") else (
+        f"sequential, {num_rounds} rounds each" if num_rounds > 1 else "sequential")
     out.append(f"({result['device']}, {result['dtype']}, {mode}; memory = {result['backends'][0].get('memory_kind', 'rss')} "
                "growth while loading plus peak growth while running; KV waste = reserved KV slots not holding a "
                "token, averaged over steps; load s includes compiling)")

@@ -2,7 +2,8 @@
 
 Three plots answer the three questions a reader brings: how do latency percentiles
 compare (TTFT and TPOT), how does throughput grow with load, and what latency does each
-target pay for its throughput. The HTML puts the verdict first, then the side-by-side
+target pay for its throughput. Axes start at zero and error bars span the rounds, so
+figures within noise look alike; one load per target is drawn as bars, not a curve. The HTML puts the verdict first, then the side-by-side
 table, the SLA outcome and the plots, with images embedded as base64 so the file can be
 mailed or attached to an issue on its own. Figures are drawn without pyplot (no global
 backend state, safe in threads and on headless machines).
@@ -16,14 +17,22 @@ import math
 from pathlib import Path
 from typing import Any
 
-from matplotlib.figure import Figure
-
+from tokenmill.bench import MissingExtraError
 from tokenmill.bench.compare import (
     Comparison,
     describe_load,
     load_of,
+    noise_rule,
+    num_rounds_of,
+    round_values,
+    spread_of,
     table_rows,
 )
+
+try:
+    from matplotlib.figure import Figure
+except ImportError as exc:  # in the bench extra: serving does not need it
+    raise MissingExtraError("matplotlib") from exc
 
 PLOT_FILES: dict[str, str] = {
     "latency_percentiles": "latency_percentiles.png",
@@ -44,6 +53,25 @@ def _headline_load(comparison: Comparison) -> str:
     return loads.pop() if len(loads) == 1 else "each target's highest load"
 
 
+def _yerr(points: list[dict[str, Any]], key: str) -> list[list[float]] | None:
+    """Error bars from each point's value down to its rounds' min and up to their max;
+    None when every point is a single run."""
+    spreads = [spread_of(p, key) for p in points]
+    if all(sp is None for sp in spreads):
+        return None
+    values = [p.get(key) or 0.0 for p in points]
+    low = [v - sp[0] if sp else 0.0 for v, sp in zip(values, spreads, strict=True)]
+    high = [sp[1] - v if sp else 0.0 for v, sp in zip(values, spreads, strict=True)]
+    return [[max(x, 0.0) for x in low], [max(x, 0.0) for x in high]]
+
+
+def _rounds_note(comparison: Comparison) -> str:
+    counts = sorted({len(round_values(t.headline, "output_throughput")) for t in comparison.targets})
+    if counts[-1] <= 1:
+        return "one round each: no error bars"
+    return f"error bars: min-max over {'/'.join(str(max(c, 1)) for c in counts)} rounds"
+
+
 def plot_latency_percentiles(comparison: Comparison, path: Path) -> Path:
     """Grouped bars of TTFT and TPOT median/p90/p95/p99 per target, SLA limits dashed."""
     fig = Figure(figsize=(11, 4.2))
@@ -52,33 +80,41 @@ def plot_latency_percentiles(comparison: Comparison, path: Path) -> Path:
     width = 0.8 / max(num_targets, 1)
     for ax, metric, title in zip(axes, ("ttft", "tpot"), ("Time to first token", "Time per output token"), strict=True):
         for i, target in enumerate(comparison.targets):
-            values = [target.headline.get(f"{stat}_{metric}_ms") or 0.0 for stat in _PERCENTILE_STATS]
+            keys = [f"{stat}_{metric}_ms" for stat in _PERCENTILE_STATS]
+            values = [target.headline.get(key) or 0.0 for key in keys]
+            errors = [_yerr([target.headline], key) for key in keys]
+            yerr = None if all(e is None for e in errors) else [
+                [e[0][0] if e else 0.0 for e in errors], [e[1][0] if e else 0.0 for e in errors]
+            ]
             xs = [j + (i - (num_targets - 1) / 2) * width for j in range(len(_PERCENTILE_STATS))]
-            ax.bar(xs, values, width=width, label=target.name)
+            ax.bar(xs, values, width=width, label=target.name, yerr=yerr, capsize=2)
         for stat, limit in _sla_limits(comparison, metric):
             ax.axhline(limit, linestyle="--", color="crimson", linewidth=1)
             ax.annotate(f"SLA {stat} {limit:g} ms", (len(_PERCENTILE_STATS) - 0.5, limit), color="crimson",
                         ha="right", va="bottom", fontsize=8)
         ax.set_xticks(range(len(_PERCENTILE_STATS)), list(_PERCENTILE_STATS))
         ax.set_ylabel("ms")
-        ax.set_title(f"{title} ({_headline_load(comparison)})")
+        ax.set_title(f"{title} ({_headline_load(comparison)})", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
+    fig.suptitle(_rounds_note(comparison), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=_DPI)
     return path
 
 
-def plot_throughput_vs_load(comparison: Comparison, path: Path) -> Path:
-    """Output tok/s against load per target; bars when no result has a load to plot against."""
+def build_throughput_figure(comparison: Comparison) -> Figure:
+    """Output tok/s against load, a line per target's sweep; bars when no target has two
+    loads to draw a line through. The axis starts at zero, so close figures look close."""
     fig = Figure(figsize=(7.5, 4.2))
     ax = fig.subplots()
-    has_loads = any(load_of(p)[1] is not None for t in comparison.targets for p in t.points)
-    if has_loads:
+    is_curve = any(sum(load_of(p)[1] is not None for p in t.points) > 1 for t in comparison.targets)
+    if is_curve:
         for target in comparison.targets:
-            pts = [(load_of(p)[1], p.get("output_throughput") or 0.0) for p in target.points]
-            pts = [(x, y) for x, y in pts if x is not None]
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=target.name)
+            points = [p for p in target.points if load_of(p)[1] is not None]
+            xs = [load_of(p)[1] for p in points]
+            ys = [p.get("output_throughput") or 0.0 for p in points]
+            ax.errorbar(xs, ys, yerr=_yerr(points, "output_throughput"), marker="o", capsize=3, label=target.name)
             if target.max_load_within_sla is not None:
                 best = max(target.sla_points, key=lambda p: load_of(p)[1] or 0.0)
                 ax.scatter([target.max_load_within_sla], [best.get("output_throughput") or 0.0],
@@ -93,22 +129,32 @@ def plot_throughput_vs_load(comparison: Comparison, path: Path) -> Path:
         title = "Output throughput against load"
         if comparison.sla:
             title += " (circled: highest load within SLA)"
-        ax.set_title(title)
     else:
-        names = [t.name for t in comparison.targets]
-        ax.bar(names, [t.headline.get("output_throughput") or 0.0 for t in comparison.targets])
-        ax.set_title("Output throughput (single load per target)")
+        headlines = [t.headline for t in comparison.targets]
+        bars = ax.bar([t.name for t in comparison.targets], [h.get("output_throughput") or 0.0 for h in headlines],
+                      yerr=_yerr(headlines, "output_throughput"), capsize=4)
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+        title = f"Output throughput at {_headline_load(comparison)} (one load per target: bars, not a curve)"
+    ax.set_title(f"{title}\n{_rounds_note(comparison)}", fontsize=9)
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("output tokens/s")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=_DPI)
+    return fig
+
+
+def plot_throughput_vs_load(comparison: Comparison, path: Path) -> Path:
+    """``build_throughput_figure`` saved as a PNG."""
+    build_throughput_figure(comparison).savefig(path, dpi=_DPI)
     return path
 
 
-def plot_latency_vs_throughput(comparison: Comparison, path: Path) -> Path:
-    """p95 TTFT and p95 TPOT against output tok/s, one line per target's sweep."""
+def build_latency_vs_throughput_figure(comparison: Comparison) -> Figure:
+    """p95 TTFT and p95 TPOT against output tok/s, one line per target's sweep, axes from
+    zero; a title that says so when each target is a single point."""
     fig = Figure(figsize=(11, 4.2))
     axes = fig.subplots(1, 2)
+    is_single = all(len(t.points) == 1 for t in comparison.targets)
     for ax, metric, title in zip(axes, ("ttft", "tpot"), ("p95 TTFT", "p95 TPOT"), strict=True):
         for target in comparison.targets:
             xs = [p.get("output_throughput") or 0.0 for p in target.points]
@@ -121,13 +167,23 @@ def plot_latency_vs_throughput(comparison: Comparison, path: Path) -> Path:
         for stat, limit in _sla_limits(comparison, metric):
             if stat == "p95":
                 ax.axhline(limit, linestyle="--", color="crimson", linewidth=1, label=f"SLA {limit:g} ms")
+        all_xs = [p.get("output_throughput") or 0.0 for t in comparison.targets for p in t.points]
+        all_ys = [p.get(f"p95_{metric}_ms") or 0.0 for t in comparison.targets for p in t.points]
+        ax.set_xlim(0, max(all_xs, default=0.0) * 1.12 or 1.0)  # room for the last point and its label
+        ax.set_ylim(0, max([*all_ys, *(limit for _, limit in _sla_limits(comparison, metric))], default=0.0) * 1.12 or 1.0)
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel("ms")
-        ax.set_title(f"{title} against throughput (labels: load)")
+        detail = "one point per target: no curve to read" if is_single else "labels: load"
+        ax.set_title(f"{title} against throughput ({detail})", fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=_DPI)
+    return fig
+
+
+def plot_latency_vs_throughput(comparison: Comparison, path: Path) -> Path:
+    """``build_latency_vs_throughput_figure`` saved as a PNG."""
+    build_latency_vs_throughput_figure(comparison).savefig(path, dpi=_DPI)
     return path
 
 
@@ -146,12 +202,14 @@ _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1100px;color:#222}
 .verdict{font-size:1.25em;padding:1em 1.2em;border-left:6px solid #2e7d32;background:#eef7ee;margin:1em 0}
 .verdict.none{border-color:#c62828;background:#fbeeee}
+.verdict.tie{border-color:#757575;background:#f3f3f3}
 .warning{padding:.6em 1.2em;border-left:6px solid #ef6c00;background:#fff4e5;margin:1em 0}
 table{border-collapse:collapse;margin:1em 0;font-size:.92em}
 th,td{border:1px solid #ccc;padding:.35em .7em;text-align:right}
 th:first-child,td:first-child{text-align:left}
 th{background:#f3f3f3}
 .better{color:#2e7d32;font-weight:600}.worse{color:#c62828;font-weight:600}
+.noise,.spread{color:#777}
 .ok{color:#2e7d32;font-weight:600}.miss{color:#c62828;font-weight:600}
 img{max-width:100%;border:1px solid #eee;margin:.5em 0}
 .note{color:#666;font-size:.85em}
@@ -176,15 +234,22 @@ def _side_by_side_html(comparison: Comparison) -> str:
     loads = "".join(f"<td>{_esc(describe_load(comparison.load_kind, load_of(t.headline)[1]))}</td>"
                     for t in comparison.targets)
     rows = [f"<tr><th>Metric</th>{head}</tr>", f"<tr><td>Load</td>{loads}</tr>"]
+    rounds = "".join(f"<td>{num_rounds_of(t.headline)}</td>" for t in comparison.targets)
+    rows.append(f"<tr><td>Rounds</td>{rounds}</tr>")
     for spec, cells in table_rows(comparison):
         tds = []
-        for value, ratio in cells:
+        for cell in cells:
+            spread_html = ""
+            if cell.spread is not None and cell.spread[0] != cell.spread[1]:
+                spread_html = f' <span class="spread">[{_fmt(cell.spread[0])}&ndash;{_fmt(cell.spread[1])}]</span>'
             ratio_html = ""
-            if ratio is not None:
-                is_better = ratio > 1 if spec.is_higher_better else ratio < 1
-                cls = "" if math.isclose(ratio, 1.0, rel_tol=0.02) else ("better" if is_better else "worse")
-                ratio_html = f' <span class="{cls}">({ratio:.2f}x)</span>'
-            tds.append(f"<td>{_fmt(value)}{ratio_html}</td>")
+            if cell.ratio is not None:
+                is_better = cell.ratio > 1 if spec.is_higher_better else cell.ratio < 1
+                if cell.is_clear:
+                    ratio_html = f' <span class="{"better" if is_better else "worse"}">({cell.ratio:.2f}x)</span>'
+                else:
+                    ratio_html = f' <span class="noise">(~{cell.ratio:.2f}x)</span>'
+            tds.append(f"<td>{_fmt(cell.value)}{spread_html}{ratio_html}</td>")
         rows.append(f"<tr><td>{_esc(spec.title)}</td>{''.join(tds)}</tr>")
     return "<table>" + "".join(rows) + "</table>"
 
@@ -241,7 +306,10 @@ def render_html(comparison: Comparison, plots: dict[str, Path]) -> str:
     for name, path in plots.items():
         data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
         images.append(f'<img alt="{_esc(name)}" src="data:image/png;base64,{data}">')
-    verdict_cls = "verdict none" if comparison.verdict.startswith("No target") else "verdict"
+    if comparison.pick is not None:
+        verdict_cls = "verdict"
+    else:
+        verdict_cls = "verdict none" if comparison.verdict.startswith("No target meets") else "verdict tie"
     return (
         "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>tokenmill bench compare</title>"
         f"<style>{_CSS}</style></head><body>"
@@ -250,7 +318,9 @@ def render_html(comparison: Comparison, plots: dict[str, Path]) -> str:
         f"{_warnings_html(comparison)}"
         f"{_workload_html(comparison)}"
         "<h2>Side by side</h2>"
-        f'<p class="note">Ratios are against {_esc(comparison.baseline)}; green is better, red worse.</p>'
+        f'<p class="note">Ratios are against {_esc(comparison.baseline)}: green is better, red worse, only '
+        "where the difference exceeds the noise; grey ~ ratios cannot be told from noise "
+        f"({_esc(noise_rule([t.headline for t in comparison.targets]))}). [min&ndash;max] over rounds.</p>"
         f"{_side_by_side_html(comparison)}"
         f"<h2>SLA</h2>{_sla_html(comparison)}"
         f"<h2>Every measured point</h2>{_sweep_html(comparison)}"

@@ -3,8 +3,9 @@
 Owns the run: resolve the model name, send a probe request (which also decides whether
 the server takes token-id prompts), warm up (probe and warm-ups use prompts of their own,
 shaped like the measured ones, so a prefix cache holds nothing the measured run could
-reuse), then release requests on the arrival schedule under an optional concurrency cap while ``/metrics`` is polled, and finally
-build the result dict (vLLM-compatible keys plus every per-request timing) and its
+reuse), then release requests on the arrival schedule under an optional concurrency cap
+while ``/metrics`` is polled, once per round, and finally build the result dict
+(vLLM-compatible keys plus every round's figures and every per-request timing) and its
 printed summary table.
 """
 
@@ -14,20 +15,26 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import httpx
 from tqdm.auto import tqdm
 
+from tokenmill.bench import MissingExtraError
 from tokenmill.bench.arrivals import build_arrival_offsets_s
 from tokenmill.bench.client import ENDPOINTS, RequestOptions, auth_headers, send_request
 from tokenmill.bench.datasets import BenchRequest, build_warmup_requests
-from tokenmill.bench.metrics import LATENCY_METRICS, STATS, RequestRecord, summarize
+from tokenmill.bench.metrics import LATENCY_METRICS, STATS, RequestRecord, summarize_rounds
 from tokenmill.bench.server_metrics import MetricsScraper
 from tokenmill.bench.tokenization import TokenizerLike
+
+try:
+    import httpx
+except ImportError as exc:  # in the bench extra: serving does not need it
+    raise MissingExtraError("httpx") from exc
 
 RESULT_FORMAT_VERSION = 1
 """Bumped when the result JSON changes incompatibly; ``compare`` checks it."""
@@ -231,9 +238,15 @@ async def arun_serve_benchmark(
     requests: list[BenchRequest],
     tokenizer: TokenizerLike | None = None,
     workload: dict[str, Any] | None = None,
+    later_rounds: Sequence[list[BenchRequest]] = (),
 ) -> dict[str, Any]:
-    """Run one serve benchmark and return its result dict (see ``build_result``)."""
-    if not requests:
+    """Run one serve benchmark and return its result dict (see ``build_result``).
+
+    ``later_rounds`` are measured after ``requests``, one round each, on the same
+    connection pool and metrics scrape; each round should bring prompts of its own, or a
+    prefix cache would serve it from the previous round's KV.
+    """
+    if not requests or not all(later_rounds):
         raise BenchmarkError("no requests to send")
     limit = config.max_concurrency or len(requests)
     timeout = httpx.Timeout(config.request_timeout_s, connect=min(30.0, config.request_timeout_s))
@@ -254,10 +267,10 @@ async def arun_serve_benchmark(
         if config.scrape_metrics:
             await scraper.start()
         try:
-            records, duration_s = await _measure(client, config, options, requests, tokenizer)
+            rounds = [await _measure(client, config, options, r, tokenizer) for r in [requests, *later_rounds]]
         finally:
             await scraper.stop()
-    return build_result(config, options, records, duration_s, scraper.report(), workload)
+    return build_result(config, options, rounds, scraper.report(), workload)
 
 
 def run_serve_benchmark(
@@ -265,16 +278,16 @@ def run_serve_benchmark(
     requests: list[BenchRequest],
     tokenizer: TokenizerLike | None = None,
     workload: dict[str, Any] | None = None,
+    later_rounds: Sequence[list[BenchRequest]] = (),
 ) -> dict[str, Any]:
     """Blocking wrapper of ``arun_serve_benchmark`` for the CLI and comparisons."""
-    return asyncio.run(arun_serve_benchmark(config, requests, tokenizer, workload))
+    return asyncio.run(arun_serve_benchmark(config, requests, tokenizer, workload, later_rounds))
 
 
 def build_result(
     config: ServeConfig,
     options: RequestOptions,
-    records: list[RequestRecord],
-    duration_s: float,
+    rounds: list[tuple[list[RequestRecord], float]],
     server_metrics: dict[str, Any],
     workload: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -282,6 +295,8 @@ def build_result(
 
     Top-level keys follow vLLM's result files (``request_throughput``, ``p99_ttft_ms``,
     ``ttfts``, ``itls``...) so those files and these can be compared by the same tools.
+    With several rounds (``records`` and duration of each) the summary pools them and
+    ``rounds`` keeps each one's figures; every request says which round it was in.
     """
     result: dict[str, Any] = {
         "format_version": RESULT_FORMAT_VERSION,
@@ -300,7 +315,8 @@ def build_result(
         "seed": config.seed,
         "workload": workload or {},
     }
-    result.update(summarize(records, duration_s, config.goodput_slos_ms or None))
+    result.update(summarize_rounds(rounds, config.goodput_slos_ms or None))
+    records = [r for round_records, _ in rounds for r in round_records]
     result["server_metrics"] = server_metrics
     result["input_lens"] = [r.prompt_tokens for r in records]
     result["output_lens"] = [r.output_tokens for r in records]
@@ -308,7 +324,9 @@ def build_result(
     result["itls"] = [r.itl_s for r in records]
     result["generated_texts"] = [r.generated_text for r in records]
     result["errors"] = [r.error for r in records]
-    result["requests"] = [r.to_dict() for r in records]
+    result["requests"] = [
+        {**r.to_dict(), "round": i} for i, (round_records, _) in enumerate(rounds) for r in round_records
+    ]
     return result
 
 
@@ -347,8 +365,13 @@ def format_summary(result: dict[str, Any]) -> str:
     if result.get("request_goodput") is not None:
         row("Request goodput (req/s):", result.get("request_goodput"))
     row("Output token throughput (tok/s):", result.get("output_throughput"))
+    rounds = result.get("rounds") or []
+    if len(rounds) > 1:
+        per_round = [r["output_throughput"] for r in rounds]
+        row(f"  min-max over {len(rounds)} rounds:", f"{min(per_round):.2f}-{max(per_round):.2f}")
     row("Peak output token throughput (tok/s):", result.get("max_output_tokens_per_s"))
-    row("Peak concurrent requests:", result.get("max_concurrent_requests"))
+    row("Peak requests in flight:", result.get("max_in_flight_requests"))
+    row("Requests active in the busiest second:", result.get("max_concurrent_requests"))
     row("Total token throughput (tok/s):", result.get("total_token_throughput"))
     titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
               "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}

@@ -15,7 +15,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+from tokenmill.bench import MissingExtraError
+
+try:
+    import httpx
+except ImportError as exc:  # in the bench extra: serving does not need it
+    raise MissingExtraError("httpx") from exc
 
 # Each figure lists the metric names that carry it, first match wins.
 KV_USAGE_NAMES: tuple[str, ...] = (

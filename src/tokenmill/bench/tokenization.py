@@ -57,6 +57,13 @@ def vocab_size_of(tokenizer: TokenizerLike) -> int | None:
     return int(size) if isinstance(size, int) else None
 
 
+def sample_token_ids_of(tokenizer: TokenizerLike) -> list[int] | None:
+    """Ids to draw random prompts from when the vocabulary size is unknown (a server's
+    tokenizer offers the ids of a sample text); None for tokenizers without them."""
+    sample = getattr(tokenizer, "sample_token_ids", None)
+    return [int(i) for i in sample()] if callable(sample) else None
+
+
 def special_ids_of(tokenizer: TokenizerLike) -> set[int]:
     """Ids of special tokens, kept out of random prompts so they decode to real text."""
     ids = getattr(tokenizer, "all_special_ids", None)

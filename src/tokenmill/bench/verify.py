@@ -15,12 +15,18 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import httpx
 import torch
 
+from tokenmill.bench import MissingExtraError
 from tokenmill.bench.client import auth_headers
 from tokenmill.bench.offline_backends import load_transformers_model
+from tokenmill.bench.target import first_served_model
 from tokenmill.bench.tokenization import TokenizerLike, encode_text, load_tokenizer
+
+try:
+    import httpx
+except ImportError as exc:  # in the bench extra: serving does not need it
+    raise MissingExtraError("httpx") from exc
 
 DEFAULT_PROMPTS: tuple[str, ...] = (
     "The quick brown fox",
@@ -227,12 +233,18 @@ def run_verify(
     min_match: float = 1.0,
     engine_kwargs: dict[str, Any] | None = None,
 ) -> VerifyReport:
-    """Reference vs tokenmill on the same prompts; see ``VerifyReport.passed``."""
+    """Reference vs tokenmill on the same prompts; see ``VerifyReport.passed``.
+
+    ``server_model`` is the name requests to ``server_url`` carry; None asks the server
+    (the first of ``/v1/models``), as ``bench serve`` does.
+    """
     tokenizer = load_tokenizer(model)
     prompts = build_prompt_ids(tokenizer, texts, num_prompts)
+    if server_url and server_model is None:
+        server_model = first_served_model(server_url, api_key)
     reference = run_transformers_greedy(model, prompts, max_tokens, dtype, device)
     if server_url:
-        candidate = run_server_greedy(server_url, server_model or model, prompts, max_tokens, api_key)
+        candidate = run_server_greedy(server_url, server_model, prompts, max_tokens, api_key)
         if any(isinstance(t, str) for g in candidate for t in g.token_ids):
             reference = [Generation([token_text_of(tokenizer, t) for t in g.token_ids], g.logprobs) for g in reference]
     else:

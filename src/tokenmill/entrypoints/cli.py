@@ -1,4 +1,8 @@
-"""The ``tokenmill`` command: generate, serve, bench and verify."""
+"""The ``tokenmill`` command: generate, serve, bench and verify.
+
+Owns the top-level parser and the argparse behaviour every subcommand shares: ``--help``
+shows defaults, and a bad flag is reported with the usage of the subcommand it was given to.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,61 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to a flag's help, unless there is no default to show
+    (None, off) or the help already explains it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if not help_text or "default" in help_text or action.default is None or action.default is False:
+            return help_text
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with defaults in ``--help`` and errors from the innermost subcommand.
+
+    Subcommand parsers are built with this class too (argparse uses the parent's type).
+    Plain argparse reports an unknown flag after ``bench serve`` with the top-level usage,
+    which hides the flags that subcommand does take.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.innermost_parser(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def innermost_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The parser of the deepest subcommand ``parsed`` selected (e.g. ``bench serve``)."""
+        parser: argparse.ArgumentParser = self
+        while True:
+            sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+            name = getattr(parsed, sub.dest, None) if sub is not None else None
+            if sub is None or name not in sub.choices:
+                return parser
+            parser = sub.choices[name]
+
+
+def package_version() -> str:
+    """The installed distribution's version, or the source tree's when not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tokenmill")
+    except PackageNotFoundError:
+        import tokenmill
+
+        return tokenmill.__version__
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -43,20 +100,24 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine and OpenAI-compatible server")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser = ArgumentParser(prog="tokenmill", description="LLM inference engine and OpenAI-compatible server")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="logging threshold")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete prompts offline and print the text")
     gen.add_argument("prompts", nargs="+", help="prompt text(s)")
     gen.add_argument("--model", default="demo", help="Hugging Face model folder, or 'demo'")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--n", type=int, default=1)
-    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per completion")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="sample from the smallest set of tokens whose probabilities sum to this")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only; 0 keeps all")
+    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
+    gen.add_argument("--sampling-seed", type=int, default=None,
+                     help="per-request sampling seed (default: the engine's generator)")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 

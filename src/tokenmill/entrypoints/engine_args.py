@@ -51,7 +51,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV of shared prompt prefixes")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="order of waiting requests: arrival, or the request's priority (lower first)")
     g.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs a request may ask for")
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's global generator")
     g.add_argument("--enforce-eager", action="store_true", help="no torch.compile / graph capture")
