@@ -12,6 +12,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv.base import KVCacheStats
 from tokenmill.core.stats import EngineStats
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineState
+from tokenmill.engine.input_processor import ProcessedRequest
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling.params import SamplingParams
@@ -29,10 +30,10 @@ class FakeEngine:
         self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0)
         self.kv_manager = SimpleNamespace(usage=0.0, stats=KVCacheStats())
 
-    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None) -> None:
-        if prompt == [666]:
+    def add_processed(self, request: ProcessedRequest) -> None:
+        if request.prompt_token_ids == [666]:
             raise InvalidRequestError("bad prompt", param="prompt")
-        self.progress[request_id] = (0, params.max_tokens)
+        self.progress[request.request_id] = (0, request.params.max_tokens)
 
     def abort_request(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -67,6 +68,10 @@ class FakeEngine:
         return outputs
 
 
+def _request(request_id: str, prompt: list[int], params: SamplingParams) -> ProcessedRequest:
+    return ProcessedRequest(request_id, prompt, None, params, 0, time.monotonic())
+
+
 async def _started(factory=FakeEngine) -> AsyncLLMEngine:
     engine = AsyncLLMEngine(EngineConfig(), engine_factory=factory, idle_wait_s=0.05)
     engine.start()
@@ -77,7 +82,7 @@ async def _started(factory=FakeEngine) -> AsyncLLMEngine:
 def test_generate_streams_until_finished() -> None:
     async def main() -> list[RequestOutput]:
         engine = await _started()
-        outputs = [out async for out in engine.generate("a", [1, 2], SamplingParams(max_tokens=5))]
+        outputs = [out async for out in engine.generate(_request("a", [1, 2], SamplingParams(max_tokens=5)))]
         engine.shutdown()
         return outputs
 
@@ -92,7 +97,7 @@ def test_cancelling_the_consumer_aborts_the_request() -> None:
         seen = asyncio.Event()
 
         async def consume() -> None:
-            async for _ in engine.generate("long", [1], SamplingParams(max_tokens=10_000)):
+            async for _ in engine.generate(_request("long", [1], SamplingParams(max_tokens=10_000))):
                 seen.set()
 
         task = asyncio.ensure_future(consume())
@@ -117,9 +122,9 @@ def test_add_error_reaches_only_that_request() -> None:
     async def main() -> None:
         engine = await _started()
         with pytest.raises(InvalidRequestError):
-            async for _ in engine.generate("bad", [666], SamplingParams(max_tokens=2)):
+            async for _ in engine.generate(_request("bad", [666], SamplingParams(max_tokens=2))):
                 pass
-        good = [o async for o in engine.generate("good", [1], SamplingParams(max_tokens=2))]
+        good = [o async for o in engine.generate(_request("good", [1], SamplingParams(max_tokens=2)))]
         assert good[-1].finished
         engine.shutdown()
 
@@ -132,7 +137,7 @@ def test_step_crash_marks_dead_and_fails_in_flight() -> None:
         first = asyncio.Event()
 
         async def consume() -> None:
-            async for _ in engine.generate("victim", [1], SamplingParams(max_tokens=10_000)):
+            async for _ in engine.generate(_request("victim", [1], SamplingParams(max_tokens=10_000))):
                 first.set()
 
         task = asyncio.ensure_future(consume())
@@ -142,7 +147,7 @@ def test_step_crash_marks_dead_and_fails_in_flight() -> None:
             await asyncio.wait_for(task, 10)
         assert engine.state is EngineState.DEAD and not engine.is_ready and not engine.failed_to_load
         with pytest.raises(EngineDeadError):
-            async for _ in engine.generate("late", [1], SamplingParams(max_tokens=2)):
+            async for _ in engine.generate(_request("late", [1], SamplingParams(max_tokens=2))):
                 pass
         engine.shutdown()
 

@@ -300,3 +300,13 @@ def test_delta_and_final_only_outputs_add_up_to_the_cumulative_ones(folder) -> N
         for d in deltas[1:]:
             folded.add(d)
         assert folded.finished and fields(folded) == fields(last)
+
+
+def test_priority_is_refused_under_fcfs_not_ignored(folder) -> None:
+    llm = LLM(str(folder), dtype="float32", max_model_len=128)
+    with pytest.raises(InvalidRequestError, match="scheduling-policy priority") as info:
+        llm.generate([[5, 6, 7], [8, 9]], GREEDY, use_tqdm=False, priority=[0, 1])
+    assert info.value.param == "priority"
+    assert not llm.engine.has_unfinished_requests()  # nothing half-submitted keeps running
+    ranked = LLM(str(folder), dtype="float32", max_model_len=128, scheduling_policy="priority")
+    assert len(ranked.generate([[5, 6, 7], [8, 9]], GREEDY, use_tqdm=False, priority=[0, 1])) == 2

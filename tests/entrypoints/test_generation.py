@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from tokenmill.engine.input_processor import ProcessedRequest
 from tokenmill.entrypoints.openai.errors import to_api_error
-from tokenmill.entrypoints.openai.generation import GenerationRun, PromptInput
+from tokenmill.entrypoints.openai.generation import GenerationRun
 from tokenmill.entrypoints.openai.state import ServerConfig
 from tokenmill.errors import InvalidRequestError
 from tokenmill.metrics import ServerMetrics
@@ -47,14 +49,13 @@ class ScriptedEngine:
         self.hang = hang
         self.error = error
 
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
-                       arrival_time: float) -> AsyncIterator[RequestOutput]:
-        assert params.output_kind is RequestOutputKind.DELTA  # the contract these scripts follow
+    async def generate(self, request: ProcessedRequest) -> AsyncIterator[RequestOutput]:
+        assert request.params.output_kind is RequestOutputKind.DELTA  # the contract these scripts follow
         if self.error is not None:
             raise self.error
         for output in self.script:
             await asyncio.sleep(STEP_S)
-            output.metrics.first_scheduled_time = arrival_time
+            output.metrics.first_scheduled_time = request.arrival_time
             yield output
         if self.hang:
             await asyncio.Event().wait()
@@ -64,7 +65,9 @@ def _run(engine: ScriptedEngine, n: int, timeout_s: float = 30.0) -> tuple[Gener
     metrics = ServerMetrics(MODEL, 1024, lambda: None)
     state: Any = SimpleNamespace(engine=engine, config=ServerConfig(request_timeout_s=timeout_s), metrics=metrics,
                                  is_cut_off=False, active_runs=set())
-    return GenerationRun(state, "cmpl-test", [PromptInput(PROMPT)], SamplingParams(n=n, max_tokens=16)), metrics
+    params = SamplingParams(n=n, max_tokens=16, output_kind=RequestOutputKind.DELTA)
+    prompt = ProcessedRequest("cmpl-test-0", PROMPT, None, params, 0, time.monotonic())
+    return GenerationRun(state, "cmpl-test", [prompt]), metrics
 
 
 def _sample(metrics: ServerMetrics, name: str, **labels: str) -> float:
@@ -145,8 +148,7 @@ class HandFedEngine:
         self.outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.is_closed = False
 
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
-                       arrival_time: float) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: ProcessedRequest) -> AsyncIterator[RequestOutput]:
         try:
             while True:
                 yield await self.outputs.get()

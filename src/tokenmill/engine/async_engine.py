@@ -16,17 +16,16 @@ import enum
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.stats import EngineStats
+from tokenmill.engine.input_processor import InputProcessor, ProcessedRequest
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +50,7 @@ class EngineState(enum.Enum):
 
 @dataclass
 class _AddCommand:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int
-    arrival_time: float
+    request: ProcessedRequest
 
 
 @dataclass
@@ -161,12 +156,10 @@ class AsyncLLMEngine:
         """Token ids must be below this (the model's embedding rows)."""
         return self.engine.model_config.vocab_size
 
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Check a prompt before submitting it, so a batch fails before any part starts."""
-        self.engine.validate_prompt(prompt_token_ids)
-
-    def validate_params(self, params: SamplingParams) -> None:
-        self.engine.validate_params(params)
+    @property
+    def input_processor(self) -> InputProcessor:
+        """Where requests are checked before ``generate`` (immutable; safe on any thread)."""
+        return self.engine.input_processor
 
     @property
     def stats(self) -> EngineStats:
@@ -174,26 +167,20 @@ class AsyncLLMEngine:
         return self._stats
 
     # ---- requests ------------------------------------------------------------------------
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs as steps produce them.
+    async def generate(self, request: ProcessedRequest) -> AsyncIterator[RequestOutput]:
+        """Submit a checked request (``input_processor.process``) and yield its outputs as
+        steps produce them.
 
         Closing or cancelling the iterator before the final output aborts the request; the
         abort reaches the engine before its next step, which frees the request's KV blocks.
         """
         self._check_serving()
+        request_id = request.request_id
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._commands.put(_AddCommand(request_id, prompt, params, priority, arrival))
+        self._commands.put(_AddCommand(request))
         is_done = False
         try:
             while True:
@@ -326,11 +313,9 @@ class AsyncLLMEngine:
 
     def _add(self, engine: LLMEngine, command: _AddCommand) -> None:
         try:
-            engine.add_request(
-                command.request_id, command.prompt, command.params, command.priority, command.arrival_time
-            )
+            engine.add_processed(command.request)
         except Exception as exc:  # reported to that request alone; the engine is unchanged
-            self._call_on_loop(self._dispatch_error, command.request_id, exc)
+            self._call_on_loop(self._dispatch_error, command.request.request_id, exc)
 
     def _publish_stats(self, engine: LLMEngine) -> None:
         self._stats = engine.stats  # a fresh snapshot, handed to the event loop

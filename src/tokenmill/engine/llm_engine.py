@@ -17,11 +17,12 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv import KVCacheManager, KVSizing, build_kv_manager
-from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.request import RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.stats import EngineStats
+from tokenmill.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.errors import ContextLengthError, InvalidRequestError
+from tokenmill.errors import InvalidRequestError
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.outputs import RequestOutput
@@ -104,6 +105,12 @@ class LLMEngine:
             model, kv_caches, self.kv_manager.block_size, Sampler(self.device, config.seed), self.device, compiled
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.input_processor = InputProcessor(self.tokenizer, InputLimits(
+            vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
+            kv_capacity_tokens=self.kv_manager.max_tokens_per_request, max_logprobs=config.max_logprobs,
+            scheduling_policy=config.scheduling_policy, eos_token_ids=self.eos_token_ids,
+            enable_prefix_caching=config.enable_prefix_caching,
+        ))
         self._counters = EngineStats(
             compile_time_s=compiled.compile_time_s if compiled else 0.0,
             kv_capacity_tokens=self.kv_manager.num_blocks * self.kv_manager.block_size,
@@ -130,41 +137,6 @@ class LLMEngine:
         return manager, caches
 
     # ---- requests ----------------------------------------------------------------------
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Reject empty, out-of-vocabulary and over-context prompts with a clear error."""
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        vocab = self.model_config.vocab_size
-        for t in prompt_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {vocab})", param="prompt")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                f"prompt has {len(prompt_token_ids)} tokens, leaving no room for output.",
-                param="prompt",
-            )
-        kv_capacity = self.kv_capacity_tokens
-        if len(prompt_token_ids) >= kv_capacity:
-            raise ContextLengthError(
-                f"the prompt ({len(prompt_token_ids)} tokens) does not fit the KV cache ({kv_capacity} tokens)",
-                param="prompt",
-            )
-
-    def validate_params(self, params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        bad = [t for t in params.stop_token_ids or [] if t >= vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="stop_token_ids"
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise InvalidRequestError(
-                    f"{name} must be at most {self.config.max_logprobs}, got {value}", param=name
-                )
-
     def add_request(
         self,
         request_id: str,
@@ -173,35 +145,15 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request; a text prompt is tokenized here, token ids are taken as they are."""
-        params = params or SamplingParams()
-        if self.output_processor.has_request(request_id):
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        if isinstance(prompt, str):
-            prompt_text: str | None = prompt
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            prompt_text, token_ids = None, list(prompt)
-        self.validate_prompt(token_ids)
-        self.validate_params(params)
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        salt = None if self.config.enable_prefix_caching else request_id
-        children = [
-            Request(
-                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
-                prompt_token_ids=token_ids,
-                sampling_params=params,
-                eos_token_ids=self.eos_token_ids,
-                max_total_tokens=min(self.max_model_len, self.kv_capacity_tokens),
-                priority=priority,
-                arrival_time=arrival,
-                cache_salt=salt,
-                parent_id=request_id,
-                index=i,
-            )
-            for i in range(params.n)
-        ]
-        self.output_processor.add_request(request_id, prompt_text, children)
+        """Check and queue a request; a text prompt is tokenized here, token ids are taken as they are."""
+        self.add_processed(self.input_processor.process(request_id, prompt, params, priority, arrival_time))
+
+    def add_processed(self, processed: ProcessedRequest) -> None:
+        """Queue a request the input processor already checked (nothing is checked again)."""
+        if self.output_processor.has_request(processed.request_id):
+            raise InvalidRequestError(f"request id {processed.request_id!r} is already in use", param="request_id")
+        children = self.input_processor.fan_out(processed)
+        self.output_processor.add_request(processed.request_id, processed.prompt_text, children)
         for child in children:
             self.scheduler.add_request(child)
 

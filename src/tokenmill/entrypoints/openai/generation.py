@@ -17,12 +17,13 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
+from tokenmill.engine.input_processor import CheckedParams, ProcessedRequest
 from tokenmill.entrypoints.openai.admission import admit_sequences
 from tokenmill.entrypoints.openai.errors import APIError, to_api_error
 from tokenmill.entrypoints.openai.protocol import SamplingFields, decode_json_object, validate_model
@@ -34,7 +35,6 @@ from tokenmill.entrypoints.openai.streaming import (
     run_until_disconnected,
     sse_event,
 )
-from tokenmill.errors import InvalidRequestError
 from tokenmill.metrics import ChoiceTiming, RequestTiming
 from tokenmill.outputs import PositionLogprobs, RequestOutput
 from tokenmill.sampling.params import RequestOutputKind, SamplingParams
@@ -65,14 +65,6 @@ _CUT_OFF = object()
 """Queue item ``GenerationRun.cut_off`` puts into a run's queue."""
 _QueueItem = Any
 """``(prompt index, output | error | None when that engine request ended)``, or a sentinel."""
-
-
-@dataclass
-class PromptInput:
-    """One prompt, tokenized; ``text`` is kept for ``echo``."""
-
-    token_ids: list[int]
-    text: str | None = None
 
 
 @dataclass
@@ -115,13 +107,6 @@ class ParsedRequest(Generic[BodyT]):
         admit_sequences(self.http, num_prompts, n)
 
 
-def check_priority(state: ServerState, body: SamplingFields) -> None:
-    """A priority other than 0 only means something under ``--scheduling-policy priority``."""
-    if body.priority != 0 and state.engine_config.scheduling_policy != "priority":
-        raise InvalidRequestError("priority requires the server to run with --scheduling-policy priority",
-                                  param="priority")
-
-
 async def parse_request(request: Request, body_cls: type[BodyT], id_prefix: str) -> ParsedRequest[BodyT]:
     """Decode and check the body, resolve the model and check the engine can take it now."""
     arrival_time = time.monotonic()
@@ -131,31 +116,35 @@ async def parse_request(request: Request, body_cls: type[BodyT], id_prefix: str)
     body = validate_model(body_cls, decode_json_object(await request.body(), request.headers.get("content-type")))
     body.check()
     model = state.resolve_model(body.model)
-    engine = state.ready_engine()
-    body.check_token_ids(engine.vocab_size)
-    check_priority(state, body)
+    state.ready_engine()
     return ParsedRequest(request, state, request_id, arrival_time, body, model)
 
 
-async def tokenize_prompts(
-    state: ServerState, prompts: list[str | list[int]], add_special_tokens: bool = True
-) -> list[PromptInput]:
-    """Tokenize and validate every prompt on the tokenizing pool, so the event loop stays free."""
-    engine, tokenization = state.engine, state.tokenization
+def check_params(state: ServerState, params: SamplingParams, priority: int) -> CheckedParams:
+    """The input processor's one check of what a request's prompts share; outputs stream as deltas."""
+    return state.engine.input_processor.check_params(params.clone(output_kind=RequestOutputKind.DELTA), priority)
+
+
+async def process_prompts(
+    req: ParsedRequest[Any], prompts: list[str | list[int]], checked: CheckedParams, add_special_tokens: bool = True
+) -> list[ProcessedRequest]:
+    """Tokenize and check every prompt on the tokenizing pool, so the event loop stays free.
+
+    Engine request ``i`` is ``<request id>-i``; text prompts keep their text for ``echo``.
+    """
+    state = req.state
+    tokenization, processor = state.tokenization, state.engine.input_processor
     for prompt in prompts:  # refuse what cannot fit before tokenizing any of it
         if isinstance(prompt, str):
             tokenization.check_length(prompt)
 
-    def work() -> list[PromptInput]:
-        inputs = []
-        for prompt in prompts:
-            if isinstance(prompt, str):
-                ids = tokenization.encode(prompt, add_special_tokens)
-                inputs.append(PromptInput(ids, prompt))
-            else:
-                inputs.append(PromptInput(list(prompt)))
-            engine.validate_prompt(inputs[-1].token_ids)
-        return inputs
+    def work() -> list[ProcessedRequest]:
+        processed = []
+        for i, prompt in enumerate(prompts):
+            ids = tokenization.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
+            request = processor.process_prompt(f"{req.request_id}-{i}", ids, checked, req.arrival_time)
+            processed.append(replace(request, prompt_text=prompt) if isinstance(prompt, str) else request)
+        return processed
 
     return await tokenization.run(work)
 
@@ -163,25 +152,17 @@ async def tokenize_prompts(
 class GenerationRun:
     """The engine requests of one API request, merged, with a deadline and metrics."""
 
-    def __init__(
-        self,
-        state: ServerState,
-        request_id: str,
-        prompts: list[PromptInput],
-        params: SamplingParams,
-        priority: int = 0,
-        arrival_time: float | None = None,
-    ) -> None:
+    def __init__(self, state: ServerState, request_id: str, prompts: list[ProcessedRequest]) -> None:
         self.state = state
         self.request_id = request_id
         self.prompts = prompts
-        self.params = params.clone(output_kind=RequestOutputKind.DELTA)
-        self.priority = priority
-        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        """One checked engine request per prompt; they share their parameters and arrival time."""
+        self.params = prompts[0].params
+        self.arrival_time = prompts[0].arrival_time
         """When the HTTP request arrived, so TTFT and queue time include tokenization."""
         self.latest: list[RequestOutput | None] = [None] * len(prompts)
         self.is_timed_out = False
-        self._timings = [[ChoiceTiming() for _ in range(params.n)] for _ in prompts]
+        self._timings = [[ChoiceTiming() for _ in range(self.params.n)] for _ in prompts]
         """Per prompt, per choice: when its tokens reached the server (event-loop clock)."""
         self._is_observed = [False] * len(prompts)
         self._engine_error: BaseException | None = None
@@ -194,7 +175,7 @@ class GenerationRun:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return sum(len(p.token_ids) for p in self.prompts)
+        return sum(len(p.prompt_token_ids) for p in self.prompts)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -239,10 +220,7 @@ class GenerationRun:
         timer = asyncio.get_running_loop().call_later(max(remaining_s, 0.0), queue.put_nowait, _TIMED_OUT)
 
         async def pump(index: int) -> None:
-            stream = engine.generate(
-                f"{self.request_id}-{index}", self.prompts[index].token_ids, self.params,
-                self.priority, self.arrival_time,
-            )
+            stream = engine.generate(self.prompts[index])
             try:
                 async for output in stream:
                     queue.put_nowait((index, output))
@@ -370,7 +348,7 @@ class GenerationRun:
         self.state.metrics.observe_finished(RequestTiming(
             arrival_time=self.arrival_time,
             end_time=end_time,
-            num_prompt_tokens=len(self.prompts[index].token_ids),
+            num_prompt_tokens=len(self.prompts[index].prompt_token_ids),
             finished_reason=reason,
             choices=timings,
             # Set once by the engine thread before the first output; read, never written, here.

@@ -101,15 +101,6 @@ class SamplingFields(StrictModel):
                 param="spaces_between_special_tokens",
             )
 
-    def check_token_ids(self, vocab_size: int) -> None:
-        """Reject stop_token_ids outside the model's vocabulary (its size is known once loaded)."""
-        for token_id in self.stop_token_ids or []:
-            if not 0 <= token_id < vocab_size:
-                raise InvalidRequestError(
-                    f"stop_token_ids: token id {token_id} is outside the vocabulary [0, {vocab_size})",
-                    param="stop_token_ids",
-                )
-
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:

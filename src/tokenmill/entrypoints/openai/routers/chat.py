@@ -18,9 +18,10 @@ from tokenmill.entrypoints.openai.generation import (
     ChunkWriter,
     GenerationRun,
     ParsedRequest,
-    PromptInput,
+    check_params,
     choice_logprob_entries,
     parse_request,
+    process_prompts,
     respond,
     token_label,
 )
@@ -103,7 +104,7 @@ async def create_chat_completion(request: Request) -> Response:
     num_top = body.top_logprobs or 0
     try:
         params = body.sampling_params(body.max_new_tokens(), num_top if body.logprobs else None)
-        state.engine.validate_params(params)
+        checked = check_params(state, params, body.priority)
     except InvalidRequestError as exc:
         if exc.param == "logprobs":
             exc.param = "top_logprobs"
@@ -111,14 +112,9 @@ async def create_chat_completion(request: Request) -> Response:
             exc.param = "max_completion_tokens"
         raise
     req.admit(1, params.n)
-
-    def tokenize() -> list[int]:
-        ids = encode_chat_prompt(state, body.messages, body)
-        state.engine.validate_prompt(ids)
-        return ids
-
-    ids = await state.tokenization.run(tokenize)
-    run = GenerationRun(state, req.request_id, [PromptInput(ids)], params, body.priority, req.arrival_time)
+    ids = await chat_prompt_ids(state, body.messages, body)
+    prompts = await process_prompts(req, [ids], checked)
+    run = GenerationRun(state, req.request_id, prompts)
     return await respond(req, run, "chat.completion", stream=lambda: _stream(req, run, num_top),
                          build_choices=lambda outputs: _choices(run, body, outputs[0], num_top))
 

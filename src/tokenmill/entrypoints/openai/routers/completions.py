@@ -8,6 +8,7 @@ OpenAI do for batched prompts), ``echo`` (the prompt's text, and its logprobs wh
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -18,12 +19,13 @@ from tokenmill.entrypoints.openai.generation import (
     ChunkWriter,
     GenerationRun,
     ParsedRequest,
+    check_params,
     choice_logprob_entries,
     finite_logprob,
     parse_request,
+    process_prompts,
     respond,
     token_label,
-    tokenize_prompts,
 )
 from tokenmill.entrypoints.openai.protocol import CompletionRequest
 from tokenmill.outputs import PositionLogprobs, RequestOutput
@@ -77,14 +79,17 @@ async def create_completion(request: Request) -> Response:
         body.max_tokens, body.logprobs,
         prompt_logprobs=body.logprobs if want_prompt_logprobs else body.prompt_logprobs,
     )
-    engine.validate_params(params)
+    checked = check_params(req.state, params, body.priority)
     prompt_list = body.prompt_list()
     req.admit(len(prompt_list), params.n)
-    prompts = await tokenize_prompts(req.state, prompt_list, body.add_special_tokens)
-    for p in prompts:
-        if p.text is None and body.echo:
-            p.text = engine.tokenizer.decode(p.token_ids, skip_special_tokens=False)
-    run = GenerationRun(req.state, req.request_id, prompts, params, body.priority, req.arrival_time)
+    prompts = await process_prompts(req, prompt_list, checked, body.add_special_tokens)
+    if body.echo:  # token-id prompts are echoed as their text
+        prompts = [
+            p if p.prompt_text is not None
+            else replace(p, prompt_text=engine.tokenizer.decode(p.prompt_token_ids, skip_special_tokens=False))
+            for p in prompts
+        ]
+    run = GenerationRun(req.state, req.request_id, prompts)
     return await respond(req, run, "text_completion", stream=lambda: _stream(req, run),
                          build_choices=lambda outputs: _choices(run, body, outputs))
 
@@ -96,12 +101,12 @@ def _echo_prefix(
     prompt = run.prompts[prompt_index]
     if not body.echo:
         return "", None
-    text = prompt.text or ""
+    text = prompt.prompt_text or ""
     if body.logprobs is None:
         return text, None
     tokenizer = run.state.engine.tokenizer
     entries = output.prompt_logprobs if output is not None else None
-    return text, completion_logprobs(prompt.token_ids, entries, tokenizer, 0, body.return_tokens_as_token_ids)
+    return text, completion_logprobs(prompt.prompt_token_ids, entries, tokenizer, 0, body.return_tokens_as_token_ids)
 
 
 def _choices(run: GenerationRun, body: CompletionRequest, outputs: list[RequestOutput | None]) -> list[dict[str, Any]]:
