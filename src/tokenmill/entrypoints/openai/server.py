@@ -71,6 +71,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="largest request body (413 beyond it), e.g. 10MiB")
     g.add_argument("--max-header-bytes", type=parse_memory, default=16 * 2**10,
                    help="largest request line plus headers (431 beyond it)")
+    g.add_argument("--max-header-count", type=int, default=ServerConfig.max_header_count,
+                   help="most headers a request may have (431 beyond it; default: %(default)s)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish before exit")
     g.add_argument("--trust-request-chat-template", action="store_true",
@@ -97,6 +99,7 @@ def server_config_from_args(args: argparse.Namespace, engine_config: EngineConfi
         (args.shutdown_timeout >= 0, "--shutdown-timeout must be >= 0"),
         (args.max_request_body_bytes >= 1024, "--max-request-body-bytes must be at least 1KiB"),
         (args.max_header_bytes >= 1024, "--max-header-bytes must be at least 1KiB"),
+        (args.max_header_count >= 8, "--max-header-count must be at least 8"),
     ]
     for ok, message in checks:
         if not ok:
@@ -109,7 +112,8 @@ def server_config_from_args(args: argparse.Namespace, engine_config: EngineConfi
         disable_auth_for_health_metrics=args.disable_auth_for_health_metrics,
         max_queue_len=args.max_queue_len, per_key_max_concurrency=args.per_key_max_concurrency,
         request_timeout_s=args.request_timeout, max_request_body_bytes=int(args.max_request_body_bytes),
-        max_header_bytes=int(args.max_header_bytes), shutdown_timeout_s=args.shutdown_timeout,
+        max_header_bytes=int(args.max_header_bytes), max_header_count=args.max_header_count,
+        shutdown_timeout_s=args.shutdown_timeout,
         trust_request_chat_template=args.trust_request_chat_template, max_num_seqs=engine_config.max_num_seqs,
     )
 
@@ -143,7 +147,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
     app.add_middleware(AdmissionMiddleware, state=state, controller=admission)
     app.add_middleware(APIKeyAuthMiddleware, api_keys=config.api_keys,
                        open_health_metrics=config.disable_auth_for_health_metrics)
-    app.add_middleware(HeaderLimitMiddleware, max_header_bytes=config.max_header_bytes)
+    app.add_middleware(HeaderLimitMiddleware, max_header_bytes=config.max_header_bytes,
+                       max_header_count=config.max_header_count)
     app.add_middleware(AccessLogMiddleware)
     return app
 

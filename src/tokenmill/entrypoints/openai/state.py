@@ -43,7 +43,9 @@ class ServerConfig:
     max_request_body_bytes: int = 10 * 2**20
     """Larger bodies get 413."""
     max_header_bytes: int = 16 * 2**10
-    """Larger request heads are refused by the HTTP parser."""
+    """Larger request heads get 431 (or 400 from the HTTP parser)."""
+    max_header_count: int = 100
+    """Requests with more headers get 431."""
     shutdown_timeout_s: float = 30.0
     """On SIGTERM, how long in-flight requests may take to finish."""
     trust_request_chat_template: bool = False
