@@ -35,6 +35,7 @@ from tokenmill.entrypoints.openai.middleware import (
     BodyLimitMiddleware,
     HeaderLimitMiddleware,
 )
+from tokenmill.entrypoints.openai.openapi import install_openapi
 from tokenmill.entrypoints.openai.routers import chat, completions, health, models, tokenize
 from tokenmill.entrypoints.openai.state import ServerConfig, ServerState
 from tokenmill.errors import ConfigError
@@ -136,12 +137,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
             watcher.cancel()
             await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.server = state
     app.state.admission = admission
     install_exception_handlers(app)
     for module in (completions, chat, models, health, tokenize):
         app.include_router(module.router)
+    install_openapi(app, config)
     # Added innermost first: the last one added runs first.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
     app.add_middleware(AdmissionMiddleware, state=state, controller=admission)
