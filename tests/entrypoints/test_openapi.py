@@ -59,7 +59,9 @@ def open_health_server(demo_cache: str, server_log_dir: Path) -> Iterator[Server
 def test_openapi_needs_the_key_even_when_health_is_open(open_health_server: ServerHandle) -> None:
     url = f"{open_health_server.base_url}/openapi.json"
     assert_error(httpx.get(url), 401, code="invalid_api_key")
-    assert httpx.get(f"{open_health_server.base_url}/health").status_code == 200
+    for path in ("/health", "/metrics"):  # open by the flag, with HEAD as with GET
+        assert httpx.get(f"{open_health_server.base_url}{path}").status_code == 200
+        assert httpx.head(f"{open_health_server.base_url}{path}").status_code == 200
     assert httpx.get(url, headers=open_health_server.headers()).status_code == 200
 
 

@@ -59,7 +59,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", action="append", default=None,
                    help=f"accepted bearer token; repeat for several (also ${API_KEY_ENV_VAR}, comma-separated)")
     g.add_argument("--disable-auth-for-health-metrics", action="store_true",
-                   help="leave GET /health and GET /metrics open when API keys are set")
+                   help="leave /health and /metrics (GET and HEAD) open when API keys are set")
     g.add_argument("--max-queue-len", type=int, default=ServerConfig.max_queue_len,
                    help="sequences (prompts x n) admitted beyond --max-num-seqs; more get 429 with "
                         "Retry-After at once, and a request that alone needs more than both gets 400")

@@ -33,7 +33,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     """Accepted bearer tokens; empty means no authentication."""
     disable_auth_for_health_metrics: bool = False
-    """Leave GET /health and GET /metrics open even when API keys are set."""
+    """Leave /health and /metrics (GET and HEAD) open even when API keys are set."""
     max_queue_len: int = 1024
     """Sequences admitted beyond the running batch; more get 429 at once."""
     per_key_max_concurrency: int | None = None
