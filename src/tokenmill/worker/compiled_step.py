@@ -8,9 +8,9 @@ the next bucket: padding rows write their K/V into a scratch block nobody reads.
 with prefill chunks, prompt logprobs or more rows than the largest bucket run eagerly.
 
 Each bucket of each engine compiles its own copy of the forward's code object: dynamo keeps
-compiled graphs, and counts recompiles against its limit, per code object, so engines in one
-process (and the buckets of one engine) never count against each other, and an engine's
-graphs are freed with it. A bucket that cannot be compiled runs eagerly, with a warning.
+compiled graphs, and counts recompiles against its limit (8), per code object, so engines in
+one process, and the buckets of one engine (9 on CUDA up to 256), never count against each
+other. A bucket that cannot be compiled runs eagerly, with a warning.
 """
 
 from __future__ import annotations
