@@ -17,7 +17,8 @@ from tests.entrypoints.conftest import MAIN_KEY, OTHER_KEY, ServerHandle, assert
 ROUTES = [
     ("GET", "/v1/models"), ("GET", "/v1/models/demo"), ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"),
-    ("GET", "/health"), ("GET", "/metrics"), ("GET", "/version"), ("GET", "/no/such/route"),
+    ("GET", "/health"), ("GET", "/metrics"), ("GET", "/version"), ("GET", "/openapi.json"),
+    ("GET", "/no/such/route"),
 ]
 BAD_AUTH = {
     "missing": None,

@@ -176,6 +176,19 @@ def test_prompts_that_cannot_fit_are_refused_before_tokenizing(http: httpx.Clien
     assert "characters" in error["message"]
 
 
+def test_too_many_headers_are_431(server: ServerHandle) -> None:
+    """The default --max-header-count is 100, however small the headers."""
+    def get(num_extra: int) -> httpx.Response:
+        # httpx adds Host, Accept, Accept-Encoding, Connection and User-Agent; plus Authorization.
+        headers = [*server.headers().items(), *((f"X-H{i}", "1") for i in range(num_extra))]
+        return httpx.get(server.base_url + "/v1/models", headers=headers, timeout=30)
+
+    assert get(100 - 6).status_code == 200
+    error = assert_error(get(100 - 5), 431, code="headers_too_large")
+    assert "101 headers" in error["message"] and "100" in error["message"]
+    assert_error(get(1000), 431, code="headers_too_large")
+
+
 def test_server_healthy_and_nothing_leaked_after_the_table(server: ServerHandle, http: httpx.Client) -> None:
     assert http.get("/health").status_code == 200
     ok = http.post(COMPLETIONS, json=_completion(max_tokens=3))

@@ -98,6 +98,8 @@ def test_response_format_text_is_accepted(client: openai.OpenAI) -> None:
     ("extra", "param"),
     [
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tools": []}, "tools"),
+        ({"functions": []}, "functions"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
          "response_format"),
@@ -122,3 +124,37 @@ def test_request_chat_template_needs_operator_trust(http: httpx.Client) -> None:
     r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "chat_template": "{{ 'x' }}"})
     error = assert_error(r, 400, param="chat_template")
     assert "--trust-request-chat-template" in error["message"]
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"tools": [TOOL]}, "tools"),
+        ({"bos_token": "PWNED"}, "bos_token"),
+        ({"eos_token": "</s>"}, "eos_token"),
+        ({"enable_thinking": False, "messages": [{"role": "user", "content": "other"}]}, "messages"),
+        ({"add_generation_prompt": False}, "add_generation_prompt"),
+        ({"documents": [{"text": "x"}]}, "documents"),
+        ({"raise_exception": None}, "raise_exception"),
+        ({"namespace": 1}, "namespace"),
+    ],
+)
+def test_chat_template_kwargs_cannot_replace_server_variables(http: httpx.Client, kwargs: dict, key: str) -> None:
+    for path, body in [("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}),
+                       ("/tokenize", {"messages": MESSAGES})]:
+        r = http.post(path, json={**body, "chat_template_kwargs": kwargs})
+        error = assert_error(r, 400, param="chat_template_kwargs")
+        assert repr(key) in error["message"], error
+
+
+def test_chat_template_kwargs_may_add_variables(http: httpx.Client) -> None:
+    plain = http.post("/tokenize", json={"messages": MESSAGES}).json()
+    extra = http.post("/tokenize", json={"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}})
+    assert extra.status_code == 200, extra.text
+    assert extra.json()["tokens"] == plain["tokens"]  # the demo template does not read it
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1,
+                                                "chat_template_kwargs": {"enable_thinking": True}})
+    assert r.status_code == 200, r.text

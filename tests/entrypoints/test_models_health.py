@@ -42,6 +42,19 @@ def test_health_and_version(http: httpx.Client) -> None:
     assert version.status_code == 200 and version.json()["version"]
 
 
+def test_head_health_and_metrics_answer_as_get_without_a_body(server: ServerHandle, http: httpx.Client) -> None:
+    for path in ("/health", "/metrics"):
+        get, head = http.get(path), http.head(path)
+        assert head.status_code == get.status_code == 200, (path, head.status_code)
+        assert head.content == b""
+        assert head.headers.get("content-type") == get.headers.get("content-type"), path
+        assert int(head.headers["content-length"]) > 0 or path == "/health"
+    assert http.head("/health").headers["content-length"] == http.get("/health").headers["content-length"]
+    # The same auth rules as GET: the shared server opens nothing.
+    assert httpx.head(f"{server.base_url}/health").status_code == 401
+    assert httpx.head(f"{server.base_url}/metrics").status_code == 401
+
+
 def test_metrics_names_labels_and_counts(server: ServerHandle, client: openai.OpenAI) -> None:
     before = server.metrics()
     client.completions.create(model="demo", prompt="count me", max_tokens=3, extra_body={"ignore_eos": True})

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tokenmill.errors import InvalidRequestError, ModelLoadError
 from tokenmill.tokenizer import Tokenizer
-from tokenmill.tokenizer.tokenizer import compile_chat_template
+from tokenmill.tokenizer.chat_template import compile_chat_template
 
 transformers = pytest.importorskip("transformers")
 

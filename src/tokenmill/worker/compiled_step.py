@@ -6,12 +6,18 @@ its residual add, RoPE and SwiGLU; on CPU into C++ loops), and on CUDA additiona
 captured as one CUDA graph per bucket and replayed. A decode-only step is padded up to
 the next bucket: padding rows write their K/V into a scratch block nobody reads. Steps
 with prefill chunks, prompt logprobs or more rows than the largest bucket run eagerly.
+
+Each bucket of each engine compiles its own copy of the forward's code object: dynamo keeps
+compiled graphs, and counts recompiles against its limit (8), per code object, so engines in
+one process, and the buckets of one engine (9 on CUDA up to 256), never count against each
+other. A bucket that cannot be compiled runs eagerly, with a warning.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -23,6 +29,9 @@ from tokenmill.model.decoder import DecoderModel
 logger = logging.getLogger(__name__)
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+_COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
+"""What a compiled call raises when dynamo or inductor, not the model, failed."""
 
 
 def default_buckets(max_num_seqs: int, device: torch.device) -> list[int]:
@@ -52,21 +61,36 @@ class CompiledDecodeStep:
         self.block_size = block_size
         self.max_blocks = max_blocks_per_seq
         self.scratch_block = scratch_block
-        self.buckets = sorted(set(buckets))
         self.device = device
         self.use_cuda_graphs = device.type == "cuda"
         self._fns: dict[int, DecodeFn] = {}
-        self.compile_time_s = 0.0
-        compiled = torch.compile(self._forward, dynamic=False, fullgraph=True)
+        self.eager_buckets: list[int] = []
+        """Requested buckets that could not be compiled; their batches run eagerly."""
         start = time.monotonic()
-        for bucket in tqdm(self.buckets, desc="Compiling decode buckets", unit="bucket"):
-            self._fns[bucket] = self._capture(bucket, compiled)
+        for bucket in tqdm(sorted(set(buckets)), desc="Compiling decode buckets", unit="bucket"):
+            try:
+                self._fns[bucket] = self._capture(bucket, self._compile_forward())
+            except Exception as exc:  # any compiler failure: the model still runs, eagerly
+                self._fall_back_to_eager(bucket, exc, "could not compile")
         self.compile_time_s = time.monotonic() - start
         logger.info("compiled decode for batch sizes %s in %.1fs", self.buckets, self.compile_time_s)
 
     @property
+    def buckets(self) -> list[int]:
+        """Batch sizes with a compiled forward, ascending."""
+        return sorted(self._fns)
+
+    @property
     def max_batch(self) -> int:
-        return self.buckets[-1]
+        """Largest decode batch the compiled forwards take; 0 when none compiled."""
+        return max(self._fns, default=0)
+
+    def _fall_back_to_eager(self, bucket: int, exc: BaseException, what: str) -> None:
+        self._fns.pop(bucket, None)
+        self.eager_buckets.append(bucket)
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        logger.warning("%s the decode forward for batch size %d (%s: %s); such batches run eagerly",
+                       what, bucket, type(exc).__name__, first_line)
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -74,6 +98,13 @@ class CompiledDecodeStep:
     ) -> torch.Tensor:
         meta = DecodeMetadata(slots, block_tables, context_lens, trim_to_longest=not self.use_cuda_graphs)
         return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def _compile_forward(self) -> DecodeFn:
+        """``torch.compile`` of ``_forward`` bound to a private copy of its code object."""
+        fn = CompiledDecodeStep._forward
+        private = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                                     fn.__closure__)
+        return torch.compile(types.MethodType(private, self), dynamic=False, fullgraph=True)
 
     def _dummy_inputs(self, bucket: int) -> list[torch.Tensor]:
         return [
@@ -123,4 +154,9 @@ class CompiledDecodeStep:
             torch.tensor(tables, device=self.device),
             torch.tensor([p + 1 for p in positions] + [1] * pad, device=self.device),
         ]
-        return self._fns[bucket](*args)[:batch]
+        try:
+            return self._fns[bucket](*args)[:batch]
+        except _COMPILE_ERRORS as exc:  # e.g. a guard failed and recompiling failed
+            self._fall_back_to_eager(bucket, exc, "could not recompile")
+            with torch.inference_mode():  # the same padded forward, so the same hidden states
+                return self._forward(*args)[:batch]

@@ -3,7 +3,7 @@
 Owns the rule that nothing runs without a valid key when keys are configured: the check
 is deny-by-default on the decoded path the router itself matches, so trailing slashes,
 double slashes, percent-encoding, unknown routes and OPTIONS all need the key too. Only
-``GET /health`` and ``GET /metrics`` (exact paths) can be opened, by an operator flag.
+``/health`` and ``/metrics`` (exact paths, GET and HEAD) can be opened, by an operator flag.
 Keys are compared in constant time, against every configured key without stopping early.
 """
 

@@ -2,7 +2,8 @@
 
 Owns the checks that must not depend on a route being reached: one access-log line per
 HTTP request (with the request id, token counts and timings the route left in
-``scope["state"]``), the request-head size limit, and the body-size limit, enforced on
+``scope["state"]``), the request-head limits (bytes and number of headers), and the
+body-size limit, enforced on
 ``Content-Length`` at once and on the bytes actually received for chunked bodies, so an
 oversized body is never buffered.
 """
@@ -72,20 +73,27 @@ class AccessLogMiddleware:
 
 
 class HeaderLimitMiddleware:
-    """431 for request heads over the limit.
+    """431 for request heads over the byte limit or with too many headers.
 
     The HTTP parser's own limit only applies while a head is still incomplete, so a large
-    head that arrives in one read would pass it; this check does not depend on timing.
+    head that arrives in one read would pass it; this check does not depend on timing. The
+    parser has no limit on the number of headers, which every header lookup walks.
     """
 
-    def __init__(self, app: ASGIApp, max_header_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_header_bytes: int, max_header_count: int) -> None:
         self.app = app
         self.max_header_bytes = max_header_bytes
+        self.max_header_count = max_header_count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            headers = scope.get("headers", [])
+            if len(headers) > self.max_header_count:
+                await send_error(send, 431, f"the request has {len(headers)} headers; at most "
+                                 f"{self.max_header_count} are allowed", code="headers_too_large")
+                return
             size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
-            size += sum(len(k) + len(v) + 4 for k, v in scope.get("headers", []))
+            size += sum(len(k) + len(v) + 4 for k, v in headers)
             if size > self.max_header_bytes:
                 await send_error(send, 431, f"the request line and headers exceed {self.max_header_bytes} bytes",
                                  code="headers_too_large")

@@ -184,7 +184,7 @@ class ChatTemplateFields(StrictModel):
     chat_template: str | None = None
     """A template source; only honoured with ``--trust-request-chat-template``."""
     chat_template_kwargs: dict[str, Any] | None = None
-    """Extra variables for the template (e.g. ``enable_thinking``)."""
+    """Extra variables for the template (e.g. ``enable_thinking``); ones the server sets are refused."""
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
@@ -205,8 +205,8 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
 
     def check(self) -> None:
         super().check()
-        if self.tools or self.functions:
-            param = "tools" if self.tools else "functions"
+        if self.tools is not None or self.functions is not None:  # even empty: one rule for any list
+            param = "tools" if self.tools is not None else "functions"
             raise InvalidRequestError("tool and function calling are not supported yet", param=param)
         for name in ("tool_choice", "function_call"):
             value = getattr(self, name)

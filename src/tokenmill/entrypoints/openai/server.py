@@ -37,6 +37,7 @@ from tokenmill.entrypoints.openai.middleware import (
     BodyLimitMiddleware,
     HeaderLimitMiddleware,
 )
+from tokenmill.entrypoints.openai.openapi import install_openapi
 from tokenmill.entrypoints.openai.routers import chat, completions, health, models, tokenize
 from tokenmill.entrypoints.openai.state import ServerConfig, ServerState
 from tokenmill.entrypoints.openai.tokenization import RequestTokenizer
@@ -63,7 +64,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", action="append", default=None,
                    help=f"accepted bearer token; repeat for several (also ${API_KEY_ENV_VAR}, comma-separated)")
     g.add_argument("--disable-auth-for-health-metrics", action="store_true",
-                   help="leave GET /health and GET /metrics open when API keys are set")
+                   help="leave /health and /metrics (GET and HEAD) open when API keys are set")
     g.add_argument("--max-queue-len", type=int, default=ServerConfig.max_queue_len,
                    help="sequences (prompts x n) admitted beyond --max-num-seqs; more get 429 with "
                         "Retry-After at once, and a request that alone needs more than both gets 400")
@@ -76,6 +77,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="largest request body (413 beyond it), e.g. 10MiB")
     g.add_argument("--max-header-bytes", type=parse_memory, default=16 * 2**10,
                    help="largest request line plus headers (431 beyond it)")
+    g.add_argument("--max-header-count", type=int, default=ServerConfig.max_header_count,
+                   help="most headers a request may have (431 beyond it; default: %(default)s)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish; those still running then "
                         "get a 503 and the server exits about a second later")
@@ -107,6 +110,7 @@ def server_config_from_args(args: argparse.Namespace, engine_config: EngineConfi
         (args.shutdown_timeout >= 0, "--shutdown-timeout must be >= 0"),
         (args.max_request_body_bytes >= 1024, "--max-request-body-bytes must be at least 1KiB"),
         (args.max_header_bytes >= 1024, "--max-header-bytes must be at least 1KiB"),
+        (args.max_header_count >= 8, "--max-header-count must be at least 8"),
         (args.chat_template_timeout > 0, "--chat-template-timeout must be > 0"),
         (args.max_concurrent_tokenizations >= 1, "--max-concurrent-tokenizations must be >= 1"),
     ]
@@ -121,7 +125,8 @@ def server_config_from_args(args: argparse.Namespace, engine_config: EngineConfi
         disable_auth_for_health_metrics=args.disable_auth_for_health_metrics,
         max_queue_len=args.max_queue_len, per_key_max_concurrency=args.per_key_max_concurrency,
         request_timeout_s=args.request_timeout, max_request_body_bytes=int(args.max_request_body_bytes),
-        max_header_bytes=int(args.max_header_bytes), shutdown_timeout_s=args.shutdown_timeout,
+        max_header_bytes=int(args.max_header_bytes), max_header_count=args.max_header_count,
+        shutdown_timeout_s=args.shutdown_timeout,
         trust_request_chat_template=args.trust_request_chat_template, max_num_seqs=engine_config.max_num_seqs,
         chat_template_timeout_s=args.chat_template_timeout,
         max_concurrent_tokenizations=args.max_concurrent_tokenizations,
@@ -149,18 +154,20 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
             tokenization.shutdown()
             await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.server = state
     app.state.admission = admission
     install_exception_handlers(app)
     for module in (completions, chat, models, health, tokenize):
         app.include_router(module.router)
+    install_openapi(app, config)
     # Added innermost first: the last one added runs first.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
     app.add_middleware(AdmissionMiddleware, state=state, controller=admission)
     app.add_middleware(APIKeyAuthMiddleware, api_keys=config.api_keys,
                        open_health_metrics=config.disable_auth_for_health_metrics)
-    app.add_middleware(HeaderLimitMiddleware, max_header_bytes=config.max_header_bytes)
+    app.add_middleware(HeaderLimitMiddleware, max_header_bytes=config.max_header_bytes,
+                       max_header_count=config.max_header_count)
     app.add_middleware(AccessLogMiddleware)
     return app
 

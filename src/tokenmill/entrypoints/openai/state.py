@@ -35,7 +35,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     """Accepted bearer tokens; empty means no authentication."""
     disable_auth_for_health_metrics: bool = False
-    """Leave GET /health and GET /metrics open even when API keys are set."""
+    """Leave /health and /metrics (GET and HEAD) open even when API keys are set."""
     max_queue_len: int = 1024
     """Sequences admitted beyond the running batch; more get 429 at once."""
     per_key_max_concurrency: int | None = None
@@ -45,7 +45,9 @@ class ServerConfig:
     max_request_body_bytes: int = 10 * 2**20
     """Larger bodies get 413."""
     max_header_bytes: int = 16 * 2**10
-    """Larger request heads are refused by the HTTP parser."""
+    """Larger request heads get 431 (or 400 from the HTTP parser)."""
+    max_header_count: int = 100
+    """Requests with more headers get 431."""
     shutdown_timeout_s: float = 30.0
     """On SIGTERM, how long in-flight requests may take to finish."""
     trust_request_chat_template: bool = False

@@ -2,15 +2,19 @@
 
 Owns the chat wire format: the prompt is the model's template (run in the tokenizer's
 jinja2 sandbox) applied to ``messages``; a request may bring its own template only when
-the operator passed ``--trust-request-chat-template``. Streams send a role delta first,
-then content deltas, a finish chunk per choice, the optional usage chunk and ``[DONE]``.
+the operator passed ``--trust-request-chat-template``, and its ``chat_template_kwargs`` may
+add template variables but never replace one the server sets (special tokens, ``messages``,
+``tools``...), so they cannot forge special tokens or slip tools past the check that refuses
+them. Streams send a role delta first, then content deltas, a finish chunk per choice, the
+optional usage chunk and ``[DONE]``.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import jinja2.defaults
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -33,10 +37,25 @@ from tokenmill.entrypoints.openai.protocol import (
 from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import PositionLogprobs, RequestOutput
+from tokenmill.tokenizer.tokenizer import NAMED_SPECIAL_TOKENS
 
 router = APIRouter()
 
-_RESERVED_TEMPLATE_KEYS = frozenset({"messages", "add_generation_prompt", "chat_template"})
+_RESERVED_TEMPLATE_KEYS = frozenset({
+    "messages", "add_generation_prompt", "chat_template", "tools", "documents", "raise_exception",
+    "strftime_now", *NAMED_SPECIAL_TOKENS, *jinja2.defaults.DEFAULT_NAMESPACE,
+})
+"""Template variables the server sets (besides the model's own ``*_token`` ones)."""
+
+
+def check_chat_template_kwargs(kwargs: Mapping[str, Any], special_tokens: Mapping[str, str]) -> None:
+    """400 naming the first key that would replace a variable the server sets."""
+    for key in kwargs:
+        if key in _RESERVED_TEMPLATE_KEYS or key in special_tokens:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {key!r}: the server sets that template variable",
+                param="chat_template_kwargs",
+            )
 
 
 def render_chat_prompt(
@@ -51,7 +70,8 @@ def render_chat_prompt(
         )
     if fields.chat_template is None and not tokenizer.has_chat_template:
         raise InvalidRequestError("this model has no chat template; use the completions endpoint", param="messages")
-    kwargs = {k: v for k, v in (fields.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KEYS}
+    kwargs = fields.chat_template_kwargs or {}
+    check_chat_template_kwargs(kwargs, tokenizer.special_tokens)
     tokenization = state.tokenization
     return tokenizer.apply_chat_template(
         [m.model_dump(exclude_none=True) for m in messages],

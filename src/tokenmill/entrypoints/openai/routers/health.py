@@ -2,7 +2,9 @@
 
 ``/health`` is 200 only while the engine is loaded and alive and the server is not
 draining, so a load balancer stops sending traffic while the model loads, after the engine
-died, and during a graceful shutdown. None of these touch the model or the tokenizer.
+died, and during a graceful shutdown. ``HEAD /health`` and ``HEAD /metrics`` answer as GET
+without the body, for probes that only read the status. None of these touch the model or
+the tokenizer.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def _version() -> str:
 
 
 @router.get("/health")
+@router.head("/health")
 async def health(request: Request) -> Response:
     state = get_state(request)
     if state.is_healthy:
@@ -49,5 +52,6 @@ async def version() -> JSONResponse:
 
 
 @router.get("/metrics")
+@router.head("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,308 @@
+"""The OpenAPI document served at ``/openapi.json``: the real request and response bodies.
+
+Owns what the document says. Routes decode and validate their bodies themselves (so bad
+JSON gets OpenAI's error shape, see protocol.py), which FastAPI cannot see; this module
+puts protocol.py's request models into the document as the request bodies, describes each
+route's responses with the models below (documentation only: routes build plain dicts), and
+says which routes need the API key, as the server is configured.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+import tokenmill
+from tokenmill.entrypoints.openai.admission import GENERATION_PATHS
+from tokenmill.entrypoints.openai.auth import OPEN_PATHS
+from tokenmill.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from tokenmill.entrypoints.openai.state import ServerConfig
+
+_SCHEMA_REF = "#/components/schemas/{model}"
+_ERRORS_BY_METHOD = {
+    "post": (400, 401, 404, 413, 415, 431, 500, 503),
+    "get": (400, 401, 404, 431, 500, 503),
+}
+"""Statuses an operation may answer with an error; generation routes add 429 (admission)."""
+
+
+# ---- response bodies -------------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, in OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs object."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    """vLLM's: per prompt position, token id -> logprob (only when asked for)."""
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    logprob: float | None  # type: ignore[assignment]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class CompletionChunk(BaseModel):
+    """One ``data:`` event of a streamed completion."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+    """In the last chunk with ``include_usage``; in every chunk with ``continuous_usage_stats``."""
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One ``data:`` event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int | None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+# ---- the document ----------------------------------------------------------------------------
+REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
+    ("post", "/v1/completions"): CompletionRequest,
+    ("post", "/v1/chat/completions"): ChatCompletionRequest,
+    ("post", "/tokenize"): TokenizeRequest,
+    ("post", "/detokenize"): DetokenizeRequest,
+}
+"""Operation -> the protocol.py model its body is validated with."""
+
+
+def _sse(chunk: type[BaseModel]) -> dict[str, Any]:
+    """A stream: each event's data is a chunk, an error (the stream failed), or ``[DONE]``."""
+    payload = {
+        "anyOf": [{"$ref": _SCHEMA_REF.format(model=m.__name__)} for m in (chunk, ErrorResponse)]
+    }
+    data = {
+        "anyOf": [
+            {"const": "[DONE]"},
+            {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
+        ]
+    }
+    event = {"type": "object", "required": ["data"], "properties": {"data": data}}
+    return {"text/event-stream": {"schema": event}}
+
+
+_OK_BODIES: dict[tuple[str, str], tuple[type[BaseModel] | None, dict[str, Any]]] = {
+    ("post", "/v1/completions"): (CompletionResponse, _sse(CompletionChunk)),
+    ("post", "/v1/chat/completions"): (ChatCompletionResponse, _sse(ChatCompletionChunk)),
+    ("post", "/tokenize"): (TokenizeResponse, {}),
+    ("post", "/detokenize"): (DetokenizeResponse, {}),
+    ("get", "/v1/models"): (ModelList, {}),
+    ("get", "/v1/models/{model}"): (ModelCard, {}),
+    ("get", "/version"): (VersionResponse, {}),
+    ("get", "/health"): (None, {}),
+    ("get", "/metrics"): (None, {"text/plain": {"schema": {"type": "string"}}}),
+}
+"""Operation -> (JSON model of a 200, other media types a 200 may have)."""
+
+
+def _json_content(model: type[BaseModel]) -> dict[str, Any]:
+    return {"application/json": {"schema": {"$ref": _SCHEMA_REF.format(model=model.__name__)}}}
+
+
+def build_openapi(app: FastAPI, config: ServerConfig) -> dict[str, Any]:
+    """The document for ``app``'s routes as this server is configured."""
+    document = get_openapi(
+        title=app.title,
+        version=tokenmill.__version__,
+        routes=app.routes,
+        description="OpenAI-compatible API of tokenmill (plus vLLM's extras).",
+    )
+    models = [
+        *REQUEST_BODIES.values(),
+        ErrorResponse,
+        CompletionChunk,
+        ChatCompletionChunk,
+        *(m for m, _ in _OK_BODIES.values() if m is not None),
+    ]
+    _, definitions = models_json_schema(
+        [(m, "validation") for m in dict.fromkeys(models)], ref_template=_SCHEMA_REF
+    )
+    components = document.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    for unused in (
+        "HTTPValidationError",
+        "ValidationError",
+    ):  # FastAPI's 422, which this server never sends
+        schemas.pop(unused, None)
+    schemas.update(definitions.get("$defs", {}))
+    if config.api_keys:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        document["security"] = [{"bearer": []}]
+    for path, operations in document.get("paths", {}).items():
+        for method, operation in operations.items():
+            key = ("get" if method == "head" else method, path)
+            body = REQUEST_BODIES.get(key)
+            if body is not None:
+                operation["requestBody"] = {"required": True, "content": _json_content(body)}
+            ok_model, ok_other = _OK_BODIES.get(key, (None, {}))
+            ok: dict[str, Any] = {"description": "success"}
+            if method != "head" and (ok_model is not None or ok_other):
+                ok["content"] = {**(_json_content(ok_model) if ok_model else {}), **ok_other}
+            errors = _ERRORS_BY_METHOD[key[0]] + ((429,) if path in GENERATION_PATHS else ())
+            operation["responses"] = {"200": ok}
+            for status in sorted(errors):
+                error: dict[str, Any] = {"description": "error, in OpenAI's shape"}
+                if method != "head":
+                    error["content"] = _json_content(ErrorResponse)
+                operation["responses"][str(status)] = error
+            if config.api_keys and config.disable_auth_for_health_metrics and path in OPEN_PATHS:
+                operation["security"] = []
+    return document
+
+
+def install_openapi(app: FastAPI, config: ServerConfig) -> None:
+    """Serve ``build_openapi``'s document (built once, on the first request for it)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = build_openapi(app, config)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
