@@ -1,11 +1,15 @@
 """EngineConfig: every engine limit and strategy in one frozen, validated dataclass.
 
-CLI flags map 1:1 onto these fields (vLLM's names where one exists).
+CLI flags are generated from these fields (``entrypoints/config_args.py``): the name, type,
+default and the docstring under each field are the flag's, so each is written once here.
+The engine resolves ``auto`` and ``None`` values once it has loaded the model and keeps the
+resolved config (``LLMEngine.config``): consumers read ``max_model_len``, ``device`` and
+``dtype`` from it instead of working them out again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from tokenmill.errors import ConfigError
@@ -22,15 +26,15 @@ class EngineConfig:
     model: str = "demo"
     """Path of a Hugging Face model folder, or ``demo`` for the built-in model."""
     dtype: DType = "auto"
-    """Weights and activations dtype; ``auto`` follows torch_dtype (float32 on CPU for bf16)."""
+    """Weights and activations dtype; auto follows the checkpoint (float32 on CPU for bf16)."""
     device: str = "auto"
     """``cpu``, ``cuda`` or ``auto`` (cuda when available)."""
     kv_cache: KVCacheKind = "paged"
     """KV memory strategy: ``paged`` blocks on demand or ``static`` per-slot regions."""
     block_size: int = 16
-    """Tokens per KV block (paged)."""
-    kv_cache_memory: float | None = None
-    """KV budget: bytes if > 1, else a fraction of free memory. None: a sane default."""
+    """Tokens per KV block."""
+    kv_cache_memory: float | None = field(default=None, metadata={"parse": "memory"})
+    """KV budget: a fraction of free memory (0.3) or a size (4GiB); default: a sane share."""
     gpu_memory_utilization: float = 0.9
     """On CUDA, the fraction of total GPU memory the engine may use (weights + KV)."""
     max_num_seqs: int = 256
@@ -38,7 +42,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     """Token budget of one engine step (prefill chunks plus decodes)."""
     max_model_len: int | None = None
-    """Context length limit; None means the model's max_position_embeddings."""
+    """Context length limit; default: the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
     scheduling_policy: SchedulingPolicy = "fcfs"
@@ -48,11 +52,11 @@ class EngineConfig:
     seed: int = 0
     """Seed of the engine's global generator (for requests without their own seed)."""
     enforce_eager: bool = False
-    """Disable torch.compile and graph capture (static strategy)."""
+    """Disable torch.compile and CUDA graph capture (static strategy)."""
     compile_batch_sizes: tuple[int, ...] | None = None
-    """Decode batch sizes compiled (static strategy); None: powers of two up to max_num_seqs."""
+    """Decode batch sizes compiled by the static strategy, e.g. 1,2,4,8; default: powers of two up to max_num_seqs."""
     num_threads: int | None = None
-    """CPU threads for torch; None keeps torch's default."""
+    """CPU threads for torch; default: torch's own choice."""
     rope_theta_override: float | None = None
     """Test-only: replace the model's RoPE base to make the engine diverge on purpose."""
 

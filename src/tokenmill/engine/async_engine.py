@@ -149,7 +149,7 @@ class AsyncLLMEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.engine.config.max_model_len  # type: ignore[return-value]
 
     @property
     def vocab_size(self) -> int:

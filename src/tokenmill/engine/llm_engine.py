@@ -78,10 +78,15 @@ class LLMEngine:
         if config.rope_theta_override is not None:
             self.model_config = replace(self.model_config, rope_theta=config.rope_theta_override)
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         mc = self.model_config
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, mc, self.device)
+        self.config = config = replace(
+            config, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),  # type: ignore[arg-type]
+            max_model_len=config.max_model_len or mc.max_position_embeddings,
+        )
+        """The resolved config: no ``auto`` device or dtype, and the model's context length filled in."""
+        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
         eos = set(mc.eos_token_ids) | _generation_eos_ids(self.model_path)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

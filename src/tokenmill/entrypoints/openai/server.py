@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -28,7 +29,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineState
-from tokenmill.entrypoints.engine_args import parse_memory
+from tokenmill.entrypoints.config_args import add_config_args, config_kwargs
 from tokenmill.entrypoints.openai.admission import AdmissionController, AdmissionMiddleware
 from tokenmill.entrypoints.openai.auth import APIKeyAuthMiddleware
 from tokenmill.entrypoints.openai.errors import error_body_bytes, install_exception_handlers
@@ -41,7 +42,6 @@ from tokenmill.entrypoints.openai.openapi import install_openapi
 from tokenmill.entrypoints.openai.routers import chat, completions, health, models, tokenize
 from tokenmill.entrypoints.openai.state import ServerConfig, ServerState
 from tokenmill.entrypoints.openai.tokenization import RequestTokenizer
-from tokenmill.errors import ConfigError
 from tokenmill.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -54,41 +54,13 @@ CUT_OFF_GRACE_S = 0.5
 """After the drain cuts requests off: how long they get to send their 503 before connections close."""
 
 
+_NOT_FLAGS = ("max_num_seqs",)
+"""ServerConfig fields copied from the engine's config rather than set by a flag."""
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``tokenmill serve`` beyond the engine's."""
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients send in 'model' (default: the model argument)")
-    g.add_argument("--api-key", action="append", default=None,
-                   help=f"accepted bearer token; repeat for several (also ${API_KEY_ENV_VAR}, comma-separated)")
-    g.add_argument("--disable-auth-for-health-metrics", action="store_true",
-                   help="leave /health and /metrics (GET and HEAD) open when API keys are set")
-    g.add_argument("--max-queue-len", type=int, default=ServerConfig.max_queue_len,
-                   help="sequences (prompts x n) admitted beyond --max-num-seqs; more get 429 with "
-                        "Retry-After at once, and a request that alone needs more than both gets 400")
-    g.add_argument("--per-key-max-concurrency", type=int, default=None,
-                   help="most requests one API key may have in flight (429 beyond it)")
-    g.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds a request may wait plus run; then it is aborted and returns its partial "
-                        "output with finish_reason 'length' (or 503 if it produced nothing)")
-    g.add_argument("--max-request-body-bytes", type=parse_memory, default=10 * 2**20,
-                   help="largest request body (413 beyond it), e.g. 10MiB")
-    g.add_argument("--max-header-bytes", type=parse_memory, default=16 * 2**10,
-                   help="largest request line plus headers (431 beyond it)")
-    g.add_argument("--max-header-count", type=int, default=ServerConfig.max_header_count,
-                   help="most headers a request may have (431 beyond it; default: %(default)s)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds in-flight requests may take to finish; those still running then "
-                        "get a 503 and the server exits about a second later")
-    g.add_argument("--trust-request-chat-template", action="store_true",
-                   help="let requests supply their own chat template (still sandboxed)")
-    g.add_argument("--chat-template-timeout", type=float, default=ServerConfig.chat_template_timeout_s,
-                   help="seconds a request-supplied chat template may take to render (400 beyond it)")
-    g.add_argument("--max-concurrent-tokenizations", type=int, default=ServerConfig.max_concurrent_tokenizations,
-                   help="threads that tokenize prompts and render chat templates; more requests wait for one")
-    g.add_argument("--disable-access-log", action="store_true", help="no per-request log line")
+    """Flags of ``tokenmill serve`` beyond the engine's: one per ServerConfig field."""
+    add_config_args(parser.add_argument_group("server"), ServerConfig, exclude=_NOT_FLAGS)
     parser.epilog = (
         "max_tokens beyond the context left after the prompt (--max-model-len minus prompt tokens) "
         "is clamped to it; prompts that leave no room get 400 context_length_exceeded."
@@ -97,44 +69,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def server_config_from_args(args: argparse.Namespace, engine_config: EngineConfig) -> ServerConfig:
     """Map flags (and $TOKENMILL_API_KEY) onto a validated ServerConfig."""
-    keys = list(args.api_key or [])
-    keys += [k.strip() for k in os.environ.get(API_KEY_ENV_VAR, "").split(",") if k.strip()]
-    if any(not k.strip() for k in keys):
-        raise ConfigError("--api-key must not be empty")
-    checks = [
-        (0 <= args.port <= 65535, "--port must be in [0, 65535] (0: any free port)"),
-        (args.max_queue_len >= 0, "--max-queue-len must be >= 0"),
-        (args.per_key_max_concurrency is None or args.per_key_max_concurrency >= 1,
-         "--per-key-max-concurrency must be >= 1"),
-        (args.request_timeout > 0, "--request-timeout must be > 0"),
-        (args.shutdown_timeout >= 0, "--shutdown-timeout must be >= 0"),
-        (args.max_request_body_bytes >= 1024, "--max-request-body-bytes must be at least 1KiB"),
-        (args.max_header_bytes >= 1024, "--max-header-bytes must be at least 1KiB"),
-        (args.max_header_count >= 8, "--max-header-count must be at least 8"),
-        (args.chat_template_timeout > 0, "--chat-template-timeout must be > 0"),
-        (args.max_concurrent_tokenizations >= 1, "--max-concurrent-tokenizations must be >= 1"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-    if args.per_key_max_concurrency is not None and not keys:
+    values = config_kwargs(args, ServerConfig, exclude=_NOT_FLAGS)
+    env_keys = os.environ.get(API_KEY_ENV_VAR, "").split(",")
+    values["api_keys"] = (*values["api_keys"], *(k.strip() for k in env_keys if k.strip()))
+    config = ServerConfig(**values, max_num_seqs=engine_config.max_num_seqs)
+    if config.per_key_max_concurrency is not None and not config.api_keys:
         logger.warning("--per-key-max-concurrency has no effect without --api-key")
-    names = tuple(args.served_model_name or [engine_config.model])
-    return ServerConfig(
-        host=args.host, port=args.port, served_model_names=names, api_keys=tuple(keys),
-        disable_auth_for_health_metrics=args.disable_auth_for_health_metrics,
-        max_queue_len=args.max_queue_len, per_key_max_concurrency=args.per_key_max_concurrency,
-        request_timeout_s=args.request_timeout, max_request_body_bytes=int(args.max_request_body_bytes),
-        max_header_bytes=int(args.max_header_bytes), max_header_count=args.max_header_count,
-        shutdown_timeout_s=args.shutdown_timeout,
-        trust_request_chat_template=args.trust_request_chat_template, max_num_seqs=engine_config.max_num_seqs,
-        chat_template_timeout_s=args.chat_template_timeout,
-        max_concurrent_tokenizations=args.max_concurrent_tokenizations,
-    )
+    return config
 
 
 def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     """The ASGI app; the engine starts loading when the app starts (lifespan)."""
+    if not config.served_model_names:  # resolved once: clients use the model argument
+        config = dataclasses.replace(config, served_model_names=(engine_config.model,))
     metrics = ServerMetrics(
         config.served_model_names[0], engine_config.max_model_len or DEFAULT_BUCKET_MAX_TOKENS, lambda: engine.stats
     )
@@ -282,7 +229,7 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     config = server_config_from_args(args, engine_config)
     engine = AsyncLLMEngine(engine_config)
     app = build_app(engine, config, engine_config)
-    if args.disable_access_log:
+    if config.disable_access_log:
         logging.getLogger("tokenmill.access").setLevel(logging.WARNING)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, http=_JSONErrorH11Protocol, lifespan="on",

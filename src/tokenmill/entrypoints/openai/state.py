@@ -18,6 +18,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineState
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.tokenization import RequestTokenizer
+from tokenmill.errors import ConfigError
 from tokenmill.metrics import ServerMetrics
 
 _SAFE_MODEL_NAME = re.compile(r"[A-Za-z0-9_:@+-][A-Za-z0-9._:@/+-]{0,127}")
@@ -26,38 +27,61 @@ _SAFE_MODEL_NAME = re.compile(r"[A-Za-z0-9_:@+-][A-Za-z0-9._:@/+-]{0,127}")
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """HTTP-side settings of ``tokenmill serve``; flags map 1:1 onto fields."""
+    """HTTP-side settings of ``tokenmill serve``; its flags are generated from these fields."""
 
     host: str = "127.0.0.1"
+    """Address to listen on."""
     port: int = 8000
-    served_model_names: tuple[str, ...] = ("demo",)
-    """Names clients put in ``model``; the first is reported first by /v1/models."""
-    api_keys: tuple[str, ...] = ()
-    """Accepted bearer tokens; empty means no authentication."""
+    """Port to listen on (0: any free port)."""
+    served_model_names: tuple[str, ...] = field(default=(), metadata={"flag": "--served-model-name"})
+    """Model name(s) clients send in 'model', the first reported first by /v1/models; default: the model argument."""
+    api_keys: tuple[str, ...] = field(default=(), metadata={"flag": "--api-key", "action": "append"})
+    """Accepted bearer token; repeat for several (also $TOKENMILL_API_KEY, comma-separated); default: no authentication."""
     disable_auth_for_health_metrics: bool = False
     """Leave /health and /metrics (GET and HEAD) open even when API keys are set."""
     max_queue_len: int = 1024
-    """Sequences admitted beyond the running batch; more get 429 at once."""
+    """Sequences (prompts x n) admitted beyond --max-num-seqs; more get 429 with Retry-After at once, and a request that alone needs more than both gets 400."""
     per_key_max_concurrency: int | None = None
-    """Most requests one API key may have in flight; None for no quota."""
-    request_timeout_s: float = 600.0
-    """A request waiting or running longer is aborted (partial output or an error)."""
-    max_request_body_bytes: int = 10 * 2**20
-    """Larger bodies get 413."""
-    max_header_bytes: int = 16 * 2**10
-    """Larger request heads get 431 (or 400 from the HTTP parser)."""
+    """Most requests one API key may have in flight (429 beyond it); default: no quota."""
+    request_timeout_s: float = field(default=600.0, metadata={"flag": "--request-timeout"})
+    """Seconds a request may wait plus run; then it is aborted and returns its partial output with finish_reason 'length' (or 503 if it produced nothing)."""
+    max_request_body_bytes: int = field(default=10 * 2**20, metadata={"parse": "bytes"})
+    """Largest request body, e.g. 10MiB (413 beyond it)."""
+    max_header_bytes: int = field(default=16 * 2**10, metadata={"parse": "bytes"})
+    """Largest request line plus headers (431 beyond it)."""
     max_header_count: int = 100
-    """Requests with more headers get 431."""
-    shutdown_timeout_s: float = 30.0
-    """On SIGTERM, how long in-flight requests may take to finish."""
+    """Most headers a request may have (431 beyond it)."""
+    shutdown_timeout_s: float = field(default=30.0, metadata={"flag": "--shutdown-timeout"})
+    """On SIGTERM, seconds in-flight requests may take to finish; those still running then get a 503 and the server exits about a second later."""
     trust_request_chat_template: bool = False
-    """Let requests pass their own chat template (rendered in the sandbox either way)."""
-    max_num_seqs: int = 256
-    """The engine's running-batch bound, copied here for admission control."""
+    """Let requests supply their own chat template (rendered in the sandbox either way)."""
+    chat_template_timeout_s: float = field(default=2.0, metadata={"flag": "--chat-template-timeout"})
+    """Seconds a request-supplied chat template may take to render (400 beyond it)."""
     max_concurrent_tokenizations: int = 4
-    """Threads tokenizing and rendering chat templates at once; more requests queue for them."""
-    chat_template_timeout_s: float = 2.0
-    """Time budget of rendering a request-supplied chat template."""
+    """Threads that tokenize prompts and render chat templates; more requests wait for one."""
+    disable_access_log: bool = False
+    """No per-request log line."""
+    max_num_seqs: int = 256
+    """The engine's running-batch bound, copied here for admission control (not a flag)."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (0 <= self.port <= 65535, "--port must be in [0, 65535] (0: any free port)"),
+            (all(k.strip() for k in self.api_keys), "--api-key must not be empty"),
+            (self.max_queue_len >= 0, "--max-queue-len must be >= 0"),
+            (self.per_key_max_concurrency is None or self.per_key_max_concurrency >= 1,
+             "--per-key-max-concurrency must be >= 1"),
+            (self.request_timeout_s > 0, "--request-timeout must be > 0"),
+            (self.shutdown_timeout_s >= 0, "--shutdown-timeout must be >= 0"),
+            (self.max_request_body_bytes >= 1024, "--max-request-body-bytes must be at least 1KiB"),
+            (self.max_header_bytes >= 1024, "--max-header-bytes must be at least 1KiB"),
+            (self.max_header_count >= 8, "--max-header-count must be at least 8"),
+            (self.chat_template_timeout_s > 0, "--chat-template-timeout must be > 0"),
+            (self.max_concurrent_tokenizations >= 1, "--max-concurrent-tokenizations must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
 
     @property
     def max_seqs_in_flight(self) -> int:

@@ -1,0 +1,136 @@
+"""CLI flags generated from config dataclasses: name, type, default and help in one place.
+
+Each field of ``EngineConfig`` and ``ServerConfig`` becomes one flag: ``--field-name`` (or
+the vLLM name its ``flag`` metadata gives), its type and choices from the annotation, its
+default from the field, and its help from the docstring under the field, read from the
+class source with ``ast`` as vLLM does. So a default is written once, and ``--help`` can
+never disagree with the config. Field metadata may also name a ``parse`` function (e.g.
+memory sizes) and an ``action`` (``append`` for repeatable flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import itertools
+import re
+import textwrap
+import types
+import typing
+from collections.abc import Callable, Iterable
+from typing import Any
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_memory(text: str) -> float:
+    """``0.3`` (fraction of free memory), ``4GiB``, ``512MiB``, ``2G`` or plain bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"invalid memory size {text!r}: use a fraction like 0.3 or a size like 4GiB")
+    value = float(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise argparse.ArgumentTypeError("memory size must be positive")
+    return value
+
+
+def parse_int_list(text: str) -> tuple[int, ...]:
+    """``1,2,4,8`` -> (1, 2, 4, 8)."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def parse_bytes(text: str) -> int:
+    """A size in bytes: ``10MiB``, ``16KiB``, ``1000``."""
+    return int(parse_memory(text))
+
+
+PARSERS: dict[str, Callable[[str], Any]] = {"memory": parse_memory, "bytes": parse_bytes, "int_list": parse_int_list}
+"""Parsers a field's ``parse`` metadata may name."""
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass, joined onto one line."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, after in itertools.pairwise(body):
+        is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and is_doc:
+            text = str(after.value.value).replace("``", "")  # type: ignore[attr-defined]
+            docs[node.target.id] = " ".join(text.split())
+    return docs
+
+
+def flag_name(field: dataclasses.Field[Any]) -> str:
+    return field.metadata.get("flag", "--" + field.name.replace("_", "-"))
+
+
+def add_config_args(group: Any, cls: type, exclude: Iterable[str] = ()) -> None:
+    """One flag per field of ``cls`` (except ``exclude``), with ``dest`` the field's name."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for field in dataclasses.fields(cls):
+        if field.name in exclude:
+            continue
+        kwargs: dict[str, Any] = {"dest": field.name, "help": docs.get(field.name, "")}
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()  # type: ignore[misc]
+        kind = _unwrap_optional(hints[field.name])
+        if "parse" in field.metadata:
+            kwargs["type"] = PARSERS[field.metadata["parse"]]
+        elif kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(kind))
+        elif typing.get_origin(kind) is tuple:
+            item = typing.get_args(kind)[0]
+            kwargs["type"] = parse_int_list if item is int else item
+            if item is not int:
+                kwargs["nargs"] = "+"
+        elif kind in (int, float, str):
+            kwargs["type"] = kind
+        else:
+            raise TypeError(f"{cls.__name__}.{field.name}: no flag type for {kind!r}")
+        if field.metadata.get("action") == "append":
+            kwargs.pop("nargs", None)
+            kwargs["action"] = "append"
+            default = None  # argparse appends to a default list; an empty one is the field's default
+        name = flag_name(field)
+        if "choices" not in kwargs and kwargs.get("action") is not argparse.BooleanOptionalAction:
+            kwargs["metavar"] = name.removeprefix("--").replace("-", "_").upper()
+        group.add_argument(name, default=default, **kwargs)
+
+
+def config_kwargs(args: argparse.Namespace, cls: type, exclude: Iterable[str] = ()) -> dict[str, Any]:
+    """The fields of ``cls`` as parsed into ``args`` by ``add_config_args``."""
+    values = {}
+    for field in dataclasses.fields(cls):
+        if field.name in exclude or not hasattr(args, field.name):
+            continue
+        value = getattr(args, field.name)
+        if field.metadata.get("action") == "append":
+            value = tuple(value or ())
+        elif isinstance(value, list):
+            value = tuple(value)
+        values[field.name] = value
+    return values
+
+
+def _unwrap_optional(hint: Any) -> Any:
+    """``X | None`` -> X; anything else as it is."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
