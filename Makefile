@@ -21,13 +21,14 @@ setup: $(VENV)/.installed
 run: setup
 	$(VENV)/bin/tokenmill serve $(MODEL) --host $(HOST) --port $(PORT)
 
-test: setup
-	$(VENV)/bin/ruff check src tests benchmarks
+test: lint
 	$(PY) -m pytest
 
+# ruff (lint and format) and mypy (core, engine, worker, entrypoints: see pyproject.toml).
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/mypy
 
 bench: setup
 	$(PY) benchmarks/engine_core.py

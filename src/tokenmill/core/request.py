@@ -121,7 +121,7 @@ class Request:
         params = self.sampling_params
         num_out = len(self.output_token_ids)
         if num_out >= params.min_tokens:
-            if token_id in params.stop_token_ids:
+            if token_id in (params.stop_token_ids or ()):
                 self.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token_id in self.eos_token_ids:

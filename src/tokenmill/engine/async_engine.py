@@ -16,7 +16,7 @@ import enum
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,7 +167,7 @@ class AsyncLLMEngine:
         return self._stats
 
     # ---- requests ------------------------------------------------------------------------
-    async def generate(self, request: ProcessedRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: ProcessedRequest) -> AsyncGenerator[RequestOutput, None]:
         """Submit a checked request (``input_processor.process``) and yield its outputs as
         steps produce them.
 

@@ -23,7 +23,7 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         help_text = action.help or ""
         if not help_text or "default" in help_text or action.default is None or action.default is False:
             return help_text
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or help_text
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -127,16 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         from tokenmill.entrypoints.openai.server import add_server_args
     except ImportError:  # the server module is optional at import time for the other commands
-        add_server_args = None
-    if add_server_args is not None:
+        pass
+    else:
         add_server_args(serve)
     serve.set_defaults(func=_serve)
 
     try:
         from tokenmill.bench.cli import register as register_bench
     except ImportError:
-        register_bench = None
-    if register_bench is not None:
+        pass
+    else:
         register_bench(sub)
     return parser
 

@@ -85,7 +85,9 @@ def add_config_args(group: Any, cls: type, exclude: Iterable[str] = ()) -> None:
         if field.name in exclude:
             continue
         kwargs: dict[str, Any] = {"dest": field.name, "help": docs.get(field.name, "")}
-        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()  # type: ignore[misc]
+        default = field.default
+        if field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
         kind = _unwrap_optional(hints[field.name])
         if "parse" in field.metadata:
             kwargs["type"] = PARSERS[field.metadata["parse"]]

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
@@ -201,7 +201,7 @@ class GenerationRun:
         }
 
     # ---- outputs ---------------------------------------------------------------------------
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(prompt index, output) as steps produce them.
 
         Raises RequestTimeoutError at the deadline and ServerShuttingDownError when the drain
@@ -445,10 +445,10 @@ def token_label(token_id: int, text: str, as_token_ids: bool) -> str:
 
 
 def choice_logprob_entries(
-    token_ids: list[int], entries: list[PositionLogprobs | None] | None, tokenizer: Any
+    token_ids: list[int], entries: Sequence[PositionLogprobs | None] | None, tokenizer: Any
 ) -> list[tuple[int, str, float | None, list[tuple[int, str, float]]]]:
     """(token id, token text, logprob, top (id, text, logprob) by rank) for each position."""
-    rows = []
+    rows: list[tuple[int, str, float | None, list[tuple[int, str, float]]]] = []
     for i, token_id in enumerate(token_ids):
         entry = entries[i] if entries is not None and i < len(entries) else None
         if entry is None:

@@ -262,7 +262,8 @@ def build_openapi(app: FastAPI, config: ServerConfig) -> dict[str, Any]:
         *(m for m, _ in _OK_BODIES.values() if m is not None),
     ]
     _, definitions = models_json_schema(
-        [(m, "validation") for m in dict.fromkeys(models)], ref_template=_SCHEMA_REF
+        [(m, "validation") for m in dict.fromkeys(models)],  # type: ignore[misc]
+        ref_template=_SCHEMA_REF,
     )
     components = document.setdefault("components", {})
     schemas = components.setdefault("schemas", {})

@@ -235,7 +235,7 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         app, host=config.host, port=config.port, http=_JSONErrorH11Protocol, lifespan="on",
         access_log=False, log_level=logging.getLogger().getEffectiveLevel(), server_header=False,
         h11_max_incomplete_event_size=config.max_header_bytes, timeout_keep_alive=5,
-        timeout_graceful_shutdown=CUT_OFF_GRACE_S,
+        timeout_graceful_shutdown=CUT_OFF_GRACE_S,  # type: ignore[arg-type]  # a float works (asyncio timeout)
     )
     server = GracefulServer(uv_config, app)
     server.run()

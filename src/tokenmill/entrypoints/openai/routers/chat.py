@@ -11,7 +11,7 @@ optional usage chunk and ``[DONE]``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import jinja2.defaults
@@ -97,7 +97,7 @@ async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], field
 
 
 def chat_logprobs(
-    token_ids: list[int], entries: list[PositionLogprobs | None] | None, tokenizer: Any, num_top: int,
+    token_ids: list[int], entries: Sequence[PositionLogprobs | None] | None, tokenizer: Any, num_top: int,
     as_token_ids: bool = False,
 ) -> dict[str, Any]:
     """OpenAI's chat logprobs object: one entry per token with its top alternatives.

@@ -7,7 +7,7 @@ OpenAI do for batched prompts), ``echo`` (the prompt's text, and its logprobs wh
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -34,7 +34,7 @@ router = APIRouter()
 
 
 def completion_logprobs(
-    token_ids: list[int], entries: list[PositionLogprobs | None] | None, tokenizer: Any, text_offset: int,
+    token_ids: list[int], entries: Sequence[PositionLogprobs | None] | None, tokenizer: Any, text_offset: int,
     as_token_ids: bool = False,
 ) -> dict[str, Any]:
     """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs, text_offset.
