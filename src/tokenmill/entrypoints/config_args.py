@@ -68,7 +68,7 @@ def field_docs(cls: type) -> dict[str, str]:
     for node, after in itertools.pairwise(body):
         is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and is_doc:
-            text = str(after.value.value).replace("``", "")  # type: ignore[attr-defined]
+            text = str(after.value.value).replace("``", "")
             docs[node.target.id] = " ".join(text.split())
     return docs
 

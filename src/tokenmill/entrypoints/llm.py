@@ -37,7 +37,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Complete every prompt (text or token ids); outputs come back in input order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -73,7 +73,7 @@ class LLM:
                 self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template),
                 add_special_tokens=False,
             )
-            for conv in conversations  # type: ignore[union-attr]
+            for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
