@@ -31,17 +31,23 @@ print(json.dumps({"load_s": seconds, "peak_rss_growth_bytes": peak - base, "chec
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True, help="a Hugging Face model folder")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     runs = []
     for _ in range(args.repeats):
-        out = subprocess.run([sys.executable, "-c", _CHILD, args.model], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD, args.model], capture_output=True, text=True, check=True
+        )
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     for run in runs:
-        print(f"load {run['load_s']:.2f} s, peak RSS growth {run['peak_rss_growth_bytes'] / 2**30:.2f} GiB "
-              f"(checkpoint {run['checkpoint_bytes'] / 2**30:.2f} GiB)")
+        print(
+            f"load {run['load_s']:.2f} s, peak RSS growth {run['peak_rss_growth_bytes'] / 2**30:.2f} GiB "
+            f"(checkpoint {run['checkpoint_bytes'] / 2**30:.2f} GiB)"
+        )
     return 0
 
 

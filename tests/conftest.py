@@ -73,13 +73,17 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def make_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Callable[..., Path]:
+def make_model(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> Callable[..., Path]:
     """``make_model(family, **config_overrides) -> folder``, cached per argument set."""
     import transformers
 
     cache: dict[tuple, Path] = {}
 
-    def make(family: str = "llama", seed: int = 0, dtype: str = "float32", **overrides: Any) -> Path:
+    def make(
+        family: str = "llama", seed: int = 0, dtype: str = "float32", **overrides: Any
+    ) -> Path:
         key = (family, seed, dtype, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
         if key in cache:
             return cache[key]
@@ -101,7 +105,9 @@ def make_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) ->
     return make
 
 
-def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+def hf_greedy(
+    folder: Path, prompts: list[list[int]], max_new_tokens: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Reference: transformers ``generate`` (greedy, EOS ignored), one prompt at a time.
 
     Returns the generated ids and, per prompt, the raw log-softmax of each step's logits.

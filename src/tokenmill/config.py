@@ -65,19 +65,37 @@ class EngineConfig:
             if not cond:
                 raise ConfigError(message)
 
-        check(self.kv_cache in ("paged", "static"), f"kv_cache must be paged or static, got {self.kv_cache!r}")
-        check(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unsupported dtype {self.dtype!r}")
-        check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), f"unsupported device {self.device!r}")
-        check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two <= 128, got {self.block_size}")
+        check(
+            self.kv_cache in ("paged", "static"),
+            f"kv_cache must be paged or static, got {self.kv_cache!r}",
+        )
+        check(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            f"unsupported dtype {self.dtype!r}",
+        )
+        check(
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+            f"unsupported device {self.device!r}",
+        )
+        check(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            f"block_size must be a power of two <= 128, got {self.block_size}",
+        )
         check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
-        check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0")
+        check(
+            self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0"
+        )
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
-        check(self.scheduling_policy in ("fcfs", "priority"), f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        check(
+            self.scheduling_policy in ("fcfs", "priority"),
+            f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}",
+        )
         check(self.max_logprobs >= 0, "max_logprobs must be >= 0")
         check(
-            self.compile_batch_sizes is None or (bool(self.compile_batch_sizes) and all(b >= 1 for b in self.compile_batch_sizes)),
+            self.compile_batch_sizes is None
+            or (bool(self.compile_batch_sizes) and all(b >= 1 for b in self.compile_batch_sizes)),
             "compile_batch_sizes must be positive integers",
         )
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")

@@ -112,4 +112,6 @@ class RequestOutput:
 
 
 def _own_lists(c: CompletionOutput) -> CompletionOutput:
-    return replace(c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))
+    return replace(
+        c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs)
+    )

@@ -76,19 +76,29 @@ def build_app(behavior: FakeBehavior) -> Starlette:
 
     async def stream(body: dict[str, Any], is_chat: bool) -> AsyncIterator[str]:
         num_tokens = int(body.get("max_tokens") or 16)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage")) and behavior.sends_usage
+        include_usage = (
+            bool((body.get("stream_options") or {}).get("include_usage")) and behavior.sends_usage
+        )
         obj = "chat.completion.chunk" if is_chat else "text_completion"
         behavior.num_in_flight += 1
         behavior.peak_in_flight = max(behavior.peak_in_flight, behavior.num_in_flight)
         try:
             if is_chat:
                 # A role announcement right away: it must not count as the first token.
-                yield _sse({"object": obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+                yield _sse(
+                    {
+                        "object": obj,
+                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+                    }
+                )
             for i in range(num_tokens):
                 await asyncio.sleep(behavior.ttft_delay_s if i == 0 else behavior.itl_delay_s)
                 is_last = i == num_tokens - 1 and not behavior.separate_finish_chunk
                 text = f"w{i % 10} "
-                choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if is_last else None}
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "finish_reason": "length" if is_last else None,
+                }
                 if is_chat:
                     choice["delta"] = {"content": text}
                 else:
@@ -100,8 +110,11 @@ def build_app(behavior: FakeBehavior) -> Starlette:
                 yield _sse({"object": obj, "choices": [choice]})
             if include_usage:
                 prompt_tokens = _prompt_tokens(body)
-                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": num_tokens,
-                         "total_tokens": prompt_tokens + num_tokens}
+                usage = {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": num_tokens,
+                    "total_tokens": prompt_tokens + num_tokens,
+                }
                 yield _sse({"object": obj, "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
         finally:
@@ -112,7 +125,10 @@ def build_app(behavior: FakeBehavior) -> Starlette:
             return None
         if request.headers.get("authorization") == f"Bearer {behavior.required_api_key}":
             return None
-        return JSONResponse({"error": {"message": "invalid API key", "type": "authentication_error"}}, status_code=401)
+        return JSONResponse(
+            {"error": {"message": "invalid API key", "type": "authentication_error"}},
+            status_code=401,
+        )
 
     async def handle(request: Request, is_chat: bool) -> Response:
         if (refusal := unauthorized(request)) is not None:
@@ -120,14 +136,20 @@ def build_app(behavior: FakeBehavior) -> Starlette:
         body = await request.json()
         if behavior.loading_requests_left > 0:
             behavior.loading_requests_left -= 1
-            return JSONResponse({"error": {"message": "the model is still loading"}}, status_code=503)
+            return JSONResponse(
+                {"error": {"message": "the model is still loading"}}, status_code=503
+            )
         behavior.bodies.append(body)
         behavior.num_requests += 1
         if not is_chat and isinstance(body.get("prompt"), list) and not behavior.accepts_token_ids:
-            return JSONResponse({"error": {"message": "prompt must be a string", "type": "invalid_request_error"}},
-                                status_code=400)
+            return JSONResponse(
+                {"error": {"message": "prompt must be a string", "type": "invalid_request_error"}},
+                status_code=400,
+            )
         if _is_failure(body, behavior):
-            return JSONResponse({"error": {"message": "injected failure", "type": "server_error"}}, status_code=500)
+            return JSONResponse(
+                {"error": {"message": "injected failure", "type": "server_error"}}, status_code=500
+            )
         return StreamingResponse(stream(body, is_chat), media_type="text/event-stream")
 
     async def completions(request: Request) -> Response:
@@ -163,11 +185,15 @@ def build_app(behavior: FakeBehavior) -> Starlette:
         body = await request.json()
         behavior.tokenize_bodies.append(body)
         if behavior.tokenize_style == "vllm":
-            if set(body) - {"model", "prompt", "add_special_tokens"} or not isinstance(body.get("prompt"), str):
+            if set(body) - {"model", "prompt", "add_special_tokens"} or not isinstance(
+                body.get("prompt"), str
+            ):
                 return JSONResponse({"error": {"message": "bad tokenize body"}}, status_code=400)
             tokens = [ord(c) for c in body["prompt"]]
             return JSONResponse({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
-        if behavior.tokenize_style == "llama.cpp":  # a body without content tokenizes to nothing, as llama.cpp does
+        if (
+            behavior.tokenize_style == "llama.cpp"
+        ):  # a body without content tokenizes to nothing, as llama.cpp does
             return JSONResponse({"tokens": [ord(c) for c in str(body.get("content", ""))]})
         return PlainTextResponse("not found", status_code=404)
 
@@ -182,14 +208,16 @@ def build_app(behavior: FakeBehavior) -> Starlette:
             return JSONResponse({"content": text})
         return PlainTextResponse("not found", status_code=404)
 
-    return Starlette(routes=[
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/models", models),
-        Route("/metrics", metrics),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-    ])
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/models", models),
+            Route("/metrics", metrics),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
+        ]
+    )
 
 
 def _sse(data: dict[str, Any]) -> str:
@@ -205,9 +233,13 @@ class FakeServer:
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]
-        config = uvicorn.Config(build_app(self.behavior), log_level="warning", lifespan="off", access_log=False)
+        config = uvicorn.Config(
+            build_app(self.behavior), log_level="warning", lifespan="off", access_log=False
+        )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True
+        )
 
     @property
     def base_url(self) -> str:

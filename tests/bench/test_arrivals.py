@@ -45,7 +45,9 @@ def test_infinite_rate_sends_everything_at_once() -> None:
     assert build_arrival_offsets_s(0, 1.0) == []
 
 
-@pytest.mark.parametrize(("rate", "burstiness"), [(0.0, 1.0), (-1.0, 1.0), (1.0, 0.0), (1.0, math.inf)])
+@pytest.mark.parametrize(
+    ("rate", "burstiness"), [(0.0, 1.0), (-1.0, 1.0), (1.0, 0.0), (1.0, math.inf)]
+)
 def test_bad_parameters_are_rejected(rate: float, burstiness: float) -> None:
     with pytest.raises(ValueError):
         build_inter_arrival_gaps_s(10, rate, burstiness)

@@ -30,17 +30,32 @@ from tokenmill.bench.report import (
 NUM_REQUESTS, NUM_TOKENS = 10, 11
 
 
-def make_result(label: str, concurrency: int | None, ttft_ms: float, tpot_ms: float, output_tps: float) -> dict:
+def make_result(
+    label: str, concurrency: int | None, ttft_ms: float, tpot_ms: float, output_tps: float
+) -> dict:
     """A serve result whose every request has this TTFT and TPOT, at this throughput."""
     records = [
-        RequestRecord(i, send_time_s=0.0, success=True, prompt_tokens=20, output_tokens=NUM_TOKENS,
-                      ttft_s=ttft_ms / 1000, itl_s=[tpot_ms / 1000] * (NUM_TOKENS - 1),
-                      e2e_s=(ttft_ms + tpot_ms * (NUM_TOKENS - 1)) / 1000)
+        RequestRecord(
+            i,
+            send_time_s=0.0,
+            success=True,
+            prompt_tokens=20,
+            output_tokens=NUM_TOKENS,
+            ttft_s=ttft_ms / 1000,
+            itl_s=[tpot_ms / 1000] * (NUM_TOKENS - 1),
+            e2e_s=(ttft_ms + tpot_ms * (NUM_TOKENS - 1)) / 1000,
+        )
         for i in range(NUM_REQUESTS)
     ]
     result = summarize(records, duration_s=NUM_REQUESTS * NUM_TOKENS / output_tps)
-    result.update(label=label, max_concurrency=concurrency, request_rate="inf", endpoint="/v1/completions",
-                  workload={"dataset": "random", "input_len": 20}, requests=[r.to_dict() for r in records])
+    result.update(
+        label=label,
+        max_concurrency=concurrency,
+        request_rate="inf",
+        endpoint="/v1/completions",
+        workload={"dataset": "random", "input_len": 20},
+        requests=[r.to_dict() for r in records],
+    )
     return result
 
 
@@ -54,8 +69,14 @@ def _sweeps() -> list[tuple[str, dict]]:
 
 
 def test_parse_sla_spellings() -> None:
-    assert parse_sla("ttft_p95_ms=800,tpot_p95_ms=50") == {"p95_ttft_ms": 800.0, "p95_tpot_ms": 50.0}
-    assert parse_sla("p99_e2el_ms=5000 e2e_median_ms=100") == {"p99_e2el_ms": 5000.0, "median_e2el_ms": 100.0}
+    assert parse_sla("ttft_p95_ms=800,tpot_p95_ms=50") == {
+        "p95_ttft_ms": 800.0,
+        "p95_tpot_ms": 50.0,
+    }
+    assert parse_sla("p99_e2el_ms=5000 e2e_median_ms=100") == {
+        "p99_e2el_ms": 5000.0,
+        "median_e2el_ms": 100.0,
+    }
     assert parse_sla(None) == {}
     for bad in ("ttft_p95=800", "ttft_p42_ms=1", "foo_p95_ms=1", "ttft_p95_ms=abc", "ttft_p95_ms"):
         with pytest.raises(ValueError, match="SLA"):
@@ -71,7 +92,9 @@ def test_check_sla_names_each_miss() -> None:
 
 
 def test_sla_verdict_names_the_pick_and_the_highest_load_within_it() -> None:
-    comparison = build_comparison(_sweeps(), baseline="slow", sla=parse_sla("ttft_p95_ms=800,tpot_p95_ms=50"))
+    comparison = build_comparison(
+        _sweeps(), baseline="slow", sla=parse_sla("ttft_p95_ms=800,tpot_p95_ms=50")
+    )
     fast, slow = comparison.target("fast"), comparison.target("slow")
     assert fast.max_load_within_sla == 4 and slow.max_load_within_sla == 1
     assert fast.best_within_sla["output_throughput"] == pytest.approx(150)
@@ -96,8 +119,14 @@ def test_table_ratios_are_against_the_baseline_at_the_shared_highest_load() -> N
     comparison = build_comparison(_sweeps(), baseline="slow")
     rows = {spec.key: cells for spec, cells in table_rows(comparison)}
     slow_cell, fast_cell = rows["output_throughput"]
-    assert slow_cell.value == pytest.approx(90) and fast_cell.value == pytest.approx(300)  # concurrency 16
-    assert slow_cell.ratio is None and fast_cell.ratio == pytest.approx(300 / 90) and fast_cell.is_clear
+    assert slow_cell.value == pytest.approx(90) and fast_cell.value == pytest.approx(
+        300
+    )  # concurrency 16
+    assert (
+        slow_cell.ratio is None
+        and fast_cell.ratio == pytest.approx(300 / 90)
+        and fast_cell.is_clear
+    )
     assert rows["p95_ttft_ms"][1].ratio == pytest.approx(900 / 2000)
     with pytest.raises(ValueError, match="baseline"):
         build_comparison(_sweeps(), baseline="nope")
@@ -110,7 +139,9 @@ def _assert_png(path: Path) -> None:
 
 
 def test_report_writes_self_contained_html_and_readable_pngs(tmp_path: Path) -> None:
-    comparison = build_comparison(_sweeps(), baseline="slow", sla=parse_sla("ttft_p95_ms=800,tpot_p95_ms=50"))
+    comparison = build_comparison(
+        _sweeps(), baseline="slow", sla=parse_sla("ttft_p95_ms=800,tpot_p95_ms=50")
+    )
     files = write_report(comparison, tmp_path / "report")
     assert set(files) == {*PLOT_FILES, "html"}
     for name, file_name in PLOT_FILES.items():
@@ -136,15 +167,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def test_cli_compare_on_two_saved_result_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_compare_on_two_saved_result_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     paths = []
     for name, (c, t, p, x) in (("one", FAST[1]), ("two", SLOW[1])):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(make_result(name, c, t, p, x)))
         paths.append(str(path))
     out_dir = tmp_path / "cmp"
-    args = _parser().parse_args(["bench", "compare", *paths, "--baseline", "two", "--sla", "ttft_p95_ms=800",
-                                 "--output-dir", str(out_dir)])
+    args = _parser().parse_args(
+        [
+            "bench",
+            "compare",
+            *paths,
+            "--baseline",
+            "two",
+            "--sla",
+            "ttft_p95_ms=800",
+            "--output-dir",
+            str(out_dir),
+        ]
+    )
     assert args.func(args) == 0
     printed = capsys.readouterr().out
     assert "Verdict: Pick one" in printed and "two (baseline)" in printed
@@ -169,7 +213,10 @@ def test_different_workloads_are_warned_about_in_text_and_html(tmp_path: Path) -
     assert comparison.warnings == [
         "the results ran different workloads (input_len: a=20, b=40), so their figures compare unlike work"
     ]
-    assert "Warning: the results ran different workloads (input_len: a=20, b=40)" in format_comparison(comparison)
+    assert (
+        "Warning: the results ran different workloads (input_len: a=20, b=40)"
+        in format_comparison(comparison)
+    )
     html = write_report(comparison, tmp_path)["html"].read_text()
     assert 'class="warning">Warning: the results ran different workloads' in html
     del b["workload"]  # e.g. a vLLM result file
@@ -184,10 +231,17 @@ def test_cli_compare_without_matplotlib_names_the_extra(
     path.write_text(json.dumps(make_result("one", 4, 100, 20, 50)))
     for name in ("matplotlib", "matplotlib.figure"):
         monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.delitem(sys.modules, "tokenmill.bench.report", raising=False)  # imported afresh, then restored
-    args = _parser().parse_args(["bench", "compare", str(path), "--output-dir", str(tmp_path / "cmp")])
+    monkeypatch.delitem(
+        sys.modules, "tokenmill.bench.report", raising=False
+    )  # imported afresh, then restored
+    args = _parser().parse_args(
+        ["bench", "compare", str(path), "--output-dir", str(tmp_path / "cmp")]
+    )
     assert args.func(args) == 2
-    assert "matplotlib is not installed; the bench tools need it: pip install 'tokenmill[bench]'" in capsys.readouterr().err
+    assert (
+        "matplotlib is not installed; the bench tools need it: pip install 'tokenmill[bench]'"
+        in capsys.readouterr().err
+    )
 
 
 def _with_rounds(result: dict, throughputs: list[float]) -> dict:
@@ -203,14 +257,21 @@ def test_single_runs_within_noise_are_a_tie_and_are_not_coloured(tmp_path: Path)
     comparison = build_comparison([("a", a), ("b", b)])
     assert comparison.pick is None
     assert comparison.verdict.startswith("Output throughput is a tie: a 2758.0, b 2744.0 tok/s")
-    assert "cannot be told from noise" in comparison.verdict and "No target is clearly better" in comparison.verdict
+    assert (
+        "cannot be told from noise" in comparison.verdict
+        and "No target is clearly better" in comparison.verdict
+    )
     text = format_comparison(comparison)
     assert "(~0.99x)" in text and "~ marks a ratio within noise" in text
     c = make_result("c", 16, 100, 20, 2758 * 1.06)  # 6% faster: still within single-run noise
     rows = {spec.key: cells for spec, cells in table_rows(build_comparison([("a", a), ("c", c)]))}
     assert not rows["output_throughput"][1].is_clear
     html = write_report(build_comparison([("a", a), ("c", c)]), tmp_path)["html"].read_text()
-    assert 'class="better"' not in html and 'class="worse"' not in html and 'class="noise">(~1.06x)' in html
+    assert (
+        'class="better"' not in html
+        and 'class="worse"' not in html
+        and 'class="noise">(~1.06x)' in html
+    )
     assert 'class="verdict tie"' in html
 
 
@@ -226,7 +287,9 @@ def test_rounds_decide_by_their_spread(tmp_path: Path) -> None:
     b = _with_rounds(make_result("b", 16, 100, 20, 2770), [2740, 2770, 2790])
     tie = build_comparison([("a", a), ("b", b)])
     assert tie.pick is None and "their ranges over 3 rounds overlap" in tie.verdict
-    c = _with_rounds(make_result("c", 16, 100, 20, 2900), [2850, 2900, 2950])  # 5%, but every round above a's
+    c = _with_rounds(
+        make_result("c", 16, 100, 20, 2900), [2850, 2900, 2950]
+    )  # 5%, but every round above a's
     win = build_comparison([("a", a), ("c", c)])
     assert win.pick == "c" and win.verdict.startswith("Highest throughput: c")
     text = format_comparison(win)
@@ -241,7 +304,9 @@ def test_sla_verdict_calls_a_tie_between_targets_within_noise() -> None:
     b = make_result("b", 4, 100, 20, 1030)
     comparison = build_comparison([("a", a), ("b", b)], sla=parse_sla("ttft_p95_ms=800"))
     assert comparison.pick is None
-    assert comparison.verdict.startswith("b, a meet the SLA, and their best output throughput within it is a tie")
+    assert comparison.verdict.startswith(
+        "b, a meet the SLA, and their best output throughput within it is a tie"
+    )
 
 
 def test_unlabelled_results_are_named_by_what_differs(tmp_path: Path) -> None:
@@ -256,9 +321,21 @@ def test_unlabelled_results_are_named_by_what_differs(tmp_path: Path) -> None:
     named = _named_results_from_files(paths)
     assert [name for name, _ in named] == ["demo[paged]"] * 2 + ["demo[static]"] * 2
     assert [t.name for t in build_comparison(named).targets] == ["demo[paged]", "demo[static]"]
-    assert [name for name, _ in _named_results_from_files([f"mine={paths[0]}", paths[2]])] == ["mine", "demo"]
-    two = [("demo", {**make_result("demo", 1, 1, 1, 1), "base_url": f"http://127.0.0.1:{port}", "endpoint": e})
-           for port, e in ((8000, "/v1/completions"), (8001, "/v1/chat/completions"))]
+    assert [name for name, _ in _named_results_from_files([f"mine={paths[0]}", paths[2]])] == [
+        "mine",
+        "demo",
+    ]
+    two = [
+        (
+            "demo",
+            {
+                **make_result("demo", 1, 1, 1, 1),
+                "base_url": f"http://127.0.0.1:{port}",
+                "endpoint": e,
+            },
+        )
+        for port, e in ((8000, "/v1/completions"), (8001, "/v1/chat/completions"))
+    ]
     assert [n for n, _ in name_by_config(two)] == [
         "demo[base_url=127.0.0.1:8000,endpoint=/v1/completions]",
         "demo[base_url=127.0.0.1:8001,endpoint=/v1/chat/completions]",
@@ -273,6 +350,10 @@ def test_plots_of_one_point_per_target_say_so_and_start_at_zero() -> None:
     assert "one load per target: bars, not a curve" in ax.get_title() and len(ax.patches) == 2
     assert ax.get_ylim()[0] == 0 and "error bars: min-max over 1/3 rounds" in ax.get_title()
     for ax in build_latency_vs_throughput_figure(comparison).axes:
-        assert "one point per target" in ax.get_title() and ax.get_ylim()[0] == 0 and ax.get_xlim()[0] == 0
+        assert (
+            "one point per target" in ax.get_title()
+            and ax.get_ylim()[0] == 0
+            and ax.get_xlim()[0] == 0
+        )
     sweep = build_throughput_figure(build_comparison(_sweeps())).axes[0]
     assert "against load" in sweep.get_title() and sweep.get_ylim()[0] == 0 and not sweep.patches

@@ -23,15 +23,39 @@ from tokenmill.bench.metrics import (
 def _records() -> list[RequestRecord]:
     return [
         # 4 tokens: first at 100 ms, then gaps of 20, 30, 50 ms; ends at 200 ms.
-        RequestRecord(0, send_time_s=0.0, success=True, prompt_tokens=10, output_tokens=4,
-                      ttft_s=0.1, itl_s=[0.02, 0.03, 0.05], e2e_s=0.2),
+        RequestRecord(
+            0,
+            send_time_s=0.0,
+            success=True,
+            prompt_tokens=10,
+            output_tokens=4,
+            ttft_s=0.1,
+            itl_s=[0.02, 0.03, 0.05],
+            e2e_s=0.2,
+        ),
         # 2 tokens: first at 300 ms, second 100 ms later.
-        RequestRecord(1, send_time_s=0.5, success=True, prompt_tokens=20, output_tokens=2,
-                      ttft_s=0.3, itl_s=[0.1], e2e_s=0.4),
+        RequestRecord(
+            1,
+            send_time_s=0.5,
+            success=True,
+            prompt_tokens=20,
+            output_tokens=2,
+            ttft_s=0.3,
+            itl_s=[0.1],
+            e2e_s=0.4,
+        ),
         RequestRecord(2, send_time_s=0.6, success=False, error="HTTP 500: boom", prompt_tokens=30),
         # 1 token: no TPOT.
-        RequestRecord(3, send_time_s=1.0, success=True, prompt_tokens=5, output_tokens=1,
-                      ttft_s=0.2, itl_s=[], e2e_s=0.2),
+        RequestRecord(
+            3,
+            send_time_s=1.0,
+            success=True,
+            prompt_tokens=5,
+            output_tokens=1,
+            ttft_s=0.2,
+            itl_s=[],
+            e2e_s=0.2,
+        ),
     ]
 
 
@@ -107,14 +131,24 @@ def test_peak_in_flight_respects_the_concurrency_cap_where_the_one_second_figure
     # 16 lanes, each sending 3 requests of 0.3 s back to back: 48 requests within one second,
     # never more than 16 at once.
     records = [
-        RequestRecord(lane * 3 + k, send_time_s=k * 0.3, success=True, output_tokens=2,
-                      ttft_s=0.1, itl_s=[0.2], e2e_s=0.3)
-        for lane in range(16) for k in range(3)
+        RequestRecord(
+            lane * 3 + k,
+            send_time_s=k * 0.3,
+            success=True,
+            output_tokens=2,
+            ttft_s=0.1,
+            itl_s=[0.2],
+            e2e_s=0.3,
+        )
+        for lane in range(16)
+        for k in range(3)
     ]
     assert peak_in_flight(records) == 16
     summary = summarize(records, duration_s=0.9)
     assert summary["max_in_flight_requests"] == 16
-    assert summary["max_concurrent_requests"] == 48  # vLLM's name: requests active in the busiest second
+    assert (
+        summary["max_concurrent_requests"] == 48
+    )  # vLLM's name: requests active in the busiest second
     assert peak_in_flight(_records()) == 1 and peak_in_flight([]) == 0
 
 
@@ -135,7 +169,9 @@ def test_record_round_trips_through_dict() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.floats(min_value=0.0, max_value=100.0, allow_nan=False), min_size=1, max_size=50))
+@given(
+    st.lists(st.floats(min_value=0.0, max_value=100.0, allow_nan=False), min_size=1, max_size=50)
+)
 def test_percentiles_match_linear_interpolation_and_are_ordered(values: list[float]) -> None:
     stats = latency_stats_ms(values, "x")
     ordered = sorted(v * 1000 for v in values)
@@ -156,8 +192,16 @@ def test_percentiles_match_linear_interpolation_and_are_ordered(values: list[flo
 
 def test_rounds_pool_their_requests_and_keep_each_rounds_figures() -> None:
     def one_round(num_tokens: int, duration_s: float) -> tuple[list[RequestRecord], float]:
-        record = RequestRecord(0, send_time_s=0.0, success=True, prompt_tokens=4, output_tokens=num_tokens,
-                               ttft_s=0.1, itl_s=[0.01] * (num_tokens - 1), e2e_s=0.1 + 0.01 * (num_tokens - 1))
+        record = RequestRecord(
+            0,
+            send_time_s=0.0,
+            success=True,
+            prompt_tokens=4,
+            output_tokens=num_tokens,
+            ttft_s=0.1,
+            itl_s=[0.01] * (num_tokens - 1),
+            e2e_s=0.1 + 0.01 * (num_tokens - 1),
+        )
         return [record], duration_s
 
     summary = summarize_rounds([one_round(10, 1.0), one_round(30, 1.0)])

@@ -64,10 +64,30 @@ def test_result_has_every_field_and_server_figures(fake_server, tmp_path: Path) 
     for stat in ("mean", "median", "std", "p90", "p95", "p99"):
         for metric in ("ttft", "tpot", "itl", "e2el"):
             assert isinstance(result[f"{stat}_{metric}_ms"], float)
-    for key in ("duration", "completed", "failed", "failure_reasons", "total_input_tokens", "total_output_tokens",
-                "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
-                "max_output_tokens_per_s", "max_concurrent_requests", "input_lens", "output_lens", "ttfts",
-                "itls", "generated_texts", "errors", "requests", "server_metrics", "workload", "label"):
+    for key in (
+        "duration",
+        "completed",
+        "failed",
+        "failure_reasons",
+        "total_input_tokens",
+        "total_output_tokens",
+        "request_throughput",
+        "request_goodput",
+        "output_throughput",
+        "total_token_throughput",
+        "max_output_tokens_per_s",
+        "max_concurrent_requests",
+        "input_lens",
+        "output_lens",
+        "ttfts",
+        "itls",
+        "generated_texts",
+        "errors",
+        "requests",
+        "server_metrics",
+        "workload",
+        "label",
+    ):
         assert key in result, key
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
     server = result["server_metrics"]
@@ -85,7 +105,9 @@ def test_chat_endpoint_with_text_prompts(fake_server, char_tokenizer) -> None:
     b = fake_server.behavior
     b.ttft_delay_s, b.itl_delay_s, b.separate_finish_chunk = 0.08, 0.02, True
     requests = build_random_requests(3, input_len=10, output_len=4, tokenizer=char_tokenizer)
-    result = run_serve_benchmark(_config(fake_server, endpoint="/v1/chat/completions"), requests, char_tokenizer)
+    result = run_serve_benchmark(
+        _config(fake_server, endpoint="/v1/chat/completions"), requests, char_tokenizer
+    )
     assert result["completed"] == 3 and result["prompt_format"] == "chat"
     for r in result["requests"]:
         # The role chunk arrives at once but is not a token; the trailing finish chunk is no ITL.
@@ -157,19 +179,28 @@ def test_unreachable_server_fails_the_probe() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again when the block ends: nothing listens there
-    config = ServeConfig(base_url=f"http://127.0.0.1:{port}", model="m", show_progress=False,
-                         request_timeout_s=5, ready_timeout_s=1.5)
+    config = ServeConfig(
+        base_url=f"http://127.0.0.1:{port}",
+        model="m",
+        show_progress=False,
+        request_timeout_s=5,
+        ready_timeout_s=1.5,
+    )
     with pytest.raises(BenchmarkError, match=r"still not ready after 1\.5s"):
         run_serve_benchmark(config, build_random_requests(1, 4, 2, vocab_size=10))
     with pytest.raises(BenchmarkError, match="cannot reach"):
-        run_serve_benchmark(replace(config, model=None), build_random_requests(1, 4, 2, vocab_size=10))
+        run_serve_benchmark(
+            replace(config, model=None), build_random_requests(1, 4, 2, vocab_size=10)
+        )
 
 
 def test_probe_waits_while_the_server_loads(fake_server) -> None:
     b = fake_server.behavior
     b.ttft_delay_s = b.itl_delay_s = 0.0
     b.loading_requests_left = 2  # answer 503 twice, like a server still loading its model
-    result = run_serve_benchmark(_config(fake_server, ready_timeout_s=30), build_random_requests(2, 4, 2, vocab_size=20))
+    result = run_serve_benchmark(
+        _config(fake_server, ready_timeout_s=30), build_random_requests(2, 4, 2, vocab_size=20)
+    )
     assert result["completed"] == 2 and b.loading_requests_left == 0
 
 
@@ -182,7 +213,9 @@ def test_config_validation() -> None:
 def test_probe_and_warmups_never_send_a_measured_prompt(fake_server) -> None:
     b = fake_server.behavior
     b.ttft_delay_s = b.itl_delay_s = 0.0
-    requests = build_random_requests(4, input_len=12, output_len=3, range_ratio=0.5, vocab_size=100, seed=0)
+    requests = build_random_requests(
+        4, input_len=12, output_len=3, range_ratio=0.5, vocab_size=100, seed=0
+    )
     result = run_serve_benchmark(_config(fake_server, num_warmups=3), requests)
     assert result["completed"] == 4
     probe_and_warmups, measured_bodies = b.bodies[:4], b.bodies[4:]

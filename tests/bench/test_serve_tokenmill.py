@@ -40,9 +40,22 @@ def tokenmill_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [
-        sys.executable, "-c", "from tokenmill.entrypoints.cli import main; raise SystemExit(main())",
-        "serve", "demo", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
-        "--kv-cache-memory", "32MiB", "--disable-access-log",
+        sys.executable,
+        "-c",
+        "from tokenmill.entrypoints.cli import main; raise SystemExit(main())",
+        "serve",
+        "demo",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "32MiB",
+        "--disable-access-log",
     ]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -53,12 +66,17 @@ def tokenmill_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             if process.poll() is not None:
                 pytest.fail(f"tokenmill serve exited early:\n{log_path.read_text()[-3000:]}")
             try:
-                if httpx.get(f"{base_url}/v1/models", timeout=2, trust_env=False).status_code == 200:
+                if (
+                    httpx.get(f"{base_url}/v1/models", timeout=2, trust_env=False).status_code
+                    == 200
+                ):
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"tokenmill serve not ready in {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-3000:]}")
+                pytest.fail(
+                    f"tokenmill serve not ready in {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-3000:]}"
+                )
             time.sleep(0.5)
         yield base_url
     finally:
@@ -84,23 +102,58 @@ def _run_cli(argv: list[str]) -> int:
     return args.func(args)
 
 
-def test_completions_result_has_every_field_and_the_servers_token_counts(tokenmill_server: str, tmp_path: Path) -> None:
+def test_completions_result_has_every_field_and_the_servers_token_counts(
+    tokenmill_server: str, tmp_path: Path
+) -> None:
     out = tmp_path / "result.json"
     before = _generation_tokens(tokenmill_server)
-    rc = _run_cli([
-        "bench", "serve", "--base-url", tokenmill_server, "--model", "demo", "--num-prompts", str(NUM_PROMPTS),
-        "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--range-ratio", "0.5",
-        "--max-concurrency", "3", "--ignore-eos", "--no-progress", "--goodput", "ttft:60000",
-        "--metrics-interval-s", "0.02",
-        "--save-result", str(out),
-    ])
+    rc = _run_cli(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            tokenmill_server,
+            "--model",
+            "demo",
+            "--num-prompts",
+            str(NUM_PROMPTS),
+            "--input-len",
+            str(INPUT_LEN),
+            "--output-len",
+            str(OUTPUT_LEN),
+            "--range-ratio",
+            "0.5",
+            "--max-concurrency",
+            "3",
+            "--ignore-eos",
+            "--no-progress",
+            "--goodput",
+            "ttft:60000",
+            "--metrics-interval-s",
+            "0.02",
+            "--save-result",
+            str(out),
+        ]
+    )
     assert rc == 0
     after = _generation_tokens(tokenmill_server)
     result = json.loads(out.read_text())
     assert result["completed"] == NUM_PROMPTS and result["failed"] == 0
     assert result["prompt_format"] == "ids"  # tokenmill takes token-id prompts
-    for key in ("duration", "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
-                "max_output_tokens_per_s", "input_lens", "output_lens", "ttfts", "itls", "errors", "workload"):
+    for key in (
+        "duration",
+        "request_throughput",
+        "request_goodput",
+        "output_throughput",
+        "total_token_throughput",
+        "max_output_tokens_per_s",
+        "input_lens",
+        "output_lens",
+        "ttfts",
+        "itls",
+        "errors",
+        "workload",
+    ):
         assert result[key] is not None, key
     for stat in ("mean", "median", "std", "p90", "p95", "p99"):
         for metric in ("ttft", "tpot", "itl", "e2el"):
@@ -109,8 +162,15 @@ def test_completions_result_has_every_field_and_the_servers_token_counts(tokenmi
     assert all(r["output_tokens_source"] == "usage" for r in requests)
     # Same seed, same workload: with --ignore-eos each request got exactly the max_tokens it asked
     # for, and the server's prompt_tokens are the token-id prompt's length.
-    workload = build_requests("random", NUM_PROMPTS, input_len=INPUT_LEN, output_len=OUTPUT_LEN,
-                              range_ratio=0.5, seed=0, tokenizer=load_tokenizer("demo"))
+    workload = build_requests(
+        "random",
+        NUM_PROMPTS,
+        input_len=INPUT_LEN,
+        output_len=OUTPUT_LEN,
+        range_ratio=0.5,
+        seed=0,
+        tokenizer=load_tokenizer("demo"),
+    )
     assert result["output_lens"] == [w.output_len for w in workload]
     assert result["input_lens"] == [w.prompt_len for w in workload]
     assert result["total_output_tokens"] == sum(r["output_tokens"] for r in requests)
@@ -118,22 +178,50 @@ def test_completions_result_has_every_field_and_the_servers_token_counts(tokenmi
     assert after - before == result["total_output_tokens"] + requests[0]["output_tokens"]
     assert all(len(r["itl_s"]) == r["output_tokens"] - 1 for r in requests)  # one chunk per token
     server = result["server_metrics"]
-    assert server["available"] and server["peak_kv_cache_usage"] > 0 and server["num_preemptions"] == 0
+    assert (
+        server["available"] and server["peak_kv_cache_usage"] > 0 and server["num_preemptions"] == 0
+    )
     assert server["peak_resident_memory_bytes"] > 0
 
 
 def test_chat_endpoint_with_text_prompts(tokenmill_server: str, tmp_path: Path) -> None:
     out = tmp_path / "chat.json"
-    rc = _run_cli([
-        "bench", "serve", "--base-url", tokenmill_server, "--endpoint", "/v1/chat/completions", "--model", "demo",
-        "--tokenizer", "demo", "--dataset", "prefix", "--prefix-len", "16", "--num-prefixes", "2",
-        "--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--ignore-eos", "--no-progress",
-        "--save-result", str(out),
-    ])
+    rc = _run_cli(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            tokenmill_server,
+            "--endpoint",
+            "/v1/chat/completions",
+            "--model",
+            "demo",
+            "--tokenizer",
+            "demo",
+            "--dataset",
+            "prefix",
+            "--prefix-len",
+            "16",
+            "--num-prefixes",
+            "2",
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--ignore-eos",
+            "--no-progress",
+            "--save-result",
+            str(out),
+        ]
+    )
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["completed"] == 4 and result["prompt_format"] == "chat"
-    assert all(r["output_tokens"] == 4 and r["output_tokens_source"] == "usage" for r in result["requests"])
+    assert all(
+        r["output_tokens"] == 4 and r["output_tokens_source"] == "usage" for r in result["requests"]
+    )
     assert result["server_metrics"]["prefix_cache_hit_rate"] > 0  # the shared prefixes were reused
 
 
@@ -144,7 +232,9 @@ def test_verify_against_the_server_url(tokenmill_server: str) -> None:
     assert report.passed and report.match_rate == 1.0
     # The server names tokens by id (return_tokens_as_token_ids), so the comparison is by id.
     generations = run_server_greedy(tokenmill_server, "demo", [[5, 6, 7]], 4)
-    assert len(generations[0].token_ids) == 4 and all(isinstance(t, int) for t in generations[0].token_ids)
+    assert len(generations[0].token_ids) == 4 and all(
+        isinstance(t, int) for t in generations[0].token_ids
+    )
     assert report.max_logprob_diff is not None and report.max_logprob_diff < 1e-3
 
 

@@ -31,7 +31,9 @@ def test_divergence_position_and_rate() -> None:
 
 
 def test_length_mismatch_diverges_at_the_shorter_end() -> None:
-    report = compare_generations([Generation([1, 2, 3], [None] * 3)], [Generation([1, 2], [None] * 2)])
+    report = compare_generations(
+        [Generation([1, 2, 3], [None] * 3)], [Generation([1, 2], [None] * 2)]
+    )
     assert report.prompts[0].first_divergence == 2 and report.max_logprob_diff is None
     with pytest.raises(ValueError):
         compare_generations([Generation([1], [None])], [])

@@ -35,8 +35,13 @@ def run(
     kv = PagedKVManager(num_blocks, BS)
     sched = Scheduler(kv, max_num_seqs, budget, policy)
     pending = [
-        Request(f"r{i}", [(i * 7 + j) % 40 + 2 for j in range(p)], SamplingParams(max_tokens=m, ignore_eos=True),
-                priority=prio, arrival_time=float(i))
+        Request(
+            f"r{i}",
+            [(i * 7 + j) % 40 + 2 for j in range(p)],
+            SamplingParams(max_tokens=m, ignore_eos=True),
+            priority=prio,
+            arrival_time=float(i),
+        )
         for i, (p, m, prio) in enumerate(specs)
     ]
     finished: dict[str, list[int]] = {}
@@ -99,8 +104,12 @@ def test_priority_policy_runs_urgent_first_and_preempts_least_important() -> Non
     specs = [(8, 12, 5), (8, 12, 5), (8, 12, 0)]
     kv = PagedKVManager(10, BS)
     sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=64, policy="priority")
-    reqs = [Request(f"r{i}", [3] * p, SamplingParams(max_tokens=m), priority=prio, arrival_time=float(i))
-            for i, (p, m, prio) in enumerate(specs)]
+    reqs = [
+        Request(
+            f"r{i}", [3] * p, SamplingParams(max_tokens=m), priority=prio, arrival_time=float(i)
+        )
+        for i, (p, m, prio) in enumerate(specs)
+    ]
     for r in reqs:
         sched.add_request(r)
     out = sched.schedule()
@@ -124,14 +133,20 @@ def test_abort_frees_blocks_anywhere() -> None:
 
 @settings(max_examples=120, deadline=None)
 @given(
-    specs=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 3)), min_size=1, max_size=10),
+    specs=st.lists(
+        st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 3)),
+        min_size=1,
+        max_size=10,
+    ),
     num_blocks=st.integers(11, 40),
     max_num_seqs=st.integers(1, 6),
     budget=st.integers(1, 40),
     policy=st.sampled_from(["fcfs", "priority"]),
     arrivals=st.integers(1, 4),
 )
-def test_any_workload_finishes_with_the_unpressured_outputs(specs, num_blocks, max_num_seqs, budget, policy, arrivals):
+def test_any_workload_finishes_with_the_unpressured_outputs(
+    specs, num_blocks, max_num_seqs, budget, policy, arrivals
+):
     # every single request fits alone (30 + 12 tokens <= 11 blocks of 4)
     finished, _, _ = run(specs, num_blocks, max_num_seqs, budget, policy, arrivals)
     assert finished == expected_outputs(specs)
@@ -140,17 +155,27 @@ def test_any_workload_finishes_with_the_unpressured_outputs(specs, num_blocks, m
 def test_priority_arrival_preempts_a_less_urgent_running_request() -> None:
     kv = PagedKVManager(32, BS)
     sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=64, policy="priority")
-    low = Request("low", [3] * 8, SamplingParams(max_tokens=20, ignore_eos=True), priority=5, arrival_time=0.0)
+    low = Request(
+        "low", [3] * 8, SamplingParams(max_tokens=20, ignore_eos=True), priority=5, arrival_time=0.0
+    )
     sched.add_request(low)
     out = sched.schedule()
     sched.update_after_step(out.scheduled)
     low.append_output_token(7)
-    urgent = Request("urgent", [4] * 8, SamplingParams(max_tokens=2, ignore_eos=True), priority=0, arrival_time=1.0)
+    urgent = Request(
+        "urgent",
+        [4] * 8,
+        SamplingParams(max_tokens=2, ignore_eos=True),
+        priority=0,
+        arrival_time=1.0,
+    )
     sched.add_request(urgent)
     out = sched.schedule()
     assert out.preempted_ids == ["low"]
     assert [r.request_id for r, _ in out.scheduled] == ["urgent"]
-    assert low.num_computed_tokens == 0 and low.output_token_ids == [7]  # recomputed later, output kept
+    assert low.num_computed_tokens == 0 and low.output_token_ids == [
+        7
+    ]  # recomputed later, output kept
     # equal priority never preempts (no ping-pong)
     peer = Request("peer", [5] * 8, SamplingParams(max_tokens=2), priority=0, arrival_time=2.0)
     sched.add_request(peer)

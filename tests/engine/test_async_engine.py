@@ -46,10 +46,17 @@ class FakeEngine:
 
     def _output(self, rid: str, num_done: int, reason: str | None) -> RequestOutput:
         delta = [] if reason == "abort" else [num_done]
-        completion = CompletionOutput(index=0, text="x" * num_done, token_ids=list(range(num_done)),
-                                      finish_reason=reason, text_delta="" if reason == "abort" else "x",
-                                      token_ids_delta=delta)
-        return RequestOutput(rid, None, [1], [completion], reason is not None, RequestMetrics(time.monotonic()))
+        completion = CompletionOutput(
+            index=0,
+            text="x" * num_done,
+            token_ids=list(range(num_done)),
+            finish_reason=reason,
+            text_delta="" if reason == "abort" else "x",
+            token_ids_delta=delta,
+        )
+        return RequestOutput(
+            rid, None, [1], [completion], reason is not None, RequestMetrics(time.monotonic())
+        )
 
     def step(self) -> list[RequestOutput]:
         if self.should_fail:
@@ -82,12 +89,19 @@ async def _started(factory=FakeEngine) -> AsyncLLMEngine:
 def test_generate_streams_until_finished() -> None:
     async def main() -> list[RequestOutput]:
         engine = await _started()
-        outputs = [out async for out in engine.generate(_request("a", [1, 2], SamplingParams(max_tokens=5)))]
+        outputs = [
+            out
+            async for out in engine.generate(_request("a", [1, 2], SamplingParams(max_tokens=5)))
+        ]
         engine.shutdown()
         return outputs
 
     outputs = asyncio.run(main())
-    assert len(outputs) == 5 and outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+    assert (
+        len(outputs) == 5
+        and outputs[-1].finished
+        and outputs[-1].outputs[0].finish_reason == "length"
+    )
     assert not any(o.finished for o in outputs[:-1])
 
 
@@ -97,7 +111,9 @@ def test_cancelling_the_consumer_aborts_the_request() -> None:
         seen = asyncio.Event()
 
         async def consume() -> None:
-            async for _ in engine.generate(_request("long", [1], SamplingParams(max_tokens=10_000))):
+            async for _ in engine.generate(
+                _request("long", [1], SamplingParams(max_tokens=10_000))
+            ):
                 seen.set()
 
         task = asyncio.ensure_future(consume())
@@ -124,7 +140,9 @@ def test_add_error_reaches_only_that_request() -> None:
         with pytest.raises(InvalidRequestError):
             async for _ in engine.generate(_request("bad", [666], SamplingParams(max_tokens=2))):
                 pass
-        good = [o async for o in engine.generate(_request("good", [1], SamplingParams(max_tokens=2)))]
+        good = [
+            o async for o in engine.generate(_request("good", [1], SamplingParams(max_tokens=2)))
+        ]
         assert good[-1].finished
         engine.shutdown()
 
@@ -137,7 +155,9 @@ def test_step_crash_marks_dead_and_fails_in_flight() -> None:
         first = asyncio.Event()
 
         async def consume() -> None:
-            async for _ in engine.generate(_request("victim", [1], SamplingParams(max_tokens=10_000))):
+            async for _ in engine.generate(
+                _request("victim", [1], SamplingParams(max_tokens=10_000))
+            ):
                 first.set()
 
         task = asyncio.ensure_future(consume())
@@ -145,7 +165,9 @@ def test_step_crash_marks_dead_and_fails_in_flight() -> None:
         engine.engine.should_fail = True  # type: ignore[attr-defined]
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(task, 10)
-        assert engine.state is EngineState.DEAD and not engine.is_ready and not engine.failed_to_load
+        assert (
+            engine.state is EngineState.DEAD and not engine.is_ready and not engine.failed_to_load
+        )
         with pytest.raises(EngineDeadError):
             async for _ in engine.generate(_request("late", [1], SamplingParams(max_tokens=2))):
                 pass

@@ -33,7 +33,9 @@ def test_prefix_caching_on_and_off_give_identical_tokens(folder) -> None:
     system = list(range(10, 50))  # a 40-token shared prefix
     prompts = [system + p for p in _prompts(6, seed=5, low=1, high=20)]
     on = LLM(str(folder), dtype="float32", max_model_len=256, block_size=8)
-    off = LLM(str(folder), dtype="float32", max_model_len=256, block_size=8, enable_prefix_caching=False)
+    off = LLM(
+        str(folder), dtype="float32", max_model_len=256, block_size=8, enable_prefix_caching=False
+    )
     first = on.generate(prompts[:1], GREEDY, use_tqdm=False)
     rest = on.generate(prompts[1:], GREEDY, use_tqdm=False)
     assert rest[0].num_cached_tokens == 40  # 5 full blocks of the shared prefix reused
@@ -48,7 +50,12 @@ def test_kv_overflow_preempts_and_reproduces_unpressured_outputs(folder) -> None
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     roomy = LLM(str(folder), dtype="float32", max_model_len=256)
     # 12 blocks of 16 tokens: room for ~2 requests at full length
-    tight = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=12 * 16 * 2 * 2 * 2 * 16 * 4)
+    tight = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory=12 * 16 * 2 * 2 * 2 * 16 * 4,
+    )
     assert tight.engine.kv_manager.num_blocks == 12
     got = tight.generate(prompts, params, use_tqdm=False)
     assert tight.engine.stats.num_preemptions > 0
@@ -59,7 +66,9 @@ def test_kv_overflow_preempts_and_reproduces_unpressured_outputs(folder) -> None
 
 
 def test_n_samples_share_prompt_blocks(folder) -> None:
-    llm = LLM(str(folder), dtype="float32", max_model_len=256, block_size=4, enable_prefix_caching=False)
+    llm = LLM(
+        str(folder), dtype="float32", max_model_len=256, block_size=4, enable_prefix_caching=False
+    )
     prompt = _prompts(1, seed=7, low=33, high=33)[0]
     params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
     engine = llm.engine
@@ -89,13 +98,20 @@ def test_seed_reproduces_across_batches(folder) -> None:
 def test_stop_strings_span_tokens_and_are_excluded(folder) -> None:
     llm = LLM(str(folder), dtype="float32", max_model_len=256)
     prompt = _prompts(1, seed=10)[0]
-    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    full = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )
     text = full[0].outputs[0].text
     assert len(text) > 12
     stop = text[5:9]  # likely crosses a token boundary
     for include in (False, True):
-        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop],
-                                include_stop_str_in_output=include)
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=20,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=include,
+        )
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         cut = text.index(stop)
         assert out.text == (text[: cut + len(stop)] if include else text[:cut])
@@ -106,7 +122,9 @@ def test_stop_token_ids_and_eos(folder) -> None:
     llm = LLM(str(folder), dtype="float32", max_model_len=256)
     prompt = _prompts(1, seed=11)[0]
     tokens = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[tokens[3]], ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, stop_token_ids=[tokens[3]], ignore_eos=True
+    )
     out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     cut = tokens.index(tokens[3])
     assert out.token_ids == tokens[: cut + 1]
@@ -161,29 +179,50 @@ def test_bad_requests_raise_clear_errors(folder) -> None:
 
 def test_max_tokens_is_clamped_to_the_context(folder) -> None:
     llm = LLM(str(folder), dtype="float32", max_model_len=32)
-    out = llm.generate([[5] * 28], SamplingParams(max_tokens=1000, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [[5] * 28], SamplingParams(max_tokens=1000, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
 
 
 def test_chat_uses_the_template(folder) -> None:
     llm = LLM(str(folder), dtype="float32", max_model_len=256)
-    out = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=3), use_tqdm=False)[0]
-    rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
+    out = llm.chat(
+        [{"role": "user", "content": "hello"}], SamplingParams(max_tokens=3), use_tqdm=False
+    )[0]
+    rendered = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], add_generation_prompt=True
+    )
     assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def test_request_metrics_are_ordered(folder) -> None:
     llm = LLM(str(folder), dtype="float32", max_model_len=256)
     m = llm.generate(["hello there"], GREEDY, use_tqdm=False)[0].metrics
-    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    assert (
+        m.arrival_time
+        <= m.first_scheduled_time
+        <= m.first_token_time
+        <= m.last_token_time
+        <= m.finished_time
+    )
 
 
 def test_static_slots_queue_abort_and_reuse_prefixes(folder) -> None:
-    llm = LLM(str(folder), dtype="float32", max_model_len=128, max_num_seqs=2, kv_cache="static", enforce_eager=True)
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=2,
+        kv_cache="static",
+        enforce_eager=True,
+    )
     engine = llm.engine
     shared = list(range(20, 60))
     for i in range(5):  # more requests than slots
-        engine.add_request(f"r{i}", shared + [100 + i], SamplingParams(max_tokens=4, ignore_eos=True))
+        engine.add_request(
+            f"r{i}", shared + [100 + i], SamplingParams(max_tokens=4, ignore_eos=True)
+        )
     engine.step()
     assert engine.scheduler.num_running == 2 and engine.scheduler.num_waiting == 3
     engine.abort_request("r0")  # its slot goes to the next request
@@ -221,7 +260,9 @@ def test_a_bad_prompt_leaves_no_orphans(folder) -> None:
 def test_requests_end_at_kv_capacity_instead_of_hanging(folder) -> None:
     # 4 blocks of 16 tokens, but a context of 256: a request must stop at 64 tokens
     llm = LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory=4 * 16 * 512)
-    out = llm.generate([[5] * 30], SamplingParams(max_tokens=1000, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [[5] * 30], SamplingParams(max_tokens=1000, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 64 - 30
 
 
@@ -229,38 +270,61 @@ def test_static_kv_over_budget_is_a_clear_config_error(folder) -> None:
     from tokenmill.errors import ConfigError
 
     with pytest.raises(ConfigError, match="lower --max-num-seqs or --max-model-len"):
-        LLM(str(folder), dtype="float32", max_model_len=256, max_num_seqs=64, kv_cache="static",
-            kv_cache_memory=1024 * 1024, enforce_eager=True)
+        LLM(
+            str(folder),
+            dtype="float32",
+            max_model_len=256,
+            max_num_seqs=64,
+            kv_cache="static",
+            kv_cache_memory=1024 * 1024,
+            enforce_eager=True,
+        )
 
 
 def test_prompt_logprobs_survive_preemption(folder) -> None:
     prompts = _prompts(6, seed=15, low=40, high=60)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, prompt_logprobs=1)
-    roomy = LLM(str(folder), dtype="float32", max_model_len=128).generate(prompts, params, use_tqdm=False)
-    tight_llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory=10 * 16 * 512,
-                    max_num_batched_tokens=32)
+    roomy = LLM(str(folder), dtype="float32", max_model_len=128).generate(
+        prompts, params, use_tqdm=False
+    )
+    tight_llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory=10 * 16 * 512,
+        max_num_batched_tokens=32,
+    )
     tight = tight_llm.generate(prompts, params, use_tqdm=False)
     assert tight_llm.engine.stats.num_preemptions > 0
     for a, b in zip(roomy, tight, strict=True):
         assert len(b.prompt_logprobs) == len(b.prompt_token_ids)
         for pos in range(1, len(a.prompt_logprobs)):
             token = a.prompt_token_ids[pos]
-            assert abs(a.prompt_logprobs[pos][token].logprob - b.prompt_logprobs[pos][token].logprob) < 1e-4
+            assert (
+                abs(a.prompt_logprobs[pos][token].logprob - b.prompt_logprobs[pos][token].logprob)
+                < 1e-4
+            )
 
 
 def test_min_tokens_defers_stop_strings(folder) -> None:
     llm = LLM(str(folder), dtype="float32", max_model_len=256)
     prompt = _prompts(1, seed=16)[0]
-    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    full = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )
     first_token_text = llm.tokenizer.decode(full[0].outputs[0].token_ids[:1])
     assert first_token_text.strip()
     stop = first_token_text.strip()[0]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop], min_tokens=16)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop], min_tokens=16
+    )
     out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 16  # the stop string in the first token did not end it early
 
 
-def _outputs_by_kind(llm: LLM, prompts: list[list[int]], params: SamplingParams, kind) -> dict[str, list]:
+def _outputs_by_kind(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, kind
+) -> dict[str, list]:
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{kind.name}-{i}", prompt, params.clone(output_kind=kind))
@@ -276,8 +340,16 @@ def test_delta_and_final_only_outputs_add_up_to_the_cumulative_ones(folder) -> N
 
     prompts = _prompts(4, seed=8)
     # Sampled n=2 with logprobs, prompt logprobs and a stop string that holds text back.
-    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, logprobs=2,
-                            prompt_logprobs=1, stop=["never-seen-stop"])
+    params = SamplingParams(
+        n=2,
+        temperature=1.0,
+        seed=3,
+        max_tokens=10,
+        ignore_eos=True,
+        logprobs=2,
+        prompt_logprobs=1,
+        stop=["never-seen-stop"],
+    )
     llm = LLM(str(folder), dtype="float32", max_model_len=256)
     cumulative = _outputs_by_kind(llm, prompts, params, RequestOutputKind.CUMULATIVE)
     delta = _outputs_by_kind(llm, prompts, params, RequestOutputKind.DELTA)
@@ -290,10 +362,16 @@ def test_delta_and_final_only_outputs_add_up_to_the_cumulative_ones(folder) -> N
         last = steps[-1]
         assert last.finished and len(last.outputs[0].token_ids) == 10
         (only,) = final[key]
-        assert only.finished and fields(only) == fields(last) and only.prompt_logprobs == last.prompt_logprobs
+        assert (
+            only.finished
+            and fields(only) == fields(last)
+            and only.prompt_logprobs == last.prompt_logprobs
+        )
         deltas = delta[key]
         assert len(deltas) == len(steps)
-        assert all(len(c.token_ids) <= 2 for d in deltas for c in d.outputs)  # never the whole history
+        assert all(
+            len(c.token_ids) <= 2 for d in deltas for c in d.outputs
+        )  # never the whole history
         assert deltas[0].prompt_logprobs == last.prompt_logprobs
         assert all(d.prompt_logprobs is None for d in deltas[1:])
         folded = deltas[0].copy()

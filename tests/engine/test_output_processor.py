@@ -22,7 +22,9 @@ class _HeldBackDetokenizer:
         return self.tail
 
 
-def _processor_with(params: SamplingParams, tail: str, tokenizer_dir) -> tuple[OutputProcessor, Request]:
+def _processor_with(
+    params: SamplingParams, tail: str, tokenizer_dir
+) -> tuple[OutputProcessor, Request]:
     proc = OutputProcessor(Tokenizer.from_pretrained(tokenizer_dir))
     req = Request("r", [1, 2], params)
     proc.add_request("r", None, [req])

@@ -33,7 +33,9 @@ def test_single_request_matches_transformers(make_model, reference_greedy, famil
     for prompt, want, ref_lp in zip(prompts, expected, ref_logprobs, strict=True):
         out = llm.generate([prompt], _greedy(logprobs=3), use_tqdm=False)[0].outputs[0]
         assert out.token_ids == want
-        got = torch.tensor([entry[t].logprob for entry, t in zip(out.logprobs, out.token_ids, strict=True)])
+        got = torch.tensor(
+            [entry[t].logprob for entry, t in zip(out.logprobs, out.token_ids, strict=True)]
+        )
         ref = ref_lp[torch.arange(len(want)), torch.tensor(want)]
         assert torch.allclose(got, ref, atol=LOGPROB_ATOL), (got - ref).abs().max()
         # top-3 alternatives agree with the reference distribution too
@@ -44,9 +46,16 @@ def test_single_request_matches_transformers(make_model, reference_greedy, famil
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("max_num_batched_tokens", [2048, 7])
-def test_batch_of_16_mixed_lengths(make_model, reference_greedy, family: str, max_num_batched_tokens: int) -> None:
+def test_batch_of_16_mixed_lengths(
+    make_model, reference_greedy, family: str, max_num_batched_tokens: int
+) -> None:
     folder = make_model(family)
-    llm = LLM(str(folder), dtype="float32", max_model_len=256, max_num_batched_tokens=max_num_batched_tokens)
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=256,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
     prompts = _prompts(llm.tokenizer.vocab_size, 16, seed=2)
     expected, _ = reference_greedy(folder, prompts, MAX_NEW)
     outs = llm.generate(prompts, _greedy(), use_tqdm=False)
@@ -56,8 +65,16 @@ def test_batch_of_16_mixed_lengths(make_model, reference_greedy, family: str, ma
 @pytest.mark.parametrize(
     "overrides",
     [
-        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
         {"rope_parameters": {"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.0}},
         {"tie_word_embeddings": True},
         {"num_key_value_heads": 1},
@@ -86,14 +103,23 @@ def test_mistral_sliding_window_beyond_window(make_model, reference_greedy) -> N
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_static_kv_matches_transformers(make_model, reference_greedy, family: str, compiled: bool) -> None:
+def test_static_kv_matches_transformers(
+    make_model, reference_greedy, family: str, compiled: bool
+) -> None:
     """static (compiled or eager) == transformers; paged == transformers is tested above."""
     folder = make_model(family)
     prompts = _prompts(500, 5, seed=2)
     expected, _ = reference_greedy(folder, prompts, MAX_NEW)
     # One small bucket keeps CPU compile time in check; batches of 1 and 2 exercise padding.
-    llm = LLM(str(folder), dtype="float32", max_model_len=128, max_num_seqs=2, kv_cache="static",
-              enforce_eager=not compiled, compile_batch_sizes=(2,))
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=2,
+        kv_cache="static",
+        enforce_eager=not compiled,
+        compile_batch_sizes=(2,),
+    )
     outs = llm.generate(prompts, _greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert (llm.engine.runner.num_compiled_steps > 0) == compiled

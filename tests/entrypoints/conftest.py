@@ -64,8 +64,13 @@ class ServerHandle:
         return httpx.Client(base_url=self.base_url, headers=self.headers(), timeout=timeout_s)
 
     def openai(self, **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "none", max_retries=0,
-                             timeout=60.0, **kwargs)
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key=self.api_key or "none",
+            max_retries=0,
+            timeout=60.0,
+            **kwargs,
+        )
 
     def metrics(self) -> dict[str, float]:
         """``/metrics`` samples without labels' values: ``name -> value`` (first series)."""
@@ -82,8 +87,11 @@ class ServerHandle:
         deadline = time.monotonic() + timeout_s
         while True:
             m = self.metrics()
-            idle = (m["tokenmill:num_requests_running"] == 0 and m["tokenmill:num_requests_waiting"] == 0
-                    and m["tokenmill:kv_cache_usage_perc"] == 0)
+            idle = (
+                m["tokenmill:num_requests_running"] == 0
+                and m["tokenmill:num_requests_waiting"] == 0
+                and m["tokenmill:kv_cache_usage_perc"] == 0
+            )
             if idle or time.monotonic() > deadline:
                 return m
             time.sleep(0.05)
@@ -101,18 +109,34 @@ class ServerHandle:
                 self.process.wait()
 
 
-def start_server(log_dir: Path, *flags: str, api_key: str | None = MAIN_KEY, wait: bool = True) -> ServerHandle:
+def start_server(
+    log_dir: Path, *flags: str, api_key: str | None = MAIN_KEY, wait: bool = True
+) -> ServerHandle:
     """Start ``python -m tokenmill.entrypoints.cli serve demo`` and wait for /health."""
     port = free_port()
     env = {**os.environ, "TOKENMILL_CACHE": _cache_dir(), "TOKENIZERS_PARALLELISM": "false"}
     env.pop("TOKENMILL_API_KEY", None)
     log_path = log_dir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "demo", "--host", "127.0.0.1",
-           "--port", str(port), "--num-threads", "1", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.entrypoints.cli",
+        "serve",
+        "demo",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--num-threads",
+        "1",
+        *flags,
+    ]
     if api_key:
         cmd += ["--api-key", api_key]
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        process = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT
+        )
     handle = ServerHandle(process, port, api_key, log_path)
     if wait:
         wait_healthy(handle)
@@ -125,7 +149,9 @@ def wait_healthy(handle: ServerHandle, timeout_s: float = 120.0) -> None:
         if handle.process.poll() is not None:
             pytest.fail(f"server exited with {handle.process.returncode}:\n{handle.log()}")
         try:
-            status = httpx.get(f"{handle.base_url}/health", headers=handle.headers(), timeout=2).status_code
+            status = httpx.get(
+                f"{handle.base_url}/health", headers=handle.headers(), timeout=2
+            ).status_code
             handle.health_seen.append(status)
             if status == 200:
                 return
@@ -156,9 +182,18 @@ def server(demo_cache: str, server_log_dir: Path) -> Iterator[ServerHandle]:
     """The shared server: small batch and queue, priority scheduling, two API keys."""
     handle = start_server(
         server_log_dir,
-        "--max-num-seqs", str(MAIN_MAX_NUM_SEQS), "--max-queue-len", str(MAIN_MAX_QUEUE_LEN),
-        "--max-model-len", str(MAIN_MAX_MODEL_LEN), "--scheduling-policy", "priority",
-        "--max-request-body-bytes", "1MiB", "--api-key", OTHER_KEY,
+        "--max-num-seqs",
+        str(MAIN_MAX_NUM_SEQS),
+        "--max-queue-len",
+        str(MAIN_MAX_QUEUE_LEN),
+        "--max-model-len",
+        str(MAIN_MAX_MODEL_LEN),
+        "--scheduling-policy",
+        "priority",
+        "--max-request-body-bytes",
+        "1MiB",
+        "--api-key",
+        OTHER_KEY,
     )
     yield handle
     handle.stop()
@@ -185,12 +220,14 @@ def sse_events(response: httpx.Response) -> list[dict | str]:
         if not line:
             continue
         assert line.startswith("data: "), line
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
 
-def assert_error(response: httpx.Response, status: int, param: str | None = "any", code: str | None = "any") -> dict:
+def assert_error(
+    response: httpx.Response, status: int, param: str | None = "any", code: str | None = "any"
+) -> dict:
     """The response is OpenAI's error shape with this status (and param/code when given)."""
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/json"), response.headers
@@ -203,6 +240,6 @@ def assert_error(response: httpx.Response, status: int, param: str | None = "any
         assert error["param"] == param, error
     if code != "any":
         assert error["code"] == code, error
-    for leak in ("Traceback", "File \"", "/root", "/home", "site-packages", " at 0x"):
+    for leak in ("Traceback", 'File "', "/root", "/home", "site-packages", " at 0x"):
         assert leak not in error["message"], error
     return error

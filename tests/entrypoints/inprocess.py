@@ -116,7 +116,12 @@ class StepGate:
                     return super().step()
                 finally:
                     self.scheduler.schedule = schedule  # type: ignore[method-assign]
-                    gate._step_done([(r.request_id, r.num_computed_tokens >= r.num_prompt_tokens) for r in requests])
+                    gate._step_done(
+                        [
+                            (r.request_id, r.num_computed_tokens >= r.num_prompt_tokens)
+                            for r in requests
+                        ]
+                    )
 
         return GatedEngine(config)
 
@@ -135,7 +140,9 @@ class InProcessServer:
         self.thread.join(WAIT_S)
 
 
-def serve_in_process(engine: AsyncLLMEngine, config: ServerConfig, engine_config: EngineConfig) -> InProcessServer:
+def serve_in_process(
+    engine: AsyncLLMEngine, config: ServerConfig, engine_config: EngineConfig
+) -> InProcessServer:
     """``tokenmill serve``'s server on a thread; returns once it answers HTTP (loaded or not)."""
     port = free_port()
     config = dataclasses.replace(config, port=port)

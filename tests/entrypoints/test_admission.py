@@ -46,8 +46,12 @@ def test_controller_counts_sequences_and_requests_per_key() -> None:
     assert (controller.num_requests_in_flight, controller.num_seqs_in_flight) == (0, 0)
 
 
-@pytest.mark.parametrize(("num_prompts", "n", "param"), [(3, 3, "prompt"), (9, 1, "prompt"), (1, 9, "n")])
-def test_controller_rejects_a_request_that_could_never_fit(num_prompts: int, n: int, param: str) -> None:
+@pytest.mark.parametrize(
+    ("num_prompts", "n", "param"), [(3, 3, "prompt"), (9, 1, "prompt"), (1, 9, "n")]
+)
+def test_controller_rejects_a_request_that_could_never_fit(
+    num_prompts: int, n: int, param: str
+) -> None:
     controller = AdmissionController(max_seqs_in_flight=8, per_key_max=None)
     ticket = controller.acquire(key_id=None)
     with pytest.raises(InvalidRequestError) as info:
@@ -61,8 +65,11 @@ def test_request_larger_than_capacity_is_400_naming_prompt_or_n(http: httpx.Clie
     too_many_prompts = {"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 1}
     error = assert_error(http.post("/v1/completions", json=too_many_prompts), 400, param="prompt")
     assert "9 sequences" in error["message"] and str(CAPACITY) in error["message"]
-    assert_error(http.post("/v1/completions", json={"prompt": "a", "n": CAPACITY + 1, "max_tokens": 1}),
-                 400, param="n")
+    assert_error(
+        http.post("/v1/completions", json={"prompt": "a", "n": CAPACITY + 1, "max_tokens": 1}),
+        400,
+        param="n",
+    )
     chat = {"messages": [{"role": "user", "content": "hi"}], "n": CAPACITY + 1, "max_tokens": 1}
     assert_error(http.post("/v1/chat/completions", json=chat), 400, param="n")
     exact = {"prompt": ["a", "b"], "n": CAPACITY // 2, "max_tokens": 2, "ignore_eos": True}
@@ -73,14 +80,18 @@ def test_request_larger_than_capacity_is_400_naming_prompt_or_n(http: httpx.Clie
 def test_request_that_does_not_fit_now_is_429(server: ServerHandle, http: httpx.Client) -> None:
     # A request whose body is still arriving holds its one admitted sequence, however fast the engine is.
     head_body, tail_body = b'{"prompt": "held", ', b'"max_tokens": 1}'
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {server.api_key}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(head_body + tail_body)}\r\n"
-            "Connection: close\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {server.api_key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(head_body + tail_body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
     full = {"prompt": ["a", "b"], "n": CAPACITY // 2, "max_tokens": 1}
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as held:
         held.sendall(head + head_body)
         deadline = time.monotonic() + 10
-        while (r := http.post("/v1/completions", json=full)).status_code == 200 and time.monotonic() < deadline:
+        while (
+            r := http.post("/v1/completions", json=full)
+        ).status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.05)  # until the server has read the held request's head
         assert_error(r, 429, code="rate_limit_exceeded")
         assert r.headers["Retry-After"]
@@ -93,10 +104,13 @@ def test_request_that_does_not_fit_now_is_429(server: ServerHandle, http: httpx.
     assert http.post("/v1/completions", json=full).status_code == 200
 
 
-async def _overload(server: ServerHandle, num_requests: int) -> tuple[list[httpx.Response], list[float], list[int]]:
+async def _overload(
+    server: ServerHandle, num_requests: int
+) -> tuple[list[httpx.Response], list[float], list[int]]:
     limits = httpx.Limits(max_connections=num_requests + 4, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers(), timeout=120,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=server.base_url, headers=server.headers(), timeout=120, limits=limits
+    ) as client:
         health: list[int] = []
         done = asyncio.Event()
 
@@ -106,7 +120,12 @@ async def _overload(server: ServerHandle, num_requests: int) -> tuple[list[httpx
                 await asyncio.sleep(0.05)
 
         async def one(i: int) -> tuple[httpx.Response, float]:
-            body = {"prompt": f"request number {i}", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+            body = {
+                "prompt": f"request number {i}",
+                "max_tokens": 48,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
             start = time.monotonic()
             response = await client.post("/v1/completions", json=body)
             return response, time.monotonic() - start
@@ -126,7 +145,10 @@ def test_overload_gets_429_admitted_complete_health_answers(server: ServerHandle
     assert len(ok) >= CAPACITY and rejected
     for r in ok:
         body = r.json()
-        assert body["usage"]["completion_tokens"] == 48 and body["choices"][0]["finish_reason"] == "length"
+        assert (
+            body["usage"]["completion_tokens"] == 48
+            and body["choices"][0]["finish_reason"] == "length"
+        )
     for r, _ in rejected:
         assert_error(r, 429, code="rate_limit_exceeded")
         assert int(r.headers["Retry-After"]) >= 1
@@ -137,10 +159,17 @@ def test_overload_gets_429_admitted_complete_health_answers(server: ServerHandle
 
 async def _priority_order(server: ServerHandle) -> list[str]:
     finished: list[str] = []
-    async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers(), timeout=120) as client:
+    async with httpx.AsyncClient(
+        base_url=server.base_url, headers=server.headers(), timeout=120
+    ) as client:
 
         async def one(name: str, max_tokens: int, priority: int) -> None:
-            body = {"prompt": f"{name} prompt", "max_tokens": max_tokens, "ignore_eos": True, "priority": priority}
+            body = {
+                "prompt": f"{name} prompt",
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "priority": priority,
+            }
             r = await client.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
             finished.append(name)
@@ -156,7 +185,9 @@ async def _priority_order(server: ServerHandle) -> list[str]:
         lengths = [80] + [200] * (MAIN_MAX_NUM_SEQS - 1)
         tasks = [asyncio.ensure_future(one(f"blocker{i}", n, 0)) for i, n in enumerate(lengths)]
         await wait_for("tokenmill:num_requests_running", MAIN_MAX_NUM_SEQS)
-        tasks += [asyncio.ensure_future(one(f"low{i}", 4, 5)) for i in range(MAIN_MAX_QUEUE_LEN - 1)]
+        tasks += [
+            asyncio.ensure_future(one(f"low{i}", 4, 5)) for i in range(MAIN_MAX_QUEUE_LEN - 1)
+        ]
         await wait_for("tokenmill:num_requests_waiting", MAIN_MAX_QUEUE_LEN - 1)
         tasks.append(asyncio.ensure_future(one("high", 4, -5)))
         assert "blocker0" not in finished, "the precondition (every slot busy) did not hold"
@@ -166,4 +197,6 @@ async def _priority_order(server: ServerHandle) -> list[str]:
 
 def test_priority_runs_before_earlier_lower_priority_requests(server: ServerHandle) -> None:
     order = asyncio.run(_priority_order(server))
-    assert order.index("high") < min(order.index(f"low{i}") for i in range(MAIN_MAX_QUEUE_LEN - 1)), order
+    assert order.index("high") < min(
+        order.index(f"low{i}") for i in range(MAIN_MAX_QUEUE_LEN - 1)
+    ), order

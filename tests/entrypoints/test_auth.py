@@ -15,9 +15,16 @@ import pytest
 from tests.entrypoints.conftest import MAIN_KEY, OTHER_KEY, ServerHandle, assert_error
 
 ROUTES = [
-    ("GET", "/v1/models"), ("GET", "/v1/models/demo"), ("POST", "/v1/completions"),
-    ("POST", "/v1/chat/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"),
-    ("GET", "/health"), ("GET", "/metrics"), ("GET", "/version"), ("GET", "/openapi.json"),
+    ("GET", "/v1/models"),
+    ("GET", "/v1/models/demo"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/health"),
+    ("GET", "/metrics"),
+    ("GET", "/version"),
+    ("GET", "/openapi.json"),
     ("GET", "/no/such/route"),
 ]
 BAD_AUTH = {
@@ -33,27 +40,41 @@ BAD_AUTH = {
 BODIES = {
     "/v1/completions": {"prompt": "x", "max_tokens": 1},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
-    "/tokenize": {"prompt": "x"}, "/detokenize": {"tokens": [5]},
+    "/tokenize": {"prompt": "x"},
+    "/detokenize": {"tokens": [5]},
 }
 
 
 def _variants(path: str) -> list[str]:
     head, _, tail = path.rpartition("/")
     encoded = f"{head}/%{ord(tail[0]):02X}{tail[1:]}"
-    return [path, path + "/", "/" + path, path.replace("/", "//"), encoded, path.upper(), path + "?a=1",
-            path + "%2F", path + "/."]
+    return [
+        path,
+        path + "/",
+        "/" + path,
+        path.replace("/", "//"),
+        encoded,
+        path.upper(),
+        path + "?a=1",
+        path + "%2F",
+        path + "/.",
+    ]
 
 
 @pytest.mark.parametrize(("method", "path"), ROUTES)
 @pytest.mark.parametrize("auth", list(BAD_AUTH), ids=list(BAD_AUTH))
-def test_bad_keys_are_401_on_every_route_and_variant(server: ServerHandle, method: str, path: str, auth: str) -> None:
+def test_bad_keys_are_401_on_every_route_and_variant(
+    server: ServerHandle, method: str, path: str, auth: str
+) -> None:
     value = BAD_AUTH[auth]
     headers = {"Authorization": value} if value is not None else {}
     body = BODIES.get(path)
     with httpx.Client(base_url=server.base_url, timeout=30) as plain:
         for variant in _variants(path):
             for verb in (method, "OPTIONS", "HEAD"):
-                r = plain.request(verb, variant, headers=headers, json=body if verb == "POST" else None)
+                r = plain.request(
+                    verb, variant, headers=headers, json=body if verb == "POST" else None
+                )
                 assert r.status_code == 401, (verb, variant, r.status_code, r.text)
                 if verb != "HEAD":
                     error = assert_error(r, 401, code="invalid_api_key")
@@ -63,7 +84,9 @@ def test_bad_keys_are_401_on_every_route_and_variant(server: ServerHandle, metho
 def _raw_status(server: ServerHandle, request_line: str, headers: str = "") -> int:
     """Status of a request sent byte for byte (no client-side path normalization)."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        sock.sendall(f"{request_line}\r\nHost: 127.0.0.1\r\n{headers}Connection: close\r\n\r\n".encode())
+        sock.sendall(
+            f"{request_line}\r\nHost: 127.0.0.1\r\n{headers}Connection: close\r\n\r\n".encode()
+        )
         data = b""
         while b"\r\n" not in data:
             chunk = sock.recv(4096)
@@ -73,8 +96,18 @@ def _raw_status(server: ServerHandle, request_line: str, headers: str = "") -> i
     return int(data.split(b" ", 2)[1])
 
 
-@pytest.mark.parametrize("target", ["/v1/../health", "/./metrics", "/v1/models/../models", "/%2E%2E/health",
-                                    "http://127.0.0.1/health", "/health#x", "*"])
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/v1/../health",
+        "/./metrics",
+        "/v1/models/../models",
+        "/%2E%2E/health",
+        "http://127.0.0.1/health",
+        "/health#x",
+        "*",
+    ],
+)
 def test_raw_path_tricks_need_the_key(server: ServerHandle, target: str) -> None:
     method = "OPTIONS" if target == "*" else "GET"
     assert _raw_status(server, f"{method} {target} HTTP/1.1") in (400, 401)
@@ -89,7 +122,9 @@ def test_two_authorization_headers_are_refused(server: ServerHandle) -> None:
 def test_each_configured_key_works(server: ServerHandle, key: str) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
     assert client.models.list().data[0].id == "demo"
-    lower_scheme = httpx.get(f"{server.base_url}/health", headers={"Authorization": f"bearer {key}"})
+    lower_scheme = httpx.get(
+        f"{server.base_url}/health", headers={"Authorization": f"bearer {key}"}
+    )
     assert lower_scheme.status_code == 200
 
 
@@ -98,4 +133,6 @@ def test_openai_client_with_wrong_key_raises_authentication_error(server: Server
     with pytest.raises(openai.AuthenticationError):
         client.completions.create(model="demo", prompt="x", max_tokens=1)
     with pytest.raises(openai.AuthenticationError):
-        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], stream=True)
+        client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "x"}], stream=True
+        )

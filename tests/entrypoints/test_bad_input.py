@@ -81,7 +81,12 @@ JSON_CASES += [
     (CHAT, _chat(stop=[""]), 400, "stop"),
     (COMPLETIONS, _completion(stream_options={"include_usage": True}), 400, "stream_options"),
     (COMPLETIONS, _completion(no_such_field=1), 400, "no_such_field"),
-    (COMPLETIONS, _completion(spaces_between_special_tokens=False), 400, "spaces_between_special_tokens"),
+    (
+        COMPLETIONS,
+        _completion(spaces_between_special_tokens=False),
+        400,
+        "spaces_between_special_tokens",
+    ),
     (CHAT, _chat(spaces_between_special_tokens=False), 400, "spaces_between_special_tokens"),
     (COMPLETIONS, _completion(stop_token_ids=[10**6]), 400, "stop_token_ids"),
     (COMPLETIONS, _completion(stop_token_ids=[10**6], stream=True), 400, "stop_token_ids"),
@@ -90,7 +95,14 @@ JSON_CASES += [
     (COMPLETIONS, _completion(model="gpt-4"), 404, "model"),
     (CHAT, _chat(model="gpt-4"), 404, "model"),
 ]
-TRAVERSAL = ["../../etc/passwd", "/etc/passwd", "demo/../../etc/passwd", "..\\..\\windows", "%2e%2e%2fetc", ""]
+TRAVERSAL = [
+    "../../etc/passwd",
+    "/etc/passwd",
+    "demo/../../etc/passwd",
+    "..\\..\\windows",
+    "%2e%2e%2fetc",
+    "",
+]
 JSON_CASES += [(COMPLETIONS, _completion(model=m), 404, "model") for m in TRAVERSAL]
 
 
@@ -122,7 +134,11 @@ def test_json_bad_input(http: httpx.Client, case: tuple[str, Any, int, str | Non
         (b"", "application/json", 400),
         (b'{"prompt": "caf\xc3\x28"}', "application/json", 400),
         (b'{"prompt": "\xff\xfe"}', "application/json", 400),
-        (b'{"prompt": "x\\ud800y", "messages": [{"role": "user", "content": "\\udfff"}]}', "application/json", 400),
+        (
+            b'{"prompt": "x\\ud800y", "messages": [{"role": "user", "content": "\\udfff"}]}',
+            "application/json",
+            400,
+        ),
         (b'{"prompt": "x", "temperature": NaN}', "application/json", 400),
         (b'{"prompt": "x", "top_p": Infinity}', "application/json", 400),
         (b'{"prompt": "x", "presence_penalty": -Infinity}', "application/json", 400),
@@ -133,17 +149,23 @@ def test_json_bad_input(http: httpx.Client, case: tuple[str, Any, int, str | Non
         (b'{"prompt": "x"}', None, 415),
     ],
 )
-def test_raw_bad_bodies(server: ServerHandle, path: str, content: bytes, content_type: str | None, status: int) -> None:
+def test_raw_bad_bodies(
+    server: ServerHandle, path: str, content: bytes, content_type: str | None, status: int
+) -> None:
     headers = server.headers()
     if content_type:
         headers["Content-Type"] = content_type
-    assert_error(httpx.post(server.base_url + path, content=content, headers=headers, timeout=30), status)
+    assert_error(
+        httpx.post(server.base_url + path, content=content, headers=headers, timeout=30), status
+    )
 
 
 def test_oversized_body_is_413(server: ServerHandle) -> None:
     big = json.dumps({"prompt": "x" * (2 * 2**20)}).encode()
     headers = {**server.headers(), "Content-Type": "application/json"}
-    assert_error(httpx.post(server.base_url + COMPLETIONS, content=big, headers=headers, timeout=30), 413)
+    assert_error(
+        httpx.post(server.base_url + COMPLETIONS, content=big, headers=headers, timeout=30), 413
+    )
 
     def chunks():  # no Content-Length: the limit applies to the bytes received
         for i in range(0, len(big), 65536):
@@ -165,11 +187,16 @@ def test_oversized_headers_are_refused(server: ServerHandle) -> None:
     [
         ("/v1/completions", {"prompt": "a " * 400_000, "max_tokens": 2}),
         ("/v1/completions", {"prompt": ["short", "a " * 400_000], "max_tokens": 2}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * 400_000}], "max_tokens": 2}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a " * 400_000}], "max_tokens": 2},
+        ),
         ("/tokenize", {"prompt": "a " * 400_000}),
     ],
 )
-def test_prompts_that_cannot_fit_are_refused_before_tokenizing(http: httpx.Client, path: str, body: dict) -> None:
+def test_prompts_that_cannot_fit_are_refused_before_tokenizing(
+    http: httpx.Client, path: str, body: dict
+) -> None:
     # 800 KB of text can never fit 256 tokens: the refusal names characters, not tokens,
     # because the prompt was measured against the bound, never tokenized.
     error = assert_error(http.post(path, json=body), 400, code="context_length_exceeded")
@@ -178,6 +205,7 @@ def test_prompts_that_cannot_fit_are_refused_before_tokenizing(http: httpx.Clien
 
 def test_too_many_headers_are_431(server: ServerHandle) -> None:
     """The default --max-header-count is 100, however small the headers."""
+
     def get(num_extra: int) -> httpx.Response:
         # httpx adds Host, Accept, Accept-Encoding, Connection and User-Agent; plus Authorization.
         headers = [*server.headers().items(), *((f"X-H{i}", "1") for i in range(num_extra))]
@@ -189,7 +217,9 @@ def test_too_many_headers_are_431(server: ServerHandle) -> None:
     assert_error(get(1000), 431, code="headers_too_large")
 
 
-def test_server_healthy_and_nothing_leaked_after_the_table(server: ServerHandle, http: httpx.Client) -> None:
+def test_server_healthy_and_nothing_leaked_after_the_table(
+    server: ServerHandle, http: httpx.Client
+) -> None:
     assert http.get("/health").status_code == 200
     ok = http.post(COMPLETIONS, json=_completion(max_tokens=3))
     assert ok.status_code == 200, ok.text

@@ -8,13 +8,17 @@ import pytest
 
 from tests.entrypoints.conftest import ServerHandle, assert_error, sse_events
 
-MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the sea."}]
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Tell me about the sea."},
+]
 EOS_OFF = {"ignore_eos": True}
 
 
 def test_chat_uses_template_and_counts_usage(client: openai.OpenAI, http: httpx.Client) -> None:
-    result = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=6, temperature=0,
-                                            extra_body=EOS_OFF)
+    result = client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=6, temperature=0, extra_body=EOS_OFF
+    )
     assert result.id.startswith("chatcmpl-") and result.object == "chat.completion"
     choice = result.choices[0]
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
@@ -26,15 +30,25 @@ def test_chat_uses_template_and_counts_usage(client: openai.OpenAI, http: httpx.
 
 
 def test_max_completion_tokens_wins_over_max_tokens(client: openai.OpenAI) -> None:
-    result = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=9,
-                                            max_completion_tokens=3, extra_body=EOS_OFF)
+    result = client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=9, max_completion_tokens=3, extra_body=EOS_OFF
+    )
     assert result.usage.completion_tokens == 3
 
 
 def test_stream_order_role_content_finish_usage_done(server: ServerHandle) -> None:
-    body = {"messages": MESSAGES, "max_tokens": 5, "stream": True, "seed": 3, "n": 2,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
-    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, headers=server.headers()) as r:
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 5,
+        "stream": True,
+        "seed": 3,
+        "n": 2,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/chat/completions", json=body, headers=server.headers()
+    ) as r:
         assert r.status_code == 200
         events = sse_events(r)
     assert events[-1] == "[DONE]"
@@ -48,14 +62,22 @@ def test_stream_order_role_content_finish_usage_done(server: ServerHandle) -> No
     assert all(c["delta"] == {} for c in finishes)
     # nothing for a choice comes after its finish chunk
     for index in (0, 1):
-        positions = [i for i, chunk in enumerate(chunks) for c in chunk["choices"] if c["index"] == index]
-        finish_at = next(i for i, chunk in enumerate(chunks) for c in chunk["choices"]
-                         if c["index"] == index and c["finish_reason"])
+        positions = [
+            i for i, chunk in enumerate(chunks) for c in chunk["choices"] if c["index"] == index
+        ]
+        finish_at = next(
+            i
+            for i, chunk in enumerate(chunks)
+            for c in chunk["choices"]
+            if c["index"] == index and c["finish_reason"]
+        )
         assert positions[-1] == finish_at
 
 
 def test_streamed_equals_non_streamed_for_same_seed(client: openai.OpenAI) -> None:
-    kwargs = dict(model="demo", messages=MESSAGES, max_tokens=10, seed=42, temperature=0.9, extra_body=EOS_OFF)
+    kwargs = dict(
+        model="demo", messages=MESSAGES, max_tokens=10, seed=42, temperature=0.9, extra_body=EOS_OFF
+    )
     full = client.chat.completions.create(**kwargs).choices[0].message.content
     stream = client.chat.completions.create(stream=True, **kwargs)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
@@ -63,34 +85,63 @@ def test_streamed_equals_non_streamed_for_same_seed(client: openai.OpenAI) -> No
 
 
 def test_logprobs_and_top_logprobs(client: openai.OpenAI) -> None:
-    result = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=4, logprobs=True,
-                                            top_logprobs=3, extra_body=EOS_OFF)
+    result = client.chat.completions.create(
+        model="demo",
+        messages=MESSAGES,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body=EOS_OFF,
+    )
     content = result.choices[0].logprobs.content
     assert len(content) == 4
     for entry in content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
         assert entry.bytes == list(entry.token.encode())
-    streamed = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=4, logprobs=True,
-                                              top_logprobs=1, stream=True, extra_body=EOS_OFF)
-    entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    streamed = client.chat.completions.create(
+        model="demo",
+        messages=MESSAGES,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=1,
+        stream=True,
+        extra_body=EOS_OFF,
+    )
+    entries = [
+        e
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
     assert len(entries) == 4
 
 
 def test_return_tokens_as_token_ids_in_chat(client: openai.OpenAI, http: httpx.Client) -> None:
-    result = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=4, logprobs=True,
-                                            top_logprobs=2, extra_body={**EOS_OFF, "return_tokens_as_token_ids": True})
+    result = client.chat.completions.create(
+        model="demo",
+        messages=MESSAGES,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={**EOS_OFF, "return_tokens_as_token_ids": True},
+    )
     choice = result.choices[0]
     ids = [int(e.token.removeprefix("token_id:")) for e in choice.logprobs.content]
     assert all(e.token.startswith("token_id:") for e in choice.logprobs.content)
-    assert all(t.token.startswith("token_id:") for e in choice.logprobs.content for t in e.top_logprobs)
+    assert all(
+        t.token.startswith("token_id:") for e in choice.logprobs.content for t in e.top_logprobs
+    )
     assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == choice.message.content
     # bytes stay the token's own text, so clients can still rebuild the reply from them.
-    assert b"".join(bytes(e.bytes) for e in choice.logprobs.content).decode() == choice.message.content
+    assert (
+        b"".join(bytes(e.bytes) for e in choice.logprobs.content).decode() == choice.message.content
+    )
 
 
 def test_response_format_text_is_accepted(client: openai.OpenAI) -> None:
-    result = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=2,
-                                            response_format={"type": "text"})
+    result = client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=2, response_format={"type": "text"}
+    )
     assert result.choices[0].message.role == "assistant"
 
 
@@ -101,16 +152,29 @@ def test_response_format_text_is_accepted(client: openai.OpenAI) -> None:
         ({"tools": []}, "tools"),
         ({"functions": []}, "functions"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-         "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {}},
+                }
+            },
+            "response_format",
+        ),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"logit_bias": {"5": 10}}, "logit_bias"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 10**6}, "top_logprobs"),
         ({"chat_template": "{{ messages }}"}, "chat_template"),
         ({"audio": {"voice": "x"}}, "audio"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-         "messages.0.content"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                ]
+            },
+            "messages.0.content",
+        ),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
     ],
 )
@@ -135,16 +199,23 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
         ({"tools": [TOOL]}, "tools"),
         ({"bos_token": "PWNED"}, "bos_token"),
         ({"eos_token": "</s>"}, "eos_token"),
-        ({"enable_thinking": False, "messages": [{"role": "user", "content": "other"}]}, "messages"),
+        (
+            {"enable_thinking": False, "messages": [{"role": "user", "content": "other"}]},
+            "messages",
+        ),
         ({"add_generation_prompt": False}, "add_generation_prompt"),
         ({"documents": [{"text": "x"}]}, "documents"),
         ({"raise_exception": None}, "raise_exception"),
         ({"namespace": 1}, "namespace"),
     ],
 )
-def test_chat_template_kwargs_cannot_replace_server_variables(http: httpx.Client, kwargs: dict, key: str) -> None:
-    for path, body in [("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}),
-                       ("/tokenize", {"messages": MESSAGES})]:
+def test_chat_template_kwargs_cannot_replace_server_variables(
+    http: httpx.Client, kwargs: dict, key: str
+) -> None:
+    for path, body in [
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}),
+        ("/tokenize", {"messages": MESSAGES}),
+    ]:
         r = http.post(path, json={**body, "chat_template_kwargs": kwargs})
         error = assert_error(r, 400, param="chat_template_kwargs")
         assert repr(key) in error["message"], error
@@ -152,9 +223,17 @@ def test_chat_template_kwargs_cannot_replace_server_variables(http: httpx.Client
 
 def test_chat_template_kwargs_may_add_variables(http: httpx.Client) -> None:
     plain = http.post("/tokenize", json={"messages": MESSAGES}).json()
-    extra = http.post("/tokenize", json={"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}})
+    extra = http.post(
+        "/tokenize", json={"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}
+    )
     assert extra.status_code == 200, extra.text
     assert extra.json()["tokens"] == plain["tokens"]  # the demo template does not read it
-    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1,
-                                                "chat_template_kwargs": {"enable_thinking": True}})
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": MESSAGES,
+            "max_tokens": 1,
+            "chat_template_kwargs": {"enable_thinking": True},
+        },
+    )
     assert r.status_code == 200, r.text

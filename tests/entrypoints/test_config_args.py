@@ -28,7 +28,9 @@ def test_defaults_on_the_command_line_are_the_configs() -> None:
 
 
 @pytest.mark.parametrize("cls", [EngineConfig, ServerConfig])
-def test_every_flag_field_has_help_in_serve_help(cls: type, capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_flag_field_has_help_in_serve_help(
+    cls: type, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
@@ -42,22 +44,52 @@ def test_every_flag_field_has_help_in_serve_help(cls: type, capsys: pytest.Captu
 
 
 def test_flags_map_onto_fields_with_their_types() -> None:
-    args = _serve("--kv-cache", "static", "--kv-cache-memory", "2GiB", "--compile-batch-sizes", "1,2,4",
-                  "--no-enable-prefix-caching", "--enforce-eager", "--served-model-name", "a", "b",
-                  "--api-key", "k1", "--api-key", "k2", "--max-request-body-bytes", "1MiB",
-                  "--request-timeout", "5", "--disable-access-log")
+    args = _serve(
+        "--kv-cache",
+        "static",
+        "--kv-cache-memory",
+        "2GiB",
+        "--compile-batch-sizes",
+        "1,2,4",
+        "--no-enable-prefix-caching",
+        "--enforce-eager",
+        "--served-model-name",
+        "a",
+        "b",
+        "--api-key",
+        "k1",
+        "--api-key",
+        "k2",
+        "--max-request-body-bytes",
+        "1MiB",
+        "--request-timeout",
+        "5",
+        "--disable-access-log",
+    )
     engine = engine_config_from_args(args, args.model)
-    assert (engine.kv_cache, engine.kv_cache_memory, engine.compile_batch_sizes) == ("static", 2 * 2**30, (1, 2, 4))
+    assert (engine.kv_cache, engine.kv_cache_memory, engine.compile_batch_sizes) == (
+        "static",
+        2 * 2**30,
+        (1, 2, 4),
+    )
     assert not engine.enable_prefix_caching and engine.enforce_eager
     server = server_config_from_args(args, engine)
     assert server.served_model_names == ("a", "b") and server.api_keys == ("k1", "k2")
-    assert server.max_request_body_bytes == 2**20 and server.request_timeout_s == 5.0 and server.disable_access_log
+    assert (
+        server.max_request_body_bytes == 2**20
+        and server.request_timeout_s == 5.0
+        and server.disable_access_log
+    )
 
 
 @pytest.mark.parametrize(
     ("flags", "message"),
-    [(["--port", "70000"], "--port"), (["--max-header-count", "2"], "--max-header-count"),
-     (["--request-timeout", "0"], "--request-timeout"), (["--api-key", " "], "--api-key")],
+    [
+        (["--port", "70000"], "--port"),
+        (["--max-header-count", "2"], "--max-header-count"),
+        (["--request-timeout", "0"], "--request-timeout"),
+        (["--api-key", " "], "--api-key"),
+    ],
 )
 def test_bad_server_values_name_their_flag(flags: list[str], message: str) -> None:
     args = _serve(*flags)

@@ -22,8 +22,9 @@ from tests.entrypoints.inprocess import InProcessServer, StepGate, serve_in_proc
 from tokenmill.config import EngineConfig
 from tokenmill.entrypoints.openai.state import ServerConfig
 
-ENGINE_CONFIG = EngineConfig(model="demo", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24,
-                             num_threads=1)
+ENGINE_CONFIG = EngineConfig(
+    model="demo", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24, num_threads=1
+)
 """Four running at once (the rest queue) and a 24-token step budget, so long prompts prefill in chunks."""
 NUM_ROUNDS, PER_ROUND, MAX_STEPS_BEFORE_LEAVING = 25, 8, 8
 
@@ -35,8 +36,10 @@ class RawClient:
         host, port = base_url.removeprefix("http://").split(":")
         self.sock = socket.create_connection((host, int(port)))
         payload = json.dumps(body).encode()
-        head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                f"X-Request-Id: {request_id}\r\nContent-Length: {len(payload)}\r\n\r\n")
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"X-Request-Id: {request_id}\r\nContent-Length: {len(payload)}\r\n\r\n"
+        )
         self.sock.sendall(head.encode() + payload)
         self.sock.setblocking(False)
         self.received = b""
@@ -98,7 +101,9 @@ def test_every_abandoned_request_is_aborted_by_the_step_after_its_client_left(
             clients.append(RawClient(server.base_url, path, body, f"gone-{number}"))
             ids.append(f"{prefix}-gone-{number}-0")  # the engine request of prompt 0
             streams.append(is_stream)
-        gate.wait_until(lambda: server.engine.num_streams == PER_ROUND, "not every request reached the engine")
+        gate.wait_until(
+            lambda: server.engine.num_streams == PER_ROUND, "not every request reached the engine"
+        )
         leave_after = [rng.randint(0, MAX_STEPS_BEFORE_LEAVING) for _ in clients]
         still_there = set(range(PER_ROUND))
         steps_taken = 0
@@ -111,22 +116,36 @@ def test_every_abandoned_request_is_aborted_by_the_step_after_its_client_left(
                 left_at[ids[c]] = gate.num_steps
                 clients[c].close()
                 still_there.remove(c)
-            gate.wait_until(lambda t=target: gate.num_steps >= t, "the engine never took the allowed step")
+            gate.wait_until(
+                lambda t=target: gate.num_steps >= t, "the engine never took the allowed step"
+            )
             steps_taken += 1
             # Then the engine is held: the server must let go of every abandoned request (its
             # engine stream and its admission slot) before the next step may run.
             num_left = len(still_there)
-            gate.wait_until(lambda n=num_left: server.engine.num_streams == n, "an abandoned request was not aborted")
-            gate.wait_until(lambda n=num_left: admission.num_requests_in_flight == n,
-                            "a handler kept its admission slot after its client left")
+            gate.wait_until(
+                lambda n=num_left: server.engine.num_streams == n,
+                "an abandoned request was not aborted",
+            )
+            gate.wait_until(
+                lambda n=num_left: admission.num_requests_in_flight == n,
+                "a handler kept its admission slot after its client left",
+            )
 
-    late = {rid: [s.step for s in gate.scheduled[rid] if s.step > step + 1] for rid, step in left_at.items()}
-    assert not {rid: steps for rid, steps in late.items() if steps}, "scheduled after the step after the client left"
+    late = {
+        rid: [s.step for s in gate.scheduled[rid] if s.step > step + 1]
+        for rid, step in left_at.items()
+    }
+    assert not {rid: steps for rid, steps in late.items() if steps}, (
+        "scheduled after the step after the client left"
+    )
     assert len(left_at) == NUM_ROUNDS * PER_ROUND
     assert min(phases[p] for p in ("queued", "prefilling", "decoding", "streaming")) > 0, phases
     gate.open()
-    gate.wait_until(lambda: server.engine.stats.num_running == 0 and server.engine.stats.num_waiting == 0,
-                    "requests left in the engine")
+    gate.wait_until(
+        lambda: server.engine.stats.num_running == 0 and server.engine.stats.num_waiting == 0,
+        "requests left in the engine",
+    )
     stats = server.engine.stats
     assert stats.kv_usage == 0, "KV blocks leaked"
     gate.close()
@@ -136,7 +155,9 @@ def test_a_stream_closed_after_its_first_event_frees_everything(server: ServerHa
     """The same over a real ``tokenmill serve`` process: abandoned streams leave nothing behind."""
     body = {"prompt": "a long one", "max_tokens": 200, "ignore_eos": True, "stream": True}
     for _ in range(8):
-        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=server.headers()) as r:
+        with httpx.stream(
+            "POST", f"{server.base_url}/v1/completions", json=body, headers=server.headers()
+        ) as r:
             lines = r.iter_lines()
             while not next(lines).startswith("data: "):
                 pass

@@ -29,7 +29,9 @@ ENGINE_CONFIG = EngineConfig(model="demo", max_model_len=256, max_num_seqs=8, nu
 
 
 def _start(gate: StepGate, shutdown_timeout_s: float) -> InProcessServer:
-    config = ServerConfig(max_num_seqs=ENGINE_CONFIG.max_num_seqs, shutdown_timeout_s=shutdown_timeout_s)
+    config = ServerConfig(
+        max_num_seqs=ENGINE_CONFIG.max_num_seqs, shutdown_timeout_s=shutdown_timeout_s
+    )
     server = serve_in_process(gate.async_engine(ENGINE_CONFIG), config, ENGINE_CONFIG)
     gate.open()
     wait_healthy(server.base_url)
@@ -57,7 +59,9 @@ def _sigterm_with_requests_in_flight(
 ) -> tuple[list, list]:
     streams = [pool.submit(_stream, server.base_url, body) for _ in range(num_each)]
     plains = [pool.submit(_plain, server.base_url, body) for _ in range(num_each)]
-    gate.wait_until(lambda: server.engine.num_streams == 2 * num_each, "the requests never reached the engine")
+    gate.wait_until(
+        lambda: server.engine.num_streams == 2 * num_each, "the requests never reached the engine"
+    )
     server.server.handle_exit(signal.SIGTERM, None)
     gate.wait_until(lambda: server.server.state.is_draining, "SIGTERM did not start the drain")
     return streams, plains
@@ -77,7 +81,9 @@ def test_drain_refuses_new_requests_and_lets_in_flight_ones_finish() -> None:
             assert events[-1] == "[DONE]" and events[-3]["choices"][0]["finish_reason"] == "length"
             assert events[-2]["usage"]["completion_tokens"] == 12  # ran to the end, not cut off
         for response in (f.result() for f in plains):
-            assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 12
+            assert (
+                response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 12
+            )
     server.thread.join(WAIT_S)
     assert not server.thread.is_alive() and server.server.exit_code == 0
 

@@ -62,11 +62,15 @@ def test_health_and_requests_are_503_while_the_model_loads(demo_cache: str) -> N
     try:
         assert_error(httpx.get(f"{base_url}/health", timeout=10), 503, code="unhealthy")
         assert "loading" in httpx.get(f"{base_url}/health", timeout=10).json()["error"]["message"]
-        early = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        early = httpx.post(
+            f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10
+        )
         assert early.status_code == 503 and early.json()["error"]["message"]
         loaded.set()
         wait_healthy(base_url)
-        ok = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        ok = httpx.post(
+            f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30
+        )
         assert ok.status_code == 200, ok.text
     finally:
         loaded.set()
@@ -98,7 +102,12 @@ def inproc(demo_cache: str) -> Iterator[FailingServer]:
 
 
 def _chat_stream(base_url: str) -> list:
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
     events = []
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
@@ -112,7 +121,9 @@ def test_request_that_never_gets_output_times_out_with_503(inproc: FailingServer
     inproc.stall.set()
     try:
         start = time.monotonic()
-        r = httpx.post(f"{inproc.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 5}, timeout=30)
+        r = httpx.post(
+            f"{inproc.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 5}, timeout=30
+        )
         assert_error(r, 503, code="request_timeout")
         assert time.monotonic() - start >= 1.0  # the deadline, whatever the machine's speed
         events = _chat_stream(inproc.base_url)
@@ -120,7 +131,9 @@ def test_request_that_never_gets_output_times_out_with_503(inproc: FailingServer
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "request_timeout"
     finally:
         inproc.stall.clear()
-    ok = httpx.post(f"{inproc.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+    ok = httpx.post(
+        f"{inproc.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30
+    )
     assert ok.status_code == 200, ok.text
 
 
@@ -139,7 +152,9 @@ def test_engine_crash_fails_in_flight_marks_unhealthy_then_exits_1(inproc: Faili
     assert error["type"] == "internal_server_error"
     for leak in ("boom", "0x", "/secret", "Traceback"):
         assert leak not in error["message"]
-    r = httpx.post(f"{inproc.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=10)
+    r = httpx.post(
+        f"{inproc.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=10
+    )
     error = assert_error(r, 500, code="engine_dead")
     assert "boom" not in error["message"]
     assert_error(httpx.get(f"{inproc.base_url}/health", timeout=10), 503)

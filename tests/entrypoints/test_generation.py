@@ -33,7 +33,9 @@ def _output(choices: list[tuple[list[int], list[int], str | None]]) -> RequestOu
     """One step's DELTA output (what the server asks for): per choice (all token ids so far,
     for the script's readability; the new ones, which the output carries; finish reason)."""
     completions = [
-        CompletionOutput(index=i, text="", token_ids=list(delta), finish_reason=reason, token_ids_delta=delta)
+        CompletionOutput(
+            index=i, text="", token_ids=list(delta), finish_reason=reason, token_ids_delta=delta
+        )
         for i, (_, delta, reason) in enumerate(choices)
     ]
     finished = all(reason is not None for _, _, reason in choices)
@@ -44,13 +46,17 @@ def _output(choices: list[tuple[list[int], list[int], str | None]]) -> RequestOu
 class ScriptedEngine:
     """Yields the scripted outputs a step apart; ``hang`` waits forever after them."""
 
-    def __init__(self, script: list[RequestOutput], hang: bool = False, error: Exception | None = None) -> None:
+    def __init__(
+        self, script: list[RequestOutput], hang: bool = False, error: Exception | None = None
+    ) -> None:
         self.script = script
         self.hang = hang
         self.error = error
 
     async def generate(self, request: ProcessedRequest) -> AsyncIterator[RequestOutput]:
-        assert request.params.output_kind is RequestOutputKind.DELTA  # the contract these scripts follow
+        assert (
+            request.params.output_kind is RequestOutputKind.DELTA
+        )  # the contract these scripts follow
         if self.error is not None:
             raise self.error
         for output in self.script:
@@ -61,10 +67,17 @@ class ScriptedEngine:
             await asyncio.Event().wait()
 
 
-def _run(engine: ScriptedEngine, n: int, timeout_s: float = 30.0) -> tuple[GenerationRun, ServerMetrics]:
+def _run(
+    engine: ScriptedEngine, n: int, timeout_s: float = 30.0
+) -> tuple[GenerationRun, ServerMetrics]:
     metrics = ServerMetrics(MODEL, 1024, lambda: None)
-    state: Any = SimpleNamespace(engine=engine, config=ServerConfig(request_timeout_s=timeout_s), metrics=metrics,
-                                 is_cut_off=False, active_runs=set())
+    state: Any = SimpleNamespace(
+        engine=engine,
+        config=ServerConfig(request_timeout_s=timeout_s),
+        metrics=metrics,
+        is_cut_off=False,
+        active_runs=set(),
+    )
     params = SamplingParams(n=n, max_tokens=16, output_kind=RequestOutputKind.DELTA)
     prompt = ProcessedRequest("cmpl-test-0", PROMPT, None, params, 0, time.monotonic())
     return GenerationRun(state, "cmpl-test", [prompt]), metrics
@@ -93,8 +106,13 @@ def test_n2_counts_once_and_times_each_choice() -> None:
     assert _sample(metrics, "request_time_per_output_token_seconds_count") == 2
     # Choice 0: 3 tokens over two steps, so its TPOT is about one step.
     assert _sample(metrics, "request_time_per_output_token_seconds_sum") > STEP_S
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "request_prefill_time_seconds", "request_decode_time_seconds"):
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+    ):
         assert _sample(metrics, f"{name}_count") == 1, name
     assert _sample(metrics, "request_generation_tokens_sum") == 5
     assert _sample(metrics, "request_prompt_tokens_sum") == len(PROMPT)
@@ -132,7 +150,9 @@ def test_aborted_request_still_records_e2e(num_outputs: int) -> None:
 
 
 def test_engine_refusal_is_a_400_naming_the_param_and_not_counted() -> None:
-    refusal = InvalidRequestError("token id 1000000 is outside the vocabulary", param="stop_token_ids")
+    refusal = InvalidRequestError(
+        "token id 1000000 is outside the vocabulary", param="stop_token_ids"
+    )
     run, metrics = _run(ScriptedEngine([], error=refusal), n=1)
     with pytest.raises(InvalidRequestError) as info:
         asyncio.run(run.collect())

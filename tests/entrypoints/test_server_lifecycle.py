@@ -28,24 +28,48 @@ TIMEOUT_S = 2.0
 @pytest.fixture(scope="module")
 def lifecycle(demo_cache: str, server_log_dir: Path) -> Iterator[ServerHandle]:
     handle = start_server(
-        server_log_dir, "--max-num-seqs", "2", "--max-queue-len", "4", "--per-key-max-concurrency", "2",
-        "--request-timeout", str(TIMEOUT_S), "--disable-auth-for-health-metrics", "--api-key", KEY_B,
-        "--shutdown-timeout", "20", "--trust-request-chat-template", api_key=KEY_A,
+        server_log_dir,
+        "--max-num-seqs",
+        "2",
+        "--max-queue-len",
+        "4",
+        "--per-key-max-concurrency",
+        "2",
+        "--request-timeout",
+        str(TIMEOUT_S),
+        "--disable-auth-for-health-metrics",
+        "--api-key",
+        KEY_B,
+        "--shutdown-timeout",
+        "20",
+        "--trust-request-chat-template",
+        api_key=KEY_A,
     )
     yield handle
     handle.stop()  # SIGTERM with nothing in flight: a clean exit
     assert handle.process.returncode == 0, handle.log()
 
 
-def _post(handle: ServerHandle, key: str, body: dict, path: str = "/v1/completions") -> httpx.Response:
-    return httpx.post(handle.base_url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+def _post(
+    handle: ServerHandle, key: str, body: dict, path: str = "/v1/completions"
+) -> httpx.Response:
+    return httpx.post(
+        handle.base_url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60
+    )
 
 
-def _stream_events(handle: ServerHandle, key: str, body: dict, first_event: threading.Event | None = None) -> list:
+def _stream_events(
+    handle: ServerHandle, key: str, body: dict, first_event: threading.Event | None = None
+) -> list:
     events = []
     headers = {"Authorization": f"Bearer {key}"}
-    with httpx.stream("POST", handle.base_url + "/v1/completions", json={**body, "stream": True},
-                      headers=headers, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        handle.base_url + "/v1/completions",
+        json={**body, "stream": True},
+        headers=headers,
+        timeout=60,
+    ) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -66,30 +90,59 @@ def test_health_and_metrics_open_by_flag_and_nothing_else(lifecycle: ServerHandl
     base = lifecycle.base_url
     assert httpx.get(f"{base}/health").status_code == 200
     assert "tokenmill:num_requests_running" in httpx.get(f"{base}/metrics").text
-    for method, path in [("GET", "/health/"), ("GET", "//health"), ("POST", "/health"), ("GET", "/v1/models"),
-                         ("GET", "/version"), ("OPTIONS", "/metrics"), ("POST", "/tokenize")]:
+    for method, path in [
+        ("GET", "/health/"),
+        ("GET", "//health"),
+        ("POST", "/health"),
+        ("GET", "/v1/models"),
+        ("GET", "/version"),
+        ("OPTIONS", "/metrics"),
+        ("POST", "/tokenize"),
+    ]:
         assert_error(httpx.request(method, base + path, json={"prompt": "x"}), 401)
 
 
 def test_trusted_request_chat_template_is_used_and_still_sandboxed(lifecycle: ServerHandle) -> None:
     messages = [{"role": "user", "content": "hello"}]
     template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
-    custom = _post(lifecycle, KEY_A, {"messages": messages, "chat_template": template}, "/tokenize").json()
-    plain = _post(lifecycle, KEY_A, {"prompt": "<<hello>>", "add_special_tokens": False}, "/tokenize").json()
+    custom = _post(
+        lifecycle, KEY_A, {"messages": messages, "chat_template": template}, "/tokenize"
+    ).json()
+    plain = _post(
+        lifecycle, KEY_A, {"prompt": "<<hello>>", "add_special_tokens": False}, "/tokenize"
+    ).json()
     assert custom["tokens"] == plain["tokens"]
-    r = _post(lifecycle, KEY_A, {"messages": messages, "chat_template": template, "max_tokens": 2},
-              "/v1/chat/completions")
+    r = _post(
+        lifecycle,
+        KEY_A,
+        {"messages": messages, "chat_template": template, "max_tokens": 2},
+        "/v1/chat/completions",
+    )
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == plain["count"]
-    for escape in ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "{{ cycler.__init__.__globals__ }}",
-                   "{{ raise_exception(cycler) }}", "{% for x in range(10**9) %}{% endfor %}",
-                   "{{ 'a' * 100000000 }}", "{{ '{:>999999999}'.format(1) }}"):
-        r = _post(lifecycle, KEY_A, {"messages": messages, "chat_template": escape, "max_tokens": 2},
-                  "/v1/chat/completions")
+    for escape in (
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ cycler.__init__.__globals__ }}",
+        "{{ raise_exception(cycler) }}",
+        "{% for x in range(10**9) %}{% endfor %}",
+        "{{ 'a' * 100000000 }}",
+        "{{ '{:>999999999}'.format(1) }}",
+    ):
+        r = _post(
+            lifecycle,
+            KEY_A,
+            {"messages": messages, "chat_template": escape, "max_tokens": 2},
+            "/v1/chat/completions",
+        )
         error = assert_error(r, 400, param="messages")
         assert "0x" not in error["message"] or "0x…" in error["message"]
     # A template that loops is stopped by --chat-template-timeout (2 s by default).
     loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
-    r = _post(lifecycle, KEY_A, {"messages": messages, "chat_template": loop, "max_tokens": 2}, "/v1/chat/completions")
+    r = _post(
+        lifecycle,
+        KEY_A,
+        {"messages": messages, "chat_template": loop, "max_tokens": 2},
+        "/v1/chat/completions",
+    )
     assert "longer than" in assert_error(r, 400, param="chat_template")["message"]
 
 
@@ -124,7 +177,16 @@ def test_request_timeout_returns_partial_output_as_length(lifecycle: ServerHandl
 
 
 def test_model_that_fails_to_load_exits_nonzero(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", str(tmp_path / "missing-model"),
-           "--port", "0", "--num-threads", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.entrypoints.cli",
+        "serve",
+        str(tmp_path / "missing-model"),
+        "--port",
+        "0",
+        "--num-threads",
+        "1",
+    ]
     result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr

@@ -40,15 +40,22 @@ def test_sharded_checkpoint_loads_and_matches(model_copy: Path, make_model) -> N
     tensors = load_file(model_copy / "model.safetensors")
     names = sorted(tensors)
     half = len(names) // 2
-    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
     for shard, keys in shards.items():
         save_file({k: tensors[k] for k in keys}, model_copy / shard)
     (model_copy / "model.safetensors").unlink()
     weight_map = {k: shard for shard, keys in shards.items() for k in keys}
     (model_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     prompt = [[5, 6, 7, 8]]
-    sharded = LLM(str(model_copy), dtype="float32", max_model_len=64).generate(prompt, GREEDY, use_tqdm=False)
-    single = LLM(str(make_model("llama")), dtype="float32", max_model_len=64).generate(prompt, GREEDY, use_tqdm=False)
+    sharded = LLM(str(model_copy), dtype="float32", max_model_len=64).generate(
+        prompt, GREEDY, use_tqdm=False
+    )
+    single = LLM(str(make_model("llama")), dtype="float32", max_model_len=64).generate(
+        prompt, GREEDY, use_tqdm=False
+    )
     assert sharded[0].outputs[0].token_ids == single[0].outputs[0].token_ids
 
 
@@ -56,25 +63,34 @@ def test_unknown_architecture_lists_supported(model_copy: Path) -> None:
     cfg = json.loads((model_copy / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (model_copy / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
+    with pytest.raises(
+        ModelLoadError, match=r"unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"
+    ):
         ModelConfig.from_folder(model_copy)
 
 
 def test_missing_tensor_is_named(model_copy: Path) -> None:
     _edit_weights(model_copy, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(ModelLoadError, match=r"missing tensor.*model\.layers\.1\.mlp\.up_proj\.weight"):
+    with pytest.raises(
+        ModelLoadError, match=r"missing tensor.*model\.layers\.1\.mlp\.up_proj\.weight"
+    ):
         _load(model_copy)
 
 
 def test_unexpected_tensor_is_named_with_file(model_copy: Path) -> None:
     _edit_weights(model_copy, lambda t: t.update({"model.extra.weight": torch.zeros(2)}))
-    with pytest.raises(ModelLoadError, match=r"model\.safetensors: unexpected tensor 'model\.extra\.weight'"):
+    with pytest.raises(
+        ModelLoadError, match=r"model\.safetensors: unexpected tensor 'model\.extra\.weight'"
+    ):
         _load(model_copy)
 
 
 def test_shape_mismatch_is_named(model_copy: Path) -> None:
     _edit_weights(model_copy, lambda t: t.update({"model.norm.weight": torch.ones(3)}))
-    with pytest.raises(ModelLoadError, match=r"model\.safetensors: tensor 'model\.norm\.weight' has shape \(3,\), expected \(64,\)"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"model\.safetensors: tensor 'model\.norm\.weight' has shape \(3,\), expected \(64,\)",
+    ):
         _load(model_copy)
 
 
@@ -97,7 +113,9 @@ def test_missing_config(tmp_path: Path) -> None:
 
 
 def test_dtype_auto_falls_back_to_float32_on_cpu(model_copy: Path, caplog) -> None:
-    cfg = ModelConfig.from_dict({**json.loads((model_copy / "config.json").read_text()), "torch_dtype": "bfloat16"})
+    cfg = ModelConfig.from_dict(
+        {**json.loads((model_copy / "config.json").read_text()), "torch_dtype": "bfloat16"}
+    )
     with caplog.at_level("INFO"):
         assert resolve_dtype("auto", cfg, torch.device("cpu")) == torch.float32
     assert "float32 on CPU" in caplog.text
@@ -114,21 +132,31 @@ def test_half_precision_runs(make_model, dtype: str) -> None:
 
 def test_weights_arrive_fused_and_converted(model_copy: Path) -> None:
     """bf16 checkpoint read as float16: every value is the stored one, q/k/v and gate/up in order."""
-    stored = {k: v.to(torch.bfloat16) for k, v in load_file(model_copy / "model.safetensors").items()}
+    stored = {
+        k: v.to(torch.bfloat16) for k, v in load_file(model_copy / "model.safetensors").items()
+    }
     save_file(stored, model_copy / "model.safetensors")
     model = load_model(model_copy, torch.float16, torch.device("cpu"), 64)
     layer = model.layers[1]
     p = "model.layers.1."
-    expect_qkv = torch.cat([stored[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).to(torch.float16)
-    expect_gate_up = torch.cat([stored[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")]).to(torch.float16)
+    expect_qkv = torch.cat([stored[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).to(
+        torch.float16
+    )
+    expect_gate_up = torch.cat([stored[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")]).to(
+        torch.float16
+    )
     assert torch.equal(layer.attn.qkv.weight, expect_qkv)
     assert torch.equal(layer.mlp.gate_up.weight, expect_gate_up)
     assert torch.equal(model.embed, stored["model.embed_tokens.weight"].to(torch.float16))
-    assert torch.equal(layer.input_norm.weight, stored[p + "input_layernorm.weight"].to(torch.float16))
+    assert torch.equal(
+        layer.input_norm.weight, stored[p + "input_layernorm.weight"].to(torch.float16)
+    )
 
 
 def test_truncated_tensor_data_names_the_file(model_copy: Path) -> None:
     path = model_copy / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-64])
-    with pytest.raises(ModelLoadError, match=r"model\.safetensors: (corrupt or unreadable|tensor .* is truncated)"):
+    with pytest.raises(
+        ModelLoadError, match=r"model\.safetensors: (corrupt or unreadable|tensor .* is truncated)"
+    ):
         _load(model_copy)

@@ -37,7 +37,9 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
 def test_temperature(temperature: float) -> None:
-    _assert_close(_empirical(SamplingParams(temperature=temperature)), (LOGITS / temperature).softmax(-1))
+    _assert_close(
+        _empirical(SamplingParams(temperature=temperature)), (LOGITS / temperature).softmax(-1)
+    )
 
 
 def test_top_k_keeps_k_most_likely() -> None:
@@ -122,12 +124,33 @@ def test_logprobs_are_raw_with_rank() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("n", 0), ("n", -1), ("n", 10**9), ("n", "5"), ("n", 1.5), ("temperature", float("nan")),
-     ("temperature", float("inf")), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
-     ("min_p", 2.0), ("presence_penalty", 3.0), ("frequency_penalty", float("nan")), ("repetition_penalty", 0.0),
-     ("seed", 2**63), ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 2**63), ("logprobs", -1),
-     ("stop", [""]), ("stop", ["x"] * 100_000), ("stop_token_ids", [-1]), ("min_tokens", -1),
-     ("spaces_between_special_tokens", False)],
+    [
+        ("n", 0),
+        ("n", -1),
+        ("n", 10**9),
+        ("n", "5"),
+        ("n", 1.5),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 2.0),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", float("nan")),
+        ("repetition_penalty", 0.0),
+        ("seed", 2**63),
+        ("max_tokens", 0),
+        ("max_tokens", -1),
+        ("max_tokens", 2**63),
+        ("logprobs", -1),
+        ("stop", [""]),
+        ("stop", ["x"] * 100_000),
+        ("stop_token_ids", [-1]),
+        ("min_tokens", -1),
+        ("spaces_between_special_tokens", False),
+    ],
 )
 def test_invalid_params_name_the_field(field: str, value) -> None:
     with pytest.raises(InvalidRequestError) as info:

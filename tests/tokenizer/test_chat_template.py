@@ -35,7 +35,9 @@ MESSAGES = [{"role": "user", "content": "hi"}]
         "{{ 2 ** 100000000 }}",
     ],
 )
-def test_operations_that_would_build_huge_values_are_refused(byte_level_tokenizer: Tokenizer, template: str) -> None:
+def test_operations_that_would_build_huge_values_are_refused(
+    byte_level_tokenizer: Tokenizer, template: str
+) -> None:
     with pytest.raises(InvalidRequestError, match="chat template failed to render") as info:
         byte_level_tokenizer.apply_chat_template(MESSAGES, chat_template=template)
     assert info.value.param == "messages"
@@ -43,7 +45,9 @@ def test_operations_that_would_build_huge_values_are_refused(byte_level_tokenize
 
 def test_ordinary_uses_of_the_same_operations_still_work() -> None:
     source = "{{ 'ab' * 2 }}|{{ 'x'.ljust(3) }}|{{ '%3d' % 7 }}|{{ '{:>3}'.format(1) }}|{{ 2 ** 10 }}|{{ 'a' | center(3) }}"
-    assert render_bounded(compile_chat_template(source), {}, None, None) == "abab|x  |  7|  1|1024| a "
+    assert (
+        render_bounded(compile_chat_template(source), {}, None, None) == "abab|x  |  7|  1|1024| a "
+    )
 
 
 def test_output_past_the_limit_is_a_context_length_error() -> None:
@@ -65,13 +69,17 @@ def test_max_chars_per_token_bounds_every_token(byte_level_tokenizer: Tokenizer)
     bound = byte_level_tokenizer.max_chars_per_token
     assert bound is not None and bound >= 1
     backend = byte_level_tokenizer.backend
-    longest = max(len(backend.decode([i], skip_special_tokens=False)) for i in range(backend.get_vocab_size()))
+    longest = max(
+        len(backend.decode([i], skip_special_tokens=False)) for i in range(backend.get_vocab_size())
+    )
     assert bound == longest
     text = "the quick brown fox " * 50
     assert len(text) <= bound * len(byte_level_tokenizer.encode(text))
 
 
-def test_max_chars_per_token_is_unknown_when_the_pipeline_drops_characters(byte_level_tokenizer: Tokenizer) -> None:
+def test_max_chars_per_token_is_unknown_when_the_pipeline_drops_characters(
+    byte_level_tokenizer: Tokenizer,
+) -> None:
     from tokenizers import pre_tokenizers
 
     backend = byte_level_tokenizer.backend

@@ -16,4 +16,7 @@ class MissingExtraError(ImportError):
     """A dependency of the bench tools is not installed; the message says which extra brings it."""
 
     def __init__(self, module: str) -> None:
-        super().__init__(f"{module} is not installed; the bench tools need it: {BENCH_EXTRA_INSTALL}", name=module)
+        super().__init__(
+            f"{module} is not installed; the bench tools need it: {BENCH_EXTRA_INSTALL}",
+            name=module,
+        )

@@ -54,27 +54,52 @@ def _length_arg(text: str) -> Length:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _add_workload_args(parser: argparse.ArgumentParser, num_prompts: int, has_server: bool = True) -> None:
+def _add_workload_args(
+    parser: argparse.ArgumentParser, num_prompts: int, has_server: bool = True
+) -> None:
     tokenizer_default = (
-        "--model, or the served model, if local; else the server's /tokenize" if has_server else "--model's"
+        "--model, or the served model, if local; else the server's /tokenize"
+        if has_server
+        else "--model's"
     )
     group = parser.add_argument_group("workload")
     group.add_argument("--dataset", choices=DATASET_NAMES, default="random", help="prompt source")
     group.add_argument("--dataset-path", help="file for --dataset sharegpt (JSON) or jsonl")
     group.add_argument("--num-prompts", type=int, default=num_prompts, help="requests to measure")
-    group.add_argument("--input-len", type=_length_arg, default=256,
-                       help="prompt tokens (random; or a uniform range LOW:HIGH, e.g. 16:1024); "
-                            "unique suffix tokens (prefix)")
-    group.add_argument("--output-len", type=_length_arg, default=None,
-                       help="max_tokens of every request (default 128; random also takes LOW:HIGH; "
-                            "sharegpt keeps each reply's length)")
-    group.add_argument("--range-ratio", type=float, default=0.0,
-                       help="random lengths are uniform in len*[1-r, 1+r]")
-    group.add_argument("--prefix-len", type=int, default=256, help="shared prefix tokens (--dataset prefix)")
-    group.add_argument("--num-prefixes", type=int, default=4, help="distinct shared prefixes (--dataset prefix)")
+    group.add_argument(
+        "--input-len",
+        type=_length_arg,
+        default=256,
+        help="prompt tokens (random; or a uniform range LOW:HIGH, e.g. 16:1024); "
+        "unique suffix tokens (prefix)",
+    )
+    group.add_argument(
+        "--output-len",
+        type=_length_arg,
+        default=None,
+        help="max_tokens of every request (default 128; random also takes LOW:HIGH; "
+        "sharegpt keeps each reply's length)",
+    )
+    group.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="random lengths are uniform in len*[1-r, 1+r]",
+    )
+    group.add_argument(
+        "--prefix-len", type=int, default=256, help="shared prefix tokens (--dataset prefix)"
+    )
+    group.add_argument(
+        "--num-prefixes", type=int, default=4, help="distinct shared prefixes (--dataset prefix)"
+    )
     group.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
-    group.add_argument("--tokenizer", help=f"local tokenizer folder or tokenizer.json (default: {tokenizer_default})")
-    group.add_argument("--vocab-size", type=int, help="token-id range of random prompts when there is no tokenizer")
+    group.add_argument(
+        "--tokenizer",
+        help=f"local tokenizer folder or tokenizer.json (default: {tokenizer_default})",
+    )
+    group.add_argument(
+        "--vocab-size", type=int, help="token-id range of random prompts when there is no tokenizer"
+    )
 
 
 def _workload(args: argparse.Namespace) -> dict[str, Any]:
@@ -86,7 +111,11 @@ def _workload(args: argparse.Namespace) -> dict[str, Any]:
         "output_len": args.output_len if args.output_len is not None else 128,
         "range_ratio": args.range_ratio,
         "seed": args.seed,
-        **({"prefix_len": args.prefix_len, "num_prefixes": args.num_prefixes} if args.dataset == "prefix" else {}),
+        **(
+            {"prefix_len": args.prefix_len, "num_prefixes": args.num_prefixes}
+            if args.dataset == "prefix"
+            else {}
+        ),
     }
 
 
@@ -98,7 +127,9 @@ def _try_tokenizer(name: str | None, is_required: bool) -> TokenizerLike | None:
     except (FileNotFoundError, OSError, ValueError) as exc:
         if is_required:
             raise
-        _log(f"[bench] no local tokenizer for {name!r} ({exc}); prompts stay token ids, counts come from usage")
+        _log(
+            f"[bench] no local tokenizer for {name!r} ({exc}); prompts stay token ids, counts come from usage"
+        )
         return None
 
 
@@ -106,11 +137,18 @@ def _build_workload(
     args: argparse.Namespace, tokenizer: TokenizerLike | None, seed: int | None = None
 ) -> list[BenchRequest]:
     return build_requests(
-        args.dataset, args.num_prompts,
-        input_len=args.input_len, output_len=args.output_len if args.output_len is not None else 128,
-        range_ratio=args.range_ratio, seed=args.seed if seed is None else seed, dataset_path=args.dataset_path,
-        tokenizer=tokenizer, vocab_size=args.vocab_size, prefix_len=args.prefix_len,
-        num_prefixes=args.num_prefixes, output_len_is_set=args.output_len is not None,
+        args.dataset,
+        args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len if args.output_len is not None else 128,
+        range_ratio=args.range_ratio,
+        seed=args.seed if seed is None else seed,
+        dataset_path=args.dataset_path,
+        tokenizer=tokenizer,
+        vocab_size=args.vocab_size,
+        prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
+        output_len_is_set=args.output_len is not None,
     )
 
 
@@ -119,34 +157,74 @@ def _add_serve_target_args(parser: argparse.ArgumentParser, with_base_url: bool)
     group = parser.add_argument_group("target")
     if with_base_url:
         group.add_argument("--base-url", default=DEFAULT_BASE_URL, help="server root")
-    group.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"),
-                       help="API to load (chat sends text prompts)")
+    group.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        choices=("/v1/completions", "/v1/chat/completions"),
+        help="API to load (chat sends text prompts)",
+    )
     group.add_argument("--model", help="model name in requests (default: the first of /v1/models)")
     group.add_argument("--api-key", help="bearer token")
-    group.add_argument("--prompt-format", choices=("auto", "ids", "text"), default="auto",
-                       help="completions prompts as token ids or text (auto: ids if the server takes them)")
+    group.add_argument(
+        "--prompt-format",
+        choices=("auto", "ids", "text"),
+        default="auto",
+        help="completions prompts as token ids or text (auto: ids if the server takes them)",
+    )
     group.add_argument("--extra-body", help="JSON object merged into every request body")
     load = parser.add_argument_group("load")
-    load.add_argument("--request-rate", type=float, default=math.inf, help="mean req/s; inf sends all at once")
-    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 = Poisson")
+    load.add_argument(
+        "--request-rate", type=float, default=math.inf, help="mean req/s; inf sends all at once"
+    )
+    load.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 = Poisson"
+    )
     load.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
-    load.add_argument("--num-warmups", type=int, default=0, help="uncounted requests after the probe")
-    load.add_argument("--num-rounds", type=int, default=1,
-                      help="measured runs, each with prompts of its own (seed, seed+1, ...); "
-                           "bench compare only calls a difference when it exceeds their spread")
-    load.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (fixed output lengths)")
-    load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
-    load.add_argument("--request-timeout-s", type=float, default=600.0,
-                      help="deadline of one request, send to last chunk; past it the request fails")
-    load.add_argument("--ready-timeout-s", type=float, default=120.0,
-                      help="how long to wait for a starting server (connection refused or 503)")
-    load.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput, e.g. ttft:500 tpot:50")
-    load.add_argument("--no-server-metrics", action="store_true", help="do not poll the target's /metrics")
-    load.add_argument("--metrics-interval-s", type=float, default=0.5, help="seconds between /metrics polls")
+    load.add_argument(
+        "--num-warmups", type=int, default=0, help="uncounted requests after the probe"
+    )
+    load.add_argument(
+        "--num-rounds",
+        type=int,
+        default=1,
+        help="measured runs, each with prompts of its own (seed, seed+1, ...); "
+        "bench compare only calls a difference when it exceeds their spread",
+    )
+    load.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="ask the server to ignore EOS (fixed output lengths)",
+    )
+    load.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature of every request"
+    )
+    load.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
+        help="deadline of one request, send to last chunk; past it the request fails",
+    )
+    load.add_argument(
+        "--ready-timeout-s",
+        type=float,
+        default=120.0,
+        help="how long to wait for a starting server (connection refused or 503)",
+    )
+    load.add_argument(
+        "--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput, e.g. ttft:500 tpot:50"
+    )
+    load.add_argument(
+        "--no-server-metrics", action="store_true", help="do not poll the target's /metrics"
+    )
+    load.add_argument(
+        "--metrics-interval-s", type=float, default=0.5, help="seconds between /metrics polls"
+    )
     load.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
-def _serve_config(args: argparse.Namespace, base_url: str, label: str | None, max_concurrency: int | None) -> Any:
+def _serve_config(
+    args: argparse.Namespace, base_url: str, label: str | None, max_concurrency: int | None
+) -> Any:
     from tokenmill.bench.metrics import parse_goodput
     from tokenmill.bench.serve import ServeConfig
 
@@ -154,13 +232,25 @@ def _serve_config(args: argparse.Namespace, base_url: str, label: str | None, ma
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
     return ServeConfig(
-        base_url=base_url, endpoint=args.endpoint, model=args.model, api_key=args.api_key,
-        request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=max_concurrency,
-        num_warmups=args.num_warmups, prompt_format=args.prompt_format, temperature=args.temperature,
-        ignore_eos=args.ignore_eos, request_timeout_s=args.request_timeout_s,
-        ready_timeout_s=args.ready_timeout_s, seed=args.seed,
-        goodput_slos_ms=parse_goodput(args.goodput), scrape_metrics=not args.no_server_metrics,
-        metrics_interval_s=args.metrics_interval_s, show_progress=not args.no_progress, label=label,
+        base_url=base_url,
+        endpoint=args.endpoint,
+        model=args.model,
+        api_key=args.api_key,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=max_concurrency,
+        num_warmups=args.num_warmups,
+        prompt_format=args.prompt_format,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        request_timeout_s=args.request_timeout_s,
+        ready_timeout_s=args.ready_timeout_s,
+        seed=args.seed,
+        goodput_slos_ms=parse_goodput(args.goodput),
+        scrape_metrics=not args.no_server_metrics,
+        metrics_interval_s=args.metrics_interval_s,
+        show_progress=not args.no_progress,
+        label=label,
         extra_body=extra,
     )
 
@@ -193,7 +283,9 @@ def _serve_tokenizer(args: argparse.Namespace, base_url: str) -> tuple[Tokenizer
         why_not.append(reason)
     if args.dataset not in ("random", "prefix") or args.vocab_size is not None:
         if why_not:
-            _log(f"[bench] no local tokenizer for {model!r} ({why_not[0]}); prompts stay as given, counts come from usage")
+            _log(
+                f"[bench] no local tokenizer for {model!r} ({why_not[0]}); prompts stay as given, counts come from usage"
+            )
         return None, False
     try:
         if not model:
@@ -208,7 +300,9 @@ def _serve_tokenizer(args: argparse.Namespace, base_url: str) -> tuple[Tokenizer
             f"--dataset {args.dataset} needs token ids, and neither a local tokenizer nor the server gave them "
             f"({'; '.join([*why_not, str(exc)])}); pass --tokenizer PATH or --vocab-size N"
         ) from None
-    _log(f"[bench] no local tokenizer for {model!r}: prompts are tokenized by {remote.root_url}/tokenize")
+    _log(
+        f"[bench] no local tokenizer for {model!r}: prompts are tokenized by {remote.root_url}/tokenize"
+    )
     return remote, True
 
 
@@ -225,8 +319,10 @@ def _build_served_workload(
     if args.num_rounds < 1:
         raise ValueError(f"--num-rounds must be >= 1, got {args.num_rounds}")
     if args.dataset == "jsonl" and args.num_rounds > 1:
-        _log("[bench] --dataset jsonl has one order: every round sends the same prompts, "
-             "which a prefix cache may serve from the round before")
+        _log(
+            "[bench] --dataset jsonl has one order: every round sends the same prompts, "
+            "which a prefix cache may serve from the round before"
+        )
     tokenizer, is_remote = _serve_tokenizer(args, base_url)
     rounds = [_build_workload(args, tokenizer, seed=args.seed + k) for k in range(args.num_rounds)]
     workload = _workload(args)
@@ -265,7 +361,9 @@ def _offline_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         try:
             sizes = tuple(int(b) for b in _comma_list(args.compile_batch_sizes))
         except ValueError:
-            raise ValueError(f"--compile-batch-sizes expects integers like 1,2,4,8, got {args.compile_batch_sizes!r}") from None
+            raise ValueError(
+                f"--compile-batch-sizes expects integers like 1,2,4,8, got {args.compile_batch_sizes!r}"
+            ) from None
         engine_kwargs["compile_batch_sizes"] = sizes
     return engine_kwargs
 
@@ -276,10 +374,17 @@ def cmd_offline(args: argparse.Namespace) -> int:
     from tokenmill.bench.serve import save_result
 
     config = OfflineConfig(
-        model=args.model, backends=_comma_list(args.backends), kv_caches=_comma_list(args.kv_cache),
-        dtype=args.dtype, device=args.device, batch_size=args.batch_size, ignore_eos=args.ignore_eos,
-        compare=args.compare, num_rounds=args.num_rounds or (3 if args.compare else 1),
-        num_warmups=args.num_warmups, seed=args.seed,
+        model=args.model,
+        backends=_comma_list(args.backends),
+        kv_caches=_comma_list(args.kv_cache),
+        dtype=args.dtype,
+        device=args.device,
+        batch_size=args.batch_size,
+        ignore_eos=args.ignore_eos,
+        compare=args.compare,
+        num_rounds=args.num_rounds or (3 if args.compare else 1),
+        num_warmups=args.num_warmups,
+        seed=args.seed,
         engine_kwargs=_offline_engine_kwargs(args),
     )
     tokenizer = _try_tokenizer(args.tokenizer or args.model, is_required=False)
@@ -335,7 +440,9 @@ def _run_targets(args: argparse.Namespace, out_dir: Path) -> list[tuple[str, dic
             raise ValueError(f"--target expects NAME=URL, got {spec!r}")
         targets.append((name, url))
     levels: list[int | None] = (
-        [int(c) for c in args.concurrency.split(",") if c.strip()] if args.concurrency else [args.max_concurrency]
+        [int(c) for c in args.concurrency.split(",") if c.strip()]
+        if args.concurrency
+        else [args.max_concurrency]
     )
     rounds, tokenizer, workload = _build_served_workload(args, targets[0][1])
     named = []
@@ -385,14 +492,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """``tokenmill verify``."""
     from tokenmill.bench.verify import format_verify_report, run_verify, save_verify_report
 
-    min_match = args.min_match if args.min_match is not None else (1.0 if args.dtype == "float32" else 0.8)
+    min_match = (
+        args.min_match if args.min_match is not None else (1.0 if args.dtype == "float32" else 0.8)
+    )
     # A --model given names the served model too (vLLM serves a folder under its path);
     # without one the reference runs demo and the server is asked what it serves.
     served_model = args.served_model_name or args.model
     report = run_verify(
-        args.model or "demo", max_tokens=args.max_tokens, texts=_read_prompt_texts(args.prompts_file),
-        num_prompts=args.num_prompts, dtype=args.dtype, device=args.device, server_url=args.server_url,
-        server_model=served_model, api_key=args.api_key, min_match=min_match,
+        args.model or "demo",
+        max_tokens=args.max_tokens,
+        texts=_read_prompt_texts(args.prompts_file),
+        num_prompts=args.num_prompts,
+        dtype=args.dtype,
+        device=args.device,
+        server_url=args.server_url,
+        server_model=served_model,
+        api_key=args.api_key,
+        min_match=min_match,
         engine_kwargs=_parse_key_values(args.engine_arg, "--engine-arg"),
     )
     print(format_verify_report(report))
@@ -408,7 +524,12 @@ def _guard(func: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
         try:
             return func(args)
-        except (MissingExtraError, ValueError, FileNotFoundError, RuntimeError) as exc:  # BenchmarkError too
+        except (
+            MissingExtraError,
+            ValueError,
+            FileNotFoundError,
+            RuntimeError,
+        ) as exc:  # BenchmarkError too
             _log(f"error: {exc}")
             return 2
 
@@ -418,69 +539,143 @@ def _guard(func: Any) -> Any:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``bench`` (serve, offline, compare) and ``verify`` to the tokenmill CLI."""
-    bench = subparsers.add_parser("bench", help="measure serving and offline performance, compare backends")
+    bench = subparsers.add_parser(
+        "bench", help="measure serving and offline performance, compare backends"
+    )
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
 
     serve = bench_sub.add_parser("serve", help="load-test any OpenAI-compatible endpoint")
     _add_serve_target_args(serve, with_base_url=True)
     _add_workload_args(serve, num_prompts=200)
     serve.add_argument("--label", help="name of this target in reports (default: model name)")
-    serve.add_argument("--metadata", nargs="+", metavar="KEY=VALUE",
-                       help="settings of the target saved in the result, e.g. kv_cache=static; "
-                            "bench compare names unlabelled targets by the ones that differ")
-    serve.add_argument("--save-result", metavar="FILE.json", help="write the summary and every request's timings")
+    serve.add_argument(
+        "--metadata",
+        nargs="+",
+        metavar="KEY=VALUE",
+        help="settings of the target saved in the result, e.g. kv_cache=static; "
+        "bench compare names unlabelled targets by the ones that differ",
+    )
+    serve.add_argument(
+        "--save-result", metavar="FILE.json", help="write the summary and every request's timings"
+    )
     serve.set_defaults(func=_guard(cmd_serve))
 
-    offline = bench_sub.add_parser("offline", help="in-process throughput and latency, without HTTP")
+    offline = bench_sub.add_parser(
+        "offline", help="in-process throughput and latency, without HTTP"
+    )
     offline.add_argument("--model", default="demo", help="local model folder, or 'demo'")
-    offline.add_argument("--backends", default="tokenmill,transformers",
-                         help="comma list of tokenmill, transformers, transformers-cb (first is the baseline)")
-    offline.add_argument("--kv-cache", default="paged",
-                         help="tokenmill's KV strategies, comma list of paged, static (one tokenmill row each)")
-    offline.add_argument("--compile-batch-sizes", metavar="N,N,...",
-                         help="decode batch sizes tokenmill compiles for the static strategy, e.g. 1,2,4,8")
-    offline.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                         help="weights dtype of every backend")
+    offline.add_argument(
+        "--backends",
+        default="tokenmill,transformers",
+        help="comma list of tokenmill, transformers, transformers-cb (first is the baseline)",
+    )
+    offline.add_argument(
+        "--kv-cache",
+        default="paged",
+        help="tokenmill's KV strategies, comma list of paged, static (one tokenmill row each)",
+    )
+    offline.add_argument(
+        "--compile-batch-sizes",
+        metavar="N,N,...",
+        help="decode batch sizes tokenmill compiles for the static strategy, e.g. 1,2,4,8",
+    )
+    offline.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="weights dtype of every backend",
+    )
     offline.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    offline.add_argument("--batch-size", type=int, default=8, help="static batch size of the transformers backend")
-    offline.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                         help="generate full output lengths so backends do equal work (default on)")
-    offline.add_argument("--compare", action="store_true", help="interleave backends over several rounds")
-    offline.add_argument("--num-rounds", type=int,
-                         help="measured runs of each backend (default: 3 with --compare, else 1); "
-                              "bench compare only calls a difference when it exceeds their spread")
-    offline.add_argument("--num-warmups", type=int, default=2,
-                         help="uncounted requests per backend (prompts of their own, shaped like the measured ones)")
-    offline.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="extra tokenmill LLM(...) kwarg")
+    offline.add_argument(
+        "--batch-size", type=int, default=8, help="static batch size of the transformers backend"
+    )
+    offline.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate full output lengths so backends do equal work (default on)",
+    )
+    offline.add_argument(
+        "--compare", action="store_true", help="interleave backends over several rounds"
+    )
+    offline.add_argument(
+        "--num-rounds",
+        type=int,
+        help="measured runs of each backend (default: 3 with --compare, else 1); "
+        "bench compare only calls a difference when it exceeds their spread",
+    )
+    offline.add_argument(
+        "--num-warmups",
+        type=int,
+        default=2,
+        help="uncounted requests per backend (prompts of their own, shaped like the measured ones)",
+    )
+    offline.add_argument(
+        "--engine-arg", action="append", metavar="KEY=VALUE", help="extra tokenmill LLM(...) kwarg"
+    )
     offline.add_argument("--save-result", metavar="FILE.json", help="write every backend's summary")
     _add_workload_args(offline, num_prompts=32, has_server=False)
     offline.set_defaults(func=_guard(cmd_offline))
 
-    compare = bench_sub.add_parser("compare", help="side-by-side report of results or endpoints, with an SLA verdict")
-    compare.add_argument("results", nargs="*", metavar="[NAME=]FILE", help="result JSON files (serve or offline)")
-    compare.add_argument("--target", action="append", metavar="NAME=URL", help="endpoint to benchmark (repeatable)")
-    compare.add_argument("--concurrency", help="sweep of max concurrency for --target runs, e.g. 1,4,16,64")
+    compare = bench_sub.add_parser(
+        "compare", help="side-by-side report of results or endpoints, with an SLA verdict"
+    )
+    compare.add_argument(
+        "results", nargs="*", metavar="[NAME=]FILE", help="result JSON files (serve or offline)"
+    )
+    compare.add_argument(
+        "--target", action="append", metavar="NAME=URL", help="endpoint to benchmark (repeatable)"
+    )
+    compare.add_argument(
+        "--concurrency", help="sweep of max concurrency for --target runs, e.g. 1,4,16,64"
+    )
     compare.add_argument("--baseline", help="target the ratios are against (default: the first)")
     compare.add_argument("--sla", help="latency limits, e.g. ttft_p95_ms=800,tpot_p95_ms=50")
-    compare.add_argument("--output-dir", default="bench-report", help="where report.html and the PNGs go")
+    compare.add_argument(
+        "--output-dir", default="bench-report", help="where report.html and the PNGs go"
+    )
     _add_serve_target_args(compare, with_base_url=False)
     _add_workload_args(compare, num_prompts=100)
     compare.set_defaults(func=_guard(cmd_compare))
 
-    verify = subparsers.add_parser("verify", help="check tokenmill's greedy tokens against transformers")
-    verify.add_argument("--model", help="local model folder the reference runs, or 'demo' (default: demo)")
-    verify.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (EOS ignored)")
+    verify = subparsers.add_parser(
+        "verify", help="check tokenmill's greedy tokens against transformers"
+    )
+    verify.add_argument(
+        "--model", help="local model folder the reference runs, or 'demo' (default: demo)"
+    )
+    verify.add_argument(
+        "--max-tokens", type=int, default=32, help="greedy tokens per prompt (EOS ignored)"
+    )
     verify.add_argument("--num-prompts", type=int, help="repeat the prompts up to this many")
-    verify.add_argument("--prompts-file", help="JSONL of prompts (strings or {\"prompt\": ...})")
-    verify.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                        help="weights dtype of both sides")
+    verify.add_argument("--prompts-file", help='JSONL of prompts (strings or {"prompt": ...})')
+    verify.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="weights dtype of both sides",
+    )
     verify.add_argument("--device", default="cpu", help="torch device of both sides (cpu or cuda)")
-    verify.add_argument("--server-url", help="verify a running server instead of in-process tokenmill")
-    verify.add_argument("--served-model-name",
-                        help="model name the server expects (default: --model if given, else the first of /v1/models)")
+    verify.add_argument(
+        "--server-url", help="verify a running server instead of in-process tokenmill"
+    )
+    verify.add_argument(
+        "--served-model-name",
+        help="model name the server expects (default: --model if given, else the first of /v1/models)",
+    )
     verify.add_argument("--api-key", help="bearer token for --server-url")
-    verify.add_argument("--min-match", type=float, help="required exact-match rate (default 1.0 for float32, else 0.8)")
-    verify.add_argument("--engine-arg", action="append", metavar="KEY=VALUE",
-                        help="extra LLM(...) kwarg, e.g. rope_theta_override=5000")
-    verify.add_argument("--save-result", metavar="FILE.json", help="write every token of both sides")
+    verify.add_argument(
+        "--min-match",
+        type=float,
+        help="required exact-match rate (default 1.0 for float32, else 0.8)",
+    )
+    verify.add_argument(
+        "--engine-arg",
+        action="append",
+        metavar="KEY=VALUE",
+        help="extra LLM(...) kwarg, e.g. rope_theta_override=5000",
+    )
+    verify.add_argument(
+        "--save-result", metavar="FILE.json", help="write every token of both sides"
+    )
     verify.set_defaults(func=_guard(cmd_verify))

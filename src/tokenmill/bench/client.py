@@ -77,7 +77,9 @@ def build_payload(request: BenchRequest, options: RequestOptions) -> dict[str, A
     }
     if options.is_chat:
         if request.prompt_text is None:
-            raise ValueError("the chat endpoint needs text prompts: pass --tokenizer to decode token ids")
+            raise ValueError(
+                "the chat endpoint needs text prompts: pass --tokenizer to decode token ids"
+            )
         payload["messages"] = [{"role": "user", "content": request.prompt_text}]
     elif options.use_token_ids:
         if request.prompt_token_ids is None:
@@ -85,7 +87,9 @@ def build_payload(request: BenchRequest, options: RequestOptions) -> dict[str, A
         payload["prompt"] = request.prompt_token_ids
     else:
         if request.prompt_text is None:
-            raise ValueError("text prompts were asked for but this dataset only has token ids: pass --tokenizer")
+            raise ValueError(
+                "text prompts were asked for but this dataset only has token ids: pass --tokenizer"
+            )
         payload["prompt"] = request.prompt_text
     if options.ignore_eos:
         payload["ignore_eos"] = True
@@ -201,7 +205,9 @@ async def _read_stream(
     send_s: float,
 ) -> str:
     """Stream one response into ``state``; the failure reason, or "" when it completed."""
-    async with client.stream("POST", options.url, json=payload, headers=options.headers) as response:
+    async with client.stream(
+        "POST", options.url, json=payload, headers=options.headers
+    ) as response:
         if response.status_code != 200:
             body = await response.aread()
             return _short(f"HTTP {response.status_code}: {_error_message(body)}")
@@ -247,7 +253,9 @@ async def send_request(
     send_s = time.perf_counter()
     record.send_time_s = send_s - benchmark_start_s
     try:
-        record.error = await asyncio.wait_for(_read_stream(client, payload, options, state, send_s), options.timeout_s)
+        record.error = await asyncio.wait_for(
+            _read_stream(client, payload, options, state, send_s), options.timeout_s
+        )
     except (asyncio.TimeoutError, httpx.TimeoutException):
         record.error = "timeout"
     except httpx.HTTPError as exc:

@@ -101,13 +101,27 @@ def noise_rule(points: list[dict[str, Any]]) -> str:
     counts = {max(len(round_values(p, "output_throughput")), 1) for p in points}
     if min(counts) > 1:
         return f"their ranges over {'/'.join(str(c) for c in sorted(counts))} rounds overlap"
-    return (f"from one round, a difference under {SINGLE_RUN_NOISE:.0%} cannot be told from noise; "
-            "measure the spread with --num-rounds 3")
+    return (
+        f"from one round, a difference under {SINGLE_RUN_NOISE:.0%} cannot be told from noise; "
+        "measure the spread with --num-rounds 3"
+    )
 
 
 CONFIG_KEYS: tuple[str, ...] = (
-    "backend", "kv_cache", "model", "model_id", "base_url", "endpoint", "prompt_format", "dtype", "device",
-    "batch_size", "engine_kwargs", "ignore_eos", "temperature", "metadata",
+    "backend",
+    "kv_cache",
+    "model",
+    "model_id",
+    "base_url",
+    "endpoint",
+    "prompt_format",
+    "dtype",
+    "device",
+    "batch_size",
+    "engine_kwargs",
+    "ignore_eos",
+    "temperature",
+    "metadata",
 )
 """Settings that tell targets apart (load and workload are not among them: they form sweeps
 and are checked by ``workload_warnings``)."""
@@ -126,7 +140,9 @@ def config_of(result: dict[str, Any]) -> dict[str, str]:
     return config
 
 
-def name_by_config(named_results: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+def name_by_config(
+    named_results: list[tuple[str, dict[str, Any]]],
+) -> list[tuple[str, dict[str, Any]]]:
     """Results that share a name but not a config get the name plus what differs.
 
     Two ``demo`` results run against servers given ``--metadata kv_cache=paged`` and
@@ -144,8 +160,14 @@ def name_by_config(named_results: list[tuple[str, dict[str, Any]]]) -> list[tupl
         distinct = configs[name]
         if len(distinct) > 1:
             config = config_of(result)
-            keys = [k for k in dict.fromkeys(k for c in distinct for k in c) if len({c.get(k) for c in distinct}) > 1]
-            parts = [config.get(k, "-") if len(keys) == 1 else f"{k}={config.get(k, '-')}" for k in keys]
+            keys = [
+                k
+                for k in dict.fromkeys(k for c in distinct for k in c)
+                if len({c.get(k) for c in distinct}) > 1
+            ]
+            parts = [
+                config.get(k, "-") if len(keys) == 1 else f"{k}={config.get(k, '-')}" for k in keys
+            ]
             name = f"{name}[{','.join(parts)}]"
         renamed.append((name, result))
     return renamed
@@ -158,7 +180,10 @@ def parse_sla(text: str | None) -> dict[str, float]:
     keys. ``p95_ttft_ms`` (summary spelling) and ``e2e`` for ``e2el`` are accepted too.
     """
     return parse_latency_limits(
-        text, "=", _sla_key, "SLA term",
+        text,
+        "=",
+        _sla_key,
+        "SLA term",
         f"METRIC_STAT_ms=LIMIT, e.g. ttft_p95_ms=800 (metrics {', '.join(LATENCY_METRICS)}; stats {', '.join(STATS)})",
     )
 
@@ -295,7 +320,9 @@ def _headline_points(groups: dict[str, list[dict[str, Any]]]) -> dict[str, dict[
     common = set.intersection(*load_sets) if load_sets else set()
     if common:
         chosen = max(common, key=lambda x: math.inf if x is None else x)
-        return {name: next(p for p in pts if load_of(p)[1] == chosen) for name, pts in groups.items()}
+        return {
+            name: next(p for p in pts if load_of(p)[1] == chosen) for name, pts in groups.items()
+        }
     return {name: pts[-1] for name, pts in groups.items()}
 
 
@@ -325,7 +352,11 @@ def _leader(
         return None, []
     pick = max if is_higher_better else min
     best = pick(valued, key=lambda t: point_of(t)[key])
-    tied = [t for t in valued if t is not best and not is_clear_difference(point_of(t), point_of(best), key)]
+    tied = [
+        t
+        for t in valued
+        if t is not best and not is_clear_difference(point_of(t), point_of(best), key)
+    ]
     return best, tied
 
 
@@ -335,7 +366,9 @@ def _tie_text(tied: list[TargetSummary], point_of: Any) -> str:
     return f"{figures} tok/s ({noise_rule([point_of(t) for t in tied])})"
 
 
-def _sla_verdict(targets: list[TargetSummary], base: TargetSummary, load_kind: str) -> tuple[str, str | None]:
+def _sla_verdict(
+    targets: list[TargetSummary], base: TargetSummary, load_kind: str
+) -> tuple[str, str | None]:
     passing = [t for t in targets if t.meets_sla]
     if not passing:
         return "No target meets the SLA at any measured load; relax the SLA or add capacity.", None
@@ -347,8 +380,10 @@ def _sla_verdict(targets: list[TargetSummary], base: TargetSummary, load_kind: s
         return "No target within the SLA reports output throughput; nothing to decide on.", None
     if tied:
         names = ", ".join(t.name for t in [best, *tied])
-        return (f"{names} meet the SLA, and their best output throughput within it is a tie: "
-                f"{_tie_text([best, *tied], best_point)}; choose on other grounds{never}."), None
+        return (
+            f"{names} meet the SLA, and their best output throughput within it is a tie: "
+            f"{_tie_text([best, *tied], best_point)}; choose on other grounds{never}."
+        ), None
     point = best.best_within_sla or {}
     text = (
         f"Pick {best.name}: it meets the SLA {_within_sla_text(load_kind, best.max_load_within_sla)} "
@@ -362,7 +397,9 @@ def _sla_verdict(targets: list[TargetSummary], base: TargetSummary, load_kind: s
     return text + never + ".", best.name
 
 
-def _verdict(targets: list[TargetSummary], baseline: str, sla: dict[str, float], load_kind: str) -> tuple[str, str | None]:
+def _verdict(
+    targets: list[TargetSummary], baseline: str, sla: dict[str, float], load_kind: str
+) -> tuple[str, str | None]:
     """The verdict sentence and the picked target (None when nothing is clearly better)."""
     base = next(t for t in targets if t.name == baseline)
     if sla:
@@ -375,15 +412,21 @@ def _verdict(targets: list[TargetSummary], baseline: str, sla: dict[str, float],
     if tp_tied:
         text = f"Output throughput is a tie: {_tie_text([fastest, *tp_tied], headline)}."
         if quickest is not None and not ttft_tied:
-            return (f"{text} Lowest p95 TTFT, by more than the noise: {quickest.name} "
-                    f"({quickest.headline['p95_ttft_ms']:.1f} ms), so pick {quickest.name}."), quickest.name
+            return (
+                f"{text} Lowest p95 TTFT, by more than the noise: {quickest.name} "
+                f"({quickest.headline['p95_ttft_ms']:.1f} ms), so pick {quickest.name}."
+            ), quickest.name
         return f"{text} No target is clearly better on this workload.", None
     text = f"Highest throughput: {fastest.name} ({fastest.headline.get('output_throughput', 0.0):.1f} output tok/s"
     if fastest is not base and base.headline.get("output_throughput"):
         text += f", {_ratio_text(fastest.headline['output_throughput'], base.headline['output_throughput'])} {base.name}"
     text += ")."
     if quickest is None or quickest is fastest or fastest in ttft_tied:
-        also = "also has the lowest p95 TTFT" if quickest is fastest else "has a p95 TTFT within noise of the lowest"
+        also = (
+            "also has the lowest p95 TTFT"
+            if quickest is fastest
+            else "has a p95 TTFT within noise of the lowest"
+        )
         return f"{text} It {also}, so pick {fastest.name}.", fastest.name
     return text + (
         f" Lowest p95 TTFT: {quickest.name} ({quickest.headline.get('p95_ttft_ms', 0.0):.1f} ms); "
@@ -418,12 +461,16 @@ def workload_warnings(named_results: list[tuple[str, dict[str, Any]]]) -> list[s
         keys = sorted({k for w in distinct for k in w})
         differing = [k for k in keys if len({_value_text(w.get(k)) for w in distinct}) > 1]
         details = "; ".join(
-            f"{key}: " + ", ".join(
-                f"{name}={'/'.join(dict.fromkeys(_value_text(w.get(key)) for w in ws))}" for name, ws in workloads.items()
+            f"{key}: "
+            + ", ".join(
+                f"{name}={'/'.join(dict.fromkeys(_value_text(w.get(key)) for w in ws))}"
+                for name, ws in workloads.items()
             )
             for key in differing
         )
-        warnings.append(f"the results ran different workloads ({details}), so their figures compare unlike work")
+        warnings.append(
+            f"the results ran different workloads ({details}), so their figures compare unlike work"
+        )
     if unrecorded and len({name for name, _ in named_results}) > 1:
         warnings.append(
             f"no workload recorded in the results of {', '.join(unrecorded)}: cannot check they ran the same workload"
@@ -452,7 +499,11 @@ def build_comparison(
     if baseline not in groups:
         raise ValueError(f"baseline {baseline!r} is not one of the targets: {', '.join(groups)}")
     kinds = {load_of(p)[0] for pts in groups.values() for p in pts} - {"unbounded"}
-    load_kind = kinds.pop() if len(kinds) == 1 else ("concurrency" if "concurrency" in kinds else "unbounded")
+    load_kind = (
+        kinds.pop()
+        if len(kinds) == 1
+        else ("concurrency" if "concurrency" in kinds else "unbounded")
+    )
     sla = sla or {}
     headlines = _headline_points(groups)
     targets = []
@@ -466,7 +517,9 @@ def build_comparison(
                 target.sla_misses[i] = misses
         targets.append(target)
     verdict, pick = _verdict(targets, baseline, sla, load_kind)
-    return Comparison(targets, baseline, sla, load_kind, verdict, pick, workload_warnings(named_results))
+    return Comparison(
+        targets, baseline, sla, load_kind, verdict, pick, workload_warnings(named_results)
+    )
 
 
 @dataclass(frozen=True)
@@ -530,7 +583,10 @@ TABLE_LEGEND = "[min-max] over rounds; ~ marks a ratio within noise ({rule})."
 def format_comparison(comparison: Comparison) -> str:
     """The terminal report: verdict, side-by-side table with ratios, SLA lines."""
     names = [t.name for t in comparison.targets]
-    loads = {t.name: describe_load(comparison.load_kind, load_of(t.headline)[1]) for t in comparison.targets}
+    loads = {
+        t.name: describe_load(comparison.load_kind, load_of(t.headline)[1])
+        for t in comparison.targets
+    }
     header = ["Metric"] + [f"{n}{' (baseline)' if n == comparison.baseline else ''}" for n in names]
     body = [[spec.title] + [_cell(c) for c in cells] for spec, cells in table_rows(comparison)]
     body.insert(0, ["Load"] + [loads[n] for n in names])
@@ -540,15 +596,24 @@ def format_comparison(comparison: Comparison) -> str:
     lines += [f"Warning: {warning}" for warning in comparison.warnings]
     lines.append("")
     for row in [header, ["-" * w for w in widths], *body]:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
     lines.append(TABLE_LEGEND.format(rule=noise_rule([t.headline for t in comparison.targets])))
     if comparison.sla:
         lines.append("")
         lines.append("SLA: " + ", ".join(f"{k} <= {v:g}" for k, v in comparison.sla.items()))
         for target in comparison.targets:
             if target.meets_sla:
-                lines.append(f"  {target.name}: meets it {_within_sla_text(comparison.load_kind, target.max_load_within_sla)}")
+                lines.append(
+                    f"  {target.name}: meets it {_within_sla_text(comparison.load_kind, target.max_load_within_sla)}"
+                )
             else:
                 last = target.sla_misses.get(0, ["no point measured"])
-                lines.append(f"  {target.name}: misses it at every load (lowest load: {'; '.join(last)})")
+                lines.append(
+                    f"  {target.name}: misses it at every load (lowest load: {'; '.join(last)})"
+                )
     return "\n".join(lines)

@@ -68,7 +68,9 @@ def parse_length(text: str) -> Length:
     try:
         value: Length = (int(low), int(high)) if sep else int(text)
     except ValueError:
-        raise ValueError(f"expected a token count like 256 or a range like 16:1024, got {text!r}") from None
+        raise ValueError(
+            f"expected a token count like 256 or a range like 16:1024, got {text!r}"
+        ) from None
     if isinstance(value, tuple) and not 1 <= value[0] <= value[1]:
         raise ValueError(f"a length range needs 1 <= LOW <= HIGH, got {text!r}")
     return value
@@ -89,8 +91,10 @@ def _allowed_ids(tokenizer: TokenizerLike | None, vocab_size: int | None) -> np.
     """Token ids a random prompt may use: the vocabulary minus special tokens, or the
     tokenizer's sample ids when the vocabulary size is unknown (a server's tokenizer)."""
     special = special_ids_of(tokenizer) if tokenizer is not None else set()
-    size = vocab_size if vocab_size is not None else (
-        vocab_size_of(tokenizer) if tokenizer is not None else None
+    size = (
+        vocab_size
+        if vocab_size is not None
+        else (vocab_size_of(tokenizer) if tokenizer is not None else None)
     )
     sample = sample_token_ids_of(tokenizer) if size is None and tokenizer is not None else None
     if sample:
@@ -98,7 +102,9 @@ def _allowed_ids(tokenizer: TokenizerLike | None, vocab_size: int | None) -> np.
     elif size is None or size < 1:
         raise ValueError("random prompts need a tokenizer (--tokenizer) or --vocab-size")
     else:
-        ids = np.setdiff1d(np.arange(size, dtype=np.int64), np.array(sorted(special), dtype=np.int64))
+        ids = np.setdiff1d(
+            np.arange(size, dtype=np.int64), np.array(sorted(special), dtype=np.int64)
+        )
     if ids.size == 0:
         raise ValueError("the vocabulary has no non-special tokens to build prompts from")
     return ids
@@ -200,7 +206,9 @@ def build_prefix_requests(
             text = prefix_texts[which] + "\n" + suffix_text
             prompt_len = len(encode_text(tokenizer, text))
         requests.append(
-            BenchRequest(prompt_len, output_len, prompt_token_ids=prefixes[which] + suffix, prompt_text=text)
+            BenchRequest(
+                prompt_len, output_len, prompt_token_ids=prefixes[which] + suffix, prompt_text=text
+            )
         )
     return requests
 
@@ -254,9 +262,14 @@ def load_sharegpt_requests(
         prompt, reply = turns[0], turns[1]
         prompt_len = _count_tokens(prompt, tokenizer)
         reply_len = output_len if output_len is not None else _count_tokens(reply, tokenizer)
-        if output_len is None and (prompt_len < _SHAREGPT_MIN_TOKENS or reply_len < _SHAREGPT_MIN_TOKENS):
+        if output_len is None and (
+            prompt_len < _SHAREGPT_MIN_TOKENS or reply_len < _SHAREGPT_MIN_TOKENS
+        ):
             continue
-        if prompt_len > _SHAREGPT_MAX_PROMPT_TOKENS or prompt_len + reply_len > _SHAREGPT_MAX_TOTAL_TOKENS:
+        if (
+            prompt_len > _SHAREGPT_MAX_PROMPT_TOKENS
+            or prompt_len + reply_len > _SHAREGPT_MAX_TOTAL_TOKENS
+        ):
             continue
         requests.append(BenchRequest(prompt_len, reply_len, prompt_text=prompt))
     if not requests:
@@ -264,7 +277,9 @@ def load_sharegpt_requests(
     return _cycle_to(requests, num_prompts)
 
 
-def _parse_jsonl_line(line: str, where: str, default_output_len: int) -> tuple[str | list[int], int]:
+def _parse_jsonl_line(
+    line: str, where: str, default_output_len: int
+) -> tuple[str | list[int], int]:
     try:
         item = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -278,7 +293,9 @@ def _parse_jsonl_line(line: str, where: str, default_output_len: int) -> tuple[s
                 break
     else:
         prompt = item
-    is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    is_ids = isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    )
     if not (isinstance(prompt, str) and prompt) and not (is_ids and prompt):
         raise ValueError(f"{where}: expected a non-empty prompt string or token-id list")
     if not isinstance(out_len, int) or isinstance(out_len, bool) or out_len < 1:
@@ -304,10 +321,14 @@ def load_jsonl_requests(
                 continue
             prompt, out_len = _parse_jsonl_line(line, f"{path}:{line_no}", output_len)
             if isinstance(prompt, str):
-                requests.append(BenchRequest(_count_tokens(prompt, tokenizer), out_len, prompt_text=prompt))
+                requests.append(
+                    BenchRequest(_count_tokens(prompt, tokenizer), out_len, prompt_text=prompt)
+                )
             else:
                 text = decode_ids(tokenizer, prompt) if tokenizer is not None else None
-                requests.append(BenchRequest(len(prompt), out_len, prompt_token_ids=prompt, prompt_text=text))
+                requests.append(
+                    BenchRequest(len(prompt), out_len, prompt_token_ids=prompt, prompt_text=text)
+                )
             if len(requests) >= num_prompts:
                 break
     if not requests:
@@ -368,11 +389,19 @@ def build_warmup_requests(
                 prompt_len = prompt_len if shape.prompt_token_ids is not None else text_len
         if shape.prompt_text is not None and text is None:
             num_words = max(len(shape.prompt_text.split()), 1)
-            text = " ".join(rng.choice(word_pool, size=num_words).tolist()) if word_pool else shape.prompt_text
-        warmups.append(BenchRequest(
-            prompt_len, shape.output_len,
-            prompt_token_ids=ids if shape.prompt_token_ids is not None else None, prompt_text=text,
-        ))
+            text = (
+                " ".join(rng.choice(word_pool, size=num_words).tolist())
+                if word_pool
+                else shape.prompt_text
+            )
+        warmups.append(
+            BenchRequest(
+                prompt_len,
+                shape.output_len,
+                prompt_token_ids=ids if shape.prompt_token_ids is not None else None,
+                prompt_text=text,
+            )
+        )
     return warmups
 
 
@@ -407,7 +436,14 @@ def build_requests(
         )
     if dataset == "prefix":
         return build_prefix_requests(
-            num_prompts, prefix_len, input_len, output_len, num_prefixes, seed, tokenizer, vocab_size
+            num_prompts,
+            prefix_len,
+            input_len,
+            output_len,
+            num_prefixes,
+            seed,
+            tokenizer,
+            vocab_size,
         )
     if dataset == "sharegpt":
         return load_sharegpt_requests(

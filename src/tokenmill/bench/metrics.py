@@ -114,7 +114,9 @@ def parse_latency_limits(
             except ValueError:
                 raise ValueError(f"bad {what} {part!r}: {value!r} is not a number of ms") from None
             if not math.isfinite(limit_ms) or limit_ms < 0:
-                raise ValueError(f"bad {what} {part!r}: the limit must be a finite number of ms >= 0")
+                raise ValueError(
+                    f"bad {what} {part!r}: the limit must be a finite number of ms >= 0"
+                )
             limits_ms[key] = limit_ms
     return limits_ms
 
@@ -122,7 +124,10 @@ def parse_latency_limits(
 def parse_goodput(items: Iterable[str] | None) -> dict[str, float]:
     """Parse ``["ttft:500", "tpot:50"]`` into SLOs in milliseconds, naming any bad item."""
     return parse_latency_limits(
-        items, ":", lambda name: name if name in GOODPUT_METRICS else None, "goodput SLO",
+        items,
+        ":",
+        lambda name: name if name in GOODPUT_METRICS else None,
+        "goodput SLO",
         f"NAME:MS with NAME in {', '.join(GOODPUT_METRICS)}",
     )
 
@@ -254,7 +259,11 @@ def summarize(
     return summary
 
 
-PEAK_KEYS: tuple[str, ...] = ("max_output_tokens_per_s", "max_concurrent_requests", "max_in_flight_requests")
+PEAK_KEYS: tuple[str, ...] = (
+    "max_output_tokens_per_s",
+    "max_concurrent_requests",
+    "max_in_flight_requests",
+)
 """Summary keys that are peaks within one round: over several rounds, the highest round's."""
 
 
@@ -271,7 +280,9 @@ def summarize_rounds(
     if not rounds:
         raise ValueError("summarize_rounds needs at least one round")
     per_round = [summarize(records, duration_s, goodput_slos) for records, duration_s in rounds]
-    pooled = summarize([r for records, _ in rounds for r in records], sum(d for _, d in rounds), goodput_slos)
+    pooled = summarize(
+        [r for records, _ in rounds for r in records], sum(d for _, d in rounds), goodput_slos
+    )
     for key in PEAK_KEYS:
         pooled[key] = max(s[key] for s in per_round)
     pooled["num_rounds"] = len(rounds)

@@ -31,11 +31,22 @@ from tokenmill.bench.metrics import RequestRecord, summarize_rounds
 from tokenmill.bench.offline_backends import BACKEND_NAMES, OfflineBackend, make_backend
 from tokenmill.bench.tokenization import TokenizerLike
 
-__all__ = ["BACKEND_NAMES", "KV_CACHE_KINDS", "OfflineConfig", "format_offline_table", "run_offline_benchmark"]
+__all__ = [
+    "BACKEND_NAMES",
+    "KV_CACHE_KINDS",
+    "OfflineConfig",
+    "format_offline_table",
+    "run_offline_benchmark",
+]
 KV_CACHE_KINDS: tuple[str, ...] = ("paged", "static")
 """tokenmill's KV strategies ``--kv-cache`` may list."""
 _RSS_SAMPLE_INTERVAL_S = 0.01
-_SET_BY_CONFIG = ("model", "dtype", "device", "kv_cache")  # LLM(...) kwargs engine_kwargs must not repeat
+_SET_BY_CONFIG = (
+    "model",
+    "dtype",
+    "device",
+    "kv_cache",
+)  # LLM(...) kwargs engine_kwargs must not repeat
 
 
 @dataclass(frozen=True)
@@ -75,10 +86,14 @@ class OfflineConfig:
             raise ValueError(f"backends are listed more than once: {', '.join(self.backends)}")
         bad_kv = [k for k in self.kv_caches if k not in KV_CACHE_KINDS]
         if bad_kv or not self.kv_caches or len(set(self.kv_caches)) != len(self.kv_caches):
-            raise ValueError(f"kv_caches must be distinct values of {', '.join(KV_CACHE_KINDS)}, got {self.kv_caches}")
+            raise ValueError(
+                f"kv_caches must be distinct values of {', '.join(KV_CACHE_KINDS)}, got {self.kv_caches}"
+            )
         repeated = sorted(set(self.engine_kwargs) & set(_SET_BY_CONFIG))
         if repeated:
-            raise ValueError(f"engine_kwargs may not set {', '.join(repeated)}: use the offline option of that name")
+            raise ValueError(
+                f"engine_kwargs may not set {', '.join(repeated)}: use the offline option of that name"
+            )
         if self.batch_size < 1 or self.num_rounds < 1 or self.num_warmups < 0:
             raise ValueError("batch_size and num_rounds must be >= 1, num_warmups >= 0")
 
@@ -92,7 +107,11 @@ class OfflineConfig:
     @property
     def rows(self) -> list[tuple[str, str | None]]:
         """(backend, KV strategy) of each result row, in order: tokenmill once per strategy."""
-        return [(b, kv) for b in self.backends for kv in (self.kv_caches if b == "tokenmill" else (None,))]
+        return [
+            (b, kv)
+            for b in self.backends
+            for kv in (self.kv_caches if b == "tokenmill" else (None,))
+        ]
 
 
 class MemoryMeter:
@@ -165,8 +184,13 @@ class BackendResult:
     def summary(self, memory_kind: str) -> dict[str, Any]:
         """vLLM-style summary over all rounds, plus memory; ITL only where per-token times exist."""
         if self.skipped_reason is not None:
-            return {"backend": self.name, "label": self.label or self.name, "kv_cache": self.kv_cache,
-                    "skipped": True, "note": self.skipped_reason}
+            return {
+                "backend": self.name,
+                "label": self.label or self.name,
+                "kv_cache": self.kv_cache,
+                "skipped": True,
+                "note": self.skipped_reason,
+            }
         result = summarize_rounds(self.rounds)
         if not any(r.itl_s for records, _ in self.rounds for r in records):
             # Without per-token times only first tokens are placed in time: no ITL, no peak rate.
@@ -205,10 +229,16 @@ def _mean_figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _load(
-    name: str, kv_cache: str | None, config: OfflineConfig, requests: list[BenchRequest], meter: MemoryMeter
+    name: str,
+    kv_cache: str | None,
+    config: OfflineConfig,
+    requests: list[BenchRequest],
+    meter: MemoryMeter,
 ) -> tuple[OfflineBackend | None, BackendResult]:
     """Load and prepare one backend, measuring time and memory; failures become a skip note."""
-    result = BackendResult(name, label=f"{name}[{kv_cache}]" if kv_cache else name, kv_cache=kv_cache)
+    result = BackendResult(
+        name, label=f"{name}[{kv_cache}]" if kv_cache else name, kv_cache=kv_cache
+    )
     gc.collect()
     start_s = time.perf_counter()
     backend: OfflineBackend | None = None
@@ -230,7 +260,9 @@ def _load(
     return backend, result
 
 
-def _measure(backend: OfflineBackend, requests: list[BenchRequest], result: BackendResult, meter: MemoryMeter) -> None:
+def _measure(
+    backend: OfflineBackend, requests: list[BenchRequest], result: BackendResult, meter: MemoryMeter
+) -> None:
     with meter.peak_growth() as box:
         records, duration_s = backend.run(requests)
     result.run_memory_bytes = max(result.run_memory_bytes, box["growth_bytes"])
@@ -284,7 +316,9 @@ def run_offline_benchmark(
             if warmups:
                 backend.run(warmups)
             for round_index in range(config.num_rounds):
-                log(f"[bench offline] measuring {result.label} (round {round_index + 1}/{config.num_rounds})")
+                log(
+                    f"[bench offline] measuring {result.label} (round {round_index + 1}/{config.num_rounds})"
+                )
                 _measure(backend, requests, result, meter)
             backend.close()
             del backend
@@ -311,7 +345,10 @@ def _median_ratios(results: list[BackendResult]) -> dict[str, float | None]:
 
 
 def _build_result(
-    config: OfflineConfig, results: list[BackendResult], memory_kind: str, workload: dict[str, Any] | None
+    config: OfflineConfig,
+    results: list[BackendResult],
+    memory_kind: str,
+    workload: dict[str, Any] | None,
 ) -> dict[str, Any]:
     ratios = _median_ratios(results)
     rows = []
@@ -339,8 +376,20 @@ def _build_result(
 
 def format_offline_table(result: dict[str, Any]) -> str:
     """One row per backend: throughput, latency, memory, start-up, and the ratio to the first."""
-    header = ("backend", "out tok/s", "req/s", "TTFT p50 ms", "TTFT p95 ms", "TPOT p50 ms",
-              "TPOT p95 ms", "peak mem MiB", "KV waste", "load s", "compile s", "x baseline")
+    header = (
+        "backend",
+        "out tok/s",
+        "req/s",
+        "TTFT p50 ms",
+        "TTFT p95 ms",
+        "TPOT p50 ms",
+        "TPOT p95 ms",
+        "peak mem MiB",
+        "KV waste",
+        "load s",
+        "compile s",
+        "x baseline",
+    )
     lines = []
     for row in result["backends"]:
         if row.get("skipped"):
@@ -349,31 +398,51 @@ def format_offline_table(result: dict[str, Any]) -> str:
         ratio = row.get("throughput_ratio_vs_baseline")
         compile_s = row.get("compile_time_s")
         kv_waste = row.get("kv_waste")
-        lines.append((
-            row["label"],
-            f"{row['output_throughput']:.1f}",
-            f"{row['request_throughput']:.2f}",
-            f"{row['median_ttft_ms']:.1f}",
-            f"{row['p95_ttft_ms']:.1f}",
-            f"{row['median_tpot_ms']:.2f}",
-            f"{row['p95_tpot_ms']:.2f}",
-            f"{row['peak_memory_bytes'] / 2**20:.0f}",
-            "-" if kv_waste is None else f"{100 * kv_waste:.1f}%",
-            f"{row['load_s']:.1f}",
-            "-" if compile_s is None else f"{compile_s:.1f}",
-            "n/a" if ratio is None else f"{ratio:.2f}x",
-        ))
-    widths = [max([len(header[i])] + [len(ln[i]) for ln in lines if len(ln) == len(header)]) for i in range(len(header))]
-    out = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths, strict=True)))]
+        lines.append(
+            (
+                row["label"],
+                f"{row['output_throughput']:.1f}",
+                f"{row['request_throughput']:.2f}",
+                f"{row['median_ttft_ms']:.1f}",
+                f"{row['p95_ttft_ms']:.1f}",
+                f"{row['median_tpot_ms']:.2f}",
+                f"{row['p95_tpot_ms']:.2f}",
+                f"{row['peak_memory_bytes'] / 2**20:.0f}",
+                "-" if kv_waste is None else f"{100 * kv_waste:.1f}%",
+                f"{row['load_s']:.1f}",
+                "-" if compile_s is None else f"{compile_s:.1f}",
+                "n/a" if ratio is None else f"{ratio:.2f}x",
+            )
+        )
+    widths = [
+        max([len(header[i])] + [len(ln[i]) for ln in lines if len(ln) == len(header)])
+        for i in range(len(header))
+    ]
+    out = [
+        "  ".join(
+            h.rjust(w) if i else h.ljust(w)
+            for i, (h, w) in enumerate(zip(header, widths, strict=True))
+        )
+    ]
     for ln in lines:
         if len(ln) == 2:
             out.append(f"{ln[0].ljust(widths[0])}  {ln[1]}")
         else:
-            out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(ln, widths, strict=True))))
+            out.append(
+                "  ".join(
+                    c.rjust(w) if i else c.ljust(w)
+                    for i, (c, w) in enumerate(zip(ln, widths, strict=True))
+                )
+            )
     num_rounds = result.get("num_rounds", 1)
-    mode = f"interleaved, {num_rounds} rounds" if result.get("compare") else (
-        f"sequential, {num_rounds} rounds each" if num_rounds > 1 else "sequential")
-    out.append(f"({result['device']}, {result['dtype']}, {mode}; memory = {result['backends'][0].get('memory_kind', 'rss')} "
-               "growth while loading plus peak growth while running; KV waste = reserved KV slots not holding a "
-               "token, averaged over steps; load s includes compiling)")
+    mode = (
+        f"interleaved, {num_rounds} rounds"
+        if result.get("compare")
+        else (f"sequential, {num_rounds} rounds each" if num_rounds > 1 else "sequential")
+    )
+    out.append(
+        f"({result['device']}, {result['dtype']}, {mode}; memory = {result['backends'][0].get('memory_kind', 'rss')} "
+        "growth while loading plus peak growth while running; KV waste = reserved KV slots not holding a "
+        "token, averaged over steps; load s includes compiling)"
+    )
     return "\n".join(out)

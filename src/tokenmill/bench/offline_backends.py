@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 
 BACKEND_NAMES: tuple[str, ...] = ("tokenmill", "transformers", "transformers-cb")
 """Values accepted by ``--backends``."""
-_CB_MAX_BATCH_TOKENS = 2048  # tokenmill's default max_num_batched_tokens, for a like-for-like step budget
+_CB_MAX_BATCH_TOKENS = (
+    2048  # tokenmill's default max_num_batched_tokens, for a like-for-like step budget
+)
 
 
 class OfflineBackend(Protocol):
@@ -71,8 +73,12 @@ def load_transformers_model(model: str, dtype: str, device: torch.device | str) 
     from tokenmill.engine.llm_engine import resolve_model_path
 
     if dtype not in TORCH_DTYPES:
-        raise ValueError(f"transformers needs an explicit dtype ({', '.join(TORCH_DTYPES)}), got {dtype!r}")
-    hf_model = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(model)), dtype=TORCH_DTYPES[dtype])
+        raise ValueError(
+            f"transformers needs an explicit dtype ({', '.join(TORCH_DTYPES)}), got {dtype!r}"
+        )
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        str(resolve_model_path(model)), dtype=TORCH_DTYPES[dtype]
+    )
     return hf_model.to(device).eval()
 
 
@@ -87,7 +93,10 @@ class TokenmillBackend:
         self._run_kv = (0, 0, 0)
         """Steps, reserved token-steps and used token-steps of the latest run."""
         self.llm = LLM(
-            model=config.model, dtype=config.dtype, kv_cache=kv_cache, device=config.device,
+            model=config.model,
+            dtype=config.dtype,
+            kv_cache=kv_cache,
+            device=config.device,
             **config.engine_kwargs,
         )
 
@@ -119,24 +128,35 @@ class TokenmillBackend:
         # prefill that the other backends recompute.
         self.llm.engine.kv_manager.reset_prefix_cache()
         prompts = [_prompt_ids(r, self.llm.tokenizer) for r in requests]
-        params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=self.ignore_eos) for r in requests]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=self.ignore_eos)
+            for r in requests
+        ]
         before = self.llm.engine.stats
         start_mono_s = time.monotonic()
         start_s = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         duration_s = time.perf_counter() - start_s
         after = self.llm.engine.stats
-        self._run_kv = (after.num_steps - before.num_steps,
-                        after.kv_reserved_token_steps - before.kv_reserved_token_steps,
-                        after.kv_used_token_steps - before.kv_used_token_steps)
+        self._run_kv = (
+            after.num_steps - before.num_steps,
+            after.kv_reserved_token_steps - before.kv_reserved_token_steps,
+            after.kv_used_token_steps - before.kv_used_token_steps,
+        )
         records = []
         for index, out in enumerate(outputs):
             m = out.metrics
             completion = out.outputs[0]
-            record = RequestRecord(index=index, send_time_s=m.arrival_time - start_mono_s,
-                                   prompt_tokens=len(out.prompt_token_ids), output_tokens_source="engine")
+            record = RequestRecord(
+                index=index,
+                send_time_s=m.arrival_time - start_mono_s,
+                prompt_tokens=len(out.prompt_token_ids),
+                output_tokens_source="engine",
+            )
             if m.first_token_time is None or completion.finish_reason == "abort":
-                record.error = f"engine finished the request without tokens ({completion.finish_reason})"
+                record.error = (
+                    f"engine finished the request without tokens ({completion.finish_reason})"
+                )
             else:
                 end_time = m.finished_time or m.last_token_time or m.first_token_time
                 record.success = True
@@ -216,12 +236,20 @@ class TransformersBackend(_TransformersBase):
             batch = requests[first : first + self.batch_size]
             prompts = [_prompt_ids(r, self.tokenizer) for r in batch]
             width = max(len(p) for p in prompts)
-            input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+            input_ids = torch.tensor(
+                [[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device
+            )
+            mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device
+            )
             max_new = max(r.output_len for r in batch)
             timer = _StepTimer()
-            kwargs: dict[str, Any] = {"max_new_tokens": max_new, "do_sample": False, "pad_token_id": self.pad_id,
-                                      "stopping_criteria": StoppingCriteriaList([timer])}
+            kwargs: dict[str, Any] = {
+                "max_new_tokens": max_new,
+                "do_sample": False,
+                "pad_token_id": self.pad_id,
+                "stopping_criteria": StoppingCriteriaList([timer]),
+            }
             if self.ignore_eos:
                 kwargs["min_new_tokens"] = max_new
             with torch.inference_mode():
@@ -229,8 +257,12 @@ class TransformersBackend(_TransformersBase):
             generated = out[:, width:].tolist()
             for j, request in enumerate(batch):
                 num_tokens = self._output_len(generated[j], request.output_len)
-                record = RequestRecord(index=first + j, send_time_s=0.0, prompt_tokens=len(prompts[j]),
-                                       output_tokens_source="engine")
+                record = RequestRecord(
+                    index=first + j,
+                    send_time_s=0.0,
+                    prompt_tokens=len(prompts[j]),
+                    output_tokens_source="engine",
+                )
                 if num_tokens == 0 or not timer.times_s:
                     record.error = "generate returned no tokens"
                 else:
@@ -279,10 +311,14 @@ class TransformersCBBackend(_TransformersBase):
                 max_batch_tokens=_CB_MAX_BATCH_TOKENS,
             )
         generation_config = GenerationConfig(
-            max_new_tokens=max(r.output_len for r in requests), do_sample=False,
-            eos_token_id=sorted(self.eos_ids) or None, pad_token_id=self.pad_id,
+            max_new_tokens=max(r.output_len for r in requests),
+            do_sample=False,
+            eos_token_id=sorted(self.eos_ids) or None,
+            pad_token_id=self.pad_id,
         )
-        self.manager = self.model.init_continuous_batching(generation_config=generation_config, **kwargs)
+        self.manager = self.model.init_continuous_batching(
+            generation_config=generation_config, **kwargs
+        )
         self.manager.start()
 
     def run(self, requests: list[BenchRequest]) -> tuple[list[RequestRecord], float]:
@@ -293,8 +329,13 @@ class TransformersCBBackend(_TransformersBase):
         ids = {}
         for index, (prompt, request) in enumerate(zip(prompts, requests, strict=True)):
             request_id = f"bench-{start_s:.6f}-{index}"
-            self.manager.add_request(prompt, request_id=request_id, max_new_tokens=request.output_len,
-                                     record_timestamps=True, eos_token_id=-1 if self.ignore_eos else None)
+            self.manager.add_request(
+                prompt,
+                request_id=request_id,
+                max_new_tokens=request.output_len,
+                record_timestamps=True,
+                eos_token_id=-1 if self.ignore_eos else None,
+            )
             ids[request_id] = index
         results: dict[str, Any] = {}
         while len(results) < len(ids):
@@ -308,17 +349,23 @@ class TransformersCBBackend(_TransformersBase):
         duration_s = time.perf_counter() - start_s
         records = []
         for request_id, index in ids.items():
-            record = RequestRecord(index=index, prompt_tokens=len(prompts[index]), output_tokens_source="engine")
+            record = RequestRecord(
+                index=index, prompt_tokens=len(prompts[index]), output_tokens_source="engine"
+            )
             result = results.get(request_id)
             stamps = (result.timestamps or []) if result is not None else []
             if result is None or result.error or not stamps:
                 record.error = f"transformers-cb: {getattr(result, 'error', None) or 'no result'}"
             else:
                 record.success = True
-                record.output_tokens = self._output_len(list(result.generated_tokens), requests[index].output_len)
+                record.output_tokens = self._output_len(
+                    list(result.generated_tokens), requests[index].output_len
+                )
                 record.ttft_s = stamps[0] - start_s
                 record.e2e_s = stamps[min(record.output_tokens, len(stamps)) - 1] - start_s
-                record.itl_s = [b - a for a, b in itertools.pairwise(stamps[: record.output_tokens])]
+                record.itl_s = [
+                    b - a for a, b in itertools.pairwise(stamps[: record.output_tokens])
+                ]
             records.append(record)
         return records, duration_s
 

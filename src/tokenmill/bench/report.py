@@ -45,11 +45,17 @@ _DPI = 110
 
 
 def _sla_limits(comparison: Comparison, metric: str) -> list[tuple[str, float]]:
-    return [(key.split("_")[0], limit) for key, limit in comparison.sla.items() if key.split("_")[1] == metric]
+    return [
+        (key.split("_")[0], limit)
+        for key, limit in comparison.sla.items()
+        if key.split("_")[1] == metric
+    ]
 
 
 def _headline_load(comparison: Comparison) -> str:
-    loads = {describe_load(comparison.load_kind, load_of(t.headline)[1]) for t in comparison.targets}
+    loads = {
+        describe_load(comparison.load_kind, load_of(t.headline)[1]) for t in comparison.targets
+    }
     return loads.pop() if len(loads) == 1 else "each target's highest load"
 
 
@@ -66,7 +72,9 @@ def _yerr(points: list[dict[str, Any]], key: str) -> list[list[float]] | None:
 
 
 def _rounds_note(comparison: Comparison) -> str:
-    counts = sorted({len(round_values(t.headline, "output_throughput")) for t in comparison.targets})
+    counts = sorted(
+        {len(round_values(t.headline, "output_throughput")) for t in comparison.targets}
+    )
     if counts[-1] <= 1:
         return "one round each: no error bars"
     return f"error bars: min-max over {'/'.join(str(max(c, 1)) for c in counts)} rounds"
@@ -78,20 +86,33 @@ def plot_latency_percentiles(comparison: Comparison, path: Path) -> Path:
     axes = fig.subplots(1, 2)
     num_targets = len(comparison.targets)
     width = 0.8 / max(num_targets, 1)
-    for ax, metric, title in zip(axes, ("ttft", "tpot"), ("Time to first token", "Time per output token"), strict=True):
+    for ax, metric, title in zip(
+        axes, ("ttft", "tpot"), ("Time to first token", "Time per output token"), strict=True
+    ):
         for i, target in enumerate(comparison.targets):
             keys = [f"{stat}_{metric}_ms" for stat in _PERCENTILE_STATS]
             values = [target.headline.get(key) or 0.0 for key in keys]
             errors = [_yerr([target.headline], key) for key in keys]
-            yerr = None if all(e is None for e in errors) else [
-                [e[0][0] if e else 0.0 for e in errors], [e[1][0] if e else 0.0 for e in errors]
-            ]
+            yerr = (
+                None
+                if all(e is None for e in errors)
+                else [
+                    [e[0][0] if e else 0.0 for e in errors],
+                    [e[1][0] if e else 0.0 for e in errors],
+                ]
+            )
             xs = [j + (i - (num_targets - 1) / 2) * width for j in range(len(_PERCENTILE_STATS))]
             ax.bar(xs, values, width=width, label=target.name, yerr=yerr, capsize=2)
         for stat, limit in _sla_limits(comparison, metric):
             ax.axhline(limit, linestyle="--", color="crimson", linewidth=1)
-            ax.annotate(f"SLA {stat} {limit:g} ms", (len(_PERCENTILE_STATS) - 0.5, limit), color="crimson",
-                        ha="right", va="bottom", fontsize=8)
+            ax.annotate(
+                f"SLA {stat} {limit:g} ms",
+                (len(_PERCENTILE_STATS) - 0.5, limit),
+                color="crimson",
+                ha="right",
+                va="bottom",
+                fontsize=8,
+            )
         ax.set_xticks(range(len(_PERCENTILE_STATS)), list(_PERCENTILE_STATS))
         ax.set_ylabel("ms")
         ax.set_title(f"{title} ({_headline_load(comparison)})", fontsize=10)
@@ -114,25 +135,51 @@ def build_throughput_figure(comparison: Comparison) -> Figure:
             points = [p for p in target.points if load_of(p)[1] is not None]
             xs = [load_of(p)[1] for p in points]
             ys = [p.get("output_throughput") or 0.0 for p in points]
-            ax.errorbar(xs, ys, yerr=_yerr(points, "output_throughput"), marker="o", capsize=3, label=target.name)
+            ax.errorbar(
+                xs,
+                ys,
+                yerr=_yerr(points, "output_throughput"),
+                marker="o",
+                capsize=3,
+                label=target.name,
+            )
             if target.max_load_within_sla is not None:
                 best = max(target.sla_points, key=lambda p: load_of(p)[1] or 0.0)
-                ax.scatter([target.max_load_within_sla], [best.get("output_throughput") or 0.0],
-                           s=160, facecolors="none", edgecolors="green", linewidths=2)
+                ax.scatter(
+                    [target.max_load_within_sla],
+                    [best.get("output_throughput") or 0.0],
+                    s=160,
+                    facecolors="none",
+                    edgecolors="green",
+                    linewidths=2,
+                )
         if comparison.load_kind == "concurrency":
             ax.set_xscale("log", base=2)
-            loads = sorted({x for t in comparison.targets for p in t.points if (x := load_of(p)[1]) is not None})
+            loads = sorted(
+                {
+                    x
+                    for t in comparison.targets
+                    for p in t.points
+                    if (x := load_of(p)[1]) is not None
+                }
+            )
             ax.set_xticks(loads, [f"{x:g}" for x in loads])
             ax.minorticks_off()
-        ax.set_xlabel("max concurrency" if comparison.load_kind == "concurrency" else "request rate (req/s)")
+        ax.set_xlabel(
+            "max concurrency" if comparison.load_kind == "concurrency" else "request rate (req/s)"
+        )
         ax.legend(fontsize=8)
         title = "Output throughput against load"
         if comparison.sla:
             title += " (circled: highest load within SLA)"
     else:
         headlines = [t.headline for t in comparison.targets]
-        bars = ax.bar([t.name for t in comparison.targets], [h.get("output_throughput") or 0.0 for h in headlines],
-                      yerr=_yerr(headlines, "output_throughput"), capsize=4)
+        bars = ax.bar(
+            [t.name for t in comparison.targets],
+            [h.get("output_throughput") or 0.0 for h in headlines],
+            yerr=_yerr(headlines, "output_throughput"),
+            capsize=4,
+        )
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
         title = f"Output throughput at {_headline_load(comparison)} (one load per target: bars, not a curve)"
     ax.set_title(f"{title}\n{_rounds_note(comparison)}", fontsize=9)
@@ -163,14 +210,25 @@ def build_latency_vs_throughput_figure(comparison: Comparison) -> Figure:
             for point, x, y in zip(target.points, xs, ys, strict=True):
                 load = load_of(point)[1]
                 if load is not None:
-                    ax.annotate(f"{load:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+                    ax.annotate(
+                        f"{load:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7
+                    )
         for stat, limit in _sla_limits(comparison, metric):
             if stat == "p95":
-                ax.axhline(limit, linestyle="--", color="crimson", linewidth=1, label=f"SLA {limit:g} ms")
+                ax.axhline(
+                    limit, linestyle="--", color="crimson", linewidth=1, label=f"SLA {limit:g} ms"
+                )
         all_xs = [p.get("output_throughput") or 0.0 for t in comparison.targets for p in t.points]
         all_ys = [p.get(f"p95_{metric}_ms") or 0.0 for t in comparison.targets for p in t.points]
-        ax.set_xlim(0, max(all_xs, default=0.0) * 1.12 or 1.0)  # room for the last point and its label
-        ax.set_ylim(0, max([*all_ys, *(limit for _, limit in _sla_limits(comparison, metric))], default=0.0) * 1.12 or 1.0)
+        ax.set_xlim(
+            0, max(all_xs, default=0.0) * 1.12 or 1.0
+        )  # room for the last point and its label
+        ax.set_ylim(
+            0,
+            max([*all_ys, *(limit for _, limit in _sla_limits(comparison, metric))], default=0.0)
+            * 1.12
+            or 1.0,
+        )
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel("ms")
         detail = "one point per target: no curve to read" if is_single else "labels: load"
@@ -192,9 +250,15 @@ def write_plots(comparison: Comparison, out_dir: str | Path) -> dict[str, Path]:
     folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
     return {
-        "latency_percentiles": plot_latency_percentiles(comparison, folder / PLOT_FILES["latency_percentiles"]),
-        "throughput_vs_load": plot_throughput_vs_load(comparison, folder / PLOT_FILES["throughput_vs_load"]),
-        "latency_vs_throughput": plot_latency_vs_throughput(comparison, folder / PLOT_FILES["latency_vs_throughput"]),
+        "latency_percentiles": plot_latency_percentiles(
+            comparison, folder / PLOT_FILES["latency_percentiles"]
+        ),
+        "throughput_vs_load": plot_throughput_vs_load(
+            comparison, folder / PLOT_FILES["throughput_vs_load"]
+        ),
+        "latency_vs_throughput": plot_latency_vs_throughput(
+            comparison, folder / PLOT_FILES["latency_vs_throughput"]
+        ),
     }
 
 
@@ -230,9 +294,13 @@ def _fmt(value: Any) -> str:
 
 def _side_by_side_html(comparison: Comparison) -> str:
     names = [t.name for t in comparison.targets]
-    head = "".join(f"<th>{_esc(n)}{' (baseline)' if n == comparison.baseline else ''}</th>" for n in names)
-    loads = "".join(f"<td>{_esc(describe_load(comparison.load_kind, load_of(t.headline)[1]))}</td>"
-                    for t in comparison.targets)
+    head = "".join(
+        f"<th>{_esc(n)}{' (baseline)' if n == comparison.baseline else ''}</th>" for n in names
+    )
+    loads = "".join(
+        f"<td>{_esc(describe_load(comparison.load_kind, load_of(t.headline)[1]))}</td>"
+        for t in comparison.targets
+    )
     rows = [f"<tr><th>Metric</th>{head}</tr>", f"<tr><td>Load</td>{loads}</tr>"]
     rounds = "".join(f"<td>{num_rounds_of(t.headline)}</td>" for t in comparison.targets)
     rows.append(f"<tr><td>Rounds</td>{rounds}</tr>")
@@ -258,15 +326,20 @@ def _sla_html(comparison: Comparison) -> str:
     if not comparison.sla:
         return '<p class="note">No SLA given (pass <code>--sla ttft_p95_ms=800,tpot_p95_ms=50</code>).</p>'
     terms = ", ".join(f"{_esc(k)} &le; {v:g}" for k, v in comparison.sla.items())
-    rows = ["<tr><th>Target</th><th>Meets SLA</th><th>Highest load within SLA</th>"
-            "<th>Output tok/s there</th><th>First miss</th></tr>"]
+    rows = [
+        "<tr><th>Target</th><th>Meets SLA</th><th>Highest load within SLA</th>"
+        "<th>Output tok/s there</th><th>First miss</th></tr>"
+    ]
     for t in comparison.targets:
         best = t.best_within_sla
         verdict = '<span class="ok">yes</span>' if t.meets_sla else '<span class="miss">no</span>'
         max_load = "-"
         if t.meets_sla:
-            max_load = "its measured load" if t.max_load_within_sla is None else describe_load(
-                comparison.load_kind, t.max_load_within_sla)
+            max_load = (
+                "its measured load"
+                if t.max_load_within_sla is None
+                else describe_load(comparison.load_kind, t.max_load_within_sla)
+            )
         first_miss = next(iter(t.sla_misses.values()), [])
         rows.append(
             f"<tr><td>{_esc(t.name)}</td><td>{verdict}</td>"
@@ -278,13 +351,24 @@ def _sla_html(comparison: Comparison) -> str:
 
 
 def _sweep_html(comparison: Comparison) -> str:
-    keys = ("output_throughput", "request_throughput", "p95_ttft_ms", "p95_tpot_ms", "p99_e2el_ms", "failed")
-    rows = ["<tr><th>Target</th><th>Load</th>" + "".join(f"<th>{_esc(k)}</th>" for k in keys) + "</tr>"]
+    keys = (
+        "output_throughput",
+        "request_throughput",
+        "p95_ttft_ms",
+        "p95_tpot_ms",
+        "p99_e2el_ms",
+        "failed",
+    )
+    rows = [
+        "<tr><th>Target</th><th>Load</th>" + "".join(f"<th>{_esc(k)}</th>" for k in keys) + "</tr>"
+    ]
     for t in comparison.targets:
         for p in t.points:
             cells = "".join(f"<td>{_fmt(p.get(k))}</td>" for k in keys)
-            rows.append(f"<tr><td>{_esc(t.name)}</td>"
-                        f"<td>{_esc(describe_load(comparison.load_kind, load_of(p)[1]))}</td>{cells}</tr>")
+            rows.append(
+                f"<tr><td>{_esc(t.name)}</td>"
+                f"<td>{_esc(describe_load(comparison.load_kind, load_of(p)[1]))}</td>{cells}</tr>"
+            )
     return "<table>" + "".join(rows) + "</table>"
 
 
@@ -294,8 +378,12 @@ def _warnings_html(comparison: Comparison) -> str:
 
 def _workload_html(comparison: Comparison) -> str:
     first = comparison.targets[0].points[0]
-    items = {"endpoint": first.get("endpoint"), "num_prompts": first.get("num_prompts"),
-             "ignore_eos": first.get("ignore_eos"), **(first.get("workload") or {})}
+    items = {
+        "endpoint": first.get("endpoint"),
+        "num_prompts": first.get("num_prompts"),
+        "ignore_eos": first.get("ignore_eos"),
+        **(first.get("workload") or {}),
+    }
     parts = [f"{_esc(k)}={_esc(v)}" for k, v in items.items() if v is not None]
     return f'<p class="note">Workload: {", ".join(parts) or "n/a"}</p>'
 
@@ -309,9 +397,11 @@ def render_html(comparison: Comparison, plots: dict[str, Path]) -> str:
     if comparison.pick is not None:
         verdict_cls = "verdict"
     else:
-        verdict_cls = "verdict none" if comparison.verdict.startswith("No target meets") else "verdict tie"
+        verdict_cls = (
+            "verdict none" if comparison.verdict.startswith("No target meets") else "verdict tie"
+        )
     return (
-        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>tokenmill bench compare</title>"
+        '<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>tokenmill bench compare</title>'
         f"<style>{_CSS}</style></head><body>"
         "<h1>Which backend for this workload?</h1>"
         f'<div class="{verdict_cls}">{_esc(comparison.verdict)}</div>'

@@ -90,7 +90,9 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
-            raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
+            raise ValueError(
+                f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}"
+            )
         if self.prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format must be one of {', '.join(PROMPT_FORMATS)}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -129,13 +131,19 @@ async def _resolve_model(client: httpx.AsyncClient, config: ServeConfig) -> str:
                 raise BenchmarkError(f"cannot reach {config.root_url}: {exc}") from exc
             await asyncio.sleep(_READY_POLL_INTERVAL_S)
         except (httpx.HTTPError, ValueError, KeyError, IndexError, AttributeError) as exc:
-            raise BenchmarkError(f"--model not given and {config.root_url}/v1/models did not name one: {exc}") from exc
+            raise BenchmarkError(
+                f"--model not given and {config.root_url}/v1/models did not name one: {exc}"
+            ) from exc
 
 
-def _initial_options(config: ServeConfig, model: str, requests: list[BenchRequest]) -> RequestOptions:
+def _initial_options(
+    config: ServeConfig, model: str, requests: list[BenchRequest]
+) -> RequestOptions:
     is_chat = config.endpoint == "/v1/chat/completions"
     has_ids = all(r.prompt_token_ids is not None for r in requests)
-    use_ids = not is_chat and (config.prompt_format == "ids" or (config.prompt_format == "auto" and has_ids))
+    use_ids = not is_chat and (
+        config.prompt_format == "ids" or (config.prompt_format == "auto" and has_ids)
+    )
     return RequestOptions(
         url=f"{config.root_url}{config.endpoint}",
         model=model,
@@ -207,9 +215,13 @@ async def _measure(
     tokenizer: TokenizerLike | None,
 ) -> tuple[list[RequestRecord], float]:
     """Release requests on schedule under the concurrency cap; return records and duration."""
-    offsets_s = build_arrival_offsets_s(len(requests), config.request_rate, config.burstiness, config.seed)
+    offsets_s = build_arrival_offsets_s(
+        len(requests), config.request_rate, config.burstiness, config.seed
+    )
     semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
-    bar = tqdm(total=len(requests), disable=not config.show_progress, desc="bench serve", unit="req")
+    bar = tqdm(
+        total=len(requests), disable=not config.show_progress, desc="bench serve", unit="req"
+    )
     start_s = time.perf_counter()
 
     async def one(index: int, request: BenchRequest) -> RequestRecord:
@@ -253,8 +265,12 @@ async def arun_serve_benchmark(
     limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         model = await _resolve_model(client, config)
-        probe, *warmups = build_warmup_requests(requests, 1 + config.num_warmups, config.seed, tokenizer)
-        options = await _probe(client, config, _initial_options(config, model, requests), probe, requests, tokenizer)
+        probe, *warmups = build_warmup_requests(
+            requests, 1 + config.num_warmups, config.seed, tokenizer
+        )
+        options = await _probe(
+            client, config, _initial_options(config, model, requests), probe, requests, tokenizer
+        )
         if warmups:
             warm_cap = asyncio.Semaphore(limit)
 
@@ -263,11 +279,16 @@ async def arun_serve_benchmark(
                     await send_request(client, -1, request, options, time.perf_counter(), tokenizer)
 
             await asyncio.gather(*(warm(r) for r in warmups))
-        scraper = MetricsScraper(client, f"{config.root_url}/metrics", config.metrics_interval_s, options.headers)
+        scraper = MetricsScraper(
+            client, f"{config.root_url}/metrics", config.metrics_interval_s, options.headers
+        )
         if config.scrape_metrics:
             await scraper.start()
         try:
-            rounds = [await _measure(client, config, options, r, tokenizer) for r in [requests, *later_rounds]]
+            rounds = [
+                await _measure(client, config, options, r, tokenizer)
+                for r in [requests, *later_rounds]
+            ]
         finally:
             await scraper.stop()
     return build_result(config, options, rounds, scraper.report(), workload)
@@ -306,7 +327,9 @@ def build_result(
         "base_url": config.root_url,
         "endpoint": config.endpoint,
         "model_id": options.model,
-        "prompt_format": "chat" if options.is_chat else ("ids" if options.use_token_ids else "text"),
+        "prompt_format": "chat"
+        if options.is_chat
+        else ("ids" if options.use_token_ids else "text"),
         "request_rate": config.request_rate if math.isfinite(config.request_rate) else "inf",
         "burstiness": config.burstiness,
         "max_concurrency": config.max_concurrency,
@@ -325,7 +348,9 @@ def build_result(
     result["generated_texts"] = [r.generated_text for r in records]
     result["errors"] = [r.error for r in records]
     result["requests"] = [
-        {**r.to_dict(), "round": i} for i, (round_records, _) in enumerate(rounds) for r in round_records
+        {**r.to_dict(), "round": i}
+        for i, (round_records, _) in enumerate(rounds)
+        for r in round_records
     ]
     return result
 
@@ -373,8 +398,12 @@ def format_summary(result: dict[str, Any]) -> str:
     row("Peak requests in flight:", result.get("max_in_flight_requests"))
     row("Requests active in the busiest second:", result.get("max_concurrent_requests"))
     row("Total token throughput (tok/s):", result.get("total_token_throughput"))
-    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    titles = {
+        "ttft": "Time to First Token",
+        "tpot": "Time per Output Token (excl. 1st token)",
+        "itl": "Inter-token Latency",
+        "e2el": "End-to-end Latency",
+    }
     for metric in LATENCY_METRICS:
         lines.append("{s:{c}^{n}}".format(s=f" {titles[metric]} ", n=width, c="-"))
         for stat in STATS:

@@ -39,7 +39,10 @@ PREFIX_QUERY_NAMES: tuple[str, ...] = (
     "tokenmill:prefix_cache_queries_total",
     "vllm:prefix_cache_queries_total",
 )
-PREFIX_HIT_NAMES: tuple[str, ...] = ("tokenmill:prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
+PREFIX_HIT_NAMES: tuple[str, ...] = (
+    "tokenmill:prefix_cache_hits_total",
+    "vllm:prefix_cache_hits_total",
+)
 RSS_NAMES: tuple[str, ...] = ("process_resident_memory_bytes",)
 
 
@@ -179,13 +182,17 @@ class MetricsScraper:
         """What the result file stores: peaks of gauges, counter deltas over the run."""
         if not self.is_available:
             return {"available": False}
-        queries = _delta(self.after.get("prefix_cache_queries"), self.before.get("prefix_cache_queries"))
+        queries = _delta(
+            self.after.get("prefix_cache_queries"), self.before.get("prefix_cache_queries")
+        )
         hits = _delta(self.after.get("prefix_cache_hits"), self.before.get("prefix_cache_hits"))
         return {
             "available": True,
             "num_scrapes": self.num_scrapes,
             "peak_kv_cache_usage": self.peaks.get("kv_cache_usage"),
-            "num_preemptions": _delta(self.after.get("num_preemptions"), self.before.get("num_preemptions")),
+            "num_preemptions": _delta(
+                self.after.get("num_preemptions"), self.before.get("num_preemptions")
+            ),
             "peak_num_requests_running": self.peaks.get("num_requests_running"),
             "peak_num_requests_waiting": self.peaks.get("num_requests_waiting"),
             "prefix_cache_hit_rate": (hits / queries) if queries and hits is not None else None,

@@ -101,5 +101,7 @@ def load_tokenizer(name_or_path: str | Path) -> TokenizerLike:
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:
-        raise FileNotFoundError(f"no tokenizer.json in {path} and transformers is not installed") from exc
+        raise FileNotFoundError(
+            f"no tokenizer.json in {path} and transformers is not installed"
+        ) from exc
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

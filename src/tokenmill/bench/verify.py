@@ -84,15 +84,24 @@ class VerifyReport:
         return data
 
 
-def compare_generations(reference: list[Generation], candidate: list[Generation], min_match: float = 1.0) -> VerifyReport:
+def compare_generations(
+    reference: list[Generation], candidate: list[Generation], min_match: float = 1.0
+) -> VerifyReport:
     """Exact-match rate, first divergence per mismatch and max logprob difference."""
     if len(reference) != len(candidate):
-        raise ValueError(f"{len(reference)} reference generations but {len(candidate)} from tokenmill")
+        raise ValueError(
+            f"{len(reference)} reference generations but {len(candidate)} from tokenmill"
+        )
     verdicts = []
     overall_diff: float | None = None
     for index, (ref, cand) in enumerate(zip(reference, candidate, strict=True)):
         divergence = next(
-            (i for i, (a, b) in enumerate(zip(ref.token_ids, cand.token_ids, strict=False)) if a != b), None
+            (
+                i
+                for i, (a, b) in enumerate(zip(ref.token_ids, cand.token_ids, strict=False))
+                if a != b
+            ),
+            None,
         )
         if divergence is None and len(ref.token_ids) != len(cand.token_ids):
             divergence = min(len(ref.token_ids), len(cand.token_ids))
@@ -105,19 +114,29 @@ def compare_generations(reference: list[Generation], candidate: list[Generation]
         prompt_diff = max(diffs) if diffs else None
         if prompt_diff is not None:
             overall_diff = prompt_diff if overall_diff is None else max(overall_diff, prompt_diff)
-        verdicts.append(PromptVerdict(index, divergence is None, divergence, prompt_diff, ref.token_ids, cand.token_ids))
+        verdicts.append(
+            PromptVerdict(
+                index, divergence is None, divergence, prompt_diff, ref.token_ids, cand.token_ids
+            )
+        )
     num_match = sum(v.is_match for v in verdicts)
     rate = num_match / len(verdicts) if verdicts else 0.0
     return VerifyReport(len(verdicts), rate, overall_diff, min_match, verdicts)
 
 
 def run_transformers_greedy(
-    model: str, prompts: list[list[int]], max_tokens: int, dtype: str = "float32", device: str = "cpu"
+    model: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    dtype: str = "float32",
+    device: str = "cpu",
 ) -> list[Generation]:
     """Reference: one prompt at a time, argmax of the raw logits, EOS ignored."""
     hf_model = load_transformers_model(model, dtype, device)
     # transformers renamed ``past_key_values`` to ``cache`` (input and output); use what this version has.
-    cache_name = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
+    cache_name = (
+        "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
+    )
     generations = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -142,7 +161,11 @@ def run_transformers_greedy(
 
 
 def run_tokenmill_greedy(
-    model: str, prompts: list[list[int]], max_tokens: int, dtype: str = "float32", device: str = "cpu",
+    model: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    dtype: str = "float32",
+    device: str = "cpu",
     **engine_kwargs: Any,
 ) -> list[Generation]:
     """tokenmill in-process, all prompts batched, greedy with ignore_eos and the sampled logprob."""
@@ -173,7 +196,9 @@ def token_text_of(tokenizer: TokenizerLike, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def _post_completion(client: httpx.Client, url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+def _post_completion(
+    client: httpx.Client, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> dict[str, Any]:
     """POST, dropping ``return_tokens_as_token_ids`` once if the server rejects that extension."""
     response = client.post(url, json=body, headers=headers)
     if response.status_code == 400 and "return_tokens_as_token_ids" in response.text:
@@ -185,8 +210,12 @@ def _post_completion(client: httpx.Client, url: str, body: dict[str, Any], heade
 
 
 def run_server_greedy(
-    base_url: str, model: str, prompts: list[list[int]], max_tokens: int,
-    api_key: str | None = None, timeout_s: float = 300.0,
+    base_url: str,
+    model: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    api_key: str | None = None,
+    timeout_s: float = 300.0,
 ) -> list[Generation]:
     """Any OpenAI-compatible server: ``/v1/completions`` with token-id prompts and logprobs.
 
@@ -200,18 +229,29 @@ def run_server_greedy(
     generations = []
     with httpx.Client(timeout=timeout_s, trust_env=False) as client:
         for prompt in prompts:
-            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                    "logprobs": 1, "ignore_eos": True, "return_tokens_as_token_ids": True}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "logprobs": 1,
+                "ignore_eos": True,
+                "return_tokens_as_token_ids": True,
+            }
             choice = _post_completion(client, f"{root}/v1/completions", body, headers)["choices"][0]
             logprobs = choice.get("logprobs") or {}
             tokens: list[Any] = list(logprobs.get("tokens") or [])
             if tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
                 tokens = [int(t[len("token_id:") :]) for t in tokens]
-            generations.append(Generation(tokens, list(logprobs.get("token_logprobs") or [None] * len(tokens))))
+            generations.append(
+                Generation(tokens, list(logprobs.get("token_logprobs") or [None] * len(tokens)))
+            )
     return generations
 
 
-def build_prompt_ids(tokenizer: TokenizerLike, texts: list[str] | None = None, num_prompts: int | None = None) -> list[list[int]]:
+def build_prompt_ids(
+    tokenizer: TokenizerLike, texts: list[str] | None = None, num_prompts: int | None = None
+) -> list[list[int]]:
     """Token ids of the verify prompts (the defaults unless ``texts`` is given)."""
     texts = list(texts or DEFAULT_PROMPTS)
     if num_prompts is not None:
@@ -246,24 +286,41 @@ def run_verify(
     if server_url:
         candidate = run_server_greedy(server_url, server_model, prompts, max_tokens, api_key)
         if any(isinstance(t, str) for g in candidate for t in g.token_ids):
-            reference = [Generation([token_text_of(tokenizer, t) for t in g.token_ids], g.logprobs) for g in reference]
+            reference = [
+                Generation([token_text_of(tokenizer, t) for t in g.token_ids], g.logprobs)
+                for g in reference
+            ]
     else:
-        candidate = run_tokenmill_greedy(model, prompts, max_tokens, dtype, device, **(engine_kwargs or {}))
+        candidate = run_tokenmill_greedy(
+            model, prompts, max_tokens, dtype, device, **(engine_kwargs or {})
+        )
     return compare_generations(reference, candidate, min_match)
 
 
 def format_verify_report(report: VerifyReport) -> str:
     """The terminal summary: one line per mismatch and the overall verdict."""
-    lines = [f"exact match: {report.match_rate * 100:.1f}% of {report.num_prompts} prompts "
-             f"(required {report.min_match * 100:.1f}%)"]
+    lines = [
+        f"exact match: {report.match_rate * 100:.1f}% of {report.num_prompts} prompts "
+        f"(required {report.min_match * 100:.1f}%)"
+    ]
     diff = "n/a" if report.max_logprob_diff is None else f"{report.max_logprob_diff:.3e}"
     lines.append(f"max |logprob difference| over agreeing tokens: {diff}")
     for v in report.prompts:
         if not v.is_match:
             pos = v.first_divergence
-            ref = v.reference_tokens[pos] if pos is not None and pos < len(v.reference_tokens) else None
-            got = v.tokenmill_tokens[pos] if pos is not None and pos < len(v.tokenmill_tokens) else None
-            lines.append(f"  prompt {v.index}: diverges at token {pos} (transformers {ref}, tokenmill {got})")
+            ref = (
+                v.reference_tokens[pos]
+                if pos is not None and pos < len(v.reference_tokens)
+                else None
+            )
+            got = (
+                v.tokenmill_tokens[pos]
+                if pos is not None and pos < len(v.tokenmill_tokens)
+                else None
+            )
+            lines.append(
+                f"  prompt {v.index}: diverges at token {pos} (transformers {ref}, tokenmill {got})"
+            )
     lines.append("PASS" if report.passed else "FAIL")
     return "\n".join(lines)
 

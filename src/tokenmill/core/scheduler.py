@@ -158,7 +158,9 @@ class Scheduler:
             self._insert_running(request)
             out.scheduled.append((request, num_new))
             budget -= num_new
-        out.block_tables = {r.request_id: self.kv.block_table(r.request_id) for r, _ in out.scheduled}
+        out.block_tables = {
+            r.request_id: self.kv.block_table(r.request_id) for r, _ in out.scheduled
+        }
         return out
 
     def update_after_step(self, scheduled: list[tuple[Request, int]]) -> None:

@@ -177,7 +177,9 @@ class AsyncLLMEngine:
         self._check_serving()
         request_id = request.request_id
         if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+            raise InvalidRequestError(
+                f"request id {request_id!r} is already in use", param="request_id"
+            )
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         self._commands.put(_AddCommand(request))
@@ -259,7 +261,9 @@ class AsyncLLMEngine:
         try:
             self._loop_forever(engine)
         except BaseException as exc:
-            logger.exception("the engine step failed; the engine is dead and in-flight requests fail")
+            logger.exception(
+                "the engine step failed; the engine is dead and in-flight requests fail"
+            )
             self.error = exc
             self.state = EngineState.DEAD
             self._call_on_loop(self._fail_all_streams, "the engine failed")
@@ -301,7 +305,11 @@ class AsyncLLMEngine:
 
     def _take_commands(self, block: bool) -> list[_Command]:
         try:
-            first = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
+            first = (
+                self._commands.get(timeout=self._idle_wait_s)
+                if block
+                else self._commands.get_nowait()
+            )
         except queue.Empty:
             return []
         commands = [first]

@@ -70,8 +70,12 @@ class InputProcessor:
         arrival_time: float | None = None,
     ) -> ProcessedRequest:
         """Tokenize a text prompt and check everything; raises InvalidRequestError naming the field."""
-        return self.process_prompt(request_id, prompt, self.check_params(params or SamplingParams(), priority),
-                                   arrival_time)
+        return self.process_prompt(
+            request_id,
+            prompt,
+            self.check_params(params or SamplingParams(), priority),
+            arrival_time,
+        )
 
     def check_params(self, params: SamplingParams, priority: int = 0) -> CheckedParams:
         """Check what a request's prompts share, once (the server does this before admitting it)."""
@@ -80,7 +84,11 @@ class InputProcessor:
         return CheckedParams(params, priority)
 
     def process_prompt(
-        self, request_id: str, prompt: str | list[int], checked: CheckedParams, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        checked: CheckedParams,
+        arrival_time: float | None = None,
     ) -> ProcessedRequest:
         """Tokenize a text prompt, check it, and pair it with already-checked parameters."""
         if isinstance(prompt, str):
@@ -90,7 +98,9 @@ class InputProcessor:
             prompt_text, token_ids = None, list(prompt)
         self.validate_prompt(token_ids)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        return ProcessedRequest(request_id, token_ids, prompt_text, checked.params, checked.priority, arrival)
+        return ProcessedRequest(
+            request_id, token_ids, prompt_text, checked.params, checked.priority, arrival
+        )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         """Reject empty, out-of-vocabulary and over-context prompts with a clear error."""
@@ -99,7 +109,9 @@ class InputProcessor:
         vocab = self.limits.vocab_size
         for t in prompt_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {vocab})", param="prompt")
+                raise InvalidRequestError(
+                    f"token id {t!r} is outside the vocabulary [0, {vocab})", param="prompt"
+                )
         max_len = self.limits.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise ContextLengthError(
@@ -120,19 +132,23 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids or [] if t >= vocab]
         if bad:
             raise InvalidRequestError(
-                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="stop_token_ids"
+                f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                param="stop_token_ids",
             )
         max_logprobs = self.limits.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > max_logprobs:
-                raise InvalidRequestError(f"{name} must be at most {max_logprobs}, got {value}", param=name)
+                raise InvalidRequestError(
+                    f"{name} must be at most {max_logprobs}, got {value}", param=name
+                )
 
     def validate_priority(self, priority: int) -> None:
         """A priority other than 0 only means something under the priority policy: never ignore it."""
         if priority != 0 and self.limits.scheduling_policy != "priority":
             raise InvalidRequestError(
-                "priority requires the engine to run with --scheduling-policy priority", param="priority"
+                "priority requires the engine to run with --scheduling-policy priority",
+                param="priority",
             )
 
     def fan_out(self, processed: ProcessedRequest) -> list[Request]:

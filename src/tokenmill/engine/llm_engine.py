@@ -82,7 +82,9 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, mc, self.device)
         self.config = config = replace(
-            config, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),  # type: ignore[arg-type]
+            config,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),  # type: ignore[arg-type]
             max_model_len=config.max_model_len or mc.max_position_embeddings,
         )
         """The resolved config: no ``auto`` device or dtype, and the model's context length filled in."""
@@ -95,27 +97,45 @@ class LLMEngine:
         model = load_model(self.model_path, self.dtype, self.device, self.max_model_len, mc)
         self.kv_manager, kv_caches = self._build_kv_cache()
         self.scheduler = Scheduler(
-            self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
+            self.kv_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.scheduling_policy,
         )
         compiled = None
         if self.kv_manager.wants_compiled_decode and not config.enforce_eager:
             compiled = CompiledDecodeStep(
-                model, kv_caches, self.kv_manager.block_size,
+                model,
+                kv_caches,
+                self.kv_manager.block_size,
                 max_blocks_per_seq=-(-self.max_model_len // self.kv_manager.block_size),
                 scratch_block=self.kv_manager.num_blocks,
-                buckets=list(config.compile_batch_sizes or default_buckets(config.max_num_seqs, self.device)),
+                buckets=list(
+                    config.compile_batch_sizes or default_buckets(config.max_num_seqs, self.device)
+                ),
                 device=self.device,
             )
         self.runner = ModelRunner(
-            model, kv_caches, self.kv_manager.block_size, Sampler(self.device, config.seed), self.device, compiled
+            model,
+            kv_caches,
+            self.kv_manager.block_size,
+            Sampler(self.device, config.seed),
+            self.device,
+            compiled,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.input_processor = InputProcessor(self.tokenizer, InputLimits(
-            vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
-            kv_capacity_tokens=self.kv_manager.max_tokens_per_request, max_logprobs=config.max_logprobs,
-            scheduling_policy=config.scheduling_policy, eos_token_ids=self.eos_token_ids,
-            enable_prefix_caching=config.enable_prefix_caching,
-        ))
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            InputLimits(
+                vocab_size=mc.vocab_size,
+                max_model_len=self.max_model_len,
+                kv_capacity_tokens=self.kv_manager.max_tokens_per_request,
+                max_logprobs=config.max_logprobs,
+                scheduling_policy=config.scheduling_policy,
+                eos_token_ids=self.eos_token_ids,
+                enable_prefix_caching=config.enable_prefix_caching,
+            ),
+        )
         self._counters = EngineStats(
             compile_time_s=compiled.compile_time_s if compiled else 0.0,
             kv_capacity_tokens=self.kv_manager.num_blocks * self.kv_manager.block_size,
@@ -123,8 +143,15 @@ class LLMEngine:
         self.startup_time_s = time.monotonic() - start
         logger.info(
             "loaded %s (%s, %.1fM params) on %s in %s; KV: %d blocks of %d tokens (%.2f GiB); ready in %.1fs",
-            self.model_path, mc.architecture, mc.num_params / 1e6, self.device, self.dtype,
-            self.kv_manager.num_blocks, self.kv_manager.block_size, self.kv_cache_bytes / 2**30, self.startup_time_s,
+            self.model_path,
+            mc.architecture,
+            mc.num_params / 1e6,
+            self.device,
+            self.dtype,
+            self.kv_manager.num_blocks,
+            self.kv_manager.block_size,
+            self.kv_cache_bytes / 2**30,
+            self.startup_time_s,
         )
 
     # ---- construction ------------------------------------------------------------------
@@ -133,12 +160,21 @@ class LLMEngine:
         block_size = cfg.block_size
         per_token = kv_bytes_per_token(self.model_config, self.dtype)
         budget = kv_budget_bytes(cfg.kv_cache_memory, cfg.gpu_memory_utilization, self.device)
-        manager = build_kv_manager(cfg.kv_cache, KVSizing(
-            max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len, block_size=block_size,
-            enable_prefix_caching=cfg.enable_prefix_caching, budget_bytes=budget, bytes_per_token=per_token,
-        ))
+        manager = build_kv_manager(
+            cfg.kv_cache,
+            KVSizing(
+                max_num_seqs=cfg.max_num_seqs,
+                max_model_len=self.max_model_len,
+                block_size=block_size,
+                enable_prefix_caching=cfg.enable_prefix_caching,
+                budget_bytes=budget,
+                bytes_per_token=per_token,
+            ),
+        )
         self.kv_cache_bytes = manager.num_blocks * block_size * per_token
-        caches = allocate_kv_cache(self.model_config, manager.num_blocks, block_size, self.dtype, self.device)
+        caches = allocate_kv_cache(
+            self.model_config, manager.num_blocks, block_size, self.dtype, self.device
+        )
         return manager, caches
 
     # ---- requests ----------------------------------------------------------------------
@@ -151,12 +187,16 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Check and queue a request; a text prompt is tokenized here, token ids are taken as they are."""
-        self.add_processed(self.input_processor.process(request_id, prompt, params, priority, arrival_time))
+        self.add_processed(
+            self.input_processor.process(request_id, prompt, params, priority, arrival_time)
+        )
 
     def add_processed(self, processed: ProcessedRequest) -> None:
         """Queue a request the input processor already checked (nothing is checked again)."""
         if self.output_processor.has_request(processed.request_id):
-            raise InvalidRequestError(f"request id {processed.request_id!r} is already in use", param="request_id")
+            raise InvalidRequestError(
+                f"request id {processed.request_id!r} is already in use", param="request_id"
+            )
         children = self.input_processor.fan_out(processed)
         self.output_processor.add_request(processed.request_id, processed.prompt_text, children)
         for child in children:
@@ -166,7 +206,10 @@ class LLMEngine:
         """Abort requests wherever they are; their KV is freed at once."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             for child_id in self.output_processor.child_ids(rid):
-                if self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED) is not None:
+                if (
+                    self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
+                    is not None
+                ):
                     self.output_processor.mark_finished(child_id)
 
     @property

@@ -59,7 +59,9 @@ class OutputProcessor:
             _Child(
                 request=c,
                 detokenizer=IncrementalDetokenizer(
-                    self.tokenizer, skip_special_tokens=params.skip_special_tokens, prompt_ids=c.prompt_token_ids
+                    self.tokenizer,
+                    skip_special_tokens=params.skip_special_tokens,
+                    prompt_ids=c.prompt_token_ids,
                 ),
                 logprobs=[] if params.logprobs is not None else None,
             )
@@ -95,7 +97,9 @@ class OutputProcessor:
                 return parent, child
         return None
 
-    def add_prompt_logprobs(self, child_id: str, first_pos: int, entries: list[PositionLogprobs | None]) -> None:
+    def add_prompt_logprobs(
+        self, child_id: str, first_pos: int, entries: list[PositionLogprobs | None]
+    ) -> None:
         """Logprobs of prompt positions first_pos...; positions already known (a chunk
         recomputed after preemption) are skipped, so each position is reported once."""
         found = self._find(child_id)
@@ -109,7 +113,9 @@ class OutputProcessor:
             self._decode_logprob_text(new)
             parent.prompt_logprobs.extend(new)
 
-    def on_token(self, child_id: str, token_id: int, logprobs: PositionLogprobs | None) -> str | None:
+    def on_token(
+        self, child_id: str, token_id: int, logprobs: PositionLogprobs | None
+    ) -> str | None:
         """Record a new token's text; returns the matched stop string, if one ended it."""
         found = self._find(child_id)
         if found is None:
@@ -123,10 +129,14 @@ class OutputProcessor:
             child.cumulative_logprob += logprobs[token_id].logprob
         previous_len = len(child.text)
         child.text += child.detokenizer.add_tokens([token_id])
-        return self._check_stop_strings(child, params.stop or [], previous_len, params.include_stop_str_in_output)
+        return self._check_stop_strings(
+            child, params.stop or [], previous_len, params.include_stop_str_in_output
+        )
 
     @staticmethod
-    def _check_stop_strings(child: _Child, stops: list[str], previous_len: int, include: bool) -> str | None:
+    def _check_stop_strings(
+        child: _Child, stops: list[str], previous_len: int, include: bool
+    ) -> str | None:
         if not stops or child.finish_reason is not None:
             return None
         if child.request.num_output_tokens < child.request.sampling_params.min_tokens:
@@ -168,7 +178,10 @@ class OutputProcessor:
             params = child.request.sampling_params
             if tail and status is not RequestStatus.FINISHED_ABORTED:
                 self._check_stop_strings(
-                    child, params.stop or [], len(child.text) - len(tail), params.include_stop_str_in_output
+                    child,
+                    params.stop or [],
+                    len(child.text) - len(tail),
+                    params.include_stop_str_in_output,
                 )
             if child.finish_reason is None:  # no stop string in the flushed tail
                 child.finish_reason = status.finish_reason or RequestStatus.FINISHED_ABORTED.value
@@ -197,22 +210,28 @@ class OutputProcessor:
         completions = []
         for child in parent.children:
             done = child.finish_reason is not None
-            visible = len(child.text) if done else max(
-                child.num_chars_emitted, len(child.text) - parent.streaming_text_holdback
+            visible = (
+                len(child.text)
+                if done
+                else max(child.num_chars_emitted, len(child.text) - parent.streaming_text_holdback)
             )
             tokens = child.request.output_token_ids
             text_delta = child.text[child.num_chars_emitted : visible]
             ids_delta = tokens[child.num_tokens_emitted :]
             logprobs = None
             if child.logprobs is not None:
-                logprobs = child.logprobs[child.num_tokens_emitted :] if delta else list(child.logprobs)
+                logprobs = (
+                    child.logprobs[child.num_tokens_emitted :] if delta else list(child.logprobs)
+                )
             completions.append(
                 CompletionOutput(
                     index=child.request.index,
                     text=text_delta if delta else child.text[:visible],
                     token_ids=ids_delta if delta else list(tokens),
                     logprobs=logprobs,
-                    cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
+                    cumulative_logprob=child.cumulative_logprob
+                    if child.logprobs is not None
+                    else None,
                     finish_reason=child.finish_reason,
                     stop_reason=child.stop_reason,
                     text_delta=text_delta,

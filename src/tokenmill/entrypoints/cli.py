@@ -21,7 +21,12 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help_text = action.help or ""
-        if not help_text or "default" in help_text or action.default is None or action.default is False:
+        if (
+            not help_text
+            or "default" in help_text
+            or action.default is None
+            or action.default is False
+        ):
             return help_text
         return super()._get_help_string(action) or help_text
 
@@ -48,7 +53,9 @@ class ArgumentParser(argparse.ArgumentParser):
         """The parser of the deepest subcommand ``parsed`` selected (e.g. ``bench serve``)."""
         parser: argparse.ArgumentParser = self
         while True:
-            sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+            sub = next(
+                (a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None
+            )
             name = getattr(parsed, sub.dest, None) if sub is not None else None
             if sub is None or name not in sub.choices:
                 return parser
@@ -73,8 +80,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     llm = LLM(config=engine_config_from_args(args, args.model))
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-        seed=args.sampling_seed, n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+        n=args.n,
     )
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
@@ -82,7 +93,9 @@ def _generate(args: argparse.Namespace) -> int:
         outputs = llm.generate(args.prompts, params)
     for prompt, out in zip(args.prompts, outputs, strict=True):
         for completion in out.outputs:
-            print(f"--- prompt: {prompt!r} [{completion.finish_reason}, {len(completion.token_ids)} tokens]")
+            print(
+                f"--- prompt: {prompt!r} [{completion.finish_reason}, {len(completion.token_ids)} tokens]"
+            )
             print(completion.text)
     return 0
 
@@ -95,34 +108,63 @@ def _serve(args: argparse.Namespace) -> int:
         # pool, its threads spin-wait on each other whenever the loop runs (seen in our
         # server tests on 2 cores: 4 x 64 tokens took 8.5-21 s with 2 threads, 0.6 s with 1).
         args.num_threads = (os.cpu_count() or 2) - 1
-        logging.getLogger(__name__).info("using %d torch threads (one core left to the server)", args.num_threads)
+        logging.getLogger(__name__).info(
+            "using %d torch threads (one core left to the server)", args.num_threads
+        )
     return run_server(args, engine_config_from_args(args, args.model))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="tokenmill", description="LLM inference engine and OpenAI-compatible server")
+    parser = ArgumentParser(
+        prog="tokenmill", description="LLM inference engine and OpenAI-compatible server"
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                        help="logging threshold")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="logging threshold",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete prompts offline and print the text")
     gen.add_argument("prompts", nargs="+", help="prompt text(s)")
     gen.add_argument("--model", default="demo", help="Hugging Face model folder, or 'demo'")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
-    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per completion")
-    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
-    gen.add_argument("--top-p", type=float, default=1.0,
-                     help="sample from the smallest set of tokens whose probabilities sum to this")
-    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only; 0 keeps all")
+    gen.add_argument(
+        "--chat", action="store_true", help="wrap each prompt as a user message (chat template)"
+    )
+    gen.add_argument(
+        "--max-tokens", type=int, default=64, help="most tokens to generate per completion"
+    )
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy"
+    )
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample from the smallest set of tokens whose probabilities sum to this",
+    )
+    gen.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="sample from the k most likely tokens only; 0 keeps all",
+    )
     gen.add_argument("--n", type=int, default=1, help="completions per prompt")
-    gen.add_argument("--sampling-seed", type=int, default=None,
-                     help="per-request sampling seed (default: the engine's generator)")
+    gen.add_argument(
+        "--sampling-seed",
+        type=int,
+        default=None,
+        help="per-request sampling seed (default: the engine's generator)",
+    )
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    serve.add_argument("model", nargs="?", default="demo", help="Hugging Face model folder, or 'demo'")
+    serve.add_argument(
+        "model", nargs="?", default="demo", help="Hugging Face model folder, or 'demo'"
+    )
     add_engine_args(serve)
     try:
         from tokenmill.entrypoints.openai.server import add_server_args
@@ -145,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
         return int(args.func(args) or 0)

@@ -35,7 +35,9 @@ def parse_memory(text: str) -> float:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"invalid memory size {text!r}: use a fraction like 0.3 or a size like 4GiB")
+        raise argparse.ArgumentTypeError(
+            f"invalid memory size {text!r}: use a fraction like 0.3 or a size like 4GiB"
+        )
     value = float(match.group(1)) * _UNITS[unit]
     if value <= 0:
         raise argparse.ArgumentTypeError("memory size must be positive")
@@ -47,7 +49,9 @@ def parse_int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def parse_bytes(text: str) -> int:
@@ -55,7 +59,11 @@ def parse_bytes(text: str) -> int:
     return int(parse_memory(text))
 
 
-PARSERS: dict[str, Callable[[str], Any]] = {"memory": parse_memory, "bytes": parse_bytes, "int_list": parse_int_list}
+PARSERS: dict[str, Callable[[str], Any]] = {
+    "memory": parse_memory,
+    "bytes": parse_bytes,
+    "int_list": parse_int_list,
+}
 """Parsers a field's ``parse`` metadata may name."""
 
 
@@ -107,14 +115,18 @@ def add_config_args(group: Any, cls: type, exclude: Iterable[str] = ()) -> None:
         if field.metadata.get("action") == "append":
             kwargs.pop("nargs", None)
             kwargs["action"] = "append"
-            default = None  # argparse appends to a default list; an empty one is the field's default
+            default = (
+                None  # argparse appends to a default list; an empty one is the field's default
+            )
         name = flag_name(field)
         if "choices" not in kwargs and kwargs.get("action") is not argparse.BooleanOptionalAction:
             kwargs["metavar"] = name.removeprefix("--").replace("-", "_").upper()
         group.add_argument(name, default=default, **kwargs)
 
 
-def config_kwargs(args: argparse.Namespace, cls: type, exclude: Iterable[str] = ()) -> dict[str, Any]:
+def config_kwargs(
+    args: argparse.Namespace, cls: type, exclude: Iterable[str] = ()
+) -> dict[str, Any]:
     """The fields of ``cls`` as parsed into ``args`` by ``add_config_args``."""
     values = {}
     for field in dataclasses.fields(cls):

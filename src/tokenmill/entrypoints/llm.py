@@ -19,7 +19,9 @@ Prompt = str | list[int]
 class LLM:
     """Run batches of prompts to completion with continuous batching."""
 
-    def __init__(self, model: str = "demo", config: EngineConfig | None = None, **engine_kwargs: Any) -> None:
+    def __init__(
+        self, model: str = "demo", config: EngineConfig | None = None, **engine_kwargs: Any
+    ) -> None:
         """Build an engine from keyword options (EngineConfig field names) or a ready config."""
         self.engine = LLMEngine(config or EngineConfig.from_kwargs(model=model, **engine_kwargs))
         self._ids = itertools.count()
@@ -36,7 +38,9 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt (text or token ids); outputs come back in input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -46,7 +50,9 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         # Only finished outputs are read here: FINAL_ONLY spares a per-step copy of each request.
-        final_only = {id(p): p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params}  # once per object
+        final_only = {
+            id(p): p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params
+        }  # once per object
         params = [final_only[id(p)] for p in params]
         ids = [str(next(self._ids)) for _ in prompts]
         try:
@@ -70,7 +76,9 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = [
             self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template),
+                self.tokenizer.apply_chat_template(
+                    conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                ),
                 add_special_tokens=False,
             )
             for conv in conversations

@@ -32,12 +32,74 @@ PREFIX = "tokenmill:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # vLLM's buckets, so percentiles compare across the two servers.
-TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TOKEN_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                           5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                             50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS_S = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+TOKEN_LATENCY_BUCKETS_S = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS_S = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 @dataclass
@@ -119,17 +181,37 @@ class _EngineStatsCollector(Collector):
             family.add_metric(labels, value)
             return family
 
-        yield gauge("num_requests_running", "Number of requests in the running batch.", stats.num_running)
-        yield gauge("num_requests_waiting", "Number of requests waiting to be scheduled.", stats.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", stats.kv_usage)
-        yield gauge("compile_time_seconds", "Start-up time spent compiling the decode step (static KV).",
-                    stats.compile_time_s)
-        yield counter("prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens)
-        yield counter("generation_tokens", "Number of generated tokens.", stats.num_generation_tokens)
+        yield gauge(
+            "num_requests_running", "Number of requests in the running batch.", stats.num_running
+        )
+        yield gauge(
+            "num_requests_waiting", "Number of requests waiting to be scheduled.", stats.num_waiting
+        )
+        yield gauge(
+            "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", stats.kv_usage
+        )
+        yield gauge(
+            "compile_time_seconds",
+            "Start-up time spent compiling the decode step (static KV).",
+            stats.compile_time_s,
+        )
+        yield counter(
+            "prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens
+        )
+        yield counter(
+            "generation_tokens", "Number of generated tokens.", stats.num_generation_tokens
+        )
         yield counter("num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      stats.num_prefix_query_tokens)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.num_prefix_hit_tokens)
+        yield counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.num_prefix_query_tokens,
+        )
+        yield counter(
+            "prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            stats.num_prefix_hit_tokens,
+        )
 
 
 class ServerMetrics:
@@ -150,24 +232,46 @@ class ServerMetrics:
 
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_success = Counter(
-            PREFIX + "request_success", "Finished requests, by the first choice's finish reason (stop, length, abort).",
-            [*labels, "finished_reason"], registry=reg,
+            PREFIX + "request_success",
+            "Finished requests, by the first choice's finish reason (stop, length, abort).",
+            [*labels, "finished_reason"],
+            registry=reg,
         )
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token, from arrival.", TTFT_BUCKETS_S)
-        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive outputs of one choice.",
-                             TOKEN_LATENCY_BUCKETS_S)
-        self.tpot = histogram("request_time_per_output_token_seconds",
-                              "Mean time per output token after the first, per choice.", TOKEN_LATENCY_BUCKETS_S)
-        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_LATENCY_BUCKETS_S)
-        self.queue_time = histogram("request_queue_time_seconds", "Time waiting before the first schedule.",
-                                    REQUEST_LATENCY_BUCKETS_S)
-        self.prefill_time = histogram("request_prefill_time_seconds", "First schedule to first token.",
-                                      REQUEST_LATENCY_BUCKETS_S)
-        self.decode_time = histogram("request_decode_time_seconds", "First token to last token.",
-                                     REQUEST_LATENCY_BUCKETS_S)
-        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt length of finished requests.", token_buckets)
-        self.generation_tokens = histogram("request_generation_tokens", "Generated tokens per finished request.",
-                                           token_buckets)
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token, from arrival.", TTFT_BUCKETS_S
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds",
+            "Time between consecutive outputs of one choice.",
+            TOKEN_LATENCY_BUCKETS_S,
+        )
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Mean time per output token after the first, per choice.",
+            TOKEN_LATENCY_BUCKETS_S,
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_LATENCY_BUCKETS_S
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "Time waiting before the first schedule.",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "First schedule to first token.",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "First token to last token.", REQUEST_LATENCY_BUCKETS_S
+        )
+        self.prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt length of finished requests.", token_buckets
+        )
+        self.generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per finished request.", token_buckets
+        )
 
     def observe_inter_token_latency(self, gap_s: float) -> None:
         """Record the gap between two successive token-carrying outputs of one choice."""

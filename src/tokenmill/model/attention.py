@@ -36,7 +36,9 @@ class AttentionGroup:
     def mask(self, window: int | None, block_size: int) -> torch.Tensor:
         if window not in self.masks:
             max_kv = self.block_tables.shape[1] * block_size
-            self.masks[window] = attention_mask(self.query_positions, self.context_lens, max_kv, window)
+            self.masks[window] = attention_mask(
+                self.query_positions, self.context_lens, max_kv, window
+            )
         return self.masks[window]
 
 
@@ -62,7 +64,13 @@ class AttentionMetadata:
     num_tokens: int
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
     """Store this step's K/V [T, Hkv, D] into caches shaped [num_blocks, block_size, Hkv, D]."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
@@ -70,7 +78,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def _attend(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """q [B, max_q, Hq, D] over K/V gathered through block_tables; mask [B, 1, max_q, L]."""
@@ -80,13 +92,21 @@ def _attend(
     # K/V: [B, max_blocks, block_size, Hkv, D] -> [B, Hkv, L, D]. index_select, not
     # advanced indexing: 3.5x faster for this gather on CPU (0.44 vs 1.54 ms at batch 32).
     flat_tables = block_tables.reshape(-1)
-    keys = k_cache.index_select(0, flat_tables).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, flat_tables).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    keys = (
+        k_cache.index_select(0, flat_tables).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    )
+    values = (
+        v_cache.index_select(0, flat_tables).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    )
     # Queries: [B, max_q, Hkv, G, D] -> [B, Hkv, G * max_q, D]
     qg = q.view(batch, max_q, num_kv_heads, group_size, head_dim)
     qg = qg.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group_size * max_q, head_dim)
     if max_q > 1:
-        mask = mask.unsqueeze(2).expand(-1, -1, group_size, -1, -1).reshape(batch, 1, group_size * max_q, -1)
+        mask = (
+            mask.unsqueeze(2)
+            .expand(-1, -1, group_size, -1, -1)
+            .reshape(batch, 1, group_size * max_q, -1)
+        )
     attn = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
     attn = attn.view(batch, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
     return attn.reshape(batch * max_q, num_heads * head_dim)
@@ -106,7 +126,9 @@ def paged_attention(
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in meta.groups:
         rows = q[group.token_index]
-        attn = _attend(rows, k_cache, v_cache, group.block_tables, group.mask(window, block_size), scale)
+        attn = _attend(
+            rows, k_cache, v_cache, group.block_tables, group.mask(window, block_size), scale
+        )
         if group.is_decode:
             out[group.token_index.view(-1)] = attn
         else:
@@ -156,10 +178,27 @@ def decode_attention(
     block_size = k_cache.shape[1]
     if trim_to_longest:
         block_tables = block_tables[:, : -(-int(context_lens.max()) // block_size)]
-    mask = attention_mask((context_lens - 1)[:, None], context_lens, block_tables.shape[1] * block_size, window or None)
+    mask = attention_mask(
+        (context_lens - 1)[:, None],
+        context_lens,
+        block_tables.shape[1] * block_size,
+        window or None,
+    )
     return _attend(q.unsqueeze(1), k_cache, v_cache, block_tables, mask, scale)
 
 
 @decode_attention.register_fake
-def _decode_attention_fake(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale, window, trim_to_longest):
+def _decode_attention_fake(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    block_tables,
+    context_lens,
+    scale,
+    window,
+    trim_to_longest,
+):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -142,7 +142,9 @@ class ModelConfig:
         return cls.from_dict(raw, source=str(path))
 
 
-def _sliding_windows(raw: dict[str, Any], family: FamilySpec, num_layers: int) -> tuple[int | None, ...]:
+def _sliding_windows(
+    raw: dict[str, Any], family: FamilySpec, num_layers: int
+) -> tuple[int | None, ...]:
     window = raw.get("sliding_window")
     if not family.uses_sliding_window or not window:
         return (None,) * num_layers

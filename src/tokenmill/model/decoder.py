@@ -25,7 +25,11 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o = Linear(cfg.q_size, cfg.hidden_size)
@@ -54,8 +58,17 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         if isinstance(meta, DecodeMetadata):
             out = torch.ops.tokenmill.decode_attention(
-                q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.context_lens,
-                self.scale, self.window or 0, meta.trim_to_longest,
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.context_lens,
+                self.scale,
+                self.window or 0,
+                meta.trim_to_longest,
             )
         else:
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
@@ -103,7 +116,9 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, N decoder layers, final norm and LM head."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, rope: RotaryEmbedding | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int, rope: RotaryEmbedding | None = None
+    ) -> None:
         """``rope`` may come prebuilt: the loader builds the model on the meta device, where
         computing the RoPE tables would only cost seconds of lazy torch imports."""
         super().__init__()
@@ -112,8 +127,10 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        self.rope = rope if rope is not None else RotaryEmbedding(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
+        self.rope = (
+            rope
+            if rope is not None
+            else RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         )
 
     def forward(

@@ -18,7 +18,9 @@ def _onednn_available() -> bool:
 
 
 @torch.library.custom_op("tokenmill::onednn_linear", mutates_args=())
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
     """A prepacked oneDNN linear as an opaque op, so torch.compile fuses around it."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -39,7 +41,9 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight: nn.Parameter | None = nn.Parameter(
+            torch.empty(out_features, in_features), requires_grad=False
+        )
         self.bias: nn.Parameter | None = (
             nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         )
@@ -49,14 +53,21 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             if torch.compiler.is_compiling():  # inductor cannot lower a prepacked weight itself
-                return torch.ops.tokenmill.onednn_linear(x, self.packed, self.bias, self.out_features)
+                return torch.ops.tokenmill.onednn_linear(
+                    x, self.packed, self.bias, self.out_features
+                )
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return nn.functional.linear(x, self.weight, self.bias)
 
     def pack_for_onednn(self, batch_hint: int = 32) -> bool:
         """Prepack for CPU fp32 if oneDNN is there and agrees with F.linear; True if packed."""
         weight = self.weight
-        if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32 or not _onednn_available():
+        if (
+            weight is None
+            or weight.device.type != "cpu"
+            or weight.dtype != torch.float32
+            or not _onednn_available()
+        ):
             return False
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.data, batch_hint)
@@ -127,7 +138,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables indexed by absolute position (rotate-half layout)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+    ) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
@@ -136,7 +149,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hkv, D] by their positions [T]."""
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)

@@ -26,7 +26,11 @@ logger = logging.getLogger(__name__)
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 """The dtype names accepted by ``--dtype`` (besides ``auto``) and found in ``torch_dtype``."""
 
 
@@ -36,7 +40,10 @@ def resolve_dtype(requested: str, cfg: ModelConfig, device: torch.device) -> tor
         return TORCH_DTYPES[requested]
     declared = TORCH_DTYPES.get(str(cfg.torch_dtype).replace("torch.", ""), torch.float32)
     if device.type == "cpu" and declared != torch.float32:
-        logger.info("dtype auto: checkpoint is %s, using float32 on CPU (half-precision matmuls are slow there)", declared)
+        logger.info(
+            "dtype auto: checkpoint is %s, using float32 on CPU (half-precision matmuls are slow there)",
+            declared,
+        )
         return torch.float32
     return declared
 
@@ -60,8 +67,15 @@ def _checkpoint_files(folder: Path) -> list[Path]:
 
 
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
 }
 
@@ -91,26 +105,36 @@ class _Checkpoint:
         self.entries: dict[str, _Entry] = {}
         for path in files:
             try:
-                with safe_open(str(path), framework="pt") as handle:  # validates the header and offsets
+                with safe_open(
+                    str(path), framework="pt"
+                ) as handle:  # validates the header and offsets
                     names = list(handle.keys())
                 with path.open("rb") as f:
                     (header_len,) = struct.unpack("<Q", f.read(8))
                     header = json.loads(f.read(header_len))
             except SafetensorError as exc:
-                raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from None
+                raise ModelLoadError(
+                    f"{path}: corrupt or unreadable safetensors file: {exc}"
+                ) from None
             except OSError as exc:
                 raise ModelLoadError(f"{path}: cannot read: {exc}") from None
             for name in names:
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
                 if name in self.entries:
-                    raise ModelLoadError(f"{path}: tensor {name!r} also appears in {self.entries[name].path}")
+                    raise ModelLoadError(
+                        f"{path}: tensor {name!r} also appears in {self.entries[name].path}"
+                    )
                 info = header[name]
                 dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
                 if dtype is None:
-                    raise ModelLoadError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+                    raise ModelLoadError(
+                        f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}"
+                    )
                 begin, end = info["data_offsets"]
-                self.entries[name] = _Entry(path, dtype, tuple(info["shape"]), 8 + header_len + begin, end - begin)
+                self.entries[name] = _Entry(
+                    path, dtype, tuple(info["shape"]), 8 + header_len + begin, end - begin
+                )
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Fill the contiguous CPU tensor ``out`` with tensor ``name``, converting its dtype if needed."""
@@ -145,17 +169,19 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (cfg.q_size, h),
-            p + "self_attn.k_proj.weight": (cfg.kv_size, h),
-            p + "self_attn.v_proj.weight": (cfg.kv_size, h),
-            p + "self_attn.o_proj.weight": (h, cfg.q_size),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (cfg.q_size, h),
+                p + "self_attn.k_proj.weight": (cfg.kv_size, h),
+                p + "self_attn.v_proj.weight": (cfg.kv_size, h),
+                p + "self_attn.o_proj.weight": (h, cfg.q_size),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
         if cfg.qkv_bias:
             shapes[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
             shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)
@@ -182,11 +208,15 @@ def load_model(
         ckpt.discard("lm_head.weight")  # some tied checkpoints still store it
     missing = sorted(set(expected) - set(ckpt.entries))
     if missing:
-        raise ModelLoadError(f"{folder}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise ModelLoadError(
+            f"{folder}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+        )
     unexpected = sorted(set(ckpt.entries) - set(expected))
     if unexpected:
         name = unexpected[0]
-        raise ModelLoadError(f"{ckpt.entries[name].path}: unexpected tensor {name!r} for {cfg.architecture}")
+        raise ModelLoadError(
+            f"{ckpt.entries[name].path}: unexpected tensor {name!r} for {cfg.architecture}"
+        )
     for name, shape in expected.items():
         if ckpt.entries[name].shape != shape:
             raise ModelLoadError(
@@ -213,7 +243,9 @@ def load_model(
         """Prepack a module's projections right away, so only one layer is ever unpacked."""
         nonlocal num_packed
         if pack:
-            num_packed += sum(m.pack_for_onednn() for m in module.modules() if isinstance(m, Linear))
+            num_packed += sum(
+                m.pack_for_onednn() for m in module.modules() if isinstance(m, Linear)
+            )
 
     put(model, "embed", "model.embed_tokens.weight")
     if cfg.tie_word_embeddings:

@@ -124,8 +124,12 @@ class SamplingParams:
         if self.repetition_penalty <= 0.0:
             raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
         if not _is_int(self.top_k) or self.top_k < 0 or self.top_k > 2**31 - 1:
-            raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not -_INT64_MAX - 1 <= self.seed <= _INT64_MAX):
+            raise bad(
+                "top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}"
+            )
+        if self.seed is not None and (
+            not _is_int(self.seed) or not -_INT64_MAX - 1 <= self.seed <= _INT64_MAX
+        ):
             raise bad("seed", f"must be an integer within int64, got {self.seed!r}")
         if self.max_tokens is not None and (
             not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= _INT64_MAX
@@ -134,7 +138,9 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", f"must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise bad(
+                "min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
@@ -149,13 +155,21 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens"):
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+            "spaces_between_special_tokens",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a boolean")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}")
         if not self.spaces_between_special_tokens:
-            raise bad("spaces_between_special_tokens", "false is not supported (the tokenizer's decoder sets spacing)")
+            raise bad(
+                "spaces_between_special_tokens",
+                "false is not supported (the tokenizer's decoder sets spacing)",
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -39,7 +39,9 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
         out_ids = torch.full((batch, max_out), vocab, dtype=torch.long, device=device)
         for i, r in enumerate(requests):
             if r.output_token_ids:
-                out_ids[i, : len(r.output_token_ids)] = torch.tensor(r.output_token_ids, device=device)
+                out_ids[i, : len(r.output_token_ids)] = torch.tensor(
+                    r.output_token_ids, device=device
+                )
         counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
     counts = counts[:, :vocab]
     rep = _column([r.sampling_params.repetition_penalty for r in requests], device)
@@ -66,7 +68,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Keep the top_k tokens (0 = all), then the smallest nucleus with mass >= top_p."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=False)
@@ -115,13 +119,17 @@ class Sampler:
         if all(is_greedy):
             tokens = greedy
         else:
-            tokens = torch.where(torch.tensor(is_greedy, device=self.device), greedy, self._sample(logits, requests))
+            tokens = torch.where(
+                torch.tensor(is_greedy, device=self.device), greedy, self._sample(logits, requests)
+            )
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(raw, token_list, requests))
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
-        temperature = _column([p.temperature if not p.is_greedy else 1.0 for p in params], self.device)
+        temperature = _column(
+            [p.temperature if not p.is_greedy else 1.0 for p in params], self.device
+        )
         logits = logits / temperature
         min_p = _column([p.min_p for p in params], self.device)
         if (min_p > 0).any():
@@ -152,7 +160,9 @@ class Sampler:
                     logits[i, sorted(banned)] = float("-inf")
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: list[int], requests: list[Request]) -> list[PositionLogprobs | None]:
+    def _logprobs(
+        raw: torch.Tensor, tokens: list[int], requests: list[Request]
+    ) -> list[PositionLogprobs | None]:
         wanted = [r.sampling_params.logprobs for r in requests]
         if all(w is None for w in wanted):
             return [None] * len(requests)
@@ -171,7 +181,9 @@ def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[P
     for j in range(logprobs.shape[0]):
         entry: PositionLogprobs = {}
         if top_vals is not None and top_ids is not None:
-            for rank, (tid, val) in enumerate(zip(top_ids[j].tolist(), top_vals[j].tolist(), strict=True), 1):
+            for rank, (tid, val) in enumerate(
+                zip(top_ids[j].tolist(), top_vals[j].tolist(), strict=True), 1
+            ):
                 entry[tid] = Logprob(val, rank)
         entry[int(chosen[j])] = Logprob(float(chosen_lp[j]), int(ranks[j]))
         out.append(entry)
@@ -179,7 +191,11 @@ def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[P
 
 
 def _fill(
-    wanted: list[int | None], rows: list[int], logprobs: torch.Tensor, chosen: torch.Tensor, size: int
+    wanted: list[int | None],
+    rows: list[int],
+    logprobs: torch.Tensor,
+    chosen: torch.Tensor,
+    size: int,
 ) -> list[PositionLogprobs | None]:
     k = max(w or 0 for w in wanted)
     entries = top_logprobs(logprobs, chosen, k)

@@ -179,7 +179,10 @@ class Tokenizer:
         pipeline (whitespace splitting, stripping, NFKC, ...) it is None.
         """
         pipeline = json.loads(self._backend.to_str())
-        if not (_keeps_characters(pipeline.get("normalizer")) and _keeps_characters(pipeline.get("pre_tokenizer"))):
+        if not (
+            _keeps_characters(pipeline.get("normalizer"))
+            and _keeps_characters(pipeline.get("pre_tokenizer"))
+        ):
             return None
         size = self._backend.get_vocab_size(with_added_tokens=True)
         texts = self._backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
@@ -305,7 +308,9 @@ class Tokenizer:
         return None
 
 
-_CHARACTER_KEEPING_STEPS = frozenset({"Lowercase", "Prepend", "NFD", "ByteLevel", "Metaspace", "Digits", "Punctuation"})
+_CHARACTER_KEEPING_STEPS = frozenset(
+    {"Lowercase", "Prepend", "NFD", "ByteLevel", "Metaspace", "Digits", "Punctuation"}
+)
 """Normalizer and pre-tokenizer steps that never delete or merge input characters."""
 
 

@@ -28,9 +28,14 @@ from tokenmill.model.decoder import DecoderModel
 
 logger = logging.getLogger(__name__)
 
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+DecodeFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
 
-_COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
+_COMPILE_ERRORS = (
+    torch._dynamo.exc.TorchDynamoException,
+    torch._dynamo.exc.FailOnRecompileLimitHit,
+)
 """What a compiled call raises when dynamo or inductor, not the model, failed."""
 
 
@@ -73,7 +78,9 @@ class CompiledDecodeStep:
             except Exception as exc:  # any compiler failure: the model still runs, eagerly
                 self._fall_back_to_eager(bucket, exc, "could not compile")
         self.compile_time_s = time.monotonic() - start
-        logger.info("compiled decode for batch sizes %s in %.1fs", self.buckets, self.compile_time_s)
+        logger.info(
+            "compiled decode for batch sizes %s in %.1fs", self.buckets, self.compile_time_s
+        )
 
     @property
     def buckets(self) -> list[int]:
@@ -89,29 +96,48 @@ class CompiledDecodeStep:
         self._fns.pop(bucket, None)
         self.eager_buckets.append(bucket)
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        logger.warning("%s the decode forward for batch size %d (%s: %s); such batches run eagerly",
-                       what, bucket, type(exc).__name__, first_line)
+        logger.warning(
+            "%s the decode forward for batch size %d (%s: %s); such batches run eagerly",
+            what,
+            bucket,
+            type(exc).__name__,
+            first_line,
+        )
 
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-        block_tables: torch.Tensor, context_lens: torch.Tensor,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
     ) -> torch.Tensor:
-        meta = DecodeMetadata(slots, block_tables, context_lens, trim_to_longest=not self.use_cuda_graphs)
+        meta = DecodeMetadata(
+            slots, block_tables, context_lens, trim_to_longest=not self.use_cuda_graphs
+        )
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _compile_forward(self) -> DecodeFn:
         """``torch.compile`` of ``_forward`` bound to a private copy of its code object."""
         fn = CompiledDecodeStep._forward
-        private = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
-                                     fn.__closure__)
+        private = types.FunctionType(
+            fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+        )
         return torch.compile(types.MethodType(private, self), dynamic=False, fullgraph=True)
 
     def _dummy_inputs(self, bucket: int) -> list[torch.Tensor]:
         return [
             torch.zeros(bucket, dtype=torch.long, device=self.device),
             torch.zeros(bucket, dtype=torch.long, device=self.device),
-            torch.full((bucket,), self.scratch_block * self.block_size, dtype=torch.long, device=self.device),
-            torch.full((bucket, self.max_blocks), self.scratch_block, dtype=torch.long, device=self.device),
+            torch.full(
+                (bucket,),
+                self.scratch_block * self.block_size,
+                dtype=torch.long,
+                device=self.device,
+            ),
+            torch.full(
+                (bucket, self.max_blocks), self.scratch_block, dtype=torch.long, device=self.device
+            ),
             torch.ones(bucket, dtype=torch.long, device=self.device),
         ]
 
@@ -140,7 +166,13 @@ class CompiledDecodeStep:
 
         return replay
 
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        block_tables: list[list[int]],
+    ) -> torch.Tensor:
         """Hidden states [B, hidden] for B decode rows (B <= max_batch)."""
         batch = len(input_ids)
         bucket = next(b for b in self.buckets if b >= batch)

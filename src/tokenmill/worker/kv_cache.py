@@ -25,7 +25,9 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def kv_budget_bytes(kv_cache_memory: float | None, gpu_memory_utilization: float, device: torch.device) -> int:
+def kv_budget_bytes(
+    kv_cache_memory: float | None, gpu_memory_utilization: float, device: torch.device
+) -> int:
     """The KV budget: explicit bytes, a fraction of free memory, or a default."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -34,7 +36,9 @@ def kv_budget_bytes(kv_cache_memory: float | None, gpu_memory_utilization: float
         if kv_cache_memory is not None:
             return int(free * kv_cache_memory)
         used = total - free
-        return max(0, int(total * gpu_memory_utilization) - used - _GIB)  # 1 GiB activation headroom
+        return max(
+            0, int(total * gpu_memory_utilization) - used - _GIB
+        )  # 1 GiB activation headroom
     available = psutil.virtual_memory().available
     if kv_cache_memory is not None and kv_cache_memory > 1:
         return int(kv_cache_memory)
@@ -52,6 +56,9 @@ def allocate_kv_cache(
     """
     shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
         for _ in range(cfg.num_layers)
     ]

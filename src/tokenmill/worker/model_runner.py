@@ -44,7 +44,9 @@ class StepOutput:
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, PositionLogprobs | None] = field(default_factory=dict)
-    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs | None]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs | None]]] = field(
+        default_factory=dict
+    )
     """request_id -> (position of the first entry, logprobs of the prompt tokens that follow)."""
 
 
@@ -84,7 +86,9 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        group_rows: list[tuple[bool, list[list[int]], list[list[int]], list[list[int]], list[int]]] = []
+        group_rows: list[
+            tuple[bool, list[list[int]], list[list[int]], list[list[int]], list[int]]
+        ] = []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         prompt_rows: dict[str, tuple[list[int], int]] = {}
@@ -111,18 +115,31 @@ class ModelRunner:
                 if start + num_new == request.num_tokens:
                     sample_rows.append(rows[-1])
                     sample_requests.append(request)
-                if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+                if (
+                    request.sampling_params.prompt_logprobs is not None
+                    and start < request.num_prompt_tokens - 1
+                ):
                     last = min(start + num_new, request.num_prompt_tokens - 1)
                     prompt_rows[request.request_id] = (rows[: last - start], start)
             group_rows.append((is_decode, token_index, query_pos, tables, ctx_lens))
         is_decode_only = not chunks and not prompt_rows and len(sample_rows) == len(input_ids)
-        if is_decode_only and self.compiled_decode is not None and len(input_ids) <= self.compiled_decode.max_batch:
+        if (
+            is_decode_only
+            and self.compiled_decode is not None
+            and len(input_ids) <= self.compiled_decode.max_batch
+        ):
             return StepInputs(
-                input_ids=None, positions=None, meta=None, sample_rows=sample_rows, sample_requests=sample_requests,
+                input_ids=None,
+                positions=None,
+                meta=None,
+                sample_rows=sample_rows,
+                sample_requests=sample_requests,
                 decode_rows=(input_ids, positions, slots, group_rows[0][3]),
             )
         groups = [self._build_group(*rows) for rows in group_rows]
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), groups=groups, num_tokens=len(input_ids))
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots), groups=groups, num_tokens=len(input_ids)
+        )
         return StepInputs(
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),
@@ -133,8 +150,12 @@ class ModelRunner:
         )
 
     def _build_group(
-        self, is_decode: bool, token_index: list[list[int]], query_pos: list[list[int]],
-        tables: list[list[int]], ctx_lens: list[int],
+        self,
+        is_decode: bool,
+        token_index: list[list[int]],
+        query_pos: list[list[int]],
+        tables: list[list[int]],
+        ctx_lens: list[int],
     ) -> AttentionGroup:
         """Pad one group's rows to rectangles: padding repeats a valid row and is masked."""
         max_q = max(len(r) for r in token_index)
@@ -163,13 +184,18 @@ class ModelRunner:
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden[self._tensor(inputs.sample_rows)])
             result = self.sampler(logits, inputs.sample_requests)
-            for request, token, lp in zip(inputs.sample_requests, result.token_ids, result.logprobs, strict=True):
+            for request, token, lp in zip(
+                inputs.sample_requests, result.token_ids, result.logprobs, strict=True
+            ):
                 out.sampled[request.request_id] = token
                 out.logprobs[request.request_id] = lp
         for request, _ in sched.scheduled:
             entry = inputs.prompt_logprob_rows.get(request.request_id)
             if entry is not None:
-                out.prompt_logprobs[request.request_id] = (entry[1] + 1, self._prompt_logprobs(hidden, request, *entry))
+                out.prompt_logprobs[request.request_id] = (
+                    entry[1] + 1,
+                    self._prompt_logprobs(hidden, request, *entry),
+                )
         return out
 
     def _prompt_logprobs(

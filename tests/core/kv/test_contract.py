@@ -23,7 +23,12 @@ def make(kind: str) -> KVCacheManager:
 
 
 def req(rid: str, tokens: list[int], max_tokens: int = 4) -> Request:
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_total_tokens=MAX_LEN)
+    return Request(
+        rid,
+        tokens,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        max_total_tokens=MAX_LEN,
+    )
 
 
 KINDS = ["paged", "static"]
@@ -50,7 +55,7 @@ def test_live_requests_never_share_writable_blocks(kind: str) -> None:
     for i in range(SLOTS):
         r = req(f"r{i}", [100 + i] * 9)
         assert kv.allocate(r, 9)
-        tables.append(set(kv.block_table(f"r{i}")[: 3]))
+        tables.append(set(kv.block_table(f"r{i}")[:3]))
     for i in range(SLOTS):
         for j in range(i + 1, SLOTS):
             assert not tables[i] & tables[j]
@@ -89,7 +94,9 @@ def test_prefix_of_a_finished_request_is_reused(kind: str) -> None:
 def test_scheduler_drives_either_manager_to_completion(kind: str) -> None:
     kv = make(kind)
     sched = Scheduler(kv, max_num_seqs=SLOTS, max_num_batched_tokens=16)
-    rs = [req(f"r{i}", [i + 5] * (3 + i), max_tokens=6) for i in range(8)]  # more requests than slots
+    rs = [
+        req(f"r{i}", [i + 5] * (3 + i), max_tokens=6) for i in range(8)
+    ]  # more requests than slots
     for r in rs:
         sched.add_request(r)
     for _ in range(500):

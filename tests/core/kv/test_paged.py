@@ -32,7 +32,9 @@ def check_invariants(kv: PagedKVManager, live: dict[str, Request]) -> None:
             refs[b] += 1
     for block in pool.blocks:
         assert block.ref_count == refs[block.block_id], "ref count disagrees with block tables"
-        assert (block.ref_count == 0) == (block.block_id in pool.free_queue), "free queue out of sync"
+        assert (block.ref_count == 0) == (block.block_id in pool.free_queue), (
+            "free queue out of sync"
+        )
         if block.block_hash is not None:
             assert pool.cached[block.block_hash] == block.block_id
     for block_hash, block_id in pool.cached.items():

@@ -71,7 +71,9 @@ class KVCacheManager(ABC):
         """Find already-computed KV for a request about to start (no state change)."""
 
     @abstractmethod
-    def allocate(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
+    def allocate(
+        self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None
+    ) -> bool:
         """Reserve room for ``num_new_tokens`` more tokens; False (and no change) if full."""
 
     @abstractmethod

@@ -129,7 +129,9 @@ class BlockPool:
 class PagedKVManager(KVCacheManager):
     """Block tables per request over a shared BlockPool, with prefix caching."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -142,7 +144,9 @@ class PagedKVManager(KVCacheManager):
     def for_budget(cls, sizing: KVSizing) -> PagedKVManager:
         """As many blocks as the budget holds, but no more than every sequence could use."""
         block_bytes = sizing.bytes_per_token * sizing.block_size
-        num_blocks = min(sizing.budget_bytes // block_bytes, sizing.max_num_seqs * sizing.blocks_per_seq)
+        num_blocks = min(
+            sizing.budget_bytes // block_bytes, sizing.max_num_seqs * sizing.blocks_per_seq
+        )
         if num_blocks < 1:
             raise ConfigError(
                 f"KV cache budget of {sizing.budget_bytes} bytes holds no block of {sizing.block_size} tokens "
@@ -151,7 +155,8 @@ class PagedKVManager(KVCacheManager):
         if num_blocks < sizing.blocks_per_seq:
             logger.warning(
                 "KV cache holds %d tokens, less than max_model_len %d: long prompts will be rejected",
-                num_blocks * sizing.block_size, sizing.max_model_len,
+                num_blocks * sizing.block_size,
+                sizing.max_model_len,
             )
         return cls(num_blocks, sizing.block_size, sizing.enable_prefix_caching)
 
@@ -175,13 +180,17 @@ class PagedKVManager(KVCacheManager):
         bs = self.block_size
         hit: list[int] = []
         for i, block_hash in enumerate(self._block_hashes(request, num_full)):
-            block = self.pool.get_cached(block_hash, tuple(request.token_slice(i * bs, (i + 1) * bs)))
+            block = self.pool.get_cached(
+                block_hash, tuple(request.token_slice(i * bs, (i + 1) * bs))
+            )
             if block is None:
                 break
             hit.append(block.block_id)
         return PrefixHit(block_ids=hit, num_tokens=len(hit) * bs)
 
-    def allocate(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
+    def allocate(
+        self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None
+    ) -> bool:
         rid = request.request_id
         blocks = self._blocks.get(rid, [])
         prefix_blocks = [self.pool.blocks[b] for b in prefix.block_ids] if prefix else []
@@ -204,7 +213,9 @@ class PagedKVManager(KVCacheManager):
         bs = self.block_size
         for i, block_hash in enumerate(self._block_hashes(request, num_full)):
             if blocks[i].block_hash is None:
-                self.pool.cache(blocks[i], block_hash, tuple(request.token_slice(i * bs, (i + 1) * bs)))
+                self.pool.cache(
+                    blocks[i], block_hash, tuple(request.token_slice(i * bs, (i + 1) * bs))
+                )
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])

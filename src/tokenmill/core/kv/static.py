@@ -30,7 +30,9 @@ class StaticKVManager(KVCacheManager):
 
     wants_compiled_decode: ClassVar[bool] = True
 
-    def __init__(self, num_slots: int, max_model_len: int, block_size: int, enable_prefix_reuse: bool = True) -> None:
+    def __init__(
+        self, num_slots: int, max_model_len: int, block_size: int, enable_prefix_reuse: bool = True
+    ) -> None:
         self.num_slots = num_slots
         self.block_size = block_size
         self.blocks_per_slot = -(-max_model_len // block_size)
@@ -45,7 +47,12 @@ class StaticKVManager(KVCacheManager):
     @classmethod
     def for_budget(cls, sizing: KVSizing) -> StaticKVManager:
         """One slot of ``max_model_len`` tokens per sequence; the budget must hold them all."""
-        manager = cls(sizing.max_num_seqs, sizing.max_model_len, sizing.block_size, sizing.enable_prefix_caching)
+        manager = cls(
+            sizing.max_num_seqs,
+            sizing.max_model_len,
+            sizing.block_size,
+            sizing.enable_prefix_caching,
+        )
         needed = manager.num_blocks * sizing.block_size * sizing.bytes_per_token
         if needed > sizing.budget_bytes:
             raise ConfigError(
@@ -63,7 +70,11 @@ class StaticKVManager(KVCacheManager):
         return list(range(start, start + self.blocks_per_slot))
 
     def lookup_prefix(self, request: Request) -> PrefixHit:
-        if not self.enable_prefix_reuse or not self._free_slots or request.sampling_params.prompt_logprobs is not None:
+        if (
+            not self.enable_prefix_reuse
+            or not self._free_slots
+            or request.sampling_params.prompt_logprobs is not None
+        ):
             return PrefixHit()
         tokens = request.token_slice(0, request.num_tokens)
         best_slot, best_len = None, 0
@@ -75,9 +86,14 @@ class StaticKVManager(KVCacheManager):
         if best_slot is None or best_len <= 0:
             return PrefixHit()
         # The slot's blocks that hold the prefix; ``allocate`` takes the slot they belong to.
-        return PrefixHit(block_ids=self._slot_blocks(best_slot)[: -(-best_len // self.block_size)], num_tokens=best_len)
+        return PrefixHit(
+            block_ids=self._slot_blocks(best_slot)[: -(-best_len // self.block_size)],
+            num_tokens=best_len,
+        )
 
-    def allocate(self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None) -> bool:
+    def allocate(
+        self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None
+    ) -> bool:
         rid = request.request_id
         if rid not in self._slot_of:
             if not self._free_slots:

@@ -29,7 +29,9 @@ TICKET_SCOPE_KEY = "admission_ticket"
 
 
 def _refusal(message: str) -> APIError:
-    return APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
+    return APIError(
+        429, message, code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}
+    )
 
 
 @dataclass
@@ -55,9 +57,17 @@ class AdmissionController:
     def acquire(self, key_id: int | None) -> AdmissionTicket:
         """Admit one request as one sequence; raises a 429 APIError saying why not."""
         if self.num_seqs_in_flight >= self.max_seqs_in_flight:
-            raise _refusal("the server is at capacity (running batch and waiting queue are full); retry later")
-        if key_id is not None and self.per_key_max is not None and self._per_key[key_id] >= self.per_key_max:
-            raise _refusal(f"this API key already has {self.per_key_max} requests in flight; retry later")
+            raise _refusal(
+                "the server is at capacity (running batch and waiting queue are full); retry later"
+            )
+        if (
+            key_id is not None
+            and self.per_key_max is not None
+            and self._per_key[key_id] >= self.per_key_max
+        ):
+            raise _refusal(
+                f"this API key already has {self.per_key_max} requests in flight; retry later"
+            )
         self.num_requests_in_flight += 1
         self.num_seqs_in_flight += 1
         if key_id is not None:
@@ -115,7 +125,9 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)
             return
         if self.state.is_draining and scope["path"] != "/metrics":
-            await send_error(send, 503, "the server is shutting down", headers=[("Retry-After", "1")])
+            await send_error(
+                send, 503, "the server is shutting down", headers=[("Retry-After", "1")]
+            )
             return
         if scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
             await self.app(scope, receive, send)
@@ -124,8 +136,13 @@ class AdmissionMiddleware:
         try:
             ticket = self.controller.acquire(scope_state.get("api_key_id"))
         except APIError as refusal:
-            await send_error(send, refusal.status_code, refusal.message, code=refusal.code,
-                             headers=refusal.headers.items())
+            await send_error(
+                send,
+                refusal.status_code,
+                refusal.message,
+                code=refusal.code,
+                headers=refusal.headers.items(),
+            )
             return
         scope_state[TICKET_SCOPE_KEY] = ticket
         try:

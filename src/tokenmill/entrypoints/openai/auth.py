@@ -28,7 +28,9 @@ def _digest(value: bytes) -> bytes:
 class APIKeyAuthMiddleware:
     """401 unless ``Authorization: Bearer <key>`` names a configured key."""
 
-    def __init__(self, app: ASGIApp, api_keys: Sequence[str], open_health_metrics: bool = False) -> None:
+    def __init__(
+        self, app: ASGIApp, api_keys: Sequence[str], open_health_metrics: bool = False
+    ) -> None:
         self.app = app
         self._key_digests = [_digest(k.encode()) for k in api_keys]
         self._open_paths = OPEN_PATHS if open_health_metrics else frozenset()
@@ -57,8 +59,11 @@ class APIKeyAuthMiddleware:
         index = self._key_index(scope)
         if index is None:
             await send_error(
-                send, 401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
-                code="invalid_api_key", headers=[("WWW-Authenticate", "Bearer")],
+                send,
+                401,
+                "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers=[("WWW-Authenticate", "Bearer")],
             )
             return
         scope.setdefault("state", {})["api_key_id"] = index

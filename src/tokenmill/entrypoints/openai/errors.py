@@ -61,13 +61,22 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         """OpenAI's error object."""
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
-def error_body_bytes(status_code: int, message: str, code: str | None = None, param: str | None = None) -> bytes:
+def error_body_bytes(
+    status_code: int, message: str, code: str | None = None, param: str | None = None
+) -> bytes:
     """A serialized error body, for pure-ASGI middleware that answers before the app."""
     return json.dumps(APIError(status_code, message, code=code, param=param).body()).encode()
 
@@ -90,14 +99,21 @@ def to_api_error(exc: BaseException, request_id: str | None = None) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ContextLengthError):
-        return APIError(400, scrub(exc.message), param=exc.param or "prompt", code="context_length_exceeded")
+        return APIError(
+            400, scrub(exc.message), param=exc.param or "prompt", code="context_length_exceeded"
+        )
     if isinstance(exc, InvalidRequestError):
         return APIError(400, scrub(exc.message), param=exc.param)
     if isinstance(exc, EngineNotReadyError):
-        return APIError(503, "the model is still loading; retry shortly", headers={"Retry-After": "5"})
+        return APIError(
+            503, "the model is still loading; retry shortly", headers={"Retry-After": "5"}
+        )
     if isinstance(exc, EngineDeadError):
-        return APIError(500, "the inference engine failed; this server cannot serve requests",
-                        code="engine_dead")
+        return APIError(
+            500,
+            "the inference engine failed; this server cannot serve requests",
+            code="engine_dead",
+        )
     suffix = f" (request id {request_id})" if request_id else ""
     return APIError(500, f"internal server error{suffix}")
 

@@ -55,8 +55,11 @@ class ServerShuttingDownError(APIError):
     """The drain's ``--shutdown-timeout`` ran out while this request was still running."""
 
     def __init__(self) -> None:
-        super().__init__(503, "the server is shutting down; the request was cut off before it finished",
-                         headers={"Retry-After": "1"})
+        super().__init__(
+            503,
+            "the server is shutting down; the request was cut off before it finished",
+            headers={"Retry-After": "1"},
+        )
 
 
 _TIMED_OUT = object()
@@ -107,13 +110,17 @@ class ParsedRequest(Generic[BodyT]):
         admit_sequences(self.http, num_prompts, n)
 
 
-async def parse_request(request: Request, body_cls: type[BodyT], id_prefix: str) -> ParsedRequest[BodyT]:
+async def parse_request(
+    request: Request, body_cls: type[BodyT], id_prefix: str
+) -> ParsedRequest[BodyT]:
     """Decode and check the body, resolve the model and check the engine can take it now."""
     arrival_time = time.monotonic()
     state = get_state(request)
     request_id = new_request_id(id_prefix, request.headers.get("x-request-id"))
     request.scope.setdefault("state", {})["request_id"] = request_id
-    body = validate_model(body_cls, decode_json_object(await request.body(), request.headers.get("content-type")))
+    body = validate_model(
+        body_cls, decode_json_object(await request.body(), request.headers.get("content-type"))
+    )
     body.check()
     model = state.resolve_model(body.model)
     state.ready_engine()
@@ -122,11 +129,16 @@ async def parse_request(request: Request, body_cls: type[BodyT], id_prefix: str)
 
 def check_params(state: ServerState, params: SamplingParams, priority: int) -> CheckedParams:
     """The input processor's one check of what a request's prompts share; outputs stream as deltas."""
-    return state.engine.input_processor.check_params(params.clone(output_kind=RequestOutputKind.DELTA), priority)
+    return state.engine.input_processor.check_params(
+        params.clone(output_kind=RequestOutputKind.DELTA), priority
+    )
 
 
 async def process_prompts(
-    req: ParsedRequest[Any], prompts: list[str | list[int]], checked: CheckedParams, add_special_tokens: bool = True
+    req: ParsedRequest[Any],
+    prompts: list[str | list[int]],
+    checked: CheckedParams,
+    add_special_tokens: bool = True,
 ) -> list[ProcessedRequest]:
     """Tokenize and check every prompt on the tokenizing pool, so the event loop stays free.
 
@@ -141,9 +153,17 @@ async def process_prompts(
     def work() -> list[ProcessedRequest]:
         processed = []
         for i, prompt in enumerate(prompts):
-            ids = tokenization.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
-            request = processor.process_prompt(f"{req.request_id}-{i}", ids, checked, req.arrival_time)
-            processed.append(replace(request, prompt_text=prompt) if isinstance(prompt, str) else request)
+            ids = (
+                tokenization.encode(prompt, add_special_tokens)
+                if isinstance(prompt, str)
+                else list(prompt)
+            )
+            request = processor.process_prompt(
+                f"{req.request_id}-{i}", ids, checked, req.arrival_time
+            )
+            processed.append(
+                replace(request, prompt_text=prompt) if isinstance(prompt, str) else request
+            )
         return processed
 
     return await tokenization.run(work)
@@ -152,7 +172,9 @@ async def process_prompts(
 class GenerationRun:
     """The engine requests of one API request, merged, with a deadline and metrics."""
 
-    def __init__(self, state: ServerState, request_id: str, prompts: list[ProcessedRequest]) -> None:
+    def __init__(
+        self, state: ServerState, request_id: str, prompts: list[ProcessedRequest]
+    ) -> None:
         self.state = state
         self.request_id = request_id
         self.prompts = prompts
@@ -183,12 +205,21 @@ class GenerationRun:
 
     def usage(self) -> dict[str, int]:
         prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
 
     @property
     def ttft_s(self) -> float | None:
         """From arrival to the first token of any choice reaching the server."""
-        times = [t.first_token_time for choices in self._timings for t in choices if t.first_token_time is not None]
+        times = [
+            t.first_token_time
+            for choices in self._timings
+            for t in choices
+            if t.first_token_time is not None
+        ]
         return min(times) - self.arrival_time if times else None
 
     def record_for_access_log(self, request: Request) -> None:
@@ -217,7 +248,9 @@ class GenerationRun:
         self.state.active_runs.add(self)
         # The deadline counts waiting too: it runs from the request's arrival.
         remaining_s = self.arrival_time + self.state.config.request_timeout_s - time.monotonic()
-        timer = asyncio.get_running_loop().call_later(max(remaining_s, 0.0), queue.put_nowait, _TIMED_OUT)
+        timer = asyncio.get_running_loop().call_later(
+            max(remaining_s, 0.0), queue.put_nowait, _TIMED_OUT
+        )
 
         async def pump(index: int) -> None:
             stream = engine.generate(self.prompts[index])
@@ -250,7 +283,11 @@ class GenerationRun:
                     yield index, item
         except RequestTimeoutError:
             self.is_timed_out = True
-            logger.info("request %s timed out after %.1fs", self.request_id, self.state.config.request_timeout_s)
+            logger.info(
+                "request %s timed out after %.1fs",
+                self.request_id,
+                self.state.config.request_timeout_s,
+            )
             raise
         finally:
             timer.cancel()
@@ -273,8 +310,9 @@ class GenerationRun:
                 pass
         except RequestTimeoutError:
             if self.num_completion_tokens == 0:
-                raise APIError(503, "the request timed out before producing any output",
-                               code="request_timeout") from None
+                raise APIError(
+                    503, "the request timed out before producing any output", code="request_timeout"
+                ) from None
         finally:
             await stream.aclose()
         return self.latest
@@ -300,14 +338,28 @@ class GenerationRun:
                         finished.add(index)
                     # One delta per token, even while its text is held back (as vLLM streams).
                     if c.text_delta or new_ids or c.finish_reason is not None:
-                        batch.append(ChoiceDelta(index, c.text_delta, new_ids, logprobs, c.finish_reason, c.stop_reason))
+                        batch.append(
+                            ChoiceDelta(
+                                index,
+                                c.text_delta,
+                                new_ids,
+                                logprobs,
+                                c.finish_reason,
+                                c.stop_reason,
+                            )
+                        )
                 if batch:
                     yield batch
         except RequestTimeoutError:
             if self.num_completion_tokens == 0:
-                raise APIError(503, "the request timed out before producing any output",
-                               code="request_timeout") from None
-            yield [ChoiceDelta(i, "", [], None, "length") for i in range(self.num_choices) if i not in finished]
+                raise APIError(
+                    503, "the request timed out before producing any output", code="request_timeout"
+                ) from None
+            yield [
+                ChoiceDelta(i, "", [], None, "length")
+                for i in range(self.num_choices)
+                if i not in finished
+            ]
         finally:
             await stream.aclose()
 
@@ -345,15 +397,19 @@ class GenerationRun:
         reason = first.finish_reason if first is not None else None
         if reason is None:  # cut short: a timed-out choice with output is answered as "length"
             reason = "length" if self.is_timed_out and timings[0].num_tokens else "abort"
-        self.state.metrics.observe_finished(RequestTiming(
-            arrival_time=self.arrival_time,
-            end_time=end_time,
-            num_prompt_tokens=len(self.prompts[index].prompt_token_ids),
-            finished_reason=reason,
-            choices=timings,
-            # Set once by the engine thread before the first output; read, never written, here.
-            first_scheduled_time=output.metrics.first_scheduled_time if output is not None else None,
-        ))
+        self.state.metrics.observe_finished(
+            RequestTiming(
+                arrival_time=self.arrival_time,
+                end_time=end_time,
+                num_prompt_tokens=len(self.prompts[index].prompt_token_ids),
+                finished_reason=reason,
+                choices=timings,
+                # Set once by the engine thread before the first output; read, never written, here.
+                first_scheduled_time=output.metrics.first_scheduled_time
+                if output is not None
+                else None,
+            )
+        )
 
     def _observe_unfinished(self) -> None:
         now = time.monotonic()
@@ -383,8 +439,13 @@ class ChunkWriter:
 
     def _event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> bytes:
         req = self.req
-        payload: dict[str, Any] = {"id": req.request_id, "object": self.object_name, "created": req.created,
-                                   "model": req.model, "choices": choices}
+        payload: dict[str, Any] = {
+            "id": req.request_id,
+            "object": self.object_name,
+            "created": req.created,
+            "model": req.model,
+            "choices": choices,
+        }
         if usage is not None:
             payload["usage"] = usage
         return sse_event(payload)
@@ -404,7 +465,9 @@ async def respond(
     """
     request = req.http
     if req.body.stream:
-        events = guard_stream(stream(), req.request_id, on_close=lambda: run.record_for_access_log(request))
+        events = guard_stream(
+            stream(), req.request_id, on_close=lambda: run.record_for_access_log(request)
+        )
         return SSEResponse(events, headers=req.headers)
     try:
         outputs = await run_until_disconnected(request, run.collect())
@@ -412,10 +475,18 @@ async def respond(
         return Response(status_code=499)
     finally:
         run.record_for_access_log(request)
-    return JSONResponse({
-        "id": req.request_id, "object": object_name, "created": req.created, "model": req.model,
-        "choices": build_choices(outputs), "usage": run.usage(), "system_fingerprint": None,
-    }, headers=req.headers)
+    return JSONResponse(
+        {
+            "id": req.request_id,
+            "object": object_name,
+            "created": req.created,
+            "model": req.model,
+            "choices": build_choices(outputs),
+            "usage": run.usage(),
+            "system_fingerprint": None,
+        },
+        headers=req.headers,
+    )
 
 
 async def guard_stream(
@@ -455,11 +526,18 @@ def choice_logprob_entries(
             rows.append((token_id, tokenizer.id_to_token_text(token_id), None, []))
             continue
         chosen = entry.get(token_id)
-        text = chosen.decoded_token if chosen and chosen.decoded_token is not None else tokenizer.id_to_token_text(token_id)
+        text = (
+            chosen.decoded_token
+            if chosen and chosen.decoded_token is not None
+            else tokenizer.id_to_token_text(token_id)
+        )
         top = sorted(entry.items(), key=lambda kv: kv[1].rank)
         top_rows = [
-            (t, lp.decoded_token if lp.decoded_token is not None else tokenizer.id_to_token_text(t),
-             finite_logprob(lp.logprob))
+            (
+                t,
+                lp.decoded_token if lp.decoded_token is not None else tokenizer.id_to_token_text(t),
+                finite_logprob(lp.logprob),
+            )
             for t, lp in top
         ]
         rows.append((token_id, text, finite_logprob(chosen.logprob) if chosen else None, top_rows))

@@ -24,11 +24,18 @@ _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
 
 
 async def send_error(
-    send: Send, status: int, message: str, code: str | None = None, headers: Iterable[tuple[str, str]] = ()
+    send: Send,
+    status: int,
+    message: str,
+    code: str | None = None,
+    headers: Iterable[tuple[str, str]] = (),
 ) -> None:
     """Answer with an OpenAI-shaped error from middleware, before the app runs."""
     body = error_body_bytes(status, message, code=code)
-    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw_headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
     raw_headers += [(k.lower().encode(), v.encode()) for k, v in headers]
     await send({"type": "http.response.start", "status": status, "headers": raw_headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -66,8 +73,14 @@ class AccessLogMiddleware:
             client = scope.get("client") or ("-", 0)
             access_logger.info(
                 '%s "%s %s" %d %.1fms id=%s prompt_tokens=%s completion_tokens=%s ttft_ms=%s',
-                client[0], scope["method"], scope["path"], status[0] or 499, (time.monotonic() - start) * 1e3,
-                state.get("request_id", "-"), gen.get("prompt_tokens", "-"), gen.get("completion_tokens", "-"),
+                client[0],
+                scope["method"],
+                scope["path"],
+                status[0] or 499,
+                (time.monotonic() - start) * 1e3,
+                state.get("request_id", "-"),
+                gen.get("prompt_tokens", "-"),
+                gen.get("completion_tokens", "-"),
                 f"{ttft * 1e3:.1f}" if ttft is not None else "-",
             )
 
@@ -89,14 +102,23 @@ class HeaderLimitMiddleware:
         if scope["type"] == "http":
             headers = scope.get("headers", [])
             if len(headers) > self.max_header_count:
-                await send_error(send, 431, f"the request has {len(headers)} headers; at most "
-                                 f"{self.max_header_count} are allowed", code="headers_too_large")
+                await send_error(
+                    send,
+                    431,
+                    f"the request has {len(headers)} headers; at most "
+                    f"{self.max_header_count} are allowed",
+                    code="headers_too_large",
+                )
                 return
             size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
             size += sum(len(k) + len(v) + 4 for k, v in headers)
             if size > self.max_header_bytes:
-                await send_error(send, 431, f"the request line and headers exceed {self.max_header_bytes} bytes",
-                                 code="headers_too_large")
+                await send_error(
+                    send,
+                    431,
+                    f"the request line and headers exceed {self.max_header_bytes} bytes",
+                    code="headers_too_large",
+                )
                 return
         await self.app(scope, receive, send)
 
@@ -120,7 +142,9 @@ class BodyLimitMiddleware:
                 await send_error(send, 400, "invalid Content-Length header")
                 return
             if int(text) > limit:
-                await send_error(send, 413, f"the request body exceeds {limit} bytes", code="request_too_large")
+                await send_error(
+                    send, 413, f"the request body exceeds {limit} bytes", code="request_too_large"
+                )
                 return
         chunks: list[bytes] = []
         size = 0
@@ -131,7 +155,9 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await send_error(send, 413, f"the request body exceeds {limit} bytes", code="request_too_large")
+                await send_error(
+                    send, 413, f"the request body exceeds {limit} bytes", code="request_too_large"
+                )
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

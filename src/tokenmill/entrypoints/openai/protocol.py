@@ -93,7 +93,9 @@ class SamplingFields(StrictModel):
         if not -_INT32_MAX <= self.priority <= _INT32_MAX:
             raise InvalidRequestError("priority must fit in 32 bits", param="priority")
         if self.stream_options is not None and not self.stream:
-            raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+            raise InvalidRequestError(
+                "stream_options is only allowed when stream is true", param="stream_options"
+            )
         if not self.spaces_between_special_tokens:
             raise InvalidRequestError(
                 "spaces_between_special_tokens=false is not supported: the tokenizer's decoder decides the "
@@ -113,7 +115,9 @@ class SamplingFields(StrictModel):
             "min_p": 0.0 if self.min_p is None else self.min_p,
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0,
-            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "repetition_penalty": 1.0
+            if self.repetition_penalty is None
+            else self.repetition_penalty,
             "seed": self.seed,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
@@ -205,9 +209,13 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
 
     def check(self) -> None:
         super().check()
-        if self.tools is not None or self.functions is not None:  # even empty: one rule for any list
+        if (
+            self.tools is not None or self.functions is not None
+        ):  # even empty: one rule for any list
             param = "tools" if self.tools is not None else "functions"
-            raise InvalidRequestError("tool and function calling are not supported yet", param=param)
+            raise InvalidRequestError(
+                "tool and function calling are not supported yet", param=param
+            )
         for name in ("tool_choice", "function_call"):
             value = getattr(self, name)
             if value is not None and value != "none":
@@ -218,13 +226,21 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
                 param="response_format",
             )
         if self.top_logprobs is not None and not self.logprobs:
-            raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+            raise InvalidRequestError(
+                "top_logprobs requires logprobs to be true", param="top_logprobs"
+            )
         for i, message in enumerate(self.messages):
             if message.content is None and message.role != "assistant":
-                raise InvalidRequestError(f"messages[{i}].content is required", param=f"messages.{i}.content")
+                raise InvalidRequestError(
+                    f"messages[{i}].content is required", param=f"messages.{i}.content"
+                )
 
     def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
 
 class TokenizeRequest(ChatTemplateFields):
@@ -252,7 +268,17 @@ class DetokenizeRequest(StrictModel):
 
 
 # ---- body parsing ----------------------------------------------------------------------------
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "is-instance", "function-after"}
+_TYPE_TAGS = {
+    "str",
+    "int",
+    "float",
+    "bool",
+    "list",
+    "dict",
+    "none",
+    "is-instance",
+    "function-after",
+}
 
 
 def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
@@ -269,14 +295,18 @@ def _check_strings(value: Any, path: str) -> None:
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError:
-                raise InvalidRequestError(f"{where or 'body'} contains invalid Unicode (a lone surrogate)",
-                                          param=where or None) from None
+                raise InvalidRequestError(
+                    f"{where or 'body'} contains invalid Unicode (a lone surrogate)",
+                    param=where or None,
+                ) from None
         elif isinstance(item, list):
             stack.extend((v, f"{where}.{i}" if where else str(i)) for i, v in enumerate(item))
         elif isinstance(item, dict):
             for k, v in item.items():
                 if not isinstance(k, str) or any(0xD800 <= ord(c) <= 0xDFFF for c in k):
-                    raise InvalidRequestError("a field name contains invalid Unicode", param=where or None)
+                    raise InvalidRequestError(
+                        "a field name contains invalid Unicode", param=where or None
+                    )
                 stack.append((v, f"{where}.{k}" if where else k))
 
 
@@ -284,8 +314,11 @@ def decode_json_object(raw: bytes, content_type: str | None) -> dict[str, Any]:
     """The body as a JSON object, or an APIError saying exactly what is wrong with it."""
     media_type = (content_type or "").split(";", 1)[0].strip().lower()
     if media_type != "application/json" and not media_type.endswith("+json"):
-        raise APIError(415, "the request body must be JSON (Content-Type: application/json)",
-                       code="unsupported_media_type")
+        raise APIError(
+            415,
+            "the request body must be JSON (Content-Type: application/json)",
+            code="unsupported_media_type",
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -312,5 +345,9 @@ def validate_model(model_cls: type[ModelT], data: dict[str, Any]) -> ModelT:
         elif first.get("type") == "missing":
             message = f"{param} is required"
         else:
-            message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid body")
+            message = (
+                f"{param}: {first.get('msg', 'invalid value')}"
+                if param
+                else first.get("msg", "invalid body")
+            )
         raise InvalidRequestError(message, param=param) from None

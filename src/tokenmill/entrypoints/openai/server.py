@@ -83,10 +83,16 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
     if not config.served_model_names:  # resolved once: clients use the model argument
         config = dataclasses.replace(config, served_model_names=(engine_config.model,))
     metrics = ServerMetrics(
-        config.served_model_names[0], engine_config.max_model_len or DEFAULT_BUCKET_MAX_TOKENS, lambda: engine.stats
+        config.served_model_names[0],
+        engine_config.max_model_len or DEFAULT_BUCKET_MAX_TOKENS,
+        lambda: engine.stats,
     )
-    tokenization = RequestTokenizer(engine, config.max_concurrent_tokenizations, config.chat_template_timeout_s,
-                                    config.max_request_body_bytes)
+    tokenization = RequestTokenizer(
+        engine,
+        config.max_concurrent_tokenizations,
+        config.chat_template_timeout_s,
+        config.max_request_body_bytes,
+    )
     state = ServerState(config, engine_config, engine, metrics, tokenization)
     admission = AdmissionController(config.max_seqs_in_flight, config.per_key_max_concurrency)
 
@@ -101,7 +107,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
             tokenization.shutdown()
             await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app = FastAPI(
+        title="tokenmill",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+    )
     app.state.server = state
     app.state.admission = admission
     install_exception_handlers(app)
@@ -111,10 +123,16 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
     # Added innermost first: the last one added runs first.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
     app.add_middleware(AdmissionMiddleware, state=state, controller=admission)
-    app.add_middleware(APIKeyAuthMiddleware, api_keys=config.api_keys,
-                       open_health_metrics=config.disable_auth_for_health_metrics)
-    app.add_middleware(HeaderLimitMiddleware, max_header_bytes=config.max_header_bytes,
-                       max_header_count=config.max_header_count)
+    app.add_middleware(
+        APIKeyAuthMiddleware,
+        api_keys=config.api_keys,
+        open_health_metrics=config.disable_auth_for_health_metrics,
+    )
+    app.add_middleware(
+        HeaderLimitMiddleware,
+        max_header_bytes=config.max_header_bytes,
+        max_header_count=config.max_header_count,
+    )
     app.add_middleware(AccessLogMiddleware)
     return app
 
@@ -127,7 +145,12 @@ async def _log_when_ready(state: ServerState) -> None:
         logger.error("the model failed to load; shutting down")
         return
     await state.tokenization.warm_up()
-    logger.info("ready: serving %s on http://%s:%d", ", ".join(config.served_model_names), config.host, config.port)
+    logger.info(
+        "ready: serving %s on http://%s:%d",
+        ", ".join(config.served_model_names),
+        config.host,
+        config.port,
+    )
 
 
 class _JSONErrorH11Protocol(H11Protocol):
@@ -136,9 +159,15 @@ class _JSONErrorH11Protocol(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         import h11
 
-        body = error_body_bytes(400, "invalid HTTP request (malformed, or request line and headers too large)")
+        body = error_body_bytes(
+            400, "invalid HTTP request (malformed, or request line and headers too large)"
+        )
         headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-        for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+        for event in (
+            h11.Response(status_code=400, headers=headers),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ):
             self.transport.write(self.conn.send(event))
         self.transport.close()
 
@@ -178,17 +207,25 @@ class GracefulServer(uvicorn.Server):
         now = asyncio.get_running_loop().time()
         if self._engine_dead_since is None:
             self._engine_dead_since = now
-            logger.error("the engine died; /health answers 503 and the server exits in %.0fs",
-                         self.dead_engine_grace_s)
+            logger.error(
+                "the engine died; /health answers 503 and the server exits in %.0fs",
+                self.dead_engine_grace_s,
+            )
         elapsed = now - self._engine_dead_since
         if elapsed < self.dead_engine_grace_s:
             return False
-        return (self.admission.num_requests_in_flight == 0
-                or elapsed >= self.dead_engine_grace_s + self.state.config.shutdown_timeout_s)
+        return (
+            self.admission.num_requests_in_flight == 0
+            or elapsed >= self.dead_engine_grace_s + self.state.config.shutdown_timeout_s
+        )
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """SIGTERM drains for ``--shutdown-timeout``; SIGINT (Ctrl-C) cuts off at once; a second signal forces."""
-        if sig in (signal.SIGTERM, signal.SIGINT) and not self._is_drain_started and self._loop is not None:
+        if (
+            sig in (signal.SIGTERM, signal.SIGINT)
+            and not self._is_drain_started
+            and self._loop is not None
+        ):
             self._is_drain_started = True
             timeout_s = self.state.config.shutdown_timeout_s if sig == signal.SIGTERM else 0.0
             self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain(timeout_s)))
@@ -207,14 +244,21 @@ class GracefulServer(uvicorn.Server):
         state = self.state
         state.is_draining = True
         admission = self.admission
-        logger.info("shutting down: draining %d in-flight request(s), up to %.0fs",
-                    admission.num_requests_in_flight, timeout_s)
+        logger.info(
+            "shutting down: draining %d in-flight request(s), up to %.0fs",
+            admission.num_requests_in_flight,
+            timeout_s,
+        )
         loop = asyncio.get_running_loop()
         await _wait_until(lambda: admission.num_requests_in_flight == 0, loop.time() + timeout_s)
         if admission.num_requests_in_flight:
             num_cut = state.cut_off_running()
-            logger.warning("shutdown timeout: %d request(s) still in flight are cut off (503)", num_cut)
-            await _wait_until(lambda: admission.num_requests_in_flight == 0, loop.time() + CUT_OFF_GRACE_S)
+            logger.warning(
+                "shutdown timeout: %d request(s) still in flight are cut off (503)", num_cut
+            )
+            await _wait_until(
+                lambda: admission.num_requests_in_flight == 0, loop.time() + CUT_OFF_GRACE_S
+            )
         self.should_exit = True
 
 
@@ -232,9 +276,16 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     if config.disable_access_log:
         logging.getLogger("tokenmill.access").setLevel(logging.WARNING)
     uv_config = uvicorn.Config(
-        app, host=config.host, port=config.port, http=_JSONErrorH11Protocol, lifespan="on",
-        access_log=False, log_level=logging.getLogger().getEffectiveLevel(), server_header=False,
-        h11_max_incomplete_event_size=config.max_header_bytes, timeout_keep_alive=5,
+        app,
+        host=config.host,
+        port=config.port,
+        http=_JSONErrorH11Protocol,
+        lifespan="on",
+        access_log=False,
+        log_level=logging.getLogger().getEffectiveLevel(),
+        server_header=False,
+        h11_max_incomplete_event_size=config.max_header_bytes,
+        timeout_keep_alive=5,
         timeout_graceful_shutdown=CUT_OFF_GRACE_S,  # type: ignore[arg-type]  # a float works (asyncio timeout)
     )
     server = GracefulServer(uv_config, app)

@@ -33,9 +33,13 @@ class ServerConfig:
     """Address to listen on."""
     port: int = 8000
     """Port to listen on (0: any free port)."""
-    served_model_names: tuple[str, ...] = field(default=(), metadata={"flag": "--served-model-name"})
+    served_model_names: tuple[str, ...] = field(
+        default=(), metadata={"flag": "--served-model-name"}
+    )
     """Model name(s) clients send in 'model', the first reported first by /v1/models; default: the model argument."""
-    api_keys: tuple[str, ...] = field(default=(), metadata={"flag": "--api-key", "action": "append"})
+    api_keys: tuple[str, ...] = field(
+        default=(), metadata={"flag": "--api-key", "action": "append"}
+    )
     """Accepted bearer token; repeat for several (also $TOKENMILL_API_KEY, comma-separated); default: no authentication."""
     disable_auth_for_health_metrics: bool = False
     """Leave /health and /metrics (GET and HEAD) open even when API keys are set."""
@@ -55,7 +59,9 @@ class ServerConfig:
     """On SIGTERM, seconds in-flight requests may take to finish; those still running then get a 503 and the server exits about a second later."""
     trust_request_chat_template: bool = False
     """Let requests supply their own chat template (rendered in the sandbox either way)."""
-    chat_template_timeout_s: float = field(default=2.0, metadata={"flag": "--chat-template-timeout"})
+    chat_template_timeout_s: float = field(
+        default=2.0, metadata={"flag": "--chat-template-timeout"}
+    )
     """Seconds a request-supplied chat template may take to render (400 beyond it)."""
     max_concurrent_tokenizations: int = 4
     """Threads that tokenize prompts and render chat templates; more requests wait for one."""
@@ -69,8 +75,10 @@ class ServerConfig:
             (0 <= self.port <= 65535, "--port must be in [0, 65535] (0: any free port)"),
             (all(k.strip() for k in self.api_keys), "--api-key must not be empty"),
             (self.max_queue_len >= 0, "--max-queue-len must be >= 0"),
-            (self.per_key_max_concurrency is None or self.per_key_max_concurrency >= 1,
-             "--per-key-max-concurrency must be >= 1"),
+            (
+                self.per_key_max_concurrency is None or self.per_key_max_concurrency >= 1,
+                "--per-key-max-concurrency must be >= 1",
+            ),
             (self.request_timeout_s > 0, "--request-timeout must be > 0"),
             (self.shutdown_timeout_s >= 0, "--shutdown-timeout must be >= 0"),
             (self.max_request_body_bytes >= 1024, "--max-request-body-bytes must be at least 1KiB"),
@@ -132,7 +140,9 @@ class ServerState:
             return name
         is_plain = _SAFE_MODEL_NAME.fullmatch(name) and ".." not in name and "//" not in name
         shown = f"`{name}`" if is_plain else "requested"
-        raise APIError(404, f"The model {shown} does not exist.", param="model", code="model_not_found")
+        raise APIError(
+            404, f"The model {shown} does not exist.", param="model", code="model_not_found"
+        )
 
     def ready_engine(self) -> AsyncLLMEngine:
         """The engine, if it may take a new request now."""
@@ -142,7 +152,9 @@ class ServerState:
         if state is EngineState.READY:
             return self.engine
         if state in (EngineState.CREATED, EngineState.LOADING):
-            raise APIError(503, "the model is still loading; retry shortly", headers={"Retry-After": "5"})
+            raise APIError(
+                503, "the model is still loading; retry shortly", headers={"Retry-After": "5"}
+            )
         raise EngineDeadError("engine not running")
 
     @property

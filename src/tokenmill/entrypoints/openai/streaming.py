@@ -33,7 +33,11 @@ class ClientDisconnected(Exception):
 
 def sse_event(payload: dict[str, Any]) -> bytes:
     """One ``data:`` event; the JSON is written whole, never half."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return (
+        b"data: "
+        + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+        + b"\n\n"
+    )
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
@@ -92,7 +96,13 @@ class SSEResponse(Response):
     async def _stream(self, send: Send) -> None:
         aclose = getattr(self._chunks, "aclose", None)
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
             async for chunk in self._chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -38,7 +38,9 @@ class RequestTokenizer:
         self.chat_template_timeout_s = chat_template_timeout_s
         """Time budget of a request-supplied chat template's render."""
         self._max_request_body_bytes = max_request_body_bytes
-        self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="tokenmill-tokenize")
+        self._executor = ThreadPoolExecutor(
+            max_concurrency, thread_name_prefix="tokenmill-tokenize"
+        )
 
     @functools.cached_property
     def max_prompt_chars(self) -> int | None:
@@ -66,14 +68,18 @@ class RequestTokenizer:
                 param=param,
             )
 
-    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[int]:
         """Token ids of ``text`` after the length bound (call on the pool, via ``run``)."""
         self.check_length(text, param)
         return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the tokenizing pool; the event loop stays free meanwhile."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, functools.partial(fn, *args)
+        )
 
     async def warm_up(self) -> None:
         """Compute the length bound now, so the first request does not pay for it."""

@@ -41,14 +41,25 @@ from tokenmill.tokenizer.tokenizer import NAMED_SPECIAL_TOKENS
 
 router = APIRouter()
 
-_RESERVED_TEMPLATE_KEYS = frozenset({
-    "messages", "add_generation_prompt", "chat_template", "tools", "documents", "raise_exception",
-    "strftime_now", *NAMED_SPECIAL_TOKENS, *jinja2.defaults.DEFAULT_NAMESPACE,
-})
+_RESERVED_TEMPLATE_KEYS = frozenset(
+    {
+        "messages",
+        "add_generation_prompt",
+        "chat_template",
+        "tools",
+        "documents",
+        "raise_exception",
+        "strftime_now",
+        *NAMED_SPECIAL_TOKENS,
+        *jinja2.defaults.DEFAULT_NAMESPACE,
+    }
+)
 """Template variables the server sets (besides the model's own ``*_token`` ones)."""
 
 
-def check_chat_template_kwargs(kwargs: Mapping[str, Any], special_tokens: Mapping[str, str]) -> None:
+def check_chat_template_kwargs(
+    kwargs: Mapping[str, Any], special_tokens: Mapping[str, str]
+) -> None:
     """400 naming the first key that would replace a variable the server sets."""
     for key in kwargs:
         if key in _RESERVED_TEMPLATE_KEYS or key in special_tokens:
@@ -69,7 +80,9 @@ def render_chat_prompt(
             param="chat_template",
         )
     if fields.chat_template is None and not tokenizer.has_chat_template:
-        raise InvalidRequestError("this model has no chat template; use the completions endpoint", param="messages")
+        raise InvalidRequestError(
+            "this model has no chat template; use the completions endpoint", param="messages"
+        )
     kwargs = fields.chat_template_kwargs or {}
     check_chat_template_kwargs(kwargs, tokenizer.special_tokens)
     tokenization = state.tokenization
@@ -78,26 +91,41 @@ def render_chat_prompt(
         add_generation_prompt=fields.add_generation_prompt,
         chat_template=fields.chat_template,
         max_chars=tokenization.max_render_chars,
-        time_budget_s=tokenization.chat_template_timeout_s if fields.chat_template is not None else None,
+        time_budget_s=tokenization.chat_template_timeout_s
+        if fields.chat_template is not None
+        else None,
         **kwargs,
     )
 
 
-def encode_chat_prompt(state: ServerState, messages: list[ChatMessage], fields: ChatTemplateFields,
-                       add_special_tokens: bool = False) -> list[int]:
+def encode_chat_prompt(
+    state: ServerState,
+    messages: list[ChatMessage],
+    fields: ChatTemplateFields,
+    add_special_tokens: bool = False,
+) -> list[int]:
     """Token ids of the rendered conversation (templates write their own BOS; call off the event loop)."""
     text = render_chat_prompt(state, messages, fields)
     return state.tokenization.encode(text, add_special_tokens, param="messages")
 
 
-async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], fields: ChatTemplateFields,
-                          add_special_tokens: bool = False) -> list[int]:
+async def chat_prompt_ids(
+    state: ServerState,
+    messages: list[ChatMessage],
+    fields: ChatTemplateFields,
+    add_special_tokens: bool = False,
+) -> list[int]:
     """``encode_chat_prompt`` on the tokenizing pool."""
-    return await state.tokenization.run(encode_chat_prompt, state, messages, fields, add_special_tokens)
+    return await state.tokenization.run(
+        encode_chat_prompt, state, messages, fields, add_special_tokens
+    )
 
 
 def chat_logprobs(
-    token_ids: list[int], entries: Sequence[PositionLogprobs | None] | None, tokenizer: Any, num_top: int,
+    token_ids: list[int],
+    entries: Sequence[PositionLogprobs | None] | None,
+    tokenizer: Any,
+    num_top: int,
     as_token_ids: bool = False,
 ) -> dict[str, Any]:
     """OpenAI's chat logprobs object: one entry per token with its top alternatives.
@@ -105,15 +133,21 @@ def chat_logprobs(
     ``bytes`` are the token's text even when it is labelled ``token_id:N``."""
     content = []
     for token_id, text, logprob, top in choice_logprob_entries(token_ids, entries, tokenizer):
-        content.append({
-            "token": token_label(token_id, text, as_token_ids),
-            "logprob": logprob,
-            "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [
-                {"token": token_label(t, t_text, as_token_ids), "logprob": lp, "bytes": list(t_text.encode("utf-8"))}
-                for t, t_text, lp in top[:num_top]
-            ],
-        })
+        content.append(
+            {
+                "token": token_label(token_id, text, as_token_ids),
+                "logprob": logprob,
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {
+                        "token": token_label(t, t_text, as_token_ids),
+                        "logprob": lp,
+                        "bytes": list(t_text.encode("utf-8")),
+                    }
+                    for t, t_text, lp in top[:num_top]
+                ],
+            }
+        )
     return {"content": content}
 
 
@@ -135,8 +169,13 @@ async def create_chat_completion(request: Request) -> Response:
     ids = await chat_prompt_ids(state, body.messages, body)
     prompts = await process_prompts(req, [ids], checked)
     run = GenerationRun(state, req.request_id, prompts)
-    return await respond(req, run, "chat.completion", stream=lambda: _stream(req, run, num_top),
-                         build_choices=lambda outputs: _choices(run, body, outputs[0], num_top))
+    return await respond(
+        req,
+        run,
+        "chat.completion",
+        stream=lambda: _stream(req, run, num_top),
+        build_choices=lambda outputs: _choices(run, body, outputs[0], num_top),
+    )
 
 
 def _choices(
@@ -147,38 +186,73 @@ def _choices(
     choices = []
     for i in range(run.params.n):
         c = by_index.get(i)
-        choices.append({
-            "index": i,
-            "message": {"role": "assistant", "content": c.text if c is not None else ""},
-            "logprobs": chat_logprobs(c.token_ids if c else [], c.logprobs if c else None, tokenizer, num_top,
-                                      body.return_tokens_as_token_ids)
-            if body.logprobs else None,
-            "finish_reason": (c.finish_reason if c is not None else None) or "length",
-            "stop_reason": c.stop_reason if c is not None else None,
-        })
+        choices.append(
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text if c is not None else ""},
+                "logprobs": chat_logprobs(
+                    c.token_ids if c else [],
+                    c.logprobs if c else None,
+                    tokenizer,
+                    num_top,
+                    body.return_tokens_as_token_ids,
+                )
+                if body.logprobs
+                else None,
+                "finish_reason": (c.finish_reason if c is not None else None) or "length",
+                "stop_reason": c.stop_reason if c is not None else None,
+            }
+        )
     return choices
 
 
-async def _stream(req: ParsedRequest[ChatCompletionRequest], run: GenerationRun, num_top: int) -> AsyncIterator[bytes]:
+async def _stream(
+    req: ParsedRequest[ChatCompletionRequest], run: GenerationRun, num_top: int
+) -> AsyncIterator[bytes]:
     body = req.body
     tokenizer = run.state.engine.tokenizer
     chunk = ChunkWriter(req, run, "chat.completion.chunk")
-    yield chunk([
-        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        for i in range(run.num_choices)
-    ])
+    yield chunk(
+        [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(run.num_choices)
+        ]
+    )
     async for batch in run.deltas():
         content = []
         finishes = []
         for d in batch:
             if d.text or d.token_ids:
-                logprobs = (chat_logprobs(d.token_ids, d.logprobs, tokenizer, num_top, body.return_tokens_as_token_ids)
-                            if body.logprobs else None)
-                content.append({"index": d.index, "delta": {"content": d.text}, "logprobs": logprobs,
-                                "finish_reason": None})
+                logprobs = (
+                    chat_logprobs(
+                        d.token_ids, d.logprobs, tokenizer, num_top, body.return_tokens_as_token_ids
+                    )
+                    if body.logprobs
+                    else None
+                )
+                content.append(
+                    {
+                        "index": d.index,
+                        "delta": {"content": d.text},
+                        "logprobs": logprobs,
+                        "finish_reason": None,
+                    }
+                )
             if d.finish_reason is not None:
-                finishes.append({"index": d.index, "delta": {}, "logprobs": None,
-                                 "finish_reason": d.finish_reason, "stop_reason": d.stop_reason})
+                finishes.append(
+                    {
+                        "index": d.index,
+                        "delta": {},
+                        "logprobs": None,
+                        "finish_reason": d.finish_reason,
+                        "stop_reason": d.stop_reason,
+                    }
+                )
         if content:
             yield chunk(content)
         if finishes:

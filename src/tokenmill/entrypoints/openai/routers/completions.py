@@ -34,31 +34,49 @@ router = APIRouter()
 
 
 def completion_logprobs(
-    token_ids: list[int], entries: Sequence[PositionLogprobs | None] | None, tokenizer: Any, text_offset: int,
+    token_ids: list[int],
+    entries: Sequence[PositionLogprobs | None] | None,
+    tokenizer: Any,
+    text_offset: int,
     as_token_ids: bool = False,
 ) -> dict[str, Any]:
     """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs, text_offset.
 
     Offsets index the choice's text even when tokens are labelled ``token_id:N``."""
-    result: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    result: dict[str, Any] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
     for token_id, text, logprob, top in choice_logprob_entries(token_ids, entries, tokenizer):
         result["tokens"].append(token_label(token_id, text, as_token_ids))
         result["token_logprobs"].append(logprob)
         result["top_logprobs"].append(
-            {token_label(t, t_text, as_token_ids): lp for t, t_text, lp in top} if logprob is not None else None
+            {token_label(t, t_text, as_token_ids): lp for t, t_text, lp in top}
+            if logprob is not None
+            else None
         )
         result["text_offset"].append(text_offset)
         text_offset += len(text)
     return result
 
 
-def vllm_prompt_logprobs(output: RequestOutput | None) -> list[dict[str, dict[str, Any]] | None] | None:
+def vllm_prompt_logprobs(
+    output: RequestOutput | None,
+) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's ``prompt_logprobs``: per prompt position, token id -> logprob, rank, text."""
     if output is None or output.prompt_logprobs is None:
         return None
     return [
-        None if entry is None else {
-            str(token_id): {"logprob": finite_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+        None
+        if entry is None
+        else {
+            str(token_id): {
+                "logprob": finite_logprob(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
             for token_id, lp in entry.items()
         }
         for entry in output.prompt_logprobs
@@ -76,7 +94,8 @@ async def create_completion(request: Request) -> Response:
     engine = req.state.engine
     want_prompt_logprobs = body.echo and body.logprobs is not None
     params = body.sampling_params(
-        body.max_tokens, body.logprobs,
+        body.max_tokens,
+        body.logprobs,
         prompt_logprobs=body.logprobs if want_prompt_logprobs else body.prompt_logprobs,
     )
     checked = check_params(req.state, params, body.priority)
@@ -85,13 +104,22 @@ async def create_completion(request: Request) -> Response:
     prompts = await process_prompts(req, prompt_list, checked, body.add_special_tokens)
     if body.echo:  # token-id prompts are echoed as their text
         prompts = [
-            p if p.prompt_text is not None
-            else replace(p, prompt_text=engine.tokenizer.decode(p.prompt_token_ids, skip_special_tokens=False))
+            p
+            if p.prompt_text is not None
+            else replace(
+                p,
+                prompt_text=engine.tokenizer.decode(p.prompt_token_ids, skip_special_tokens=False),
+            )
             for p in prompts
         ]
     run = GenerationRun(req.state, req.request_id, prompts)
-    return await respond(req, run, "text_completion", stream=lambda: _stream(req, run),
-                         build_choices=lambda outputs: _choices(run, body, outputs))
+    return await respond(
+        req,
+        run,
+        "text_completion",
+        stream=lambda: _stream(req, run),
+        build_choices=lambda outputs: _choices(run, body, outputs),
+    )
 
 
 def _echo_prefix(
@@ -106,10 +134,14 @@ def _echo_prefix(
         return text, None
     tokenizer = run.state.engine.tokenizer
     entries = output.prompt_logprobs if output is not None else None
-    return text, completion_logprobs(prompt.prompt_token_ids, entries, tokenizer, 0, body.return_tokens_as_token_ids)
+    return text, completion_logprobs(
+        prompt.prompt_token_ids, entries, tokenizer, 0, body.return_tokens_as_token_ids
+    )
 
 
-def _choices(run: GenerationRun, body: CompletionRequest, outputs: list[RequestOutput | None]) -> list[dict[str, Any]]:
+def _choices(
+    run: GenerationRun, body: CompletionRequest, outputs: list[RequestOutput | None]
+) -> list[dict[str, Any]]:
     tokenizer = run.state.engine.tokenizer
     n = run.params.n
     choices = []
@@ -124,7 +156,11 @@ def _choices(run: GenerationRun, body: CompletionRequest, outputs: list[RequestO
             if body.logprobs is not None:
                 ids = c.token_ids if c is not None else []
                 logprobs = completion_logprobs(
-                    ids, c.logprobs if c else None, tokenizer, len(echo_text), body.return_tokens_as_token_ids
+                    ids,
+                    c.logprobs if c else None,
+                    tokenizer,
+                    len(echo_text),
+                    body.return_tokens_as_token_ids,
                 )
                 if echo_logprobs is not None:
                     logprobs = _merge_logprobs(echo_logprobs, logprobs)
@@ -141,7 +177,9 @@ def _choices(run: GenerationRun, body: CompletionRequest, outputs: list[RequestO
     return choices
 
 
-async def _stream(req: ParsedRequest[CompletionRequest], run: GenerationRun) -> AsyncIterator[bytes]:
+async def _stream(
+    req: ParsedRequest[CompletionRequest], run: GenerationRun
+) -> AsyncIterator[bytes]:
     body = req.body
     tokenizer = run.state.engine.tokenizer
     n = run.params.n
@@ -155,16 +193,30 @@ async def _stream(req: ParsedRequest[CompletionRequest], run: GenerationRun) -> 
             text, logprobs = d.text, None
             if body.logprobs is not None:
                 logprobs = completion_logprobs(
-                    d.token_ids, d.logprobs, tokenizer, offsets[d.index], body.return_tokens_as_token_ids
+                    d.token_ids,
+                    d.logprobs,
+                    tokenizer,
+                    offsets[d.index],
+                    body.return_tokens_as_token_ids,
                 )
             if d.index not in echoed:
                 echoed.add(d.index)
                 prompt_index = d.index // n
-                echo_text, echo_logprobs = _echo_prefix(run, body, prompt_index, run.latest[prompt_index])
+                echo_text, echo_logprobs = _echo_prefix(
+                    run, body, prompt_index, run.latest[prompt_index]
+                )
                 text = echo_text + text
                 if echo_logprobs is not None and logprobs is not None:
-                    logprobs = _merge_logprobs(echo_logprobs, completion_logprobs(
-                        d.token_ids, d.logprobs, tokenizer, len(echo_text), body.return_tokens_as_token_ids))
+                    logprobs = _merge_logprobs(
+                        echo_logprobs,
+                        completion_logprobs(
+                            d.token_ids,
+                            d.logprobs,
+                            tokenizer,
+                            len(echo_text),
+                            body.return_tokens_as_token_ids,
+                        ),
+                    )
                 if body.prompt_logprobs is not None:
                     first_extra[d.index] = vllm_prompt_logprobs(run.latest[prompt_index])
             offsets[d.index] += len(text)
@@ -178,5 +230,10 @@ async def _stream(req: ParsedRequest[CompletionRequest], run: GenerationRun) -> 
 
 
 def _stream_choice(d: ChoiceDelta, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    return {"index": d.index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason,
-            "stop_reason": d.stop_reason}
+    return {
+        "index": d.index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": d.finish_reason,
+        "stop_reason": d.stop_reason,
+    }

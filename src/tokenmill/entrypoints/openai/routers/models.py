@@ -22,14 +22,18 @@ def _model_card(state: ServerState, name: str) -> dict:
         "owned_by": "tokenmill",
         "root": name,
         "parent": None,
-        "max_model_len": state.engine.max_model_len if state.engine.is_ready else state.engine_config.max_model_len,
+        "max_model_len": state.engine.max_model_len
+        if state.engine.is_ready
+        else state.engine_config.max_model_len,
     }
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
     state = get_state(request)
-    return JSONResponse({"object": "list", "data": [_model_card(state, n) for n in state.config.served_model_names]})
+    return JSONResponse(
+        {"object": "list", "data": [_model_card(state, n) for n in state.config.served_model_names]}
+    )
 
 
 @router.get("/v1/models/{model:path}")
