@@ -18,7 +18,13 @@ import httpx
 import pytest
 
 from tests.entrypoints.conftest import ServerHandle
-from tests.entrypoints.inprocess import InProcessServer, StepGate, serve_in_process, wait_healthy
+from tests.entrypoints.inprocess import (
+    WAIT_S,
+    InProcessServer,
+    StepGate,
+    serve_in_process,
+    wait_healthy,
+)
 from tokenmill.config import EngineConfig
 from tokenmill.entrypoints.openai.state import ServerConfig
 
@@ -43,6 +49,15 @@ class RawClient:
         self.sock.sendall(head.encode() + payload)
         self.sock.setblocking(False)
         self.received = b""
+
+    def read_until(self, marker: bytes) -> bytes:
+        """Block until ``marker`` has arrived (or the server closes); returns all received."""
+        self.sock.setblocking(True)
+        self.sock.settimeout(WAIT_S)
+        while marker not in self.received and (chunk := self.sock.recv(65536)):
+            self.received += chunk
+        self.sock.setblocking(False)
+        return self.received
 
     def close(self) -> None:
         """Read what has arrived (a stream's chunks so far), then hang up."""
@@ -164,3 +179,28 @@ def test_a_stream_closed_after_its_first_event_frees_everything(server: ServerHa
     m = server.wait_idle(timeout_s=60)
     assert m["tokenmill:num_requests_running"] == 0 and m["tokenmill:num_requests_waiting"] == 0
     assert m["tokenmill:kv_cache_usage_perc"] == 0
+
+
+def test_a_request_id_in_use_is_refused_and_the_first_request_goes_on(
+    gated: tuple[InProcessServer, StepGate],
+) -> None:
+    server, gate = gated
+    body = {"prompt": "first", "max_tokens": 4, "ignore_eos": True}
+    first = RawClient(server.base_url, "/v1/completions", body, "same-id")
+    gate.wait_until(
+        lambda: server.engine.num_streams == 1, "the first request never reached the engine"
+    )
+    second = httpx.post(
+        f"{server.base_url}/v1/completions",
+        json=body,
+        headers={"X-Request-Id": "same-id"},
+        timeout=60,
+    )
+    assert second.status_code == 400 and second.json()["error"]["param"] == "request_id", (
+        second.text
+    )
+    gate.open()  # the engine is held between tests: let the first run to its end
+    received = first.read_until(b'"total_tokens"')
+    gate.close()
+    first.close()
+    assert b'"completion_tokens":4' in received and b'"id":"cmpl-same-id"' in received
