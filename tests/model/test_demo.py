@@ -1,20 +1,25 @@
-"""The demo model: deterministic, atomic to build, and a standard HF Llama folder."""
+"""The shipped demo model: a standard HF Llama folder that loads at once and writes English."""
 
 from __future__ import annotations
 
 import json
+import math
+import re
+import shutil
+import string
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tokenmill.entrypoints.llm import LLM
+from tokenmill.errors import ModelLoadError
 from tokenmill.model import demo
-from tokenmill.model.demo import (
-    build_bpe_tokenizer,
-    build_demo_model,
-    demo_model_path,
-)
+from tokenmill.model.config import ModelConfig
+from tokenmill.model.demo import DEMO_MODEL_DIR, build_bpe_tokenizer, demo_model_path
+from tokenmill.model.loader import resolve_dtype
+from tokenmill.sampling.params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -26,63 +31,52 @@ MODEL_FILES = [
     "tokenizer.json",
     "tokenizer_config.json",
 ]
+# The 5000 most frequent words of the training corpus, written by scripts/train_demo_model.py;
+# it leaves out one-letter words (x, n, ...) but for these two.
+CORPUS_WORDS = frozenset(Path(__file__).with_name("demo_words.txt").read_text().split() + ["a", "i"])
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_demo_model(tmp_path_factory.mktemp("demo") / "model")
+def demo_dir() -> Path:
+    return demo_model_path()
 
 
-def test_demo_model_path_builds_once_in_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
+@pytest.fixture(scope="module")
+def demo_llm(demo_dir: Path) -> LLM:
+    return LLM("demo", max_model_len=512)
+
+
+def english_words(text: str) -> tuple[int, float]:
+    """(distinct words, share of them made only of letter runs that are common corpus words).
+
+    Distinct, so a greedy loop repeating one word does not count many times. Punctuation
+    around a word is ignored, and ``file_name`` counts when both halves are words; random
+    pieces glued together (``dur0``, ``timeorth``) do not.
+    """
+    words = set(text.split())
+    known = 0
+    for word in words:
+        core = word.strip(string.punctuation + "“”‘’").lower()
+        runs = re.findall(r"[a-z]+", core)
+        if runs and re.fullmatch(r"[a-z_'\-]+", core) and all(r in CORPUS_WORDS for r in runs):
+            known += 1
+    return len(words), known / max(1, len(words))
+
+
+def test_demo_model_path_is_the_shipped_folder() -> None:
     path = demo_model_path()
-    assert path == tmp_path / "demo-v1"
+    assert path == DEMO_MODEL_DIR and path.parent == Path(demo.__file__).resolve().parent
     assert all((path / name).is_file() for name in MODEL_FILES)
-    # No staging folders are left behind, and a second call reuses the folder.
-    assert [p.name for p in tmp_path.iterdir()] == ["demo-v1"]
-    mtime = (path / "model.safetensors").stat().st_mtime_ns
-    assert demo_model_path() == path
-    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
 
 
-def test_demo_model_path_defaults_to_home_cache(
+def test_missing_demo_files_are_a_clear_load_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("TOKENMILL_CACHE", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))
-    assert demo.cache_root() == tmp_path / ".cache" / "tokenmill"
-
-
-def test_losing_the_build_race_uses_the_winners_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Another process renames its complete build in first: ours is discarded, not merged."""
-    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
-    final = tmp_path / "demo-v1"
-    real_build = demo.build_demo_model
-    staging_folders: list[Path] = []
-
-    def build_while_another_process_wins(folder: str | Path) -> Path:
-        staging_folders.append(Path(folder))
-        real_build(final)  # the other process completes first
-        (final / "winner").write_text("yes")
-        return real_build(folder)
-
-    monkeypatch.setattr(demo, "build_demo_model", build_while_another_process_wins)
-    path = demo_model_path()
-    assert path == final
-    assert (final / "winner").read_text() == "yes"
-    assert staging_folders and staging_folders[0].parent == tmp_path
-    assert not staging_folders[0].exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-v1"]
-
-
-def test_build_is_deterministic(tmp_path: Path, demo_dir: Path) -> None:
-    again = build_demo_model(tmp_path / "again")
-    for name in MODEL_FILES:
-        assert (again / name).read_bytes() == (demo_dir / name).read_bytes(), name
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(demo, "DEMO_MODEL_DIR", tmp_path)
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors.*train_demo_model\.py"):
+        demo_model_path()
 
 
 def test_config_matches_tokenizer_and_weights(demo_dir: Path) -> None:
@@ -98,7 +92,7 @@ def test_config_matches_tokenizer_and_weights(demo_dir: Path) -> None:
     assert config["num_attention_heads"] * config["head_dim"] == config["hidden_size"]
 
 
-def test_weights_have_hf_llama_names_shapes_and_init(demo_dir: Path) -> None:
+def test_weights_have_hf_llama_names_and_shapes_in_bfloat16(demo_dir: Path) -> None:
     config = json.loads((demo_dir / "config.json").read_text())
     weights = load_file(str(demo_dir / "model.safetensors"))
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
@@ -123,13 +117,17 @@ def test_weights_have_hf_llama_names_shapes_and_init(demo_dir: Path) -> None:
             f"{p}.post_attention_layernorm.weight": (hidden,),
         }
     assert {name: tuple(t.shape) for name, t in weights.items()} == expected
-    for name, tensor in weights.items():
-        assert tensor.dtype == torch.float32
-        if name.endswith("norm.weight"):
-            assert torch.equal(tensor, torch.ones_like(tensor))
-        else:
-            assert abs(tensor.std().item() - 0.02) < 0.002, name
-    assert not torch.equal(weights["model.embed_tokens.weight"], weights["lm_head.weight"])
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert all(torch.isfinite(t.float()).all() for t in weights.values())
+    # Trained, not freshly initialised: the norms moved away from ones.
+    assert not torch.equal(weights["model.norm.weight"], torch.ones(hidden, dtype=torch.bfloat16))
+
+
+def test_engine_runs_the_demo_in_float32_by_default(demo_dir: Path) -> None:
+    """bf16 on disk for size; the config asks for float32, so results match the old demo's dtype."""
+    cfg = ModelConfig.from_folder(demo_dir)
+    for device in ("cpu", "cuda"):
+        assert resolve_dtype("auto", cfg, torch.device(device)) == torch.float32
 
 
 def test_demo_tokenizer_chatml(demo_dir: Path) -> None:
@@ -143,6 +141,7 @@ def test_demo_tokenizer_chatml(demo_dir: Path) -> None:
     )
     ids = tok.encode(prompt, add_special_tokens=False)
     assert ids[:2] == [tok.bos_token_id, tok.token_to_id("<|im_start|>")]
+    assert [tok.token_to_id(t) for t in ("<s>", "</s>", "<|im_start|>", "<|im_end|>")] == [0, 1, 2, 3]
     text = "The quick brown fox jumps over the lazy dog."
     assert tok.decode(tok.encode(text)) == text
     assert len(tok.encode(text, add_special_tokens=False)) < len(text) // 2  # real merges
@@ -153,6 +152,7 @@ def test_demo_loads_in_transformers(demo_dir: Path) -> None:
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(demo_dir))
     tok = Tokenizer.from_pretrained(demo_dir)
     assert type(model).__name__ == "LlamaForCausalLM"
+    assert next(model.parameters()).dtype == torch.float32
     messages = [{"role": "user", "content": "Tell me a story about 🐉 dragons."}]
     prompt = tok.apply_chat_template(messages)
     assert prompt == hf_tok.apply_chat_template(
@@ -164,6 +164,93 @@ def test_demo_loads_in_transformers(demo_dir: Path) -> None:
         logits = model(torch.tensor([ids])).logits
     assert logits.shape == (1, len(ids), tok.vocab_size)
     assert torch.isfinite(logits).all()
+
+
+def _eval_windows(demo_dir: Path) -> tuple[list[list[int]], float]:
+    """The held-out sample as the training script cut it: ``<s> doc </s>`` packed, 256 per window."""
+    sample = json.loads((demo_dir / "eval_sample.json").read_text())
+    tok = Tokenizer.from_pretrained(demo_dir)
+    stream: list[int] = []
+    for text in sample["documents"]:
+        stream += [tok.bos_token_id, *tok.encode(text, add_special_tokens=False), tok.eos_token_id]
+    seq_len = sample["seq_len"]
+    windows = [stream[i * seq_len : (i + 1) * seq_len] for i in range(sample["num_windows"])]
+    assert all(len(w) == seq_len for w in windows)
+    return windows, sample["perplexity"]
+
+
+def test_transformers_reproduces_the_recorded_heldout_perplexity(demo_dir: Path) -> None:
+    windows, recorded = _eval_windows(demo_dir)
+    training = json.loads((demo_dir / "training.json").read_text())
+    assert training["eval_sample_perplexity"] == recorded
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(demo_dir), dtype=torch.float32)
+    ids = torch.tensor(windows)
+    with torch.no_grad():
+        logits = model(ids).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    assert math.exp(nll.item()) == pytest.approx(recorded, rel=0.01)
+    assert recorded < 100  # a trained model; uniform guessing would be ~2048
+
+
+def test_engine_prompt_logprobs_reproduce_the_recorded_perplexity(demo_dir: Path, demo_llm: LLM) -> None:
+    windows, recorded = _eval_windows(demo_dir)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    outputs = demo_llm.generate(windows, params, use_tqdm=False)
+    logprobs = [
+        position[token].logprob
+        for window, out in zip(windows, outputs, strict=True)
+        for token, position in zip(window[1:], out.prompt_logprobs[1:], strict=True)
+    ]
+    assert math.exp(-sum(logprobs) / len(logprobs)) == pytest.approx(recorded, rel=0.01)
+
+
+# "The", not "The ": byte-level BPE puts a word's leading space into the word's token, so a
+# prompt ending in a space leaves the model mid-token (see docs/demo_model.md).
+ENGLISH_PROMPTS = ["The", "Once upon a time"]
+
+
+@pytest.mark.parametrize("prompt", ENGLISH_PROMPTS)
+def test_greedy_generation_writes_english_words(demo_llm: LLM, prompt: str) -> None:
+    text = demo_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].text
+    num_words, known = english_words(text)
+    assert num_words >= 5 and known >= 0.6, text
+
+
+def test_sampled_text_is_english_and_the_check_rejects_the_untrained_demo(
+    demo_dir: Path, demo_llm: LLM, tmp_path: Path
+) -> None:
+    """At temperature 1 the demo still writes mostly words; with random weights it does not.
+
+    The untrained model (same config and tokenizer) shows the check is not vacuous. Sampled,
+    not greedy: its greedy output loops on one or two tokens, too few words to judge. Means
+    over seeded samples keep one unlucky sample from deciding.
+    """
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.from_pretrained(str(demo_dir))
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(demo_dir / name, tmp_path / name)
+    untrained = LLM(str(tmp_path), max_model_len=128)
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=48, seed=seed, ignore_eos=True) for seed in range(4)
+    ]
+    prompts = [p for p in ENGLISH_PROMPTS for _ in params]
+
+    def mean_known(llm: LLM) -> float:
+        outs = llm.generate(prompts, params * len(ENGLISH_PROMPTS), use_tqdm=False)
+        return sum(english_words(o.outputs[0].text)[1] for o in outs) / len(outs)
+
+    assert mean_known(demo_llm) >= 0.6
+    assert mean_known(untrained) < 0.6
+
+
+def test_chat_reply_is_english_and_ends_itself(demo_llm: LLM) -> None:
+    messages = [{"role": "user", "content": "What does the os module do?"}]
+    params = SamplingParams(temperature=0, max_tokens=128)
+    out = demo_llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop", out.text  # it produced <|im_end|>
+    num_words, known = english_words(out.text)
+    assert num_words >= 3 and known >= 0.6, out.text
 
 
 def test_build_bpe_tokenizer_for_test_models(tmp_path: Path) -> None:

@@ -1,28 +1,29 @@
-"""The built-in demo model: a tiny random Llama with a real BPE tokenizer, built locally.
+"""The built-in demo model: a tiny Llama trained to write English-like text, shipped in the package.
 
-Owns writing a standard Hugging Face model folder (config, generation config, safetensors
-weights, tokenizer files with a ChatML template) without transformers or network access,
-so ``--model demo``, tests and benchmarks run anywhere. The build is deterministic and
-atomic: it happens in a temporary folder that is renamed into the cache when complete, so
-concurrent processes never see half a model.
+Owns where ``--model demo`` lives (``demo_weights/`` beside this module, written by
+``scripts/train_demo_model.py``; see docs/demo_model.md) and what that recipe and the tests
+share: the special tokens, the ChatML template, and the byte-level BPE tokenizer builder that
+test fixtures also use to give random tiny models a real tokenizer.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-# Cache folder name; bump the version whenever the build output changes.
-DEMO_MODEL_NAME = "demo-v1"
-CACHE_ENV_VAR = "TOKENMILL_CACHE"
+from tokenmill.errors import ModelLoadError
+
+DEMO_MODEL_DIR = Path(__file__).resolve().with_name("demo_weights")
+DEMO_MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -47,31 +48,8 @@ CHATML_TEMPLATE = (
 
 DEFAULT_VOCAB_SIZE = 2048
 
-DEMO_MODEL_CONFIG: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 688,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 2048,
-    "initializer_range": 0.02,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-    "use_cache": True,
-}
-
-WEIGHT_SEED = 0
-WEIGHT_STD = 0.02
-
-# A small English corpus the demo tokenizer is trained on; original sentences.
+# A small English corpus (original sentences) for the tokenizers of random test models, which
+# need real merges but not the demo model's 2048-token vocabulary.
 DEMO_CORPUS = """\
 The quick brown fox jumps over the lazy dog while the farmer watches from the porch.
 A tokenizer splits text into pieces, and a language model predicts the next piece.
@@ -207,89 +185,15 @@ Blocks of memory hold cached keys and values, and freed blocks return to the sha
 """
 
 
-def cache_root() -> Path:
-    """Where tokenmill keeps built artifacts: ``$TOKENMILL_CACHE`` or ~/.cache/tokenmill."""
-    configured = os.environ.get(CACHE_ENV_VAR)
-    if configured:
-        return Path(configured).expanduser()
-    return Path.home() / ".cache" / "tokenmill"
-
-
 def demo_model_path() -> Path:
-    """Folder of the demo model, built on first use (safe across concurrent processes)."""
-    root = cache_root()
-    final = root / DEMO_MODEL_NAME
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}-building-", dir=root))
-    try:
-        build_demo_model(staging)
-        try:
-            os.rename(staging, final)
-        except OSError:
-            # Another process finished first; its folder is complete, use it.
-            if not final.is_dir():
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return final
-
-
-def build_demo_model(folder: str | Path) -> Path:
-    """Write the demo model (config, weights, tokenizer) into ``folder``."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_bpe_tokenizer(folder)
-    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    eos_ids = [tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(IM_END_TOKEN)]
-    config = {**DEMO_MODEL_CONFIG, "vocab_size": vocab_size}
-    config.update(bos_token_id=bos_id, eos_token_id=eos_ids)
-    _write_json(folder / "config.json", config)
-    _write_json(
-        folder / "generation_config.json",
-        {"bos_token_id": bos_id, "eos_token_id": eos_ids},
-    )
-    save_file(
-        build_random_llama_weights(config, seed=WEIGHT_SEED),
-        str(folder / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    return folder
-
-
-def build_random_llama_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
-    """HF-Llama-named float32 weights: normal(0, 0.02) matrices, norms of ones."""
-    generator = torch.Generator().manual_seed(seed)
-    hidden = int(config["hidden_size"])
-    inter = int(config["intermediate_size"])
-    num_heads = int(config["num_attention_heads"])
-    num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
-    head_dim = int(config.get("head_dim") or hidden // num_heads)
-    vocab = int(config["vocab_size"])
-    std = float(config.get("initializer_range", WEIGHT_STD))
-
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator, dtype=torch.float32) * std
-
-    weights = {"model.embed_tokens.weight": normal(vocab, hidden)}
-    for i in range(int(config["num_hidden_layers"])):
-        prefix = f"model.layers.{i}"
-        weights[f"{prefix}.self_attn.q_proj.weight"] = normal(num_heads * head_dim, hidden)
-        weights[f"{prefix}.self_attn.k_proj.weight"] = normal(num_kv_heads * head_dim, hidden)
-        weights[f"{prefix}.self_attn.v_proj.weight"] = normal(num_kv_heads * head_dim, hidden)
-        weights[f"{prefix}.self_attn.o_proj.weight"] = normal(hidden, num_heads * head_dim)
-        weights[f"{prefix}.mlp.gate_proj.weight"] = normal(inter, hidden)
-        weights[f"{prefix}.mlp.up_proj.weight"] = normal(inter, hidden)
-        weights[f"{prefix}.mlp.down_proj.weight"] = normal(hidden, inter)
-        weights[f"{prefix}.input_layernorm.weight"] = torch.ones(hidden)
-        weights[f"{prefix}.post_attention_layernorm.weight"] = torch.ones(hidden)
-    weights["model.norm.weight"] = torch.ones(hidden)
-    if not config.get("tie_word_embeddings", False):
-        weights["lm_head.weight"] = normal(vocab, hidden)
-    return weights
+    """Folder of the shipped demo model: a standard Hugging Face folder, read-only, no build step."""
+    missing = [name for name in DEMO_MODEL_FILES if not (DEMO_MODEL_DIR / name).is_file()]
+    if missing:
+        raise ModelLoadError(
+            f"{DEMO_MODEL_DIR}: demo model file(s) {missing} missing; install tokenmill with its "
+            "package data, or rebuild them with scripts/train_demo_model.py"
+        )
+    return DEMO_MODEL_DIR
 
 
 def build_bpe_tokenizer(
