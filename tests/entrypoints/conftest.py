@@ -3,7 +3,7 @@
 The main server starts once per session (loading takes seconds); tests that need other
 flags or kill their server start their own with ``start_server``. Every server uses one
 torch thread (two would oversubscribe a small CI machine) and the same ``TOKENMILL_CACHE``
-as CI, so the demo model is built once, here, before any server starts.
+as CI (the demo model itself ships in the package).
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def wait_healthy(handle: ServerHandle, timeout_s: float = 120.0) -> None:
 
 @pytest.fixture(scope="session")
 def demo_cache() -> str:
-    """Build the demo model once, before servers race to build it."""
+    """Check the shipped demo model is there before any server starts; returns the cache folder."""
     os.environ["TOKENMILL_CACHE"] = _cache_dir()
     from tokenmill.model.demo import demo_model_path
 

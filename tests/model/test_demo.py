@@ -33,7 +33,9 @@ MODEL_FILES = [
 ]
 # The 5000 most frequent words of the training corpus, written by scripts/train_demo_model.py;
 # it leaves out one-letter words (x, n, ...) but for these two.
-CORPUS_WORDS = frozenset(Path(__file__).with_name("demo_words.txt").read_text().split() + ["a", "i"])
+CORPUS_WORDS = frozenset(
+    Path(__file__).with_name("demo_words.txt").read_text().split() + ["a", "i"]
+)
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 
@@ -141,7 +143,12 @@ def test_demo_tokenizer_chatml(demo_dir: Path) -> None:
     )
     ids = tok.encode(prompt, add_special_tokens=False)
     assert ids[:2] == [tok.bos_token_id, tok.token_to_id("<|im_start|>")]
-    assert [tok.token_to_id(t) for t in ("<s>", "</s>", "<|im_start|>", "<|im_end|>")] == [0, 1, 2, 3]
+    assert [tok.token_to_id(t) for t in ("<s>", "</s>", "<|im_start|>", "<|im_end|>")] == [
+        0,
+        1,
+        2,
+        3,
+    ]
     text = "The quick brown fox jumps over the lazy dog."
     assert tok.decode(tok.encode(text)) == text
     assert len(tok.encode(text, add_special_tokens=False)) < len(text) // 2  # real merges
@@ -187,12 +194,16 @@ def test_transformers_reproduces_the_recorded_heldout_perplexity(demo_dir: Path)
     ids = torch.tensor(windows)
     with torch.no_grad():
         logits = model(ids).logits[:, :-1]
-    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    nll = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+    )
     assert math.exp(nll.item()) == pytest.approx(recorded, rel=0.01)
     assert recorded < 100  # a trained model; uniform guessing would be ~2048
 
 
-def test_engine_prompt_logprobs_reproduce_the_recorded_perplexity(demo_dir: Path, demo_llm: LLM) -> None:
+def test_engine_prompt_logprobs_reproduce_the_recorded_perplexity(
+    demo_dir: Path, demo_llm: LLM
+) -> None:
     windows, recorded = _eval_windows(demo_dir)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     outputs = demo_llm.generate(windows, params, use_tqdm=False)
@@ -232,7 +243,8 @@ def test_sampled_text_is_english_and_the_check_rejects_the_untrained_demo(
         shutil.copy(demo_dir / name, tmp_path / name)
     untrained = LLM(str(tmp_path), max_model_len=128)
     params = [
-        SamplingParams(temperature=1.0, max_tokens=48, seed=seed, ignore_eos=True) for seed in range(4)
+        SamplingParams(temperature=1.0, max_tokens=48, seed=seed, ignore_eos=True)
+        for seed in range(4)
     ]
     prompts = [p for p in ENGLISH_PROMPTS for _ in params]
 

@@ -1,7 +1,7 @@
 """Tokenizer folders shared by the tokenizer tests, built once per session.
 
-Two styles cover what real checkpoints ship: byte-level BPE (GPT-2, Llama 3, Qwen; the
-demo model's tokenizer) and SentencePiece-style BPE with byte fallback (Llama 2, Mistral),
+Two styles cover what real checkpoints ship: byte-level BPE (GPT-2, Llama 3, Qwen; built
+like the demo model's tokenizer, on a small inline corpus) and SentencePiece-style BPE with byte fallback (Llama 2, Mistral),
 whose decoder strips the leading space of a sequence.
 """
 
@@ -100,7 +100,7 @@ def build_sentencepiece_style_tokenizer(folder: Path, vocab_size: int = 800) -> 
 
 @pytest.fixture(scope="session")
 def byte_level_dir(tokenizer_dir: Path) -> Path:
-    """The demo model's tokenizer: byte-level BPE, ChatML template, BOS post-processor."""
+    """A byte-level BPE like the demo model's: ChatML template, BOS post-processor."""
     return tokenizer_dir
 
 
