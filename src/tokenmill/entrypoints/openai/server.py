@@ -154,7 +154,16 @@ async def _log_when_ready(state: ServerState) -> None:
 
 
 class _JSONErrorH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, answering malformed or oversized request heads in OpenAI's shape."""
+    """uvicorn's h11 protocol, answering malformed or oversized request heads in OpenAI's shape.
+
+    After the 400 it closes like nginx's lingering close: it half-closes (the client reads the
+    answer and then EOF) and reads and drops what the client is still sending, for up to
+    ``LINGER_S`` or until the client's EOF (on which the transport closes). Closing at once with unread bytes in the socket sends a TCP reset, which can
+    destroy the 400 before the client reads it (a client still writing a 64 KiB head does).
+    """
+
+    LINGER_S = 5.0
+    _is_lingering = False
 
     def send_400_response(self, msg: str) -> None:
         import h11
@@ -169,7 +178,17 @@ class _JSONErrorH11Protocol(H11Protocol):
             h11.EndOfMessage(),
         ):
             self.transport.write(self.conn.send(event))
-        self.transport.close()
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self._is_lingering = True
+        self.transport.write_eof()
+        asyncio.get_running_loop().call_later(self.LINGER_S, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self._is_lingering:  # the rest of a refused request: read and dropped
+            return
+        super().data_received(data)
 
 
 class GracefulServer(uvicorn.Server):
