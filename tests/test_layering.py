@@ -1,4 +1,4 @@
-"""Packages import one way (docs/architecture.md): entrypoints -> engine -> {core, worker}; worker -> core."""
+"""Packages import one way (docs/architecture.md): entrypoints -> engine -> {core, worker}; worker -> {core, model}."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ FORBIDDEN = {
         "torch",
     ),
     "worker": ("tokenmill.engine", "tokenmill.entrypoints"),
+    "model": ("tokenmill.engine", "tokenmill.worker", "tokenmill.entrypoints"),
     "engine": ("tokenmill.entrypoints",),
 }
 

@@ -16,6 +16,19 @@ from tokenmill.errors import ConfigError
 
 KVCacheKind = Literal["paged", "static"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["int8", "int4"]
+KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+QUANTIZATIONS: tuple[str, ...] = ("int8", "int4")
+KV_CACHE_DTYPES: tuple[str, ...] = (
+    "auto",
+    "float32",
+    "bfloat16",
+    "float16",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+)
+INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 
@@ -26,7 +39,13 @@ class EngineConfig:
     model: str = "demo"
     """Path of a Hugging Face model folder, or ``demo`` for the built-in model."""
     dtype: DType = "auto"
-    """Weights and activations dtype; auto follows the checkpoint (float32 on CPU for bf16)."""
+    """Weights and activations dtype; auto: the checkpoint's, with half precision as bfloat16 where the CPU runs it natively (AVX512-BF16/AMX) and float32 where it does not."""
+    quantization: Quantization | None = None
+    """Weight-only quantization applied at load: int8 (per output channel) or int4 (group-wise)."""
+    quantization_group_size: int = 128
+    """int4 only: input channels sharing one scale and zero point (32, 64, 128 or 256)."""
+    kv_cache_dtype: KVCacheDType = "auto"
+    """KV cache storage: auto (the model dtype), float32, bfloat16, float16, fp8 (= fp8_e4m3) or fp8_e5m2 (fp8 with per-layer scales)."""
     device: str = "auto"
     """``cpu``, ``cuda`` or ``auto`` (cuda when available)."""
     kv_cache: KVCacheKind = "paged"
@@ -56,7 +75,7 @@ class EngineConfig:
     compile_batch_sizes: tuple[int, ...] | None = None
     """Decode batch sizes compiled by the static strategy, e.g. 1,2,4,8; default: powers of two up to max_num_seqs."""
     num_threads: int | None = None
-    """CPU threads for torch; default: torch's own choice."""
+    """CPU compute threads for torch; default: one per physical core (logged at start-up)."""
     rope_theta_override: float | None = None
     """Test-only: replace the model's RoPE base to make the engine diverge on purpose."""
 
@@ -71,7 +90,7 @@ class EngineConfig:
         )
         check(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
-            f"unsupported dtype {self.dtype!r}",
+            f"--dtype {self.dtype!r} is not supported; choose one of auto, float32, bfloat16, float16",
         )
         check(
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
@@ -80,6 +99,18 @@ class EngineConfig:
         check(
             self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
             f"block_size must be a power of two <= 128, got {self.block_size}",
+        )
+        check(
+            self.quantization is None or self.quantization in QUANTIZATIONS,
+            f"--quantization {self.quantization!r} is not supported; choose one of {', '.join(QUANTIZATIONS)}",
+        )
+        check(
+            self.quantization_group_size in INT4_GROUP_SIZES,
+            f"--quantization-group-size {self.quantization_group_size} is not supported; choose one of {', '.join(map(str, INT4_GROUP_SIZES))}",
+        )
+        check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; choose one of {', '.join(KV_CACHE_DTYPES)}",
         )
         check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -29,6 +29,8 @@ class EngineStats:
     kv_reserved_token_steps: int = 0
     """``kv_reserved_tokens`` summed over steps: with the next, a step-averaged KV waste."""
     kv_used_token_steps: int = 0
+    precision: dict[str, str] = field(default_factory=dict)
+    """What runs, fixed at start-up: dtype, quantization, kv_cache_dtype, num_threads, cpu_isa."""
 
     @property
     def kv_waste(self) -> float | None:

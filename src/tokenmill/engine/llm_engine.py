@@ -23,7 +23,9 @@ from tokenmill.core.stats import EngineStats
 from tokenmill.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidRequestError
+from tokenmill.model.attention import FP8_DTYPES
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.cpu import cpu_info, default_num_threads
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling.params import SamplingParams
@@ -43,6 +45,22 @@ def resolve_model_path(model: str) -> Path:
 
         return demo_model_path()
     return Path(model)
+
+
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+KV_CACHE_DTYPE_NAMES = {dtype: name for name, dtype in KV_CACHE_DTYPES.items()}
+KV_CACHE_DTYPES["fp8"] = torch.float8_e4m3fn  # vLLM's alias
+
+
+def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``auto`` stores K/V in the model dtype; anything else as named (vLLM's names)."""
+    return model_dtype if requested == "auto" else KV_CACHE_DTYPES[requested]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -71,8 +89,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.monotonic()
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_folder(self.model_path)
         if config.rope_theta_override is not None:
@@ -80,12 +96,26 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
         mc = self.model_config
         self.device = resolve_device(config.device)
+        num_threads = config.num_threads or default_num_threads()
+        if self.device.type == "cpu":
+            torch.set_num_threads(num_threads)
+            logger.info(
+                "CPU: %s; %d compute threads (%s)",
+                cpu_info().describe(),
+                num_threads,
+                "--num-threads"
+                if config.num_threads
+                else "one per physical core; --num-threads overrides",
+            )
         self.dtype = resolve_dtype(config.dtype, mc, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.config = config = replace(
             config,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),  # type: ignore[arg-type]
             max_model_len=config.max_model_len or mc.max_position_embeddings,
+            num_threads=num_threads,
+            kv_cache_dtype=KV_CACHE_DTYPE_NAMES[self.kv_dtype],  # type: ignore[arg-type]
         )
         """The resolved config: no ``auto`` device or dtype, and the model's context length filled in."""
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
@@ -94,7 +124,15 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
 
-        model = load_model(self.model_path, self.dtype, self.device, self.max_model_len, mc)
+        model = load_model(
+            self.model_path,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            mc,
+            quantization=config.quantization,
+            group_size=config.quantization_group_size,
+        )
         self.kv_manager, kv_caches = self._build_kv_cache()
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -139,15 +177,27 @@ class LLMEngine:
         self._counters = EngineStats(
             compile_time_s=compiled.compile_time_s if compiled else 0.0,
             kv_capacity_tokens=self.kv_manager.num_blocks * self.kv_manager.block_size,
+            precision={
+                "dtype": config.dtype,
+                "quantization": config.quantization or "none",
+                "kv_cache_dtype": config.kv_cache_dtype,
+                "num_threads": str(num_threads) if self.device.type == "cpu" else "n/a",
+                "cpu_isa": cpu_info().isa if self.device.type == "cpu" else "n/a",
+            },
         )
+        if self.kv_dtype in FP8_DTYPES:
+            self._calibrate_kv_scales()
         self.startup_time_s = time.monotonic() - start
         logger.info(
-            "loaded %s (%s, %.1fM params) on %s in %s; KV: %d blocks of %d tokens (%.2f GiB); ready in %.1fs",
+            "loaded %s (%s, %.1fM params) on %s in %s%s; KV (%s): %d tokens in %d blocks of %d (%.2f GiB); ready in %.1fs",
             self.model_path,
             mc.architecture,
             mc.num_params / 1e6,
             self.device,
             self.dtype,
+            f", {config.quantization} weights" if config.quantization else "",
+            config.kv_cache_dtype,
+            self.kv_manager.num_blocks * self.kv_manager.block_size,
             self.kv_manager.num_blocks,
             self.kv_manager.block_size,
             self.kv_cache_bytes / 2**30,
@@ -158,7 +208,7 @@ class LLMEngine:
     def _build_kv_cache(self) -> tuple[KVCacheManager, list[tuple[torch.Tensor, torch.Tensor]]]:
         cfg = self.config
         block_size = cfg.block_size
-        per_token = kv_bytes_per_token(self.model_config, self.dtype)
+        per_token = kv_bytes_per_token(self.model_config, self.kv_dtype)
         budget = kv_budget_bytes(cfg.kv_cache_memory, cfg.gpu_memory_utilization, self.device)
         manager = build_kv_manager(
             cfg.kv_cache,
@@ -173,9 +223,28 @@ class LLMEngine:
         )
         self.kv_cache_bytes = manager.num_blocks * block_size * per_token
         caches = allocate_kv_cache(
-            self.model_config, manager.num_blocks, block_size, self.dtype, self.device
+            self.model_config, manager.num_blocks, block_size, self.kv_dtype, self.device
         )
         return manager, caches
+
+    def _calibrate_kv_scales(self) -> None:
+        """Set every layer's fp8 KV scales from one fixed prompt, before any request.
+
+        The first K/V a layer writes sets its scales; writing a fixed text first makes them,
+        and so every output, the same from one start to the next whatever arrives first.
+        """
+        text = " ".join(["The quick brown fox jumps over the lazy dog, 0123456789."] * 8)
+        ids = self.tokenizer.encode(text)[: max(1, min(64, self.max_model_len - 1))]
+        self.add_request("__kv_scale_calibration__", ids, SamplingParams(max_tokens=1))
+        while self.has_unfinished_requests():
+            self.step()
+        self.kv_manager.reset_prefix_cache()
+        self._counters = replace(
+            EngineStats(),
+            compile_time_s=self._counters.compile_time_s,
+            kv_capacity_tokens=self._counters.kv_capacity_tokens,
+            precision=self._counters.precision,
+        )
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(

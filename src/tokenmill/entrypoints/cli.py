@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from typing import Any
 
@@ -103,14 +102,6 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.openai.server import run_server
 
-    if args.num_threads is None and (os.cpu_count() or 1) > 1:
-        # Leave one core to the HTTP event loop: with every core given to torch's OpenMP
-        # pool, its threads spin-wait on each other whenever the loop runs (seen in our
-        # server tests on 2 cores: 4 x 64 tokens took 8.5-21 s with 2 threads, 0.6 s with 1).
-        args.num_threads = (os.cpu_count() or 2) - 1
-        logging.getLogger(__name__).info(
-            "using %d torch threads (one core left to the server)", args.num_threads
-        )
     return run_server(args, engine_config_from_args(args, args.model))
 
 

@@ -195,6 +195,20 @@ class _EngineStatsCollector(Collector):
             "Start-up time spent compiling the decode step (static KV).",
             stats.compile_time_s,
         )
+        yield gauge(
+            "kv_cache_capacity_tokens",
+            "Tokens the KV pool holds, allocated at start-up (grows with a smaller --kv-cache-dtype).",
+            stats.kv_capacity_tokens,
+        )
+        if stats.precision:  # vLLM's cache_config_info idea: configuration as labels, value 1
+            names = sorted(stats.precision)
+            info = GaugeMetricFamily(
+                PREFIX + "engine_config_info",
+                "What the engine runs: dtype, quantization, KV cache dtype, compute threads, CPU ISA.",
+                labels=["model_name", *names],
+            )
+            info.add_metric([self._model_name, *(stats.precision[n] for n in names)], 1)
+            yield info
         yield counter(
             "prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens
         )

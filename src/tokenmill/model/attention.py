@@ -5,6 +5,10 @@ after a cached prefix). Each group is one batched ``scaled_dot_product_attention
 K/V gathered from the block tables; grouped-query attention folds the query heads of a KV
 head into extra query rows, so K/V are never repeated. Per-step data arrives as an explicit
 ``AttentionMetadata`` built by the model runner.
+
+An fp8 cache stores K/V divided by a per-layer, per-tensor scale (``kv_scales`` = [k, v]) and
+read back multiplied by it; torch has no fp8 index kernels on CPU, so fp8 caches are
+written and gathered as bytes.
 """
 
 from __future__ import annotations
@@ -64,17 +68,48 @@ class AttentionMetadata:
     num_tokens: int
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` in the cache's storage: the same dtype, or scaled, saturated fp8 as bytes."""
+    if cache.dtype not in FP8_DTYPES:
+        return x.to(cache.dtype)
+    limit = torch.finfo(cache.dtype).max
+    return (x.float() / scale).clamp(-limit, limit).to(cache.dtype).view(torch.uint8)
+
+
+def _storage(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
+
+
 def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     slots: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Store this step's K/V [T, Hkv, D] into caches shaped [num_blocks, block_size, Hkv, D]."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    scales = kv_scales if kv_scales is not None else k.new_ones(2, dtype=torch.float32)
+    _storage(k_cache).view(-1, num_kv_heads, head_dim).index_copy_(
+        0, slots, _to_cache(k, k_cache, scales[0])
+    )
+    _storage(v_cache).view(-1, num_kv_heads, head_dim).index_copy_(
+        0, slots, _to_cache(v, v_cache, scales[1])
+    )
+
+
+def _gather(
+    cache: torch.Tensor, flat_tables: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Blocks ``flat_tables`` of a cache, in the compute dtype."""
+    if cache.dtype not in FP8_DTYPES:
+        return cache.index_select(0, flat_tables).to(dtype)
+    raw = cache.view(torch.uint8).index_select(0, flat_tables).view(cache.dtype)
+    return (raw.to(torch.float32) * scale).to(dtype)
 
 
 def _attend(
@@ -84,6 +119,7 @@ def _attend(
     block_tables: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, max_q, Hq, D] over K/V gathered through block_tables; mask [B, 1, max_q, L]."""
     batch, max_q, num_heads, head_dim = q.shape
@@ -92,11 +128,16 @@ def _attend(
     # K/V: [B, max_blocks, block_size, Hkv, D] -> [B, Hkv, L, D]. index_select, not
     # advanced indexing: 3.5x faster for this gather on CPU (0.44 vs 1.54 ms at batch 32).
     flat_tables = block_tables.reshape(-1)
+    scales = kv_scales if kv_scales is not None else q.new_ones(2, dtype=torch.float32)
     keys = (
-        k_cache.index_select(0, flat_tables).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        _gather(k_cache, flat_tables, scales[0], q.dtype)
+        .view(batch, -1, num_kv_heads, head_dim)
+        .transpose(1, 2)
     )
     values = (
-        v_cache.index_select(0, flat_tables).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        _gather(v_cache, flat_tables, scales[1], q.dtype)
+        .view(batch, -1, num_kv_heads, head_dim)
+        .transpose(1, 2)
     )
     # Queries: [B, max_q, Hkv, G, D] -> [B, Hkv, G * max_q, D]
     qg = q.view(batch, max_q, num_kv_heads, group_size, head_dim)
@@ -119,6 +160,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of queries q [T, Hq, D] over the cached K/V; returns [T, Hq * D]."""
     num_tokens, num_heads, head_dim = q.shape
@@ -127,7 +169,13 @@ def paged_attention(
     for group in meta.groups:
         rows = q[group.token_index]
         attn = _attend(
-            rows, k_cache, v_cache, group.block_tables, group.mask(window, block_size), scale
+            rows,
+            k_cache,
+            v_cache,
+            group.block_tables,
+            group.mask(window, block_size),
+            scale,
+            kv_scales,
         )
         if group.is_decode:
             out[group.token_index.view(-1)] = attn
@@ -167,6 +215,7 @@ def decode_attention(
     scale: float,
     window: int,
     trim_to_longest: bool,
+    kv_scales: torch.Tensor,
 ) -> torch.Tensor:
     """Write this step's K/V and attend, one query per row; opaque to torch.compile.
 
@@ -174,7 +223,7 @@ def decode_attention(
     (norms, RoPE, SwiGLU) without copying the cache, and keeps the data-dependent trim
     out of the traced graph. ``window`` 0 means full attention.
     """
-    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    write_kv(k_cache, v_cache, k, v, slot_mapping, kv_scales)
     block_size = k_cache.shape[1]
     if trim_to_longest:
         block_tables = block_tables[:, : -(-int(context_lens.max()) // block_size)]
@@ -184,7 +233,7 @@ def decode_attention(
         block_tables.shape[1] * block_size,
         window or None,
     )
-    return _attend(q.unsqueeze(1), k_cache, v_cache, block_tables, mask, scale)
+    return _attend(q.unsqueeze(1), k_cache, v_cache, block_tables, mask, scale, kv_scales)
 
 
 @decode_attention.register_fake
@@ -200,5 +249,6 @@ def _decode_attention_fake(
     scale,
     window,
     trim_to_longest,
+    kv_scales,
 ):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

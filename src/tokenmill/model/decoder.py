@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.model.attention import AttentionMetadata, DecodeMetadata, paged_attention, write_kv
+from tokenmill.model.attention import (
+    FP8_DTYPES,
+    AttentionMetadata,
+    DecodeMetadata,
+    paged_attention,
+    write_kv,
+)
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 
@@ -37,6 +43,18 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.window = cfg.sliding_windows[layer_idx]
         self.scale = cfg.head_dim**-0.5
+        self.register_buffer("kv_scales", torch.ones(2), persistent=False)
+        """fp8 caches only: K and V are stored divided by these (set by ``calibrate_kv_scales``)."""
+        self.kv_scales_calibrated = False
+
+    def calibrate_kv_scales(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
+        """Per-tensor fp8 scales from the first K/V written: their largest magnitude maps to a
+        quarter of the format's range, leaving room for larger values in later prompts
+        (anything beyond saturates)."""
+        limit = torch.finfo(dtype).max / 4
+        amax = torch.stack([k.detach().abs().amax(), v.detach().abs().amax()]).float()
+        self.kv_scales.copy_((amax / limit).clamp(min=1e-8))
+        self.kv_scales_calibrated = True
 
     def forward(
         self,
@@ -69,10 +87,15 @@ class Attention(nn.Module):
                 self.scale,
                 self.window or 0,
                 meta.trim_to_longest,
+                self.kv_scales,
             )
         else:
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)
+            if k_cache.dtype in FP8_DTYPES and not self.kv_scales_calibrated:
+                self.calibrate_kv_scales(k, v, k_cache.dtype)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping, self.kv_scales)
+            out = paged_attention(
+                q, k_cache, v_cache, meta, self.scale, self.window, self.kv_scales
+            )
         return self.o(out)
 
 

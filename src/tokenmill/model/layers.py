@@ -60,27 +60,40 @@ class Linear(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
     def pack_for_onednn(self, batch_hint: int = 32) -> bool:
-        """Prepack for CPU fp32 if oneDNN is there and agrees with F.linear; True if packed."""
+        """Prepack for CPU if oneDNN runs this dtype and agrees with F.linear; True if packed.
+
+        fp32 always; bf16 and fp16 where oneDNN has kernels for them. Measured with one
+        thread over 8 layers of the 250M model at one row: prepacked bf16 19.9 ms against
+        35.1 ms for F.linear on the plain bf16 weight (and 39.1 ms for prepacked fp32).
+        """
         weight = self.weight
         if (
             weight is None
             or weight.device.type != "cpu"
-            or weight.dtype != torch.float32
+            or weight.dtype not in _ONEDNN_TOLERANCE
             or not _onednn_available()
+            or (weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            or (weight.dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported())
         ):
             return False
+        tolerance = _ONEDNN_TOLERANCE[weight.dtype]
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.data, batch_hint)
             probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+            probe = probe.to(weight.dtype)
             got = torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias, "none", [], "")
             want = nn.functional.linear(probe, weight, self.bias)
         except RuntimeError:
             return False
-        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+        if not torch.allclose(got.float(), want.float(), rtol=tolerance, atol=tolerance):
             return False
         self.packed = packed
         self.weight = None
         return True
+
+
+_ONEDNN_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+"""How closely a prepacked product must match F.linear on a probe to be trusted, per dtype."""
 
 
 class RMSNorm(nn.Module):

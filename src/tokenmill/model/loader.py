@@ -17,10 +17,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from tokenmill.errors import ModelLoadError
+from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.cpu import cpu_info
 from tokenmill.model.decoder import DecoderModel
 from tokenmill.model.layers import Linear, RotaryEmbedding
+from tokenmill.model.quant import quantize_linear
 
 logger = logging.getLogger(__name__)
 
@@ -35,17 +37,38 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 
 
 def resolve_dtype(requested: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    """``auto`` follows the checkpoint's torch_dtype, except bf16/fp16 on CPU -> float32."""
+    """The dtype weights and activations run in; ``auto`` is explained in the log.
+
+    ``auto`` keeps the checkpoint's precision, except on CPU: half precision runs as bf16
+    where the CPU has bf16 dot products (AVX512-BF16 or AMX; fp16 GEMMs have no such units
+    there, measured 3x slower than bf16 at 128 rows) and as fp32 where it has not. An fp32
+    checkpoint stays fp32: reduced precision is the user's choice (``--dtype bfloat16``).
+    """
     if requested != "auto":
-        return TORCH_DTYPES[requested]
+        dtype = TORCH_DTYPES[requested]
+        if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise ConfigError(
+                f"--dtype bfloat16: {torch.cuda.get_device_name(device)} cannot run bfloat16; use float16 or float32"
+            )
+        return dtype
     declared = TORCH_DTYPES.get(str(cfg.torch_dtype).replace("torch.", ""), torch.float32)
-    if device.type == "cpu" and declared != torch.float32:
+    if device.type != "cpu" or declared == torch.float32:
+        logger.info("dtype auto: %s, as the checkpoint declares", declared)
+        return declared
+    info = cpu_info()
+    if info.has_native_bf16:
         logger.info(
-            "dtype auto: checkpoint is %s, using float32 on CPU (half-precision matmuls are slow there)",
+            "dtype auto: checkpoint is %s; using bfloat16, which this CPU computes natively (%s)",
             declared,
+            info.describe(),
         )
-        return torch.float32
-    return declared
+        return torch.bfloat16
+    logger.info(
+        "dtype auto: checkpoint is %s; using float32, as this CPU has no bf16 dot products (%s)",
+        declared,
+        info.describe(),
+    )
+    return torch.float32
 
 
 def _checkpoint_files(folder: Path) -> list[Path]:
@@ -198,8 +221,16 @@ def load_model(
     device: torch.device,
     max_positions: int,
     cfg: ModelConfig | None = None,
+    quantization: str | None = None,
+    group_size: int = 128,
 ) -> DecoderModel:
-    """Build the decoder for ``folder`` and fill it with the checkpoint's weights."""
+    """Build the decoder for ``folder`` and fill it with the checkpoint's weights.
+
+    With ``quantization``, each layer's projections are quantized as soon as the layer is
+    read, so at most one layer is ever held in the load dtype. The LM head is quantized to
+    int8 in both modes (int4 there cost more accuracy than it saved time, docs/benchmarks.md)
+    unless it is tied to the embedding, which stays in the model dtype for lookups.
+    """
     folder = Path(folder)
     cfg = cfg or ModelConfig.from_folder(folder)
     ckpt = _Checkpoint(_checkpoint_files(folder))
@@ -222,8 +253,12 @@ def load_model(
             raise ModelLoadError(
                 f"{ckpt.entries[name].path}: tensor {name!r} has shape {ckpt.entries[name].shape}, expected {shape}"
             )
-    pack = device.type == "cpu" and dtype == torch.float32
-    num_packed = 0
+    if quantization is not None and device.type != "cpu":
+        raise ConfigError(
+            f"--quantization {quantization}: the int8/int4 kernels are CPU-only; use --device cpu"
+        )
+    pack = device.type == "cpu"
+    num_packed = num_quantized = 0
 
     rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling).to(device)
     with torch.device("meta"):
@@ -239,20 +274,30 @@ def load_model(
             row += shape[0]
         setattr(module, attr, nn.Parameter(value.to(device), requires_grad=False))
 
-    def pack_all(module: nn.Module) -> None:
-        """Prepack a module's projections right away, so only one layer is ever unpacked."""
-        nonlocal num_packed
-        if pack:
-            num_packed += sum(
-                m.pack_for_onednn() for m in module.modules() if isinstance(m, Linear)
-            )
+    def convert(parent: nn.Module, name: str, method: str | None) -> None:
+        """Quantize (``method``) or prepack one projection."""
+        nonlocal num_packed, num_quantized
+        linear = getattr(parent, name)
+        if method is not None and linear.weight is not None:
+            bias = None if linear.bias is None else linear.bias.data
+            setattr(parent, name, quantize_linear(linear.weight.data, bias, method, group_size))
+            num_quantized += 1
+        elif pack:
+            num_packed += linear.pack_for_onednn()
+
+    def convert_all(module: nn.Module) -> None:
+        """Convert a layer's projections right away, so only one layer is ever unconverted."""
+        for parent in list(module.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, Linear):
+                    convert(parent, name, quantization)
 
     put(model, "embed", "model.embed_tokens.weight")
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed
+        model.lm_head.weight = model.embed  # left as it is: converting would copy the embedding
     else:
         put(model.lm_head, "weight", "lm_head.weight")
-        pack_all(model.lm_head)  # a tied LM head is left unpacked: packing would copy the embedding
+        convert(model, "lm_head", None if quantization is None else "int8")
     put(model.norm, "weight", "model.norm.weight")
     for n, layer in enumerate(model.layers):
         p = f"model.layers.{n}."
@@ -268,8 +313,15 @@ def load_model(
         put(layer.mlp.down, "weight", p + "mlp.down_proj.weight")
         put(layer.input_norm, "weight", p + "input_layernorm.weight")
         put(layer.post_attn_norm, "weight", p + "post_attention_layernorm.weight")
-        pack_all(layer)
+        convert_all(layer)
+        layer.attn.kv_scales = torch.ones(2, device=device)  # built on the meta device
     model.eval()
-    if pack:
-        logger.info("prepacked %d/%d projections for oneDNN", num_packed, len(model.linears()))
+    if num_quantized:
+        logger.info(
+            "quantized %d projections to %s (%s)", num_quantized, quantization, cpu_info().isa
+        )
+    if num_packed:
+        logger.info(
+            "prepacked %d %s projections for oneDNN (%s)", num_packed, dtype, cpu_info().describe()
+        )
     return model

@@ -1,0 +1,175 @@
+"""Weight-only quantization at load time: int8 per output channel, int4 group-wise.
+
+Kernels are torch's own (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``). Measured
+on this project's 2-core AVX-512/AMX machine (one thread, 8 layers of the 250M model's
+shapes, docs/benchmarks.md): for one row they read int4 weights 2.5x faster than oneDNN reads
+prepacked bf16 and int8 about as fast; from a few rows on they are slower than dequantizing
+the weight and running the bf16 GEMM (they walk the weights once per row). So a projection
+uses them for at most ``GEMV_MAX_ROWS`` rows (decode of a few streams) and otherwise
+dequantizes the layer's weight on the fly into the activation dtype (prefill, large batches).
+Activations stay in the model dtype; the int kernels take bf16 inputs (their fp32 paths are
+5x slower), so an fp32 model's activations are rounded to bf16 for that product only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.errors import ConfigError
+
+GEMV_MAX_ROWS = 4
+"""Rows up to which the int kernels beat dequantize + GEMM (measured crossover 4-8 rows)."""
+
+_INT4_LAYOUT_BLOCKS = (64, 32)
+"""Output-channel block of torch's CPU int4 packing: 64 with AVX-512 kernels, 32 with AVX2."""
+
+
+def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The activation dtype the int kernels run in: half as it is, fp32 rounded to bf16."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+class QuantizedLinear(nn.Module):
+    """Common part of the int8 and int4 projections: bias, shapes, the row-count dispatch."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] <= GEMV_MAX_ROWS:
+            y = self._gemv(flat).to(x.dtype)
+        else:
+            y = F.linear(flat, self.dequantize(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [out, in] in ``dtype``, rebuilt from its quantized form."""
+        raise NotImplementedError
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+
+class Int8Linear(QuantizedLinear):
+    """int8 weights with one scale per output channel (symmetric, absmax / 127)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        w = weight.float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        self.register_buffer(
+            "qweight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        )
+        self.register_buffer("scales", scales.to(weight.dtype))
+        self.register_buffer("kernel_scales", scales.to(kernel_dtype(weight.dtype)))
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        scales = self.kernel_scales
+        return torch._weight_int8pack_mm(x.to(scales.dtype), self.qweight, scales)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
+
+
+class Int4Linear(QuantizedLinear):
+    """int4 weights, asymmetric per group of ``group_size`` input channels, in torch's CPU packing.
+
+    The kernel wants whole groups and output channels in multiples of 16; a shape that is
+    not (the demo model's 688-wide MLP) is zero-padded, which changes no result: padded
+    input channels meet zero activations and padded output channels are cut off. Output
+    channels are padded to a multiple of 64 so the packing always has the layout
+    ``_unpack`` reads; dequantization then reads the packed tensor itself, and no second
+    copy of the weight is kept.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> None:
+        out_features, in_features = weight.shape
+        super().__init__(in_features, out_features, bias)
+        self.group_size = group_size
+        self.padded_in = -(-in_features // group_size) * group_size
+        self.padded_out = -(-out_features // 64) * 64
+        w = torch.zeros(self.padded_out, self.padded_in)
+        w[:out_features, :in_features] = weight.float()
+        groups = self.padded_in // group_size
+        w = w.view(self.padded_out, groups, group_size)
+        low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+        scale = ((high - low) / 15.0).clamp(min=1e-8)
+        q = torch.round((w - low) / scale).clamp(0, 15).to(torch.int32).view(self.padded_out, -1)
+        # torch's convention: w = (q - 8) * scale + zero, so zero = low + 8 * scale.
+        zero = low + 8 * scale
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.register_buffer(
+            "scales_and_zeros",
+            torch.stack([scale.view(-1, groups), zero.view(-1, groups)], -1)
+            .transpose(0, 1)
+            .contiguous()
+            .to(kernel_dtype(weight.dtype)),
+        )
+        self.layout_block = next((b for b in _INT4_LAYOUT_BLOCKS if self._unpacks_to(b, q)), None)
+        """The packing's channel block, or None if it is not one we can read (then the int4
+        kernel serves every batch size: slower for large ones, still correct)."""
+
+    def _unpacks_to(self, block: int, expected: torch.Tensor) -> bool:
+        return torch.equal(self._unpack(block).to(torch.int32), expected)
+
+    def _unpack(self, block: int) -> torch.Tensor:
+        """The 4-bit codes [out, in] from the packing: per block of ``block`` channels and per
+        input channel, ``block / 2`` bytes whose low nibbles are the first half of the block's
+        channels and high nibbles the second half."""
+        packed = self.packed.view(self.padded_out // block, self.padded_in, block // 2)
+        codes = torch.cat([packed & 15, packed >> 4], dim=-1)
+        return codes.permute(0, 2, 1).reshape(self.padded_out, self.padded_in)
+
+    def _pad(self, x: torch.Tensor) -> torch.Tensor:
+        return (
+            F.pad(x, (0, self.padded_in - self.in_features))
+            if self.padded_in > self.in_features
+            else x
+        )
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(
+            self._pad(x).to(self.scales_and_zeros.dtype),
+            self.packed,
+            self.group_size,
+            self.scales_and_zeros,
+        )
+        return y[:, : self.out_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout_block is None:  # unreadable packing: the kernel for every size
+            y = self._gemv(x.reshape(-1, self.in_features)).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.view(*x.shape[:-1], self.out_features)
+        return super().forward(x)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        assert self.layout_block is not None
+        codes = self._unpack(self.layout_block).view(self.padded_out, -1, self.group_size)
+        scale = self.scales_and_zeros[..., 0].t().unsqueeze(-1).to(dtype)
+        zero = self.scales_and_zeros[..., 1].t().unsqueeze(-1).to(dtype)
+        weight = ((codes.to(dtype) - 8) * scale + zero).view(self.padded_out, self.padded_in)
+        return weight[: self.out_features, : self.in_features]
+
+
+def quantize_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, method: str, group_size: int
+) -> QuantizedLinear:
+    """A quantized projection for a weight [out, in] (and optional bias) in the model dtype."""
+    if method == "int8":
+        return Int8Linear(weight, bias)
+    if method == "int4":
+        return Int4Linear(weight, bias, group_size)
+    raise ConfigError(f"--quantization {method!r} is not supported; choose one of int8, int4")
