@@ -291,6 +291,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """``tokenmill verify``."""
     from tokenmill.bench.verify import format_verify_report, run_verify, save_verify_report
 
+    if args.quantization or args.kv_cache_dtype:
+        return _verify_precision(args)
     min_match = (
         args.min_match if args.min_match is not None else (1.0 if args.dtype == "float32" else 0.8)
     )
@@ -314,6 +316,40 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.save_result:
         save_verify_report(report, args.save_result)
     return 0 if report.passed else 1
+
+
+def _verify_precision(args: argparse.Namespace) -> int:
+    """``tokenmill verify --quantization/--kv-cache-dtype``: distributions against fp32."""
+    from tokenmill.bench.verify import format_precision_report, run_precision_check
+
+    engine_kwargs = {
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "quantization_group_size": args.quantization_group_size,
+        "kv_cache_dtype": args.kv_cache_dtype or "auto",
+        **_parse_key_values(args.engine_arg, "--engine-arg"),
+    }
+    if args.server_url:
+        raise ValueError(
+            "--quantization/--kv-cache-dtype are checked in-process; drop --server-url"
+        )
+    report = run_precision_check(
+        args.model or "demo",
+        engine_kwargs,
+        max_tokens=args.max_tokens,
+        texts=_read_prompt_texts(args.prompts_file),
+        num_prompts=args.num_prompts,
+        device=args.device,
+        min_top1=args.min_match if args.min_match is not None else DEFAULT_MIN_TOP1,
+    )
+    print(format_precision_report(report))
+    if args.save_result:
+        Path(args.save_result).write_text(json.dumps(report.to_dict(), indent=2))
+    return 0 if report.passed else 1
+
+
+DEFAULT_MIN_TOP1 = 0.9
+"""Required top-1 agreement with fp32 for ``verify --quantization`` (see docs/benchmarks.md)."""
 
 
 # ---- registration ----------------------------------------------------------------------
@@ -464,9 +500,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     verify.add_argument("--api-key", help="bearer token for --server-url")
     verify.add_argument(
+        "--quantization",
+        choices=("int8", "int4"),
+        help="check a weight-quantized engine: top-1 agreement and KL against float32",
+    )
+    verify.add_argument("--quantization-group-size", type=int, default=128, help="int4 group size")
+    verify.add_argument(
+        "--kv-cache-dtype",
+        choices=("bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        help="check a reduced-precision KV cache the same way",
+    )
+    verify.add_argument(
         "--min-match",
         type=float,
-        help="required exact-match rate (default 1.0 for float32, else 0.8)",
+        help="required exact-match rate (default 1.0 for float32, else 0.8); with "
+        f"--quantization/--kv-cache-dtype, the required top-1 agreement (default {DEFAULT_MIN_TOP1})",
     )
     verify.add_argument(
         "--engine-arg",

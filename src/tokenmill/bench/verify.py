@@ -329,3 +329,107 @@ def save_verify_report(report: VerifyReport, path: str) -> None:
     """Write the full report, every token of both sides included, as JSON."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump(report.to_dict(), f, indent=2)
+
+
+# ---- reduced precision: distributions, not exact tokens -------------------------------------
+@dataclass
+class PrecisionReport:
+    """How closely a reduced-precision engine's next-token distributions follow fp32's."""
+
+    config: dict[str, Any]
+    """The engine options measured (dtype, quantization, kv_cache_dtype, ...)."""
+    num_positions: int
+    top1_agreement: float
+    """Fraction of positions where both sides' most likely next token is the same."""
+    mean_kl: float
+    """Mean KL(reference || candidate) of the next-token distribution, in nats."""
+    max_kl: float
+    min_top1: float
+
+    @property
+    def passed(self) -> bool:
+        return self.top1_agreement >= self.min_top1
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["passed"] = self.passed
+        return data
+
+
+def reference_logprobs(
+    model: str, sequences: list[list[int]], device: str = "cpu"
+) -> list[torch.Tensor]:
+    """transformers in float32: log-probabilities [len - 1, vocab] of each next token."""
+    hf_model = load_transformers_model(model, "float32", device)
+    out = []
+    with torch.inference_mode():
+        for seq in sequences:
+            logits = hf_model(input_ids=torch.tensor([seq], device=device)).logits[0, :-1]
+            out.append(torch.log_softmax(logits.float(), dim=-1).cpu())
+    del hf_model
+    return out
+
+
+def compare_distributions(
+    reference: list[torch.Tensor],
+    candidate: list[torch.Tensor],
+    first_positions: list[int],
+    config: dict[str, Any],
+    min_top1: float,
+) -> PrecisionReport:
+    """Top-1 agreement and KL over each sequence's positions from ``first_positions[i]`` on."""
+    ref = torch.cat([r[f:] for r, f in zip(reference, first_positions, strict=True)])
+    cand = torch.cat([c[f:] for c, f in zip(candidate, first_positions, strict=True)])
+    kl = (ref.exp() * (ref - cand)).sum(dim=-1).clamp(min=0)
+    agree = (ref.argmax(dim=-1) == cand.argmax(dim=-1)).float().mean()
+    return PrecisionReport(
+        config, len(ref), float(agree), float(kl.mean()), float(kl.max()), min_top1
+    )
+
+
+def run_precision_check(
+    model: str,
+    engine_kwargs: dict[str, Any],
+    *,
+    max_tokens: int = 256,
+    texts: list[str] | None = None,
+    num_prompts: int | None = None,
+    device: str = "cpu",
+    min_top1: float = 0.9,
+    batch_size: int = 1,
+) -> PrecisionReport:
+    """Greedy fp32 continuations of the prompts, then both sides scored on them, teacher-forced.
+
+    The candidate is tokenmill with ``engine_kwargs`` (e.g. ``quantization="int8"``) on its
+    decode path (``tokenmill.engine.scoring``); the reference is transformers in float32.
+    """
+    from tokenmill.engine.scoring import score_sequences
+    from tokenmill.entrypoints.llm import LLM
+
+    tokenizer = load_tokenizer(model)
+    prompts = build_prompt_ids(tokenizer, texts, num_prompts)
+    continuations = run_transformers_greedy(model, prompts, max_tokens, "float32", device)
+    sequences = [p + list(g.token_ids) for p, g in zip(prompts, continuations, strict=True)]
+    reference = reference_logprobs(model, sequences, device)
+    llm = LLM(model=model, device=device, **engine_kwargs)
+    candidate = score_sequences(llm.engine, sequences, batch_size)
+    config = {k: v for k, v in llm.engine.config.__dict__.items() if k in _PRECISION_FIELDS}
+    del llm
+    first = [len(p) - 1 for p in prompts]
+    return compare_distributions(reference, candidate, first, config, min_top1)
+
+
+_PRECISION_FIELDS = ("dtype", "quantization", "quantization_group_size", "kv_cache_dtype")
+
+
+def format_precision_report(report: PrecisionReport) -> str:
+    shown = ", ".join(f"{k}={v}" for k, v in report.config.items())
+    return "\n".join(
+        [
+            f"tokenmill ({shown}) against transformers float32, teacher-forced on fp32 greedy text:",
+            f"  positions:       {report.num_positions}",
+            f"  top-1 agreement: {report.top1_agreement * 100:.2f}% (required {report.min_top1 * 100:.1f}%)",
+            f"  mean KL:         {report.mean_kl:.5f} nats (max {report.max_kl:.4f})",
+            "PASS" if report.passed else "FAIL",
+        ]
+    )

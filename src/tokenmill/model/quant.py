@@ -37,11 +37,13 @@ class QuantizedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.has_gemv = True
+        """Whether the int kernel may serve small batches (else dequantize + GEMM always)."""
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= GEMV_MAX_ROWS:
+        if flat.shape[0] <= GEMV_MAX_ROWS and self.has_gemv:
             y = self._gemv(flat).to(x.dtype)
         else:
             y = F.linear(flat, self.dequantize(x.dtype))
@@ -71,15 +73,18 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer(
             "qweight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
         )
-        self.register_buffer("scales", scales.to(weight.dtype))
+        self.register_buffer("scales", scales)  # fp32: the dequantizing path keeps full scales
         self.register_buffer("kernel_scales", scales.to(kernel_dtype(weight.dtype)))
+        # torch's int8 kernel crashes or miscomputes from 2 rows on when the input width is
+        # not a multiple of 16 (seen at 40 and 72 in torch 2.13); such a shape skips it.
+        self.has_gemv = self.in_features % 16 == 0
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         scales = self.kernel_scales
         return torch._weight_int8pack_mm(x.to(scales.dtype), self.qweight, scales)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
+        return (self.qweight.to(torch.float32) * self.scales[:, None]).to(dtype)
 
 
 class Int4Linear(QuantizedLinear):
