@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.cpu import CPUInfo
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.sampling import SamplingParams
 
@@ -112,14 +113,28 @@ def test_missing_config(tmp_path: Path) -> None:
         ModelConfig.from_folder(tmp_path)
 
 
-def test_dtype_auto_falls_back_to_float32_on_cpu(model_copy: Path, caplog) -> None:
-    cfg = ModelConfig.from_dict(
-        {**json.loads((model_copy / "config.json").read_text()), "torch_dtype": "bfloat16"}
-    )
-    with caplog.at_level("INFO"):
-        assert resolve_dtype("auto", cfg, torch.device("cpu")) == torch.float32
-    assert "float32 on CPU" in caplog.text
-    assert resolve_dtype("bfloat16", cfg, torch.device("cpu")) == torch.bfloat16
+@pytest.mark.parametrize(
+    ("flags", "want", "logged"),
+    [
+        ({"avx512_bf16"}, torch.bfloat16, "bfloat16, which this CPU computes natively"),
+        ({"amx_bf16"}, torch.bfloat16, "bfloat16, which this CPU computes natively"),
+        ({"avx2"}, torch.float32, "float32, as this CPU has no bf16 dot products"),
+    ],
+)
+def test_dtype_auto_runs_a_half_checkpoint_as_bf16_only_where_the_cpu_has_bf16(
+    model_copy: Path, caplog, monkeypatch: pytest.MonkeyPatch, flags, want, logged
+) -> None:
+    info = CPUInfo("AVX512", frozenset(flags), 2)
+    monkeypatch.setattr("tokenmill.model.loader.cpu_info", lambda: info)
+    raw = json.loads((model_copy / "config.json").read_text())
+    for declared in ("bfloat16", "float16"):
+        cfg = ModelConfig.from_dict({**raw, "torch_dtype": declared})
+        with caplog.at_level("INFO"):
+            assert resolve_dtype("auto", cfg, torch.device("cpu")) == want
+        assert logged in caplog.text
+        assert resolve_dtype("bfloat16", cfg, torch.device("cpu")) == torch.bfloat16
+    cfg = ModelConfig.from_dict({**raw, "torch_dtype": "float32"})
+    assert resolve_dtype("auto", cfg, torch.device("cpu")) == torch.float32  # never lowered
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -136,7 +151,7 @@ def test_weights_arrive_fused_and_converted(model_copy: Path) -> None:
         k: v.to(torch.bfloat16) for k, v in load_file(model_copy / "model.safetensors").items()
     }
     save_file(stored, model_copy / "model.safetensors")
-    model = load_model(model_copy, torch.float16, torch.device("cpu"), 64)
+    model = load_model(model_copy, torch.float16, torch.device("cpu"), 64, prepack=False)
     layer = model.layers[1]
     p = "model.layers.1."
     expect_qkv = torch.cat([stored[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).to(

@@ -223,6 +223,7 @@ def load_model(
     cfg: ModelConfig | None = None,
     quantization: str | None = None,
     group_size: int = 128,
+    prepack: bool = True,
 ) -> DecoderModel:
     """Build the decoder for ``folder`` and fill it with the checkpoint's weights.
 
@@ -257,7 +258,7 @@ def load_model(
         raise ConfigError(
             f"--quantization {quantization}: the int8/int4 kernels are CPU-only; use --device cpu"
         )
-    pack = device.type == "cpu"
+    pack = prepack and device.type == "cpu"  # False keeps plain weights to inspect
     num_packed = num_quantized = 0
 
     rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling).to(device)
