@@ -182,6 +182,11 @@ def test_completions_result_has_every_field_and_the_servers_token_counts(
         server["available"] and server["peak_kv_cache_usage"] > 0 and server["num_preemptions"] == 0
     )
     assert server["peak_resident_memory_bytes"] > 0
+    # what the server ran, so a comparison says what it compares
+    assert server["engine_config"]["dtype"] == "float32"
+    assert server["engine_config"]["quantization"] == "none"
+    assert server["engine_config"]["kv_cache_dtype"] == "float32"
+    assert int(server["engine_config"]["num_threads"]) >= 1
 
 
 def test_chat_endpoint_with_text_prompts(tokenmill_server: str, tmp_path: Path) -> None:

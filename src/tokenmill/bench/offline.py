@@ -445,4 +445,8 @@ def format_offline_table(result: dict[str, Any]) -> str:
         "growth while loading plus peak growth while running; KV waste = reserved KV slots not holding a "
         "token, averaged over steps; load s includes compiling)"
     )
+    for row in result["backends"]:
+        if row.get("precision"):
+            shown = ", ".join(f"{k}={v}" for k, v in sorted(row["precision"].items()))
+            out.append(f"{row['label']} ran {shown}")
     return "\n".join(out)

@@ -104,7 +104,8 @@ class TokenmillBackend:
         return None
 
     def load_figures(self) -> dict[str, Any]:
-        return {"compile_time_s": self.llm.engine.stats.compile_time_s}
+        stats = self.llm.engine.stats
+        return {"compile_time_s": stats.compile_time_s, "precision": dict(stats.precision)}
 
     def run_figures(self) -> dict[str, Any]:
         """KV token slots reserved vs holding tokens, averaged over the latest run's steps."""

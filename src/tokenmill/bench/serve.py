@@ -419,6 +419,8 @@ def format_summary(result: dict[str, Any]) -> str:
         row("Prefix cache hit rate (%):", None if hit_rate is None else hit_rate * 100)
         rss = server.get("peak_resident_memory_bytes")
         row("Peak server RSS (MiB):", None if rss is None else rss / 2**20)
+        for key, value in sorted((server.get("engine_config") or {}).items()):
+            lines.append(f"{'Server ' + key.replace('_', ' ') + ':':<40}{value:>10}")
     if result.get("failure_reasons"):
         lines.append("{s:{c}^{n}}".format(s=" Failures ", n=width, c="-"))
         for reason, count in result["failure_reasons"].items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +97,20 @@ def _after_labels(line: str, brace: int) -> str | None:
     return None
 
 
+def read_engine_config(text: str) -> dict[str, str]:
+    """The labels of ``tokenmill:engine_config_info`` (dtype, quantization, KV cache dtype,
+    threads), so a result file says what the server ran; empty for other servers."""
+    for line in text.splitlines():
+        if line.startswith("tokenmill:engine_config_info{"):
+            body = line[line.index("{") + 1 : line.rindex("}")]
+            return {
+                key: value.strip('"')
+                for key, value in (pair.split("=", 1) for pair in re.findall(r'\w+="[^"]*"', body))
+                if key != "model_name"
+            }
+    return {}
+
+
 def _first(samples: dict[str, list[float]], names: tuple[str, ...], combine: str) -> float | None:
     for name in names:
         values = [v for v in samples.get(name, []) if math.isfinite(v)]
@@ -137,6 +152,8 @@ class MetricsScraper:
     before: dict[str, float | None] = field(default_factory=dict)
     after: dict[str, float | None] = field(default_factory=dict)
     peaks: dict[str, float] = field(default_factory=dict)
+    engine_config: dict[str, str] = field(default_factory=dict)
+    """What a tokenmill target runs (``read_engine_config``)."""
     _task: asyncio.Task[None] | None = None
 
     async def scrape(self) -> dict[str, float | None] | None:
@@ -148,6 +165,7 @@ class MetricsScraper:
         if response.status_code != 200:
             return None
         figures = read_figures(parse_prometheus_text(response.text))
+        self.engine_config = self.engine_config or read_engine_config(response.text)
         self.num_scrapes += 1
         for name, value in figures.items():
             if value is not None:
@@ -197,4 +215,5 @@ class MetricsScraper:
             "peak_num_requests_waiting": self.peaks.get("num_requests_waiting"),
             "prefix_cache_hit_rate": (hits / queries) if queries and hits is not None else None,
             "peak_resident_memory_bytes": self.peaks.get("resident_memory_bytes"),
+            "engine_config": self.engine_config,
         }
