@@ -4,7 +4,7 @@ Accuracy checks of reduced precision (``tokenmill verify --quantization``) compa
 distributions with a reference's on the same token sequences, so one early difference
 cannot send the rest of a sequence elsewhere. Tokens go through the engine's own decode
 path one position per step, in batches of ``batch_size`` sequences, so the numbers describe
-the kernels that serve real decode steps (the int kernels below ``GEMV_MAX_ROWS`` rows, the
+the kernels that serve real decode steps (the int kernels for small batches, the
 dequantizing path above), with the engine's KV cache in its configured dtype.
 """
 

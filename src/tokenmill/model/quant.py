@@ -1,14 +1,17 @@
 """Weight-only quantization at load time: int8 per output channel, int4 group-wise.
 
 Kernels are torch's own (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``). Measured
-on this project's 2-core AVX-512/AMX machine (one thread, 8 layers of the 250M model's
-shapes, docs/benchmarks.md): for one row they read int4 weights 2.5x faster than oneDNN reads
-prepacked bf16 and int8 about as fast; from a few rows on they are slower than dequantizing
-the weight and running the bf16 GEMM (they walk the weights once per row). So a projection
-uses them for at most ``GEMV_MAX_ROWS`` rows (decode of a few streams) and otherwise
-dequantizes the layer's weight on the fly into the activation dtype (prefill, large batches).
-Activations stay in the model dtype; the int kernels take bf16 inputs (their fp32 paths are
-5x slower), so an fp32 model's activations are rounded to bf16 for that product only.
+on this project's 2-core AVX-512/AMX machine (8 layers of the 250M model's shapes,
+docs/benchmarks.md): for one row they read int4 weights 2.5x faster than oneDNN reads
+prepacked bf16 and int8 about as fast; their cost then grows with the row count (they walk
+the weights again per few rows), while dequantizing the layer's weight into the activation
+dtype and running the GEMM costs the same at any row count. A projection takes the int
+kernel up to ``max_kernel_rows`` rows (the measured crossover: decode batches) and
+dequantizes above it (prefill chunks). Activations stay in the model dtype; the int kernels
+take bf16 inputs (their fp32 paths are 5x slower), so an fp32 model's activations are
+rounded to bf16 for that product only. No torch kernel (inductor's max-autotune template,
+``torch._int_mm``) beat oneDNN's prepacked bf16 GEMM at 16+ rows here: at decode batches of
+16 the quantized models are slower than bf16 and about as fast as fp32.
 """
 
 from __future__ import annotations
@@ -18,9 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.errors import ConfigError
-
-GEMV_MAX_ROWS = 4
-"""Rows up to which the int kernels beat dequantize + GEMM (measured crossover 4-8 rows)."""
 
 _INT4_LAYOUT_BLOCKS = (64, 32)
 """Output-channel block of torch's CPU int4 packing: 64 with AVX-512 kernels, 32 with AVX2."""
@@ -34,6 +34,9 @@ def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
 class QuantizedLinear(nn.Module):
     """Common part of the int8 and int4 projections: bias, shapes, the row-count dispatch."""
 
+    max_kernel_rows = 0
+    """Rows up to which the int kernel beats dequantize + GEMM."""
+
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -43,7 +46,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= GEMV_MAX_ROWS and self.has_gemv:
+        if flat.shape[0] <= self.max_kernel_rows and self.has_gemv:
             y = self._gemv(flat).to(x.dtype)
         else:
             y = F.linear(flat, self.dequantize(x.dtype))
@@ -66,6 +69,10 @@ class QuantizedLinear(nn.Module):
 class Int8Linear(QuantizedLinear):
     """int8 weights with one scale per output channel (symmetric, absmax / 127)."""
 
+    max_kernel_rows = 16
+    """At 16 rows the kernel took 2.5 ms for 1024 -> 5632 (2 threads), dequantize + GEMM 3.6;
+    at 64 rows 10.1 against 4.6."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight.shape[1], weight.shape[0], bias)
         w = weight.float()
@@ -84,7 +91,10 @@ class Int8Linear(QuantizedLinear):
         return torch._weight_int8pack_mm(x.to(scales.dtype), self.qweight, scales)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return (self.qweight.to(torch.float32) * self.scales[:, None]).to(dtype)
+        weight = self.qweight.to(
+            dtype
+        )  # two passes in ``dtype``: half the traffic of an fp32 temporary
+        return weight.mul_(self.scales.to(dtype)[:, None])
 
 
 class Int4Linear(QuantizedLinear):
@@ -97,6 +107,10 @@ class Int4Linear(QuantizedLinear):
     ``_unpack`` reads; dequantization then reads the packed tensor itself, and no second
     copy of the weight is kept.
     """
+
+    max_kernel_rows = 64
+    """Dequantizing the packing costs 4-5 elementwise passes (11 ms for 1024 -> 5632 on 2
+    threads), which the int4 kernel only exceeds beyond about 64 rows."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> None:
         out_features, in_features = weight.shape
@@ -121,6 +135,8 @@ class Int4Linear(QuantizedLinear):
             .contiguous()
             .to(kernel_dtype(weight.dtype)),
         )
+        self.register_buffer("offsets", (zero - 8 * scale).view(self.padded_out, groups))
+        """zero - 8 * scale per group in fp32: dequantizing is then one multiply-add."""
         self.layout_block = next((b for b in _INT4_LAYOUT_BLOCKS if self._unpacks_to(b, q)), None)
         """The packing's channel block, or None if it is not one we can read (then the int4
         kernel serves every batch size: slower for large ones, still correct)."""
@@ -162,11 +178,16 @@ class Int4Linear(QuantizedLinear):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         assert self.layout_block is not None
-        codes = self._unpack(self.layout_block).view(self.padded_out, -1, self.group_size)
+        block = self.layout_block
+        packed = self.packed.view(self.padded_out // block, self.padded_in, block // 2)
+        out = torch.empty(self.padded_out // block, block, self.padded_in, dtype=dtype)
+        out[:, : block // 2].copy_((packed & 15).transpose(1, 2))  # convert and transpose at once
+        out[:, block // 2 :].copy_((packed >> 4).transpose(1, 2))
+        groups = out.view(self.padded_out, -1, self.group_size)
         scale = self.scales_and_zeros[..., 0].t().unsqueeze(-1).to(dtype)
-        zero = self.scales_and_zeros[..., 1].t().unsqueeze(-1).to(dtype)
-        weight = ((codes.to(dtype) - 8) * scale + zero).view(self.padded_out, self.padded_in)
-        return weight[: self.out_features, : self.in_features]
+        offset = self.offsets.unsqueeze(-1).to(dtype)
+        groups.mul_(scale).add_(offset)
+        return out.view(self.padded_out, self.padded_in)[: self.out_features, : self.in_features]
 
 
 def quantize_linear(

@@ -1,0 +1,244 @@
+"""Reduced precision through the server: single-stream TPOT against the bandwidth bound,
+16-stream throughput, peak RSS, tokenmill and llama.cpp's server side by side.
+
+For each configuration a server is started (``tokenmill serve`` or llama.cpp's
+``llama-server`` via ../shared/peers/build-llamacpp.sh), driven by ``tokenmill bench serve``
+with 128-token prompts and 64 output tokens (EOS ignored): 8 requests one at a time, then 32
+requests 16 at a time. Peak RSS is the server process's, polled. Read bandwidth (a sum over
+1 GiB) is measured at the start of the same run; a configuration's bound is the bytes one
+decode step must read (projection and LM-head weights in their stored form) over that
+bandwidth.
+
+    .venv/bin/python benchmarks/precision.py --out results/precision.json
+    .venv/bin/python benchmarks/precision.py --configs fp32,bf16 --no-llamacpp  # a subset
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_core import MODEL_SHAPE, build_model, read_bandwidth_gbs
+
+PEERS = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "build-llamacpp.sh"
+TOKENMILL = str(Path(sys.executable).parent / "tokenmill")
+GGUF_DIR = Path(os.environ.get("PEERS_ROOT", Path.home() / ".cache/tokenmill-peers")) / "gguf"
+
+TOKENMILL_CONFIGS: dict[str, list[str]] = {
+    "fp32": ["--dtype", "float32"],
+    "bf16": ["--dtype", "bfloat16"],
+    "fp16": ["--dtype", "float16"],
+    "int8": ["--dtype", "bfloat16", "--quantization", "int8"],
+    "int4": ["--dtype", "bfloat16", "--quantization", "int4", "--quantization-group-size", "32"],
+    "int8-fp8kv": ["--dtype", "bfloat16", "--quantization", "int8", "--kv-cache-dtype", "fp8"],
+}
+LLAMACPP_CONFIGS = {"fp32": "f32", "fp16": "f16", "int8": "q8_0", "int4": "q4_0"}
+"""llama.cpp's nearest format per tokenmill configuration (Q8_0/Q4_0: blocks of 32)."""
+
+
+def decode_weight_bytes(config: str) -> float:
+    """Bytes one decode step reads: every projection and the LM head, as stored."""
+    h, i, n = (
+        MODEL_SHAPE["hidden_size"],
+        MODEL_SHAPE["intermediate_size"],
+        MODEL_SHAPE["num_hidden_layers"],
+    )
+    kv = h // MODEL_SHAPE["num_attention_heads"] * MODEL_SHAPE["num_key_value_heads"]
+    per_layer = h * (h + 2 * kv) + h * h + 2 * h * i + i * h
+    head = MODEL_SHAPE["vocab_size"] * h
+    width = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}
+    if config in width:
+        return (n * per_layer + head) * width[config]
+    layer_bytes = {"int8": 1.0, "int8-fp8kv": 1.0, "int4": 0.5 + 4 / 32}[
+        config
+    ]  # int4: bf16 scale+zero per 32
+    return n * per_layer * layer_bytes + head * 1.0  # the LM head is int8 in both modes
+
+
+class RSSPoller:
+    """Peak resident memory of one process, polled every 100 ms."""
+
+    def __init__(self, pid: int) -> None:
+        self.process = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, self.process.memory_info().rss)
+            except psutil.Error:
+                return
+            time.sleep(0.1)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def wait_ready(base_url: str, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base_url + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{base_url} did not become ready")
+
+
+def bench(
+    base_url: str, tokenizer: Path, num_prompts: int, concurrency: int, out: Path
+) -> dict[str, Any]:
+    subprocess.run(
+        [
+            TOKENMILL,
+            "bench",
+            "serve",
+            "--base-url",
+            base_url,
+            "--tokenizer",
+            str(tokenizer),
+            "--dataset",
+            "random",
+            "--input-len",
+            "128",
+            "--output-len",
+            "64",
+            "--ignore-eos",
+            "--num-prompts",
+            str(num_prompts),
+            "--max-concurrency",
+            str(concurrency),
+            "--num-warmups",
+            "1",
+            "--no-progress",
+            "--save-result",
+            str(out),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return json.loads(out.read_text())
+
+
+def run_server(
+    command: list[str], base_url: str, tokenizer: Path, workdir: Path, name: str
+) -> dict[str, Any]:
+    log = (workdir / f"{name}.log").open("w")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        start = time.monotonic()
+        wait_ready(base_url)
+        ready_s = time.monotonic() - start
+        poller = RSSPoller(proc.pid)
+        single = bench(base_url, tokenizer, 8, 1, workdir / f"{name}-1.json")
+        many = bench(base_url, tokenizer, 32, 16, workdir / f"{name}-16.json")
+        peak_rss = poller.stop()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+    return {
+        "ready_s": ready_s,
+        "single_tpot_ms": single["median_tpot_ms"],
+        "single_ttft_ms": single["median_ttft_ms"],
+        "tok_s_16": many["output_throughput"],
+        "ttft_16_ms": many["median_ttft_ms"],
+        "tpot_16_ms": many["median_tpot_ms"],
+        "peak_rss_gib": peak_rss / 2**30,
+        "engine_config": (many.get("server_metrics") or {}).get("engine_config"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache/tokenmill"))
+        / "bench-llama-250m",
+    )
+    parser.add_argument("--configs", default=",".join(TOKENMILL_CONFIGS))
+    parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument("--port", type=int, default=8321)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    model = build_model(args.model_dir)
+    base_url = f"http://127.0.0.1:{args.port}"
+    torch.set_num_threads(psutil.cpu_count(logical=False) or 1)
+    bandwidth = read_bandwidth_gbs()
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu_flags": sorted(
+            f
+            for f in Path("/proc/cpuinfo").read_text().split()
+            if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+        ),
+        "read_bandwidth_gbs": bandwidth,
+        "runs": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        for name in args.configs.split(","):
+            command = [
+                TOKENMILL,
+                "serve",
+                str(model),
+                "--port",
+                str(args.port),
+                "--max-model-len",
+                "512",
+                "--max-num-seqs",
+                "32",
+                "--kv-cache-memory",
+                "1GiB",
+                "--disable-access-log",
+                *TOKENMILL_CONFIGS[name],
+            ]
+            run = run_server(command, base_url, model, workdir, f"tokenmill-{name}")
+            run["bound_ms"] = decode_weight_bytes(name) / (bandwidth * 1e9) * 1e3
+            results["runs"][f"tokenmill {name}"] = run
+            print(f"tokenmill {name}: {run}", flush=True)
+            llama = LLAMACPP_CONFIGS.get(name)
+            gguf = GGUF_DIR / f"llama250m-{llama}.gguf"
+            if args.no_llamacpp or llama is None or not gguf.is_file():
+                continue
+            run = run_server(
+                ["bash", str(PEERS), "serve", str(gguf), str(args.port)],
+                base_url,
+                model,
+                workdir,
+                f"llamacpp-{llama}",
+            )
+            results["runs"][f"llama.cpp {llama}"] = run
+            print(f"llama.cpp {llama}: {run}", flush=True)
+    text = json.dumps(results, indent=2)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
