@@ -92,9 +92,32 @@ class RSSPoller:
         return self.peak
 
 
-def wait_ready(base_url: str, timeout_s: float = 600) -> None:
+def llama_server_command(binary: Path | None, gguf: Path, port: int) -> list[str]:
+    """``build-llamacpp.sh serve``, or the same flags on another build of llama-server."""
+    if binary is None:
+        return ["bash", str(PEERS), "serve", str(gguf), str(port)]
+    threads = str(os.cpu_count() or 1)
+    return [
+        str(binary),
+        "-m",
+        str(gguf),
+        "--port",
+        str(port),
+        "-t",
+        threads,
+        "-np",
+        "16",
+        "-c",
+        "16384",
+        "-cb",
+    ]
+
+
+def wait_ready(base_url: str, proc: subprocess.Popen[bytes], timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
         try:
             if httpx.get(base_url + "/v1/models", timeout=2).status_code == 200:
                 return
@@ -180,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--configs", default=",".join(TOKENMILL_CONFIGS))
     parser.add_argument("--no-llamacpp", action="store_true")
+    parser.add_argument(
+        "--llama-server",
+        type=Path,
+        help="a llama-server binary to run instead of build-llamacpp.sh's (same flags); e.g. one "
+        "built without AMX where the OS refuses AMX tile state (llama.cpp dies with SIGILL)",
+    )
     parser.add_argument("--port", type=int, default=8321)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -224,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.no_llamacpp or llama is None or not gguf.is_file():
                 continue
             run = run_server(
-                ["bash", str(PEERS), "serve", str(gguf), str(args.port)],
+                llama_server_command(args.llama_server, gguf, args.port),
                 base_url,
                 model,
                 workdir,
