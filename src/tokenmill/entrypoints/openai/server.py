@@ -43,6 +43,7 @@ from tokenmill.entrypoints.openai.routers import chat, completions, health, mode
 from tokenmill.entrypoints.openai.state import ServerConfig, ServerState
 from tokenmill.entrypoints.openai.tokenization import RequestTokenizer
 from tokenmill.metrics import ServerMetrics
+from tokenmill.metrics.ops import ResponseCountMiddleware, install_ops_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
         config.chat_template_timeout_s,
         config.max_request_body_bytes,
     )
+    responses = install_ops_metrics(
+        metrics,
+        is_dead=lambda: engine.state is EngineState.DEAD,
+        read_startup=lambda: engine.startup_costs,
+    )
     state = ServerState(config, engine_config, engine, metrics, tokenization)
     admission = AdmissionController(config.max_seqs_in_flight, config.per_key_max_concurrency)
 
@@ -134,6 +140,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
         max_header_count=config.max_header_count,
     )
     app.add_middleware(AccessLogMiddleware)
+    app.add_middleware(
+        ResponseCountMiddleware, counter=responses, model_name=config.served_model_names[0]
+    )
     return app
 
 
