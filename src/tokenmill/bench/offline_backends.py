@@ -104,7 +104,12 @@ class TokenmillBackend:
         return None
 
     def load_figures(self) -> dict[str, Any]:
-        return {"compile_time_s": self.llm.engine.stats.compile_time_s}
+        startup = self.llm.engine.startup
+        return {
+            "compile_time_s": self.llm.engine.stats.compile_time_s,
+            "compile_cache": startup.compile_cache,
+            "startup": startup.as_dict(),
+        }
 
     def run_figures(self) -> dict[str, Any]:
         """KV token slots reserved vs holding tokens, averaged over the latest run's steps."""

@@ -419,6 +419,13 @@ def format_summary(result: dict[str, Any]) -> str:
         row("Prefix cache hit rate (%):", None if hit_rate is None else hit_rate * 100)
         rss = server.get("peak_resident_memory_bytes")
         row("Peak server RSS (MiB):", None if rss is None else rss / 2**20)
+        startup = server.get("startup")
+        if startup:
+            cache = startup.get("compile_cache") or "unknown"
+            row(f"Start-up, {cache} compile cache (s):", startup.get("startup_s"))
+            row("  model load (s):", startup.get("model_load_s"))
+            row("  KV allocation (s):", startup.get("kv_allocation_s"))
+            row("  compile (s):", startup.get("compile_s"))
     if result.get("failure_reasons"):
         lines.append("{s:{c}^{n}}".format(s=" Failures ", n=width, c="-"))
         for reason, count in result["failure_reasons"].items():
