@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.input_processor import ProcessedRequest
+from tokenmill.entrypoints.openai.admission import GENERATION_PATHS
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.middleware import header_value, send_error
 from tokenmill.entrypoints.openai.routes_config import (
@@ -50,7 +51,6 @@ from tokenmill.metrics.prometheus import PREFIX
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 TICKET_SCOPE_KEY = "route_ticket"
 """Where a request's RouteTicket lives in ``scope["state"]``."""
 
@@ -172,10 +172,7 @@ class RouteTable:
             return by_key
         by_header = self._by_header.get(header)
         if by_header is None:
-            raise InvalidRequestError(
-                f"{ROUTE_HEADER} names no route (known values: {', '.join(sorted(self._by_header)) or 'none'})",
-                param=None,
-            )
+            raise InvalidRequestError(f"{ROUTE_HEADER}: no route has this value")
         if by_key is not None and by_key is not by_header:
             raise APIError(
                 403,
