@@ -30,6 +30,8 @@ from tokenmill.entrypoints.openai.routes_config import parse_routes
 from tokenmill.entrypoints.openai.state import ServerConfig
 
 KEY_LONG, KEY_CHAT, KEY_CHAT2 = "sk-long-route-key", "sk-chat-route-key", "sk-chat-route-key2"
+KEY_FREE = "sk-no-route-key"
+"""Bound to no route: its requests are routed by model."""
 ENGINE_CONFIG = EngineConfig(
     model="demo", max_model_len=256, max_num_seqs=4, num_threads=1, scheduling_policy="priority"
 )
@@ -40,7 +42,7 @@ routes:
     max_model_len: 256
     priority: 10
     max_in_flight: 3
-    quotas: {{max_concurrent_requests: 3}}
+    quotas: {{max_concurrent_requests: 3, output_tokens_per_minute: 100}}
   - name: chat
     match:
       api_keys: [{KEY_CHAT}, {KEY_CHAT2}]
@@ -54,8 +56,12 @@ routes:
     quotas:
       max_concurrent_requests: 2
       input_tokens_per_minute: 400
+  - name: batch
+    match: {{models: [demo]}}
+    max_in_flight: 1
+    defaults: {{max_tokens: 3}}
 """
-"""Their bounds add up to 7 sequences, within the server's 8 (4 running + 4 queued)."""
+"""Their bounds add up to 8 sequences, the server's 8 (4 running + 4 queued)."""
 PROMPT_30 = list(range(100, 130))
 
 
@@ -70,7 +76,7 @@ def routed(
     config = ServerConfig(
         max_num_seqs=4,
         max_queue_len=4,
-        api_keys=(KEY_LONG, KEY_CHAT, KEY_CHAT2),
+        api_keys=(KEY_LONG, KEY_CHAT, KEY_CHAT2, KEY_FREE),
         routes_config=str(path),
         disable_auth_for_health_metrics=True,
     )
@@ -196,6 +202,54 @@ def test_input_tokens_per_minute_quota(routed: tuple[InProcessServer, StepGate])
         )
     finally:
         gate.close()
+
+
+def test_output_tokens_per_minute_counts_what_a_stream_generated(
+    routed: tuple[InProcessServer, StepGate],
+) -> None:
+    """The long route's key has 100 output tokens a minute; 30 were generated above."""
+    server, gate = routed
+    gate.open()
+    try:
+        body = {"prompt": "go on", "max_tokens": 80, "ignore_eos": True, "stream": True}
+        with httpx.stream(
+            "POST",
+            f"{server.base_url}/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY_LONG}"},
+            timeout=WAIT_S,
+        ) as response:
+            assert response.status_code == 200
+            assert response.read().rstrip().endswith(b"data: [DONE]")
+        over = _post(server.base_url, KEY_LONG, {"prompt": "more", "max_tokens": 1})
+        error = _refused(over, 429, "rate_limit_exceeded")
+        assert "100 output tokens per minute" in error["message"]
+        assert 1 <= int(over.headers["Retry-After"]) <= 60
+    finally:
+        gate.close()
+
+
+def test_a_route_selected_by_model_gets_its_defaults_and_bound(
+    routed: tuple[InProcessServer, StepGate],
+) -> None:
+    server, gate = routed
+    url, engine = server.base_url, server.engine
+    body = {"model": "demo", "prompt": "by model", "ignore_eos": True}
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(_post, url, KEY_FREE, body)
+        gate.wait_until(lambda: engine.num_streams == 1, "the first request queued")
+        error = _refused(_post(url, KEY_FREE, body), 429, "rate_limit_exceeded")
+        assert "route 'batch'" in error["message"]
+        gate.open()
+        assert first.result().json()["usage"]["completion_tokens"] == 3  # the route's default
+    chat = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True},
+        headers={"Authorization": f"Bearer {KEY_FREE}"},
+        timeout=WAIT_S,
+    )
+    assert chat.json()["usage"]["completion_tokens"] == 3  # released, and the default again
+    gate.close()
 
 
 @pytest.mark.parametrize(
