@@ -273,7 +273,11 @@ def test_a_route_selected_by_model_gets_its_defaults_and_bound(
         ),
         (
             "routes:\n  - name: a\n    match: {models: [nope]}\n",
-            "'nope' is not a served model name",
+            "yaml:3: routes[0].match.models[0]: 'nope' is not a served model name",
+        ),
+        (
+            "routes:\n  - name: a\n    match: {models: [demo]}\n    priority: 5\n",
+            "yaml:4: routes[0].priority: needs --scheduling-policy priority",
         ),
     ],
 )
@@ -294,6 +298,8 @@ def test_routes_docs_name_every_field() -> None:
     docs = (Path(__file__).resolve().parents[2] / "docs" / "routes.md").read_text()
     for name in [*Route.model_fields, *RouteQuotas.model_fields]:
         assert f"`{name}`" in docs, name
+    example = docs.split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert [r.name for r in parse_routes(example).routes] == ["chat", "long-context"]
 
 
 # ---- the route table alone, on a fake clock ---------------------------------------------------

@@ -132,31 +132,33 @@ class RouteTable:
         self._by_header: dict[str, _RouteState] = {}
         self._by_model: dict[str, _RouteState] = {}
         for i, route in enumerate(config.routes):
-            where = f"--routes-config: routes[{i}] ({route.name!r})"
             state = self._states[route.name]
-            for key in route.match.api_keys:
+            for j, key in enumerate(route.match.api_keys):
                 if key not in api_keys:
                     raise ConfigError(
-                        f"{where}.match.api_keys: {key[:4]}… is not an --api-key of this server, "
-                        "so no request can authenticate with it"
+                        f"{config.where('routes', i, 'match', 'api_keys', j)}: {key[:4]}… is not "
+                        "an --api-key of this server, so no request can authenticate with it"
                     )
                 self._by_key[api_keys.index(key)] = state
-            for model in route.match.models:
+            for j, model in enumerate(route.match.models):
                 if model not in served_model_names:
                     raise ConfigError(
-                        f"{where}.match.models: {model!r} is not a served model name "
-                        f"(--served-model-name: {', '.join(served_model_names)})"
+                        f"{config.where('routes', i, 'match', 'models', j)}: {model!r} is not a "
+                        f"served model name (--served-model-name: {', '.join(served_model_names)})"
                     )
                 self._by_model[model] = state
             for value in route.match.headers:
                 self._by_header[value] = state
             if route.priority not in (None, 0) and scheduling_policy != "priority":
-                raise ConfigError(f"{where}.priority needs --scheduling-policy priority")
+                raise ConfigError(
+                    f"{config.where('routes', i, 'priority')}: needs --scheduling-policy priority"
+                )
             for name in ("max_model_len", "max_input_tokens"):
                 value = getattr(route, name)
                 if value is not None and max_model_len is not None and value > max_model_len:
                     raise ConfigError(
-                        f"{where}.{name} ({value}) is more than --max-model-len ({max_model_len})"
+                        f"{config.where('routes', i, name)}: {value} is more than "
+                        f"--max-model-len ({max_model_len})"
                     )
 
     def total_max_in_flight(self) -> int | None:

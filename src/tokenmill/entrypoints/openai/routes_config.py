@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from tokenmill.errors import ConfigError
 
@@ -113,9 +113,12 @@ class RoutesConfig(_Strict):
     """The whole routes file."""
 
     routes: list[Route] = Field(min_length=1)
+    _source: str = PrivateAttr(default="routes.yaml")
+    _root: Any = PrivateAttr(default=None)
 
-    def by_name(self, name: str) -> Route:
-        return next(r for r in self.routes if r.name == name)
+    def where(self, *loc: str | int) -> str:
+        """``routes.yaml:12: routes[1].match.models[0]``: how errors found later name a field."""
+        return f"{self._source}:{_line_of(self._root, loc)}: {_loc_text(loc)}"
 
 
 # ---- loading, with line numbers ------------------------------------------------------------
@@ -226,6 +229,7 @@ def parse_routes(text: str, source: str = "routes.yaml") -> RoutesConfig:
             f"{source}:{_line_of(root, loc)}: {_loc_text(loc)}: {message}{more}"
         ) from None
     _check_overlaps(config, root, source)
+    config._source, config._root = source, root
     return config
 
 
