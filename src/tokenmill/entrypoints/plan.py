@@ -194,7 +194,9 @@ def add_plan_parser(sub: Any) -> None:
     plan = sub.add_parser(
         "plan",
         help="estimate weight and KV memory for a load, with the engine's own sizing",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description="Will this model serve C requests of N tokens on this much memory? Sizes weights "
+        "and KV with the engine's own code, reading only config.json; exits 1 when the worst "
+        "case does not fit.",
     )
     plan.add_argument("--model", default="demo", help="Hugging Face model folder, or 'demo'")
     plan.add_argument("--max-model-len", type=int, required=True, help="context length N")
