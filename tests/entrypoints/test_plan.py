@@ -102,3 +102,15 @@ def test_kv_dtype_and_quantization_bytes() -> None:
         < full
     )
     assert torch.float8_e4m3fn.itemsize == sizing.DTYPE_BYTES["fp8_e4m3"]
+
+
+def test_gpu_budget_formula_the_engine_and_planner_share() -> None:
+    gib = 2**30
+    # Default: 90% of 80 GiB, less what is used (16 GiB of weights) and 1 GiB of headroom.
+    assert sizing.kv_budget_from_memory(None, 80 * gib, 64 * gib, 0.9) == int(72 * gib) - 17 * gib
+    assert sizing.kv_budget_from_memory(0.5, 80 * gib, 64 * gib, 0.9) == 32 * gib  # of free
+    assert sizing.kv_budget_from_memory(4 * gib, 80 * gib, 64 * gib, 0.9) == 4 * gib
+    assert sizing.kv_budget_from_memory(None, 8 * gib, 0, 0.9) == 0
+    plan = build_plan(PlanInputs("demo", 256, 4, dtype="float32", memory_bytes=80 * gib))
+    weights = plan.weight_bytes
+    assert plan.kv_budget_bytes == int(72 * gib) - weights - gib
