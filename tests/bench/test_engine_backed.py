@@ -97,6 +97,9 @@ def test_offline_compare_gives_a_row_per_backend(make_model, tmp_path: Path, cap
         )  # enforce_eager: nothing compiled
         assert rows[label]["precision"]["dtype"] == "float32"
         assert rows[label]["precision"]["quantization"] == "none"
+        startup = rows[label]["startup"]
+        assert rows[label]["compile_cache"] == "none" and startup["model_load_s"] > 0
+        assert startup["kv_allocation_s"] >= 0 and startup["compile_s_by_bucket"] == {}
     # KV reserved vs holding tokens, per step: 4 requests of 8 prompt tokens hold 8, 9, 10, 11
     # tokens over their 4 steps (mean 9.5) in one 16-token block (paged) or a 64-token slot (static).
     paged, static = rows["tokenmill[paged]"], rows["tokenmill[static]"]

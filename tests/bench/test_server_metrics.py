@@ -35,3 +35,26 @@ def test_figures_take_max_of_gauges_and_sum_of_counters() -> None:
 def test_tokenmill_names_win_over_vllm_names() -> None:
     figures = read_figures(parse_prometheus_text(TEXT + "tokenmill:kv_cache_usage_perc 0.9\n"))
     assert figures["kv_cache_usage"] == 0.9
+
+
+def test_start_up_costs_are_read_with_their_compile_cache_state() -> None:
+    from tokenmill.bench.offline import _compile_cell
+    from tokenmill.bench.server_metrics import read_startup_costs
+    from tokenmill.core.stats import EngineStats, StartupCosts
+    from tokenmill.metrics import ServerMetrics
+    from tokenmill.metrics.ops import install_ops_metrics
+
+    metrics = ServerMetrics("m", 1024, lambda: EngineStats())
+    costs = StartupCosts(2.0, 0.5, {1: 4.0, 8: 1.0}, {1: "warm", 8: "warm"}, 8.0)
+    install_ops_metrics(metrics, is_dead=lambda: False, read_startup=lambda: costs)
+    read = read_startup_costs(metrics.render().decode())
+    assert read == {
+        "startup_s": 8.0,
+        "model_load_s": 2.0,
+        "kv_allocation_s": 0.5,
+        "compile_cache": "warm",
+        "compile_s": 5.0,
+        "compile_s_by_bucket": {"1": 4.0, "8": 1.0},
+    }
+    assert read_startup_costs("vllm:num_requests_running 1.0\n") is None
+    assert _compile_cell(12.34, "cold") == "12.3 cold" and _compile_cell(0.0, "none") == "0.0"

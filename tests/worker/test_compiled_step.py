@@ -111,3 +111,22 @@ def test_a_compiled_forward_that_fails_at_run_time_falls_back(
         assert _greedy_ids(llm) == expected
     assert step.buckets == [] and step.eager_buckets == [4]
     assert any("could not recompile" in r.getMessage() for r in caplog.records)
+
+
+def test_start_up_costs_per_bucket_and_a_warm_second_start(
+    make_model, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each bucket's compile time is recorded; a second start of the same shapes is served
+    by inductor's cache and says ``warm`` (the first is ``cold`` unless the cache had them)."""
+    folder = make_model("llama")
+    first = _static(folder, compile_batch_sizes=(2,)).engine.startup
+    assert set(first.compile_s_by_bucket) == {2}
+    assert set(first.compile_cache_by_bucket.values()) <= {"warm", "cold"}
+    with caplog.at_level(logging.INFO, logger="tokenmill"):
+        second = _static(folder, compile_batch_sizes=(2,)).engine.startup
+    assert second.compile_cache_by_bucket == {2: "warm"}
+    assert second.compile_cache == "warm" and second.compile_s > 0
+    assert second.total_s >= second.model_load_s + second.kv_allocation_s + second.compile_s
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("compiled decode bucket 2 in ") and "cache warm" in m for m in messages)
+    assert any(m.startswith("start-up costs: model load") for m in messages)

@@ -374,6 +374,11 @@ def _build_result(
     }
 
 
+def _compile_cell(compile_s: float, cache: str | None) -> str:
+    """``12.3 cold`` / ``1.4 warm``: a warm start is not comparable with a cold one."""
+    return f"{compile_s:.1f}" if cache in (None, "none") else f"{compile_s:.1f} {cache}"
+
+
 def format_offline_table(result: dict[str, Any]) -> str:
     """One row per backend: throughput, latency, memory, start-up, and the ratio to the first."""
     header = (
@@ -410,7 +415,7 @@ def format_offline_table(result: dict[str, Any]) -> str:
                 f"{row['peak_memory_bytes'] / 2**20:.0f}",
                 "-" if kv_waste is None else f"{100 * kv_waste:.1f}%",
                 f"{row['load_s']:.1f}",
-                "-" if compile_s is None else f"{compile_s:.1f}",
+                "-" if compile_s is None else _compile_cell(compile_s, row.get("compile_cache")),
                 "n/a" if ratio is None else f"{ratio:.2f}x",
             )
         )
@@ -443,7 +448,8 @@ def format_offline_table(result: dict[str, Any]) -> str:
     out.append(
         f"({result['device']}, {result['dtype']}, {mode}; memory = {result['backends'][0].get('memory_kind', 'rss')} "
         "growth while loading plus peak growth while running; KV waste = reserved KV slots not holding a "
-        "token, averaged over steps; load s includes compiling)"
+        "token, averaged over steps; load s includes compiling; compile s says whether inductor's "
+        "cache was warm or cold)"
     )
     for row in result["backends"]:
         if row.get("precision"):

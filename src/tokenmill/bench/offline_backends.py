@@ -105,7 +105,13 @@ class TokenmillBackend:
 
     def load_figures(self) -> dict[str, Any]:
         stats = self.llm.engine.stats
-        return {"compile_time_s": stats.compile_time_s, "precision": dict(stats.precision)}
+        startup = self.llm.engine.startup
+        return {
+            "compile_time_s": stats.compile_time_s,
+            "precision": dict(stats.precision),
+            "compile_cache": startup.compile_cache,
+            "startup": startup.as_dict(),
+        }
 
     def run_figures(self) -> dict[str, Any]:
         """KV token slots reserved vs holding tokens, averaged over the latest run's steps."""

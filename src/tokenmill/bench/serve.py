@@ -421,6 +421,13 @@ def format_summary(result: dict[str, Any]) -> str:
         row("Peak server RSS (MiB):", None if rss is None else rss / 2**20)
         for key, value in sorted((server.get("engine_config") or {}).items()):
             lines.append(f"{'Server ' + key.replace('_', ' ') + ':':<40}{value:>10}")
+        startup = server.get("startup")
+        if startup:
+            cache = startup.get("compile_cache") or "unknown"
+            row(f"Start-up, {cache} compile cache (s):", startup.get("startup_s"))
+            row("  model load (s):", startup.get("model_load_s"))
+            row("  KV allocation (s):", startup.get("kv_allocation_s"))
+            row("  compile (s):", startup.get("compile_s"))
     if result.get("failure_reasons"):
         lines.append("{s:{c}^{n}}".format(s=" Failures ", n=width, c="-"))
         for reason, count in result["failure_reasons"].items():

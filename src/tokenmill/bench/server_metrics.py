@@ -111,6 +111,43 @@ def read_engine_config(text: str) -> dict[str, str]:
     return {}
 
 
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_STARTUP_FIGURES = {
+    "tokenmill:startup_seconds": "startup_s",
+    "tokenmill:startup_model_load_seconds": "model_load_s",
+    "tokenmill:startup_kv_allocation_seconds": "kv_allocation_s",
+}
+
+
+def read_startup_costs(text: str) -> dict[str, Any] | None:
+    """tokenmill's start-up costs from one scrape (None for servers without them).
+
+    ``compile_cache`` is ``warm`` when inductor's cache served every decode bucket, so a
+    warm restart is reported apart from a cold one; ``compile_s_by_bucket`` per bucket.
+    """
+    costs: dict[str, Any] = {}
+    by_bucket: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("tokenmill:startup_") or "{" not in line:
+            continue
+        name, rest = line.split("{", 1)
+        labels = dict(_LABEL.findall(rest.rsplit("}", 1)[0]))
+        try:
+            value = float(rest.rsplit("}", 1)[1].split()[0])
+        except (IndexError, ValueError):
+            continue
+        if name in _STARTUP_FIGURES:
+            costs[_STARTUP_FIGURES[name]] = value
+            costs["compile_cache"] = labels.get("compile_cache")
+        elif name == "tokenmill:startup_compile_seconds":
+            by_bucket[labels.get("bucket", "?")] = value
+    if not costs:
+        return None
+    costs["compile_s"] = sum(by_bucket.values())
+    costs["compile_s_by_bucket"] = by_bucket
+    return costs
+
+
 def _first(samples: dict[str, list[float]], names: tuple[str, ...], combine: str) -> float | None:
     for name in names:
         values = [v for v in samples.get(name, []) if math.isfinite(v)]
@@ -154,6 +191,8 @@ class MetricsScraper:
     peaks: dict[str, float] = field(default_factory=dict)
     engine_config: dict[str, str] = field(default_factory=dict)
     """What a tokenmill target runs (``read_engine_config``)."""
+    startup: dict[str, Any] | None = None
+    """The target's start-up costs, from the first scrape that has them."""
     _task: asyncio.Task[None] | None = None
 
     async def scrape(self) -> dict[str, float | None] | None:
@@ -166,6 +205,8 @@ class MetricsScraper:
             return None
         figures = read_figures(parse_prometheus_text(response.text))
         self.engine_config = self.engine_config or read_engine_config(response.text)
+        if self.startup is None:
+            self.startup = read_startup_costs(response.text)
         self.num_scrapes += 1
         for name, value in figures.items():
             if value is not None:
@@ -216,4 +257,5 @@ class MetricsScraper:
             "prefix_cache_hit_rate": (hits / queries) if queries and hits is not None else None,
             "peak_resident_memory_bytes": self.peaks.get("resident_memory_bytes"),
             "engine_config": self.engine_config,
+            "startup": self.startup,
         }

@@ -38,3 +38,45 @@ class EngineStats:
         if not self.kv_reserved_token_steps:
             return None
         return 1.0 - self.kv_used_token_steps / self.kv_reserved_token_steps
+
+
+@dataclass
+class StartupCosts:
+    """What one engine start cost, per phase, so cold and warm starts can be told apart."""
+
+    model_load_s: float = 0.0
+    """Reading config, tokenizer and weights onto the device."""
+    kv_allocation_s: float = 0.0
+    """Sizing and zero-filling the KV cache tensors."""
+    compile_s_by_bucket: dict[int, float] = field(default_factory=dict)
+    """Decode batch size -> seconds to compile (and capture) it; empty when nothing compiles."""
+    compile_cache_by_bucket: dict[int, str] = field(default_factory=dict)
+    """Decode batch size -> ``warm`` (inductor's cache had it), ``cold`` or ``unknown``."""
+    total_s: float = 0.0
+    """The whole engine construction, wall clock."""
+
+    @property
+    def compile_s(self) -> float:
+        return sum(self.compile_s_by_bucket.values())
+
+    @property
+    def compile_cache(self) -> str:
+        """``warm`` when every bucket hit the cache, ``cold`` when any compiled from scratch,
+        ``none`` when nothing was compiled, else ``unknown``."""
+        states = set(self.compile_cache_by_bucket.values())
+        if not states:
+            return "none"
+        if "cold" in states:
+            return "cold"
+        return "warm" if states == {"warm"} else "unknown"
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready figures for bench reports."""
+        return {
+            "model_load_s": self.model_load_s,
+            "kv_allocation_s": self.kv_allocation_s,
+            "compile_s": self.compile_s,
+            "compile_cache": self.compile_cache,
+            "compile_s_by_bucket": {str(b): s for b, s in self.compile_s_by_bucket.items()},
+            "startup_s": self.total_s,
+        }

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.stats import EngineStats
+from tokenmill.core.stats import EngineStats, StartupCosts
 from tokenmill.engine.input_processor import InputProcessor, ProcessedRequest
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.errors import InvalidRequestError, TokenmillError
@@ -165,6 +165,11 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         """The latest counters and gauges the engine thread published."""
         return self._stats
+
+    @property
+    def startup_costs(self) -> StartupCosts | None:
+        """What loading cost (set once before READY, never changed); None while loading."""
+        return self._engine.startup if self._engine is not None else None
 
     # ---- requests ------------------------------------------------------------------------
     async def generate(self, request: ProcessedRequest) -> AsyncGenerator[RequestOutput, None]:

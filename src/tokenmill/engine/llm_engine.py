@@ -19,7 +19,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv import KVCacheManager, KVSizing, build_kv_manager
 from tokenmill.core.request import RequestStatus
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.stats import EngineStats
+from tokenmill.core.stats import EngineStats, StartupCosts
 from tokenmill.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidRequestError
@@ -133,7 +133,11 @@ class LLMEngine:
             quantization=config.quantization,
             group_size=config.quantization_group_size,
         )
+        kv_start = time.monotonic()
+        self.startup = StartupCosts(model_load_s=kv_start - start)
+        """What this start cost per phase (model load, KV allocation, compile per bucket)."""
         self.kv_manager, kv_caches = self._build_kv_cache()
+        self.startup.kv_allocation_s = time.monotonic() - kv_start
         self.scheduler = Scheduler(
             self.kv_manager,
             config.max_num_seqs,
@@ -185,9 +189,13 @@ class LLMEngine:
                 "cpu_isa": cpu_info().isa if self.device.type == "cpu" else "n/a",
             },
         )
+        if compiled is not None:
+            self.startup.compile_s_by_bucket = dict(compiled.compile_s_by_bucket)
+            self.startup.compile_cache_by_bucket = dict(compiled.cache_by_bucket)
         if self.kv_dtype in FP8_DTYPES:
             self._calibrate_kv_scales()
         self.startup_time_s = time.monotonic() - start
+        self.startup.total_s = self.startup_time_s
         logger.info(
             "loaded %s (%s, %.1fM params) on %s in %s%s; KV (%s): %d tokens in %d blocks of %d (%.2f GiB); ready in %.1fs",
             self.model_path,
@@ -202,6 +210,14 @@ class LLMEngine:
             self.kv_manager.block_size,
             self.kv_cache_bytes / 2**30,
             self.startup_time_s,
+        )
+        logger.info(
+            "start-up costs: model load %.2fs, KV allocation %.2fs, compile %.2fs (%d buckets, cache %s)",
+            self.startup.model_load_s,
+            self.startup.kv_allocation_s,
+            self.startup.compile_s,
+            len(self.startup.compile_s_by_bucket),
+            self.startup.compile_cache,
         )
 
     # ---- construction ------------------------------------------------------------------

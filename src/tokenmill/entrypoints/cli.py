@@ -1,4 +1,4 @@
-"""The ``tokenmill`` command: generate, serve, bench and verify.
+"""The ``tokenmill`` command: generate, serve, plan, bench and verify.
 
 Owns the top-level parser and the argparse behaviour every subcommand shares: ``--help``
 shows defaults, and a bad flag is reported with the usage of the subcommand it was given to.
@@ -164,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_server_args(serve)
     serve.set_defaults(func=_serve)
+
+    from tokenmill.entrypoints.plan import add_plan_parser
+
+    add_plan_parser(sub)
 
     try:
         from tokenmill.bench.cli import register as register_bench

@@ -39,6 +39,20 @@ _COMPILE_ERRORS = (
 """What a compiled call raises when dynamo or inductor, not the model, failed."""
 
 
+def _inductor_cache_counts() -> tuple[int, int]:
+    """(hits, misses) of inductor's FX graph cache so far in this process."""
+    counters = torch._dynamo.utils.counters["inductor"]
+    return counters["fxgraph_cache_hit"], counters["fxgraph_cache_miss"]
+
+
+def _cache_state(before: tuple[int, int], after: tuple[int, int]) -> str:
+    """``cold`` if any graph was compiled from scratch, ``warm`` if all came from the cache."""
+    hits, misses = after[0] - before[0], after[1] - before[1]
+    if misses:
+        return "cold"
+    return "warm" if hits else "unknown"
+
+
 def default_buckets(max_num_seqs: int, device: torch.device) -> list[int]:
     """Powers of two up to max_num_seqs (CPU stops at 32 to bound compile time)."""
     limit = max_num_seqs if device.type == "cuda" else min(max_num_seqs, 32)
@@ -71,12 +85,25 @@ class CompiledDecodeStep:
         self._fns: dict[int, DecodeFn] = {}
         self.eager_buckets: list[int] = []
         """Requested buckets that could not be compiled; their batches run eagerly."""
+        self.compile_s_by_bucket: dict[int, float] = {}
+        """Seconds each bucket took to compile (and capture), failed ones included."""
+        self.cache_by_bucket: dict[int, str] = {}
+        """Per bucket: ``warm`` if inductor's FX graph cache served it, ``cold`` or ``unknown``."""
         start = time.monotonic()
         for bucket in tqdm(sorted(set(buckets)), desc="Compiling decode buckets", unit="bucket"):
+            bucket_start, cache_before = time.monotonic(), _inductor_cache_counts()
             try:
                 self._fns[bucket] = self._capture(bucket, self._compile_forward())
             except Exception as exc:  # any compiler failure: the model still runs, eagerly
                 self._fall_back_to_eager(bucket, exc, "could not compile")
+            self.compile_s_by_bucket[bucket] = time.monotonic() - bucket_start
+            self.cache_by_bucket[bucket] = _cache_state(cache_before, _inductor_cache_counts())
+            logger.info(
+                "compiled decode bucket %d in %.2fs (compile cache %s)",
+                bucket,
+                self.compile_s_by_bucket[bucket],
+                self.cache_by_bucket[bucket],
+            )
         self.compile_time_s = time.monotonic() - start
         logger.info(
             "compiled decode for batch sizes %s in %.1fs", self.buckets, self.compile_time_s

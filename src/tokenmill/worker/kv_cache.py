@@ -12,6 +12,7 @@ import logging
 import psutil
 import torch
 
+from tokenmill.model import sizing
 from tokenmill.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -20,9 +21,8 @@ _GIB = 1024**3
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one token across all layers."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    """Bytes of K and V for one token across all layers (``model/sizing.py``, as the planner)."""
+    return sizing.kv_bytes_per_token(cfg, torch.empty((), dtype=dtype).element_size())
 
 
 def kv_budget_bytes(
@@ -31,14 +31,7 @@ def kv_budget_bytes(
     """The KV budget: explicit bytes, a fraction of free memory, or a default."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        if kv_cache_memory is not None and kv_cache_memory > 1:
-            return int(kv_cache_memory)
-        if kv_cache_memory is not None:
-            return int(free * kv_cache_memory)
-        used = total - free
-        return max(
-            0, int(total * gpu_memory_utilization) - used - _GIB
-        )  # 1 GiB activation headroom
+        return sizing.kv_budget_from_memory(kv_cache_memory, total, free, gpu_memory_utilization)
     available = psutil.virtual_memory().available
     if kv_cache_memory is not None and kv_cache_memory > 1:
         return int(kv_cache_memory)

@@ -27,6 +27,12 @@ from tokenmill.engine.input_processor import CheckedParams, ProcessedRequest
 from tokenmill.entrypoints.openai.admission import admit_sequences
 from tokenmill.entrypoints.openai.errors import APIError, to_api_error
 from tokenmill.entrypoints.openai.protocol import SamplingFields, decode_json_object, validate_model
+from tokenmill.entrypoints.openai.routes import (
+    check_route_body,
+    grow_route,
+    route_body,
+    route_prompts,
+)
 from tokenmill.entrypoints.openai.state import ServerState, get_state, new_request_id
 from tokenmill.entrypoints.openai.streaming import (
     SSE_DONE,
@@ -107,6 +113,7 @@ class ParsedRequest(Generic[BodyT]):
 
     def admit(self, num_prompts: int, n: int) -> None:
         """Hold this request's ``num_prompts * n`` sequences (400 if they never fit, 429 if not now)."""
+        grow_route(self.http, num_prompts, n)
         admit_sequences(self.http, num_prompts, n)
 
 
@@ -118,10 +125,10 @@ async def parse_request(
     state = get_state(request)
     request_id = new_request_id(id_prefix, request.headers.get("x-request-id"))
     request.scope.setdefault("state", {})["request_id"] = request_id
-    body = validate_model(
-        body_cls, decode_json_object(await request.body(), request.headers.get("content-type"))
-    )
+    data = decode_json_object(await request.body(), request.headers.get("content-type"))
+    body = validate_model(body_cls, route_body(request, data))
     body.check()
+    body = check_route_body(request, body)
     model = state.resolve_model(body.model)
     state.ready_engine()
     return ParsedRequest(request, state, request_id, arrival_time, body, model)
@@ -166,7 +173,7 @@ async def process_prompts(
             )
         return processed
 
-    return await tokenization.run(work)
+    return route_prompts(req.http, await tokenization.run(work))
 
 
 class GenerationRun:

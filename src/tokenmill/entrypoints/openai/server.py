@@ -1,8 +1,8 @@
 """``tokenmill serve``: server flags, the FastAPI app, and uvicorn with a graceful SIGTERM.
 
 Owns assembling the server: flags (vLLM's names where vLLM has one) into a ServerConfig,
-the middleware order (access log, header limit, API key, admission, then body limit, so
-an unauthenticated or excess request costs nothing), the routers, and the process life cycle.
+the middleware order (access log, header limit, API key, routes, admission, then body limit,
+so an unauthenticated or excess request costs nothing), the routers, and the process life cycle.
 HTTP is up at once and ``/health`` says 503 while the model loads on the engine thread; if
 loading fails the process exits 1. If the engine dies later, ``/health`` says 503 and
 in-flight requests get an error for a few seconds, then the process exits 1. On SIGTERM the server drains: ``/health`` and new
@@ -40,9 +40,11 @@ from tokenmill.entrypoints.openai.middleware import (
 )
 from tokenmill.entrypoints.openai.openapi import install_openapi
 from tokenmill.entrypoints.openai.routers import chat, completions, health, models, tokenize
+from tokenmill.entrypoints.openai.routes import RoutesMiddleware, build_route_table
 from tokenmill.entrypoints.openai.state import ServerConfig, ServerState
 from tokenmill.entrypoints.openai.tokenization import RequestTokenizer
 from tokenmill.metrics import ServerMetrics
+from tokenmill.metrics.ops import ResponseCountMiddleware, install_ops_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +95,14 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
         config.chat_template_timeout_s,
         config.max_request_body_bytes,
     )
+    responses = install_ops_metrics(
+        metrics,
+        is_dead=lambda: engine.state is EngineState.DEAD,
+        read_startup=lambda: engine.startup_costs,
+    )
     state = ServerState(config, engine_config, engine, metrics, tokenization)
     admission = AdmissionController(config.max_seqs_in_flight, config.per_key_max_concurrency)
+    routes = build_route_table(config, engine_config, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -116,6 +124,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
     )
     app.state.server = state
     app.state.admission = admission
+    app.state.routes = routes
     install_exception_handlers(app)
     for module in (completions, chat, models, health, tokenize):
         app.include_router(module.router)
@@ -123,6 +132,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
     # Added innermost first: the last one added runs first.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
     app.add_middleware(AdmissionMiddleware, state=state, controller=admission)
+    if routes is not None:  # before admission: a route's own bounds refuse first
+        app.add_middleware(RoutesMiddleware, table=routes)
     app.add_middleware(
         APIKeyAuthMiddleware,
         api_keys=config.api_keys,
@@ -134,6 +145,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
         max_header_count=config.max_header_count,
     )
     app.add_middleware(AccessLogMiddleware)
+    app.add_middleware(
+        ResponseCountMiddleware, counter=responses, model_name=config.served_model_names[0]
+    )
     return app
 
 

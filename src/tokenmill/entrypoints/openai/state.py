@@ -67,6 +67,8 @@ class ServerConfig:
     """Threads that tokenize prompts and render chat templates; more requests wait for one."""
     disable_access_log: bool = False
     """No per-request log line."""
+    routes_config: str | None = None
+    """YAML file of routes (per API key, model or X-Tokenmill-Route header: context, max_tokens cap, defaults, features, priority, queue bound, quotas; see docs/routes.md); default: no routes."""
     max_num_seqs: int = 256
     """The engine's running-batch bound, copied here for admission control (not a flag)."""
 

@@ -1,0 +1,289 @@
+"""``tokenmill plan``: will this model serve C requests of N tokens on this much memory?
+
+"Estimate KV memory before you deploy: multiply concurrency by the maximum context." The
+planner does that with the engine's own sizing code, so its figures are what the engine
+allocates: weight bytes and KV bytes per token from ``model/sizing.py``, the KV budget from
+the same formula the engine applies on a GPU after loading the weights, and the pool from
+the KV strategy's own ``for_budget`` (``core/kv``). It reads only ``config.json``: no
+weights are loaded and torch is not imported.
+
+Paged KV holds what requests actually use, so the planner shows the expected pool (every
+request at ``--mean-seq-len`` tokens) next to the worst case (every request at
+``--max-model-len``); static KV reserves the worst case up front.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenmill.core.kv import STRATEGIES, KVSizing, build_kv_manager
+from tokenmill.entrypoints.config_args import parse_memory
+from tokenmill.errors import ConfigError
+from tokenmill.model import sizing
+from tokenmill.model.config import ModelConfig
+
+DEFAULT_MEMORY = "80GiB"
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the planner is asked: the model, the load, and the device."""
+
+    model: str
+    max_model_len: int
+    concurrency: int
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    quantization_group_size: int = sizing.INT4_GROUP_SIZE
+    kv_cache: str = "paged"
+    block_size: int = 16
+    memory_bytes: int = int(parse_memory(DEFAULT_MEMORY))
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: float | None = None
+    mean_seq_len: int | None = None
+    """Expected tokens per request for the paged estimate; default half of max_model_len."""
+
+
+@dataclass
+class CapacityPlan:
+    """The planner's answer; every size in bytes, every length in tokens."""
+
+    model: str
+    dtype: str
+    kv_cache_dtype: str
+    kv_cache: str
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_budget_bytes: int
+    num_blocks: int
+    """Blocks the engine would allocate for this load (0 when it cannot start)."""
+    kv_pool_bytes: int
+    """What the engine allocates for KV: ``num_blocks`` plus its one scratch block."""
+    worst_case_bytes: int
+    """Every request at max_model_len (static: what it reserves)."""
+    expected_bytes: int
+    """Every request at mean_seq_len (paged); equals the worst case for static."""
+    fits: bool
+    """Whether the worst case fits the budget (paged may still run with less, by waiting)."""
+    fits_expected: bool
+    max_concurrency: int
+    """Most requests of max_model_len tokens the budget holds at once."""
+    max_context: int
+    """Longest context every one of ``concurrency`` requests can have at once."""
+    concurrency: int
+    max_model_len: int
+    mean_seq_len: int
+    error: str | None = None
+    """Why the engine would refuse to start (static: the reservation does not fit)."""
+
+    def lines(self) -> list[str]:
+        """The human-readable report."""
+        c, n = self.concurrency, self.max_model_len
+        out = [
+            f"model            {self.model} ({self.dtype}, KV {self.kv_cache_dtype}, {self.kv_cache} KV)",
+            f"weights          {format_bytes(self.weight_bytes)} ({self.weight_bytes} bytes)",
+            f"KV per token     {self.kv_bytes_per_token} bytes",
+            f"KV budget        {format_bytes(self.kv_budget_bytes)}",
+        ]
+        if self.kv_cache == "paged":
+            out += [
+                f"KV for {c} x {n}  worst case {format_bytes(self.worst_case_bytes)}, "
+                f"expected {format_bytes(self.expected_bytes)} (mean {self.mean_seq_len} tokens)",
+            ]
+        else:
+            out += [f"KV for {c} x {n}  reserved {format_bytes(self.worst_case_bytes)}"]
+        pool = f"{self.num_blocks} blocks, {format_bytes(self.kv_pool_bytes)} allocated"
+        out.append(
+            f"KV pool          {pool}" if not self.error else f"KV pool          {self.error}"
+        )
+        verdict = "yes" if self.fits else "no"
+        if self.kv_cache == "paged" and not self.fits:
+            verdict += " (expected load fits)" if self.fits_expected else " (expected load too)"
+        out += [
+            f"fits             {verdict}",
+            f"largest concurrency at {n} tokens: {self.max_concurrency}",
+            f"largest context at concurrency {c}: {self.max_context}",
+        ]
+        return out
+
+
+def format_bytes(num_bytes: int) -> str:
+    """``15.0 GiB``, ``1.0 MiB``: the largest binary unit that keeps a number >= 1."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}" if unit != "B" else f"{num_bytes} B"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def _resolve_model(model: str) -> Path:
+    if model == "demo":
+        from tokenmill.model.demo import demo_model_path
+
+        return demo_model_path()
+    return Path(model)
+
+
+def resolve_model_dtype(dtype: str, cfg: ModelConfig) -> str:
+    """``auto`` follows the checkpoint's torch_dtype (as the engine does on a GPU)."""
+    if dtype != "auto":
+        return dtype
+    declared = str(cfg.torch_dtype).removeprefix("torch.")
+    return declared if declared in sizing.DTYPE_BYTES else "float32"
+
+
+def build_plan(inputs: PlanInputs) -> CapacityPlan:
+    """Size the model, its KV and the pool with the engine's own code."""
+    cfg = ModelConfig.from_folder(_resolve_model(inputs.model))
+    dtype = resolve_model_dtype(inputs.dtype, cfg)
+    kv_dtype = dtype if inputs.kv_cache_dtype == "auto" else inputs.kv_cache_dtype
+    weights = sizing.weight_bytes(
+        cfg, dtype, inputs.max_model_len, inputs.quantization, inputs.quantization_group_size
+    )
+    per_token = sizing.kv_bytes_per_token(
+        cfg, sizing.kv_cache_dtype_bytes(inputs.kv_cache_dtype, dtype)
+    )
+    free = max(0, inputs.memory_bytes - weights)
+    budget = sizing.kv_budget_from_memory(
+        inputs.kv_cache_memory, inputs.memory_bytes, free, inputs.gpu_memory_utilization
+    )
+    c, n, bs = inputs.concurrency, inputs.max_model_len, inputs.block_size
+    mean = inputs.mean_seq_len or max(1, n // 2)
+    blocks_per_seq = -(-n // bs)
+    block_bytes = bs * per_token
+    worst = c * blocks_per_seq * block_bytes
+    expected = worst if inputs.kv_cache == "static" else c * -(-mean // bs) * block_bytes
+    budget_blocks = budget // block_bytes
+    num_blocks, error = 0, None
+    try:
+        manager = build_kv_manager(
+            inputs.kv_cache,
+            KVSizing(c, n, bs, True, budget, per_token),
+        )
+        num_blocks = manager.num_blocks
+    except ConfigError as exc:
+        error = str(exc)
+    return CapacityPlan(
+        model=inputs.model,
+        dtype=dtype,
+        kv_cache_dtype=kv_dtype,
+        kv_cache=inputs.kv_cache,
+        weight_bytes=weights,
+        kv_bytes_per_token=per_token,
+        kv_budget_bytes=budget,
+        num_blocks=num_blocks,
+        kv_pool_bytes=(num_blocks + 1) * block_bytes if num_blocks else 0,
+        worst_case_bytes=worst,
+        expected_bytes=expected,
+        fits=error is None and worst <= budget,
+        fits_expected=error is None and expected <= budget,
+        max_concurrency=budget_blocks // blocks_per_seq,
+        max_context=min(budget_blocks // c * bs, cfg.max_position_embeddings),
+        concurrency=c,
+        max_model_len=n,
+        mean_seq_len=mean,
+        error=error,
+    )
+
+
+def add_plan_parser(sub: Any) -> None:
+    """Register ``tokenmill plan`` on the top-level subcommands."""
+    plan = sub.add_parser(
+        "plan",
+        help="estimate weight and KV memory for a load, with the engine's own sizing",
+        description="Will this model serve C requests of N tokens on this much memory? Sizes weights "
+        "and KV with the engine's own code, reading only config.json; exits 1 when the worst "
+        "case does not fit.",
+    )
+    plan.add_argument("--model", default="demo", help="Hugging Face model folder, or 'demo'")
+    plan.add_argument("--max-model-len", type=int, required=True, help="context length N")
+    plan.add_argument("--concurrency", type=int, required=True, help="requests C served at once")
+    plan.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights dtype; auto follows the checkpoint",
+    )
+    plan.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="KV cache dtype; auto follows --dtype",
+    )
+    plan.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int4"],
+        help="weight quantization of the decoder projections (default: none)",
+    )
+    plan.add_argument(
+        "--quantization-group-size",
+        type=int,
+        default=sizing.INT4_GROUP_SIZE,
+        help="int4: input channels per scale and zero point",
+    )
+    plan.add_argument("--kv-cache", default="paged", choices=sorted(STRATEGIES), help="KV strategy")
+    plan.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    plan.add_argument(
+        "--memory",
+        type=parse_memory,
+        default=parse_memory(DEFAULT_MEMORY),
+        help=f"device memory, e.g. 80GiB or 24GiB (default: {DEFAULT_MEMORY})",
+    )
+    plan.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of --memory the engine may use (weights + KV)",
+    )
+    plan.add_argument(
+        "--kv-cache-memory",
+        type=parse_memory,
+        default=None,
+        help="an explicit KV budget, e.g. 20GiB, as the engine flag (default: what is left)",
+    )
+    plan.add_argument(
+        "--mean-seq-len",
+        type=int,
+        default=None,
+        help="expected tokens per request for paged KV (default: half of --max-model-len)",
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Print the plan; exit status 0 if the worst case fits, 1 if not."""
+    for name in ("max_model_len", "concurrency", "block_size"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.memory < 2**20:
+        raise ConfigError("--memory must be a size, e.g. 80GiB")
+    result = build_plan(
+        PlanInputs(
+            model=args.model,
+            max_model_len=args.max_model_len,
+            concurrency=args.concurrency,
+            dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization,
+            quantization_group_size=args.quantization_group_size,
+            kv_cache=args.kv_cache,
+            block_size=args.block_size,
+            memory_bytes=int(args.memory),
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory=args.kv_cache_memory,
+            mean_seq_len=args.mean_seq_len,
+        )
+    )
+    if args.json:
+        print(json.dumps(asdict(result), indent=2))
+    else:
+        print("\n".join(result.lines()))
+    return 0 if result.fits else 1

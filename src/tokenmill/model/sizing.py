@@ -1,0 +1,128 @@
+"""Memory sizing from a ModelConfig alone: weight bytes, KV bytes per token, the KV budget.
+
+The engine (``worker/kv_cache.py``, ``engine/llm_engine.py``) and ``tokenmill plan`` size
+memory with these same functions, so the planner's numbers are the engine's. No torch
+here: dtypes are names and byte counts, so the planner runs without loading a model.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from tokenmill.model.config import ModelConfig
+
+GIB = 1024**3
+ACTIVATION_HEADROOM_BYTES = GIB
+"""On CUDA, memory left for activations when the KV budget is a share of the GPU."""
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+}
+"""Bytes per element of the dtypes weights (``--dtype``) and KV (``--kv-cache-dtype``) use."""
+
+KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+Quantization = Literal["int8", "int4"]
+INT4_GROUP_SIZE = 128
+"""Default input channels sharing one scale and zero point in int4 weights (``--quantization-group-size``)."""
+KERNEL_SCALE_BYTES = 2
+"""The int kernels take their scales in bf16/fp16 (an fp32 model's too: ``model/quant.py``)."""
+
+
+def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
+    """Bytes per K/V element: ``auto`` follows the model's dtype, fp8 is 1, bf16/fp16 are 2."""
+    name = model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    try:
+        return DTYPE_BYTES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unknown KV cache dtype {name!r}; one of {sorted(DTYPE_BYTES)}") from None
+
+
+def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int) -> int:
+    """K and V of one token over all layers (what every KV block is made of)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_bytes
+
+
+def projection_weight_bytes(
+    out_features: int,
+    in_features: int,
+    dtype_bytes: int,
+    quantization: str | None = None,
+    group_size: int = INT4_GROUP_SIZE,
+) -> int:
+    """One projection's weight in memory, as ``model/quant.py`` stores it.
+
+    ``int8``: 1 byte per weight, an fp32 scale per output channel for dequantizing and a
+    16-bit copy for the kernel. ``int4``: half a byte per weight of the zero-padded shape
+    (inputs to whole groups, outputs to a multiple of 64), 16-bit scale and zero point per
+    group and an fp32 offset per group.
+    """
+    weights = out_features * in_features
+    if quantization is None:
+        return weights * dtype_bytes
+    if quantization == "int8":
+        return weights + out_features * (4 + KERNEL_SCALE_BYTES)
+    if quantization == "int4":
+        padded_in = -(-in_features // group_size) * group_size
+        padded_out = -(-out_features // 64) * 64
+        groups = padded_in // group_size
+        return padded_out * padded_in // 2 + padded_out * groups * (2 * KERNEL_SCALE_BYTES + 4)
+    raise ValueError(f"unknown quantization {quantization!r}; one of int8, int4")
+
+
+def weight_bytes(
+    cfg: ModelConfig,
+    dtype: str,
+    max_model_len: int,
+    quantization: str | None = None,
+    group_size: int = INT4_GROUP_SIZE,
+) -> int:
+    """Everything the model holds on the device: parameters, the fp32 RoPE tables and the
+    per-layer KV scales.
+
+    Quantization applies to the decoder layers' projections (QKV, O, gate/up, down) and,
+    in int8, to an untied LM head; the embedding, norms and biases stay in ``dtype``.
+    """
+    nbytes = DTYPE_BYTES[dtype]
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    qkv = cfg.q_size + 2 * cfg.kv_size
+
+    def proj(out_features: int, in_features: int) -> int:
+        return projection_weight_bytes(out_features, in_features, nbytes, quantization, group_size)
+
+    projections = proj(qkv, h) + proj(h, cfg.q_size) + proj(2 * i, h) + proj(h, i)
+    per_layer_plain = (
+        2 * h + (qkv if cfg.qkv_bias else 0) + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    )
+    plain = cfg.num_layers * per_layer_plain + cfg.vocab_size * h + h
+    lm_head = 0
+    if not cfg.tie_word_embeddings:
+        head_quantization = None if quantization is None else "int8"
+        lm_head = projection_weight_bytes(cfg.vocab_size, h, nbytes, head_quantization)
+    rope_tables = 2 * max_model_len * cfg.head_dim * DTYPE_BYTES["float32"]
+    kv_scales = cfg.num_layers * 2 * DTYPE_BYTES["float32"]
+    return cfg.num_layers * projections + plain * nbytes + lm_head + rope_tables + kv_scales
+
+
+def kv_budget_from_memory(
+    kv_cache_memory: float | None,
+    total_bytes: int,
+    free_bytes: int,
+    gpu_memory_utilization: float,
+) -> int:
+    """The KV budget on a GPU, after the weights are loaded.
+
+    An explicit size (``--kv-cache-memory 4GiB``) is taken as is, a fraction is of free
+    memory; by default the engine may use ``gpu_memory_utilization`` of the total, less
+    what is already used (weights) and ``ACTIVATION_HEADROOM_BYTES``.
+    """
+    if kv_cache_memory is not None and kv_cache_memory > 1:
+        return int(kv_cache_memory)
+    if kv_cache_memory is not None:
+        return int(free_bytes * kv_cache_memory)
+    used = total_bytes - free_bytes
+    return max(0, int(total_bytes * gpu_memory_utilization) - used - ACTIVATION_HEADROOM_BYTES)
