@@ -259,9 +259,9 @@ class LLMEngine:
         """Unload an adapter. Its running and waiting requests finish with it first; new
         requests naming its id are refused. False if it was not loaded."""
         lora = self.runner.lora
+        self._removed_lora_ids.add(lora_id)  # also when never loaded: one may be on its way
         if lora is None or lora.get(lora_id) is None:
             return False
-        self._removed_lora_ids.add(lora_id)
         self._lora_removals.add(lora_id)
         self._drop_unused_loras()
         return True
