@@ -4,11 +4,13 @@ alone and in one batch mixing three adapters with the base model."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
 from tests.conftest import FAMILIES, peft_greedy
 from tokenmill.entrypoints.llm import LLM
+from tokenmill.errors import InvalidRequestError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.sampling import SamplingParams
 
@@ -99,3 +101,130 @@ def test_more_adapters_than_slots_wait_for_one(make_model, make_adapter) -> None
         assert out.outputs[0].token_ids == expected[lora.lora_int_id][i], (i, lora)
     assert llm.engine.runner.lora is not None
     assert llm.engine.runner.lora.num_loads > 3  # the CPU cache (2) evicted and reloaded one
+
+
+def _broken_copy(tmp_path, adapter, edit=None, drop: str | None = None):
+    """A copy of an adapter folder with its config edited or one file removed."""
+    import json
+    import shutil
+
+    folder = tmp_path / f"broken-{drop or 'config'}"
+    shutil.copytree(adapter, folder)
+    if drop:
+        (folder / drop).unlink()
+    if edit:
+        path = folder / "adapter_config.json"
+        config = json.loads(path.read_text())
+        edit(config)
+        path.write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def lora_llm(make_model) -> LLM:
+    return LLM(
+        str(make_model("llama")), dtype="float32", max_model_len=128, enable_lora=True, max_loras=2
+    )
+
+
+def test_bad_adapters_are_refused_naming_the_problem(
+    tmp_path, make_model, make_adapter, lora_llm: LLM
+) -> None:
+    from tokenmill.model.lora import LoRAError
+
+    folder = make_model("llama")
+    good = make_adapter(folder, seed=1)
+    cases = [
+        (tmp_path / "nowhere", "no such adapter folder"),
+        (
+            _broken_copy(tmp_path, good, drop="adapter_config.json"),
+            "adapter_config.json is missing",
+        ),
+        (
+            _broken_copy(tmp_path, good, drop="adapter_model.safetensors"),
+            "adapter_model.safetensors is missing",
+        ),
+        (make_adapter(folder, seed=4, r=32), "rank 32, above --max-lora-rank 16"),
+        (
+            make_adapter(folder, seed=5, target_modules=["q_proj", "lm_head"]),
+            "target module 'lm_head'",
+        ),
+        (
+            _broken_copy(tmp_path, good, edit=lambda c: c.update(use_dora=True)),
+            "DoRA (use_dora) is not supported",
+        ),
+        # an adapter trained on another base model: q/k/v have other shapes
+        (
+            make_adapter(make_model("llama", num_key_value_heads=1), seed=6),
+            "an adapter for another base model",
+        ),
+    ]
+    for i, (path, message) in enumerate(cases):
+        with pytest.raises(LoRAError, match=re.escape(message)):
+            lora_llm.generate(
+                [5, 6, 7], _greedy(), lora_request=LoRARequest(f"bad{i}", 100 + i, str(path))
+            )
+    assert lora_llm.engine.list_loras() == []  # nothing half-loaded
+    assert not lora_llm.engine.has_unfinished_requests()
+    with pytest.raises(InvalidRequestError, match="--enable-lora"):
+        LLM(str(folder), dtype="float32", max_model_len=64).generate(
+            [5, 6], _greedy(), lora_request=LoRARequest("a", 1, str(good))
+        )
+
+
+def test_prefix_cache_is_keyed_by_adapter(make_model, make_adapter, lora_llm: LLM) -> None:
+    folder = make_model("llama")
+    adapter = make_adapter(folder, seed=1)
+    lora = LoRARequest("a1", 1, str(adapter))
+    prompt = _prompts(lora_llm.tokenizer.vocab_size, 1, seed=11)[0] * 2  # > 2 full blocks
+    kv = lora_llm.engine.kv_manager.stats
+    base = lora_llm.generate(prompt, _greedy())[0].outputs[0].token_ids
+    hits = kv.num_hit_tokens
+    tuned = lora_llm.generate(prompt, _greedy(), lora_request=lora)[0].outputs[0].token_ids
+    assert kv.num_hit_tokens == hits  # the base model's blocks are not the adapter's
+    assert tuned == peft_greedy(folder, adapter, [prompt], MAX_NEW)[0] != base
+    again = lora_llm.generate(prompt, _greedy(), lora_request=lora)[0].outputs[0].token_ids
+    assert kv.num_hit_tokens > hits and again == tuned  # its own blocks are
+
+
+def test_unloading_waits_for_running_requests(make_model, make_adapter, lora_llm: LLM) -> None:
+    """``remove_lora`` while its request runs: the request finishes with it, then it is freed."""
+    folder = make_model("llama")
+    adapter = make_adapter(folder, seed=2, r=4, target_modules=["q_proj", "v_proj"])
+    lora = LoRARequest("a2", 2, str(adapter))
+    engine = lora_llm.engine
+    prompt = _prompts(lora_llm.tokenizer.vocab_size, 1, seed=12)[0]
+    engine.add_request("x", prompt, _greedy(), lora_request=lora)
+    engine.step()
+    assert engine.remove_lora(2) and 2 in engine.list_loras()
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].outputs[0].token_ids == peft_greedy(folder, adapter, [prompt], MAX_NEW)[0]
+    assert 2 not in engine.list_loras()
+    with pytest.raises(InvalidRequestError, match="was unloaded"):
+        engine.add_request("y", prompt, _greedy(), lora_request=lora)
+
+
+def test_static_strategy_runs_adapter_steps_eagerly(make_model, make_adapter) -> None:
+    folder = make_model("llama")
+    adapter = make_adapter(folder, seed=1)
+    lora = LoRARequest("a1", 1, str(adapter))
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache="static",
+        max_num_seqs=2,
+        compile_batch_sizes=(1,),
+        enable_lora=True,
+    )
+    prompt = _prompts(llm.tokenizer.vocab_size, 1, seed=13)[0] * 2
+    base = llm.generate(prompt, _greedy())[0].outputs[0].token_ids
+    assert llm.engine.runner.num_compiled_steps > 0  # base decodes run the compiled step
+    compiled = llm.engine.runner.num_compiled_steps
+    tuned = llm.generate(prompt, _greedy(), lora_request=lora)[0].outputs[0].token_ids
+    assert llm.engine.runner.num_compiled_steps == compiled  # adapter decodes ran eagerly
+    assert tuned == peft_greedy(folder, adapter, [prompt], MAX_NEW)[0] != base
+    # the slot's KV from the base run was not reused for the adapter (nor back)
+    assert llm.generate(prompt, _greedy())[0].outputs[0].token_ids == base
