@@ -47,7 +47,7 @@ def test_adapters_match_peft_alone_and_mixed(
     adapters = [make_adapter(folder, **options) for options in ADAPTERS]
     loras = [LoRARequest(f"a{i}", i + 1, str(path)) for i, path in enumerate(adapters)]
     llm = LLM(str(folder), dtype="float32", max_model_len=128, enable_lora=True, max_loras=3)
-    prompts = _prompts(llm.tokenizer.vocab_size, 4, seed=7)
+    prompts = _prompts(llm.tokenizer.vocab_size, 3, seed=7)
     expected = {
         lora.lora_int_id: peft_greedy(folder, path, prompts, MAX_NEW)
         for lora, path in zip(loras, adapters, strict=True)

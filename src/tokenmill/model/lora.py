@@ -3,10 +3,13 @@
 Owns reading a PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``) and
 checking it against the model, the packed per-slot weights (``LoRAStacks``) and the delta
 one step adds at the projection call sites (``LoRAStepState.apply``). The decoder fuses
-q/k/v and gate/up, so an adapter's per-slice A and B are packed block-wise: A of every
-slice side by side ``[in, slices * max_rank]`` and B block-diagonal ``[slices * max_rank,
-out]`` with the scaling folded in, zeros for slices the adapter does not target. ``x A B``
-is then exactly each slice's own ``x A_s^T B_s^T`` at its rows of the fused output.
+q/k/v and gate/up, so an adapter's slices are packed: the A of every slice side by side
+``[in, slices * max_rank]`` (one shrink matmul for the fused input), and one B per slice
+``[max_rank, slice out]`` with the scaling folded in, each expanding its own part of the
+shrunk activations into its own columns of the fused output; zeros for slices the adapter
+does not target, and for ranks below ``max_rank``. (A block-diagonal B for the fused
+output would be one matmul, but would read mostly zeros: a step's LoRA cost is reading
+the weights.)
 
 A step groups its token rows by adapter slot: one gather, two batched matmuls over the
 slots in use and one scatter-add per projection, whatever the number of requests; rows on
@@ -75,8 +78,8 @@ class LoRAAdapter:
     path: str
     rank: int
     """The largest rank of any of its modules."""
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-    """(layer, fused projection) -> (A [in, slices * max_rank], B [slices * max_rank, out] * scaling)."""
+    weights: dict[tuple[int, str], tuple[torch.Tensor, list[torch.Tensor]]]
+    """(layer, fused projection) -> (A [in, slices * max_rank], per slice B [max_rank, out] * scaling)."""
 
     @property
     def modules(self) -> frozenset[str]:
@@ -85,7 +88,7 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+        return sum(a.nbytes + sum(b.nbytes for b in bs) for a, bs in self.weights.values())
 
 
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
@@ -168,7 +171,7 @@ def load_lora_adapter(
     layout = fused_layout(cfg)
     alpha_default = float(raw.get("lora_alpha", 8))
     use_rslora = bool(raw.get("use_rslora", False))
-    packed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    packed: dict[tuple[int, str], tuple[torch.Tensor, list[torch.Tensor]]] = {}
     max_seen = 0
     for (layer, peft_name), pair in sorted(pairs.items()):
         full = f"model.layers.{layer}.{PEFT_TARGETS[peft_name][0]}.{peft_name}"
@@ -198,17 +201,15 @@ def load_lora_adapter(
         alpha = float(_pattern_value(raw.get("alpha_pattern") or {}, full, alpha_default))
         scaling = alpha / (math.sqrt(rank) if use_rslora else rank)
         if (layer, fused) not in packed:
-            width = len(slice_outs) * max_rank
             packed[layer, fused] = (
-                torch.zeros(in_features, width),
-                torch.zeros(width, sum(slice_outs)),
+                torch.zeros(in_features, len(slice_outs) * max_rank),
+                [torch.zeros(max_rank, out) for out in slice_outs],
             )
-        a_packed, b_packed = packed[layer, fused]
+        a_packed, b_slices = packed[layer, fused]
         col = slice_index * max_rank
-        row = sum(slice_outs[:slice_index])
         a_packed[:, col : col + rank] = a.float().t()
-        b_packed[col : col + rank, row : row + out_features] = b.float().t() * scaling
-    weights = {key: (a.to(dtype), b.to(dtype)) for key, (a, b) in packed.items()}
+        b_slices[slice_index][:rank] = b.float().t() * scaling
+    weights = {key: (a.to(dtype), [b.to(dtype) for b in bs]) for key, (a, bs) in packed.items()}
     return LoRAAdapter(name or folder.name, str(folder), max_seen, weights)
 
 
@@ -227,8 +228,9 @@ class LoRAStacks:
         self.max_rank = max_rank
         self.a: list[dict[str, torch.Tensor]] = []
         """Per layer: fused projection -> [num_slots, in, slices * max_rank]."""
-        self.b: list[dict[str, torch.Tensor]] = []
-        """Per layer: fused projection -> [num_slots, slices * max_rank, out]."""
+        self.b: list[dict[str, list[torch.Tensor]]] = []
+        """Per layer: fused projection -> per slice [num_slots, max_rank, slice out]."""
+        self.slice_outs = {m: outs for m, (_, outs) in fused_layout(cfg).items()}
         for _ in range(cfg.num_layers):
             a_layer, b_layer = {}, {}
             for module, (in_features, slice_outs) in fused_layout(cfg).items():
@@ -236,9 +238,10 @@ class LoRAStacks:
                 a_layer[module] = torch.zeros(
                     num_slots, in_features, width, dtype=dtype, device=device
                 )
-                b_layer[module] = torch.zeros(
-                    num_slots, width, sum(slice_outs), dtype=dtype, device=device
-                )
+                b_layer[module] = [
+                    torch.zeros(num_slots, max_rank, out, dtype=dtype, device=device)
+                    for out in slice_outs
+                ]
             self.a.append(a_layer)
             self.b.append(b_layer)
         self.slot_modules: list[frozenset[str]] = [frozenset()] * num_slots
@@ -251,15 +254,18 @@ class LoRAStacks:
                 entry = adapter.weights.get((layer, module))
                 if entry is None:
                     a_layer[module][slot].zero_()
-                    b_layer[module][slot].zero_()
+                    for b in b_layer[module]:
+                        b[slot].zero_()
                 else:
                     a_layer[module][slot].copy_(entry[0])
-                    b_layer[module][slot].copy_(entry[1])
+                    for b, value in zip(b_layer[module], entry[1], strict=True):
+                        b[slot].copy_(value)
         self.slot_modules[slot] = adapter.modules
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for layer in (*self.a, *self.b) for t in layer.values())
+        a_bytes = sum(t.nbytes for layer in self.a for t in layer.values())
+        return a_bytes + sum(t.nbytes for layer in self.b for ts in layer.values() for t in ts)
 
 
 @dataclass
@@ -282,14 +288,26 @@ class LoRAStepState:
         """``y`` (the base projection of ``x``, a fresh tensor) plus each row's adapter delta."""
         if module not in self.modules:
             return y
-        end = self.first_slot + self.num_groups
-        a = self.stacks.a[layer][module][self.first_slot : end]
-        b = self.stacks.b[layer][module][self.first_slot : end]
-        if self.rows is None:
-            return y.addmm_(x @ a[0], b[0])
+        first, end = self.first_slot, self.first_slot + self.num_groups
+        stacks = self.stacks
+        rank = stacks.max_rank
+        slices = zip(stacks.b[layer][module], stacks.slice_outs[module], strict=True)
+        a = stacks.a[layer][module][first:end]
+        # Each slice's delta is computed apart and the slices concatenated, so that the one
+        # add into the fused output is contiguous (strided in-place adds cost more than the cat).
+        if self.rows is None:  # one adapter, every row
+            shrunk = x @ a[0]
+            parts = [
+                shrunk[:, s * rank : (s + 1) * rank] @ b[first] for s, (b, _) in enumerate(slices)
+            ]
+            return y.add_(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
         rows = self.rows.view(-1)
-        xg = x.index_select(0, rows).view(self.num_groups, -1, x.shape[-1])
-        delta = torch.bmm(torch.bmm(xg, a), b)
+        shrunk = torch.bmm(x.index_select(0, rows).view(self.num_groups, -1, x.shape[-1]), a)
         if self.mask is not None:
-            delta = delta * self.mask
-        return y.index_add_(0, rows, delta.view(-1, delta.shape[-1]))
+            shrunk = shrunk * self.mask
+        parts = [
+            torch.bmm(shrunk[..., s * rank : (s + 1) * rank], b[first:end])
+            for s, (b, _) in enumerate(slices)
+        ]
+        delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return y.index_add_(0, rows, delta.view(-1, y.shape[-1]))
