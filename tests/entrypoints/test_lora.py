@@ -268,3 +268,29 @@ def test_load_use_unload_reload_under_concurrent_traffic(
         assert counted.get(name, 0) - before.get(name, 0) == served[name], (name, counted, served)
     tokens = _labelled(lora_server, "lora_generation_tokens")
     assert tokens["a3"] == served["a3"] * MAX_TOKENS
+
+
+def test_lora_module_flags_are_parsed_and_checked() -> None:
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncLLMEngine
+    from tokenmill.entrypoints.openai.lora import LoRAModule, parse_lora_module
+    from tokenmill.entrypoints.openai.server import build_app
+    from tokenmill.entrypoints.openai.state import ServerConfig
+    from tokenmill.errors import ConfigError
+
+    assert parse_lora_module("sql=/a/b") == LoRAModule("sql", "/a/b")
+    assert parse_lora_module('{"name": "c", "path": "/p", "base_model_name": "m"}') == LoRAModule(
+        "c", "/p", "m"
+    )
+    for bad in ("nopath", "=x", '{"name": "c"}', '{"name": "c", "path": "/p", "x": 1}', "{"):
+        with pytest.raises(ConfigError, match="--lora-modules"):
+            parse_lora_module(bad)
+    with pytest.raises(ConfigError, match="appears twice"):
+        ServerConfig(lora_modules=("a=/x", "a=/y"))
+    engine_config = EngineConfig()
+    with pytest.raises(ConfigError, match="--enable-lora"):
+        build_app(
+            AsyncLLMEngine(engine_config), ServerConfig(lora_modules=("a=/x",)), engine_config
+        )
+    with pytest.raises(ConfigError, match="max_cpu_loras"):
+        EngineConfig(enable_lora=True, max_loras=4, max_cpu_loras=2)
