@@ -230,7 +230,6 @@ class LoRAStacks:
         """Per layer: fused projection -> [num_slots, in, slices * max_rank]."""
         self.b: list[dict[str, list[torch.Tensor]]] = []
         """Per layer: fused projection -> per slice [num_slots, max_rank, slice out]."""
-        self.slice_outs = {m: outs for m, (_, outs) in fused_layout(cfg).items()}
         for _ in range(cfg.num_layers):
             a_layer, b_layer = {}, {}
             for module, (in_features, slice_outs) in fused_layout(cfg).items():
@@ -291,15 +290,13 @@ class LoRAStepState:
         first, end = self.first_slot, self.first_slot + self.num_groups
         stacks = self.stacks
         rank = stacks.max_rank
-        slices = zip(stacks.b[layer][module], stacks.slice_outs[module], strict=True)
+        slices = stacks.b[layer][module]
         a = stacks.a[layer][module][first:end]
         # Each slice's delta is computed apart and the slices concatenated, so that the one
         # add into the fused output is contiguous (strided in-place adds cost more than the cat).
         if self.rows is None:  # one adapter, every row
             shrunk = x @ a[0]
-            parts = [
-                shrunk[:, s * rank : (s + 1) * rank] @ b[first] for s, (b, _) in enumerate(slices)
-            ]
+            parts = [shrunk[:, s * rank : (s + 1) * rank] @ b[first] for s, b in enumerate(slices)]
             return y.add_(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
         rows = self.rows.view(-1)
         shrunk = torch.bmm(x.index_select(0, rows).view(self.num_groups, -1, x.shape[-1]), a)
@@ -307,7 +304,7 @@ class LoRAStepState:
             shrunk = shrunk * self.mask
         parts = [
             torch.bmm(shrunk[..., s * rank : (s + 1) * rank], b[first:end])
-            for s, (b, _) in enumerate(slices)
+            for s, b in enumerate(slices)
         ]
         delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y.index_add_(0, rows, delta.view(-1, y.shape[-1]))
