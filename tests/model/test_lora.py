@@ -72,7 +72,8 @@ def test_adapters_match_peft_alone_and_mixed(
 
 
 def test_more_adapters_than_slots_wait_for_one(make_model, make_adapter) -> None:
-    """With max_loras=2 a third adapter's requests wait for a slot; every answer is its own."""
+    """With max_loras=2 a third adapter's requests wait for a slot; every answer is its own;
+    the CPU cache keeps adapters in use and evicts the least recently used idle ones."""
     folder = make_model("llama")
     adapters = [make_adapter(folder, **options) for options in ADAPTERS]
     loras = [LoRARequest(f"a{i}", i + 1, str(path)) for i, path in enumerate(adapters)]
@@ -99,8 +100,16 @@ def test_more_adapters_than_slots_wait_for_one(make_model, make_adapter) -> None
     )
     for (i, lora), out in zip(batch, outs, strict=True):
         assert out.outputs[0].token_ids == expected[lora.lora_int_id][i], (i, lora)
-    assert llm.engine.runner.lora is not None
-    assert llm.engine.runner.lora.num_loads > 3  # the CPU cache (2) evicted and reloaded one
+    manager = llm.engine.runner.lora
+    assert manager is not None
+    # adapters of unfinished requests are never evicted (a step never reads a folder) ...
+    assert (manager.num_loads, manager.num_cpu_loras) == (3, 3)
+    # ... the least recently used idle ones are, once a new one comes
+    other = LoRARequest("a4", 4, str(adapters[0]))
+    llm.generate(prompts[0], _greedy(), use_tqdm=False, lora_request=other)
+    assert (manager.num_loads, manager.num_cpu_loras) == (4, 2)
+    out = llm.generate(prompts[0], _greedy(), use_tqdm=False, lora_request=loras[0])[0]
+    assert out.outputs[0].token_ids == expected[1][0] and manager.num_loads == 5
 
 
 def _broken_copy(tmp_path, adapter, edit=None, drop: str | None = None):

@@ -114,6 +114,7 @@ class LLMEngine:
                 config.max_lora_rank,
                 self.dtype,
                 self.device,
+                ids_in_use=lambda: {r.lora_id for r in self.scheduler.requests.values()},
             )
             logger.info(
                 "LoRA: %d slot(s) of rank %d (%.1f MiB)",

@@ -2,8 +2,9 @@
 
 Three tiers, as in vLLM: every adapter a live request names is registered (its
 ``LoRARequest``, a few strings); up to ``max_cpu_loras`` are kept loaded in CPU memory,
-least recently used evicted (an evicted one is read from its folder again when needed);
-up to ``max_loras`` sit in the device slots a step reads. The scheduler never puts more
+least recently used evicted, but never one that unfinished requests use (so a step never
+reads a folder, which may be gone by then; an evicted adapter is read again when a new
+request names it); up to ``max_loras`` sit in the device slots a step reads. The scheduler never puts more
 than ``max_loras`` adapters in one step, so ``prepare_step`` always finds them slots,
 evicting the least recently used slot no request of the step needs. Only the engine
 thread uses this object.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -36,8 +37,11 @@ class LoRAManager:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        ids_in_use: Callable[[], set[int]] = set,
     ) -> None:
+        """``ids_in_use``: adapter ids of unfinished requests (kept in the CPU cache)."""
         self.cfg = cfg
+        self._ids_in_use = ids_in_use
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras
         self.dtype = dtype
@@ -94,9 +98,13 @@ class LoRAManager:
         )
         self.num_loads += 1
         self._cpu[lora.lora_int_id] = adapter
-        while len(self._cpu) > self.max_cpu_loras:
-            evicted, _ = self._cpu.popitem(last=False)
-            logger.info("LoRA id %d evicted from the CPU cache", evicted)
+        if len(self._cpu) > self.max_cpu_loras:
+            keep = self._ids_in_use() | {lora.lora_int_id}
+            for lora_id in [i for i in self._cpu if i not in keep]:
+                if len(self._cpu) <= self.max_cpu_loras:
+                    break
+                del self._cpu[lora_id]
+                logger.info("LoRA id %d evicted from the CPU cache", lora_id)
         return adapter
 
     def _cached(self, lora_id: int) -> LoRAAdapter:
