@@ -151,6 +151,11 @@ def test_adapters_are_listed_with_their_parent_and_selected_by_model(
             reference.check(model, tokens)
         assert len({str(t) for t in answers.values()}) == 3, "the adapters must change the output"
         assert _tokens(http, "a1") == answers["a1"]
+        chat = http.post(
+            "/v1/chat/completions",
+            json={"model": "a2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
+        assert chat.status_code == 200 and chat.json()["model"] == "a2", chat.text
         assert_error(
             http.post("/v1/completions", json={"model": "a9", "prompt": "x", "max_tokens": 1}),
             404,

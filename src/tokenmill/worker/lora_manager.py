@@ -97,6 +97,14 @@ class LoRAManager:
             lora.lora_path, self.cfg, self.max_rank, self.dtype, name=lora.lora_name
         )
         self.num_loads += 1
+        logger.info(
+            "loaded LoRA %r (id %d, rank %d, %.1f MiB) from %s",
+            lora.lora_name,
+            lora.lora_int_id,
+            adapter.rank,
+            adapter.nbytes / 2**20,
+            lora.lora_path,
+        )
         self._cpu[lora.lora_int_id] = adapter
         if len(self._cpu) > self.max_cpu_loras:
             keep = self._ids_in_use() | {lora.lora_int_id}
