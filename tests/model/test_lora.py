@@ -237,3 +237,20 @@ def test_static_strategy_runs_adapter_steps_eagerly(make_model, make_adapter) ->
     assert tuned == peft_greedy(folder, adapter, [prompt], MAX_NEW)[0] != base
     # the slot's KV from the base run was not reused for the adapter (nor back)
     assert llm.generate(prompt, _greedy())[0].outputs[0].token_ids == base
+
+
+def test_n_samples_share_the_adapter_without_prefix_caching(make_model, make_adapter) -> None:
+    folder = make_model("llama")
+    adapter = make_adapter(folder, seed=1)
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        enable_lora=True,
+        enable_prefix_caching=False,
+    )
+    prompt = _prompts(llm.tokenizer.vocab_size, 1, seed=14)[0] * 2
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, n=2)
+    out = llm.generate(prompt, params, lora_request=LoRARequest("a1", 1, str(adapter)))[0]
+    want = peft_greedy(folder, adapter, [prompt], MAX_NEW)[0]
+    assert [c.token_ids for c in out.outputs] == [want, want]
