@@ -169,7 +169,7 @@ def run_server(
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         start = time.monotonic()
-        wait_ready(base_url)
+        wait_ready(base_url, proc)
         ready_s = time.monotonic() - start
         poller = RSSPoller(proc.pid)
         single = bench(base_url, tokenizer, 8, 1, workdir / f"{name}-1.json")

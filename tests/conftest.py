@@ -148,3 +148,62 @@ def reference_greedy() -> Callable[..., tuple[list[list[int]], list[torch.Tensor
         return cache[key]
 
     return run
+
+
+ALL_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="session")
+def make_adapter(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``make_adapter(model_folder, seed, **LoraConfig options) -> folder``: a PEFT LoRA with
+    random A *and* B (peft starts B at zero, which would make every adapter a no-op)."""
+    cache: dict[tuple, Path] = {}
+
+    def make(model_folder: Path, seed: int = 0, **options: Any) -> Path:
+        import peft
+        import transformers
+
+        key = (str(model_folder), seed, tuple(sorted((k, repr(v)) for k, v in options.items())))
+        if key in cache:
+            return cache[key]
+        options = {"r": 8, "lora_alpha": 16, "target_modules": ALL_LORA_TARGETS, **options}
+        base = transformers.AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
+        model = peft.get_peft_model(base, peft.LoraConfig(**options))
+        gen = torch.Generator().manual_seed(1000 + seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        folder = tmp_path_factory.mktemp("lora")
+        model.save_pretrained(folder)
+        cache[key] = folder
+        return folder
+
+    return make
+
+
+def peft_greedy(
+    model_folder: Path, adapter_folder: Path, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Reference: transformers + peft ``generate`` with one adapter (greedy, EOS ignored)."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, adapter_folder)
+    model.eval()
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            res = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+            outs.append(res[0, len(prompt) :].tolist())
+    return outs

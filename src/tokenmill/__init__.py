@@ -13,6 +13,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "EngineConfig",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "__version__",
@@ -21,6 +22,7 @@ __all__ = [
 _LAZY = {
     "LLM": "tokenmill.entrypoints.llm",
     "EngineConfig": "tokenmill.config",
+    "LoRARequest": "tokenmill.lora_request",
     "CompletionOutput": "tokenmill.outputs",
     "RequestOutput": "tokenmill.outputs",
     "SamplingParams": "tokenmill.sampling.params",

@@ -76,6 +76,14 @@ class EngineConfig:
     """Decode batch sizes compiled by the static strategy, e.g. 1,2,4,8; default: powers of two up to max_num_seqs."""
     num_threads: int | None = None
     """CPU compute threads for torch; default: one per physical core (logged at start-up)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters on top of the model (reserves --max-loras device slots at start-up)."""
+    max_loras: int = 1
+    """LoRA adapters one batch may use at once (device slots)."""
+    max_lora_rank: int = 16
+    """Largest LoRA rank accepted; slots are sized for it."""
+    max_cpu_loras: int | None = None
+    """LoRA adapters kept loaded in CPU memory, least recently used evicted; default: --max-loras."""
     rope_theta_override: float | None = None
     """Test-only: replace the model's RoPE base to make the engine diverge on purpose."""
 
@@ -130,6 +138,12 @@ class EngineConfig:
             "compile_batch_sizes must be positive integers",
         )
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+        check(self.max_loras >= 1, "max_loras must be >= 1")
+        check(self.max_lora_rank >= 1, "max_lora_rank must be >= 1")
+        check(
+            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+            "max_cpu_loras must be >= max_loras",
+        )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

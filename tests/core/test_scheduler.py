@@ -181,3 +181,18 @@ def test_priority_arrival_preempts_a_less_urgent_running_request() -> None:
     sched.add_request(peer)
     sched.update_after_step(out.scheduled)
     assert sched.schedule().preempted_ids == []
+
+
+def test_max_loras_bounds_the_adapters_running_at_once() -> None:
+    """A request on a third adapter waits (later base or known-adapter requests pass it)."""
+    sched = Scheduler(PagedKVManager(64, BS), 8, 64, max_loras=2)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    loras = [1, 2, 3, 0, 1]
+    for i, lora in enumerate(loras):
+        sched.add_request(Request(f"r{i}", [2, 3, 4], params, arrival_time=float(i), lora_id=lora))
+    first = sched.schedule()
+    assert [r.request_id for r, _ in first.scheduled] == ["r0", "r1", "r3", "r4"]
+    sched.update_after_step(first.scheduled)
+    for request_id in ("r0", "r4"):  # adapter 1 no longer runs: adapter 3 may start
+        sched.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+    assert "r2" in [r.request_id for r, _ in sched.schedule().scheduled]

@@ -61,6 +61,8 @@ class Request:
     """The user-visible request this one belongs to (n > 1 fans out into children)."""
     index: int = 0
     """Position among the parent's n completions."""
+    lora_id: int = 0
+    """The LoRA adapter it runs with (``LoRARequest.lora_int_id``); 0: the base model."""
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

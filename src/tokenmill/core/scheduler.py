@@ -52,10 +52,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         policy: str = "fcfs",
+        max_loras: int | None = None,
     ) -> None:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.kv = kv_manager
+        self.max_loras = max_loras
+        """Most LoRA adapters among running requests (the device slots); None: no LoRA."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
@@ -137,11 +140,21 @@ class Scheduler:
                 continue
             break  # the current request itself was preempted: nothing after it fits
 
-        # 2. Waiting requests, unless this step had to preempt (memory is tight).
-        while self.waiting and budget > 0 and not is_memory_tight:
+        # 2. Waiting requests, unless this step had to preempt (memory is tight). One whose
+        # adapter would exceed max_loras among running requests waits; later ones may pass it.
+        active_loras = {r.lora_id for r in self.running if r.lora_id}
+        index = 0
+        while index < len(self.waiting) and budget > 0 and not is_memory_tight:
             if len(self.running) >= self.max_num_seqs:
                 break
-            request = self.waiting[0]
+            request = self.waiting[index]
+            if (
+                request.lora_id
+                and request.lora_id not in active_loras
+                and len(active_loras) >= (self.max_loras or 0)
+            ):
+                index += 1
+                continue
             if not self.kv.can_admit(request):
                 break
             prefix = self.kv.lookup_prefix(request) if request.num_computed_tokens == 0 else None
@@ -149,7 +162,9 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
             if not self.kv.allocate(request, num_new, prefix):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
+            if request.lora_id:
+                active_loras.add(request.lora_id)
             request.num_computed_tokens += num_cached
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now

@@ -58,11 +58,16 @@ class _AbortCommand:
     request_ids: list[str]
 
 
+@dataclass
+class _RemoveLoRACommand:
+    lora_id: int
+
+
 class _StopCommand:
     pass
 
 
-_Command = _AddCommand | _AbortCommand | _StopCommand
+_Command = _AddCommand | _AbortCommand | _RemoveLoRACommand | _StopCommand
 
 
 class AsyncLLMEngine:
@@ -210,6 +215,12 @@ class AsyncLLMEngine:
         if ids and self.state is EngineState.READY:
             self._commands.put(_AbortCommand(ids))
 
+    def remove_lora(self, lora_id: int) -> None:
+        """Unload an adapter: its requests in flight finish with it, then its memory is freed
+        (``LLMEngine.remove_lora``); requests naming it that reach the engine later fail."""
+        if self.state is EngineState.READY:
+            self._commands.put(_RemoveLoRACommand(lora_id))
+
     @property
     def num_streams(self) -> int:
         """Requests submitted through generate() and not yet finished."""
@@ -303,6 +314,8 @@ class AsyncLLMEngine:
                 return True, needs_flush
             if isinstance(command, _AddCommand):
                 self._add(engine, command)
+            elif isinstance(command, _RemoveLoRACommand):
+                engine.remove_lora(command.lora_id)
             else:
                 engine.abort_request(command.request_ids)
                 needs_flush = True

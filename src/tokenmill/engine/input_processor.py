@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from tokenmill.core.request import Request
 from tokenmill.errors import ContextLengthError, InvalidRequestError
+from tokenmill.lora_request import LoRARequest
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
@@ -30,6 +31,8 @@ class ProcessedRequest:
     params: SamplingParams
     priority: int
     arrival_time: float
+    lora_request: LoRARequest | None = None
+    """The adapter it runs with; None: the base model."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class CheckedParams:
 
     params: SamplingParams
     priority: int
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class InputLimits:
     scheduling_policy: str
     eos_token_ids: frozenset[int]
     enable_prefix_caching: bool
+    enable_lora: bool = False
 
 
 class InputProcessor:
@@ -68,20 +73,27 @@ class InputProcessor:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Tokenize a text prompt and check everything; raises InvalidRequestError naming the field."""
         return self.process_prompt(
             request_id,
             prompt,
-            self.check_params(params or SamplingParams(), priority),
+            self.check_params(params or SamplingParams(), priority, lora_request),
             arrival_time,
         )
 
-    def check_params(self, params: SamplingParams, priority: int = 0) -> CheckedParams:
+    def check_params(
+        self, params: SamplingParams, priority: int = 0, lora_request: LoRARequest | None = None
+    ) -> CheckedParams:
         """Check what a request's prompts share, once (the server does this before admitting it)."""
         self.validate_params(params)
         self.validate_priority(priority)
-        return CheckedParams(params, priority)
+        if lora_request is not None and not self.limits.enable_lora:
+            raise InvalidRequestError(
+                "a LoRA adapter needs the engine to run with --enable-lora", param="lora_request"
+            )
+        return CheckedParams(params, priority, lora_request)
 
     def process_prompt(
         self,
@@ -99,7 +111,13 @@ class InputProcessor:
         self.validate_prompt(token_ids)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         return ProcessedRequest(
-            request_id, token_ids, prompt_text, checked.params, checked.priority, arrival
+            request_id,
+            token_ids,
+            prompt_text,
+            checked.params,
+            checked.priority,
+            arrival,
+            checked.lora_request,
         )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -156,6 +174,9 @@ class InputProcessor:
         limits, params, request_id = self.limits, processed.params, processed.request_id
         # Without prefix caching, the n samples of one request still share its prompt blocks.
         salt = None if limits.enable_prefix_caching else request_id
+        lora = processed.lora_request
+        if lora is not None:  # KV computed with one adapter is never reused by another
+            salt = lora.cache_salt if salt is None else f"{lora.cache_salt}|{salt}"
         return [
             Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}",
@@ -168,6 +189,7 @@ class InputProcessor:
                 cache_salt=salt,
                 parent_id=request_id,
                 index=i,
+                lora_id=lora.lora_int_id if lora is not None else 0,
             )
             for i in range(params.n)
         ]

@@ -23,6 +23,7 @@ from tokenmill.core.stats import EngineStats, StartupCosts
 from tokenmill.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidRequestError
+from tokenmill.lora_request import LoRARequest
 from tokenmill.model.attention import FP8_DTYPES
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info, default_num_threads
@@ -33,6 +34,7 @@ from tokenmill.sampling.sampler import Sampler
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
 from tokenmill.worker.kv_cache import allocate_kv_cache, kv_budget_bytes, kv_bytes_per_token
+from tokenmill.worker.lora_manager import LoRAManager
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -143,7 +145,29 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.scheduling_policy,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
+        lora = None
+        if config.enable_lora:
+            lora = LoRAManager(
+                mc,
+                config.max_loras,
+                config.max_cpu_loras or config.max_loras,
+                config.max_lora_rank,
+                self.dtype,
+                self.device,
+                ids_in_use=lambda: {r.lora_id for r in self.scheduler.requests.values()},
+            )
+            logger.info(
+                "LoRA: %d slot(s) of rank %d (%.1f MiB)",
+                config.max_loras,
+                config.max_lora_rank,
+                lora.stacks.nbytes / 2**20,
+            )
+        self._lora_removals: set[int] = set()
+        """Adapters unloaded while requests still ran on them: dropped when the last ends."""
+        self._removed_lora_ids: set[int] = set()
+        """Unloaded adapter ids: a request naming one (sent before the unload) is refused."""
         compiled = None
         if self.kv_manager.wants_compiled_decode and not config.enforce_eager:
             compiled = CompiledDecodeStep(
@@ -164,6 +188,7 @@ class LLMEngine:
             Sampler(self.device, config.seed),
             self.device,
             compiled,
+            lora,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(
@@ -176,6 +201,7 @@ class LLMEngine:
                 scheduling_policy=config.scheduling_policy,
                 eos_token_ids=self.eos_token_ids,
                 enable_prefix_caching=config.enable_prefix_caching,
+                enable_lora=config.enable_lora,
             ),
         )
         self._counters = EngineStats(
@@ -270,18 +296,23 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Check and queue a request; a text prompt is tokenized here, token ids are taken as they are."""
         self.add_processed(
-            self.input_processor.process(request_id, prompt, params, priority, arrival_time)
+            self.input_processor.process(
+                request_id, prompt, params, priority, arrival_time, lora_request
+            )
         )
 
     def add_processed(self, processed: ProcessedRequest) -> None:
-        """Queue a request the input processor already checked (nothing is checked again)."""
+        """Queue a request the input processor already checked (its adapter is loaded here)."""
         if self.output_processor.has_request(processed.request_id):
             raise InvalidRequestError(
                 f"request id {processed.request_id!r} is already in use", param="request_id"
             )
+        if processed.lora_request is not None:
+            self.add_lora(processed.lora_request)
         children = self.input_processor.fan_out(processed)
         self.output_processor.add_request(processed.request_id, processed.prompt_text, children)
         for child in children:
@@ -296,6 +327,42 @@ class LLMEngine:
                     is not None
                 ):
                     self.output_processor.mark_finished(child_id)
+
+    # ---- LoRA adapters ---------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter (if not loaded yet); LoRAError names what does not fit the model."""
+        if self.runner.lora is None:
+            raise InvalidRequestError(
+                "a LoRA adapter needs the engine to run with --enable-lora", param="lora_request"
+            )
+        if lora_request.lora_int_id in self._removed_lora_ids:
+            raise InvalidRequestError(
+                f"LoRA adapter {lora_request.lora_name!r} was unloaded", param="model"
+            )
+        self.runner.lora.add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter. Its running and waiting requests finish with it first; new
+        requests naming its id are refused. False if it was not loaded."""
+        lora = self.runner.lora
+        self._removed_lora_ids.add(lora_id)  # also when never loaded: one may be on its way
+        if lora is None or lora.get(lora_id) is None:
+            return False
+        self._lora_removals.add(lora_id)
+        self._drop_unused_loras()
+        return True
+
+    def list_loras(self) -> list[int]:
+        """Ids of the adapters loaded now."""
+        return self.runner.lora.ids() if self.runner.lora is not None else []
+
+    def _drop_unused_loras(self) -> None:
+        if not self._lora_removals or self.runner.lora is None:
+            return
+        in_use = {r.lora_id for r in self.scheduler.requests.values()}
+        for lora_id in self._lora_removals - in_use:
+            self.runner.lora.remove(lora_id)
+            self._lora_removals.discard(lora_id)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -336,6 +403,7 @@ class LLMEngine:
                 self.scheduler.finish_request(rid, status)
                 self.output_processor.mark_finished(rid)
         stats.num_steps += 1
+        self._drop_unused_loras()
         return self.output_processor.collect()
 
     def _record_kv_footprint(self, stats: EngineStats) -> None:

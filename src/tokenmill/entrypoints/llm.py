@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling.params import RequestOutputKind, SamplingParams
 
@@ -36,8 +37,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt (text or token ids); outputs come back in input order."""
+        """Complete every prompt (text or token ids); outputs come back in input order.
+
+        ``lora_request`` runs every prompt with one adapter, or each with its own (None: the
+        base model); the engine needs ``enable_lora=True``.
+        """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -54,10 +60,22 @@ class LLM:
             id(p): p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params
         }  # once per object
         params = [final_only[id(p)] for p in params]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
         ids = [str(next(self._ids)) for _ in prompts]
         try:
             for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
-                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                self.engine.add_request(
+                    rid,
+                    prompt,
+                    p,
+                    priority=priority[i] if priority else 0,
+                    lora_request=loras[i],
+                )
         except Exception:
             self.engine.abort_request(ids)  # nothing half-submitted keeps running
             self.engine.step()
@@ -71,6 +89,7 @@ class LLM:
         use_tqdm: bool | None = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Render conversations with the model's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -83,7 +102,7 @@ class LLM:
             )
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

@@ -286,10 +286,35 @@ class ServerMetrics:
         self.generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per finished request.", token_buckets
         )
+        lora_labels = [*labels, "lora_name"]
+        self.lora_requests = Counter(
+            PREFIX + "lora_requests",
+            "Ended requests (finished, aborted or timed out) per LoRA adapter.",
+            lora_labels,
+            registry=reg,
+        )
+        self.lora_prompt_tokens = Counter(
+            PREFIX + "lora_prompt_tokens",
+            "Prompt tokens of ended requests per LoRA adapter.",
+            lora_labels,
+            registry=reg,
+        )
+        self.lora_generation_tokens = Counter(
+            PREFIX + "lora_generation_tokens",
+            "Generated tokens of ended requests per LoRA adapter.",
+            lora_labels,
+            registry=reg,
+        )
 
     def observe_inter_token_latency(self, gap_s: float) -> None:
         """Record the gap between two successive token-carrying outputs of one choice."""
         self.itl.labels(self.model_name).observe(gap_s)
+
+    def observe_lora(self, lora_name: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """Count one ended engine request that ran with a LoRA adapter."""
+        self.lora_requests.labels(self.model_name, lora_name).inc()
+        self.lora_prompt_tokens.labels(self.model_name, lora_name).inc(num_prompt_tokens)
+        self.lora_generation_tokens.labels(self.model_name, lora_name).inc(num_output_tokens)
 
     def observe_finished(self, timing: RequestTiming) -> None:
         """Record one ended engine request: counted once, TPOT once per choice."""

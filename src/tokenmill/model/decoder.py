@@ -3,7 +3,8 @@
 Families differ only by ModelConfig flags: q/k/v bias (Qwen2), per-head q/k RMSNorm
 (Qwen3), sliding-window layers (Mistral, Qwen), RoPE scaling (Llama 3). Projections are
 fused at load time: one [q|k|v] matmul and one [gate|up] matmul per layer. The forward
-takes a flat batch of tokens from many requests; attention reads the paged KV cache.
+takes a flat batch of tokens from many requests; attention reads the paged KV cache. A
+step with LoRA rows passes its ``LoRAStepState``, which adds each projection's delta.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tokenmill.model.attention import (
 )
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from tokenmill.model.lora import LoRAStepState
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -43,6 +45,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.window = cfg.sliding_windows[layer_idx]
         self.scale = cfg.head_dim**-0.5
+        self.layer_idx = layer_idx
         self.register_buffer("kv_scales", torch.ones(2), persistent=False)
         """fp8 caches only: K and V are stored divided by these (set by ``calibrate_kv_scales``)."""
         self.kv_scales_calibrated = False
@@ -63,8 +66,11 @@ class Attention(nn.Module):
         rope: RotaryEmbedding,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata | DecodeMetadata,
+        lora: LoRAStepState | None = None,
     ) -> torch.Tensor:
         qkv = self.qkv(x)
+        if lora is not None:
+            qkv = lora.apply(self.layer_idx, "qkv", x, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -96,19 +102,25 @@ class Attention(nn.Module):
             out = paged_attention(
                 q, k_cache, v_cache, meta, self.scale, self.window, self.kv_scales
             )
-        return self.o(out)
+        if lora is None:
+            return self.o(out)
+        return lora.apply(self.layer_idx, "o", out, self.o(out))
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward with a fused [gate|up] projection."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.layer_idx = layer_idx
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_and_mul(self.gate_up(x)))
+    def forward(self, x: torch.Tensor, lora: LoRAStepState | None = None) -> torch.Tensor:
+        if lora is None:
+            return self.down(silu_and_mul(self.gate_up(x)))
+        h = silu_and_mul(lora.apply(self.layer_idx, "gate_up", x, self.gate_up(x)))
+        return lora.apply(self.layer_idx, "down", h, self.down(h))
 
 
 class DecoderLayer(nn.Module):
@@ -119,7 +131,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer_idx)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer_idx)
 
     def forward(
         self,
@@ -129,11 +141,12 @@ class DecoderLayer(nn.Module):
         rope: RotaryEmbedding,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata | DecodeMetadata,
+        lora: LoRAStepState | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_norm(x, residual)
-        h = self.attn(h, positions, rope, kv_cache, meta)
+        h = self.attn(h, positions, rope, kv_cache, meta, lora)
         h, residual = self.post_attn_norm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, lora), residual
 
 
 class DecoderModel(nn.Module):
@@ -162,12 +175,13 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata | DecodeMetadata,
+        lora: LoRAStepState | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat batch of tokens."""
         x = nn.functional.embedding(input_ids, self.embed)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.rope, kv_cache, meta)
+            x, residual = layer(x, residual, positions, self.rope, kv_cache, meta, lora)
         x, _ = self.norm(x, residual)
         return x
 

@@ -5,7 +5,8 @@ forward is compiled for each bucket with ``torch.compile`` (inductor fuses RMSNo
 its residual add, RoPE and SwiGLU; on CPU into C++ loops), and on CUDA additionally
 captured as one CUDA graph per bucket and replayed. A decode-only step is padded up to
 the next bucket: padding rows write their K/V into a scratch block nobody reads. Steps
-with prefill chunks, prompt logprobs or more rows than the largest bucket run eagerly.
+with prefill chunks, prompt logprobs, LoRA adapter rows or more rows than the largest
+bucket run eagerly.
 
 Each bucket of each engine compiles its own copy of the forward's code object: dynamo keeps
 compiled graphs, and counts recompiles against its limit (8), per code object, so engines in

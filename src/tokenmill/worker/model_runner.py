@@ -17,9 +17,11 @@ from tokenmill.core.request import Request
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.model.attention import AttentionGroup, AttentionMetadata
 from tokenmill.model.decoder import DecoderModel
+from tokenmill.model.lora import LoRAStepState
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.sampling.sampler import Sampler, top_logprobs
 from tokenmill.worker.compiled_step import CompiledDecodeStep
+from tokenmill.worker.lora_manager import LoRAManager
 
 
 @dataclass
@@ -36,6 +38,8 @@ class StepInputs:
     """request_id -> (rows, first position) for prompt logprobs in this chunk."""
     decode_rows: tuple[list[int], list[int], list[int], list[list[int]]] | None = None
     """(token ids, positions, slots, block tables) when every row is a lone decode token."""
+    lora: LoRAStepState | None = None
+    """Which rows run which adapter; None when every row is on the base model."""
 
 
 @dataclass
@@ -66,8 +70,11 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device,
         compiled_decode: CompiledDecodeStep | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.compiled_decode = compiled_decode
+        self.lora = lora
+        """Adapter slots, when LoRA is enabled."""
         self.num_compiled_steps = 0
         """Steps that ran the compiled decode forward (the rest ran eagerly)."""
         self.model = model
@@ -92,6 +99,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         prompt_rows: dict[str, tuple[list[int], int]] = {}
+        lora_rows: dict[int, list[int]] = {}
         for members, is_decode in ((decodes, True), (chunks, False)):
             if not members:
                 continue
@@ -104,6 +112,8 @@ class ModelRunner:
                 table = sched.block_tables[request.request_id]
                 first_row = len(input_ids)
                 rows = list(range(first_row, first_row + num_new))
+                if request.lora_id:
+                    lora_rows.setdefault(request.lora_id, []).extend(rows)
                 pos = list(range(start, start + num_new))
                 input_ids.extend(request.token_slice(start, start + num_new))
                 positions.extend(pos)
@@ -122,9 +132,11 @@ class ModelRunner:
                     last = min(start + num_new, request.num_prompt_tokens - 1)
                     prompt_rows[request.request_id] = (rows[: last - start], start)
             group_rows.append((is_decode, token_index, query_pos, tables, ctx_lens))
+        lora = self.lora.build_step(lora_rows, len(input_ids)) if self.lora else None
         is_decode_only = not chunks and not prompt_rows and len(sample_rows) == len(input_ids)
         if (
             is_decode_only
+            and lora is None  # the compiled forwards have no LoRA: such steps run eagerly
             and self.compiled_decode is not None
             and len(input_ids) <= self.compiled_decode.max_batch
         ):
@@ -147,6 +159,7 @@ class ModelRunner:
             sample_rows=sample_rows,
             sample_requests=sample_requests,
             prompt_logprob_rows=prompt_rows,
+            lora=lora,
         )
 
     def _build_group(
@@ -180,7 +193,9 @@ class ModelRunner:
             hidden = self.compiled_decode.run(*inputs.decode_rows)
             self.num_compiled_steps += 1
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.lora
+            )
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden[self._tensor(inputs.sample_rows)])
             result = self.sampler(logits, inputs.sample_requests)

@@ -43,6 +43,9 @@ class StaticKVManager(KVCacheManager):
         self._free_slots: list[int] = list(range(num_slots))
         # Tokens whose KV each slot holds (for reuse by the next request of that slot).
         self._slot_tokens: list[list[int]] = [[] for _ in range(num_slots)]
+        # The cache salt of the request that computed them (its LoRA adapter): reused only
+        # by a request with the same salt.
+        self._slot_salts: list[str | None] = [None] * num_slots
 
     @classmethod
     def for_budget(cls, sizing: KVSizing) -> StaticKVManager:
@@ -79,6 +82,8 @@ class StaticKVManager(KVCacheManager):
         tokens = request.token_slice(0, request.num_tokens)
         best_slot, best_len = None, 0
         for slot in self._free_slots:
+            if self._slot_salts[slot] != request.cache_salt:
+                continue
             n = _common_prefix_len(self._slot_tokens[slot], tokens)
             if n > best_len:
                 best_slot, best_len = slot, n
@@ -118,6 +123,7 @@ class StaticKVManager(KVCacheManager):
             return
         # The slot keeps the KV of every token that was computed, for the next request.
         self._slot_tokens[slot] = request.token_slice(0, request.num_computed_tokens)
+        self._slot_salts[slot] = request.cache_salt
         self._free_slots.append(slot)
 
     def block_table(self, request_id: str) -> list[int]:

@@ -41,6 +41,7 @@ from tokenmill.entrypoints.openai.streaming import (
     run_until_disconnected,
     sse_event,
 )
+from tokenmill.lora_request import LoRARequest
 from tokenmill.metrics import ChoiceTiming, RequestTiming
 from tokenmill.outputs import PositionLogprobs, RequestOutput
 from tokenmill.sampling.params import RequestOutputKind, SamplingParams
@@ -106,6 +107,8 @@ class ParsedRequest(Generic[BodyT]):
     model: str
     """The served model name the request addressed, echoed in the response."""
     created: int = field(default_factory=lambda: int(time.time()))
+    lora_request: LoRARequest | None = None
+    """The adapter ``model`` names; None for the base model."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -131,13 +134,20 @@ async def parse_request(
     body = check_route_body(request, body)
     model = state.resolve_model(body.model)
     state.ready_engine()
-    return ParsedRequest(request, state, request_id, arrival_time, body, model)
+    return ParsedRequest(
+        request, state, request_id, arrival_time, body, model, lora_request=state.lora_for(model)
+    )
 
 
-def check_params(state: ServerState, params: SamplingParams, priority: int) -> CheckedParams:
+def check_params(
+    state: ServerState,
+    params: SamplingParams,
+    priority: int,
+    lora_request: LoRARequest | None = None,
+) -> CheckedParams:
     """The input processor's one check of what a request's prompts share; outputs stream as deltas."""
     return state.engine.input_processor.check_params(
-        params.clone(output_kind=RequestOutputKind.DELTA), priority
+        params.clone(output_kind=RequestOutputKind.DELTA), priority, lora_request
     )
 
 
@@ -187,6 +197,9 @@ class GenerationRun:
         self.prompts = prompts
         """One checked engine request per prompt; they share their parameters and arrival time."""
         self.params = prompts[0].params
+        lora = prompts[0].lora_request
+        self.lora_name = lora.lora_name if lora is not None else None
+        """The adapter it runs with, for per-adapter metrics and the access log."""
         self.arrival_time = prompts[0].arrival_time
         """When the HTTP request arrived, so TTFT and queue time include tokenization."""
         self.latest: list[RequestOutput | None] = [None] * len(prompts)
@@ -236,6 +249,7 @@ class GenerationRun:
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": self.num_completion_tokens,
             "ttft_s": ttft,
+            "lora": self.lora_name,
         }
 
     # ---- outputs ---------------------------------------------------------------------------
@@ -404,6 +418,12 @@ class GenerationRun:
         reason = first.finish_reason if first is not None else None
         if reason is None:  # cut short: a timed-out choice with output is answered as "length"
             reason = "length" if self.is_timed_out and timings[0].num_tokens else "abort"
+        if self.lora_name is not None:
+            self.state.metrics.observe_lora(
+                self.lora_name,
+                len(self.prompts[index].prompt_token_ids),
+                sum(t.num_tokens for t in timings),
+            )
         self.state.metrics.observe_finished(
             RequestTiming(
                 arrival_time=self.arrival_time,

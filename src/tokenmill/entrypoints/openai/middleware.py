@@ -47,7 +47,7 @@ def header_value(scope: Scope, name: bytes) -> list[bytes]:
 
 
 class AccessLogMiddleware:
-    """One log line per request: method, path, status, duration, id, tokens, TTFT."""
+    """One log line per request: method, path, status, duration, id, tokens, TTFT (and the LoRA adapter, if any)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -72,7 +72,7 @@ class AccessLogMiddleware:
             ttft = gen.get("ttft_s")
             client = scope.get("client") or ("-", 0)
             access_logger.info(
-                '%s "%s %s" %d %.1fms id=%s prompt_tokens=%s completion_tokens=%s ttft_ms=%s',
+                '%s "%s %s" %d %.1fms id=%s prompt_tokens=%s completion_tokens=%s ttft_ms=%s%s',
                 client[0],
                 scope["method"],
                 scope["path"],
@@ -82,6 +82,7 @@ class AccessLogMiddleware:
                 gen.get("prompt_tokens", "-"),
                 gen.get("completion_tokens", "-"),
                 f"{ttft * 1e3:.1f}" if ttft is not None else "-",
+                f" lora={gen['lora']}" if gen.get("lora") else "",
             )
 
 

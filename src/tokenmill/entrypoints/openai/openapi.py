@@ -25,6 +25,10 @@ from tokenmill.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tokenmill.entrypoints.openai.routers.lora import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from tokenmill.entrypoints.openai.state import ServerConfig
 
 _SCHEMA_REF = "#/components/schemas/{model}"
@@ -209,6 +213,8 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("post", "/v1/chat/completions"): ChatCompletionRequest,
     ("post", "/tokenize"): TokenizeRequest,
     ("post", "/detokenize"): DetokenizeRequest,
+    ("post", "/v1/load_lora_adapter"): LoadLoRAAdapterRequest,
+    ("post", "/v1/unload_lora_adapter"): UnloadLoRAAdapterRequest,
 }
 """Operation -> the protocol.py model its body is validated with."""
 
@@ -238,6 +244,8 @@ _OK_BODIES: dict[tuple[str, str], tuple[type[BaseModel] | None, dict[str, Any]]]
     ("get", "/version"): (VersionResponse, {}),
     ("get", "/health"): (None, {}),
     ("get", "/metrics"): (None, {"text/plain": {"schema": {"type": "string"}}}),
+    ("post", "/v1/load_lora_adapter"): (None, {"text/plain": {"schema": {"type": "string"}}}),
+    ("post", "/v1/unload_lora_adapter"): (None, {"text/plain": {"schema": {"type": "string"}}}),
 }
 """Operation -> (JSON model of a 200, other media types a 200 may have)."""
 

@@ -33,16 +33,18 @@ from tokenmill.entrypoints.config_args import add_config_args, config_kwargs
 from tokenmill.entrypoints.openai.admission import AdmissionController, AdmissionMiddleware
 from tokenmill.entrypoints.openai.auth import APIKeyAuthMiddleware
 from tokenmill.entrypoints.openai.errors import error_body_bytes, install_exception_handlers
+from tokenmill.entrypoints.openai.lora import parse_lora_module
 from tokenmill.entrypoints.openai.middleware import (
     AccessLogMiddleware,
     BodyLimitMiddleware,
     HeaderLimitMiddleware,
 )
 from tokenmill.entrypoints.openai.openapi import install_openapi
-from tokenmill.entrypoints.openai.routers import chat, completions, health, models, tokenize
+from tokenmill.entrypoints.openai.routers import chat, completions, health, lora, models, tokenize
 from tokenmill.entrypoints.openai.routes import RoutesMiddleware, build_route_table
 from tokenmill.entrypoints.openai.state import ServerConfig, ServerState
 from tokenmill.entrypoints.openai.tokenization import RequestTokenizer
+from tokenmill.errors import ConfigError
 from tokenmill.metrics import ServerMetrics
 from tokenmill.metrics.ops import ResponseCountMiddleware, install_ops_metrics
 
@@ -101,6 +103,15 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
         read_startup=lambda: engine.startup_costs,
     )
     state = ServerState(config, engine_config, engine, metrics, tokenization)
+    if (
+        config.lora_modules or config.allow_runtime_lora_updating
+    ) and not engine_config.enable_lora:
+        raise ConfigError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    for entry in config.lora_modules:
+        adapter = parse_lora_module(entry)
+        if adapter.name in config.served_model_names:
+            raise ConfigError(f"--lora-modules: {adapter.name!r} is also a served model name")
+        state.loras.add(adapter.name, adapter.path, adapter.base_model_name)
     admission = AdmissionController(config.max_seqs_in_flight, config.per_key_max_concurrency)
     routes = build_route_table(config, engine_config, metrics)
 
@@ -128,6 +139,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
     install_exception_handlers(app)
     for module in (completions, chat, models, health, tokenize):
         app.include_router(module.router)
+    if config.allow_runtime_lora_updating:
+        app.include_router(lora.router)
     install_openapi(app, config)
     # Added innermost first: the last one added runs first.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
@@ -301,9 +314,26 @@ async def _wait_until(is_done: Callable[[], bool], deadline: float) -> None:
         await asyncio.sleep(0.02)
 
 
+def check_lora_modules(config: ServerConfig, engine_config: EngineConfig) -> None:
+    """Read every ``--lora-modules`` adapter against the model before serving (LoRAError if one does not fit)."""
+    if not config.lora_modules or not engine_config.enable_lora:
+        return  # build_app names the missing --enable-lora
+    import torch
+
+    from tokenmill.engine.llm_engine import resolve_model_path
+    from tokenmill.model.config import ModelConfig
+    from tokenmill.model.lora import load_lora_adapter
+
+    model_config = ModelConfig.from_folder(resolve_model_path(engine_config.model))
+    for entry in config.lora_modules:
+        adapter = parse_lora_module(entry)
+        load_lora_adapter(adapter.path, model_config, engine_config.max_lora_rank, torch.float32)
+
+
 def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the engine failed to load or died."""
     config = server_config_from_args(args, engine_config)
+    check_lora_modules(config, engine_config)
     engine = AsyncLLMEngine(engine_config)
     app = build_app(engine, config, engine_config)
     if config.disable_access_log:

@@ -17,8 +17,10 @@ from starlette.requests import Request
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineState
 from tokenmill.entrypoints.openai.errors import APIError
+from tokenmill.entrypoints.openai.lora import LoRARegistry, parse_lora_module
 from tokenmill.entrypoints.openai.tokenization import RequestTokenizer
 from tokenmill.errors import ConfigError
+from tokenmill.lora_request import LoRARequest
 from tokenmill.metrics import ServerMetrics
 
 _SAFE_MODEL_NAME = re.compile(r"[A-Za-z0-9_:@+-][A-Za-z0-9._:@/+-]{0,127}")
@@ -69,6 +71,10 @@ class ServerConfig:
     """No per-request log line."""
     routes_config: str | None = None
     """YAML file of routes (per API key, model or X-Tokenmill-Route header: context, max_tokens cap, defaults, features, priority, queue bound, quotas; see docs/routes.md); default: no routes."""
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters clients can name in 'model': name=path, or JSON {"name": .., "path": .., "base_model_name": ..}; needs --enable-lora."""
+    allow_runtime_lora_updating: bool = False
+    """Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); they need the API key like every route."""
     max_num_seqs: int = 256
     """The engine's running-batch bound, copied here for admission control (not a flag)."""
 
@@ -92,6 +98,9 @@ class ServerConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        names = [parse_lora_module(m).name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"--lora-modules: a name appears twice in {names}")
 
     @property
     def max_seqs_in_flight(self) -> int:
@@ -121,6 +130,8 @@ class ServerState:
     """Set when the drain's time is up: running requests end with 503 and no new one starts."""
     active_runs: set[RunningRequest] = field(default_factory=set)
     """Requests generating now (GenerationRuns register themselves), so the drain can end them."""
+    loras: LoRARegistry = field(default_factory=LoRARegistry)
+    """LoRA adapters clients can name in ``model``."""
 
     def cut_off_running(self) -> int:
         """End every generating request with a 503 (its engine requests are aborted); returns how many."""
@@ -138,13 +149,17 @@ class ServerState:
         """The served name a request addresses; unknown names are a 404."""
         if name is None:
             return self.default_model
-        if name in self.config.served_model_names:
+        if name in self.config.served_model_names or name in self.loras:
             return name
         is_plain = _SAFE_MODEL_NAME.fullmatch(name) and ".." not in name and "//" not in name
         shown = f"`{name}`" if is_plain else "requested"
         raise APIError(
             404, f"The model {shown} does not exist.", param="model", code="model_not_found"
         )
+
+    def lora_for(self, model: str) -> LoRARequest | None:
+        """The adapter a resolved model name runs with; None for the base model."""
+        return self.loras.get(model)
 
     def ready_engine(self) -> AsyncLLMEngine:
         """The engine, if it may take a new request now."""

@@ -158,7 +158,7 @@ async def create_chat_completion(request: Request) -> Response:
     num_top = body.top_logprobs or 0
     try:
         params = body.sampling_params(body.max_new_tokens(), num_top if body.logprobs else None)
-        checked = check_params(state, params, body.priority)
+        checked = check_params(state, params, body.priority, req.lora_request)
     except InvalidRequestError as exc:
         if exc.param == "logprobs":
             exc.param = "top_logprobs"

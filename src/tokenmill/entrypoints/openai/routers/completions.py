@@ -98,7 +98,7 @@ async def create_completion(request: Request) -> Response:
         body.logprobs,
         prompt_logprobs=body.logprobs if want_prompt_logprobs else body.prompt_logprobs,
     )
-    checked = check_params(req.state, params, body.priority)
+    checked = check_params(req.state, params, body.priority, req.lora_request)
     prompt_list = body.prompt_list()
     req.admit(len(prompt_list), params.n)
     prompts = await process_prompts(req, prompt_list, checked, body.add_special_tokens)

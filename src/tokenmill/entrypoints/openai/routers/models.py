@@ -1,4 +1,4 @@
-"""``GET /v1/models`` and ``GET /v1/models/{model}``: the served model names."""
+"""``GET /v1/models`` and ``GET /v1/models/{model}``: the served model names and LoRA adapters."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ _STARTED = int(time.time())
 
 
 def _model_card(state: ServerState, name: str) -> dict:
+    lora = state.lora_for(name)
     return {
         "id": name,
         "object": "model",
         "created": _STARTED,
         "owned_by": "tokenmill",
-        "root": name,
-        "parent": None,
+        "root": lora.lora_path if lora is not None else name,  # as vLLM lists adapters
+        "parent": (lora.base_model_name or state.default_model) if lora is not None else None,
         "max_model_len": state.engine.max_model_len
         if state.engine.is_ready
         else state.engine_config.max_model_len,
@@ -32,7 +33,16 @@ def _model_card(state: ServerState, name: str) -> dict:
 async def list_models(request: Request) -> JSONResponse:
     state = get_state(request)
     return JSONResponse(
-        {"object": "list", "data": [_model_card(state, n) for n in state.config.served_model_names]}
+        {
+            "object": "list",
+            "data": [
+                _model_card(state, n)
+                for n in (
+                    *state.config.served_model_names,
+                    *(lora.lora_name for lora in state.loras.all()),
+                )
+            ],
+        }
     )
 
 
