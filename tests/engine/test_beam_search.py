@@ -258,3 +258,32 @@ def test_unsupported_beam_options_are_refused(llama, changes: dict, param: str) 
     with pytest.raises(InvalidRequestError) as err:
         llm.generate([[5, 6, 7]], SamplingParams(**{"use_beam_search": True, **changes}))
     assert err.value.param == param
+
+
+def test_preempted_beams_recompute_and_still_match(make_model, llama) -> None:
+    """A KV pool too small for every beam: beams are preempted and recomputed, the result
+    is unchanged and nothing leaks."""
+    _, roomy = llama
+    folder = make_model("llama")
+    tight = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        block_size=4,
+        kv_cache_memory=10
+        * 4
+        * roomy.engine.kv_cache_bytes
+        // roomy.engine.kv_manager.num_blocks
+        // 4,
+    )
+    assert tight.engine.kv_manager.num_blocks == 10
+    prompt = _prompts(tight.tokenizer.vocab_size, 1, seed=11)[0][:10]
+    params = SamplingParams(n=2, best_of=4, use_beam_search=True, max_tokens=14, ignore_eos=True)
+    standard = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    want = roomy.generate([prompt], params)[0]
+    got = tight.generate([prompt, prompt[:5]], [params, standard])[0]
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    assert tight.engine.stats.num_preemptions > 0
+    assert tight.engine.beam_search.num_parked_beams > 0  # siblings stepped aside for it
+    kv = tight.engine.kv_manager
+    assert kv.pool.num_free_blocks == kv.num_blocks  # type: ignore[attr-defined]

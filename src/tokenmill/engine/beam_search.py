@@ -45,6 +45,9 @@ class _Search:
     """Aligned with ``search.live_tokens``."""
     rows: dict[str, dict[int, float]] = field(default_factory=dict)
     """This step's top-K next-token logprobs, per beam request id, as they come in."""
+    parked: set[str] = field(default_factory=set)
+    """Beams taken out of the scheduler (KV freed) after reporting, so that a preempted
+    sibling can get the memory; they come back, recomputed, once the step is decided."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ class BeamSearchCoordinator:
         """Beam request id -> the user request it belongs to."""
         self._outputs: list[RequestOutput] = []
         self._ids = itertools.count()
+        self.num_parked_beams = 0
+        """Beams taken out of the scheduler to unblock a preempted sibling (memory pressure)."""
 
     # ---- requests ------------------------------------------------------------------------
     def has_request(self, request_id: str) -> bool:
@@ -137,6 +142,7 @@ class BeamSearchCoordinator:
         now = time.monotonic()
         for request_id, state in list(self._active.items()):
             if len(state.rows) < len(state.beams):
+                self._park_if_stalled(state)
                 continue  # a beam was preempted or not scheduled yet: wait for it
             rows = [state.rows[b.request_id] for b in state.beams]
             state.rows.clear()
@@ -198,6 +204,23 @@ class BeamSearchCoordinator:
         self._owner[beam.request_id] = rid
         return beam
 
+    def _park_if_stalled(self, state: _Search) -> None:
+        """Under memory pressure a preempted beam may wait for KV that its siblings hold while
+        they wait for it to report: the reported ones leave the scheduler until the step is
+        decided, so the group always progresses (at the cost of recomputing them)."""
+        is_stalled = any(
+            b.request_id not in state.rows and b.status is not RequestStatus.RUNNING
+            for b in state.beams
+        )
+        if not is_stalled:
+            return
+        for beam in state.beams:
+            if beam.request_id in state.rows and beam.request_id not in state.parked:
+                self.scheduler.finish_request(beam.request_id, RequestStatus.PREEMPTED)
+                beam.num_computed_tokens = 0
+                state.parked.add(beam.request_id)
+                self.num_parked_beams += 1
+
     def _branch(self, state: _Search, continuations: list[Continuation]) -> None:
         """Turn the chosen continuations into live beam requests: reuse, fork, prune."""
         children: dict[int, list[int]] = defaultdict(list)
@@ -208,10 +231,17 @@ class BeamSearchCoordinator:
         for parent_index, js in children.items():
             parent = state.beams[parent_index]
             beams[js[0]] = parent
+            is_parked = parent.request_id in state.parked
             for j in js[1:]:
                 child = self._new_beam(state.processed, state.beam_params, parent.output_token_ids)
-                self.scheduler.fork_request(parent, child)
+                if is_parked:  # nothing to share: it recomputes, like its parent
+                    self.scheduler.add_request(child)
+                else:
+                    self.scheduler.fork_request(parent, child)
                 beams[j] = child
+            if is_parked:
+                self.scheduler.add_request(parent)
+        state.parked.clear()  # every parked beam is back in the scheduler or pruned below
         self._drop_beams([b for i, b in enumerate(state.beams) if i not in children])
         live: list[Request] = []
         for beam, c in zip(beams, continuations, strict=True):
