@@ -287,3 +287,43 @@ def test_preempted_beams_recompute_and_still_match(make_model, llama) -> None:
     assert tight.engine.beam_search.num_parked_beams > 0  # siblings stepped aside for it
     kv = tight.engine.kv_manager
     assert kv.pool.num_free_blocks == kv.num_blocks  # type: ignore[attr-defined]
+
+
+def test_concurrent_searches_equal_solo_runs(llama) -> None:
+    """Beams of two searches and standard requests in one batch: each search's result is
+    the one it gets alone, and an aborted queued search ends at once."""
+    _, llm = llama
+    engine = llm.engine
+    prompts = _prompts(llm.tokenizer.vocab_size, 2, seed=13)
+    params = [
+        SamplingParams(n=2, best_of=3, use_beam_search=True, max_tokens=9, ignore_eos=True),
+        SamplingParams(n=1, best_of=2, use_beam_search=True, max_tokens=7, length_penalty=0.0),
+    ]
+    solo = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params, strict=True)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    together = llm.generate(prompts + prompts, params + [greedy, greedy])
+    for alone, mixed in zip(solo, together[:2], strict=True):
+        assert [c.token_ids for c in mixed.outputs] == [c.token_ids for c in alone.outputs]
+    engine.add_request("q1", prompts[0], params[0])
+    engine.add_request("q2", prompts[1], params[1])
+    engine.abort_request("q2")
+    done = {o.request_id: o for o in engine.step()}
+    assert done["q2"].outputs[0].finish_reason == "abort"
+    engine.abort_request("q1")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.num_blocks  # type: ignore[attr-defined]
+
+
+def test_qwen3_best_beam_matches_transformers(make_model) -> None:
+    folder = make_model("qwen3")
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, block_size=4)
+    prompt = _prompts(llm.tokenizer.vocab_size, 1, seed=17)[0]
+    stop = _stop_token(llm, prompt)
+    params = SamplingParams(
+        best_of=4, use_beam_search=True, max_tokens=MAX_NEW, stop_token_ids=[stop]
+    )
+    (want,) = hf_beam_search(
+        folder, prompt, 4, sorted(llm.engine.eos_token_ids | {stop}), 1.0, False
+    )
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == want
