@@ -3,6 +3,7 @@ share their prefix KV (prefill once, copy-on-write) and free it when pruned or f
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import Counter
 from pathlib import Path
@@ -24,6 +25,13 @@ def _prompts(vocab: int, num: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(4, vocab) for _ in range(rng.randint(3, 30))] for _ in range(num)]
 
 
+@functools.cache
+def _hf_model(folder: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
 def hf_beam_search(
     folder: Path,
     prompt: list[int],
@@ -33,10 +41,7 @@ def hf_beam_search(
     early_stopping: bool | str,
     num_return: int = 1,
 ) -> list[list[int]]:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model.eval()
+    model = _hf_model(folder)
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
