@@ -9,8 +9,8 @@ standard requests (greedy, ``--std-max-tokens``):
   idle       no beam search request at all
   saturated  the beam queue is kept full (``--beam-backlog`` requests unfinished at all times)
 Configurations: ``own queue`` (the quota, ``--quota``) and, for contrast, ``no quota``
-(quota = the whole backlog: every beam request enters the scheduler at once, which is what
-sending beam requests through the standard queue would do).
+(quota above the backlog: only the engine's bound of ``--max-num-seqs`` beams limits them, so
+beam requests fill the running batch, as they would sharing the standard queue).
 
 The engine is stepped on this thread, and requests are added when their arrival time
 has passed, so TTFT is measured in wall-clock time from arrival to the first token, as the
