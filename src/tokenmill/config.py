@@ -66,6 +66,8 @@ class EngineConfig:
     """Reuse KV blocks of identical prompt prefixes across requests."""
     scheduling_policy: SchedulingPolicy = "fcfs"
     """``fcfs`` or ``priority`` (lower value first, then arrival)."""
+    max_beam_search_requests: int = 4
+    """Beam search requests running at once; more wait in their own queue, not ahead of other requests."""
     max_logprobs: int = 20
     """Largest ``logprobs`` / ``prompt_logprobs`` a request may ask for."""
     seed: int = 0
@@ -132,6 +134,7 @@ class EngineConfig:
             f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}",
         )
         check(self.max_logprobs >= 0, "max_logprobs must be >= 0")
+        check(self.max_beam_search_requests >= 1, "max_beam_search_requests must be >= 1")
         check(
             self.compile_batch_sizes is None
             or (bool(self.compile_batch_sizes) and all(b >= 1 for b in self.compile_batch_sizes)),

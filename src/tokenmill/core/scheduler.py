@@ -29,6 +29,8 @@ class SchedulerOutput:
     block_tables: dict[str, list[int]] = field(default_factory=dict)
     """Per scheduled request, the block ids holding its KV in token order, so the runner
     needs nothing from the KV manager."""
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    """(src, dst) KV blocks to copy before the forward: copy-on-write of blocks shared by forks."""
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -96,6 +98,18 @@ class Scheduler:
         request.metrics.finished_time = time.monotonic()
         self._finished_ids.append(request_id)
         return request
+
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Add ``child`` sharing all of ``parent``'s KV (copy-on-write), next to it in its
+        queue: a beam that branches off another is not a new arrival."""
+        if child.request_id in self.requests:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        self.kv.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = parent.status
+        self.requests[child.request_id] = child
+        is_running = parent.status is RequestStatus.RUNNING
+        self._insert_sorted(self.running if is_running else self.waiting, child)
 
     @property
     def num_running(self) -> int:
@@ -176,6 +190,7 @@ class Scheduler:
         out.block_tables = {
             r.request_id: self.kv.block_table(r.request_id) for r, _ in out.scheduled
         }
+        out.blocks_to_copy = self.kv.take_block_copies()
         return out
 
     def update_after_step(self, scheduled: list[tuple[Request, int]]) -> None:

@@ -57,6 +57,9 @@ class InputLimits:
     eos_token_ids: frozenset[int]
     enable_prefix_caching: bool
     enable_lora: bool = False
+    supports_beam_search: bool = False
+    """Whether the KV strategy can fork a request's blocks (paged can, static cannot)."""
+    max_num_seqs: int = 2**31
 
 
 class InputProcessor:
@@ -159,6 +162,51 @@ class InputProcessor:
             if value is not None and value > max_logprobs:
                 raise InvalidRequestError(
                     f"{name} must be at most {max_logprobs}, got {value}", param=name
+                )
+        if params.use_beam_search:
+            self.validate_beam_search(params)
+
+    def validate_beam_search(self, params: SamplingParams) -> None:
+        """Beam search ranks by the model's raw log-probabilities (transformers' ``do_sample=False``):
+        options that would change the distribution or the text are refused, never ignored."""
+        limits = self.limits
+        if not limits.supports_beam_search:
+            raise InvalidRequestError(
+                "use_beam_search needs the paged KV cache (--kv-cache paged): the static "
+                "strategy cannot share a beam's KV blocks",
+                param="use_beam_search",
+            )
+        width_param = "best_of" if params.best_of is not None else "n"
+        if params.beam_width > limits.max_num_seqs:
+            raise InvalidRequestError(
+                f"the beam width ({params.beam_width}) must not exceed --max-num-seqs ({limits.max_num_seqs})",
+                param=width_param,
+            )
+        num_stop_ids = len(
+            set(params.stop_token_ids or [])
+            | (set() if params.ignore_eos else limits.eos_token_ids)
+        )
+        if max(2, 1 + num_stop_ids) * params.beam_width > limits.vocab_size:
+            raise InvalidRequestError(
+                "the beam width times the number of stop tokens is too large for the vocabulary",
+                param=width_param,
+            )
+        unsupported = {
+            "stop": bool(params.stop),
+            "logprobs": params.logprobs is not None,
+            "prompt_logprobs": params.prompt_logprobs is not None,
+            "min_tokens": params.min_tokens > 0,
+            "top_p": params.top_p < 1.0,
+            "top_k": params.top_k > 0,
+            "min_p": params.min_p > 0.0,
+            "presence_penalty": params.presence_penalty != 0.0,
+            "frequency_penalty": params.frequency_penalty != 0.0,
+            "repetition_penalty": params.repetition_penalty != 1.0,
+        }
+        for name, is_set in unsupported.items():
+            if is_set:
+                raise InvalidRequestError(
+                    f"{name} is not supported with use_beam_search", param=name
                 )
 
     def validate_priority(self, priority: int) -> None:

@@ -20,6 +20,7 @@ from tokenmill.core.kv import KVCacheManager, KVSizing, build_kv_manager
 from tokenmill.core.request import RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.stats import EngineStats, StartupCosts
+from tokenmill.engine.beam_search import BeamLimits, BeamSearchCoordinator
 from tokenmill.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidRequestError
@@ -202,6 +203,19 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 enable_prefix_caching=config.enable_prefix_caching,
                 enable_lora=config.enable_lora,
+                supports_beam_search=self.kv_manager.supports_fork,
+                max_num_seqs=config.max_num_seqs,
+            ),
+        )
+        self.beam_search = BeamSearchCoordinator(
+            self.scheduler,
+            self.tokenizer,
+            BeamLimits(
+                max_active_requests=config.max_beam_search_requests,
+                max_num_seqs=config.max_num_seqs,
+                eos_token_ids=self.eos_token_ids,
+                max_total_tokens=min(self.max_model_len, self.kv_manager.max_tokens_per_request),
+                enable_prefix_caching=config.enable_prefix_caching,
             ),
         )
         self._counters = EngineStats(
@@ -307,10 +321,19 @@ class LLMEngine:
 
     def add_processed(self, processed: ProcessedRequest) -> None:
         """Queue a request the input processor already checked (its adapter is loaded here)."""
-        if self.output_processor.has_request(processed.request_id):
+        if self.output_processor.has_request(processed.request_id) or self.beam_search.has_request(
+            processed.request_id
+        ):
             raise InvalidRequestError(
                 f"request id {processed.request_id!r} is already in use", param="request_id"
             )
+        if processed.params.use_beam_search:
+            if processed.lora_request is not None:
+                raise InvalidRequestError(
+                    "beam search on a LoRA adapter is not supported", param="use_beam_search"
+                )
+            self.beam_search.add(processed)
+            return
         if processed.lora_request is not None:
             self.add_lora(processed.lora_request)
         children = self.input_processor.fan_out(processed)
@@ -321,6 +344,8 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests wherever they are; their KV is freed at once."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            if self.beam_search.abort(rid):
+                continue
             for child_id in self.output_processor.child_ids(rid):
                 if (
                     self.scheduler.finish_request(child_id, RequestStatus.FINISHED_ABORTED)
@@ -370,11 +395,12 @@ class LLMEngine:
         return self.kv_manager.max_tokens_per_request
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.beam_search.has_unfinished
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and return outputs of requests that changed."""
+        self.beam_search.admit()
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         self.scheduler.update_after_step(sched.scheduled)
@@ -389,6 +415,12 @@ class LLMEngine:
             if token is None:
                 continue
             stats.num_generation_tokens += 1
+            if self.beam_search.owns(rid):  # the search picks the beams' tokens
+                if request.num_output_tokens == 0 and request.metrics.first_token_time is None:
+                    request.metrics.first_token_time = now  # the prompt, prefilled once
+                    stats.num_prompt_tokens += request.num_prompt_tokens
+                self.beam_search.on_logprobs(request, result.logprobs.get(rid))
+                continue
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
                 if request.index == 0:  # n > 1 samples share one prompt
@@ -404,7 +436,7 @@ class LLMEngine:
                 self.output_processor.mark_finished(rid)
         stats.num_steps += 1
         self._drop_unused_loras()
-        return self.output_processor.collect()
+        return self.output_processor.collect() + self.beam_search.advance()
 
     def _record_kv_footprint(self, stats: EngineStats) -> None:
         """KV reserved vs holding tokens right after this step's writes (before frees)."""
@@ -421,7 +453,7 @@ class LLMEngine:
         return replace(
             self._counters,
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.scheduler.num_waiting + self.beam_search.num_queued,
             kv_usage=self.kv_manager.usage,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_query_tokens=self.kv_manager.stats.num_query_tokens,

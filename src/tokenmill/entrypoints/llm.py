@@ -12,6 +12,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
+from tokenmill.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tokenmill.sampling.params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
@@ -81,6 +82,32 @@ class LLM:
             self.engine.step()
             raise
         return self._run(ids, use_tqdm if use_tqdm is not None else len(prompts) >= 8)
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        use_tqdm: bool | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over every prompt (vLLM's ``LLM.beam_search``): ``beam_width`` sequences
+        per prompt, best first. Beams share their prompt's KV blocks, copy-on-write."""
+        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
+        return [
+            BeamSearchOutput(
+                [
+                    BeamSearchSequence(
+                        tokens=out.prompt_token_ids + c.token_ids,
+                        output_token_ids=c.token_ids,
+                        text=c.text,
+                        cum_logprob=c.cumulative_logprob or 0.0,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                    for c in out.outputs
+                ]
+            )
+            for out in outputs
+        ]
 
     def chat(
         self,

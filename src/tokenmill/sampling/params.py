@@ -87,6 +87,15 @@ class SamplingParams:
     """Keep the matched stop string at the end of the text."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """What each output carries; ``LLM.generate`` uses FINAL_ONLY, the server DELTA."""
+    use_beam_search: bool = False
+    """Beam search (greedy-equivalent, Transformers' semantics) instead of sampling; paged KV only."""
+    best_of: int | None = None
+    """With use_beam_search: the beam width (default n); the n best finished beams are returned."""
+    length_penalty: float = 1.0
+    """Beam search: a finished beam scores sum(logprobs) / (generated tokens ** length_penalty)."""
+    early_stopping: bool | str = False
+    """Beam search: True stops once beam-width beams finished; False once no running beam can
+    beat the worst finished one; "never" also assumes a running beam could reach max_tokens."""
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -170,6 +179,27 @@ class SamplingParams:
                 "spaces_between_special_tokens",
                 "false is not supported (the tokenizer's decoder sets spacing)",
             )
+        self._validate_beam_search(bad)
+
+    def _validate_beam_search(self, bad: Any) -> None:
+        if not isinstance(self.use_beam_search, bool):
+            raise bad("use_beam_search", "must be a boolean")
+        if self.best_of is not None:
+            if not _is_int(self.best_of) or not self.n <= self.best_of <= _MAX_N:
+                raise bad("best_of", f"must be an integer in [n, {_MAX_N}], got {self.best_of!r}")
+            if self.best_of != self.n and not self.use_beam_search:
+                raise bad("best_of", "other than n is only supported with use_beam_search")
+        if not _is_real(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise bad("length_penalty", f"must be a finite number, got {self.length_penalty!r}")
+        if not isinstance(self.early_stopping, bool) and self.early_stopping != "never":
+            raise bad(
+                "early_stopping", f"must be true, false or 'never', got {self.early_stopping!r}"
+            )
+
+    @property
+    def beam_width(self) -> int:
+        """Beams kept per step under beam search: best_of, or n."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def is_greedy(self) -> bool:

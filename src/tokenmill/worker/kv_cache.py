@@ -55,3 +55,15 @@ def allocate_kv_cache(
         )
         for _ in range(cfg.num_layers)
     ]
+
+
+def copy_kv_blocks(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], blocks_to_copy: list[tuple[int, int]]
+) -> None:
+    """Copy whole blocks src -> dst in every layer (copy-on-write of a shared block)."""
+    device = kv_caches[0][0].device
+    src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.long, device=device)
+    dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.long, device=device)
+    for k, v in kv_caches:
+        k[dst] = k[src]
+        v[dst] = v[src]

@@ -21,6 +21,7 @@ from tokenmill.model.lora import LoRAStepState
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.sampling.sampler import Sampler, top_logprobs
 from tokenmill.worker.compiled_step import CompiledDecodeStep
+from tokenmill.worker.kv_cache import copy_kv_blocks
 from tokenmill.worker.lora_manager import LoRAManager
 
 
@@ -185,6 +186,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> StepOutput:
         """Run one step: forward the scheduled tokens and sample where a request ends."""
         self.sampler.drop(sched.finished_ids)
+        if sched.blocks_to_copy:  # before the forward writes into the private copies
+            copy_kv_blocks(self.kv_caches, sched.blocks_to_copy)
         out = StepOutput()
         if sched.is_empty:
             return out

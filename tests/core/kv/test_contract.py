@@ -126,3 +126,22 @@ def test_static_admission_waits_for_a_slot_and_never_preempts() -> None:
     sched.update_after_step(out.scheduled)
     out = sched.schedule()
     assert "r3" in out.num_scheduled_tokens  # the aborted request's slot went to the next one
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fork_is_declared_honestly(kind: str) -> None:
+    """A strategy either forks (the child reads the parent's blocks) or says it cannot."""
+    kv = make(kind)
+    parent = req("p", list(range(6)))
+    assert kv.allocate(parent, 6)
+    child = req("c", list(range(6)))
+    if kv.supports_fork:
+        kv.fork(parent, child)
+        assert kv.block_table("c") == kv.block_table("p")
+        kv.free(child)
+    else:
+        with pytest.raises(NotImplementedError):
+            kv.fork(parent, child)
+    kv.free(parent)
+    assert kv.take_block_copies() == []
+    assert kv.usage == 0.0

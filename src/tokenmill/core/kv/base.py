@@ -60,6 +60,8 @@ class KVCacheManager(ABC):
     stats: KVCacheStats
     wants_compiled_decode: ClassVar[bool] = False
     """Whether the layout is fixed enough for the worker to compile a decode step (static)."""
+    supports_fork: ClassVar[bool] = False
+    """Whether ``fork`` works, i.e. requests can share KV copy-on-write (beam search needs it)."""
 
     @classmethod
     @abstractmethod
@@ -102,6 +104,16 @@ class KVCacheManager(ABC):
     @abstractmethod
     def num_reserved_token_slots(self) -> int:
         """Token slots reserved by live requests, shared blocks once (for memory-waste figures)."""
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the KV ``parent`` holds without copying it: the blocks are shared
+        (ref counts up) and a shared block is copied only when one of them writes into it."""
+        raise NotImplementedError(f"the {type(self).__name__} strategy cannot share KV (fork)")
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) block copies that copy-on-write asked for since the last call; the
+        worker does them before the step's forward writes anything."""
+        return []
 
     def reset_prefix_cache(self) -> None:  # noqa: B027 - optional
         """Forget cached prefixes (optional)."""

@@ -6,6 +6,9 @@ compared on every hit to guard against collisions. Freed blocks keep their hash 
 in an LRU free queue, so a later request with the same prefix can reuse them until the
 space is actually needed. Requests fanned out from one ``n > 1`` request share a salt,
 which is how they share the prompt's blocks (ref count > 1) even with prefix caching off.
+``fork`` gives a new request (a beam) its parent's block table with every ref count up;
+the first of them to write into a shared, partly filled last block gets a fresh copy
+(copy-on-write: the (src, dst) pair goes to the worker through ``take_block_copies``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import hashlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import ClassVar
 
 from tokenmill.core.kv.base import KVCacheManager, KVCacheStats, KVSizing, PrefixHit
 from tokenmill.core.request import Request
@@ -129,6 +133,8 @@ class BlockPool:
 class PagedKVManager(KVCacheManager):
     """Block tables per request over a shared BlockPool, with prefix caching."""
 
+    supports_fork: ClassVar[bool] = True
+
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
     ) -> None:
@@ -139,6 +145,7 @@ class PagedKVManager(KVCacheManager):
         self.stats = KVCacheStats()
         self._blocks: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
+        self._block_copies: list[tuple[int, int]] = []
 
     @classmethod
     def for_budget(cls, sizing: KVSizing) -> PagedKVManager:
@@ -198,8 +205,12 @@ class PagedKVManager(KVCacheManager):
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = max(0, num_needed - len(blocks) - len(prefix_blocks))
         num_reviving = sum(1 for b in prefix_blocks if b.ref_count == 0)
-        if num_new_blocks + num_reviving > self.pool.num_free_blocks:
+        cow_index = self._shared_write_block(blocks, request.num_computed_tokens, num_new_tokens)
+        num_copies = 0 if cow_index is None else 1
+        if num_new_blocks + num_reviving + num_copies > self.pool.num_free_blocks:
             return False
+        if cow_index is not None:
+            blocks = self._copy_on_write(blocks, cow_index)
         if prefix is not None and not blocks:
             self.stats.num_query_tokens += request.num_prompt_tokens
             self.stats.num_hit_tokens += prefix.num_tokens
@@ -208,6 +219,36 @@ class PagedKVManager(KVCacheManager):
         self._blocks[rid] = blocks
         self._cache_full_blocks(request, blocks, (num_computed + num_new_tokens) // self.block_size)
         return True
+
+    def _shared_write_block(
+        self, blocks: list[Block], num_computed: int, num_new_tokens: int
+    ) -> int | None:
+        """Index of the block the next token lands in, if it is partly filled and shared."""
+        index = num_computed // self.block_size
+        if num_new_tokens <= 0 or num_computed % self.block_size == 0 or index >= len(blocks):
+            return None
+        return index if blocks[index].ref_count > 1 else None
+
+    def _copy_on_write(self, blocks: list[Block], index: int) -> list[Block]:
+        """Swap a shared block for a private copy (the worker copies the data before the step)."""
+        shared = blocks[index]
+        (private,) = self.pool.allocate(1)
+        self.pool.free([shared])  # ref count stays >= 1: the other sharers keep it
+        self._block_copies.append((shared.block_id, private.block_id))
+        return blocks[:index] + [private] + blocks[index + 1 :]
+
+    def fork(self, parent: Request, child: Request) -> None:
+        if child.request_id in self._blocks:
+            raise ValueError(f"request {child.request_id!r} already holds KV")
+        blocks = self._blocks.get(parent.request_id, [])
+        self.pool.touch(blocks)
+        self._blocks[child.request_id] = list(blocks)
+        # Hashes cover full blocks only, and the child shares every full block's tokens.
+        self._hashes[child.request_id] = list(self._hashes.get(parent.request_id, []))
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        copies, self._block_copies = self._block_copies, []
+        return copies
 
     def _cache_full_blocks(self, request: Request, blocks: list[Block], num_full: int) -> None:
         bs = self.block_size

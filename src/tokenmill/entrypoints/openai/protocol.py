@@ -85,6 +85,12 @@ class SamplingFields(StrictModel):
     """Lower runs first when the server uses ``--scheduling-policy priority``."""
     return_tokens_as_token_ids: bool = False
     """Name logprob tokens ``token_id:N`` instead of their text, as vLLM does."""
+    use_beam_search: bool = False
+    """vLLM extension: beam search (width ``best_of`` or ``n``), the n best beams returned at the end."""
+    length_penalty: float = 1.0
+    """Beam search: a finished beam scores sum(logprobs) / (generated tokens ** length_penalty)."""
+    early_stopping: bool | Literal["never"] = False
+    """Beam search: stop once the beam width has finished (true), when no beam can improve (false), or "never"."""
 
     def check(self) -> None:
         """Reject what tokenmill cannot honour, naming the field."""
@@ -129,6 +135,9 @@ class SamplingFields(StrictModel):
             "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "use_beam_search": self.use_beam_search,
+            "length_penalty": self.length_penalty,
+            "early_stopping": self.early_stopping,
         }
         return SamplingParams(**values)
 
@@ -162,14 +171,23 @@ class CompletionRequest(SamplingFields):
         super().check()
         if self.suffix is not None:
             raise InvalidRequestError("suffix is not supported by this server", param="suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise InvalidRequestError("best_of other than n is not supported", param="best_of")
+        if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
+            raise InvalidRequestError(
+                "best_of other than n is only supported with use_beam_search", param="best_of"
+            )
         prompts = self.prompt if isinstance(self.prompt, list) else [self.prompt]
         if not prompts:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         for p in prompts:
             if isinstance(p, (str, list)) and len(p) == 0:
                 raise InvalidRequestError("prompt must not be empty", param="prompt")
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """As for chat, plus ``best_of`` (the beam width under beam search)."""
+        params = super().sampling_params(max_tokens, logprobs, prompt_logprobs)
+        return params if self.best_of is None else params.clone(best_of=self.best_of)
 
     def prompt_list(self) -> list[str | list[int]]:
         """The prompts as a list: each a string or a token-id list."""
