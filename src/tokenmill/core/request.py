@@ -61,6 +61,8 @@ class Request:
     """The user-visible request this one belongs to (n > 1 fans out into children)."""
     index: int = 0
     """Position among the parent's n completions."""
+    grammar: object | None = None
+    """The compiled structured-output grammar, opaque here; the worker keeps its matcher."""
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from tokenmill.core.request import Request
 from tokenmill.errors import ContextLengthError, InvalidRequestError
 from tokenmill.sampling.params import SamplingParams
+from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
 
@@ -30,6 +31,8 @@ class ProcessedRequest:
     params: SamplingParams
     priority: int
     arrival_time: float
+    grammar: CompiledGrammar | None = None
+    """The compiled ``params.structured_outputs``, which every child sequence follows."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class CheckedParams:
 
     params: SamplingParams
     priority: int
+    grammar: CompiledGrammar | None = None
 
 
 @dataclass(frozen=True)
@@ -57,9 +61,15 @@ class InputLimits:
 class InputProcessor:
     """Tokenizes and validates requests, and fans ``n`` out into child requests."""
 
-    def __init__(self, tokenizer: Tokenizer, limits: InputLimits) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        limits: InputLimits,
+        grammar_compiler: GrammarCompiler | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.grammar_compiler = grammar_compiler
 
     def process(
         self,
@@ -77,11 +87,28 @@ class InputProcessor:
             arrival_time,
         )
 
-    def check_params(self, params: SamplingParams, priority: int = 0) -> CheckedParams:
-        """Check what a request's prompts share, once (the server does this before admitting it)."""
+    def check_params(
+        self, params: SamplingParams, priority: int = 0, grammar: CompiledGrammar | None = None
+    ) -> CheckedParams:
+        """Check what a request's prompts share, once (the server does this before admitting it).
+
+        A structured-output constraint is compiled here unless the caller already did (the
+        server compiles on its own pool with a time budget and passes ``grammar``)."""
         self.validate_params(params)
         self.validate_priority(priority)
-        return CheckedParams(params, priority)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.compile_grammar(params)
+        return CheckedParams(params, priority, grammar)
+
+    def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The checked grammar of ``params.structured_outputs`` (cached); 400 naming the problem."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammar_compiler is None:
+            raise InvalidRequestError(
+                "structured outputs are not available for this model", param="structured_outputs"
+            )
+        return self.grammar_compiler.compile(params.structured_outputs)
 
     def process_prompt(
         self,
@@ -99,7 +126,13 @@ class InputProcessor:
         self.validate_prompt(token_ids)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         return ProcessedRequest(
-            request_id, token_ids, prompt_text, checked.params, checked.priority, arrival
+            request_id,
+            token_ids,
+            prompt_text,
+            checked.params,
+            checked.priority,
+            arrival,
+            checked.grammar,
         )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -168,6 +201,7 @@ class InputProcessor:
                 cache_salt=salt,
                 parent_id=request_id,
                 index=i,
+                grammar=processed.grammar,
             )
             for i in range(params.n)
         ]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling.structured import StructuredOutputsParams
 
 _INT64_MAX = 2**63 - 1
 _MAX_N = 128
@@ -87,6 +88,8 @@ class SamplingParams:
     """Keep the matched stop string at the end of the text."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """What each output carries; ``LLM.generate`` uses FINAL_ONLY, the server DELTA."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """A JSON schema, regex, choice or grammar the output must match (enforced per token)."""
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -98,6 +101,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -163,6 +168,10 @@ class SamplingParams:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a boolean")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}")
         if not self.spaces_between_special_tokens:

@@ -19,6 +19,7 @@ from tokenmill.model.attention import AttentionGroup, AttentionMetadata
 from tokenmill.model.decoder import DecoderModel
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.sampling.sampler import Sampler, top_logprobs
+from tokenmill.structured.bitmask import GrammarMasks
 from tokenmill.worker.compiled_step import CompiledDecodeStep
 
 
@@ -48,6 +49,8 @@ class StepOutput:
         default_factory=dict
     )
     """request_id -> (position of the first entry, logprobs of the prompt tokens that follow)."""
+    grammar_ended: set[str] = field(default_factory=set)
+    """Requests whose structured-output grammar is complete after this step's token."""
 
 
 def _pad(rows: list[list[int]], value: int) -> list[list[int]]:
@@ -75,6 +78,7 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = device
+        self.grammar_masks = GrammarMasks(model.config.vocab_size)
 
     def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -172,6 +176,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> StepOutput:
         """Run one step: forward the scheduled tokens and sample where a request ends."""
         self.sampler.drop(sched.finished_ids)
+        # A preempted sequence's matcher is rebuilt by replaying its tokens when it resumes.
+        self.grammar_masks.drop(sched.finished_ids + sched.preempted_ids)
         out = StepOutput()
         if sched.is_empty:
             return out
@@ -183,7 +189,9 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden[self._tensor(inputs.sample_rows)])
-            result = self.sampler(logits, inputs.sample_requests)
+            requests = inputs.sample_requests
+            result = self.sampler(logits, requests, self.grammar_masks.bitmask(requests))
+            out.grammar_ended = self.grammar_masks.accept(requests, result.token_ids)
             for request, token, lp in zip(
                 inputs.sample_requests, result.token_ids, result.logprobs, strict=True
             ):
