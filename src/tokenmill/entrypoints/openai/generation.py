@@ -37,7 +37,9 @@ from tokenmill.entrypoints.openai.streaming import (
 )
 from tokenmill.metrics import ChoiceTiming, RequestTiming
 from tokenmill.outputs import PositionLogprobs, RequestOutput
+from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling.params import RequestOutputKind, SamplingParams
+from tokenmill.structured.grammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -127,11 +129,41 @@ async def parse_request(
     return ParsedRequest(request, state, request_id, arrival_time, body, model)
 
 
-def check_params(state: ServerState, params: SamplingParams, priority: int) -> CheckedParams:
+def check_params(
+    state: ServerState,
+    params: SamplingParams,
+    priority: int,
+    grammar: CompiledGrammar | None = None,
+) -> CheckedParams:
     """The input processor's one check of what a request's prompts share; outputs stream as deltas."""
     return state.engine.input_processor.check_params(
-        params.clone(output_kind=RequestOutputKind.DELTA), priority
+        params.clone(output_kind=RequestOutputKind.DELTA), priority, grammar
     )
+
+
+async def compile_grammar(
+    state: ServerState, params: SamplingParams, field: str
+) -> CompiledGrammar | None:
+    """Compile the request's output constraint on the grammar pool, within the time budget.
+
+    A compile that overruns is answered 400 at once; its thread finishes in the background
+    (llguidance's fuel limits bound it). Errors name ``field``, the body field the client used.
+    """
+    if params.structured_outputs is None:
+        return None
+    processor = state.engine.input_processor
+    timeout_s = state.config.grammar_compile_timeout_s
+    try:
+        future = state.grammar_pool.submit(processor.compile_grammar, params)
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+    except asyncio.TimeoutError:
+        raise InvalidRequestError(
+            f"the {params.structured_outputs.kind} constraint took longer than {timeout_s:g}s to compile",
+            param=field,
+        ) from None
+    except InvalidRequestError as exc:
+        exc.param = field
+        raise
 
 
 async def process_prompts(

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling.params import SamplingParams
+from tokenmill.sampling.structured import StructuredOutputsParams
 
 _INT32_MAX = 2**31 - 1
 
@@ -40,6 +41,25 @@ class StreamOptions(StrictModel):
 class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
+
+
+class StructuredOutputsRequest(StrictModel):
+    """vLLM's ``structured_outputs``: exactly one constraint on the output."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+"""vLLM's older request fields, each one kind of structured output."""
 
 
 class TextContentPart(StrictModel):
@@ -85,6 +105,35 @@ class SamplingFields(StrictModel):
     """Lower runs first when the server uses ``--scheduling-policy priority``."""
     return_tokens_as_token_ids: bool = False
     """Name logprob tokens ``token_id:N`` instead of their text, as vLLM does."""
+    # Structured outputs: vLLM's field, its older guided_* fields (response_format is OpenAI's).
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: ResponseFormat | None = None
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The one output constraint this body asks for, and the field that asked for it."""
+        given: list[tuple[StructuredOutputsParams, str]] = []
+        if self.structured_outputs is not None:
+            values = self.structured_outputs.model_dump(exclude_none=True)
+            given.append((StructuredOutputsParams(**values), "structured_outputs"))
+        for name, kind in _GUIDED_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                given.append((StructuredOutputsParams(**{kind: value}), name))
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append((StructuredOutputsParams(json_object=True), "response_format"))
+        elif fmt is not None and fmt.type == "json_schema":
+            given.append((_json_schema_format(fmt.json_schema), "response_format"))
+        if len(given) > 1:
+            names = ", ".join(name for _, name in given)
+            raise InvalidRequestError(
+                f"give at most one output constraint; got {names}", param=given[1][1]
+            )
+        return given[0] if given else (None, "structured_outputs")
 
     def check(self) -> None:
         """Reject what tokenmill cannot honour, naming the field."""
@@ -129,6 +178,7 @@ class SamplingFields(StrictModel):
             "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured_outputs": self.structured_outputs_params()[0],
         }
         return SamplingParams(**values)
 
@@ -200,7 +250,6 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any | None = None
     parallel_tool_calls: bool | None = None
@@ -220,11 +269,6 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             value = getattr(self, name)
             if value is not None and value != "none":
                 raise InvalidRequestError(f"{name} is not supported yet (only 'none')", param=name)
-        if self.response_format is not None and self.response_format.type != "text":
-            raise InvalidRequestError(
-                f"response_format {self.response_format.type!r} is not supported yet; only 'text'",
-                param="response_format",
-            )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true", param="top_logprobs"
@@ -265,6 +309,28 @@ class DetokenizeRequest(StrictModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+def _json_schema_format(value: dict[str, Any] | None) -> StructuredOutputsParams:
+    """OpenAI's ``response_format.json_schema``: ``{name, description?, schema?, strict?}``."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        raise InvalidRequestError(
+            "response_format.json_schema must be an object with a 'name'",
+            param="response_format.json_schema",
+        )
+    unknown = set(value) - {"name", "description", "schema", "strict"}
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown field(s) in response_format.json_schema: {sorted(unknown)}",
+            param="response_format.json_schema",
+        )
+    schema = value.get("schema", {})
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(
+            "response_format.json_schema.schema must be a JSON object",
+            param="response_format.json_schema.schema",
+        )
+    return StructuredOutputsParams(json=schema)
 
 
 # ---- body parsing ----------------------------------------------------------------------------

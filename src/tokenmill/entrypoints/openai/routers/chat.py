@@ -24,6 +24,7 @@ from tokenmill.entrypoints.openai.generation import (
     ParsedRequest,
     check_params,
     choice_logprob_entries,
+    compile_grammar,
     parse_request,
     process_prompts,
     respond,
@@ -158,7 +159,8 @@ async def create_chat_completion(request: Request) -> Response:
     num_top = body.top_logprobs or 0
     try:
         params = body.sampling_params(body.max_new_tokens(), num_top if body.logprobs else None)
-        checked = check_params(state, params, body.priority)
+        grammar = await compile_grammar(state, params, body.structured_outputs_params()[1])
+        checked = check_params(state, params, body.priority, grammar)
     except InvalidRequestError as exc:
         if exc.param == "logprobs":
             exc.param = "top_logprobs"
