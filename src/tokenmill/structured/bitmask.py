@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
 import llguidance
 import llguidance.torch as llg_torch
 import torch
@@ -83,7 +84,9 @@ class GrammarMasks:
         llg_torch.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
         for (matcher, i), (_, request) in zip(matchers, rows, strict=True):
             if matcher.is_error():  # out of fuel, or a replay failed: let it end cleanly
-                logger.warning("request %s: grammar error: %s", request.request_id, matcher.get_error())
+                logger.warning(
+                    "request %s: grammar error: %s", request.request_id, matcher.get_error()
+                )
                 bitmask[i] = 0
                 for eos in request.eos_token_ids:
                     if eos < self.vocab_size:

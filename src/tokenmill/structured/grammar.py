@@ -139,9 +139,7 @@ class GrammarCompiler:
                     schema = {}
                 if not isinstance(schema, dict):
                     raise ValueError("a JSON schema must be an object")
-                return llguidance.LLMatcher.grammar_from_json_schema(
-                    schema, defaults=_JSON_OPTIONS
-                )
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
             if kind == "json_object":
                 return llguidance.LLMatcher.grammar_from_json_schema(
                     {"type": "object"}, defaults=_JSON_OPTIONS

@@ -35,9 +35,9 @@ from tokenmill.entrypoints.openai.streaming import (
     run_until_disconnected,
     sse_event,
 )
+from tokenmill.errors import InvalidRequestError
 from tokenmill.metrics import ChoiceTiming, RequestTiming
 from tokenmill.outputs import PositionLogprobs, RequestOutput
-from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling.params import RequestOutputKind, SamplingParams
 from tokenmill.structured.grammar import CompiledGrammar
 

@@ -3,7 +3,7 @@
 Owns what a valid body is. Models are strict (``"5"`` is not an integer, ``1.5`` is not
 ``n``) and forbid unknown fields, so a feature tokenmill does not implement is a clear 400
 naming the field rather than something silently ignored. Fields OpenAI defines but
-tokenmill cannot honour (tools, JSON schemas, logit bias, suffix) are declared only so the
+tokenmill cannot honour (functions, logit bias, suffix) are declared only so the
 rejection can say why. Bodies are decoded here, before pydantic sees them: wrong content
 type, invalid UTF-8, lone surrogates and non-object JSON all fail with OpenAI's error shape.
 """
@@ -11,6 +11,7 @@ type, invalid UTF-8, lone surrogates and non-object JSON all fail with OpenAI's 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -46,7 +47,7 @@ class ResponseFormat(StrictModel):
 class StructuredOutputsRequest(StrictModel):
     """vLLM's ``structured_outputs``: exactly one constraint on the output."""
 
-    json: dict[str, Any] | str | None = None
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -67,10 +68,48 @@ class TextContentPart(StrictModel):
     text: str
 
 
+class ToolCallFunction(StrictModel):
+    name: str
+    arguments: str
+    """The arguments as JSON text, as the model wrote them."""
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """An assistant turn's tool calls."""
+    tool_call_id: str | None = None
+    """A tool turn: the call this result answers."""
+
+
+class FunctionDefinition(StrictModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object."""
+    strict: bool | None = None
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class SamplingFields(StrictModel):
@@ -117,7 +156,7 @@ class SamplingFields(StrictModel):
         """The one output constraint this body asks for, and the field that asked for it."""
         given: list[tuple[StructuredOutputsParams, str]] = []
         if self.structured_outputs is not None:
-            values = self.structured_outputs.model_dump(exclude_none=True)
+            values = self.structured_outputs.model_dump(exclude_none=True, by_alias=True)
             given.append((StructuredOutputsParams(**values), "structured_outputs"))
         for name, kind in _GUIDED_FIELDS.items():
             value = getattr(self, name)
@@ -250,25 +289,28 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: 'auto' when tools are given (needs --enable-auto-tool-choice), else 'none'."""
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any | None = None
 
     def check(self) -> None:
         super().check()
-        if (
-            self.tools is not None or self.functions is not None
-        ):  # even empty: one rule for any list
-            param = "tools" if self.tools is not None else "functions"
-            raise InvalidRequestError(
-                "tool and function calling are not supported yet", param=param
-            )
-        for name in ("tool_choice", "function_call"):
-            value = getattr(self, name)
-            if value is not None and value != "none":
-                raise InvalidRequestError(f"{name} is not supported yet (only 'none')", param=name)
+        for name in ("functions", "function_call"):  # deprecated by OpenAI: use tools
+            if getattr(self, name) is not None:
+                raise InvalidRequestError(
+                    f"{name} is not supported; use tools and tool_choice", param=name
+                )
+        if self.tools is not None and not self.tools:
+            raise InvalidRequestError("tools must not be empty", param="tools")
+        for i, tool in enumerate(self.tools or []):
+            if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", tool.function.name):
+                raise InvalidRequestError(
+                    "function names must be 1-64 letters, digits, '_' or '-'",
+                    param=f"tools.{i}.function.name",
+                )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true", param="top_logprobs"
@@ -277,6 +319,11 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             if message.content is None and message.role != "assistant":
                 raise InvalidRequestError(
                     f"messages[{i}].content is required", param=f"messages.{i}.content"
+                )
+            if message.role == "tool" and message.tool_call_id is None:
+                raise InvalidRequestError(
+                    f"messages[{i}].tool_call_id is required for a tool message",
+                    param=f"messages.{i}.tool_call_id",
                 )
 
     def max_new_tokens(self) -> int | None:
