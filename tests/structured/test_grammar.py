@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tokenmill.errors import InvalidRequestError
@@ -78,6 +76,4 @@ def test_structured_outputs_params_take_exactly_one_valid_constraint(bad: dict) 
 def test_choice_spec_is_canonical() -> None:
     assert S(choice=["a", "b"]).cache_key == S(choice=("a", "b")).cache_key
     assert S(json={"b": 1, "a": 2}).spec == S(json={"a": 2, "b": 1}).spec
-    start = time.perf_counter()
-    S(json={"type": "object", "description": "x" * 2**20}).num_spec_bytes  # noqa: B018
-    assert time.perf_counter() - start >= 0  # computing the size never compiles anything
+    assert S(json={"type": "object", "description": "x" * 2**20}).num_spec_bytes > 2**20
