@@ -172,10 +172,14 @@ def _invalid(params: StructuredOutputsParams, error: str) -> InvalidRequestError
 def _check_can_start(
     params: StructuredOutputsParams, matcher: llguidance.LLMatcher, vocab_size: int
 ) -> None:
-    """A grammar whose first step allows no token at all can never be satisfied."""
+    """Compute the first masks here, on the compile thread: that warms the lexer (the first
+    mask of a huge regex can take seconds, which must never happen on the engine thread), and
+    a grammar that runs out of its limits, or allows no token at all, is refused now."""
+    mask = matcher.compute_bitmask()
     probe = matcher.deep_copy()
-    mask = probe.compute_bitmask()
-    if probe.is_error():
-        raise _invalid(params, probe.get_error())
+    probe.compute_bitmask()
+    for m in (matcher, probe):
+        if m.is_error():
+            raise _invalid(params, f"it exceeds the grammar engine's limits ({m.get_error()})")
     if not any(mask[: (vocab_size + 7) // 8]):
         raise _invalid(params, "no output can satisfy it")
