@@ -125,3 +125,10 @@ def test_bad_constraints_are_refused_offline_too(llm: LLM) -> None:
         llm.generate("x", SamplingParams(structured_outputs={"json": {"not": {}}}), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["b"])
+
+
+def test_structured_outputs_may_be_given_as_a_dict() -> None:
+    params = SamplingParams(structured_outputs={"choice": ["a", "b"]})
+    assert params.structured_outputs == StructuredOutputsParams(choice=("a", "b"))
+    with pytest.raises(InvalidRequestError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"schema": {}})

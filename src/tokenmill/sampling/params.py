@@ -102,7 +102,12 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:  # an unknown key
+                raise InvalidRequestError(
+                    f"structured_outputs: {exc}", param="structured_outputs"
+                ) from None
         self._validate()
 
     def _validate(self) -> None:
