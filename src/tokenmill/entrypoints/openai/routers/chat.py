@@ -4,9 +4,10 @@ Owns the chat wire format: the prompt is the model's template (run in the tokeni
 jinja2 sandbox) applied to ``messages``; a request may bring its own template only when
 the operator passed ``--trust-request-chat-template``, and its ``chat_template_kwargs`` may
 add template variables but never replace one the server sets (special tokens, ``messages``,
-``tools``...), so they cannot forge special tokens or slip tools past the check that refuses
-them. Streams send a role delta first, then content deltas, a finish chunk per choice, the
-optional usage chunk and ``[DONE]``.
+``tools``...), so they cannot forge special tokens or slip tools past the checks on
+``tools``. Tool calls (``tools.py``) become ``message.tool_calls`` or streamed
+``delta.tool_calls``. Streams send a role delta first, then content deltas, a finish chunk
+per choice, the optional usage chunk and ``[DONE]``.
 """
 
 from __future__ import annotations
