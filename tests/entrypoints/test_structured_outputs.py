@@ -7,12 +7,15 @@ must validate; bad constraints are 400s while another request keeps streaming.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import re
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import jsonschema
@@ -21,6 +24,10 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.entrypoints.conftest import ServerHandle, assert_error, sse_events, start_server
+from tokenmill.entrypoints.openai.generation import compile_grammar
+from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling import SamplingParams
+from tokenmill.sampling.structured import StructuredOutputsParams
 
 MESSAGES = [{"role": "user", "content": "Describe a file as JSON."}]
 NUM_SCHEMAS = 200
@@ -377,7 +384,6 @@ HUGE_SCHEMA = {
         ({"guided_json": '{"type": "object",'}, "guided_json", "invalid JSON schema"),
         ({"structured_outputs": {"json": {"not": {"type": "string"}}}}, "structured_outputs", "Unimplemented keys"),
         ({"guided_json": HUGE_SCHEMA}, "guided_json", "at most"),
-        ({"guided_regex": "(a{1000}){1000}{1000}"}, "guided_regex", "longer than"),
         ({"guided_grammar": "start: /[^\\s\\S]/"}, "guided_grammar", "no output can satisfy it"),
         ({"guided_json": {"type": "integer", "minimum": 2, "maximum": 1}}, "guided_json", "Unsatisfiable"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "at most one"),
@@ -396,6 +402,46 @@ def test_bad_constraints_are_400s_while_the_server_keeps_serving(
         assert events[-1] == "[DONE]"
         finishes = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
         assert finishes[-1] == "length"
+
+
+def test_an_expensive_regex_never_stalls_other_requests(so_server: ServerHandle) -> None:
+    # Its lexer takes about a second to build (more on a loaded machine): on the grammar
+    # pool, answered 400 past --grammar-compile-timeout (1 s here), never in an engine step.
+    with so_server.http(timeout_s=60) as http:
+        body = {"prompt": "The", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            r = http.post(
+                "/v1/completions",
+                json={"prompt": "x", "max_tokens": 4, "guided_regex": "(a{1000}){1000}{1000}"},
+            )
+            if r.status_code != 200:
+                error = assert_error(r, 400, "guided_regex")
+                assert "longer than 1s" in error["message"], error
+            else:
+                assert set(r.json()["choices"][0]["text"]) <= {"a"}
+            events = sse_events(stream)
+        assert events[-1] == "[DONE]"
+
+
+def test_compile_time_budget_is_a_400_naming_the_field() -> None:
+    release = threading.Event()
+
+    def slow_compile(params: SamplingParams) -> None:
+        release.wait(30)
+
+    state = SimpleNamespace(
+        engine=SimpleNamespace(input_processor=SimpleNamespace(compile_grammar=slow_compile)),
+        config=SimpleNamespace(grammar_compile_timeout_s=0.05),
+        grammar_pool=ThreadPoolExecutor(1),
+    )
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    try:
+        with pytest.raises(InvalidRequestError, match=r"longer than 0\.05s") as info:
+            asyncio.run(compile_grammar(state, params, "guided_regex"))  # type: ignore[arg-type]
+        assert info.value.param == "guided_regex"
+    finally:
+        release.set()
+        state.grammar_pool.shutdown()
 
 
 def test_catastrophic_backtracking_regexes_are_served_without_backtracking(
