@@ -65,13 +65,15 @@ def test_unconstrained_rows_get_their_own_greedy_tokens_in_a_mixed_batch(llm: LL
     assert mixed[4].outputs[0].text in ("yes", "no")
 
 
-def test_preempted_requests_replay_their_grammar(llm: LLM) -> None:
+def test_preemption_and_chunked_prefill_keep_grammar_state(llm: LLM) -> None:
     params = _json(max_tokens=40, temperature=0.0)
     prompts = [p + " " + str(i) * 12 for i, p in enumerate(PROMPTS)]
     roomy = llm.generate(prompts, params, use_tqdm=False)
-    tight = LLM("demo", max_model_len=96, kv_cache_memory=6 * 16 * 2048)
+    # Little KV (preemption) and an 8-token step budget (prompts prefill in chunks).
+    tight = LLM("demo", max_model_len=96, kv_cache_memory=6 * 16 * 2048, max_num_batched_tokens=8)
     got = tight.generate(prompts, params, use_tqdm=False)
     assert tight.engine.stats.num_preemptions > 0
+    assert all(len(o.prompt_token_ids) > 8 for o in got)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in roomy]
     for o in got:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
