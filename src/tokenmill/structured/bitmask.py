@@ -5,12 +5,14 @@ The matcher follows the sequence's output tokens: before a step it replays any i
 seen (a matcher dropped at preemption, or created after the first tokens), so recompute
 after preemption needs no special case. Masks of all constrained rows are filled in one
 call on llguidance's thread pool (it releases the GIL); unconstrained rows stay all ones
-and a batch without a grammar builds no mask at all.
+and a batch without a grammar builds no mask at all. The runner fills the masks on a helper
+thread while the model runs (they depend only on tokens already sampled).
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
@@ -44,6 +46,7 @@ class GrammarMasks:
         self.vocab_size = vocab_size
         self._sequences: dict[str, _Sequence] = {}
         self._executor: llguidance.LLExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     def drop(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -92,6 +95,15 @@ class GrammarMasks:
                     if eos < self.vocab_size:
                         bitmask[i, eos // 32] |= _bit(eos % 32)
         return bitmask
+
+    def bitmask_async(self, requests: list[Request]) -> Future[torch.Tensor | None] | None:
+        """``bitmask`` on a helper thread (llguidance releases the GIL, so it overlaps the
+        forward pass); None, and no thread hop, when no row is constrained."""
+        if all(r.grammar is None for r in requests):
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-masks")
+        return self._pool.submit(self.bitmask, requests)
 
     def accept(self, requests: list[Request], tokens: list[int]) -> set[str]:
         """Advance matchers by the sampled tokens; return requests whose grammar is complete."""

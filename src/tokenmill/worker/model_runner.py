@@ -182,6 +182,8 @@ class ModelRunner:
         if sched.is_empty:
             return out
         inputs = self.prepare_inputs(sched)
+        # Grammar masks depend only on tokens already sampled: fill them while the model runs.
+        masks = self.grammar_masks.bitmask_async(inputs.sample_requests)
         if inputs.decode_rows is not None and self.compiled_decode is not None:
             hidden = self.compiled_decode.run(*inputs.decode_rows)
             self.num_compiled_steps += 1
@@ -190,7 +192,8 @@ class ModelRunner:
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden[self._tensor(inputs.sample_rows)])
             requests = inputs.sample_requests
-            result = self.sampler(logits, requests, self.grammar_masks.bitmask(requests))
+            bitmask = masks.result() if masks is not None else None
+            result = self.sampler(logits, requests, bitmask)
             out.grammar_ended = self.grammar_masks.accept(requests, result.token_ids)
             for request, token, lp in zip(
                 inputs.sample_requests, result.token_ids, result.logprobs, strict=True
