@@ -34,9 +34,10 @@ class _Sequence:
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set the logits of tokens whose bit is 0 to -inf, in place, for every row at once."""
     batch, vocab = logits.shape
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bitmask = bitmask.to(logits.device, non_blocking=True)  # 32x smaller than the bool mask
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(batch, -1)[:, :vocab]
-    logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
+    logits.masked_fill_(~allowed, float("-inf"))
 
 
 class GrammarMasks:
