@@ -63,6 +63,8 @@ class Request:
     """Position among the parent's n completions."""
     lora_id: int = 0
     """The LoRA adapter it runs with (``LoRARequest.lora_int_id``); 0: the base model."""
+    grammar: object | None = None
+    """The compiled structured-output grammar, opaque here; the worker keeps its matcher."""
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

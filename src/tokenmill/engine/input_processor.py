@@ -17,6 +17,7 @@ from tokenmill.core.request import Request
 from tokenmill.errors import ContextLengthError, InvalidRequestError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.sampling.params import SamplingParams
+from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
 
@@ -33,6 +34,8 @@ class ProcessedRequest:
     arrival_time: float
     lora_request: LoRARequest | None = None
     """The adapter it runs with; None: the base model."""
+    grammar: CompiledGrammar | None = None
+    """The compiled ``params.structured_outputs``, which every child sequence follows."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class CheckedParams:
     params: SamplingParams
     priority: int
     lora_request: LoRARequest | None = None
+    grammar: CompiledGrammar | None = None
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,15 @@ class InputLimits:
 class InputProcessor:
     """Tokenizes and validates requests, and fans ``n`` out into child requests."""
 
-    def __init__(self, tokenizer: Tokenizer, limits: InputLimits) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        limits: InputLimits,
+        grammar_compiler: GrammarCompiler | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.grammar_compiler = grammar_compiler
 
     def process(
         self,
@@ -87,16 +97,35 @@ class InputProcessor:
         )
 
     def check_params(
-        self, params: SamplingParams, priority: int = 0, lora_request: LoRARequest | None = None
+        self,
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> CheckedParams:
-        """Check what a request's prompts share, once (the server does this before admitting it)."""
+        """Check what a request's prompts share, once (the server does this before admitting it).
+
+        A structured-output constraint is compiled here unless the caller already did (the
+        server compiles on its own pool with a time budget and passes ``grammar``)."""
         self.validate_params(params)
         self.validate_priority(priority)
         if lora_request is not None and not self.limits.enable_lora:
             raise InvalidRequestError(
                 "a LoRA adapter needs the engine to run with --enable-lora", param="lora_request"
             )
-        return CheckedParams(params, priority, lora_request)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.compile_grammar(params)
+        return CheckedParams(params, priority, lora_request, grammar)
+
+    def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The checked grammar of ``params.structured_outputs`` (cached); 400 naming the problem."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammar_compiler is None:
+            raise InvalidRequestError(
+                "structured outputs are not available for this model", param="structured_outputs"
+            )
+        return self.grammar_compiler.compile(params.structured_outputs)
 
     def process_prompt(
         self,
@@ -121,6 +150,7 @@ class InputProcessor:
             checked.priority,
             arrival,
             checked.lora_request,
+            checked.grammar,
         )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -202,6 +232,7 @@ class InputProcessor:
             "presence_penalty": params.presence_penalty != 0.0,
             "frequency_penalty": params.frequency_penalty != 0.0,
             "repetition_penalty": params.repetition_penalty != 1.0,
+            "structured_outputs": params.structured_outputs is not None,
         }
         for name, is_set in unsupported.items():
             if is_set:
@@ -238,6 +269,7 @@ class InputProcessor:
                 parent_id=request_id,
                 index=i,
                 lora_id=lora.lora_int_id if lora is not None else 0,
+                grammar=processed.grammar,
             )
             for i in range(params.n)
         ]

@@ -32,6 +32,7 @@ from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.sampling.sampler import Sampler
+from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
 from tokenmill.worker.kv_cache import allocate_kv_cache, kv_budget_bytes, kv_bytes_per_token
@@ -206,6 +207,7 @@ class LLMEngine:
                 supports_beam_search=self.kv_manager.supports_fork,
                 max_num_seqs=config.max_num_seqs,
             ),
+            GrammarCompiler(self.tokenizer.backend.to_str(), mc.vocab_size, self.eos_token_ids),
         )
         self.beam_search = BeamSearchCoordinator(
             self.scheduler,
@@ -431,6 +433,8 @@ class LLMEngine:
             if stop is not None:
                 request.stop_reason = stop
                 status = RequestStatus.FINISHED_STOPPED
+            if status is None and rid in result.grammar_ended:
+                status = RequestStatus.FINISHED_STOPPED  # nothing more can satisfy its grammar
             if status is not None:
                 self.scheduler.finish_request(rid, status)
                 self.output_processor.mark_finished(rid)

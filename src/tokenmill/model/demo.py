@@ -33,15 +33,40 @@ IM_END_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
 
 # ChatML; BOS comes from the template, so rendered chats are encoded without special tokens.
+# With ``tools`` it writes Qwen2.5's (Hermes) tool prompt: signatures in <tools>, calls as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call>, results as <tool_response>; a
+# conversation without tools renders exactly as plain ChatML.
 CHATML_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'tool' %}{{ '<tool_response>\\n' }}{% endif %}"
     "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
+    "{% elif message['content'] %}{% for part in message['content'] %}"
     "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'tool' %}{{ '\\n</tool_response>' }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": ' }}{{ call['function']['name'] | tojson }}"
+    "{{ ', \"arguments\": ' }}"
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
     "{{ '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

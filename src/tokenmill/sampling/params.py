@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling.structured import StructuredOutputsParams
 
 _INT64_MAX = 2**63 - 1
 _MAX_N = 128
@@ -96,6 +97,8 @@ class SamplingParams:
     early_stopping: bool | str = False
     """Beam search: True stops once beam-width beams finished; False once no running beam can
     beat the worst finished one; "never" also assumes a running beam could reach max_tokens."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """A JSON schema, regex, choice or grammar the output must match (enforced per token)."""
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -107,6 +110,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:  # an unknown key
+                raise InvalidRequestError(
+                    f"structured_outputs: {exc}", param="structured_outputs"
+                ) from None
         self._validate()
 
     def _validate(self) -> None:
@@ -172,6 +182,10 @@ class SamplingParams:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a boolean")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}")
         if not self.spaces_between_special_tokens:

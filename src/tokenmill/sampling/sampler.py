@@ -15,6 +15,7 @@ import torch
 
 from tokenmill.core.request import Request
 from tokenmill.outputs import Logprob, PositionLogprobs
+from tokenmill.structured.bitmask import apply_token_bitmask
 
 
 @dataclass
@@ -108,9 +109,18 @@ class Sampler:
             self._generators[request.request_id] = gen
         return gen
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        token_bitmask: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        """Sample one token per row; ``token_bitmask`` (packed int32 bits per row) bans
+        the tokens a row's grammar does not allow, before anything else."""
         raw = logits
         logits = logits.clone()
+        if token_bitmask is not None:
+            apply_token_bitmask(logits, token_bitmask)
         self._mask_min_tokens(logits, requests)
         if any(r.sampling_params.has_penalties for r in requests):
             logits = apply_penalties(logits, requests)
@@ -156,6 +166,12 @@ class Sampler:
                 if not params.ignore_eos:
                     banned |= set(r.eos_token_ids)
                 banned = {t for t in banned if t < logits.shape[1]}
+                if banned and r.grammar is not None:
+                    # A grammar that allows only EOS now wins over min_tokens.
+                    allowed = torch.isfinite(logits[i])
+                    allowed[sorted(banned)] = False
+                    if not allowed.any():
+                        continue
                 if banned:
                     logits[i, sorted(banned)] = float("-inf")
 

@@ -20,6 +20,7 @@ from tokenmill.model.decoder import DecoderModel
 from tokenmill.model.lora import LoRAStepState
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.sampling.sampler import Sampler, top_logprobs
+from tokenmill.structured.bitmask import GrammarMasks
 from tokenmill.worker.compiled_step import CompiledDecodeStep
 from tokenmill.worker.kv_cache import copy_kv_blocks
 from tokenmill.worker.lora_manager import LoRAManager
@@ -53,6 +54,8 @@ class StepOutput:
         default_factory=dict
     )
     """request_id -> (position of the first entry, logprobs of the prompt tokens that follow)."""
+    grammar_ended: set[str] = field(default_factory=set)
+    """Requests whose structured-output grammar is complete after this step's token."""
 
 
 def _pad(rows: list[list[int]], value: int) -> list[list[int]]:
@@ -83,6 +86,7 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = device
+        self.grammar_masks = GrammarMasks(model.config.vocab_size)
 
     def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -188,10 +192,14 @@ class ModelRunner:
         self.sampler.drop(sched.finished_ids)
         if sched.blocks_to_copy:  # before the forward writes into the private copies
             copy_kv_blocks(self.kv_caches, sched.blocks_to_copy)
+        # A preempted sequence's matcher is rebuilt by replaying its tokens when it resumes.
+        self.grammar_masks.drop(sched.finished_ids + sched.preempted_ids)
         out = StepOutput()
         if sched.is_empty:
             return out
         inputs = self.prepare_inputs(sched)
+        # Grammar masks depend only on tokens already sampled: fill them while the model runs.
+        masks = self.grammar_masks.bitmask_async(inputs.sample_requests)
         if inputs.decode_rows is not None and self.compiled_decode is not None:
             hidden = self.compiled_decode.run(*inputs.decode_rows)
             self.num_compiled_steps += 1
@@ -201,7 +209,10 @@ class ModelRunner:
             )
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden[self._tensor(inputs.sample_rows)])
-            result = self.sampler(logits, inputs.sample_requests)
+            requests = inputs.sample_requests
+            bitmask = masks.result() if masks is not None else None
+            result = self.sampler(logits, requests, bitmask)
+            out.grammar_ended = self.grammar_masks.accept(requests, result.token_ids)
             for request, token, lp in zip(
                 inputs.sample_requests, result.token_ids, result.logprobs, strict=True
             ):

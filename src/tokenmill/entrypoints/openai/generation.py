@@ -41,10 +41,12 @@ from tokenmill.entrypoints.openai.streaming import (
     run_until_disconnected,
     sse_event,
 )
+from tokenmill.errors import InvalidRequestError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.metrics import ChoiceTiming, RequestTiming
 from tokenmill.outputs import PositionLogprobs, RequestOutput
 from tokenmill.sampling.params import RequestOutputKind, SamplingParams
+from tokenmill.structured.grammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +146,37 @@ def check_params(
     params: SamplingParams,
     priority: int,
     lora_request: LoRARequest | None = None,
+    grammar: CompiledGrammar | None = None,
 ) -> CheckedParams:
     """The input processor's one check of what a request's prompts share; outputs stream as deltas."""
     return state.engine.input_processor.check_params(
-        params.clone(output_kind=RequestOutputKind.DELTA), priority, lora_request
+        params.clone(output_kind=RequestOutputKind.DELTA), priority, lora_request, grammar
     )
+
+
+async def compile_grammar(
+    state: ServerState, params: SamplingParams, field: str
+) -> CompiledGrammar | None:
+    """Compile the request's output constraint on the grammar pool, within the time budget.
+
+    A compile that overruns is answered 400 at once; its thread finishes in the background
+    (llguidance's fuel limits bound it). Errors name ``field``, the body field the client used.
+    """
+    if params.structured_outputs is None:
+        return None
+    processor = state.engine.input_processor
+    timeout_s = state.config.grammar_compile_timeout_s
+    try:
+        future = state.grammar_pool.submit(processor.compile_grammar, params)
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+    except asyncio.TimeoutError:
+        raise InvalidRequestError(
+            f"the {params.structured_outputs.kind} constraint took longer than {timeout_s:g}s to compile",
+            param=field,
+        ) from None
+    except InvalidRequestError as exc:
+        exc.param = field
+        raise
 
 
 async def process_prompts(

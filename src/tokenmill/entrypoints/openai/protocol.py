@@ -3,7 +3,7 @@
 Owns what a valid body is. Models are strict (``"5"`` is not an integer, ``1.5`` is not
 ``n``) and forbid unknown fields, so a feature tokenmill does not implement is a clear 400
 naming the field rather than something silently ignored. Fields OpenAI defines but
-tokenmill cannot honour (tools, JSON schemas, logit bias, suffix) are declared only so the
+tokenmill cannot honour (functions, logit bias, suffix) are declared only so the
 rejection can say why. Bodies are decoded here, before pydantic sees them: wrong content
 type, invalid UTF-8, lone surrogates and non-object JSON all fail with OpenAI's error shape.
 """
@@ -11,6 +11,7 @@ type, invalid UTF-8, lone surrogates and non-object JSON all fail with OpenAI's 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling.params import SamplingParams
+from tokenmill.sampling.structured import StructuredOutputsParams
 
 _INT32_MAX = 2**31 - 1
 
@@ -42,15 +44,72 @@ class ResponseFormat(StrictModel):
     json_schema: dict[str, Any] | None = None
 
 
+class StructuredOutputsRequest(StrictModel):
+    """vLLM's ``structured_outputs``: exactly one constraint on the output."""
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+"""vLLM's older request fields, each one kind of structured output."""
+
+
 class TextContentPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
+class ToolCallFunction(StrictModel):
+    name: str
+    arguments: str
+    """The arguments as JSON text, as the model wrote them."""
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """An assistant turn's tool calls."""
+    tool_call_id: str | None = None
+    """A tool turn: the call this result answers."""
+
+
+class FunctionDefinition(StrictModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object."""
+    strict: bool | None = None
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class SamplingFields(StrictModel):
@@ -91,6 +150,35 @@ class SamplingFields(StrictModel):
     """Beam search: a finished beam scores sum(logprobs) / (generated tokens ** length_penalty)."""
     early_stopping: bool | Literal["never"] = False
     """Beam search: stop once the beam width has finished (true), when no beam can improve (false), or "never"."""
+    # Structured outputs: vLLM's field, its older guided_* fields (response_format is OpenAI's).
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: ResponseFormat | None = None
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The one output constraint this body asks for, and the field that asked for it."""
+        given: list[tuple[StructuredOutputsParams, str]] = []
+        if self.structured_outputs is not None:
+            values = self.structured_outputs.model_dump(exclude_none=True, by_alias=True)
+            given.append((StructuredOutputsParams(**values), "structured_outputs"))
+        for name, kind in _GUIDED_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                given.append((StructuredOutputsParams(**{kind: value}), name))
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append((StructuredOutputsParams(json_object=True), "response_format"))
+        elif fmt is not None and fmt.type == "json_schema":
+            given.append((_json_schema_format(fmt.json_schema), "response_format"))
+        if len(given) > 1:
+            names = ", ".join(name for _, name in given)
+            raise InvalidRequestError(
+                f"give at most one output constraint; got {names}", param=given[1][1]
+            )
+        return given[0] if given else (None, "structured_outputs")
 
     def check(self) -> None:
         """Reject what tokenmill cannot honour, naming the field."""
@@ -138,6 +226,7 @@ class SamplingFields(StrictModel):
             "use_beam_search": self.use_beam_search,
             "length_penalty": self.length_penalty,
             "early_stopping": self.early_stopping,
+            "structured_outputs": self.structured_outputs_params()[0],
         }
         return SamplingParams(**values)
 
@@ -218,31 +307,28 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: 'auto' when tools are given (needs --enable-auto-tool-choice), else 'none'."""
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any | None = None
 
     def check(self) -> None:
         super().check()
-        if (
-            self.tools is not None or self.functions is not None
-        ):  # even empty: one rule for any list
-            param = "tools" if self.tools is not None else "functions"
-            raise InvalidRequestError(
-                "tool and function calling are not supported yet", param=param
-            )
-        for name in ("tool_choice", "function_call"):
-            value = getattr(self, name)
-            if value is not None and value != "none":
-                raise InvalidRequestError(f"{name} is not supported yet (only 'none')", param=name)
-        if self.response_format is not None and self.response_format.type != "text":
-            raise InvalidRequestError(
-                f"response_format {self.response_format.type!r} is not supported yet; only 'text'",
-                param="response_format",
-            )
+        for name in ("functions", "function_call"):  # deprecated by OpenAI: use tools
+            if getattr(self, name) is not None:
+                raise InvalidRequestError(
+                    f"{name} is not supported; use tools and tool_choice", param=name
+                )
+        if self.tools is not None and not self.tools:
+            raise InvalidRequestError("tools must not be empty", param="tools")
+        for i, tool in enumerate(self.tools or []):
+            if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", tool.function.name):
+                raise InvalidRequestError(
+                    "function names must be 1-64 letters, digits, '_' or '-'",
+                    param=f"tools.{i}.function.name",
+                )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true", param="top_logprobs"
@@ -251,6 +337,11 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             if message.content is None and message.role != "assistant":
                 raise InvalidRequestError(
                     f"messages[{i}].content is required", param=f"messages.{i}.content"
+                )
+            if message.role == "tool" and message.tool_call_id is None:
+                raise InvalidRequestError(
+                    f"messages[{i}].tool_call_id is required for a tool message",
+                    param=f"messages.{i}.tool_call_id",
                 )
 
     def max_new_tokens(self) -> int | None:
@@ -283,6 +374,28 @@ class DetokenizeRequest(StrictModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+def _json_schema_format(value: dict[str, Any] | None) -> StructuredOutputsParams:
+    """OpenAI's ``response_format.json_schema``: ``{name, description?, schema?, strict?}``."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        raise InvalidRequestError(
+            "response_format.json_schema must be an object with a 'name'",
+            param="response_format.json_schema",
+        )
+    unknown = set(value) - {"name", "description", "schema", "strict"}
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown field(s) in response_format.json_schema: {sorted(unknown)}",
+            param="response_format.json_schema",
+        )
+    schema = value.get("schema", {})
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(
+            "response_format.json_schema.schema must be a JSON object",
+            param="response_format.json_schema.schema",
+        )
+    return StructuredOutputsParams(json=schema)
 
 
 # ---- body parsing ----------------------------------------------------------------------------

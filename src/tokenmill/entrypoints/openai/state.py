@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -67,6 +68,14 @@ class ServerConfig:
     """Seconds a request-supplied chat template may take to render (400 beyond it)."""
     max_concurrent_tokenizations: int = 4
     """Threads that tokenize prompts and render chat templates; more requests wait for one."""
+    grammar_compile_timeout_s: float = field(
+        default=10.0, metadata={"flag": "--grammar-compile-timeout"}
+    )
+    """Seconds a structured-output schema, regex or grammar may take to compile (400 beyond it); compiling runs on its own threads, never the engine's."""
+    enable_auto_tool_choice: bool = False
+    """Let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser."""
+    tool_call_parser: str | None = None
+    """How tool calls are read from the model's text: 'hermes' (<tool_call>{...}</tool_call>) or 'llama3_json'."""
     disable_access_log: bool = False
     """No per-request log line."""
     routes_config: str | None = None
@@ -94,6 +103,15 @@ class ServerConfig:
             (self.max_header_count >= 8, "--max-header-count must be at least 8"),
             (self.chat_template_timeout_s > 0, "--chat-template-timeout must be > 0"),
             (self.max_concurrent_tokenizations >= 1, "--max-concurrent-tokenizations must be >= 1"),
+            (self.grammar_compile_timeout_s > 0, "--grammar-compile-timeout must be > 0"),
+            (
+                self.tool_call_parser in (None, "hermes", "llama3_json"),
+                "--tool-call-parser must be 'hermes' or 'llama3_json'",
+            ),
+            (
+                not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+                "--enable-auto-tool-choice needs --tool-call-parser",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -132,6 +150,10 @@ class ServerState:
     """Requests generating now (GenerationRuns register themselves), so the drain can end them."""
     loras: LoRARegistry = field(default_factory=LoRARegistry)
     """LoRA adapters clients can name in ``model``."""
+    grammar_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tokenmill-grammar")
+    )
+    """Where structured-output constraints compile: off the event loop and the engine thread."""
 
     def cut_off_running(self) -> int:
         """End every generating request with a 503 (its engine requests are aborted); returns how many."""

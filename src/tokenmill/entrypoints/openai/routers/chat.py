@@ -4,9 +4,10 @@ Owns the chat wire format: the prompt is the model's template (run in the tokeni
 jinja2 sandbox) applied to ``messages``; a request may bring its own template only when
 the operator passed ``--trust-request-chat-template``, and its ``chat_template_kwargs`` may
 add template variables but never replace one the server sets (special tokens, ``messages``,
-``tools``...), so they cannot forge special tokens or slip tools past the check that refuses
-them. Streams send a role delta first, then content deltas, a finish chunk per choice, the
-optional usage chunk and ``[DONE]``.
+``tools``...), so they cannot forge special tokens or slip tools past the checks on
+``tools``. Tool calls (``tools.py``) become ``message.tool_calls`` or streamed
+``delta.tool_calls``. Streams send a role delta first, then content deltas, a finish chunk
+per choice, the optional usage chunk and ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import jinja2.defaults
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from tokenmill.entrypoints.openai.generation import (
     ChunkWriter,
@@ -24,6 +26,7 @@ from tokenmill.entrypoints.openai.generation import (
     ParsedRequest,
     check_params,
     choice_logprob_entries,
+    compile_grammar,
     parse_request,
     process_prompts,
     respond,
@@ -35,6 +38,13 @@ from tokenmill.entrypoints.openai.protocol import (
     ChatTemplateFields,
 )
 from tokenmill.entrypoints.openai.state import ServerState
+from tokenmill.entrypoints.openai.tools import (
+    ToolCallStreamer,
+    ToolMode,
+    resolve_tool_mode,
+    tool_calls_message,
+    tool_constraint,
+)
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import PositionLogprobs, RequestOutput
 from tokenmill.tokenizer.tokenizer import NAMED_SPECIAL_TOKENS
@@ -70,7 +80,10 @@ def check_chat_template_kwargs(
 
 
 def render_chat_prompt(
-    state: ServerState, messages: list[ChatMessage], fields: ChatTemplateFields
+    state: ServerState,
+    messages: list[ChatMessage],
+    fields: ChatTemplateFields,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The conversation rendered by the chat template (call off the event loop)."""
     tokenizer = state.engine.tokenizer
@@ -85,6 +98,8 @@ def render_chat_prompt(
         )
     kwargs = fields.chat_template_kwargs or {}
     check_chat_template_kwargs(kwargs, tokenizer.special_tokens)
+    if tools:
+        kwargs = {**kwargs, "tools": tools}
     tokenization = state.tokenization
     return tokenizer.apply_chat_template(
         [m.model_dump(exclude_none=True) for m in messages],
@@ -103,9 +118,10 @@ def encode_chat_prompt(
     messages: list[ChatMessage],
     fields: ChatTemplateFields,
     add_special_tokens: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of the rendered conversation (templates write their own BOS; call off the event loop)."""
-    text = render_chat_prompt(state, messages, fields)
+    text = render_chat_prompt(state, messages, fields, tools)
     return state.tokenization.encode(text, add_special_tokens, param="messages")
 
 
@@ -114,10 +130,11 @@ async def chat_prompt_ids(
     messages: list[ChatMessage],
     fields: ChatTemplateFields,
     add_special_tokens: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """``encode_chat_prompt`` on the tokenizing pool."""
     return await state.tokenization.run(
-        encode_chat_prompt, state, messages, fields, add_special_tokens
+        encode_chat_prompt, state, messages, fields, add_special_tokens, tools
     )
 
 
@@ -156,9 +173,28 @@ async def create_chat_completion(request: Request) -> Response:
     req = await parse_request(request, ChatCompletionRequest, "chatcmpl")
     body, state = req.body, req.state
     num_top = body.top_logprobs or 0
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    mode = resolve_tool_mode(
+        tools,
+        body.tool_choice.model_dump()
+        if isinstance(body.tool_choice, BaseModel)
+        else body.tool_choice,
+        state.config.enable_auto_tool_choice,
+        state.config.tool_call_parser,
+    )
     try:
         params = body.sampling_params(body.max_new_tokens(), num_top if body.logprobs else None)
-        checked = check_params(state, params, body.priority, req.lora_request)
+        field = body.structured_outputs_params()[1]
+        constraint = tool_constraint(mode, tools, body.parallel_tool_calls)
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise InvalidRequestError(
+                    f"tool_choice {mode.kind!r} cannot be combined with {field}",
+                    param="tool_choice",
+                )
+            params, field = params.clone(structured_outputs=constraint), "tools"
+        grammar = await compile_grammar(state, params, field)
+        checked = check_params(state, params, body.priority, req.lora_request, grammar)
     except InvalidRequestError as exc:
         if exc.param == "logprobs":
             exc.param = "top_logprobs"
@@ -166,30 +202,43 @@ async def create_chat_completion(request: Request) -> Response:
             exc.param = "max_completion_tokens"
         raise
     req.admit(1, params.n)
-    ids = await chat_prompt_ids(state, body.messages, body)
+    prompt_tools = tools if mode.kind != "none" else None
+    ids = await chat_prompt_ids(state, body.messages, body, tools=prompt_tools)
     prompts = await process_prompts(req, [ids], checked)
     run = GenerationRun(state, req.request_id, prompts)
     return await respond(
         req,
         run,
         "chat.completion",
-        stream=lambda: _stream(req, run, num_top),
-        build_choices=lambda outputs: _choices(run, body, outputs[0], num_top),
+        stream=lambda: _stream(req, run, num_top, mode),
+        build_choices=lambda outputs: _choices(run, body, outputs[0], num_top, mode),
     )
 
 
 def _choices(
-    run: GenerationRun, body: ChatCompletionRequest, output: RequestOutput | None, num_top: int
+    run: GenerationRun,
+    body: ChatCompletionRequest,
+    output: RequestOutput | None,
+    num_top: int,
+    mode: ToolMode,
 ) -> list[dict[str, Any]]:
     tokenizer = run.state.engine.tokenizer
     by_index = {c.index: c for c in output.outputs} if output is not None else {}
     choices = []
     for i in range(run.params.n):
         c = by_index.get(i)
+        finish_reason = (c.finish_reason if c is not None else None) or "length"
+        message: dict[str, Any] = {"role": "assistant", "content": c.text if c is not None else ""}
+        if mode.kind != "none" and c is not None:
+            content, tool_calls = tool_calls_message(c.text, mode)
+            if tool_calls:
+                message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+                if finish_reason == "stop":
+                    finish_reason = "tool_calls"
         choices.append(
             {
                 "index": i,
-                "message": {"role": "assistant", "content": c.text if c is not None else ""},
+                "message": message,
                 "logprobs": chat_logprobs(
                     c.token_ids if c else [],
                     c.logprobs if c else None,
@@ -199,7 +248,7 @@ def _choices(
                 )
                 if body.logprobs
                 else None,
-                "finish_reason": (c.finish_reason if c is not None else None) or "length",
+                "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason if c is not None else None,
             }
         )
@@ -207,11 +256,14 @@ def _choices(
 
 
 async def _stream(
-    req: ParsedRequest[ChatCompletionRequest], run: GenerationRun, num_top: int
+    req: ParsedRequest[ChatCompletionRequest], run: GenerationRun, num_top: int, mode: ToolMode
 ) -> AsyncIterator[bytes]:
     body = req.body
     tokenizer = run.state.engine.tokenizer
     chunk = ChunkWriter(req, run, "chat.completion.chunk")
+    streamers = (
+        [ToolCallStreamer(mode) for _ in range(run.num_choices)] if mode.kind != "none" else None
+    )
     yield chunk(
         [
             {
@@ -235,21 +287,39 @@ async def _stream(
                     if body.logprobs
                     else None
                 )
+                delta: dict[str, Any] = {"content": d.text}
+                if streamers is not None:
+                    text, calls = streamers[d.index].feed(d.text, d.finish_reason is not None)
+                    delta = {"content": text} if text else {}
+                    if calls:
+                        delta["tool_calls"] = calls
                 content.append(
                     {
                         "index": d.index,
-                        "delta": {"content": d.text},
+                        "delta": delta,
                         "logprobs": logprobs,
                         "finish_reason": None,
                     }
                 )
+            elif streamers is not None and d.finish_reason is not None:
+                text, calls = streamers[d.index].feed("", True)
+                if text or calls:
+                    late: dict[str, Any] = {"content": text} if text else {}
+                    if calls:
+                        late["tool_calls"] = calls
+                    content.append(
+                        {"index": d.index, "delta": late, "logprobs": None, "finish_reason": None}
+                    )
             if d.finish_reason is not None:
+                reason = d.finish_reason
+                if reason == "stop" and streamers is not None and streamers[d.index].has_tool_calls:
+                    reason = "tool_calls"
                 finishes.append(
                     {
                         "index": d.index,
                         "delta": {},
                         "logprobs": None,
-                        "finish_reason": d.finish_reason,
+                        "finish_reason": reason,
                         "stop_reason": d.stop_reason,
                     }
                 )

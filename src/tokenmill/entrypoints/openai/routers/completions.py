@@ -21,6 +21,7 @@ from tokenmill.entrypoints.openai.generation import (
     ParsedRequest,
     check_params,
     choice_logprob_entries,
+    compile_grammar,
     finite_logprob,
     parse_request,
     process_prompts,
@@ -98,7 +99,8 @@ async def create_completion(request: Request) -> Response:
         body.logprobs,
         prompt_logprobs=body.logprobs if want_prompt_logprobs else body.prompt_logprobs,
     )
-    checked = check_params(req.state, params, body.priority, req.lora_request)
+    grammar = await compile_grammar(req.state, params, body.structured_outputs_params()[1])
+    checked = check_params(req.state, params, body.priority, req.lora_request, grammar)
     prompt_list = body.prompt_list()
     req.admit(len(prompt_list), params.n)
     prompts = await process_prompts(req, prompt_list, checked, body.add_special_tokens)
