@@ -28,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+LM_HEAD_QUANTIZATION: str | None = "int8"
+"""What an untied LM head becomes when ``--quantization`` is set (measured against int4 and
+none in docs/benchmarks.md)."""
+
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -298,7 +302,7 @@ def load_model(
         model.lm_head.weight = model.embed  # left as it is: converting would copy the embedding
     else:
         put(model.lm_head, "weight", "lm_head.weight")
-        convert(model, "lm_head", None if quantization is None else "int8")
+        convert(model, "lm_head", None if quantization is None else LM_HEAD_QUANTIZATION)
     put(model.norm, "weight", "model.norm.weight")
     for n, layer in enumerate(model.layers):
         p = f"model.layers.{n}."
