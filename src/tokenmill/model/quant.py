@@ -61,10 +61,6 @@ class QuantizedLinear(nn.Module):
         """The weight [out, in] in ``dtype``, rebuilt from its quantized form."""
         raise NotImplementedError
 
-    @property
-    def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers())
-
 
 class Int8Linear(QuantizedLinear):
     """int8 weights with one scale per output channel (symmetric, absmax / 127)."""
