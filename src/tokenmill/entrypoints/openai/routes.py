@@ -319,7 +319,10 @@ def route_body(request: Request, data: dict[str, Any]) -> dict[str, Any]:
             return data
         ticket = table.acquire(state, request.scope.get("state", {}).get("api_key_id"))
         request.scope.setdefault("state", {})[TICKET_SCOPE_KEY] = ticket
-    return {**ticket.route.defaults.as_body_fields(), **data}
+    defaults = ticket.route.defaults.as_body_fields()
+    if ticket.route.queue == "beam":  # the route's requests are beam searches, in that queue
+        defaults.setdefault("use_beam_search", True)
+    return {**defaults, **data}
 
 
 def check_route_body(request: Request, body: Any) -> Any:
