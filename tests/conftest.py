@@ -106,7 +106,10 @@ def make_model(
 
 
 def hf_greedy(
-    folder: Path, prompts: list[list[int]], max_new_tokens: int
+    folder: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Reference: transformers ``generate`` (greedy, EOS ignored), one prompt at a time.
 
@@ -114,7 +117,7 @@ def hf_greedy(
     """
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     model.eval()
     model.generation_config.eos_token_id = None
     outs, logprobs = [], []

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from tests.conftest import FAMILIES
+from tests.conftest import FAMILIES, hf_greedy
 from tokenmill.bench.verify import run_precision_check
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
@@ -35,30 +35,6 @@ def _prompts(vocab: int, num: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(4, vocab) for _ in range(rng.randint(4, 40))] for _ in range(num)]
 
 
-def _hf_greedy_in(folder, prompts, max_new: int, dtype: torch.dtype):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    outs, logprobs = [], []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            res = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new,
-                min_new_tokens=max_new,
-                do_sample=False,
-                pad_token_id=0,
-                eos_token_id=None,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            outs.append(res.sequences[0, len(prompt) :].tolist())
-            logprobs.append(torch.stack(res.logits)[:, 0].float().log_softmax(-1))
-    return outs, logprobs
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_greedy_matches_transformers_in_the_same_dtype(
@@ -67,7 +43,7 @@ def test_half_precision_greedy_matches_transformers_in_the_same_dtype(
     folder = make_model(family, dtype=dtype)
     llm = LLM(str(folder), dtype=dtype, max_model_len=256)
     prompts = _prompts(llm.tokenizer.vocab_size, 4, seed=3)
-    want, ref_logprobs = _hf_greedy_in(folder, prompts, 8, getattr(torch, dtype))
+    want, ref_logprobs = hf_greedy(folder, prompts, 8, getattr(torch, dtype))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
     outs = llm.generate(prompts, params, use_tqdm=False)
     for out, expected, ref in zip(outs, want, ref_logprobs, strict=True):
