@@ -133,7 +133,8 @@ def test_static_compiled_step_runs_quantized_weights_and_an_fp8_cache() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     static = LLM(**common, kv_cache="static", compile_batch_sizes=(2,))
     got = [o.outputs[0].token_ids for o in static.generate(prompts, params, use_tqdm=False)]
-    assert static.engine.runner.num_compiled_steps > 0
+    # compiled where it is trusted (engine.LLMEngine._can_compile), eager elsewhere
+    assert (static.engine.runner.num_compiled_steps > 0) == (cpu_module.cpu_info().isa == "AVX512")
     paged = LLM(**common)
     want = [o.outputs[0].token_ids for o in paged.generate(prompts, params, use_tqdm=False)]
     same = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))

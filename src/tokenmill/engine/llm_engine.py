@@ -171,7 +171,11 @@ class LLMEngine:
         self._removed_lora_ids: set[int] = set()
         """Unloaded adapter ids: a request naming one (sent before the unload) is refused."""
         compiled = None
-        if self.kv_manager.wants_compiled_decode and not config.enforce_eager:
+        if (
+            self.kv_manager.wants_compiled_decode
+            and not config.enforce_eager
+            and self._can_compile()
+        ):
             compiled = CompiledDecodeStep(
                 model,
                 kv_caches,
@@ -284,6 +288,33 @@ class LLMEngine:
             self.model_config, manager.num_blocks, block_size, self.kv_dtype, self.device
         )
         return manager, caches
+
+    def _can_compile(self) -> bool:
+        """False for the one combination whose compiled decode step was seen to be wrong.
+
+        With half-precision activations, int8/int4 weights and an fp8 KV cache together,
+        inductor's decode step produced garbage tokens on AVX2 kernels (seen with ATen and
+        oneDNN held to AVX2 on an AVX-512 machine; each pair of the three compiled fine).
+        That combination runs the static strategy eagerly there, with a warning.
+        """
+        cfg = self.config
+        is_suspect = (
+            self.device.type == "cpu"
+            and cpu_info().isa != "AVX512"
+            and cfg.quantization is not None
+            and self.kv_dtype in FP8_DTYPES
+            and self.dtype != torch.float32
+        )
+        if is_suspect:
+            logger.warning(
+                "static: running the decode step eagerly: %s activations with %s weights and an "
+                "%s KV cache compiled to wrong results on %s kernels",
+                cfg.dtype,
+                cfg.quantization,
+                cfg.kv_cache_dtype,
+                cpu_info().isa,
+            )
+        return not is_suspect
 
     def _calibrate_kv_scales(self) -> None:
         """Set every layer's fp8 KV scales from one fixed prompt, before any request.
