@@ -134,19 +134,25 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("offsets", (zero - 8 * scale).view(self.padded_out, groups))
         """zero - 8 * scale per group in fp32: dequantizing is then one multiply-add."""
         self.layout_block = next((b for b in _INT4_LAYOUT_BLOCKS if self._unpacks_to(b, q)), None)
-        """The packing's channel block, or None if it is not one we can read (then the int4
-        kernel serves every batch size: slower for large ones, still correct)."""
+        """The packing's channel block, or None if it is not one we can read: then the int4
+        kernel serves every batch size (slower for large ones, still correct)."""
+        if self.layout_block is None:
+            self.max_kernel_rows = torch.iinfo(torch.int64).max
 
     def _unpacks_to(self, block: int, expected: torch.Tensor) -> bool:
-        return torch.equal(self._unpack(block).to(torch.int32), expected)
+        if self.padded_out % block:
+            return False
+        return torch.equal(self._unpack(block, torch.int32), expected)
 
-    def _unpack(self, block: int) -> torch.Tensor:
-        """The 4-bit codes [out, in] from the packing: per block of ``block`` channels and per
-        input channel, ``block / 2`` bytes whose low nibbles are the first half of the block's
-        channels and high nibbles the second half."""
+    def _unpack(self, block: int, dtype: torch.dtype) -> torch.Tensor:
+        """The 4-bit codes [out, in] from the packing, in ``dtype``: per block of ``block``
+        channels and per input channel, ``block / 2`` bytes whose low nibbles are the first
+        half of the block's channels and high nibbles the second half."""
         packed = self.packed.view(self.padded_out // block, self.padded_in, block // 2)
-        codes = torch.cat([packed & 15, packed >> 4], dim=-1)
-        return codes.permute(0, 2, 1).reshape(self.padded_out, self.padded_in)
+        out = torch.empty(self.padded_out // block, block, self.padded_in, dtype=dtype)
+        out[:, : block // 2].copy_((packed & 15).transpose(1, 2))  # convert and transpose at once
+        out[:, block // 2 :].copy_((packed >> 4).transpose(1, 2))
+        return out.view(self.padded_out, self.padded_in)
 
     def _pad(self, x: torch.Tensor) -> torch.Tensor:
         return (
@@ -164,26 +170,14 @@ class Int4Linear(QuantizedLinear):
         )
         return y[:, : self.out_features]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layout_block is None:  # unreadable packing: the kernel for every size
-            y = self._gemv(x.reshape(-1, self.in_features)).to(x.dtype)
-            if self.bias is not None:
-                y = y + self.bias
-            return y.view(*x.shape[:-1], self.out_features)
-        return super().forward(x)
-
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         assert self.layout_block is not None
-        block = self.layout_block
-        packed = self.packed.view(self.padded_out // block, self.padded_in, block // 2)
-        out = torch.empty(self.padded_out // block, block, self.padded_in, dtype=dtype)
-        out[:, : block // 2].copy_((packed & 15).transpose(1, 2))  # convert and transpose at once
-        out[:, block // 2 :].copy_((packed >> 4).transpose(1, 2))
+        out = self._unpack(self.layout_block, dtype)
         groups = out.view(self.padded_out, -1, self.group_size)
         scale = self.scales_and_zeros[..., 0].t().unsqueeze(-1).to(dtype)
         offset = self.offsets.unsqueeze(-1).to(dtype)
         groups.mul_(scale).add_(offset)
-        return out.view(self.padded_out, self.padded_in)[: self.out_features, : self.in_features]
+        return out[: self.out_features, : self.in_features]
 
 
 def quantize_linear(
