@@ -49,13 +49,7 @@ def score_sequences(
                         request.request_id
                     )
                 runner = engine.runner
-                inputs = runner.prepare_inputs(sched)
-                if inputs.decode_rows is not None and runner.compiled_decode is not None:
-                    hidden = runner.compiled_decode.run(*inputs.decode_rows)
-                else:
-                    hidden = runner.model(
-                        inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta
-                    )
+                hidden = runner.forward(runner.prepare_inputs(sched))
                 logprobs = runner.model.compute_logits(hidden).log_softmax(dim=-1)
                 for row, (i, request) in enumerate(live):
                     rows[i].append(logprobs[row].cpu())

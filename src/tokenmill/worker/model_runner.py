@@ -186,6 +186,15 @@ class ModelRunner:
             is_decode=is_decode,
         )
 
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states of the step: the compiled decode step where the inputs allow it."""
+        if inputs.decode_rows is not None and self.compiled_decode is not None:
+            self.num_compiled_steps += 1
+            return self.compiled_decode.run(*inputs.decode_rows)
+        return self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.lora
+        )
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepOutput:
         """Run one step: forward the scheduled tokens and sample where a request ends."""
@@ -200,13 +209,7 @@ class ModelRunner:
         inputs = self.prepare_inputs(sched)
         # Grammar masks depend only on tokens already sampled: fill them while the model runs.
         masks = self.grammar_masks.bitmask_async(inputs.sample_requests)
-        if inputs.decode_rows is not None and self.compiled_decode is not None:
-            hidden = self.compiled_decode.run(*inputs.decode_rows)
-            self.num_compiled_steps += 1
-        else:
-            hidden = self.model(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.lora
-            )
+        hidden = self.forward(inputs)
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden[self._tensor(inputs.sample_rows)])
             requests = inputs.sample_requests
