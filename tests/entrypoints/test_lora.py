@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.entrypoints.conftest import ServerHandle, assert_error, start_server
+from tests.entrypoints.inprocess import WAIT_S
 
 PROMPT = [5, 300, 41, 977, 12, 64, 1500, 8, 230, 31, 700, 9, 1200, 77, 18, 402, 5, 66]
 MAX_TOKENS = 8
@@ -163,7 +164,7 @@ def test_adapters_are_listed_with_their_parent_and_selected_by_model(
             code="model_not_found",
         )
     line = re.compile(r'"POST /v1/completions" 200 .* lora=a2$')
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + WAIT_S
     while not any(line.search(t) for t in lora_server.log().splitlines()):
         assert time.monotonic() < deadline, lora_server.log()
         time.sleep(0.05)
@@ -239,7 +240,7 @@ def test_load_use_unload_reload_under_concurrent_traffic(
         served["a3"] += 1
         # unload a2 while a long request on it runs: that request finishes with a2
         in_flight = pool.submit(_tokens, lora_server.http(), "a2", LONG_TOKENS)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + WAIT_S
         while lora_server.metrics()["tokenmill:num_requests_running"] < 1 and not in_flight.done():
             assert time.monotonic() < deadline
             time.sleep(0.005)
