@@ -41,6 +41,12 @@ MODEL_SHAPE = dict(
 )
 
 
+DEFAULT_MODEL_DIR = (
+    Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache/tokenmill")) / "bench-llama-250m"
+)
+"""Where the benchmark scripts build (once) and find the benchmark model."""
+
+
 def build_model(folder: Path) -> Path:
     """The benchmark model: transformers' Llama with random weights (seeded), saved once."""
     if (folder / "config.json").is_file():
@@ -165,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model-dir",
         type=Path,
-        default=Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache/tokenmill"))
-        / "bench-llama-250m",
+        default=DEFAULT_MODEL_DIR,
     )
     parser.add_argument("--workloads", default="fixed,mixed,single")
     parser.add_argument("--batch-size", type=int, default=16, help="transformers static batch size")

@@ -31,7 +31,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_core import MODEL_SHAPE, build_model, read_bandwidth_gbs
+from engine_core import DEFAULT_MODEL_DIR, MODEL_SHAPE, build_model, read_bandwidth_gbs
 
 PEERS = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "build-llamacpp.sh"
 TOKENMILL = str(Path(sys.executable).parent / "tokenmill")
@@ -198,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model-dir",
         type=Path,
-        default=Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache/tokenmill"))
-        / "bench-llama-250m",
+        default=DEFAULT_MODEL_DIR,
     )
     parser.add_argument("--configs", default=",".join(TOKENMILL_CONFIGS))
     parser.add_argument("--no-llamacpp", action="store_true")
