@@ -30,3 +30,11 @@ class ModelLoadError(TokenmillError):
 
 class ConfigError(TokenmillError, ValueError):
     """An engine configuration value is invalid."""
+
+
+class RequestFailedError(TokenmillError):
+    """One request raised inside the engine step; it was aborted, every other request goes on."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"the engine failed on request {request_id}; it was aborted")
+        self.request_id = request_id

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tokenmill.core.beam_search import BeamSearch
@@ -63,3 +65,22 @@ def test_only_the_top_width_candidates_may_finish() -> None:
         [{1: -0.1, STOP: -0.2}]
     )  # the stop token is second: a spare, not a hypothesis
     assert nxt.token_id == 1 and search.finished == []
+
+
+@pytest.mark.parametrize("length_penalty", [1000.0, -1000.0, 1e308, -1e308])
+def test_extreme_finite_length_penalties_rank_instead_of_overflowing(
+    length_penalty: float,
+) -> None:
+    """``gen_len ** 1000`` overflowed a Python float and killed the engine (issue 17)."""
+    search = BeamSearch(
+        width=2, max_tokens=4, stop_token_ids=frozenset({STOP}), length_penalty=length_penalty
+    )
+    steps = 0
+    while not search.is_done and steps < 4:
+        num_live = len(search.live_scores)
+        search.step([{STOP: -0.5, 1: -0.1, 2: -0.2, 3: -0.3}] * num_live)
+        steps += 1
+    best = search.best(2)
+    assert len(best) == 2
+    assert all(not math.isnan(h.score) for h in best)
+    assert [h.score for h in best] == sorted((h.score for h in best), reverse=True)

@@ -58,6 +58,9 @@ class FakeEngine:
             rid, None, [1], [completion], reason is not None, RequestMetrics(time.monotonic())
         )
 
+    def take_failures(self) -> dict[str, Exception]:
+        return {}
+
     def step(self) -> list[RequestOutput]:
         if self.should_fail:
             raise RuntimeError("boom")

@@ -117,6 +117,50 @@ def _chat_stream(base_url: str) -> list:
     return events
 
 
+def test_a_request_whose_sampling_raises_gets_500_and_its_batch_goes_on(
+    inproc: FailingServer,
+) -> None:
+    """The engine's error boundary over HTTP: one request of a batch fails in the sampler;
+    it gets a 500 in OpenAI's shape, the others their full output, and /health stays 200."""
+    from tokenmill.sampling.sampler import Sampler
+
+    class FlakySampler(Sampler):
+        def __call__(self, logits, requests, token_bitmask=None):  # type: ignore[no-untyped-def]
+            if any(r.sampling_params.seed == 666 for r in requests):
+                raise RuntimeError("injected failure at 0x7f00dead /secret/sampler.py")
+            return super().__call__(logits, requests, token_bitmask)
+
+    sampler = inproc.served.engine.engine.runner.sampler
+    sampler.__class__ = FlakySampler
+    url = f"{inproc.base_url}/v1/completions"
+    body = {"prompt": "The", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    results: dict[str, httpx.Response] = {}
+
+    def post(name: str, extra: dict) -> None:
+        results[name] = httpx.post(url, json={**body, **extra}, timeout=60)
+
+    try:
+        threads = [
+            threading.Thread(target=post, args=(name, extra))
+            for name, extra in (("ok1", {}), ("bad", {"seed": 666}), ("ok2", {"n": 2}))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sampler.__class__ = Sampler
+    error = assert_error(results["bad"], 500, code="request_failed")
+    assert "injected" not in error["message"]
+    for name in ("ok1", "ok2"):
+        assert results[name].status_code == 200, results[name].text
+        for choice in results[name].json()["choices"]:
+            assert choice["finish_reason"] == "length"
+    assert httpx.get(f"{inproc.base_url}/health", timeout=10).status_code == 200
+    again = httpx.post(url, json={**body, "seed": 666}, timeout=60)
+    assert again.status_code == 200, again.text
+
+
 def test_request_that_never_gets_output_times_out_with_503(inproc: FailingServer) -> None:
     inproc.stall.set()
     try:

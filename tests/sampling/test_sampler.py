@@ -156,3 +156,19 @@ def test_invalid_params_name_the_field(field: str, value) -> None:
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**{field: value})
     assert info.value.param == field
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-5 + 1e-9, 0.5])
+@pytest.mark.parametrize("repetition_penalty", [1e-300, 1e-40])
+def test_extreme_finite_repetition_penalty_never_makes_nan_logits(
+    temperature: float, repetition_penalty: float
+) -> None:
+    """A penalty that underflows float32 made logits/0 = inf and -inf * 0 = NaN: every
+    row then sampled token 0 (NaN's argmax). Seen tokens with positive logits must win."""
+    logits = torch.tensor([[-1.0, 1.0, 2.0, -float("inf"), 0.5]])
+    params = SamplingParams(temperature=temperature, repetition_penalty=repetition_penalty, seed=7)
+    (request,) = _requests(params, 1, prompt=(1, 2, 3))
+    sampler = Sampler(torch.device("cpu"), seed=1)
+    for _ in range(20):
+        (token,) = sampler(logits, [request]).token_ids
+        assert token in (1, 2)

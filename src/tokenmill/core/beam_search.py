@@ -9,18 +9,42 @@ hypotheses with score ``sum logprobs / generated_len ** length_penalty``, and th
 best that do not end become the next live beams. Stopping follows
 ``GenerationMixin._beam_search`` (``early_stopping`` True, False or ``"never"``).
 Arithmetic is rounded to float32 as transformers does it on float32 tensors, so the same
-log-probabilities rank the same way.
+log-probabilities rank the same way; like tensors it overflows to infinity instead of
+raising, so any finite ``length_penalty`` (1e308, -1000) is a ranking, never a crash.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 
 
 def f32(value: float) -> float:
-    """``value`` rounded to float32 (sums and quotients of float32s then round as torch's)."""
-    return float(struct.unpack("f", struct.pack("f", value))[0])
+    """``value`` rounded to float32 (sums and quotients of float32s then round as torch's);
+    beyond float32's range it is infinite, as a float32 tensor's would be."""
+    try:
+        return float(struct.unpack("f", struct.pack("f", value))[0])
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def length_denominator(gen_len: int, length_penalty: float) -> float:
+    """``gen_len ** length_penalty`` in float32: infinite or zero where it leaves the range."""
+    try:
+        return f32(gen_len**length_penalty)
+    except OverflowError:
+        return math.inf
+
+
+def penalised_score(cum_logprob: float, denominator: float) -> float:
+    """``cum_logprob / denominator`` in float32 with IEEE semantics instead of exceptions
+    (x / 0 is infinite); an undefined score (0 / 0, inf / inf) ranks last."""
+    if denominator == 0.0:
+        score = math.copysign(math.inf, cum_logprob) if cum_logprob != 0.0 else math.nan
+    else:
+        score = cum_logprob / denominator
+    return -math.inf if math.isnan(score) else f32(score)
 
 
 @dataclass
@@ -96,14 +120,14 @@ class BeamSearch:
         ends = [is_length or token in self.stop_token_ids for _, _, token in ranked]
 
         # Only the first ``width`` candidates may finish (the rest are spares to keep going).
-        denominator = f32(gen_len**self.length_penalty)
+        denominator = length_denominator(gen_len, self.length_penalty)
         for (score, parent, token), is_end in zip(ranked[: self.width], ends, strict=False):
             if is_end:
                 self.finished.append(
                     Hypothesis(
                         token_ids=[*self.live_tokens[parent], token],
                         cum_logprob=score,
-                        score=f32(score / denominator),
+                        score=penalised_score(score, denominator),
                         finish_reason="length" if token not in self.stop_token_ids else "stop",
                         stop_reason=token if token in self.stop_token_ids else None,
                     )
@@ -130,17 +154,19 @@ class BeamSearch:
         best_len = gen_len
         if self.early_stopping == "never" and self.length_penalty > 0.0:
             best_len = self.max_tokens
-        best_possible = f32(self.live_scores[0] / f32(best_len**self.length_penalty))
+        best_possible = penalised_score(
+            self.live_scores[0], length_denominator(best_len, self.length_penalty)
+        )
         return best_possible <= self.finished[-1].score
 
     def best(self, n: int) -> list[Hypothesis]:
         """The n best hypotheses; live beams (as ``length``) fill in if fewer finished."""
         hyps = list(self.finished)
         if len(hyps) < n:
-            denominator = f32(max(1, self.num_generated) ** self.length_penalty)
+            denominator = length_denominator(max(1, self.num_generated), self.length_penalty)
             hyps += sorted(
                 (
-                    Hypothesis(list(tokens), score, f32(score / denominator), "length")
+                    Hypothesis(list(tokens), score, penalised_score(score, denominator), "length")
                     for tokens, score in zip(self.live_tokens, self.live_scores, strict=True)
                     if tokens
                 ),

@@ -4,8 +4,9 @@ Owns the hand-off between the two worlds. The asyncio side never touches the eng
 mutable state: it submits add/abort commands through a thread-safe queue, and the engine
 thread hands each step's outputs back with ``loop.call_soon_threadsafe`` into one asyncio
 queue per request. So the model step never blocks the event loop, an abort (a client that
-went away) is applied before the next step, and a crashed engine is marked dead and fails
-every in-flight request instead of leaving it waiting forever.
+went away) is applied before the next step, a request whose own processing raised gets
+its error while the rest go on, and a crashed engine is marked dead and fails every
+in-flight request instead of leaving it waiting forever.
 """
 
 from __future__ import annotations
@@ -304,6 +305,8 @@ class AsyncLLMEngine:
                 outputs = engine.step()
                 if outputs:
                     self._call_on_loop(self._dispatch, outputs)
+                for request_id, exc in engine.take_failures().items():
+                    self._call_on_loop(self._dispatch_error, request_id, exc)
             self._publish_stats(engine)
 
     def _apply(self, engine: LLMEngine, commands: list[_Command]) -> tuple[bool, bool]:

@@ -74,6 +74,8 @@ class BeamSearchCoordinator:
         self._owner: dict[str, str] = {}
         """Beam request id -> the user request it belongs to."""
         self._outputs: list[RequestOutput] = []
+        self._failures: dict[str, Exception] = {}
+        """Searches whose step raised: dropped, for the engine to fail (``take_failures``)."""
         self._ids = itertools.count()
         self.num_parked_beams = 0
         """Beams taken out of the scheduler to unblock a preempted sibling (memory pressure)."""
@@ -89,6 +91,15 @@ class BeamSearchCoordinator:
     def owns(self, beam_request_id: str) -> bool:
         """Whether a scheduler request is one of the beams run here."""
         return beam_request_id in self._owner
+
+    def owner_of(self, beam_request_id: str) -> str | None:
+        """The user request a beam belongs to."""
+        return self._owner.get(beam_request_id)
+
+    def take_failures(self) -> dict[str, Exception]:
+        """Searches whose own step raised since the last call (already dropped)."""
+        failures, self._failures = self._failures, {}
+        return failures
 
     def abort(self, request_id: str) -> bool:
         """Abort a queued or running beam search (its beams free their KV now); False if unknown."""
@@ -144,25 +155,33 @@ class BeamSearchCoordinator:
             if len(state.rows) < len(state.beams):
                 self._park_if_stalled(state)
                 continue  # a beam was preempted or not scheduled yet: wait for it
-            rows = [state.rows[b.request_id] for b in state.beams]
-            state.rows.clear()
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-            state.metrics.last_token_time = now
-            continuations = state.search.step(rows)
-            if state.search.is_done:
-                del self._active[request_id]
+            try:
+                self._step_search(request_id, state, now)
+            except Exception as exc:  # this search alone fails; the others go on
+                self._active.pop(request_id, None)
                 self._drop_beams(state.beams)
-                state.metrics.finished_time = now
-                hypotheses = state.search.best(state.processed.params.n)
-                self._outputs.append(self._output(state.processed, state.metrics, hypotheses))
-            else:
-                self._branch(state, continuations)
+                self._failures[request_id] = exc
         outputs, self._outputs = self._outputs, []
         self.admit()
         return outputs
 
     # ---- internals -----------------------------------------------------------------------
+    def _step_search(self, request_id: str, state: _Search, now: float) -> None:
+        rows = [state.rows[b.request_id] for b in state.beams]
+        state.rows.clear()
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        state.metrics.last_token_time = now
+        continuations = state.search.step(rows)
+        if state.search.is_done:
+            del self._active[request_id]
+            self._drop_beams(state.beams)
+            state.metrics.finished_time = now
+            hypotheses = state.search.best(state.processed.params.n)
+            self._outputs.append(self._output(state.processed, state.metrics, hypotheses))
+        else:
+            self._branch(state, continuations)
+
     def _start(self, processed: ProcessedRequest) -> None:
         params = processed.params
         stop_ids = set(params.stop_token_ids or [])

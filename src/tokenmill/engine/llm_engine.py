@@ -17,13 +17,13 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv import KVCacheManager, KVSizing, build_kv_manager
-from tokenmill.core.request import RequestStatus
+from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.stats import EngineStats, StartupCosts
 from tokenmill.engine.beam_search import BeamLimits, BeamSearchCoordinator
 from tokenmill.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.errors import InvalidRequestError
+from tokenmill.errors import InvalidRequestError, RequestFailedError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.model.attention import FP8_DTYPES
 from tokenmill.model.config import ModelConfig
@@ -37,7 +37,7 @@ from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
 from tokenmill.worker.kv_cache import allocate_kv_cache, kv_budget_bytes, kv_bytes_per_token
 from tokenmill.worker.lora_manager import LoRAManager
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.model_runner import ModelRunner, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +170,8 @@ class LLMEngine:
         """Adapters unloaded while requests still ran on them: dropped when the last ends."""
         self._removed_lora_ids: set[int] = set()
         """Unloaded adapter ids: a request naming one (sent before the unload) is refused."""
+        self._failures: dict[str, RequestFailedError] = {}
+        """Requests aborted because their own sampling or bookkeeping raised (per request id)."""
         compiled = None
         if (
             self.kv_manager.wants_compiled_decode
@@ -432,7 +434,11 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return outputs of requests that changed."""
+        """Schedule, run the model once, and return outputs of requests that changed.
+
+        The error boundary is per request: what raises while sampling, scoring or
+        post-processing one request aborts that request alone (``take_failures`` says
+        which); only a failure of the batch's forward itself escapes."""
         self.beam_search.admit()
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
@@ -440,38 +446,80 @@ class LLMEngine:
         now = time.monotonic()
         stats = self._counters
         self._record_kv_footprint(stats)
+        for rid, step_error in result.failed.items():
+            self._fail(rid, step_error)
         for request, _ in sched.scheduled:
-            rid = request.request_id
-            if rid in result.prompt_logprobs:
-                self.output_processor.add_prompt_logprobs(rid, *result.prompt_logprobs[rid])
-            token = result.sampled.get(rid)
-            if token is None:
-                continue
-            stats.num_generation_tokens += 1
-            if self.beam_search.owns(rid):  # the search picks the beams' tokens
-                if request.num_output_tokens == 0 and request.metrics.first_token_time is None:
-                    request.metrics.first_token_time = now  # the prompt, prefilled once
-                    stats.num_prompt_tokens += request.num_prompt_tokens
-                self.beam_search.on_logprobs(request, result.logprobs.get(rid))
-                continue
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-                if request.index == 0:  # n > 1 samples share one prompt
-                    stats.num_prompt_tokens += request.num_prompt_tokens
-            request.metrics.last_token_time = now
-            status = request.append_output_token(token)
-            stop = self.output_processor.on_token(rid, token, result.logprobs.get(rid))
-            if stop is not None:
-                request.stop_reason = stop
-                status = RequestStatus.FINISHED_STOPPED
-            if status is None and rid in result.grammar_ended:
-                status = RequestStatus.FINISHED_STOPPED  # nothing more can satisfy its grammar
-            if status is not None:
-                self.scheduler.finish_request(rid, status)
-                self.output_processor.mark_finished(rid)
+            if request.status is RequestStatus.FINISHED_ABORTED:
+                continue  # its request failed (and was aborted) during this step
+            try:
+                self._on_step_result(request, result, now, stats)
+            except Exception as exc:
+                self._fail(request.request_id, exc)
         stats.num_steps += 1
         self._drop_unused_loras()
-        return self.output_processor.collect() + self.beam_search.advance()
+        outputs = self.output_processor.collect() + self.beam_search.advance()
+        for rid, search_error in self.beam_search.take_failures().items():
+            self._fail(rid, search_error)
+        if self._failures:
+            outputs = [o for o in outputs if o.request_id not in self._failures]
+        return outputs
+
+    def _on_step_result(
+        self, request: Request, result: StepOutput, now: float, stats: EngineStats
+    ) -> None:
+        """Fold one scheduled request's logprobs and sampled token into its state."""
+        rid = request.request_id
+        if rid in result.prompt_logprobs:
+            self.output_processor.add_prompt_logprobs(rid, *result.prompt_logprobs[rid])
+        token = result.sampled.get(rid)
+        if token is None:
+            return
+        stats.num_generation_tokens += 1
+        if self.beam_search.owns(rid):  # the search picks the beams' tokens
+            if request.num_output_tokens == 0 and request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now  # the prompt, prefilled once
+                stats.num_prompt_tokens += request.num_prompt_tokens
+            self.beam_search.on_logprobs(request, result.logprobs.get(rid))
+            return
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+            if request.index == 0:  # n > 1 samples share one prompt
+                stats.num_prompt_tokens += request.num_prompt_tokens
+        request.metrics.last_token_time = now
+        status = request.append_output_token(token)
+        stop = self.output_processor.on_token(rid, token, result.logprobs.get(rid))
+        if stop is not None:
+            request.stop_reason = stop
+            status = RequestStatus.FINISHED_STOPPED
+        if status is None and rid in result.grammar_ended:
+            status = RequestStatus.FINISHED_STOPPED  # nothing more can satisfy its grammar
+        if status is not None:
+            self.scheduler.finish_request(rid, status)
+            self.output_processor.mark_finished(rid)
+
+    def _user_request_id(self, sequence: Request | str) -> str:
+        """The user request a scheduler sequence (a sample of n, or a beam) belongs to."""
+        sid = sequence if isinstance(sequence, str) else sequence.request_id
+        return self.beam_search.owner_of(sid) or self.output_processor.parent_id(sid) or sid
+
+    def _fail(self, sequence_id: str, exc: Exception) -> None:
+        """Abort the user request a sequence belongs to, because that sequence raised."""
+        rid = self._user_request_id(sequence_id)
+        if rid in self._failures:
+            return
+        logger.error(
+            "request %s failed in the engine step and was aborted; other requests go on: %r",
+            rid,
+            exc,
+            exc_info=exc,
+        )
+        self._failures[rid] = RequestFailedError(rid)
+        self.abort_request(rid)
+
+    def take_failures(self) -> dict[str, RequestFailedError]:
+        """Requests aborted since the last call because their own processing raised."""
+        failures, self._failures = self._failures, {}
+        return failures
 
     def _record_kv_footprint(self, stats: EngineStats) -> None:
         """KV reserved vs holding tokens right after this step's writes (before frees)."""

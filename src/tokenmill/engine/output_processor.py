@@ -83,6 +83,10 @@ class OutputProcessor:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._parents
 
+    def parent_id(self, child_id: str) -> str | None:
+        """The user request a child sequence belongs to."""
+        return self._child_to_parent.get(child_id)
+
     def child_ids(self, request_id: str) -> list[str]:
         parent = self._parents.get(request_id)
         return [c.request.request_id for c in parent.children] if parent else []

@@ -140,6 +140,10 @@ class LLM:
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)
+                failures = self.engine.take_failures()
+                failed = [i for i in ids if i in failures]
+                if failed:  # the engine serves on; this call reports the first failure
+                    raise failures[failed[0]]
         except BaseException:
             self.engine.abort_request([i for i in ids if i not in results])
             raise

@@ -30,6 +30,12 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
 
 
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """Logits clamped into the dtype's finite range (a -inf ban is kept)."""
+    limit = torch.finfo(logits.dtype).max
+    return logits.clamp(min=-limit, max=limit).masked_fill(logits == float("-inf"), float("-inf"))
+
+
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Repetition (prompt + output), frequency and presence (output) penalties, in place."""
     batch, vocab = logits.shape
@@ -56,6 +62,9 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
         prompt_seen.scatter_(1, prompt_ids, True)
         seen |= prompt_seen[:, :vocab]
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        # A penalty beyond float32's range ranks instead of poisoning the row: +inf becomes
+        # the largest finite logit, and a banned token (-inf; -inf * 0 is NaN) stays banned.
+        penalised = torch.where(logits == float("-inf"), logits, _finite(penalised))
         logits = torch.where(seen, penalised, logits)
     freq = _column([r.sampling_params.frequency_penalty for r in requests], device)
     presence = _column([r.sampling_params.presence_penalty for r in requests], device)
@@ -140,7 +149,7 @@ class Sampler:
         temperature = _column(
             [p.temperature if not p.is_greedy else 1.0 for p in params], self.device
         )
-        logits = logits / temperature
+        logits = _finite(logits / temperature)  # a huge logit over a tiny temperature
         min_p = _column([p.min_p for p in params], self.device)
         if (min_p > 0).any():
             logits = apply_min_p(logits, min_p)

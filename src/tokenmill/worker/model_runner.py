@@ -5,10 +5,15 @@ positions, KV slot mapping, block tables, logits rows). Decode-shaped requests (
 token) form one attention group and multi-token chunks another, so each is a single
 batched attention call. Logits are computed only for rows that need them: the last token
 of a request that reached its end (to sample) and prompt rows whose logprobs were asked.
+
+Sampling, grammar bookkeeping and prompt logprobs are per request: when the batched call
+raises, each row is retried alone and only the rows that still raise are reported in
+``StepOutput.failed``, so one request's failure never takes the batch (or the engine) down.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +61,8 @@ class StepOutput:
     """request_id -> (position of the first entry, logprobs of the prompt tokens that follow)."""
     grammar_ended: set[str] = field(default_factory=set)
     """Requests whose structured-output grammar is complete after this step's token."""
+    failed: dict[str, Exception] = field(default_factory=dict)
+    """request_id -> what raised while sampling or scoring that request alone."""
 
 
 def _pad(rows: list[list[int]], value: int) -> list[list[int]]:
@@ -212,23 +219,49 @@ class ModelRunner:
         hidden = self.forward(inputs)
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden[self._tensor(inputs.sample_rows)])
-            requests = inputs.sample_requests
-            bitmask = masks.result() if masks is not None else None
-            result = self.sampler(logits, requests, bitmask)
-            out.grammar_ended = self.grammar_masks.accept(requests, result.token_ids)
-            for request, token, lp in zip(
-                inputs.sample_requests, result.token_ids, result.logprobs, strict=True
-            ):
-                out.sampled[request.request_id] = token
-                out.logprobs[request.request_id] = lp
+            self._sample(logits, inputs.sample_requests, masks, out)
         for request, _ in sched.scheduled:
             entry = inputs.prompt_logprob_rows.get(request.request_id)
-            if entry is not None:
-                out.prompt_logprobs[request.request_id] = (
-                    entry[1] + 1,
-                    self._prompt_logprobs(hidden, request, *entry),
-                )
+            if entry is not None and request.request_id not in out.failed:
+                try:
+                    out.prompt_logprobs[request.request_id] = (
+                        entry[1] + 1,
+                        self._prompt_logprobs(hidden, request, *entry),
+                    )
+                except Exception as exc:  # that request fails alone
+                    out.failed[request.request_id] = exc
         return out
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        masks: Future[torch.Tensor | None] | None,
+        out: StepOutput,
+    ) -> None:
+        """Sample the batch in one call; if it raises, row by row, failing only bad rows."""
+        try:
+            bitmask = masks.result() if masks is not None else None
+            result = self.sampler(logits, requests, bitmask)
+            rows = list(zip(requests, result.token_ids, result.logprobs, strict=True))
+        except Exception:
+            rows = []
+            for i, request in enumerate(requests):
+                try:
+                    alone = self.sampler(
+                        logits[i : i + 1], [request], self.grammar_masks.bitmask([request])
+                    )
+                    rows.append((request, alone.token_ids[0], alone.logprobs[0]))
+                except Exception as exc:
+                    out.failed[request.request_id] = exc
+        for request, token, lp in rows:
+            try:
+                out.grammar_ended |= self.grammar_masks.accept([request], [token])
+            except Exception as exc:
+                out.failed[request.request_id] = exc
+                continue
+            out.sampled[request.request_id] = token
+            out.logprobs[request.request_id] = lp
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, request: Request, rows: list[int], first_pos: int

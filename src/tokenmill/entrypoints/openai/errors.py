@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.engine.async_engine import EngineDeadError, EngineNotReadyError
-from tokenmill.errors import ContextLengthError, InvalidRequestError
+from tokenmill.errors import ContextLengthError, InvalidRequestError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,10 @@ def to_api_error(exc: BaseException, request_id: str | None = None) -> APIError:
             code="engine_dead",
         )
     suffix = f" (request id {request_id})" if request_id else ""
+    if isinstance(exc, RequestFailedError):  # the engine logged why and serves on
+        return APIError(
+            500, f"the engine failed on this request{suffix}; it was aborted", code="request_failed"
+        )
     return APIError(500, f"internal server error{suffix}")
 
 
