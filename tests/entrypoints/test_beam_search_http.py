@@ -71,3 +71,18 @@ def test_beam_search_refusals_are_400(http: httpx.Client) -> None:
     assert_error(
         http.post("/v1/completions", json={"prompt": "x", "n": 1, "best_of": 2}), 400, "best_of"
     )
+
+
+def test_extreme_finite_length_penalties_neither_kill_the_engine_nor_fail(
+    server: ServerHandle,
+) -> None:
+    """Issue 17: ``length_penalty`` 1000 raised OverflowError in the step; /health went 503."""
+    with server.http() as http:
+        for penalty in (1000, -1000, 1e308):
+            body = {"prompt": "The", "max_tokens": 20, "n": 2, "length_penalty": penalty, **BEAM}
+            response = http.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            assert len(response.json()["choices"]) == 2
+        assert http.get("/health").status_code == 200
+        ok = http.post("/v1/completions", json={"prompt": "The", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
