@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.entrypoints.conftest import assert_error
 from tests.entrypoints.inprocess import (
     WAIT_S,
     InProcessServer,
@@ -142,6 +143,27 @@ def test_a_flooded_route_never_refuses_the_other(routed: tuple[InProcessServer, 
         # The chat route's context is 48 tokens: max_tokens is clamped to what the prompt leaves.
         assert usage == {"prompt_tokens": 30, "completion_tokens": 18, "total_tokens": 48}
     gate.close()
+
+
+def test_several_route_headers_are_a_400(routed: tuple[InProcessServer, StepGate]) -> None:
+    """A gateway that appends its own header must not be overridden by the client's first one."""
+    server, gate = routed
+    gate.open()
+    try:
+        response = httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={"prompt": "hi", "max_tokens": 1},
+            headers=[
+                ("Authorization", f"Bearer {KEY_FREE}"),
+                ("X-Tokenmill-Route", "chat"),
+                ("X-Tokenmill-Route", "chat"),
+            ],
+            timeout=WAIT_S,
+        )
+        error = assert_error(response, 400)
+        assert "x-tokenmill-route" in error["message"].lower() and "2 times" in error["message"]
+    finally:
+        gate.close()
 
 
 def test_route_limits_and_features(routed: tuple[InProcessServer, StepGate]) -> None:
@@ -278,6 +300,10 @@ def test_a_route_selected_by_model_gets_its_defaults_and_bound(
         (
             "routes:\n  - name: a\n    match: {models: [demo]}\n    priority: 5\n",
             "yaml:4: routes[0].priority: needs --scheduling-policy priority",
+        ),
+        (  # no --max-model-len: the model's own context (the demo's 2048) bounds it
+            "routes:\n  - name: a\n    match: {models: [demo]}\n    max_model_len: 100000\n",
+            "yaml:4: routes[0].max_model_len: 100000 is more than the served context (2048",
         ),
     ],
 )

@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.input_processor import ProcessedRequest
+from tokenmill.engine.llm_engine import resolve_model_path
 from tokenmill.entrypoints.openai.admission import GENERATION_PATHS
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.middleware import header_value, send_error
@@ -45,9 +46,10 @@ from tokenmill.entrypoints.openai.routes_config import (
     load_routes,
 )
 from tokenmill.entrypoints.openai.state import ServerConfig
-from tokenmill.errors import ConfigError, ContextLengthError, InvalidRequestError
+from tokenmill.errors import ConfigError, ContextLengthError, InvalidRequestError, ModelLoadError
 from tokenmill.metrics import ServerMetrics
 from tokenmill.metrics.prometheus import PREFIX
+from tokenmill.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +160,7 @@ class RouteTable:
                 if value is not None and max_model_len is not None and value > max_model_len:
                     raise ConfigError(
                         f"{config.where('routes', i, name)}: {value} is more than "
-                        f"--max-model-len ({max_model_len})"
+                        f"the served context ({max_model_len}: --max-model-len, or the model's)"
                     )
 
     def total_max_in_flight(self) -> int | None:
@@ -430,6 +432,10 @@ class RoutesMiddleware:
         scope_state = scope.setdefault("state", {})
         headers = header_value(scope, ROUTE_HEADER.encode())
         try:
+            if len(headers) > 1:  # else a client's header could win over a gateway's
+                raise InvalidRequestError(
+                    f"{ROUTE_HEADER} was sent {len(headers)} times; send it once"
+                )
             route_state = self.table.select_early(
                 scope_state.get("api_key_id"),
                 headers[0].decode("latin-1").strip() if headers else None,
@@ -458,7 +464,8 @@ def build_route_table(
 ) -> RouteTable | None:
     """The server's routes from ``--routes-config`` (None without one); ConfigError if invalid.
 
-    Warns when the routes' own bounds add up to more than the server admits: then a flooded
+    Without ``--max-model-len`` the model's own context (its ``config.json``) bounds the
+    routes' contexts. Warns when the routes' own bounds add up to more than the server admits: then a flooded
     route can still fill the server-wide queue and others get 429s from it.
     """
     if config.routes_config is None:
@@ -469,12 +476,14 @@ def build_route_table(
         ["model_name", "route", "reason"],
         registry=metrics.registry,
     )
+    routes = load_routes(config.routes_config)
+    max_model_len = engine_config.max_model_len or _model_context_len(engine_config)
     table = RouteTable(
-        load_routes(config.routes_config),
+        routes,
         config.api_keys,
         config.served_model_names,
         engine_config.scheduling_policy,
-        engine_config.max_model_len,
+        max_model_len,
         rejections=_LabelledCounter(rejections, metrics.model_name),
     )
     total = table.total_max_in_flight()
@@ -488,6 +497,15 @@ def build_route_table(
         )
     logger.info("routes: %s", ", ".join(r.name for r in table.config.routes))
     return table
+
+
+def _model_context_len(engine_config: EngineConfig) -> int | None:
+    """The model's context length from its config.json; None if unreadable (the engine says why)."""
+    try:
+        config = ModelConfig.from_folder(resolve_model_path(engine_config.model))
+    except ModelLoadError:
+        return None
+    return config.max_position_embeddings
 
 
 class _LabelledCounter:
