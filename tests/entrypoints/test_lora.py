@@ -170,6 +170,21 @@ def test_adapters_are_listed_with_their_parent_and_selected_by_model(
         time.sleep(0.05)
 
 
+def _nan_copy(adapter: Path, dest: Path) -> Path:
+    """A copy of an adapter with one NaN in one lora_B."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(adapter, dest)
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    name = next(k for k in sorted(tensors) if "lora_B" in k)
+    tensors[name] = tensors[name].clone()
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, str(dest / "adapter_model.safetensors"))
+    return dest
+
+
 def test_bad_adapters_are_refused_and_change_nothing(
     tmp_path: Path, lora_server: ServerHandle, make_adapter, make_model, demo_folder: Path
 ) -> None:
@@ -178,8 +193,9 @@ def test_bad_adapters_are_refused_and_change_nothing(
     no_weights.mkdir()
     (no_weights / "adapter_config.json").write_text((good / "adapter_config.json").read_text())
     cases = {
-        str(tmp_path / "missing"): "no such adapter folder",
-        str(no_weights): "adapter_model.safetensors is missing",
+        str(tmp_path / "missing"): "not a readable PEFT LoRA adapter folder",
+        str(no_weights): "not a readable PEFT LoRA adapter folder",
+        str(_nan_copy(good, tmp_path / "nan")): "NaN or infinite values",
         str(make_adapter(demo_folder, seed=31, r=16)): "above --max-lora-rank 8",
         str(make_adapter(demo_folder, seed=32, target_modules=["q_proj", "lm_head"])): "lm_head",
         str(make_adapter(make_model("llama"), seed=33)): "another base model",
@@ -196,6 +212,18 @@ def test_bad_adapters_are_refused_and_change_nothing(
             param="lora_name",
         )
         assert_error(http.post("/v1/load_lora_adapter", json={"lora_name": "x"}), 400)
+        for name in ("../x", "/abs", "a/b", "..", "demo", " "):  # paths, the base model, empty
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(good)})
+            assert_error(r, 400, param="lora_name")
+        # Whether a path exists, is a file or a folder that is no adapter: the same answer.
+        a_file = tmp_path / "a-file"
+        a_file.write_text("x")
+        messages = set()
+        for path in (tmp_path / "missing", a_file, tmp_path, demo_folder):
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": "p", "lora_path": str(path)})
+            error = assert_error(r, 400, param="lora_path")
+            messages.add(error["message"].replace(str(path), "<path>"))
+        assert len(messages) == 1, messages
         assert_error(
             http.post("/v1/unload_lora_adapter", json={"lora_name": "bad"}),
             404,

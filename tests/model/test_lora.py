@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import random
 import re
+import shutil
+from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import FAMILIES, peft_greedy
 from tokenmill.entrypoints.llm import LLM
@@ -144,14 +147,14 @@ def test_bad_adapters_are_refused_naming_the_problem(
     folder = make_model("llama")
     good = make_adapter(folder, seed=1)
     cases = [
-        (tmp_path / "nowhere", "no such adapter folder"),
+        (tmp_path / "nowhere", "not a readable PEFT LoRA adapter folder"),
         (
             _broken_copy(tmp_path, good, drop="adapter_config.json"),
-            "adapter_config.json is missing",
+            "not a readable PEFT LoRA adapter folder",
         ),
         (
             _broken_copy(tmp_path, good, drop="adapter_model.safetensors"),
-            "adapter_model.safetensors is missing",
+            "not a readable PEFT LoRA adapter folder",
         ),
         (make_adapter(folder, seed=4, r=32), "rank 32, above --max-lora-rank 16"),
         (
@@ -254,3 +257,93 @@ def test_n_samples_share_the_adapter_without_prefix_caching(make_model, make_ada
     out = llm.generate(prompt, params, lora_request=LoRARequest("a1", 1, str(adapter)))[0]
     want = peft_greedy(folder, adapter, [prompt], MAX_NEW)[0]
     assert [c.token_ids for c in out.outputs] == [want, want]
+
+
+def _rewrite_weights(folder: Path, dest: Path, change) -> Path:  # type: ignore[no-untyped-def]
+    """A copy of an adapter whose tensors went through ``change(name, tensor)``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, dest)
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    save_file(
+        {k: change(k, v) for k, v in tensors.items()}, str(dest / "adapter_model.safetensors")
+    )
+    return dest
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e6])
+def test_adapters_with_non_finite_weights_are_refused(
+    tmp_path, make_model, make_adapter, value: float
+) -> None:
+    """Issue 17: a NaN adapter was accepted and poisoned other tenants' rows. 1e6 is finite
+    in float32 but overflows float16 once scaled."""
+    from tokenmill.model.config import ModelConfig
+    from tokenmill.model.lora import LoRAError, load_lora_adapter
+
+    folder = make_model("llama")
+    good = make_adapter(folder, seed=1)
+
+    def poison(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if "layers.1.self_attn.v_proj.lora_B" in name:
+            tensor = tensor.clone()
+            tensor[0, 0] = value
+        return tensor
+
+    bad = _rewrite_weights(good, tmp_path / "bad", poison)
+    cfg = ModelConfig.from_folder(folder)
+    with pytest.raises(LoRAError, match="NaN or infinite|beyond torch.float16's range"):
+        load_lora_adapter(bad, cfg, 16, torch.float16)
+
+
+def test_a_rank_other_than_the_config_declares_is_refused(
+    tmp_path, make_model, make_adapter
+) -> None:
+    from tokenmill.model.config import ModelConfig
+    from tokenmill.model.lora import LoRAError, load_lora_adapter
+
+    folder = make_model("llama")
+    declared_4 = _broken_copy(tmp_path, make_adapter(folder, seed=1), edit=lambda c: c.update(r=4))
+    with pytest.raises(LoRAError, match="has rank 8, but adapter_config.json declares r=4"):
+        load_lora_adapter(declared_4, ModelConfig.from_folder(folder), 16, torch.float32)
+
+
+def test_unreadable_paths_all_give_the_same_error(tmp_path, make_model) -> None:
+    """Missing, a plain file, a folder that is no adapter: one message, so a client cannot
+    tell which paths exist."""
+    from tokenmill.model.config import ModelConfig
+    from tokenmill.model.lora import LoRAError, load_lora_adapter
+
+    folder = make_model("llama")
+    cfg = ModelConfig.from_folder(folder)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    messages = set()
+    for path in (tmp_path / "missing", a_file, folder, tmp_path):
+        with pytest.raises(LoRAError) as info:
+            load_lora_adapter(path, cfg, 16, torch.float32)
+        messages.add(info.value.message.replace(str(path), "<path>"))
+    assert len(messages) == 1, messages
+
+
+def test_padding_rows_never_carry_another_slots_nan_into_row_0(make_model) -> None:
+    """Rows of the step point at row 0 for padding, and a slot between two used ones runs
+    over row 0 too: a NaN there (an unloaded or poisoned adapter's slot) must not reach it."""
+    from tokenmill.model.config import ModelConfig
+    from tokenmill.model.lora import LoRAStacks, LoRAStepState
+
+    cfg = ModelConfig.from_folder(make_model("llama"))
+    stacks = LoRAStacks(cfg, 3, 4, torch.float32, torch.device("cpu"))
+    for layer in stacks.a:
+        layer["qkv"].normal_()
+        layer["qkv"][1].fill_(float("nan"))  # the slot no row of this step uses
+    for layer in stacks.b:
+        for b in layer["qkv"]:
+            b.normal_()
+    rows = torch.tensor([[1, 0], [0, 0], [2, 3]])
+    mask = torch.tensor([[True, False], [False, False], [True, True]]).unsqueeze(-1)
+    state = LoRAStepState(stacks, 0, 3, rows, mask, frozenset({"qkv"}))
+    x = torch.randn(4, cfg.hidden_size)
+    y = torch.zeros(4, cfg.q_size + 2 * cfg.kv_size)
+    out = state.apply(0, "qkv", x, y)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[0], torch.zeros_like(out[0]))  # row 0 is on the base model

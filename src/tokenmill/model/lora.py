@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,15 +100,29 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     return default
 
 
+def unreadable_adapter(folder: Path) -> LoRAError:
+    """The one error for a path that is not a readable adapter folder: missing, not a folder,
+    without its two files or not readable all read the same, so a client cannot probe
+    which paths exist on the server."""
+    return LoRAError(
+        f"{folder}: not a readable PEFT LoRA adapter folder "
+        "(one with adapter_config.json and adapter_model.safetensors)"
+    )
+
+
 def _read_config(folder: Path) -> dict[str, Any]:
     path = folder / "adapter_config.json"
-    if not folder.is_dir():
-        raise LoRAError(f"{folder}: no such adapter folder")
-    if not path.is_file():
-        raise LoRAError(f"{folder}: adapter_config.json is missing (is this a PEFT adapter?)")
+    weights = folder / "adapter_model.safetensors"
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        text = path.read_text()
+        is_readable = weights.is_file() and os.access(weights, os.R_OK)
+    except (OSError, UnicodeDecodeError):
+        is_readable = False
+    if not is_readable:
+        raise unreadable_adapter(folder)
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise LoRAError(f"{path}: cannot parse: {exc}") from None
     if not isinstance(raw, dict):
         raise LoRAError(f"{path}: expected a JSON object")
@@ -138,8 +153,6 @@ def load_lora_adapter(
     folder = Path(folder)
     raw = _read_config(folder)
     weights_path = folder / "adapter_model.safetensors"
-    if not weights_path.is_file():
-        raise LoRAError(f"{folder}: adapter_model.safetensors is missing")
     try:
         with safe_open(str(weights_path), framework="pt") as handle:
             tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
@@ -170,6 +183,7 @@ def load_lora_adapter(
         pairs.setdefault((layer, module["name"]), {})[match["kind"]] = tensor
     layout = fused_layout(cfg)
     alpha_default = float(raw.get("lora_alpha", 8))
+    rank_default = raw.get("r")
     use_rslora = bool(raw.get("use_rslora", False))
     packed: dict[tuple[int, str], tuple[torch.Tensor, list[torch.Tensor]]] = {}
     max_seen = 0
@@ -197,6 +211,15 @@ def load_lora_adapter(
             raise LoRAError(
                 f"{weights_path}: {full} has rank {rank}, above --max-lora-rank {max_rank}"
             )
+        declared = _pattern_value(raw.get("rank_pattern") or {}, full, rank_default)
+        if declared is not None and declared != rank:  # its scaling (alpha / r) would be wrong
+            raise LoRAError(
+                f"{weights_path}: {full} has rank {rank}, but adapter_config.json declares "
+                f"r={declared}"
+            )
+        for kind, tensor in (("lora_A", a), ("lora_B", b)):
+            if not torch.isfinite(tensor).all():  # it would poison every row it touches
+                raise LoRAError(f"{weights_path}: {full}.{kind} holds NaN or infinite values")
         max_seen = max(max_seen, rank)
         alpha = float(_pattern_value(raw.get("alpha_pattern") or {}, full, alpha_default))
         scaling = alpha / (math.sqrt(rank) if use_rslora else rank)
@@ -210,6 +233,12 @@ def load_lora_adapter(
         a_packed[:, col : col + rank] = a.float().t()
         b_slices[slice_index][:rank] = b.float().t() * scaling
     weights = {key: (a.to(dtype), [b.to(dtype) for b in bs]) for key, (a, bs) in packed.items()}
+    for (layer, fused), (a, bs) in weights.items():
+        if not all(torch.isfinite(t).all() for t in (a, *bs)):
+            raise LoRAError(
+                f"{weights_path}: layer {layer} {fused}: values beyond {dtype}'s range once "
+                "scaled by lora_alpha / r"
+            )
     return LoRAAdapter(name or folder.name, str(folder), max_seen, weights)
 
 
@@ -279,7 +308,7 @@ class LoRAStepState:
     """[num_groups, max rows] token rows per slot (padded); None when every row of the
     step uses the one slot, in order."""
     mask: torch.Tensor | None
-    """[num_groups, max rows, 1]: 0 at padding; None when there is none."""
+    """[num_groups, max rows, 1] bool: False at padding; None when there is none."""
     modules: frozenset[str]
     """Projections some adapter of this step changes; the others are skipped."""
 
@@ -300,11 +329,14 @@ class LoRAStepState:
             return y.add_(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
         rows = self.rows.view(-1)
         shrunk = torch.bmm(x.index_select(0, rows).view(self.num_groups, -1, x.shape[-1]), a)
-        if self.mask is not None:
-            shrunk = shrunk * self.mask
         parts = [
             torch.bmm(shrunk[..., s * rank : (s + 1) * rank], b[first:end])
             for s, b in enumerate(slices)
         ]
         delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        if self.mask is not None:
+            # Padding rows point at row 0 (another request's) and may run through a slot no
+            # row of this step uses: select, not multiply, so an inf or NaN there (inf * 0)
+            # can never reach that row.
+            delta = torch.where(self.mask, delta, torch.zeros((), dtype=delta.dtype))
         return y.index_add_(0, rows, delta.view(-1, y.shape[-1]))

@@ -164,8 +164,8 @@ class LoRAManager:
         mask = None
         if any(len(r) < width for r in padded):
             mask = torch.tensor(
-                [[1.0] * len(r) + [0.0] * (width - len(r)) for r in padded],
-                dtype=self.dtype,
+                [[True] * len(r) + [False] * (width - len(r)) for r in padded],
+                dtype=torch.bool,
                 device=self.device,
             ).unsqueeze(-1)
         return LoRAStepState(

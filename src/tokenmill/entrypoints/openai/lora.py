@@ -13,8 +13,28 @@ import itertools
 import json
 from dataclasses import dataclass
 
-from tokenmill.errors import ConfigError
+from tokenmill.errors import ConfigError, InvalidRequestError
 from tokenmill.lora_request import LoRARequest
+
+MAX_LORA_NAME_CHARS = 256
+
+
+def check_lora_name(name: str, base_names: tuple[str, ...]) -> None:
+    """An adapter name is what clients put in ``model``: not empty, not a path (it is shown
+    in /v1/models and logs), and never one of the base model's names, which it would shadow.
+    InvalidRequestError (param ``lora_name``) otherwise."""
+
+    def bad(why: str) -> InvalidRequestError:
+        return InvalidRequestError(f"lora_name {name!r} {why}", param="lora_name")
+
+    if not name.strip():
+        raise bad("must not be empty")
+    if len(name) > MAX_LORA_NAME_CHARS:
+        raise bad(f"is longer than {MAX_LORA_NAME_CHARS} characters")
+    if "/" in name or "\\" in name or set(name) <= {"."} or not name.isprintable():
+        raise bad("must be a name, not a path (no '/', '\\', control characters or only dots)")
+    if name in base_names:
+        raise bad("is the base model's name")
 
 
 @dataclass(frozen=True)

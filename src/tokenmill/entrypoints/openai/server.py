@@ -33,7 +33,7 @@ from tokenmill.entrypoints.config_args import add_config_args, config_kwargs
 from tokenmill.entrypoints.openai.admission import AdmissionController, AdmissionMiddleware
 from tokenmill.entrypoints.openai.auth import APIKeyAuthMiddleware
 from tokenmill.entrypoints.openai.errors import error_body_bytes, install_exception_handlers
-from tokenmill.entrypoints.openai.lora import parse_lora_module
+from tokenmill.entrypoints.openai.lora import check_lora_name, parse_lora_module
 from tokenmill.entrypoints.openai.middleware import (
     AccessLogMiddleware,
     BodyLimitMiddleware,
@@ -44,7 +44,7 @@ from tokenmill.entrypoints.openai.routers import chat, completions, health, lora
 from tokenmill.entrypoints.openai.routes import RoutesMiddleware, build_route_table
 from tokenmill.entrypoints.openai.state import ServerConfig, ServerState
 from tokenmill.entrypoints.openai.tokenization import RequestTokenizer
-from tokenmill.errors import ConfigError
+from tokenmill.errors import ConfigError, InvalidRequestError
 from tokenmill.metrics import ServerMetrics
 from tokenmill.metrics.ops import ResponseCountMiddleware, install_ops_metrics
 
@@ -109,8 +109,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
         raise ConfigError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     for entry in config.lora_modules:
         adapter = parse_lora_module(entry)
-        if adapter.name in config.served_model_names:
-            raise ConfigError(f"--lora-modules: {adapter.name!r} is also a served model name")
+        try:
+            check_lora_name(adapter.name, state.base_model_names)
+        except InvalidRequestError as exc:
+            raise ConfigError(f"--lora-modules: {exc.message}") from None
         state.loras.add(adapter.name, adapter.path, adapter.base_model_name)
     admission = AdmissionController(config.max_seqs_in_flight, config.per_key_max_concurrency)
     routes = build_route_table(config, engine_config, metrics)

@@ -155,6 +155,12 @@ class ServerState:
     )
     """Where structured-output constraints compile: off the event loop and the engine thread."""
 
+    @property
+    def base_model_names(self) -> tuple[str, ...]:
+        """Names that mean the base model (served names and the model argument): no adapter
+        may take one."""
+        return (*self.config.served_model_names, self.engine_config.model)
+
     def cut_off_running(self) -> int:
         """End every generating request with a 503 (its engine requests are aborted); returns how many."""
         self.is_cut_off = True

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from tokenmill.entrypoints.openai.errors import APIError
+from tokenmill.entrypoints.openai.lora import check_lora_name
 from tokenmill.entrypoints.openai.protocol import StrictModel, decode_json_object, validate_model
 from tokenmill.entrypoints.openai.state import ServerState, get_state
 from tokenmill.model.lora import load_lora_adapter
@@ -55,9 +56,8 @@ async def load_lora_adapter_route(request: Request) -> PlainTextResponse:
     name = body.lora_name
 
     def check_name() -> None:
-        if not name.strip():
-            raise APIError(400, "lora_name must not be empty", param="lora_name")
-        if name in state.loras or name in state.config.served_model_names:
+        check_lora_name(name, state.base_model_names)
+        if name in state.loras:
             raise APIError(
                 400, f"The lora adapter '{name}' has already been loaded.", param="lora_name"
             )
