@@ -32,6 +32,10 @@ class ConfigError(TokenmillError, ValueError):
     """An engine configuration value is invalid."""
 
 
+class InsufficientMemoryError(TokenmillError):
+    """What the flags size (weights, KV, LoRA slots) does not fit the memory there is."""
+
+
 class RequestFailedError(TokenmillError):
     """One request raised inside the engine step; it was aborted, every other request goes on."""
 

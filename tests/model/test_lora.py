@@ -349,3 +349,14 @@ def test_padding_rows_never_carry_another_slots_nan_into_row_0(make_model) -> No
     out = state.apply(0, "qkv", x, y)
     assert torch.isfinite(out).all()
     assert torch.equal(out[0], torch.zeros_like(out[0]))  # row 0 is on the base model
+
+
+def test_lora_slot_bytes_is_what_the_stacks_allocate(make_model) -> None:
+    """The start-up memory check sizes LoRA slots with ``sizing.lora_slot_bytes``."""
+    from tokenmill.model import sizing
+    from tokenmill.model.config import ModelConfig
+    from tokenmill.model.lora import LoRAStacks
+
+    cfg = ModelConfig.from_folder(make_model("qwen3"))
+    stacks = LoRAStacks(cfg, 3, 4, torch.bfloat16, torch.device("cpu"))
+    assert sizing.lora_slot_bytes(cfg, 3, 4, 2) == stacks.nbytes

@@ -265,8 +265,12 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             engine = self._engine_factory(self.config)
-        except BaseException as exc:
-            logger.exception("the engine failed to load")
+        except BaseException as exc:  # one line; the traceback under --log-level debug
+            logger.error(
+                "the engine failed to load: %s",
+                exc if isinstance(exc, TokenmillError) else f"{type(exc).__name__}: {exc}",
+                exc_info=exc if logger.isEnabledFor(logging.DEBUG) else None,
+            )
             self.error = exc
             self.state = EngineState.DEAD
             self._call_on_loop(self._mark_ready)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from typing import Any
 
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
@@ -178,6 +179,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _report(exc: Exception, is_debug: bool) -> int:
+    """Print a failure as one line; the exit status is 2 for a bad flag or input, else 1."""
+    from tokenmill.errors import ConfigError, InvalidRequestError, TokenmillError
+
+    if is_debug:
+        traceback.print_exception(exc)
+    if isinstance(exc, (ConfigError, InvalidRequestError)):
+        print(f"tokenmill: error: {exc}", file=sys.stderr)
+        return 2
+    if isinstance(exc, TokenmillError):
+        print(f"tokenmill: error: {exc}", file=sys.stderr)
+        return 1
+    hint = "" if is_debug else " (--log-level debug shows the traceback)"
+    print(f"tokenmill: error: {type(exc).__name__}: {exc}{hint}", file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -189,13 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # a clear one-line error, not a traceback, for expected failures
-        from tokenmill.errors import TokenmillError
-
-        if isinstance(exc, TokenmillError):
-            print(f"tokenmill: error: {exc}", file=sys.stderr)
-            return 2
-        raise
+    except Exception as exc:  # one line, not a traceback (that is for --log-level debug)
+        return _report(exc, is_debug=args.log_level == "debug")
 
 
 if __name__ == "__main__":

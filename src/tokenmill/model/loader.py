@@ -219,25 +219,10 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_model(
-    folder: str | Path,
-    dtype: torch.dtype,
-    device: torch.device,
-    max_positions: int,
-    cfg: ModelConfig | None = None,
-    quantization: str | None = None,
-    group_size: int = 128,
-    prepack: bool = True,
-) -> DecoderModel:
-    """Build the decoder for ``folder`` and fill it with the checkpoint's weights.
-
-    With ``quantization``, each layer's projections are quantized as soon as the layer is
-    read, so at most one layer is ever held in the load dtype. The LM head is quantized to
-    int8 in both modes (int4 there cost more accuracy than it saved time, docs/benchmarks.md)
-    unless it is tied to the embedding, which stays in the model dtype for lookups.
-    """
-    folder = Path(folder)
-    cfg = cfg or ModelConfig.from_folder(folder)
+def check_checkpoint(folder: Path, cfg: ModelConfig) -> _Checkpoint:
+    """The checkpoint's headers against the config: files, tensor names, dtypes, shapes and
+    data offsets within the files (so a truncated file is found), reading no tensor data.
+    Cheap enough to run before the server listens; ModelLoadError names what is wrong."""
     ckpt = _Checkpoint(_checkpoint_files(folder))
     expected = _expected_shapes(cfg)
     if cfg.tie_word_embeddings:
@@ -258,6 +243,29 @@ def load_model(
             raise ModelLoadError(
                 f"{ckpt.entries[name].path}: tensor {name!r} has shape {ckpt.entries[name].shape}, expected {shape}"
             )
+    return ckpt
+
+
+def load_model(
+    folder: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    cfg: ModelConfig | None = None,
+    quantization: str | None = None,
+    group_size: int = 128,
+    prepack: bool = True,
+) -> DecoderModel:
+    """Build the decoder for ``folder`` and fill it with the checkpoint's weights.
+
+    With ``quantization``, each layer's projections are quantized as soon as the layer is
+    read, so at most one layer is ever held in the load dtype. The LM head is quantized to
+    int8 in both modes (int4 there cost more accuracy than it saved time, docs/benchmarks.md)
+    unless it is tied to the embedding, which stays in the model dtype for lookups.
+    """
+    folder = Path(folder)
+    cfg = cfg or ModelConfig.from_folder(folder)
+    ckpt = check_checkpoint(folder, cfg)
     if quantization is not None and device.type != "cpu":
         raise ConfigError(
             f"--quantization {quantization}: the int8/int4 kernels are CPU-only; use --device cpu"

@@ -126,3 +126,15 @@ def kv_budget_from_memory(
         return int(free_bytes * kv_cache_memory)
     used = total_bytes - free_bytes
     return max(0, int(total_bytes * gpu_memory_utilization) - used - ACTIVATION_HEADROOM_BYTES)
+
+
+def lora_slot_bytes(cfg: ModelConfig, num_slots: int, max_rank: int, element_bytes: int) -> int:
+    """What the LoRA slots (``--max-loras`` of ``--max-lora-rank``) take on the device: per
+    layer and fused projection, A ``[slots, in, slices x rank]`` and one B
+    ``[slots, rank, out]`` per slice, as ``model.lora.LoRAStacks`` allocates them."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    layout = ((h, (q, kv, kv)), (q, (h,)), (h, (i, i)), (i, (h,)))
+    per_slot = sum(
+        in_features * len(outs) * max_rank + max_rank * sum(outs) for in_features, outs in layout
+    )
+    return cfg.num_layers * num_slots * per_slot * element_bytes
