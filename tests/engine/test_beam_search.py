@@ -233,6 +233,28 @@ def test_beam_search_requests_wait_in_their_own_queue(make_model) -> None:
     assert finished[0] == "s" and sorted(finished) == ["b0", "b1", "b2", "s"]
 
 
+def test_running_beams_take_no_standard_place_in_the_batch(make_model) -> None:
+    """Issue 17: beams filled --max-num-seqs, so standard requests waited for a whole
+    search. Beams are counted apart: standard requests start in the next step."""
+    llm = LLM(str(make_model("llama")), dtype="float32", max_model_len=128, max_num_seqs=2)
+    engine = llm.engine
+    beam = SamplingParams(best_of=2, use_beam_search=True, max_tokens=40, ignore_eos=True)
+    engine.add_request("b", [5, 6, 7, 8], beam)
+    for _ in range(3):
+        engine.step()
+    assert sum(r.is_beam for r in engine.scheduler.running) == 2  # the batch bound, in beams
+    std = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("s1", [9, 10, 11], std)
+    engine.add_request("s2", [12, 13], std)
+    engine.step()
+    running = {r.parent_id for r in engine.scheduler.running}
+    assert {"s1", "s2", "b"} <= running, running
+    finished: list[str] = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished[:2] == ["s1", "s2"] or finished[:2] == ["s2", "s1"]
+
+
 def test_static_kv_refuses_beam_search(make_model) -> None:
     llm = LLM(
         str(make_model("llama")),

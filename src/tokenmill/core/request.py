@@ -65,6 +65,9 @@ class Request:
     """The LoRA adapter it runs with (``LoRARequest.lora_int_id``); 0: the base model."""
     grammar: object | None = None
     """The compiled structured-output grammar, opaque here; the worker keeps its matcher."""
+    is_beam: bool = False
+    """A beam of a beam search: it yields to standard requests (scheduled after them,
+    preempted first) and counts against its own bound, not ``max_num_seqs``."""
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

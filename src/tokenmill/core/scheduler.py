@@ -5,7 +5,10 @@ after preemption are one mechanism (a request simply has ``num_tokens -
 num_computed_tokens`` tokens left to compute). Running requests are served first, in
 policy order, then waiting ones are admitted while the token budget, ``max_num_seqs`` and
 KV memory allow. When memory runs out the lowest-priority, most recently arrived running
-request is preempted (its KV freed, recomputed later). No torch here.
+request is preempted (its KV freed, recomputed later). Beams of beam searches are a class
+of their own: ``max_num_seqs`` bounds standard and beam sequences apart (so beams never
+take a standard request's place in the batch), and beams come after standard requests of
+the same priority, so they get the token budget last and are preempted first. No torch here.
 """
 
 from __future__ import annotations
@@ -71,10 +74,14 @@ class Scheduler:
         self.num_preemptions = 0
 
     # ---- ordering --------------------------------------------------------------------
-    def _key(self, request: Request) -> tuple[int, float, str]:
-        """Sort key: earlier means more important."""
+    def _key(self, request: Request) -> tuple[int, bool, float, str]:
+        """Sort key: earlier means more important (beams after standard requests)."""
         priority = request.priority if self.policy == "priority" else 0
-        return (priority, request.arrival_time, request.request_id)
+        return (priority, request.is_beam, request.arrival_time, request.request_id)
+
+    def _num_running(self, is_beam: bool) -> int:
+        """Running sequences of one class (standard or beam): each has ``max_num_seqs``."""
+        return sum(1 for r in self.running if r.is_beam == is_beam)
 
     # ---- public API ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -158,10 +165,14 @@ class Scheduler:
         # adapter would exceed max_loras among running requests waits; later ones may pass it.
         active_loras = {r.lora_id for r in self.running if r.lora_id}
         index = 0
+        num_running = {False: self._num_running(False), True: self._num_running(True)}
         while index < len(self.waiting) and budget > 0 and not is_memory_tight:
-            if len(self.running) >= self.max_num_seqs:
+            if min(num_running.values()) >= self.max_num_seqs:
                 break
             request = self.waiting[index]
+            if num_running[request.is_beam] >= self.max_num_seqs:
+                index += 1  # its class is full; one of the other class may still start
+                continue
             if (
                 request.lora_id
                 and request.lora_id not in active_loras
@@ -185,6 +196,7 @@ class Scheduler:
                 request.metrics.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self._insert_running(request)
+            num_running[request.is_beam] += 1
             out.scheduled.append((request, num_new))
             budget -= num_new
         out.block_tables = {
@@ -210,7 +222,8 @@ class Scheduler:
             if victim.priority <= urgent.priority:
                 return
             first_chunk = min(urgent.num_tokens, self.max_num_batched_tokens)
-            if len(self.running) < self.max_num_seqs and self.kv.can_admit(urgent, first_chunk):
+            has_room = self._num_running(urgent.is_beam) < self.max_num_seqs
+            if has_room and self.kv.can_admit(urgent, first_chunk):
                 return
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)

@@ -12,7 +12,9 @@ searches produce a single final ``RequestOutput`` with the n best beams.
 
 Only ``max_beam_search_requests`` searches are in the scheduler at once (and never more
 beams than ``max_num_seqs``); the rest wait in this queue, not in the scheduler's waiting
-queue, so a burst of beam search requests does not queue ahead of standard ones.
+queue, so a burst of beam search requests does not queue ahead of standard ones. In the
+scheduler the beams are a class of their own (``Request.is_beam``): they hold none of the
+standard requests' ``max_num_seqs`` places, and yield the token budget and KV to them.
 """
 
 from __future__ import annotations
@@ -218,6 +220,7 @@ class BeamSearchCoordinator:
             arrival_time=processed.arrival_time,
             cache_salt=None if self.limits.enable_prefix_caching else rid,
             parent_id=rid,
+            is_beam=True,
         )
         beam.output_token_ids = list(output_token_ids)
         self._owner[beam.request_id] = rid
