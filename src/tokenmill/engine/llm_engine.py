@@ -26,6 +26,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import InvalidRequestError, RequestFailedError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.model.attention import FP8_DTYPES
+from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info, default_num_threads
 from tokenmill.model.loader import load_model, resolve_dtype
@@ -177,6 +178,7 @@ class LLMEngine:
             self.kv_manager.wants_compiled_decode
             and not config.enforce_eager
             and self._can_compile()
+            and self._model_compiles(model)
         ):
             compiled = CompiledDecodeStep(
                 model,
@@ -290,6 +292,16 @@ class LLMEngine:
             self.model_config, manager.num_blocks, block_size, self.kv_dtype, self.device
         )
         return manager, caches
+
+    def _model_compiles(self, model: CausalLM) -> bool:
+        """False for models whose forward cannot be compiled with fixed shapes (MoE routing)."""
+        if not model.supports_compiled_decode:
+            logger.info(
+                "static: %s runs the decode step eagerly (its forward has data-dependent "
+                "shapes: expert routing)",
+                self.model_config.architecture,
+            )
+        return model.supports_compiled_decode
 
     def _can_compile(self) -> bool:
         """False for the one combination whose compiled decode step was seen to be wrong.

@@ -4,7 +4,8 @@ One step mixes decode tokens (one query each) and prefill chunks (many queries, 
 after a cached prefix). Each group is one batched ``scaled_dot_product_attention`` call over
 K/V gathered from the block tables; grouped-query attention folds the query heads of a KV
 head into extra query rows, so K/V are never repeated. Per-step data arrives as an explicit
-``AttentionMetadata`` built by the model runner.
+``AttentionMetadata`` built once per step by ``TorchSDPABackend`` (``attention_backend.py``),
+the backend object the model calls; these are its kernels.
 
 An fp8 cache stores K/V divided by a per-layer, per-tensor scale (``kv_scales`` = [k, v]) and
 read back multiplied by it; torch has no fp8 index kernels on CPU, so fp8 caches are
@@ -120,8 +121,13 @@ def _attend(
     mask: torch.Tensor,
     scale: float,
     kv_scales: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """q [B, max_q, Hq, D] over K/V gathered through block_tables; mask [B, 1, max_q, L]."""
+    """q [B, max_q, Hq, D] over K/V gathered through block_tables; mask [B, 1, max_q, L].
+
+    ``softcap`` > 0 caps the scores as ``softcap * tanh(scores / softcap)`` (Gemma 2), which
+    SDPA cannot do, so those layers compute the softmax explicitly (in fp32, as transformers).
+    """
     batch, max_q, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group_size = num_heads // num_kv_heads
@@ -148,7 +154,14 @@ def _attend(
             .expand(-1, -1, group_size, -1, -1)
             .reshape(batch, 1, group_size * max_q, -1)
         )
-    attn = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    if softcap > 0:
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        attn = torch.matmul(weights, values)
+    else:
+        attn = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
     attn = attn.view(batch, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
     return attn.reshape(batch * max_q, num_heads * head_dim)
 
@@ -161,6 +174,7 @@ def paged_attention(
     scale: float,
     window: int | None,
     kv_scales: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of queries q [T, Hq, D] over the cached K/V; returns [T, Hq * D]."""
     num_tokens, num_heads, head_dim = q.shape
@@ -176,6 +190,7 @@ def paged_attention(
             group.mask(window, block_size),
             scale,
             kv_scales,
+            softcap,
         )
         if group.is_decode:
             out[group.token_index.view(-1)] = attn
@@ -216,12 +231,13 @@ def decode_attention(
     window: int,
     trim_to_longest: bool,
     kv_scales: torch.Tensor,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Write this step's K/V and attend, one query per row; opaque to torch.compile.
 
     Being one op with declared mutations lets inductor compile everything around it
     (norms, RoPE, SwiGLU) without copying the cache, and keeps the data-dependent trim
-    out of the traced graph. ``window`` 0 means full attention.
+    out of the traced graph. ``window`` 0 means full attention, ``softcap`` 0 no capping.
     """
     write_kv(k_cache, v_cache, k, v, slot_mapping, kv_scales)
     block_size = k_cache.shape[1]
@@ -233,7 +249,7 @@ def decode_attention(
         block_tables.shape[1] * block_size,
         window or None,
     )
-    return _attend(q.unsqueeze(1), k_cache, v_cache, block_tables, mask, scale, kv_scales)
+    return _attend(q.unsqueeze(1), k_cache, v_cache, block_tables, mask, scale, kv_scales, softcap)
 
 
 @decode_attention.register_fake
@@ -250,5 +266,6 @@ def _decode_attention_fake(
     window,
     trim_to_longest,
     kv_scales,
+    softcap=0.0,
 ):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

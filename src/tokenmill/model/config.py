@@ -1,9 +1,10 @@
 """ModelConfig: the architecture facts the shared decoder needs, parsed from config.json.
 
-Families (Llama, Mistral, Qwen2, Qwen3) differ only by flags here (qkv bias, q/k norm,
-sliding window, RoPE scaling), so one decoder implementation serves them all. Both the
-transformers v4 (``rope_theta`` + ``rope_scaling``) and v5 (``rope_parameters``) layouts
-are accepted.
+Families differ only by flags here (biases, q/k norm, norm placement, sliding windows,
+RoPE variants, soft-capping, mixture-of-experts shape); which flags a family sets comes
+from ``model/registry.py``. Both the transformers v4 (``rope_theta`` + ``rope_scaling``)
+and v5 (``rope_parameters``, per layer type for Gemma 3) layouts are accepted. A value
+the decoder cannot honour is refused here, naming the file, the field and what works.
 """
 
 from __future__ import annotations
@@ -14,23 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.model.registry import ArchSpec, lookup, weight_layout
 
-
-@dataclass(frozen=True)
-class FamilySpec:
-    """What distinguishes one model family inside the shared decoder."""
-
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    uses_sliding_window: bool = False
-
-
-FAMILIES: dict[str, FamilySpec] = {
-    "LlamaForCausalLM": FamilySpec(),
-    "MistralForCausalLM": FamilySpec(uses_sliding_window=True),
-    "Qwen2ForCausalLM": FamilySpec(qkv_bias=True, uses_sliding_window=True),
-    "Qwen3ForCausalLM": FamilySpec(qk_norm=True, uses_sliding_window=True),
-}
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+"""RoPE scaling types the rotary embedding implements."""
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+"""MLP activations the decoder implements."""
 
 
 @dataclass(frozen=True)
@@ -51,12 +41,43 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
-    qk_norm: bool
+    qk_norm: str
+    """``none``, ``head`` (per-head RMSNorm of q and k) or ``full`` (over all heads)."""
     sliding_windows: tuple[int | None, ...]
     """Per layer: attention window in tokens, or None for full attention."""
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    o_bias: bool = False
+    mlp_bias: bool = False
+    norm_placement: str = "pre"
+    """``pre`` (Llama), ``post`` (OLMo 2: norms of the attention and MLP outputs) or
+    ``sandwich`` (Gemma: both)."""
+    hidden_act: str = "silu"
+    norm_offset: bool = False
+    """RMSNorm scales by ``1 + weight`` (Gemma)."""
+    embed_scale: float | None = None
+    """Embeddings are multiplied by this (Gemma: sqrt(hidden_size))."""
+    attn_scale: float | None = None
+    """Query scaling; None means head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)."""
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    rotary_dim: int | None = None
+    """Leading dims of each head that RoPE rotates (Phi-3 partial_rotary_factor); None: all."""
+    local_rope_theta: float | None = None
+    """Sliding layers' RoPE base, when it differs from the global one (Gemma 3)."""
+    local_rope_scaling: dict[str, Any] | None = None
+    moe: str = "none"
+    """Router flavour of the sparse layers: ``mixtral``, ``qwen2_moe``, ``qwen3_moe``."""
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    """Renormalise the top-k routing weights to sum to one."""
+    shared_expert_intermediate_size: int = 0
+    """Qwen2-MoE's always-on expert (0: none)."""
+    moe_layers: tuple[bool, ...] = ()
+    """Per layer: sparse MLP (True) or dense MLP."""
 
     @property
     def q_size(self) -> int:
@@ -67,48 +88,49 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def is_moe(self) -> bool:
+        return any(self.moe_layers)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
+    @property
     def num_params(self) -> int:
-        """Parameter count (embeddings and LM head counted separately when untied)."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
-        head = 0 if self.tie_word_embeddings else v * h
-        return self.num_layers * per_layer + v * h + head + h
+        """Parameter count, from the registry's layout (an untied LM head counted apart)."""
+        return sum(spec.numel for spec in weight_layout(self))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         archs = raw.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in FAMILIES:
-            raise ModelLoadError(
-                f"{source}: unsupported architecture {arch!r}; supported: {sorted(FAMILIES)}"
-            )
-        family = FAMILIES[arch]
+        spec = lookup(archs[0] if archs else None, source)
+        family = spec.family
         try:
             hidden = int(raw["hidden_size"])
             num_heads = int(raw["num_attention_heads"])
             num_layers = int(raw["num_hidden_layers"])
             head_dim = int(raw.get("head_dim") or hidden // num_heads)
-            rope = dict(raw.get("rope_parameters") or {})
-            rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-            scaling = rope or raw.get("rope_scaling") or None
-            if scaling is not None:
-                scaling = dict(scaling)
-                kind = scaling.get("rope_type", scaling.get("type", "default"))
-                scaling["rope_type"] = kind
-                if kind == "default":
-                    scaling = None
-                elif kind not in ("linear", "llama3"):
-                    raise ModelLoadError(
-                        f"{source}: rope scaling type {kind!r} is not supported (supported: linear, llama3)"
-                    )
-            windows = _sliding_windows(raw, family, num_layers)
+            rope_theta, scaling, local_theta, local_scaling, rotary_dim = _rope(
+                raw, spec, head_dim, source
+            )
+            windows = _sliding_windows(raw, spec, num_layers)
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+            if family.gemma:
+                act = raw.get("hidden_activation") or "gelu_pytorch_tanh"
+            if act not in HIDDEN_ACTS:
+                field = "hidden_activation" if family.gemma else "hidden_act"
+                raise ModelLoadError(
+                    f"{source}: {field} {act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})"
+                )
+            attention_bias = bool(raw.get("attention_bias", False))
+            moe = _moe_fields(raw, spec, num_layers)
+            query_scalar = raw.get("query_pre_attn_scalar") if family.gemma else None
             return cls(
-                architecture=arch,
+                architecture=spec.name,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
+                intermediate_size=int(raw.get("intermediate_size") or 0),
                 num_layers=num_layers,
                 num_heads=num_heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
@@ -117,13 +139,30 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 rope_scaling=scaling,
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=family.qkv_bias or bool(raw.get("attention_bias", False)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", family.gemma)),
+                qkv_bias=family.qkv_bias or bool(raw.get("qkv_bias", False)) or attention_bias,
+                o_bias=attention_bias,
+                mlp_bias=bool(raw.get("mlp_bias", False)),
                 qk_norm=family.qk_norm,
+                norm_placement=family.norm_placement,
+                hidden_act=act,
+                norm_offset=family.gemma,
+                embed_scale=hidden**0.5 if family.gemma else None,
+                attn_scale=float(query_scalar) ** -0.5 if query_scalar else None,
+                attn_logit_softcap=_optional_float(raw.get("attn_logit_softcapping"))
+                if family.gemma
+                else None,
+                final_logit_softcap=_optional_float(raw.get("final_logit_softcapping"))
+                if family.gemma
+                else None,
+                rotary_dim=rotary_dim,
+                local_rope_theta=local_theta,
+                local_rope_scaling=local_scaling,
                 sliding_windows=windows,
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                **moe,
             )
         except KeyError as exc:
             raise ModelLoadError(f"{source}: missing required field {exc.args[0]!r}") from None
@@ -142,13 +181,116 @@ class ModelConfig:
         return cls.from_dict(raw, source=str(path))
 
 
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _scaling(
+    params: dict[str, Any] | None, raw: dict[str, Any], field: str, source: str
+) -> dict[str, Any] | None:
+    """A RoPE scaling dict with ``rope_type`` set, None for plain RoPE; unknown types refused."""
+    if not params:
+        return None
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("su", "yarn") and "long_factor" in scaling:  # Phi-3's old names for longrope
+        kind = "longrope"
+    scaling["rope_type"] = kind
+    if kind == "default":
+        return None
+    if kind not in ROPE_TYPES:
+        raise ModelLoadError(
+            f"{source}: {field} type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+        )
+    if kind == "longrope":
+        scaling.setdefault(
+            "original_max_position_embeddings",
+            raw.get("original_max_position_embeddings", raw.get("max_position_embeddings")),
+        )
+        scaling.setdefault("max_position_embeddings", raw.get("max_position_embeddings"))
+    return scaling
+
+
+def _rope(
+    raw: dict[str, Any], spec: ArchSpec, head_dim: int, source: str
+) -> tuple[float, dict[str, Any] | None, float | None, dict[str, Any] | None, int | None]:
+    """(theta, scaling, local theta, local scaling, rotary dim) from either config layout."""
+    params = dict(raw.get("rope_parameters") or {})
+    local: dict[str, Any] | None = None
+    if "full_attention" in params or "sliding_attention" in params:  # v5, per layer type
+        local = dict(params.get("sliding_attention") or {})
+        params = dict(params.get("full_attention") or {})
+    default_theta = 1_000_000.0 if spec.family.rope_per_layer_type else 10000.0
+    theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
+    field = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+    scaling = _scaling(params or raw.get("rope_scaling"), raw, field, source)
+    factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    rotary_dim = int(head_dim * factor) if factor != 1.0 else None
+    if not spec.family.rope_per_layer_type:
+        return theta, scaling, None, None, rotary_dim
+    if local is not None:
+        local_theta = float(local.get("rope_theta", 10000.0))
+        local_scaling = _scaling(local, raw, "rope_parameters.sliding_attention", source)
+    else:
+        local_theta, local_scaling = float(raw.get("rope_local_base_freq", 10000.0)), None
+    return theta, scaling, local_theta, local_scaling, rotary_dim
+
+
+def _moe_fields(raw: dict[str, Any], spec: ArchSpec, num_layers: int) -> dict[str, Any]:
+    kind = spec.family.moe
+    if kind == "none":
+        return {}
+    num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+    top_k = int(raw["num_experts_per_tok"])
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise ModelLoadError(
+            f"config.json: num_experts_per_tok {top_k} must be between 1 and the number of "
+            f"experts ({num_experts})"
+        )
+    if kind == "mixtral":
+        inter, norm_topk, shared, layers = (
+            int(raw["intermediate_size"]),
+            True,
+            0,
+            [True] * num_layers,
+        )
+    else:
+        inter = int(raw["moe_intermediate_size"])
+        norm_topk = bool(raw.get("norm_topk_prob", kind == "qwen3_moe"))
+        shared = int(raw.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0
+        step = int(raw.get("decoder_sparse_step", 1) or 1)
+        dense = set(raw.get("mlp_only_layers") or [])
+        layers = [
+            i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
+        ]
+    return {
+        "moe": kind,
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": inter,
+        "norm_topk_prob": norm_topk,
+        "shared_expert_intermediate_size": shared,
+        "moe_layers": tuple(layers),
+    }
+
+
 def _sliding_windows(
-    raw: dict[str, Any], family: FamilySpec, num_layers: int
+    raw: dict[str, Any], spec: ArchSpec, num_layers: int
 ) -> tuple[int | None, ...]:
     window = raw.get("sliding_window")
-    if not family.uses_sliding_window or not window:
+    if not spec.family.uses_sliding_window or not window:
         return (None,) * num_layers
     layer_types = raw.get("layer_types")
+    if not layer_types and spec.name == "Gemma2ForCausalLM":  # transformers' default pattern
+        layer_types = [
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
+        ]
+    if not layer_types and spec.name == "Gemma3ForCausalLM":
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        layer_types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
     if layer_types:
         return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
     if "use_sliding_window" in raw:  # Qwen2/3 without layer_types (transformers v4)

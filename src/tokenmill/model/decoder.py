@@ -1,10 +1,12 @@
-"""The shared decoder-only transformer (Llama, Mistral, Qwen2, Qwen3).
+"""The shared decoder-only transformer behind every native family (model/registry.py).
 
-Families differ only by ModelConfig flags: q/k/v bias (Qwen2), per-head q/k RMSNorm
-(Qwen3), sliding-window layers (Mistral, Qwen), RoPE scaling (Llama 3). Projections are
+Families differ only by ModelConfig flags: q/k/v and o biases, MLP biases, q/k RMSNorm
+per head (Qwen3, Gemma 3) or over all heads (OLMo 2), norm placement (pre, post, Gemma's
+sandwich), sliding-window layers, RoPE variants and per-layer bases, soft-capping, scaled
+embeddings, and a sparse MLP (model/moe.py) in place of the dense one. Projections are
 fused at load time: one [q|k|v] matmul and one [gate|up] matmul per layer. The forward
-takes a flat batch of tokens from many requests; attention reads the paged KV cache. A
-step with LoRA rows passes its ``LoRAStepState``, which adds each projection's delta.
+takes a flat batch of tokens from many requests; attention and the KV cache go through
+the model's attention backend. A step with LoRA rows passes its ``LoRAStepState``.
 """
 
 from __future__ import annotations
@@ -12,15 +14,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.model.attention import (
-    FP8_DTYPES,
-    AttentionMetadata,
-    DecodeMetadata,
-    paged_attention,
-    write_kv,
+from tokenmill.model.attention_backend import (
+    AttentionBackend,
+    StepMetadata,
+    default_attention_backend,
 )
+from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from tokenmill.model.layers import ACT_AND_MUL, Linear, RMSNorm, RotaryEmbedding
 from tokenmill.model.lora import LoRAStepState
 
 
@@ -29,9 +30,9 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class Attention(nn.Module):
-    """Self-attention with fused QKV, optional q/k norm and an optional sliding window."""
+    """Self-attention with fused QKV, optional q/k norm, window and soft-cap."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
@@ -40,12 +41,19 @@ class Attention(nn.Module):
         )
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o = Linear(cfg.q_size, cfg.hidden_size)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.o = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        q_dim, k_dim = (
+            (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "head" else (cfg.q_size, cfg.kv_size)
+        )
+        has_norm = cfg.qk_norm != "none"
+        self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, cfg.norm_offset) if has_norm else None
+        self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, cfg.norm_offset) if has_norm else None
         self.window = cfg.sliding_windows[layer_idx]
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attn_scale or cfg.head_dim**-0.5
+        self.logit_softcap = cfg.attn_logit_softcap
         self.layer_idx = layer_idx
+        self.backend = backend
         self.register_buffer("kv_scales", torch.ones(2), persistent=False)
         """fp8 caches only: K and V are stored divided by these (set by ``calibrate_kv_scales``)."""
         self.kv_scales_calibrated = False
@@ -65,73 +73,74 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         rope: RotaryEmbedding,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata | DecodeMetadata,
+        meta: StepMetadata,
         lora: LoRAStepState | None = None,
     ) -> torch.Tensor:
         qkv = self.qkv(x)
         if lora is not None:
             qkv = lora.apply(self.layer_idx, "qkv", x, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "full" and self.q_norm is not None and self.k_norm is not None:
+            q, _ = self.q_norm(q)
+            k, _ = self.k_norm(k)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.qk_norm == "head" and self.q_norm is not None and self.k_norm is not None:
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
         q, k = rope(positions, q, k)
-        k_cache, v_cache = kv_cache
-        if isinstance(meta, DecodeMetadata):
-            out = torch.ops.tokenmill.decode_attention(
-                q,
-                k,
-                v,
-                k_cache,
-                v_cache,
-                meta.slot_mapping,
-                meta.block_tables,
-                meta.context_lens,
-                self.scale,
-                self.window or 0,
-                meta.trim_to_longest,
-                self.kv_scales,
-            )
-        else:
-            if k_cache.dtype in FP8_DTYPES and not self.kv_scales_calibrated:
-                self.calibrate_kv_scales(k, v, k_cache.dtype)
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping, self.kv_scales)
-            out = paged_attention(
-                q, k_cache, v_cache, meta, self.scale, self.window, self.kv_scales
-            )
+        out = self.backend.forward(self, q, k, v, kv_cache, meta)
         if lora is None:
             return self.o(out)
         return lora.apply(self.layer_idx, "o", out, self.o(out))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward with a fused [gate|up] projection."""
+    """Gated feed-forward (SwiGLU, or GeGLU for Gemma) with a fused [gate|up] projection."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int = 0,
+        intermediate_size: int | None = None,
+        bias: bool | None = None,
+    ) -> None:
         super().__init__()
-        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down = Linear(cfg.intermediate_size, cfg.hidden_size)
+        inter = intermediate_size or cfg.intermediate_size
+        has_bias = cfg.mlp_bias if bias is None else bias
+        self.gate_up = Linear(cfg.hidden_size, 2 * inter, bias=has_bias)
+        self.down = Linear(inter, cfg.hidden_size, bias=has_bias)
+        self.act_and_mul = ACT_AND_MUL[cfg.hidden_act]
         self.layer_idx = layer_idx
 
     def forward(self, x: torch.Tensor, lora: LoRAStepState | None = None) -> torch.Tensor:
         if lora is None:
-            return self.down(silu_and_mul(self.gate_up(x)))
-        h = silu_and_mul(lora.apply(self.layer_idx, "gate_up", x, self.gate_up(x)))
+            return self.down(self.act_and_mul(self.gate_up(x)))
+        h = self.act_and_mul(lora.apply(self.layer_idx, "gate_up", x, self.gate_up(x)))
         return lora.apply(self.layer_idx, "down", h, self.down(h))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; the residual add is fused into the next RMSNorm."""
+    """One block. The running hidden state is ``x + residual`` (residual None: just x), so
+    the residual add fuses into the next RMSNorm whatever the norm placement."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
         super().__init__()
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer_idx)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, layer_idx)
+        eps, offset, h = cfg.rms_norm_eps, cfg.norm_offset, cfg.hidden_size
+        self.placement = cfg.norm_placement
+        self.input_norm = RMSNorm(h, eps, offset) if self.placement != "post" else None
+        self.attn = Attention(cfg, layer_idx, backend)
+        self.post_attn_norm = RMSNorm(h, eps, offset)
+        self.pre_mlp_norm = RMSNorm(h, eps, offset) if self.placement == "sandwich" else None
+        self.post_mlp_norm = RMSNorm(h, eps, offset) if self.placement != "pre" else None
+        self.mlp: nn.Module
+        if cfg.is_moe_layer(layer_idx):
+            from tokenmill.model.moe import SparseMoE
+
+            self.mlp = SparseMoE(cfg, layer_idx)
+        else:
+            self.mlp = MLP(cfg, layer_idx)
 
     def forward(
         self,
@@ -140,55 +149,111 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         rope: RotaryEmbedding,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata | DecodeMetadata,
+        meta: StepMetadata,
         lora: LoRAStepState | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.placement == "post":  # OLMo 2: x + norm(attn(x)), then + norm(mlp(.))
+            hidden = x if residual is None else x + residual
+            attn, _ = self.post_attn_norm(self.attn(hidden, positions, rope, kv_cache, meta, lora))
+            hidden = hidden + attn
+            out, _ = self.post_mlp_norm(self.mlp(hidden, lora))  # type: ignore[misc]
+            return out, hidden
+        assert self.input_norm is not None
         h, residual = self.input_norm(x, residual)
         h = self.attn(h, positions, rope, kv_cache, meta, lora)
-        h, residual = self.post_attn_norm(h, residual)
-        return self.mlp(h, lora), residual
+        if self.pre_mlp_norm is None:  # pre-norm (Llama)
+            h, residual = self.post_attn_norm(h, residual)
+            return self.mlp(h, lora), residual
+        h, _ = self.post_attn_norm(h)  # Gemma's sandwich
+        h, residual = self.pre_mlp_norm(h, residual)
+        out, _ = self.post_mlp_norm(self.mlp(h, lora))  # type: ignore[misc]
+        return out, residual
 
 
-class DecoderModel(nn.Module):
+class DecoderModel(CausalLM):
     """Embedding, N decoder layers, final norm and LM head."""
 
     def __init__(
-        self, cfg: ModelConfig, max_positions: int, rope: RotaryEmbedding | None = None
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        rope: RotaryEmbedding | None = None,
+        attn_backend: AttentionBackend | None = None,
+        local_rope: RotaryEmbedding | None = None,
     ) -> None:
-        """``rope`` may come prebuilt: the loader builds the model on the meta device, where
-        computing the RoPE tables would only cost seconds of lazy torch imports."""
+        """``rope`` (and ``local_rope``) may come prebuilt: the loader builds the model on
+        the meta device, where computing the RoPE tables would only cost seconds of lazy
+        torch imports."""
         super().__init__()
         self.config = cfg
+        self.attn_backend = attn_backend or default_attention_backend(torch.device("cpu"))
+        self.supports_compiled_decode = not cfg.is_moe  # routing is data-dependent
         self.embed = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        self.rope = (
-            rope
-            if rope is not None
-            else RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, self.attn_backend) for i in range(cfg.num_layers)
         )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.rope = rope if rope is not None else build_rope(cfg, max_positions)
+        self.local_rope = local_rope
+        """Sliding layers' RoPE when their base differs (Gemma 3); else they share ``rope``."""
+        if local_rope is None and cfg.local_rope_theta is not None:
+            self.local_rope = build_rope(cfg, max_positions, local=True)
+
+    def _layer_rope(self, layer: DecoderLayer) -> RotaryEmbedding:
+        if self.local_rope is not None and layer.attn.window is not None:
+            return self.local_rope
+        return self.rope
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata | DecodeMetadata,
+        meta: StepMetadata,
         lora: LoRAStepState | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat batch of tokens."""
         x = nn.functional.embedding(input_ids, self.embed)
+        if self.config.embed_scale is not None:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.rope, kv_cache, meta, lora)
+            rope = self._layer_rope(layer)
+            x, residual = layer(x, residual, positions, rope, kv_cache, meta, lora)
         x, _ = self.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in float32 for the rows that need them."""
-        return self.lm_head(hidden).float()
+        """Logits in float32 for the rows that need them (soft-capped where the model says)."""
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def linears(self) -> list[Linear]:
         """Every projection, for weight-layout changes such as oneDNN prepacking."""
         return [m for m in self.modules() if isinstance(m, Linear)]
+
+    def debug_stats(self) -> dict[str, list[list[int]]]:
+        from tokenmill.model.moe import SparseMoE
+
+        counts = [
+            layer.mlp.tokens_per_expert.tolist()
+            for layer in self.layers
+            if isinstance(layer.mlp, SparseMoE)
+        ]
+        return {"moe_tokens_per_expert": counts} if counts else {}
+
+
+def build_rope(cfg: ModelConfig, max_positions: int, local: bool = False) -> RotaryEmbedding:
+    """The global RoPE of ``cfg`` or, with ``local``, its sliding layers' own."""
+    if local:
+        theta = cfg.local_rope_theta if cfg.local_rope_theta is not None else cfg.rope_theta
+        return RotaryEmbedding(
+            cfg.head_dim, max_positions, theta, cfg.local_rope_scaling, cfg.rotary_dim
+        )
+    return RotaryEmbedding(
+        cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim
+    )

@@ -1,4 +1,4 @@
-"""Building blocks shared by every model family: RMSNorm, rotary embeddings, SwiGLU.
+"""Building blocks shared by every model family: RMSNorm, rotary embeddings, gated MLPs.
 
 They follow transformers' numerics (fp32 norm statistics, fp32 RoPE tables) so that
 greedy outputs match token for token in float32.
@@ -101,17 +101,24 @@ _ONEDNN_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm; with ``residual`` it first adds it and returns the new residual too."""
+    """RMSNorm; with ``residual`` it first adds it and returns the new residual too.
 
-    def __init__(self, size: int, eps: float) -> None:
+    ``offset`` is Gemma's variant: the scale is ``1 + weight`` and it is applied in fp32
+    before casting back (Llama casts first, then scales).
+    """
+
+    def __init__(self, size: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
+        self.offset = offset
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
     def forward(
@@ -128,8 +135,19 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (tanh-approximated GELU, Gemma's ``gelu_pytorch_tanh``) on a fused [gate | up]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.gelu(gate, approximate="tanh") * up
+
+
+ACT_AND_MUL = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+"""Gated activations by the ``hidden_act`` name in config.json."""
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies, including linear and llama3 context extension."""
+    """Inverse frequencies, including linear and llama3 context extension (``head_dim``:
+    the rotated dims). longrope is built by ``RotaryEmbedding`` from two of these."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
@@ -152,19 +170,65 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     raise ValueError(f"unsupported rope_type {kind!r}")
 
 
+def _longrope_tables(
+    rotary_dim: int, max_positions: int, theta: float, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-3's longrope: short factors below the original context, long factors from it on.
+
+    transformers switches the whole sequence to the long factors once it grows past the
+    original context; here each position uses the factors of its own range (vLLM's way),
+    which is identical below the original context.
+    """
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = float(scaling.get("max_position_embeddings") or original) / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    tables = []
+    for key in ("short_factor", "long_factor"):
+        ext = torch.tensor(scaling[key], dtype=torch.float32)
+        inv_freq = 1.0 / (ext * theta**exponents)
+        freqs = positions[:, None] * inv_freq[None, :]
+        tables.append(torch.cat((freqs, freqs), dim=-1))
+    is_long = (positions >= original)[:, None]
+    emb = torch.where(is_long, tables[1], tables[0])
+    return emb.cos() * attention_factor, emb.sin() * attention_factor
+
+
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position (rotate-half layout)."""
+    """Precomputed cos/sin tables indexed by absolute position (rotate-half layout).
+
+    ``rotary_dim`` below ``head_dim`` rotates only the leading dims of each head (Phi-3's
+    ``partial_rotary_factor``).
+    """
 
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.rotary_dim = rotary_dim or head_dim
+        if scaling is not None and scaling["rope_type"] == "longrope":
+            cos, sin = _longrope_tables(self.rotary_dim, max_positions, theta, scaling)
+        else:
+            inv_freq = rope_inv_freq(self.rotary_dim, theta, scaling)
+            positions = torch.arange(max_positions, dtype=torch.float32)
+            freqs = positions[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.is_partial = self.rotary_dim != head_dim
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -172,6 +236,12 @@ class RotaryEmbedding(nn.Module):
         """Rotate q [T, Hq, D] and k [T, Hkv, D] by their positions [T]."""
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        if self.is_partial:
+            r = self.rotary_dim
+            q_rot, k_rot = q[..., :r], k[..., :r]
+            q_rot = q_rot * cos + _rotate_half(q_rot) * sin
+            k_rot = k_rot * cos + _rotate_half(k_rot) * sin
+            return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

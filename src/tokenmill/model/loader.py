@@ -1,8 +1,8 @@
-"""Load a Hugging Face model folder (config + safetensors) into the shared decoder.
+"""Load a Hugging Face model folder (config + safetensors) into its registered model.
 
 Reads ``model.safetensors`` or a sharded ``model.safetensors.index.json``, checks every
-tensor name and shape against the architecture, fuses q/k/v and gate/up projections, and
-fails with a message that names the file and tensor at fault.
+tensor name and shape against the registry's layout for the architecture, fuses q/k/v and
+gate/up projections, and fails with a message that names the file and tensor at fault.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from tokenmill.errors import ConfigError, ModelLoadError
+from tokenmill.model.attention_backend import AttentionBackend, default_attention_backend
+from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info
-from tokenmill.model.decoder import DecoderModel
-from tokenmill.model.layers import Linear, RotaryEmbedding
 from tokenmill.model.quant import quantize_linear
+from tokenmill.model.registry import expected_tensors, model_class, weight_layout
 
 logger = logging.getLogger(__name__)
 
@@ -186,57 +187,29 @@ class _Checkpoint:
         self.entries.pop(name, None)
 
 
-def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for n in range(cfg.num_layers):
-        p = f"model.layers.{n}."
-        shapes.update(
-            {
-                p + "self_attn.q_proj.weight": (cfg.q_size, h),
-                p + "self_attn.k_proj.weight": (cfg.kv_size, h),
-                p + "self_attn.v_proj.weight": (cfg.kv_size, h),
-                p + "self_attn.o_proj.weight": (h, cfg.q_size),
-                p + "mlp.gate_proj.weight": (i, h),
-                p + "mlp.up_proj.weight": (i, h),
-                p + "mlp.down_proj.weight": (h, i),
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-            }
-        )
-        if cfg.qkv_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
-            shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)
-            shapes[p + "self_attn.v_proj.bias"] = (cfg.kv_size,)
-        if cfg.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
-    return shapes
-
-
 def check_checkpoint(folder: Path, cfg: ModelConfig) -> _Checkpoint:
-    """The checkpoint's headers against the config: files, tensor names, dtypes, shapes and
-    data offsets within the files (so a truncated file is found), reading no tensor data.
-    Cheap enough to run before the server listens; ModelLoadError names what is wrong."""
+    """Open the checkpoint and check its headers against the registry's layout: files, tensor
+    names, dtypes, shapes and data offsets (so a truncated file is found), reading no tensor
+    data, so it is cheap enough to run before the server listens. Errors name the file and the tensor (missing, unexpected or misshapen) and say what the
+    architecture expects.
+    """
     ckpt = _Checkpoint(_checkpoint_files(folder))
-    expected = _expected_shapes(cfg)
+    expected = expected_tensors(cfg)
     if cfg.tie_word_embeddings:
         ckpt.discard("lm_head.weight")  # some tied checkpoints still store it
     missing = sorted(set(expected) - set(ckpt.entries))
     if missing:
         raise ModelLoadError(
-            f"{folder}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            f"{folder}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+            f"that {cfg.architecture} needs"
         )
     unexpected = sorted(set(ckpt.entries) - set(expected))
     if unexpected:
         name = unexpected[0]
         raise ModelLoadError(
             f"{ckpt.entries[name].path}: unexpected tensor {name!r} for {cfg.architecture}"
+            f"{f' (and {len(unexpected) - 1} more)' if len(unexpected) > 1 else ''}; "
+            "its config.json does not declare the module it belongs to"
         )
     for name, shape in expected.items():
         if ckpt.entries[name].shape != shape:
@@ -244,6 +217,15 @@ def check_checkpoint(folder: Path, cfg: ModelConfig) -> _Checkpoint:
                 f"{ckpt.entries[name].path}: tensor {name!r} has shape {ckpt.entries[name].shape}, expected {shape}"
             )
     return ckpt
+
+
+def _resolve(model: nn.Module, target: str) -> tuple[nn.Module, str]:
+    """(parent module, attribute name) of a dotted parameter path."""
+    *path, attr = target.split(".")
+    module = model
+    for part in path:
+        module = getattr(module, part)
+    return module, attr
 
 
 def load_model(
@@ -255,13 +237,15 @@ def load_model(
     quantization: str | None = None,
     group_size: int = 128,
     prepack: bool = True,
-) -> DecoderModel:
-    """Build the decoder for ``folder`` and fill it with the checkpoint's weights.
+    attn_backend: AttentionBackend | None = None,
+) -> CausalLM:
+    """Build the registered model for ``folder`` and fill it with the checkpoint's weights.
 
-    With ``quantization``, each layer's projections are quantized as soon as the layer is
-    read, so at most one layer is ever held in the load dtype. The LM head is quantized to
-    int8 in both modes (int4 there cost more accuracy than it saved time, docs/benchmarks.md)
-    unless it is tied to the embedding, which stays in the model dtype for lookups.
+    Every parameter comes from the registry's layout (``model/registry.weight_layout``).
+    With ``quantization``, each projection is quantized as soon as it is read, so at most
+    one projection is ever held in the load dtype. The LM head is quantized to int8 in both
+    modes (int4 there cost more accuracy than it saved time, docs/benchmarks.md) unless it
+    is tied to the embedding, which stays in the model dtype for lookups.
     """
     folder = Path(folder)
     cfg = cfg or ModelConfig.from_folder(folder)
@@ -273,11 +257,19 @@ def load_model(
     pack = prepack and device.type == "cpu"  # False keeps plain weights to inspect
     num_packed = num_quantized = 0
 
-    rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling).to(device)
-    with torch.device("meta"):
-        model = DecoderModel(cfg, max_positions, rope)
+    from tokenmill.model.decoder import build_rope
 
-    def put(module: nn.Module, attr: str, *names: str) -> None:
+    rope = build_rope(cfg, max_positions).to(device)
+    local_rope = (
+        build_rope(cfg, max_positions, local=True).to(device)
+        if cfg.local_rope_theta is not None
+        else None
+    )
+    backend = attn_backend or default_attention_backend(device)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg, max_positions, rope, backend, local_rope)
+
+    def put(module: nn.Module, attr: str, names: tuple[str, ...]) -> None:
         """Read ``names`` (fused along dim 0 when several) straight into one parameter."""
         shapes = [ckpt.entries[n].shape for n in names]
         value = torch.empty((sum(s[0] for s in shapes), *shapes[0][1:]), dtype=dtype)
@@ -298,36 +290,33 @@ def load_model(
         elif pack:
             num_packed += linear.pack_for_onednn()
 
-    def convert_all(module: nn.Module) -> None:
-        """Convert a layer's projections right away, so only one layer is ever unconverted."""
-        for parent in list(module.modules()):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, Linear):
-                    convert(parent, name, quantization)
-
-    put(model, "embed", "model.embed_tokens.weight")
+    layout = weight_layout(cfg)
+    pending: list[tuple[nn.Module, str, str | None]] = []
+    """Projections read but not converted yet: converted once their bias is read too."""
+    for index, spec in enumerate(layout):
+        module, attr = _resolve(model, spec.target)
+        put(module, attr, spec.sources)
+        if spec.kind != "plain":
+            parent, name = _resolve(model, spec.target.rsplit(".", 1)[0])
+            head_method = None if quantization is None else LM_HEAD_QUANTIZATION
+            pending.append(
+                (parent, name, quantization if spec.kind == "projection" else head_method)
+            )
+        is_last = index + 1 == len(layout)
+        if is_last or layout[index + 1].layer != spec.layer:  # a layer is complete: convert now
+            for parent, name, method in pending:
+                convert(parent, name, method)
+            pending.clear()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed  # left as it is: converting would copy the embedding
-    else:
-        put(model.lm_head, "weight", "lm_head.weight")
-        convert(model, "lm_head", None if quantization is None else LM_HEAD_QUANTIZATION)
-    put(model.norm, "weight", "model.norm.weight")
-    for n, layer in enumerate(model.layers):
-        p = f"model.layers.{n}."
-        a = p + "self_attn."
-        put(layer.attn.qkv, "weight", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
-        if cfg.qkv_bias:
-            put(layer.attn.qkv, "bias", a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
-        put(layer.attn.o, "weight", a + "o_proj.weight")
-        if cfg.qk_norm:
-            put(layer.attn.q_norm, "weight", a + "q_norm.weight")
-            put(layer.attn.k_norm, "weight", a + "k_norm.weight")
-        put(layer.mlp.gate_up, "weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-        put(layer.mlp.down, "weight", p + "mlp.down_proj.weight")
-        put(layer.input_norm, "weight", p + "input_layernorm.weight")
-        put(layer.post_attn_norm, "weight", p + "post_attention_layernorm.weight")
-        convert_all(layer)
-        layer.attn.kv_scales = torch.ones(2, device=device)  # built on the meta device
+    for module in model.modules():  # built on the meta device, not from the checkpoint
+        if hasattr(module, "kv_scales"):
+            module.kv_scales = torch.ones(2, device=device)
+    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
+    if left:
+        raise ModelLoadError(
+            f"{folder}: the {cfg.architecture} layout leaves {left[:3]} unset (a registry bug)"
+        )
     model.eval()
     if num_quantized:
         logger.info(

@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.registry import lora_layout
 
 FUSED_MODULES = ("qkv", "o", "gate_up", "down")
 """The decoder's projections a LoRA delta can be added to."""
@@ -66,9 +67,9 @@ class LoRAError(InvalidRequestError):
 
 
 def fused_layout(cfg: ModelConfig) -> dict[str, tuple[int, tuple[int, ...]]]:
-    """Per fused projection: input features and the output features of each slice."""
-    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    return {"qkv": (h, (q, kv, kv)), "o": (q, (h,)), "gate_up": (h, (i, i)), "down": (i, (h,))}
+    """Per fused projection: input features and the output features of each slice
+    (from the registry's layout; a mixture-of-experts model has attention ones only)."""
+    return lora_layout(cfg)
 
 
 @dataclass
@@ -193,6 +194,11 @@ def load_lora_adapter(
             raise LoRAError(f"{weights_path}: {full} has lora_A or lora_B but not both")
         a, b = pair["lora_A"], pair["lora_B"]
         fused, slice_index = PEFT_TARGETS[peft_name][1:]
+        if fused not in layout:
+            raise LoRAError(
+                f"{weights_path}: {full} targets the MLP, which in {cfg.architecture} is a "
+                f"mixture of experts; LoRA can target {', '.join(sorted(layout))} here"
+            )
         in_features, slice_outs = layout[fused]
         out_features = slice_outs[slice_index]
         rank = a.shape[0]
@@ -278,7 +284,7 @@ class LoRAStacks:
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         """Put an adapter into a slot, zeroing whatever the previous one left."""
         for layer, (a_layer, b_layer) in enumerate(zip(self.a, self.b, strict=True)):
-            for module in FUSED_MODULES:
+            for module in a_layer:
                 entry = adapter.weights.get((layer, module))
                 if entry is None:
                     a_layer[module][slot].zero_()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.registry import weight_layout
 
 GIB = 1024**3
 ACTIVATION_HEADROOM_BYTES = GIB
@@ -82,30 +83,27 @@ def weight_bytes(
     group_size: int = INT4_GROUP_SIZE,
 ) -> int:
     """Everything the model holds on the device: parameters, the fp32 RoPE tables and the
-    per-layer KV scales.
+    per-layer KV scales, summed over the registry's layout (``model/registry.py``).
 
-    Quantization applies to the decoder layers' projections (QKV, O, gate/up, down) and,
-    in int8, to an untied LM head; the embedding, norms and biases stay in ``dtype``.
+    Quantization applies to the decoder layers' projections (QKV, O, gate/up, down, each
+    expert's) and, in int8, to an untied LM head; the embedding, norms, routers and biases
+    stay in ``dtype``.
     """
     nbytes = DTYPE_BYTES[dtype]
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    qkv = cfg.q_size + 2 * cfg.kv_size
-
-    def proj(out_features: int, in_features: int) -> int:
-        return projection_weight_bytes(out_features, in_features, nbytes, quantization, group_size)
-
-    projections = proj(qkv, h) + proj(h, cfg.q_size) + proj(2 * i, h) + proj(h, i)
-    per_layer_plain = (
-        2 * h + (qkv if cfg.qkv_bias else 0) + (2 * cfg.head_dim if cfg.qk_norm else 0)
-    )
-    plain = cfg.num_layers * per_layer_plain + cfg.vocab_size * h + h
-    lm_head = 0
-    if not cfg.tie_word_embeddings:
-        head_quantization = None if quantization is None else "int8"
-        lm_head = projection_weight_bytes(cfg.vocab_size, h, nbytes, head_quantization)
-    rope_tables = 2 * max_model_len * cfg.head_dim * DTYPE_BYTES["float32"]
+    total = 0
+    for spec in weight_layout(cfg):
+        if spec.kind == "plain":
+            total += spec.numel * nbytes
+            continue
+        head_method = None if quantization is None else "int8"
+        method = quantization if spec.kind == "projection" else head_method
+        out_features, in_features = spec.shape
+        total += projection_weight_bytes(out_features, in_features, nbytes, method, group_size)
+    num_ropes = 2 if cfg.local_rope_theta is not None else 1
+    rotary_dim = cfg.rotary_dim or cfg.head_dim
+    rope_tables = num_ropes * 2 * max_model_len * rotary_dim * DTYPE_BYTES["float32"]
     kv_scales = cfg.num_layers * 2 * DTYPE_BYTES["float32"]
-    return cfg.num_layers * projections + plain * nbytes + lm_head + rope_tables + kv_scales
+    return total + rope_tables + kv_scales
 
 
 def kv_budget_from_memory(

@@ -24,8 +24,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from tokenmill.model.attention import DecodeMetadata
-from tokenmill.model.decoder import DecoderModel
+from tokenmill.model.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ class CompiledDecodeStep:
 
     def __init__(
         self,
-        model: DecoderModel,
+        model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         max_blocks_per_seq: int,
@@ -140,8 +139,8 @@ class CompiledDecodeStep:
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
     ) -> torch.Tensor:
-        meta = DecodeMetadata(
-            slots, block_tables, context_lens, trim_to_longest=not self.use_cuda_graphs
+        meta = self.model.attn_backend.build_decode_metadata(
+            slots, block_tables, context_lens, is_graph_captured=self.use_cuda_graphs
         )
         return self.model(input_ids, positions, self.kv_caches, meta)
 

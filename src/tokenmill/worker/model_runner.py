@@ -1,9 +1,10 @@
 """ModelRunner: turns a SchedulerOutput into tensors, runs the model, samples.
 
-``prepare_inputs`` is the one place where per-step tensors are built (token ids,
-positions, KV slot mapping, block tables, logits rows). Decode-shaped requests (one new
-token) form one attention group and multi-token chunks another, so each is a single
-batched attention call. Logits are computed only for rows that need them: the last token
+``prepare_inputs`` is the one place where a step's inputs are laid out (token ids,
+positions, KV slot mapping, block tables, logits rows); the model's attention backend turns
+the layout into its own metadata once per step. Decode-shaped requests (one new token) form
+one attention group and multi-token chunks another, so each is a single batched attention
+call. Logits are computed only for rows that need them: the last token
 of a request that reached its end (to sample) and prompt rows whose logprobs were asked.
 
 Sampling, grammar bookkeeping and prompt logprobs are per request: when the batched call
@@ -20,8 +21,8 @@ import torch
 
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import SchedulerOutput
-from tokenmill.model.attention import AttentionGroup, AttentionMetadata
-from tokenmill.model.decoder import DecoderModel
+from tokenmill.model.attention_backend import BatchGroup, StepBatch, StepMetadata
+from tokenmill.model.base import CausalLM
 from tokenmill.model.lora import LoRAStepState
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.sampling.sampler import Sampler, top_logprobs
@@ -38,7 +39,8 @@ class StepInputs:
     input_ids: torch.Tensor | None
     """Flat token batch; None when the compiled decode step takes ``decode_rows`` instead."""
     positions: torch.Tensor | None
-    meta: AttentionMetadata | None
+    meta: StepMetadata | None
+    """The attention backend's metadata for the step (None for the compiled decode step)."""
     sample_rows: list[int]
     sample_requests: list[Request]
     prompt_logprob_rows: dict[str, tuple[list[int], int]] = field(default_factory=dict)
@@ -65,17 +67,12 @@ class StepOutput:
     """request_id -> what raised while sampling or scoring that request alone."""
 
 
-def _pad(rows: list[list[int]], value: int) -> list[list[int]]:
-    width = max(len(r) for r in rows)
-    return [r + [value] * (width - len(r)) for r in rows]
-
-
 class ModelRunner:
     """Owns the model, the KV tensors and the sampler on one device."""
 
     def __init__(
         self,
-        model: DecoderModel,
+        model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         sampler: Sampler,
@@ -105,9 +102,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        group_rows: list[
-            tuple[bool, list[list[int]], list[list[int]], list[list[int]], list[int]]
-        ] = []
+        groups: list[BatchGroup] = []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         prompt_rows: dict[str, tuple[list[int], int]] = {}
@@ -143,7 +138,7 @@ class ModelRunner:
                 ):
                     last = min(start + num_new, request.num_prompt_tokens - 1)
                     prompt_rows[request.request_id] = (rows[: last - start], start)
-            group_rows.append((is_decode, token_index, query_pos, tables, ctx_lens))
+            groups.append(BatchGroup(is_decode, token_index, query_pos, tables, ctx_lens))
         lora = self.lora.build_step(lora_rows, len(input_ids)) if self.lora else None
         is_decode_only = not chunks and not prompt_rows and len(sample_rows) == len(input_ids)
         if (
@@ -158,12 +153,9 @@ class ModelRunner:
                 meta=None,
                 sample_rows=sample_rows,
                 sample_requests=sample_requests,
-                decode_rows=(input_ids, positions, slots, group_rows[0][3]),
+                decode_rows=(input_ids, positions, slots, groups[0].block_tables),
             )
-        groups = [self._build_group(*rows) for rows in group_rows]
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots), groups=groups, num_tokens=len(input_ids)
-        )
+        meta = self.model.attn_backend.build_metadata(StepBatch(slots, groups, len(input_ids)))
         return StepInputs(
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),
@@ -172,25 +164,6 @@ class ModelRunner:
             sample_requests=sample_requests,
             prompt_logprob_rows=prompt_rows,
             lora=lora,
-        )
-
-    def _build_group(
-        self,
-        is_decode: bool,
-        token_index: list[list[int]],
-        query_pos: list[list[int]],
-        tables: list[list[int]],
-        ctx_lens: list[int],
-    ) -> AttentionGroup:
-        """Pad one group's rows to rectangles: padding repeats a valid row and is masked."""
-        max_q = max(len(r) for r in token_index)
-        return AttentionGroup(
-            token_index=self._tensor([r + [r[-1]] * (max_q - len(r)) for r in token_index]),
-            valid=self._tensor(_pad([[True] * len(r) for r in token_index], False), torch.bool),
-            block_tables=self._tensor(_pad(tables, 0)),
-            query_positions=self._tensor([p + [p[-1]] * (max_q - len(p)) for p in query_pos]),
-            context_lens=self._tensor(ctx_lens),
-            is_decode=is_decode,
         )
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:

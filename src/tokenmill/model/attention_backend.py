@@ -1,0 +1,218 @@
+"""The attention-backend seam: the one object a model calls for attention and its KV cache.
+
+A backend owns three things (mini-sglang's ``attention/base.py`` and vLLM's backends are
+the references):
+
+1. ``build_metadata(batch)``: once per step, the runner's plain description of the step
+   (``StepBatch``: KV slot per token and, per group of requests, token rows, positions,
+   block tables and context lengths) becomes whatever tensors the backend's kernels want.
+   Prefill, chunked prefill (after a cached prefix) and decode are the same description.
+2. ``build_decode_metadata(...)``: the fixed-shape metadata of a decode-only batch, from
+   tensors, for the compiled (and, on CUDA, graph-captured) decode step. It is called
+   inside the compiled region, so it may only wrap tensors, never read them on the host.
+3. ``forward(layer, q, k, v, kv_cache, meta)``: writes this step's K/V into the layer's
+   cache through the slot mapping, then attends q over everything the request has in
+   the cache; returns [T, num_heads * head_dim]. q and k arrive with RoPE applied.
+
+Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` K and V tensors per layer
+(``worker/kv_cache.py``), read through block tables whatever the KV strategy (paged or
+static), so a backend never knows the strategy. Per-layer facts (scale, sliding window,
+soft-cap, fp8 KV scales) come from the ``layer`` argument (``AttentionLayerState``). Nothing
+here assumes a CPU: a CUDA backend (FlashInfer, Triton paged attention) is one more class
+registered in ``BACKENDS``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+
+from tokenmill.model.attention import (
+    FP8_DTYPES,
+    AttentionGroup,
+    AttentionMetadata,
+    DecodeMetadata,
+    paged_attention,
+    write_kv,
+)
+
+
+@dataclass
+class BatchGroup:
+    """Requests attended together: all decodes, or all multi-token chunks."""
+
+    is_decode: bool
+    token_index: list[list[int]]
+    """Per request: its rows in the flat token batch."""
+    query_positions: list[list[int]]
+    """Per request: the absolute position of each of those rows."""
+    block_tables: list[list[int]]
+    """Per request: the blocks that hold its KV up to the end of this step."""
+    context_lens: list[int]
+    """Per request: tokens with KV after this step's writes."""
+
+
+@dataclass
+class StepBatch:
+    """One step's layout in plain Python, as the model runner builds it (no tensors)."""
+
+    slot_mapping: list[int]
+    """Per token row: the flat KV slot (block_id * block_size + offset) its K/V go to."""
+    groups: list[BatchGroup]
+    num_tokens: int
+
+
+class AttentionLayerState(Protocol):
+    """What a backend needs from one attention layer (the decoder's ``Attention`` has it)."""
+
+    layer_idx: int
+    scale: float
+    window: int | None
+    """Sliding window in tokens, None for full attention."""
+    logit_softcap: float | None
+    kv_scales: torch.Tensor
+    """[2] fp32: K and V are stored divided by these in an fp8 cache."""
+    kv_scales_calibrated: bool
+
+    def calibrate_kv_scales(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None: ...
+
+
+StepMetadata = object
+"""Whatever a backend's ``build_metadata`` returns; only that backend reads it."""
+
+
+class AttentionBackend(ABC):
+    """One attention implementation over the block-table KV cache (see the module docstring)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @abstractmethod
+    def build_metadata(self, batch: StepBatch) -> StepMetadata:
+        """Tensors for one step, built once and shared by every layer."""
+
+    @abstractmethod
+    def build_decode_metadata(
+        self,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        is_graph_captured: bool,
+    ) -> StepMetadata:
+        """A decode-only batch of fixed shape: one row per request, [B], [B, max_blocks], [B].
+
+        ``is_graph_captured``: shapes and values must not be read on the host (CUDA graphs).
+        """
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: AttentionLayerState,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: StepMetadata,
+    ) -> torch.Tensor:
+        """Write k, v [T, Hkv, D] into the cache, attend q [T, Hq, D]; returns [T, Hq * D]."""
+
+
+class TorchSDPABackend(AttentionBackend):
+    """Plain torch: gathers K/V through block tables, one batched SDPA per group.
+
+    Runs on any device torch runs on; on CPU it is the default. The compiled decode step
+    goes through the ``tokenmill::decode_attention`` custom op, which torch.compile treats
+    as opaque (it mutates the cache in place and trims to the longest context).
+    """
+
+    name = "torch_sdpa"
+
+    def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def build_metadata(self, batch: StepBatch) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self._tensor(batch.slot_mapping),
+            groups=[self._build_group(g) for g in batch.groups],
+            num_tokens=batch.num_tokens,
+        )
+
+    def _build_group(self, group: BatchGroup) -> AttentionGroup:
+        """Pad one group's rows to rectangles: padding repeats a valid row and is masked."""
+        rows, positions = group.token_index, group.query_positions
+        max_q = max(len(r) for r in rows)
+        max_blocks = max(len(t) for t in group.block_tables)
+        return AttentionGroup(
+            token_index=self._tensor([r + [r[-1]] * (max_q - len(r)) for r in rows]),
+            valid=self._tensor(
+                [[True] * len(r) + [False] * (max_q - len(r)) for r in rows], torch.bool
+            ),
+            block_tables=self._tensor(
+                [t + [0] * (max_blocks - len(t)) for t in group.block_tables]
+            ),
+            query_positions=self._tensor([p + [p[-1]] * (max_q - len(p)) for p in positions]),
+            context_lens=self._tensor(group.context_lens),
+            is_decode=group.is_decode,
+        )
+
+    def build_decode_metadata(
+        self,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        is_graph_captured: bool,
+    ) -> DecodeMetadata:
+        return DecodeMetadata(
+            slot_mapping, block_tables, context_lens, trim_to_longest=not is_graph_captured
+        )
+
+    def forward(
+        self,
+        layer: AttentionLayerState,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: StepMetadata,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        softcap = layer.logit_softcap or 0.0
+        if isinstance(meta, DecodeMetadata):
+            out: torch.Tensor = torch.ops.tokenmill.decode_attention(
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.context_lens,
+                layer.scale,
+                layer.window or 0,
+                meta.trim_to_longest,
+                layer.kv_scales,
+                softcap,
+            )
+            return out
+        if not isinstance(meta, AttentionMetadata):
+            raise TypeError(f"{self.name}: metadata of another backend ({type(meta).__name__})")
+        if k_cache.dtype in FP8_DTYPES and not layer.kv_scales_calibrated:
+            layer.calibrate_kv_scales(k, v, k_cache.dtype)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, layer.kv_scales)
+        return paged_attention(
+            q, k_cache, v_cache, meta, layer.scale, layer.window, layer.kv_scales, softcap
+        )
+
+
+BACKENDS: dict[str, type[AttentionBackend]] = {TorchSDPABackend.name: TorchSDPABackend}
+"""Attention backends by name."""
+
+
+def default_attention_backend(device: torch.device) -> AttentionBackend:
+    """The backend for ``device``: plain torch SDPA everywhere today."""
+    return TorchSDPABackend(device)
