@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import json
 import re
 import textwrap
 import types
@@ -69,7 +70,31 @@ def parse_dtype(text: str) -> str:
     return DTYPE_ALIASES.get(text, text)
 
 
+def parse_json_list(text: str) -> list[str]:
+    """A JSON list of strings, as vLLM's CORS flags take: ``'["*"]'``."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    """A JSON object: ``'{"temperature": 0.6}'``."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 PARSERS: dict[str, Callable[[str], Any]] = {
+    "json_list": parse_json_list,
+    "json_object": parse_json_object,
     "memory": parse_memory,
     "bytes": parse_bytes,
     "int_list": parse_int_list,

@@ -22,6 +22,7 @@ import os
 import signal
 from collections.abc import AsyncIterator, Callable
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -62,9 +63,13 @@ _NOT_FLAGS = ("max_num_seqs",)
 """ServerConfig fields copied from the engine's config rather than set by a flag."""
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
+def add_server_args(
+    parser: argparse.ArgumentParser, group_for: Callable[[str], Any] | None = None
+) -> None:
     """Flags of ``tokenmill serve`` beyond the engine's: one per ServerConfig field."""
-    add_config_args(parser.add_argument_group("server"), ServerConfig, exclude=_NOT_FLAGS)
+    add_config_args(
+        parser.add_argument_group("server"), ServerConfig, exclude=_NOT_FLAGS, group_for=group_for
+    )
     parser.epilog = (
         "max_tokens beyond the context left after the prompt (--max-model-len minus prompt tokens) "
         "is clamped to it; prompts that leave no room get 400 context_length_exceeded."
