@@ -17,6 +17,7 @@ from starlette.requests import Request
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineState
+from tokenmill.entrypoints.openai.chat_options import ChatOptions
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.lora import LoRARegistry, parse_lora_module
 from tokenmill.entrypoints.openai.reasoning import REASONING_PARSERS
@@ -228,6 +229,10 @@ class ServerState:
     """Requests generating now (GenerationRuns register themselves), so the drain can end them."""
     loras: LoRARegistry = field(default_factory=LoRARegistry)
     """LoRA adapters clients can name in ``model``."""
+    chat: ChatOptions = field(default_factory=ChatOptions)
+    """The operator's chat template, content format, template variables and response role."""
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    """Request-field defaults from the generation config (``--generation-config``)."""
     grammar_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tokenmill-grammar")
     )
