@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -54,11 +56,9 @@ def _stream(pieces: list[str]) -> tuple[str, str]:
     ),
     cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=6),
 )
-def test_streaming_gives_the_same_split_however_the_text_is_cut(
-    text: str, cuts: list[int]
-) -> None:
+def test_streaming_gives_the_same_split_however_the_text_is_cut(text: str, cuts: list[int]) -> None:
     points = sorted({c for c in cuts if c < len(text)} | {0, len(text)})
-    pieces = [text[a:b] for a, b in zip(points, points[1:], strict=False)] or [""]
+    pieces = [text[a:b] for a, b in itertools.pairwise(points)] or [""]
     reasoning, content = split_reasoning(text)
     assert _stream(pieces) == (reasoning or "", content or "")
 

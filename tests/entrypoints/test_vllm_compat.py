@@ -60,7 +60,12 @@ def test_the_vllm_list_is_vllm_0_32s_316_flags() -> None:
     flags = vllm_flags()
     assert len(flags) == 316
     names = {f.flag for f in flags}
-    for flag in ("--model", "--chat-template", "--enable-chunked-prefill", "--tensor-parallel-size"):
+    for flag in (
+        "--model",
+        "--chat-template",
+        "--enable-chunked-prefill",
+        "--tensor-parallel-size",
+    ):
         assert flag in names
 
 
@@ -168,7 +173,9 @@ def test_vllm_spellings_of_values_and_aliases() -> None:
     assert parse(["serve", "--dtype", "float"]).dtype == "float32"
     args = parse(["serve", "--device-memory-utilization", "0.5", "--kv-cache-memory-bytes", "1GiB"])
     assert (args.gpu_memory_utilization, args.kv_cache_memory) == (0.5, 2**30)
-    args = parse(["serve", "--h11-max-incomplete-event-size", "32KiB", "--h11-max-header-count", "50"])
+    args = parse(
+        ["serve", "--h11-max-incomplete-event-size", "32KiB", "--h11-max-header-count", "50"]
+    )
     assert (args.max_header_bytes, args.max_header_count) == (32 * 2**10, 50)
     assert parse(["serve", "--log-level", "DEBUG"]).serve_log_level == "debug"
     args = parse(["serve", "--allowed-origins", '["http://a"]', "--no-enable-chunked-prefill"])
