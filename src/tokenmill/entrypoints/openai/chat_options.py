@@ -50,13 +50,13 @@ def detect_content_format(template: str | None) -> str:
 
 
 def format_content(message: dict[str, Any], content_format: str) -> dict[str, Any]:
-    """A message with its content shaped for the template: text parts joined, or parts kept."""
+    """A message with its content shaped for the template: a list of text parts joined into
+    one string (``string``), or kept as it came (``openai``; a string stays a string, so a
+    template renders what transformers' ``apply_chat_template`` would)."""
     content = message.get("content")
     if content_format == "string" and isinstance(content, list):
         text = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
         return {**message, "content": text}
-    if content_format == "openai" and isinstance(content, str):
-        return {**message, "content": [{"type": "text", "text": content}]}
     return message
 
 
