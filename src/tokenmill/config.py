@@ -30,6 +30,9 @@ KV_CACHE_DTYPES: tuple[str, ...] = (
 )
 INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 SchedulingPolicy = Literal["fcfs", "priority"]
+LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors")
+PICKLE_LOAD_FORMATS: tuple[str, ...] = ("pt", "npcache")
+"""vLLM's load formats that unpickle: refused, since loading them can run code."""
 
 
 @dataclass(frozen=True)
@@ -38,9 +41,9 @@ class EngineConfig:
 
     model: str = "demo"
     """Path of a Hugging Face model folder, or ``demo`` for the built-in model."""
-    dtype: DType = "auto"
+    dtype: DType = field(default="auto", metadata={"parse": "dtype"})
     """Weights and activations dtype; auto: the checkpoint's, with half precision as bfloat16 where the CPU runs it natively (AVX512-BF16/AMX) and float32 where it does not."""
-    quantization: Quantization | None = None
+    quantization: Quantization | None = field(default=None, metadata={"aliases": ("-q",)})
     """Weight-only quantization applied at load: int8 (per output channel) or int4 (group-wise)."""
     quantization_group_size: int = 128
     """int4 only: input channels sharing one scale and zero point (32, 64, 128 or 256)."""
@@ -52,9 +55,13 @@ class EngineConfig:
     """KV memory strategy: ``paged`` blocks on demand or ``static`` per-slot regions."""
     block_size: int = 16
     """Tokens per KV block."""
-    kv_cache_memory: float | None = field(default=None, metadata={"parse": "memory"})
+    kv_cache_memory: float | None = field(
+        default=None, metadata={"parse": "memory", "aliases": ("--kv-cache-memory-bytes",)}
+    )
     """KV budget: a fraction of free memory (0.3) or a size (4GiB); default: a sane share."""
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"aliases": ("--device-memory-utilization",)}
+    )
     """On CUDA, the fraction of total GPU memory the engine may use (weights + KV)."""
     max_num_seqs: int = 256
     """Maximum number of requests in the running batch."""
@@ -64,6 +71,8 @@ class EngineConfig:
     """Context length limit; default: the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps of --max-num-batched-tokens; off: a prompt is prefilled in one step (the step budget grows to --max-model-len)."""
     scheduling_policy: SchedulingPolicy = "fcfs"
     """``fcfs`` or ``priority`` (lower value first, then arrival)."""
     max_beam_search_requests: int = 4
@@ -86,6 +95,18 @@ class EngineConfig:
     """Largest LoRA rank accepted; slots are sized for it."""
     max_cpu_loras: int | None = None
     """LoRA adapters kept loaded in CPU memory, least recently used evicted; default: --max-loras."""
+    tokenizer: str | None = None
+    """Folder of the tokenizer to use instead of the model folder's."""
+    trust_remote_code: bool = False
+    """Accepted for vLLM command lines; remote code is never run: tokenmill implements each architecture itself."""
+    load_format: str = "auto"
+    """Weights format: auto or safetensors (the only one read); pickle formats (pt, npcache) are refused, as they can run code."""
+    generation_config: str = "auto"
+    """Default sampling parameters: auto (the model's generation_config.json), vllm (none) or a folder with a generation_config.json."""
+    override_generation_config: dict[str, Any] | None = field(
+        default=None, metadata={"parse": "json_object"}
+    )
+    """A JSON object over those defaults, e.g. '{"temperature": 0.5, "max_new_tokens": 256}'."""
     rope_theta_override: float | None = None
     """Test-only: replace the model's RoPE base to make the engine diverge on purpose."""
 
@@ -121,6 +142,15 @@ class EngineConfig:
         check(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported; choose one of {', '.join(KV_CACHE_DTYPES)}",
+        )
+        check(
+            self.load_format not in PICKLE_LOAD_FORMATS,
+            f"--load-format {self.load_format}: pickled checkpoints can run arbitrary code when loaded, "
+            "so tokenmill loads only safetensors (convert the checkpoint with safetensors' convert script)",
+        )
+        check(
+            self.load_format in LOAD_FORMATS,
+            f"--load-format {self.load_format!r} is not supported; choose one of {', '.join(LOAD_FORMATS)}",
         )
         check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")

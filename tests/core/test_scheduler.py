@@ -196,3 +196,28 @@ def test_max_loras_bounds_the_adapters_running_at_once() -> None:
     for request_id in ("r0", "r4"):  # adapter 1 no longer runs: adapter 3 may start
         sched.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
     assert "r2" in [r.request_id for r, _ in sched.schedule().scheduled]
+
+
+def test_without_chunked_prefill_a_prompt_is_prefilled_in_one_step() -> None:
+    """--no-enable-chunked-prefill: a prompt that does not fit what is left of the step
+    budget waits for a step with room, and is then computed whole; with chunking it is split."""
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+
+    def first_steps(enable_chunked_prefill: bool) -> list[list[tuple[str, int]]]:
+        sched = Scheduler(
+            PagedKVManager(64, BS), 8, 16, enable_chunked_prefill=enable_chunked_prefill
+        )
+        sched.add_request(Request("short", [2] * 10, params, arrival_time=0.0))
+        sched.add_request(Request("long", [3] * 12, params, arrival_time=1.0))
+        steps = []
+        for _ in range(2):
+            out = sched.schedule()
+            steps.append([(r.request_id, n) for r, n in out.scheduled])
+            sched.update_after_step(out.scheduled)
+            for r, _ in out.scheduled:
+                if r.num_computed_tokens == r.num_tokens:
+                    r.append_output_token(5)
+        return steps
+
+    assert first_steps(True)[0] == [("short", 10), ("long", 6)]
+    assert first_steps(False) == [[("short", 10)], [("short", 1), ("long", 12)]]

@@ -58,6 +58,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         policy: str = "fcfs",
         max_loras: int | None = None,
+        enable_chunked_prefill: bool = True,
     ) -> None:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
@@ -66,6 +67,8 @@ class Scheduler:
         """Most LoRA adapters among running requests (the device slots); None: no LoRA."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        """Off: a waiting request is admitted only when its whole prompt fits this step's budget."""
         self.policy = policy
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -184,7 +187,10 @@ class Scheduler:
                 break
             prefix = self.kv.lookup_prefix(request) if request.num_computed_tokens == 0 else None
             num_cached = prefix.num_tokens if prefix else 0
-            num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            num_left = request.num_tokens - request.num_computed_tokens - num_cached
+            if not self.enable_chunked_prefill and num_left > budget:
+                break  # it waits for a step with room for its whole prompt
+            num_new = min(num_left, budget)
             if not self.kv.allocate(request, num_new, prefix):
                 break
             self.waiting.pop(index)

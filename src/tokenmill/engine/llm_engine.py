@@ -98,7 +98,14 @@ class LLMEngine:
         self.model_config = ModelConfig.from_folder(self.model_path)
         if config.rope_theta_override is not None:
             self.model_config = replace(self.model_config, rope_theta=config.rope_theta_override)
-        self.tokenizer = Tokenizer.from_pretrained(self.model_path)
+        if config.trust_remote_code:
+            logger.warning(
+                "--trust-remote-code: accepted, but no code from the model folder is run; "
+                "tokenmill implements each architecture itself"
+            )
+        self.tokenizer = Tokenizer.from_pretrained(
+            resolve_model_path(config.tokenizer) if config.tokenizer else self.model_path
+        )
         mc = self.model_config
         self.device = resolve_device(config.device)
         num_threads = config.num_threads or default_num_threads()
@@ -143,12 +150,21 @@ class LLMEngine:
         """What this start cost per phase (model load, KV allocation, compile per bucket)."""
         self.kv_manager, kv_caches = self._build_kv_cache()
         self.startup.kv_allocation_s = time.monotonic() - kv_start
+        step_budget = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill and step_budget < self.max_model_len:
+            step_budget = self.max_model_len  # a whole prompt must fit one step
+            logger.info(
+                "--no-enable-chunked-prefill: the step budget is %d tokens (--max-model-len), "
+                "so any prompt can be prefilled in one step",
+                step_budget,
+            )
         self.scheduler = Scheduler(
             self.kv_manager,
             config.max_num_seqs,
-            config.max_num_batched_tokens,
+            step_budget,
             config.scheduling_policy,
             max_loras=config.max_loras if config.enable_lora else None,
+            enable_chunked_prefill=config.enable_chunked_prefill,
         )
         lora = None
         if config.enable_lora:

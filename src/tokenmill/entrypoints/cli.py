@@ -1,7 +1,9 @@
 """The ``tokenmill`` command: generate, serve, plan, bench and verify.
 
 Owns the top-level parser and the argparse behaviour every subcommand shares: ``--help``
-shows defaults, and a bad flag is reported with the usage of the subcommand it was given to.
+shows defaults, a flag is never matched by a prefix of its name, and a bad flag is reported
+with the usage of the subcommand it was given to. ``serve`` takes vLLM's command line: the
+model positionally or as ``--model``, and every ``vllm serve`` flag (``vllm_compat``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        kwargs.setdefault(
+            "allow_abbrev", False
+        )  # --chat-template must never mean --chat-template-timeout
         super().__init__(*args, **kwargs)
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
@@ -102,8 +107,73 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.openai.server import run_server
+    from tokenmill.entrypoints.vllm_compat import check_vllm_compat_args
 
-    return run_server(args, engine_config_from_args(args, args.model))
+    check_vllm_compat_args(args)
+    return run_server(args, engine_config_from_args(args, serve_model(args)))
+
+
+def serve_model(args: argparse.Namespace) -> str:
+    """The model ``serve`` was given: positionally or as ``--model`` (vLLM takes both)."""
+    from tokenmill.errors import ConfigError
+
+    positional, flag = args.model, args.model_flag
+    if positional is not None and flag is not None and positional != flag:
+        raise ConfigError(f"two models given: {positional!r} and --model {flag!r}; give one")
+    return positional or flag or "demo"
+
+
+class _HelpAction(argparse.Action):
+    """``-h``/``--help``, also as vLLM's ``--help=all`` (tokenmill always shows every flag)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        parser.print_help()
+        parser.exit()
+
+
+def _add_serve_parser(sub: Any) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        usage="%(prog)s [model] [options]",
+        description="Serve the OpenAI-compatible HTTP API. Takes vLLM's command line: every "
+        "`vllm serve` flag is known, in vLLM's groups; each is implemented, ignored with a "
+        "warning, or refused with a reason (docs/vllm_compat.md).",
+        add_help=False,
+    )
+    serve.add_argument(
+        "-h", "--help", nargs="?", const="all", action=_HelpAction, help="show this help and exit"
+    )
+    from tokenmill.entrypoints.vllm_compat import VLLMGroups, add_vllm_compat_args
+
+    groups = VLLMGroups(serve)
+    serve.add_argument(
+        "model", nargs="?", default=None, help="Hugging Face model folder, or 'demo' (default)"
+    )
+    groups("--model").add_argument(
+        "--model",
+        dest="model_flag",
+        default=None,
+        metavar="MODEL",
+        help="the model, as vLLM also takes it: a Hugging Face model folder, or 'demo'",
+    )
+    groups("--log-level").add_argument(
+        "--log-level",
+        dest="serve_log_level",
+        type=str.lower,
+        default=None,
+        choices=["critical", "error", "warning", "info", "debug", "notset"],
+        help="logging threshold (also before 'serve'); vLLM's upper-case names work too",
+    )
+    add_engine_args(serve, group_for=groups)
+    try:
+        from tokenmill.entrypoints.openai.server import add_server_args
+    except ImportError:  # the server module is optional at import time for the other commands
+        pass
+    else:
+        add_server_args(serve, group_for=groups)
+    add_vllm_compat_args(serve, groups)
+    serve.set_defaults(func=_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,18 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    serve.add_argument(
-        "model", nargs="?", default="demo", help="Hugging Face model folder, or 'demo'"
-    )
-    add_engine_args(serve)
-    try:
-        from tokenmill.entrypoints.openai.server import add_server_args
-    except ImportError:  # the server module is optional at import time for the other commands
-        pass
-    else:
-        add_server_args(serve)
-    serve.set_defaults(func=_serve)
+    _add_serve_parser(sub)
 
     from tokenmill.entrypoints.plan import add_plan_parser
 
@@ -199,8 +258,9 @@ def _report(exc: Exception, is_debug: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    level = getattr(args, "serve_log_level", None) or args.log_level
     logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
+        level=getattr(logging, level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:

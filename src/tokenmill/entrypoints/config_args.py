@@ -5,7 +5,8 @@ the vLLM name its ``flag`` metadata gives), its type and choices from the annota
 default from the field, and its help from the docstring under the field, read from the
 class source with ``ast`` as vLLM does. So a default is written once, and ``--help`` can
 never disagree with the config. Field metadata may also name a ``parse`` function (e.g.
-memory sizes) and an ``action`` (``append`` for repeatable flags).
+memory sizes), an ``action`` (``append`` for repeatable flags) and ``aliases`` (other
+spellings, e.g. vLLM's ``--device-memory-utilization``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import json
 import re
 import textwrap
 import types
@@ -59,10 +61,44 @@ def parse_bytes(text: str) -> int:
     return int(parse_memory(text))
 
 
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+"""vLLM's other spellings of ``--dtype`` values."""
+
+
+def parse_dtype(text: str) -> str:
+    """A ``--dtype`` name; vLLM's ``half`` and ``float`` become float16 and float32."""
+    return DTYPE_ALIASES.get(text, text)
+
+
+def parse_json_list(text: str) -> list[str]:
+    """A JSON list of strings, as vLLM's CORS flags take: ``'["*"]'``."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    """A JSON object: ``'{"temperature": 0.6}'``."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 PARSERS: dict[str, Callable[[str], Any]] = {
+    "json_list": parse_json_list,
+    "json_object": parse_json_object,
     "memory": parse_memory,
     "bytes": parse_bytes,
     "int_list": parse_int_list,
+    "dtype": parse_dtype,
 }
 """Parsers a field's ``parse`` metadata may name."""
 
@@ -85,8 +121,16 @@ def flag_name(field: dataclasses.Field[Any]) -> str:
     return field.metadata.get("flag", "--" + field.name.replace("_", "-"))
 
 
-def add_config_args(group: Any, cls: type, exclude: Iterable[str] = ()) -> None:
-    """One flag per field of ``cls`` (except ``exclude``), with ``dest`` the field's name."""
+def add_config_args(
+    group: Any,
+    cls: type,
+    exclude: Iterable[str] = (),
+    group_for: Callable[[str], Any] | None = None,
+) -> None:
+    """One flag per field of ``cls`` (except ``exclude``), with ``dest`` the field's name.
+
+    ``group_for(flag)`` may name the help group a flag belongs in (vLLM's grouping); a
+    None answer, or no ``group_for``, puts it in ``group``."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     for field in dataclasses.fields(cls):
@@ -99,6 +143,8 @@ def add_config_args(group: Any, cls: type, exclude: Iterable[str] = ()) -> None:
         kind = _unwrap_optional(hints[field.name])
         if "parse" in field.metadata:
             kwargs["type"] = PARSERS[field.metadata["parse"]]
+            if typing.get_origin(kind) is typing.Literal:  # parsed, then checked against choices
+                kwargs["choices"] = list(typing.get_args(kind))
         elif kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(kind) is typing.Literal:
@@ -121,7 +167,9 @@ def add_config_args(group: Any, cls: type, exclude: Iterable[str] = ()) -> None:
         name = flag_name(field)
         if "choices" not in kwargs and kwargs.get("action") is not argparse.BooleanOptionalAction:
             kwargs["metavar"] = name.removeprefix("--").replace("-", "_").upper()
-        group.add_argument(name, default=default, **kwargs)
+        target = (group_for(name) if group_for is not None else None) or group
+        aliases = field.metadata.get("aliases", ())
+        target.add_argument(name, *aliases, default=default, **kwargs)
 
 
 def config_kwargs(

@@ -26,7 +26,17 @@ from starlette.requests import Request
 from tokenmill.engine.input_processor import CheckedParams, ProcessedRequest
 from tokenmill.entrypoints.openai.admission import admit_sequences
 from tokenmill.entrypoints.openai.errors import APIError, to_api_error
-from tokenmill.entrypoints.openai.protocol import SamplingFields, decode_json_object, validate_model
+from tokenmill.entrypoints.openai.generation_config import (
+    capped_max_tokens,
+    with_generation_defaults,
+)
+from tokenmill.entrypoints.openai.protocol import (
+    SamplingFields,
+    StreamOptions,
+    decode_json_object,
+    validate_model,
+)
+from tokenmill.entrypoints.openai.request_log import log_output, log_request
 from tokenmill.entrypoints.openai.routes import (
     check_route_body,
     grow_route,
@@ -131,14 +141,34 @@ async def parse_request(
     request_id = new_request_id(id_prefix, request.headers.get("x-request-id"))
     request.scope.setdefault("state", {})["request_id"] = request_id
     data = decode_json_object(await request.body(), request.headers.get("content-type"))
-    body = validate_model(body_cls, route_body(request, data))
+    data = with_generation_defaults(route_body(request, data), state.generation_defaults)
+    if state.config.return_tokens_as_token_ids:
+        data.setdefault("return_tokens_as_token_ids", True)
+    body = validate_model(body_cls, data)
     body.check()
-    body = check_route_body(request, body)
+    body = _with_server_defaults(state, check_route_body(request, body))
     model = state.resolve_model(body.model)
     state.ready_engine()
     return ParsedRequest(
         request, state, request_id, arrival_time, body, model, lora_request=state.lora_for(model)
     )
+
+
+def _with_server_defaults(state: ServerState, body: BodyT) -> BodyT:
+    """The generation config's ``max_new_tokens`` cap and ``--enable-force-include-usage``."""
+    updates: dict[str, Any] = {}
+    cap = state.generation_defaults.get("max_tokens")
+    if cap is not None:
+        field = (
+            "max_completion_tokens"
+            if getattr(body, "max_completion_tokens", None)
+            else "max_tokens"
+        )
+        updates[field] = capped_max_tokens(getattr(body, field), state.generation_defaults)
+    if state.config.enable_force_include_usage and body.stream and not body.include_usage:
+        options = body.stream_options or StreamOptions()
+        updates["stream_options"] = options.model_copy(update={"include_usage": True})
+    return body.model_copy(update=updates) if updates else body
 
 
 def check_params(
@@ -211,7 +241,19 @@ async def process_prompts(
             )
         return processed
 
-    return route_prompts(req.http, await tokenization.run(work))
+    processed = route_prompts(req.http, await tokenization.run(work))
+    config = state.config
+    if config.enable_log_requests:
+        for p in processed:
+            log_request(
+                p.request_id,
+                p.prompt_text,
+                p.prompt_token_ids,
+                p.params,
+                config.max_log_len,
+                req.lora_request.lora_name if req.lora_request is not None else None,
+            )
+    return processed
 
 
 class GenerationRun:
@@ -251,13 +293,21 @@ class GenerationRun:
     def num_completion_tokens(self) -> int:
         return sum(len(c.token_ids) for out in self.latest if out is not None for c in out.outputs)
 
-    def usage(self) -> dict[str, int]:
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens whose KV the prefix cache served (as first scheduled)."""
+        return sum(out.num_cached_tokens for out in self.latest if out is not None)
+
+    def usage(self) -> dict[str, Any]:
         prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
         }
+        if self.state.config.enable_prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.num_cached_tokens}
+        return usage
 
     @property
     def ttft_s(self) -> float | None:
@@ -446,6 +496,17 @@ class GenerationRun:
         reason = first.finish_reason if first is not None else None
         if reason is None:  # cut short: a timed-out choice with output is answered as "length"
             reason = "length" if self.is_timed_out and timings[0].num_tokens else "abort"
+        config = self.state.config
+        if config.enable_log_outputs and output is not None:
+            for c in output.outputs:
+                log_output(
+                    self.prompts[index].request_id,
+                    c.index,
+                    c.text,
+                    c.token_ids,
+                    c.finish_reason or reason,
+                    config.max_log_len,
+                )
         if self.lora_name is not None:
             self.state.metrics.observe_lora(
                 self.lora_name,
@@ -484,15 +545,22 @@ class ChunkWriter:
         self.run = run
         self.object_name = object_name
 
-    def __call__(self, choices: list[dict[str, Any]]) -> bytes:
-        """A chunk of these choices (with the running usage if ``continuous_usage_stats``)."""
-        return self._event(choices, self.run.usage() if self.req.body.continuous_usage else None)
+    def __call__(self, choices: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> bytes:
+        """A chunk of these choices (with the running usage if ``continuous_usage_stats``),
+        plus ``extra`` top-level fields (vLLM's ``prompt_token_ids``, ``prompt_logprobs``)."""
+        usage = self.run.usage() if self.req.body.continuous_usage else None
+        return self._event(choices, usage, extra)
 
     def usage(self) -> bytes:
         """The final chunk ``include_usage`` asks for: no choices, the request's usage."""
         return self._event([], self.run.usage())
 
-    def _event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> bytes:
+    def _event(
+        self,
+        choices: list[dict[str, Any]],
+        usage: dict[str, Any] | None,
+        extra: dict[str, Any] | None = None,
+    ) -> bytes:
         req = self.req
         payload: dict[str, Any] = {
             "id": req.request_id,
@@ -500,6 +568,7 @@ class ChunkWriter:
             "created": req.created,
             "model": req.model,
             "choices": choices,
+            **(extra or {}),
         }
         if usage is not None:
             payload["usage"] = usage
@@ -512,6 +581,7 @@ async def respond(
     object_name: str,
     stream: Callable[[], AsyncIterator[bytes]],
     build_choices: Callable[[list[RequestOutput | None]], list[dict[str, Any]]],
+    build_extra: Callable[[list[RequestOutput | None]], dict[str, Any]] | None = None,
 ) -> Response:
     """Stream ``stream()``'s chunks, or run to the end and answer the choices in one body.
 
@@ -539,6 +609,7 @@ async def respond(
             "choices": build_choices(outputs),
             "usage": run.usage(),
             "system_fingerprint": None,
+            **(build_extra(outputs) if build_extra is not None else {}),
         },
         headers=req.headers,
     )

@@ -49,11 +49,13 @@ def header_value(scope: Scope, name: bytes) -> list[bytes]:
 class AccessLogMiddleware:
     """One log line per request: method, path, status, duration, id, tokens, TTFT (and the LoRA adapter, if any)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, skip_paths: frozenset[str] = frozenset()) -> None:
         self.app = app
+        self.skip_paths = skip_paths
+        """``--disable-access-log-for-endpoints``: paths logged by no line."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in self.skip_paths:
             await self.app(scope, receive, send)
             return
         start = time.monotonic()
@@ -174,3 +176,28 @@ class BodyLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+SERVER_LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+"""Paths whose requests ``--enable-server-load-tracking`` counts (vLLM's generation routes)."""
+
+
+class ServerLoadMiddleware:
+    """``--enable-server-load-tracking``: generation requests in flight, in
+    ``app.state.server_load_metrics`` (what vLLM's ``/load`` answers), until their response
+    (a whole stream) has been sent or the client left."""
+
+    def __init__(self, app: ASGIApp, paths: frozenset[str] = SERVER_LOAD_PATHS) -> None:
+        self.app = app
+        self.paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        state = scope["app"].state
+        state.server_load_metrics += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            state.server_load_metrics -= 1

@@ -144,6 +144,8 @@ class SamplingFields(StrictModel):
     """Lower runs first when the server uses ``--scheduling-policy priority``."""
     return_tokens_as_token_ids: bool = False
     """Name logprob tokens ``token_id:N`` instead of their text, as vLLM does."""
+    return_token_ids: bool = False
+    """vLLM extension: add the prompt's token ids (``prompt_token_ids``) and each choice's (``token_ids``)."""
     use_beam_search: bool = False
     """vLLM extension: beam search (width ``best_of`` or ``n``), the n best beams returned at the end."""
     length_penalty: float = 1.0
@@ -311,6 +313,8 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """Default: 'auto' when tools are given (needs --enable-auto-tool-choice), else 'none'."""
     parallel_tool_calls: bool | None = None
+    prompt_logprobs: int | None = None
+    """vLLM extension: log-probabilities of the prompt tokens (top-level ``prompt_logprobs``)."""
     functions: list[Any] | None = None
     function_call: Any | None = None
 

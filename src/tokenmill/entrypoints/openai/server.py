@@ -22,27 +22,34 @@ import os
 import signal
 from collections.abc import AsyncIterator, Callable
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineState
+from tokenmill.engine.llm_engine import resolve_model_path
 from tokenmill.entrypoints.config_args import add_config_args, config_kwargs
 from tokenmill.entrypoints.openai.admission import AdmissionController, AdmissionMiddleware
 from tokenmill.entrypoints.openai.auth import APIKeyAuthMiddleware
+from tokenmill.entrypoints.openai.chat_options import ChatOptions, resolve_chat_template
 from tokenmill.entrypoints.openai.errors import error_body_bytes, install_exception_handlers
+from tokenmill.entrypoints.openai.generation_config import load_generation_defaults
 from tokenmill.entrypoints.openai.lora import check_lora_name, parse_lora_module
 from tokenmill.entrypoints.openai.middleware import (
     AccessLogMiddleware,
     BodyLimitMiddleware,
     HeaderLimitMiddleware,
+    ServerLoadMiddleware,
 )
 from tokenmill.entrypoints.openai.openapi import install_openapi
 from tokenmill.entrypoints.openai.routers import chat, completions, health, lora, models, tokenize
 from tokenmill.entrypoints.openai.routes import RoutesMiddleware, build_route_table
 from tokenmill.entrypoints.openai.state import ServerConfig, ServerState
+from tokenmill.entrypoints.openai.stats_log import log_stats_periodically
 from tokenmill.entrypoints.openai.tokenization import RequestTokenizer
 from tokenmill.entrypoints.startup_checks import check_before_serving
 from tokenmill.errors import ConfigError, InvalidRequestError
@@ -63,9 +70,13 @@ _NOT_FLAGS = ("max_num_seqs",)
 """ServerConfig fields copied from the engine's config rather than set by a flag."""
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
+def add_server_args(
+    parser: argparse.ArgumentParser, group_for: Callable[[str], Any] | None = None
+) -> None:
     """Flags of ``tokenmill serve`` beyond the engine's: one per ServerConfig field."""
-    add_config_args(parser.add_argument_group("server"), ServerConfig, exclude=_NOT_FLAGS)
+    add_config_args(
+        parser.add_argument_group("server"), ServerConfig, exclude=_NOT_FLAGS, group_for=group_for
+    )
     parser.epilog = (
         "max_tokens beyond the context left after the prompt (--max-model-len minus prompt tokens) "
         "is clamped to it; prompts that leave no room get 400 context_length_exceeded."
@@ -103,7 +114,19 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
         is_dead=lambda: engine.state is EngineState.DEAD,
         read_startup=lambda: engine.startup_costs,
     )
-    state = ServerState(config, engine_config, engine, metrics, tokenization)
+    state = ServerState(
+        config,
+        engine_config,
+        engine,
+        metrics,
+        tokenization,
+        chat=chat_options(config),
+        generation_defaults=load_generation_defaults(
+            engine_config.generation_config,
+            resolve_model_path(engine_config.model),
+            engine_config.override_generation_config,
+        ),
+    )
     if (
         config.lora_modules or config.allow_runtime_lora_updating
     ) and not engine_config.enable_lora:
@@ -122,21 +145,31 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         watcher = asyncio.ensure_future(_log_when_ready(state))
+        stats_log = (
+            None
+            if config.disable_log_stats
+            else asyncio.ensure_future(log_stats_periodically(state, config.log_stats_interval_s))
+        )
         try:
             yield
         finally:
             watcher.cancel()
+            if stats_log is not None:
+                stats_log.cancel()
             tokenization.shutdown()
             await asyncio.to_thread(engine.shutdown)
 
+    docs = not config.disable_fastapi_docs
     app = FastAPI(
         title="tokenmill",
         lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
-        openapi_url="/openapi.json",
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+        root_path=config.root_path or "",
     )
     app.state.server = state
+    app.state.server_load_metrics = 0
     app.state.admission = admission
     app.state.routes = routes
     install_exception_handlers(app)
@@ -160,11 +193,45 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
         max_header_bytes=config.max_header_bytes,
         max_header_count=config.max_header_count,
     )
-    app.add_middleware(AccessLogMiddleware)
+    if config.enable_server_load_tracking:
+        app.add_middleware(ServerLoadMiddleware)
+    if config.allowed_origins:  # vLLM's CORS flags; without origins, no cross-origin calls
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_credentials=config.allow_credentials,
+            allow_methods=list(config.allowed_methods),
+            allow_headers=list(config.allowed_headers),
+        )
+    app.add_middleware(
+        AccessLogMiddleware,
+        skip_paths=frozenset(
+            p.strip()
+            for p in (config.disable_access_log_for_endpoints or "").split(",")
+            if p.strip()
+        ),
+    )
     app.add_middleware(
         ResponseCountMiddleware, counter=responses, model_name=config.served_model_names[0]
     )
     return app
+
+
+def chat_options(config: ServerConfig) -> ChatOptions:
+    """The chat flags, read once: the template file, and template variables checked now."""
+    from tokenmill.entrypoints.openai.routers.chat import check_chat_template_kwargs
+
+    if config.default_chat_template_kwargs:
+        try:
+            check_chat_template_kwargs(config.default_chat_template_kwargs, {})
+        except Exception as exc:
+            raise ConfigError(f"--default-chat-template-kwargs: {exc}") from None
+    return ChatOptions(
+        template=resolve_chat_template(config.chat_template),
+        content_format=config.chat_template_content_format,
+        default_kwargs=config.default_chat_template_kwargs,
+        response_role=config.response_role,
+    )
 
 
 async def _log_when_ready(state: ServerState) -> None:
@@ -346,10 +413,16 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         app,
         host=config.host,
         port=config.port,
+        uds=config.uds,
+        ssl_keyfile=config.ssl_keyfile,
+        ssl_certfile=config.ssl_certfile,
+        ssl_ca_certs=config.ssl_ca_certs,
+        ssl_cert_reqs=config.ssl_cert_reqs,
+        ssl_ciphers=config.ssl_ciphers or "TLSv1",  # uvicorn's default
         http=_JSONErrorH11Protocol,
         lifespan="on",
         access_log=False,
-        log_level=logging.getLogger().getEffectiveLevel(),
+        log_level=config.uvicorn_log_level,
         server_header=False,
         h11_max_incomplete_event_size=config.max_header_bytes,
         timeout_keep_alive=5,

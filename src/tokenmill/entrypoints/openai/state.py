@@ -11,14 +11,16 @@ import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 from starlette.requests import Request
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineState
+from tokenmill.entrypoints.openai.chat_options import ChatOptions
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.lora import LoRARegistry, parse_lora_module
+from tokenmill.entrypoints.openai.reasoning import REASONING_PARSERS
 from tokenmill.entrypoints.openai.tokenization import RequestTokenizer
 from tokenmill.errors import ConfigError
 from tokenmill.lora_request import LoRARequest
@@ -54,9 +56,12 @@ class ServerConfig:
     """Seconds a request may wait plus run; then it is aborted and returns its partial output with finish_reason 'length' (or 503 if it produced nothing)."""
     max_request_body_bytes: int = field(default=10 * 2**20, metadata={"parse": "bytes"})
     """Largest request body, e.g. 10MiB (413 beyond it)."""
-    max_header_bytes: int = field(default=16 * 2**10, metadata={"parse": "bytes"})
+    max_header_bytes: int = field(
+        default=16 * 2**10,
+        metadata={"parse": "bytes", "aliases": ("--h11-max-incomplete-event-size",)},
+    )
     """Largest request line plus headers (431 beyond it)."""
-    max_header_count: int = 100
+    max_header_count: int = field(default=100, metadata={"aliases": ("--h11-max-header-count",)})
     """Most headers a request may have (431 beyond it)."""
     shutdown_timeout_s: float = field(default=30.0, metadata={"flag": "--shutdown-timeout"})
     """On SIGTERM, seconds in-flight requests may take to finish; those still running then get a 503 and the server exits about a second later."""
@@ -66,7 +71,9 @@ class ServerConfig:
         default=2.0, metadata={"flag": "--chat-template-timeout"}
     )
     """Seconds a request-supplied chat template may take to render (400 beyond it)."""
-    max_concurrent_tokenizations: int = 4
+    max_concurrent_tokenizations: int = field(
+        default=4, metadata={"aliases": ("--renderer-num-workers",)}
+    )
     """Threads that tokenize prompts and render chat templates; more requests wait for one."""
     grammar_compile_timeout_s: float = field(
         default=10.0, metadata={"flag": "--grammar-compile-timeout"}
@@ -76,7 +83,9 @@ class ServerConfig:
     """Let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser."""
     tool_call_parser: str | None = None
     """How tool calls are read from the model's text: 'hermes' (<tool_call>{...}</tool_call>) or 'llama3_json'."""
-    disable_access_log: bool = False
+    disable_access_log: bool = field(
+        default=False, metadata={"aliases": ("--disable-uvicorn-access-log",)}
+    )
     """No per-request log line."""
     routes_config: str | None = None
     """YAML file of routes (per API key, model or X-Tokenmill-Route header: context, max_tokens cap, defaults, features, priority, queue bound, quotas; see docs/routes.md); default: no routes."""
@@ -84,6 +93,64 @@ class ServerConfig:
     """LoRA adapters clients can name in 'model': name=path, or JSON {"name": .., "path": .., "base_model_name": ..}; needs --enable-lora."""
     allow_runtime_lora_updating: bool = False
     """Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); they need the API key like every route."""
+    chat_template: str | None = None
+    """The chat template to use instead of the model's: a file, or the template itself."""
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
+    """How message content reaches the template: 'string' (text parts joined), 'openai' (a list of {type, text} parts) or 'auto' (detected from the template)."""
+    default_chat_template_kwargs: dict[str, Any] | None = field(
+        default=None, metadata={"parse": "json_object"}
+    )
+    """A JSON object of chat template variables every request gets (e.g. '{"enable_thinking": false}'); a request's chat_template_kwargs win."""
+    response_role: str = "assistant"
+    """The role of chat responses when the request sets add_generation_prompt (the default)."""
+    return_tokens_as_token_ids: bool = False
+    """Default of the request field: name logprob tokens 'token_id:N' instead of their text."""
+    reasoning_parser: str | None = None
+    """Split the model's <think>...</think> reasoning into message.reasoning_content: 'deepseek_r1' or 'qwen3'."""
+    enable_prompt_tokens_details: bool = False
+    """Add usage.prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache."""
+    enable_force_include_usage: bool = False
+    """Send usage on every response, also streams that did not ask for it (stream_options.include_usage)."""
+    enable_log_requests: bool = False
+    """Log each request's prompt, token ids and sampling parameters when it arrives."""
+    enable_log_outputs: bool = False
+    """With --enable-log-requests: also log each request's output when it ends."""
+    max_log_len: int | None = None
+    """Most prompt characters (and prompt token ids) a request log line shows; default: all."""
+    disable_log_stats: bool = False
+    """No periodic log line of throughput, running/waiting requests and KV cache usage."""
+    log_stats_interval_s: float = field(default=10.0, metadata={"flag": "--log-stats-interval"})
+    """Seconds between those periodic stats lines (vLLM logs every 10 s)."""
+    enable_server_load_tracking: bool = False
+    """Count the generation requests in flight in app.state.server_load_metrics (vLLM's /load reads it)."""
+    disable_fastapi_docs: bool = False
+    """Serve no /docs, /redoc or /openapi.json."""
+    root_path: str | None = None
+    """The path prefix a proxy serves this app under (ASGI root_path)."""
+    allowed_origins: tuple[str, ...] = field(default=(), metadata={"parse": "json_list"})
+    """CORS: origins browsers may call from, a JSON list (e.g. '["*"]'); default: no cross-origin calls."""
+    allowed_methods: tuple[str, ...] = field(default=("*",), metadata={"parse": "json_list"})
+    """CORS: allowed methods, a JSON list."""
+    allowed_headers: tuple[str, ...] = field(default=("*",), metadata={"parse": "json_list"})
+    """CORS: allowed request headers, a JSON list."""
+    allow_credentials: bool = False
+    """CORS: allow credentials (cookies, Authorization) on cross-origin calls."""
+    ssl_keyfile: str | None = None
+    """TLS private key file; with --ssl-certfile the server speaks HTTPS."""
+    ssl_certfile: str | None = None
+    """TLS certificate file."""
+    ssl_ca_certs: str | None = None
+    """CA certificates file, to verify client certificates."""
+    ssl_cert_reqs: int = 0
+    """Client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)."""
+    ssl_ciphers: str | None = None
+    """TLS cipher suites (OpenSSL cipher list format)."""
+    uds: str | None = None
+    """Listen on this Unix domain socket instead of --host/--port."""
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    """Log level of uvicorn's own loggers."""
+    disable_access_log_for_endpoints: str | None = None
+    """Comma-separated paths (e.g. /health,/metrics) with no access-log line."""
     max_num_seqs: int = 256
     """The engine's running-batch bound, copied here for admission control (not a flag)."""
 
@@ -112,6 +179,18 @@ class ServerConfig:
                 not self.enable_auto_tool_choice or self.tool_call_parser is not None,
                 "--enable-auto-tool-choice needs --tool-call-parser",
             ),
+            (
+                self.reasoning_parser in (None, *REASONING_PARSERS),
+                f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}",
+            ),
+            (self.max_log_len is None or self.max_log_len >= 0, "--max-log-len must be >= 0"),
+            (self.log_stats_interval_s > 0, "--log-stats-interval must be > 0"),
+            (self.ssl_cert_reqs in (0, 1, 2), "--ssl-cert-reqs must be 0, 1 or 2"),
+            (
+                (self.ssl_keyfile is None) == (self.ssl_certfile is None),
+                "--ssl-keyfile and --ssl-certfile go together",
+            ),
+            (bool(self.response_role.strip()), "--response-role must not be empty"),
         ]
         for ok, message in checks:
             if not ok:
@@ -150,6 +229,10 @@ class ServerState:
     """Requests generating now (GenerationRuns register themselves), so the drain can end them."""
     loras: LoRARegistry = field(default_factory=LoRARegistry)
     """LoRA adapters clients can name in ``model``."""
+    chat: ChatOptions = field(default_factory=ChatOptions)
+    """The operator's chat template, content format, template variables and response role."""
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    """Request-field defaults from the generation config (``--generation-config``)."""
     grammar_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tokenmill-grammar")
     )

@@ -13,6 +13,7 @@ per choice, the optional usage chunk and ``[DONE]``.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2.defaults
@@ -20,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from tokenmill.entrypoints.openai.chat_options import format_content
 from tokenmill.entrypoints.openai.generation import (
     ChunkWriter,
     GenerationRun,
@@ -37,6 +39,13 @@ from tokenmill.entrypoints.openai.protocol import (
     ChatMessage,
     ChatTemplateFields,
 )
+from tokenmill.entrypoints.openai.reasoning import (
+    ReasoningStreamer,
+    is_thinking,
+    reasoning_fields,
+    split_reasoning,
+)
+from tokenmill.entrypoints.openai.routers.completions import vllm_prompt_logprobs
 from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.entrypoints.openai.tools import (
     ToolCallStreamer,
@@ -87,24 +96,32 @@ def render_chat_prompt(
 ) -> str:
     """The conversation rendered by the chat template (call off the event loop)."""
     tokenizer = state.engine.tokenizer
+    options = state.chat
     if fields.chat_template is not None and not state.config.trust_request_chat_template:
         raise InvalidRequestError(
             "request chat templates are disabled; the operator can allow them with --trust-request-chat-template",
             param="chat_template",
         )
-    if fields.chat_template is None and not tokenizer.has_chat_template:
+    template = fields.chat_template or options.template
+    if template is None and not tokenizer.has_chat_template:
         raise InvalidRequestError(
             "this model has no chat template; use the completions endpoint", param="messages"
         )
     kwargs = fields.chat_template_kwargs or {}
     check_chat_template_kwargs(kwargs, tokenizer.special_tokens)
+    kwargs = {**(options.default_kwargs or {}), **kwargs}
     if tools:
         kwargs = {**kwargs, "tools": tools}
     tokenization = state.tokenization
+    content_format = options.content_format_for(
+        tokenizer.chat_templates.get(template, template)
+        if template is not None
+        else tokenizer.chat_template
+    )
     return tokenizer.apply_chat_template(
-        [m.model_dump(exclude_none=True) for m in messages],
+        [format_content(m.model_dump(exclude_none=True), content_format) for m in messages],
         add_generation_prompt=fields.add_generation_prompt,
-        chat_template=fields.chat_template,
+        chat_template=template,
         max_chars=tokenization.max_render_chars,
         time_budget_s=tokenization.chat_template_timeout_s
         if fields.chat_template is not None
@@ -183,7 +200,9 @@ async def create_chat_completion(request: Request) -> Response:
         state.config.tool_call_parser,
     )
     try:
-        params = body.sampling_params(body.max_new_tokens(), num_top if body.logprobs else None)
+        params = body.sampling_params(
+            body.max_new_tokens(), num_top if body.logprobs else None, body.prompt_logprobs
+        )
         field = body.structured_outputs_params()[1]
         constraint = tool_constraint(mode, tools, body.parallel_tool_calls)
         if constraint is not None:
@@ -206,13 +225,43 @@ async def create_chat_completion(request: Request) -> Response:
     ids = await chat_prompt_ids(state, body.messages, body, tools=prompt_tools)
     prompts = await process_prompts(req, [ids], checked)
     run = GenerationRun(state, req.request_id, prompts)
+    style = _ResponseStyle(
+        role=state.chat.response_role if body.add_generation_prompt else body.messages[-1].role,
+        is_thinking=is_thinking(
+            state.config.reasoning_parser,
+            {**(state.chat.default_kwargs or {}), **(body.chat_template_kwargs or {})},
+        ),
+    )
     return await respond(
         req,
         run,
         "chat.completion",
-        stream=lambda: _stream(req, run, num_top, mode),
-        build_choices=lambda outputs: _choices(run, body, outputs[0], num_top, mode),
+        stream=lambda: _stream(req, run, num_top, mode, style),
+        build_choices=lambda outputs: _choices(run, body, outputs[0], num_top, mode, style),
+        build_extra=lambda outputs: _response_extra(run, body, outputs[0]),
     )
+
+
+@dataclass(frozen=True)
+class _ResponseStyle:
+    """What a response's messages look like beyond the model's text."""
+
+    role: str
+    """``--response-role``, or the last message's role without the generation prompt."""
+    is_thinking: bool
+    """Whether the output starts as reasoning (``--reasoning-parser``)."""
+
+
+def _response_extra(
+    run: GenerationRun, body: ChatCompletionRequest, output: RequestOutput | None
+) -> dict[str, Any]:
+    """vLLM's top-level extras: ``prompt_logprobs`` and ``prompt_token_ids`` when asked for."""
+    extra: dict[str, Any] = {}
+    if body.prompt_logprobs is not None:
+        extra["prompt_logprobs"] = vllm_prompt_logprobs(output)
+    if body.return_token_ids:
+        extra["prompt_token_ids"] = run.prompts[0].prompt_token_ids
+    return extra
 
 
 def _choices(
@@ -221,6 +270,7 @@ def _choices(
     output: RequestOutput | None,
     num_top: int,
     mode: ToolMode,
+    style: _ResponseStyle,
 ) -> list[dict[str, Any]]:
     tokenizer = run.state.engine.tokenizer
     by_index = {c.index: c for c in output.outputs} if output is not None else {}
@@ -228,35 +278,45 @@ def _choices(
     for i in range(run.params.n):
         c = by_index.get(i)
         finish_reason = (c.finish_reason if c is not None else None) or "length"
-        message: dict[str, Any] = {"role": "assistant", "content": c.text if c is not None else ""}
-        if mode.kind != "none" and c is not None:
-            content, tool_calls = tool_calls_message(c.text, mode)
+        text: str | None = c.text if c is not None else ""
+        reasoning = None
+        if style.is_thinking:
+            reasoning, text = split_reasoning(text or "")
+        message: dict[str, Any] = {"role": style.role, "content": text}
+        if mode.kind != "none" and text is not None:
+            content, tool_calls = tool_calls_message(text, mode)
             if tool_calls:
-                message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+                message = {"role": style.role, "content": content, "tool_calls": tool_calls}
                 if finish_reason == "stop":
                     finish_reason = "tool_calls"
-        choices.append(
-            {
-                "index": i,
-                "message": message,
-                "logprobs": chat_logprobs(
-                    c.token_ids if c else [],
-                    c.logprobs if c else None,
-                    tokenizer,
-                    num_top,
-                    body.return_tokens_as_token_ids,
-                )
-                if body.logprobs
-                else None,
-                "finish_reason": finish_reason,
-                "stop_reason": c.stop_reason if c is not None else None,
-            }
-        )
+        message.update(reasoning_fields(reasoning))
+        choice: dict[str, Any] = {
+            "index": i,
+            "message": message,
+            "logprobs": chat_logprobs(
+                c.token_ids if c else [],
+                c.logprobs if c else None,
+                tokenizer,
+                num_top,
+                body.return_tokens_as_token_ids,
+            )
+            if body.logprobs
+            else None,
+            "finish_reason": finish_reason,
+            "stop_reason": c.stop_reason if c is not None else None,
+        }
+        if body.return_token_ids:
+            choice["token_ids"] = list(c.token_ids) if c is not None else []
+        choices.append(choice)
     return choices
 
 
 async def _stream(
-    req: ParsedRequest[ChatCompletionRequest], run: GenerationRun, num_top: int, mode: ToolMode
+    req: ParsedRequest[ChatCompletionRequest],
+    run: GenerationRun,
+    num_top: int,
+    mode: ToolMode,
+    style: _ResponseStyle,
 ) -> AsyncIterator[bytes]:
     body = req.body
     tokenizer = run.state.engine.tokenizer
@@ -264,22 +324,26 @@ async def _stream(
     streamers = (
         [ToolCallStreamer(mode) for _ in range(run.num_choices)] if mode.kind != "none" else None
     )
+    thinkers = [ReasoningStreamer() for _ in range(run.num_choices)] if style.is_thinking else None
     yield chunk(
         [
             {
                 "index": i,
-                "delta": {"role": "assistant", "content": ""},
+                "delta": {"role": style.role, "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
             }
             for i in range(run.num_choices)
-        ]
+        ],
+        {"prompt_token_ids": run.prompts[0].prompt_token_ids} if body.return_token_ids else None,
     )
+    is_prompt_logprobs_sent = body.prompt_logprobs is None
     async for batch in run.deltas():
         content = []
         finishes = []
         for d in batch:
-            if d.text or d.token_ids:
+            is_last = d.finish_reason is not None
+            if d.text or d.token_ids or (thinkers is not None and is_last):
                 logprobs = (
                     chat_logprobs(
                         d.token_ids, d.logprobs, tokenizer, num_top, body.return_tokens_as_token_ids
@@ -287,20 +351,30 @@ async def _stream(
                     if body.logprobs
                     else None
                 )
-                delta: dict[str, Any] = {"content": d.text}
+                text, reasoning = d.text, ""
+                if thinkers is not None:
+                    reasoning, text = thinkers[d.index].feed(d.text, is_last)
+                delta: dict[str, Any] = {"content": text}
                 if streamers is not None:
-                    text, calls = streamers[d.index].feed(d.text, d.finish_reason is not None)
+                    text, calls = streamers[d.index].feed(text, is_last)
                     delta = {"content": text} if text else {}
                     if calls:
                         delta["tool_calls"] = calls
-                content.append(
-                    {
-                        "index": d.index,
-                        "delta": delta,
-                        "logprobs": logprobs,
-                        "finish_reason": None,
-                    }
-                )
+                if thinkers is not None:
+                    if not text:
+                        delta.pop("content", None)
+                    delta.update(reasoning_fields(reasoning or None))
+                if not (d.text or d.token_ids or delta):
+                    continue
+                entry: dict[str, Any] = {
+                    "index": d.index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": None,
+                }
+                if body.return_token_ids:
+                    entry["token_ids"] = d.token_ids
+                content.append(entry)
             elif streamers is not None and d.finish_reason is not None:
                 text, calls = streamers[d.index].feed("", True)
                 if text or calls:
@@ -324,7 +398,11 @@ async def _stream(
                     }
                 )
         if content:
-            yield chunk(content)
+            extra = None
+            if not is_prompt_logprobs_sent:  # vLLM sends them once, with the first output
+                is_prompt_logprobs_sent = True
+                extra = {"prompt_logprobs": vllm_prompt_logprobs(run.latest[0])}
+            yield chunk(content, extra)
         if finishes:
             yield chunk(finishes)
     if body.include_usage:

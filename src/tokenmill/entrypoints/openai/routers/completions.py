@@ -175,6 +175,9 @@ def _choices(
             }
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(output)
+            if body.return_token_ids:
+                choice["prompt_token_ids"] = run.prompts[prompt_index].prompt_token_ids
+                choice["token_ids"] = list(c.token_ids) if c is not None else []
             choices.append(choice)
     return choices
 
@@ -188,6 +191,7 @@ async def _stream(
     offsets = [0] * run.num_choices
     echoed: set[int] = set()
     first_extra: dict[int, Any] = {}
+    first_ids: dict[int, list[int]] = {}
     chunk = ChunkWriter(req, run, "text_completion")
     async for batch in run.deltas():
         choices = []
@@ -221,10 +225,16 @@ async def _stream(
                     )
                 if body.prompt_logprobs is not None:
                     first_extra[d.index] = vllm_prompt_logprobs(run.latest[prompt_index])
+                if body.return_token_ids:
+                    first_ids[d.index] = run.prompts[prompt_index].prompt_token_ids
             offsets[d.index] += len(text)
             choice = _stream_choice(d, text, logprobs)
             if d.index in first_extra:
                 choice["prompt_logprobs"] = first_extra.pop(d.index)
+            if body.return_token_ids:
+                if d.index in first_ids:
+                    choice["prompt_token_ids"] = first_ids.pop(d.index)
+                choice["token_ids"] = d.token_ids
             choices.append(choice)
         yield chunk(choices)
     if body.include_usage:

@@ -60,5 +60,6 @@ async def detokenize(request: Request) -> JSONResponse:
             raise InvalidRequestError(
                 f"token id {token_id} is outside the vocabulary [0, {vocab})", param="tokens"
             )
-    text = await state.tokenization.run(engine.tokenizer.decode, body.tokens)
+    # As vLLM answers: special tokens (BOS, EOS, chat markers) are part of the text.
+    text = await state.tokenization.run(engine.tokenizer.decode, body.tokens, False)
     return JSONResponse({"prompt": text})
