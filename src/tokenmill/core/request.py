@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from tokenmill.outputs import RequestMetrics
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling.params import SamplingParams
 
 
@@ -65,6 +66,8 @@ class Request:
     """The LoRA adapter it runs with (``LoRARequest.lora_int_id``); 0: the base model."""
     grammar: object | None = None
     """The compiled structured-output grammar, opaque here; the worker keeps its matcher."""
+    pooling: PoolingParams | None = None
+    """Set for a pooling request: prefilled, then its hidden states pooled instead of sampled."""
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
