@@ -26,7 +26,7 @@ from starlette.requests import Request
 from tokenmill.engine.input_processor import CheckedParams, ProcessedRequest
 from tokenmill.entrypoints.openai.admission import admit_sequences
 from tokenmill.entrypoints.openai.errors import APIError, to_api_error
-from tokenmill.entrypoints.openai.protocol import SamplingFields, decode_json_object, validate_model
+from tokenmill.entrypoints.openai.protocol import RequestBody, decode_json_object, validate_model
 from tokenmill.entrypoints.openai.routes import (
     check_route_body,
     grow_route,
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 MIN_LOGPROB = -9999.0
 """Stands in for -inf so the JSON stays valid (vLLM does the same)."""
 
-BodyT = TypeVar("BodyT", bound=SamplingFields)
+BodyT = TypeVar("BodyT", bound=RequestBody)
 
 
 class RequestTimeoutError(Exception):
@@ -123,14 +123,25 @@ class ParsedRequest(Generic[BodyT]):
 
 
 async def parse_request(
-    request: Request, body_cls: type[BodyT], id_prefix: str
+    request: Request,
+    body_cls: type[BodyT],
+    id_prefix: str,
+    translate: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    runner: str = "generate",
 ) -> ParsedRequest[BodyT]:
-    """Decode and check the body, resolve the model and check the engine can take it now."""
+    """Decode and check the body, resolve the model and check the engine can take it now.
+
+    ``translate`` maps another API's body (Anthropic's Messages, OpenAI's Responses) onto
+    ``body_cls``'s fields first; ``runner`` is what the route needs the engine to run.
+    """
     arrival_time = time.monotonic()
     state = get_state(request)
+    state.require_runner(runner, request.url.path)
     request_id = new_request_id(id_prefix, request.headers.get("x-request-id"))
     request.scope.setdefault("state", {})["request_id"] = request_id
     data = decode_json_object(await request.body(), request.headers.get("content-type"))
+    if translate is not None:
+        data = translate(data)
     body = validate_model(body_cls, route_body(request, data))
     body.check()
     body = check_route_body(request, body)
