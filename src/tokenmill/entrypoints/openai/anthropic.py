@@ -13,9 +13,9 @@ message}}`` with Anthropic's error types, so its SDK raises the right exception.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.entrypoints.openai.protocol import StrictModel
@@ -72,12 +72,16 @@ class ToolResultBlock(StrictModel):
 
 
 class UnsupportedBlock(StrictModel):
-    """Images, documents, thinking: declared so the refusal names them."""
+    """Images, documents, thinking: declared (whatever they hold) so the refusal names them."""
 
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["image", "document", "thinking", "redacted_thinking", "search_result"]
 
 
-ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock | UnsupportedBlock
+ContentBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | UnsupportedBlock, Field(discriminator="type")
+]
+"""Told apart by ``type``, so a bad block's error names its own fields."""
 
 
 class AnthropicMessage(StrictModel):

@@ -285,7 +285,10 @@ async def count_tokens(request: Request) -> JSONResponse:
         {"messages": chat_messages(body), **chat_tools(body)},
     )
     chat.check()
+    # As create renders them: tools are in the prompt unless tool_choice is none.
     tools = [t.model_dump(exclude_none=True) for t in chat.tools or []] or None
+    if chat.tool_choice == "none":
+        tools = None
     messages: list[ChatMessage] = chat.messages
     ids = await chat_prompt_ids(state, messages, chat, tools=tools)
     return JSONResponse({"input_tokens": len(ids)})
