@@ -21,7 +21,7 @@ from tokenmill.entrypoints.openai.pooling import (
 )
 from tokenmill.entrypoints.openai.pooling_protocol import EmbeddingRequest, PoolingRequest
 
-router = APIRouter()
+router = APIRouter(include_in_schema=False)  # not yet in /openapi.json (see docs/apis.md)
 
 
 EmbeddingT = TypeVar("EmbeddingT", bound=EmbeddingRequest)
