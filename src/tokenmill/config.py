@@ -33,6 +33,8 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors")
 PICKLE_LOAD_FORMATS: tuple[str, ...] = ("pt", "npcache")
 """vLLM's load formats that unpickle: refused, since loading them can run code."""
+Runner = Literal["auto", "generate", "pooling"]
+Convert = Literal["auto", "none", "embed"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,10 @@ class EngineConfig:
         default=None, metadata={"parse": "json_object"}
     )
     """A JSON object over those defaults, e.g. '{"temperature": 0.5, "max_new_tokens": 256}'."""
+    runner: Runner = "auto"
+    """What the model serves, as vLLM's --runner: generate (text) or pooling (embeddings, /v1/embeddings and /pooling); auto: generate."""
+    convert: Convert = "auto"
+    """vLLM's --convert: embed serves a causal LM as an embedding model (implies --runner pooling); auto: embed under --runner pooling."""
     rope_theta_override: float | None = None
     """Test-only: replace the model's RoPE base to make the engine diverge on purpose."""
 
@@ -170,6 +176,23 @@ class EngineConfig:
             or (bool(self.compile_batch_sizes) and all(b >= 1 for b in self.compile_batch_sizes)),
             "compile_batch_sizes must be positive integers",
         )
+        check(
+            self.runner in ("auto", "generate", "pooling"),
+            f"--runner {self.runner!r} is not supported; choose one of auto, generate, pooling",
+        )
+        check(
+            self.convert in ("auto", "none", "embed"),
+            f"--convert {self.convert!r} is not supported; choose one of auto, none, embed",
+        )
+        check(
+            not (self.convert == "embed" and self.runner == "generate"),
+            "--convert embed makes an embedding model: it needs --runner pooling (or auto), not generate",
+        )
+        check(
+            not (self.convert == "none" and self.runner == "pooling"),
+            "--runner pooling serves a causal LM through --convert embed; --convert none leaves "
+            "nothing to pool with",
+        )
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
         check(self.max_loras >= 1, "max_loras must be >= 1")
         check(self.max_lora_rank >= 1, "max_lora_rank must be >= 1")
@@ -177,6 +200,11 @@ class EngineConfig:
             self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
             "max_cpu_loras must be >= max_loras",
         )
+
+    @property
+    def is_pooling(self) -> bool:
+        """Whether the engine pools hidden states (embeddings) instead of generating."""
+        return self.runner == "pooling" or self.convert == "embed"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -82,6 +82,8 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None
+    """A pooling request's vector (its embedding); None for generation."""
 
     def copy(self) -> RequestOutput:
         """A copy whose completions' lists are its own, to fold later outputs into."""
@@ -109,6 +111,8 @@ class RequestOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         if self.prompt_logprobs is None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.pooled is not None:
+            self.pooled = delta.pooled
 
 
 def _own_lists(c: CompletionOutput) -> CompletionOutput:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from tokenmill.outputs import RequestMetrics
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling.params import SamplingParams
 
 
@@ -68,6 +69,8 @@ class Request:
     is_beam: bool = False
     """A beam of a beam search: it yields to standard requests (scheduled after them,
     preempted first) and counts against its own bound, not ``max_num_seqs``."""
+    pooling: PoolingParams | None = None
+    """Set for a pooling request: prefilled, then its hidden states pooled instead of sampled."""
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from tokenmill.core.request import Request
 from tokenmill.errors import ContextLengthError, InvalidRequestError
 from tokenmill.lora_request import LoRARequest
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler
 from tokenmill.tokenizer.tokenizer import Tokenizer
@@ -36,6 +37,8 @@ class ProcessedRequest:
     """The adapter it runs with; None: the base model."""
     grammar: CompiledGrammar | None = None
     """The compiled ``params.structured_outputs``, which every child sequence follows."""
+    pooling: PoolingParams | None = None
+    """Set for a pooling request (embeddings): its hidden states are pooled, nothing sampled."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class CheckedParams:
     priority: int
     lora_request: LoRARequest | None = None
     grammar: CompiledGrammar | None = None
+    pooling: PoolingParams | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,7 @@ class InputProcessor:
             arrival,
             checked.lora_request,
             checked.grammar,
+            checked.pooling,
         )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -256,6 +261,9 @@ class InputProcessor:
         lora = processed.lora_request
         if lora is not None:  # KV computed with one adapter is never reused by another
             salt = lora.cache_salt if salt is None else f"{lora.cache_salt}|{salt}"
+        pooling = processed.pooling
+        if pooling is not None and pooling.needs_every_position:
+            salt = request_id  # a prefix-cache hit would skip positions the pooling reads
         return [
             Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}",
@@ -270,6 +278,7 @@ class InputProcessor:
                 index=i,
                 lora_id=lora.lora_int_id if lora is not None else 0,
                 grammar=processed.grammar,
+                pooling=pooling,
             )
             for i in range(params.n)
         ]

@@ -23,7 +23,7 @@ from tokenmill.core.stats import EngineStats, StartupCosts
 from tokenmill.engine.beam_search import BeamLimits, BeamSearchCoordinator
 from tokenmill.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.errors import InvalidRequestError, RequestFailedError
+from tokenmill.errors import ConfigError, InvalidRequestError, RequestFailedError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.model.attention import FP8_DTYPES
 from tokenmill.model.base import CausalLM
@@ -31,6 +31,7 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info, default_num_threads
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.outputs import RequestOutput
+from tokenmill.pooling_params import PoolerConfig
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.sampling.sampler import Sampler
 from tokenmill.structured.grammar import GrammarCompiler
@@ -135,6 +136,19 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.pooler_config: PoolerConfig | None = None
+        """How pooling requests pool (``--runner pooling``): what the checkpoint declares."""
+        if config.is_pooling:
+            try:
+                self.pooler_config = PoolerConfig.from_folder(self.model_path)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            logger.info(
+                "runner pooling: %s pooling%s, from %s",
+                self.pooler_config.pooling_type.lower(),
+                ", normalised" if self.pooler_config.normalize else "",
+                self.pooler_config.source,
+            )
 
         model = load_model(
             self.model_path,
@@ -192,6 +206,7 @@ class LLMEngine:
         compiled = None
         if (
             self.kv_manager.wants_compiled_decode
+            and not config.is_pooling  # pooling never decodes
             and not config.enforce_eager
             and self._can_compile()
             and self._model_compiles(model)
@@ -390,6 +405,13 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"request id {processed.request_id!r} is already in use", param="request_id"
             )
+        if (processed.pooling is not None) != self.config.is_pooling:
+            raise InvalidRequestError(
+                "this engine pools (--runner pooling): it takes pooling requests only"
+                if self.config.is_pooling
+                else "pooling requests need an engine started with --runner pooling",
+                param="model",
+            )
         if processed.params.use_beam_search:
             if processed.lora_request is not None:
                 raise InvalidRequestError(
@@ -499,6 +521,14 @@ class LLMEngine:
         rid = request.request_id
         if rid in result.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(rid, *result.prompt_logprobs[rid])
+        pooled = result.pooled.get(rid)
+        if pooled is not None:  # a pooling request ends with its prompt
+            request.metrics.first_token_time = request.metrics.last_token_time = now
+            stats.num_prompt_tokens += request.num_prompt_tokens
+            self.output_processor.set_pooled(rid, pooled)
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            self.output_processor.mark_finished(rid)
+            return
         token = result.sampled.get(rid)
         if token is None:
             return

@@ -43,6 +43,7 @@ class _Parent:
     streaming_text_holdback: int = 0
     touched: bool = field(default=False)
     num_outputs: int = 0
+    pooled: list[float] | None = None
 
 
 class OutputProcessor:
@@ -168,6 +169,13 @@ class OutputProcessor:
                 if lp.decoded_token is None:
                     lp.decoded_token = self.tokenizer.id_to_token_text(token_id)
 
+    def set_pooled(self, child_id: str, pooled: list[float]) -> None:
+        """A pooling request's vector, reported with its (final) output."""
+        found = self._find(child_id)
+        if found is not None:
+            found[0].pooled = pooled
+            found[0].touched = True
+
     def mark_finished(self, child_id: str) -> None:
         """A child finished in the scheduler (eos, length, stop token, abort)."""
         found = self._find(child_id)
@@ -258,4 +266,5 @@ class OutputProcessor:
             metrics=first.metrics,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=first.metrics.num_cached_tokens,
+            pooled=parent.pooled,
         )

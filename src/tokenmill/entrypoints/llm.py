@@ -9,9 +9,11 @@ from typing import Any
 from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.input_processor import CheckedParams
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tokenmill.sampling.params import RequestOutputKind, SamplingParams
 
@@ -108,6 +110,30 @@ class LLM:
             )
             for out in outputs
         ]
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[list[float]]:
+        """One embedding per prompt (vLLM's ``LLM.embed``; needs ``runner="pooling"``), pooled as
+        the checkpoint declares unless ``pooling_params`` says otherwise."""
+        config = self.engine.pooler_config
+        if config is None:
+            raise ValueError('LLM.embed needs an engine built with runner="pooling"')
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        processor = self.engine.input_processor
+        params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+        checked = CheckedParams(params, 0, pooling=pooling_params or config.params())
+        ids = [str(next(self._ids)) for _ in prompts]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            self.engine.add_processed(processor.process_prompt(rid, prompt, checked))
+        outputs = self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 8)
+        return [out.pooled or [] for out in outputs]
 
     def chat(
         self,

@@ -49,6 +49,8 @@ class StepInputs:
     """(token ids, positions, slots, block tables) when every row is a lone decode token."""
     lora: LoRAStepState | None = None
     """Which rows run which adapter; None when every row is on the base model."""
+    pool_rows: dict[str, tuple[Request, list[int], bool]] = field(default_factory=dict)
+    """Pooling requests: request_id -> (request, rows its pooling reads, whether the prompt ends here)."""
 
 
 @dataclass
@@ -65,6 +67,18 @@ class StepOutput:
     """Requests whose structured-output grammar is complete after this step's token."""
     failed: dict[str, Exception] = field(default_factory=dict)
     """request_id -> what raised while sampling or scoring that request alone."""
+    pooled: dict[str, list[float]] = field(default_factory=dict)
+    """Pooling requests whose prompt was completed this step: their pooled vector."""
+
+
+def _pooled_rows(pooling_type: str, rows: list[int], start: int, is_last: bool) -> list[int]:
+    """The rows of a prefill chunk that a pooling reads: all (MEAN), the first token's
+    (CLS, in the chunk at position 0) or the prompt's last token's (LAST, in the final chunk)."""
+    if pooling_type == "MEAN":
+        return rows
+    if pooling_type == "CLS":
+        return rows[:1] if start == 0 else []
+    return rows[-1:] if is_last else []
 
 
 class ModelRunner:
@@ -91,6 +105,8 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.grammar_masks = GrammarMasks(model.config.vocab_size)
+        self._pool_sums: dict[str, torch.Tensor] = {}
+        """MEAN/CLS pooling: what earlier prefill chunks of a request contributed."""
 
     def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -106,6 +122,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
         prompt_rows: dict[str, tuple[list[int], int]] = {}
+        pool_rows: dict[str, tuple[Request, list[int], bool]] = {}
         lora_rows: dict[int, list[int]] = {}
         for members, is_decode in ((decodes, True), (chunks, False)):
             if not members:
@@ -129,7 +146,14 @@ class ModelRunner:
                 query_pos.append(pos)
                 tables.append(table[: -(-(start + num_new) // bs)])
                 ctx_lens.append(start + num_new)
-                if start + num_new == request.num_tokens:
+                if request.pooling is not None:
+                    is_last = start + num_new == request.num_tokens
+                    pool_rows[request.request_id] = (
+                        request,
+                        _pooled_rows(request.pooling.pooling_type, rows, start, is_last),
+                        is_last,
+                    )
+                elif start + num_new == request.num_tokens:
                     sample_rows.append(rows[-1])
                     sample_requests.append(request)
                 if (
@@ -164,6 +188,7 @@ class ModelRunner:
             sample_requests=sample_requests,
             prompt_logprob_rows=prompt_rows,
             lora=lora,
+            pool_rows=pool_rows,
         )
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -183,6 +208,8 @@ class ModelRunner:
             copy_kv_blocks(self.kv_caches, sched.blocks_to_copy)
         # A preempted sequence's matcher is rebuilt by replaying its tokens when it resumes.
         self.grammar_masks.drop(sched.finished_ids + sched.preempted_ids)
+        for request_id in sched.finished_ids + sched.preempted_ids:
+            self._pool_sums.pop(request_id, None)  # a preempted prompt is pooled again from 0
         out = StepOutput()
         if sched.is_empty:
             return out
@@ -193,6 +220,10 @@ class ModelRunner:
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden[self._tensor(inputs.sample_rows)])
             self._sample(logits, inputs.sample_requests, masks, out)
+        for request_id, (request, rows, is_complete) in inputs.pool_rows.items():
+            pooled = self._pool(hidden, request, rows, is_complete)
+            if pooled is not None:
+                out.pooled[request_id] = pooled
         for request, _ in sched.scheduled:
             entry = inputs.prompt_logprob_rows.get(request.request_id)
             if entry is not None and request.request_id not in out.failed:
@@ -235,6 +266,28 @@ class ModelRunner:
                 continue
             out.sampled[request.request_id] = token
             out.logprobs[request.request_id] = lp
+
+    def _pool(
+        self, hidden: torch.Tensor, request: Request, rows: list[int], is_complete: bool
+    ) -> list[float] | None:
+        """Fold this chunk's rows into the request's pooling; its vector once the prompt ends."""
+        pooling = request.pooling
+        assert pooling is not None
+        rid = request.request_id
+        if rows:
+            part = hidden[self._tensor(rows)].float().sum(dim=0)
+            previous = self._pool_sums.get(rid)
+            self._pool_sums[rid] = part if previous is None else previous + part
+        if not is_complete:
+            return None
+        vector = self._pool_sums.pop(rid)
+        if pooling.pooling_type == "MEAN":
+            vector = vector / request.num_prompt_tokens
+        if pooling.dimensions is not None:
+            vector = vector[: pooling.dimensions]
+        if pooling.normalize:
+            vector = torch.nn.functional.normalize(vector, p=2.0, dim=0)
+        return vector.cpu().tolist()
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, request: Request, rows: list[int], first_pos: int

@@ -22,7 +22,23 @@ from tokenmill.entrypoints.openai.middleware import send_error
 from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.errors import InvalidRequestError
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/embeddings",
+        "/pooling",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/invocations",
+    }
+)
+"""Routes that run the model: admitted (and counted by ``/load``) as one request each."""
 RETRY_AFTER_S = 1
 TICKET_SCOPE_KEY = "admission_ticket"
 """Where the middleware leaves the request's AdmissionTicket in ``scope["state"]``."""

@@ -26,7 +26,7 @@ def _digest(value: bytes) -> bytes:
 
 
 class APIKeyAuthMiddleware:
-    """401 unless ``Authorization: Bearer <key>`` names a configured key."""
+    """401 unless ``Authorization: Bearer <key>`` (or Anthropic's ``X-Api-Key: <key>``) names a configured key."""
 
     def __init__(
         self, app: ASGIApp, api_keys: Sequence[str], open_health_metrics: bool = False
@@ -37,10 +37,16 @@ class APIKeyAuthMiddleware:
 
     def _key_index(self, scope: Scope) -> int | None:
         values = header_value(scope, b"authorization")
-        if len(values) != 1:
+        api_key = header_value(scope, b"x-api-key")  # Anthropic's SDK sends the key so
+        if len(values) + len(api_key) != 1:
             return None
-        scheme, _, token = values[0].partition(b" ")
-        if scheme.lower() != b"bearer" or not token.strip():
+        if api_key:
+            token = api_key[0]
+        else:
+            scheme, _, token = values[0].partition(b" ")
+            if scheme.lower() != b"bearer":
+                return None
+        if not token.strip():
             return None
         presented = _digest(token.strip())
         match = None

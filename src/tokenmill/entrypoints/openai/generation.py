@@ -31,7 +31,7 @@ from tokenmill.entrypoints.openai.generation_config import (
     with_generation_defaults,
 )
 from tokenmill.entrypoints.openai.protocol import (
-    SamplingFields,
+    RequestBody,
     StreamOptions,
     decode_json_object,
     validate_model,
@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 MIN_LOGPROB = -9999.0
 """Stands in for -inf so the JSON stays valid (vLLM does the same)."""
 
-BodyT = TypeVar("BodyT", bound=SamplingFields)
+BodyT = TypeVar("BodyT", bound=RequestBody)
 
 
 class RequestTimeoutError(Exception):
@@ -133,14 +133,25 @@ class ParsedRequest(Generic[BodyT]):
 
 
 async def parse_request(
-    request: Request, body_cls: type[BodyT], id_prefix: str
+    request: Request,
+    body_cls: type[BodyT],
+    id_prefix: str,
+    translate: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    runner: str = "generate",
 ) -> ParsedRequest[BodyT]:
-    """Decode and check the body, resolve the model and check the engine can take it now."""
+    """Decode and check the body, resolve the model and check the engine can take it now.
+
+    ``translate`` maps another API's body (Anthropic's Messages, OpenAI's Responses) onto
+    ``body_cls``'s fields first; ``runner`` is what the route needs the engine to run.
+    """
     arrival_time = time.monotonic()
     state = get_state(request)
+    state.require_runner(runner, request.url.path)
     request_id = new_request_id(id_prefix, request.headers.get("x-request-id"))
     request.scope.setdefault("state", {})["request_id"] = request_id
     data = decode_json_object(await request.body(), request.headers.get("content-type"))
+    if translate is not None:
+        data = translate(data)
     data = with_generation_defaults(route_body(request, data), state.generation_defaults)
     if state.config.return_tokens_as_token_ids:
         data.setdefault("return_tokens_as_token_ids", True)
@@ -165,8 +176,9 @@ def _with_server_defaults(state: ServerState, body: BodyT) -> BodyT:
             else "max_tokens"
         )
         updates[field] = capped_max_tokens(getattr(body, field), state.generation_defaults)
-    if state.config.enable_force_include_usage and body.stream and not body.include_usage:
-        options = body.stream_options or StreamOptions()
+    streams = getattr(body, "stream", False)  # embeddings and pooling bodies do not
+    if state.config.enable_force_include_usage and streams and not body.include_usage:  # type: ignore[attr-defined]
+        options = body.stream_options or StreamOptions()  # type: ignore[attr-defined]
         updates["stream_options"] = options.model_copy(update={"include_usage": True})
     return body.model_copy(update=updates) if updates else body
 

@@ -32,6 +32,16 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class RequestBody(StrictModel):
+    """Base of every body ``parse_request`` takes: the served model, and its own checks."""
+
+    model: str | None = None
+    """Served model name; defaults to the first one."""
+
+    def check(self) -> None:
+        """Reject what tokenmill cannot honour, naming the field (nothing by default)."""
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
     """Send a final chunk with the request's usage (and empty choices) before [DONE]."""
@@ -112,11 +122,9 @@ class NamedToolChoice(StrictModel):
     function: NamedFunction
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(RequestBody):
     """Fields shared by completions and chat: OpenAI's plus the vLLM extras."""
 
-    model: str | None = None
-    """Served model name; defaults to the first one."""
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None

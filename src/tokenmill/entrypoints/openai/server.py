@@ -34,6 +34,7 @@ from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, Engin
 from tokenmill.engine.llm_engine import resolve_model_path
 from tokenmill.entrypoints.config_args import add_config_args, config_kwargs
 from tokenmill.entrypoints.openai.admission import AdmissionController, AdmissionMiddleware
+from tokenmill.entrypoints.openai.anthropic import AnthropicErrorMiddleware
 from tokenmill.entrypoints.openai.auth import APIKeyAuthMiddleware
 from tokenmill.entrypoints.openai.chat_options import ChatOptions, resolve_chat_template
 from tokenmill.entrypoints.openai.errors import error_body_bytes, install_exception_handlers
@@ -46,7 +47,19 @@ from tokenmill.entrypoints.openai.middleware import (
     ServerLoadMiddleware,
 )
 from tokenmill.entrypoints.openai.openapi import install_openapi
-from tokenmill.entrypoints.openai.routers import chat, completions, health, lora, models, tokenize
+from tokenmill.entrypoints.openai.routers import (
+    chat,
+    completions,
+    embeddings,
+    health,
+    lora,
+    messages,
+    models,
+    responses,
+    sagemaker,
+    score,
+    tokenize,
+)
 from tokenmill.entrypoints.openai.routes import RoutesMiddleware, build_route_table
 from tokenmill.entrypoints.openai.state import ServerConfig, ServerState
 from tokenmill.entrypoints.openai.stats_log import log_stats_periodically
@@ -109,7 +122,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
         config.chat_template_timeout_s,
         config.max_request_body_bytes,
     )
-    responses = install_ops_metrics(
+    response_counter = install_ops_metrics(
         metrics,
         is_dead=lambda: engine.state is EngineState.DEAD,
         read_startup=lambda: engine.startup_costs,
@@ -173,7 +186,18 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
     app.state.admission = admission
     app.state.routes = routes
     install_exception_handlers(app)
-    for module in (completions, chat, models, health, tokenize):
+    for module in (
+        completions,
+        chat,
+        responses,
+        messages,
+        embeddings,
+        score,
+        models,
+        health,
+        sagemaker,
+        tokenize,
+    ):
         app.include_router(module.router)
     if config.allow_runtime_lora_updating:
         app.include_router(lora.router)
@@ -203,6 +227,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
             allow_methods=list(config.allowed_methods),
             allow_headers=list(config.allowed_headers),
         )
+    app.add_middleware(AnthropicErrorMiddleware)  # outside every gate: their errors too
     app.add_middleware(
         AccessLogMiddleware,
         skip_paths=frozenset(
@@ -212,7 +237,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
         ),
     )
     app.add_middleware(
-        ResponseCountMiddleware, counter=responses, model_name=config.served_model_names[0]
+        ResponseCountMiddleware, counter=response_counter, model_name=config.served_model_names[0]
     )
     return app
 

@@ -21,6 +21,7 @@ from tokenmill.entrypoints.openai.chat_options import ChatOptions
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.lora import LoRARegistry, parse_lora_module
 from tokenmill.entrypoints.openai.reasoning import REASONING_PARSERS
+from tokenmill.entrypoints.openai.responses_api import ResponseStore
 from tokenmill.entrypoints.openai.tokenization import RequestTokenizer
 from tokenmill.errors import ConfigError
 from tokenmill.lora_request import LoRARequest
@@ -151,6 +152,8 @@ class ServerConfig:
     """Log level of uvicorn's own loggers."""
     disable_access_log_for_endpoints: str | None = None
     """Comma-separated paths (e.g. /health,/metrics) with no access-log line."""
+    max_stored_responses: int = 1000
+    """Responses kept in memory for previous_response_id and GET /v1/responses/{id} (least recently used evicted; 0: none kept; a restart forgets them)."""
     max_num_seqs: int = 256
     """The engine's running-batch bound, copied here for admission control (not a flag)."""
 
@@ -170,6 +173,7 @@ class ServerConfig:
             (self.max_header_count >= 8, "--max-header-count must be at least 8"),
             (self.chat_template_timeout_s > 0, "--chat-template-timeout must be > 0"),
             (self.max_concurrent_tokenizations >= 1, "--max-concurrent-tokenizations must be >= 1"),
+            (self.max_stored_responses >= 0, "--max-stored-responses must be >= 0"),
             (self.grammar_compile_timeout_s > 0, "--grammar-compile-timeout must be > 0"),
             (
                 self.tool_call_parser in (None, "hermes", "llama3_json"),
@@ -237,6 +241,11 @@ class ServerState:
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tokenmill-grammar")
     )
     """Where structured-output constraints compile: off the event loop and the engine thread."""
+    response_store: ResponseStore = field(init=False)
+    """Stored Responses API responses (``--max-stored-responses``)."""
+
+    def __post_init__(self) -> None:
+        self.response_store = ResponseStore(self.config.max_stored_responses)
 
     @property
     def base_model_names(self) -> tuple[str, ...]:
@@ -271,6 +280,17 @@ class ServerState:
     def lora_for(self, model: str) -> LoRARequest | None:
         """The adapter a resolved model name runs with; None for the base model."""
         return self.loras.get(model)
+
+    def require_runner(self, runner: str, path: str) -> None:
+        """400 when a route needs the other ``--runner`` (generation vs pooling) than this server's."""
+        has = "pooling" if self.engine_config.is_pooling else "generate"
+        if runner != has:
+            raise APIError(
+                400,
+                f"{path} needs a server started with --runner {runner}; this one runs "
+                f"--runner {has}",
+                code="unsupported_runner",
+            )
 
     def ready_engine(self) -> AsyncLLMEngine:
         """The engine, if it may take a new request now."""

@@ -185,9 +185,18 @@ def chat_logprobs(
     return {"content": content}
 
 
-@router.post("/v1/chat/completions")
-async def create_chat_completion(request: Request) -> Response:
-    req = await parse_request(request, ChatCompletionRequest, "chatcmpl")
+@dataclass
+class ChatRun:
+    """A chat request that was admitted and tokenized: its engine run and tool mode."""
+
+    run: GenerationRun
+    mode: ToolMode
+    num_top: int
+    """Top logprobs per token asked for."""
+
+
+async def start_chat_run(req: ParsedRequest[ChatCompletionRequest]) -> ChatRun:
+    """Check, admit and tokenize a chat request; what chat, Messages and Responses share."""
     body, state = req.body, req.state
     num_top = body.top_logprobs or 0
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
@@ -224,7 +233,20 @@ async def create_chat_completion(request: Request) -> Response:
     prompt_tools = tools if mode.kind != "none" else None
     ids = await chat_prompt_ids(state, body.messages, body, tools=prompt_tools)
     prompts = await process_prompts(req, [ids], checked)
-    run = GenerationRun(state, req.request_id, prompts)
+    return ChatRun(GenerationRun(state, req.request_id, prompts), mode, num_top)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    req = await parse_request(request, ChatCompletionRequest, "chatcmpl")
+    started = await start_chat_run(req)
+    run, mode, num_top, body, state = (
+        started.run,
+        started.mode,
+        started.num_top,
+        req.body,
+        req.state,
+    )
     style = _ResponseStyle(
         role=state.chat.response_role if body.add_generation_prompt else body.messages[-1].role,
         is_thinking=is_thinking(

@@ -1,0 +1,77 @@
+"""``POST /v1/embeddings`` (OpenAI's shape) and ``POST /pooling`` (vLLM's), under ``--runner pooling``.
+
+Each input becomes one prompt-only engine request, pooled as the checkpoint declares
+(``pooling.py``); the answer lists the vectors in input order with the prompt tokens used.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.entrypoints.openai.generation import ParsedRequest, parse_request
+from tokenmill.entrypoints.openai.pooling import (
+    ClientGone,
+    encode_vector,
+    pool_inputs,
+    pooling_params,
+)
+from tokenmill.entrypoints.openai.pooling_protocol import EmbeddingRequest, PoolingRequest
+
+router = APIRouter(include_in_schema=False)  # not yet in /openapi.json (see docs/apis.md)
+
+
+EmbeddingT = TypeVar("EmbeddingT", bound=EmbeddingRequest)
+
+
+async def _vectors(req: ParsedRequest[EmbeddingT]) -> tuple[list[list[float]], int]:
+    body = req.body
+    params = pooling_params(req, body.dimensions, body.normalize)
+    return await pool_inputs(req, body.inputs(), params)
+
+
+def _envelope(req: ParsedRequest[Any], data: list[dict[str, Any]], num_tokens: int) -> JSONResponse:
+    return JSONResponse(
+        {
+            "id": req.request_id,
+            "object": "list",
+            "created": int(time.time()),
+            "model": req.model,
+            "data": data,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+        },
+        headers=req.headers,
+    )
+
+
+@router.post("/v1/embeddings")
+async def create_embeddings(request: Request) -> Response:
+    req = await parse_request(request, EmbeddingRequest, "embd", runner="pooling")
+    try:
+        vectors, num_tokens = await _vectors(req)
+    except ClientGone as gone:
+        return gone.response()
+    fmt = req.body.encoding_format
+    data = [
+        {"index": i, "object": "embedding", "embedding": encode_vector(v, fmt)}
+        for i, v in enumerate(vectors)
+    ]
+    return _envelope(req, data, num_tokens)
+
+
+@router.post("/pooling")
+async def create_pooling(request: Request) -> Response:
+    req = await parse_request(request, PoolingRequest, "pool", runner="pooling")
+    try:
+        vectors, num_tokens = await _vectors(req)
+    except ClientGone as gone:
+        return gone.response()
+    fmt = req.body.encoding_format
+    data = [
+        {"index": i, "object": "pooling", "data": encode_vector(v, fmt)}
+        for i, v in enumerate(vectors)
+    ]
+    return _envelope(req, data, num_tokens)
