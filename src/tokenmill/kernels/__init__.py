@@ -1,0 +1,38 @@
+"""tokenmill's own CPU kernels (a C++ extension, ``csrc/``) and their torch fallbacks' switch.
+
+Model layers call these at a few marked sites (layers.py, quant.py, attention.py); each
+site keeps its torch code for tensors the kernels do not take, and for machines where the
+extension could not be built (``build.py``).
+"""
+
+from tokenmill.kernels.ops import (
+    LINEAR_MAX_ROWS,
+    active_isa,
+    available,
+    describe,
+    linear_bf16,
+    linear_int4,
+    linear_int8,
+    paged_decode_attention,
+    rms_norm,
+    rope,
+    set_isa,
+    silu_and_mul,
+    supports,
+)
+
+__all__ = [
+    "LINEAR_MAX_ROWS",
+    "active_isa",
+    "available",
+    "describe",
+    "linear_bf16",
+    "linear_int4",
+    "linear_int8",
+    "paged_decode_attention",
+    "rms_norm",
+    "rope",
+    "set_isa",
+    "silu_and_mul",
+    "supports",
+]
