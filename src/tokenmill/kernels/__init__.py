@@ -6,13 +6,15 @@ extension could not be built (``build.py``).
 """
 
 from tokenmill.kernels.ops import (
-    LINEAR_MAX_ROWS,
     active_isa,
+    amx_active,
     available,
     describe,
     linear_bf16,
     linear_int4,
+    linear_int4_amx,
     linear_int8,
+    linear_int8_amx,
     paged_decode_attention,
     rms_norm,
     rope,
@@ -22,13 +24,15 @@ from tokenmill.kernels.ops import (
 )
 
 __all__ = [
-    "LINEAR_MAX_ROWS",
     "active_isa",
+    "amx_active",
     "available",
     "describe",
     "linear_bf16",
     "linear_int4",
+    "linear_int4_amx",
     "linear_int8",
+    "linear_int8_amx",
     "paged_decode_attention",
     "rms_norm",
     "rope",

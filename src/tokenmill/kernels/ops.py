@@ -41,19 +41,25 @@ def amx_permitted() -> bool:
     return bool(torch.ops.tokenmill_cpu.amx_permitted()) if available() else False
 
 
+def amx_active() -> bool:
+    """Whether the int8/int4 projections run on AMX tiles (granted, and not switched off)."""
+    return bool(torch.ops.tokenmill_cpu.amx_active()) if available() else False
+
+
 def describe() -> str:
     """One line for the start-up log: which kernels run."""
     if not available():
         return "tokenmill CPU kernels off: torch kernels for every op"
-    amx = "granted, no AMX kernels yet" if amx_permitted() else "not granted, not used"
+    if amx_active():
+        amx = "AMX-INT8 tiles for int8/int4 projections"
+    elif amx_permitted():
+        amx = "AMX granted but switched off"
+    else:
+        amx = "AMX not granted, not used"
     return (
-        f"tokenmill CPU kernels ({active_isa()}): bf16/int8/int4 linear up to "
-        f"{LINEAR_MAX_ROWS} rows, add+RMSNorm, SiLU*mul, RoPE, paged decode attention; AMX {amx}"
+        f"tokenmill CPU kernels ({active_isa()}): int8/int4 linear (W8A8), add+RMSNorm, "
+        f"SiLU*mul, RoPE, paged decode attention; {amx}"
     )
-
-
-LINEAR_MAX_ROWS = 64
-"""Rows up to which a bf16 projection runs the kernel; larger batches (prefill) use oneDNN."""
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -68,22 +74,67 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def linear_int8(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    row_sums: torch.Tensor,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """int8 weights [N, K] with fp32 per-channel scales [N]; x bf16 [M, K]."""
-    return torch.ops.tokenmill_cpu.linear_int8(_rows(x), qweight, scales, bias)
+    """int8 weights [N, K] with fp32 per-channel scales [N] and int32 row sums [N]; x bf16.
+
+    On AVX-512 the activations are quantized per row to int8 (W8A8, VNNI dot products);
+    on AVX2 the weights are converted to fp32 in registers (weight-only).
+    """
+    return torch.ops.tokenmill_cpu.linear_int8(_rows(x), qweight, scales, row_sums, bias)
 
 
 def linear_int4(
     x: torch.Tensor,
     packed: torch.Tensor,
     scales: torch.Tensor,
-    zeros: torch.Tensor,
+    offsets: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """int4 weights in ``kernels.int4_layout``'s packing; x bf16 [M, K]."""
-    return torch.ops.tokenmill_cpu.linear_int4(_rows(x), packed, scales, zeros, group_size, bias)
+    """int4 codes in ``kernels.int4_layout``'s packing, ``w = q * scale + offset`` per group
+    (fp32 [N, groups] each); x bf16 [M, K]. With groups of 64+ channels on AVX-512 the
+    activations are quantized per row to int8 (VNNI); otherwise weight-only."""
+    return torch.ops.tokenmill_cpu.linear_int4(
+        _rows(x), packed, scales, offsets, group_size, bias
+    )
+
+
+def linear_int8_amx(
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    scales: torch.Tensor,
+    row_sums: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """int8 weights in ``amx_layout.pack_int8`` tiles, fp32 scales and int32 row sums blocked
+    by ``amx_layout.block_channels``; activations quantized per row (W8A8)."""
+    return torch.ops.tokenmill_cpu.linear_int8_amx(
+        _rows(x), tiles, scales, row_sums, bias, out_features
+    )
+
+
+def linear_int4_amx(
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    scales: torch.Tensor,
+    code_sums: torch.Tensor,
+    offsets: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """int4 codes in ``amx_layout.pack_int4`` tiles, ``w = q * scale + offset`` per group;
+    scales, offsets and int32 code sums per group blocked by ``amx_layout.block_channels``.
+    Activations quantized per row (W8A8)."""
+    return torch.ops.tokenmill_cpu.linear_int4_amx(
+        _rows(x), tiles, scales, code_sums, offsets, group_size, bias, out_features
+    )
 
 
 def rms_norm(
@@ -135,6 +186,10 @@ def register_fakes() -> None:
 
     for name in ("linear_bf16", "linear_int8", "linear_int4"):
         torch.library.register_fake(lib + name)(linear_fake)
+    for name in ("linear_int8_amx", "linear_int4_amx"):
+        torch.library.register_fake(lib + name)(
+            lambda x, tiles, *rest: x.new_empty(x.shape[0], rest[-1])
+        )
     torch.library.register_fake(lib + "rms_norm")(lambda x, w, eps: torch.empty_like(x))
     torch.library.register_fake(lib + "add_rms_norm")(
         lambda x, r, w, eps: (torch.empty_like(x), torch.empty_like(x))

@@ -36,7 +36,7 @@ struct Int4Weights {  // layout as in avx512.cpp
     std::memcpy(&buf, w + n * ldw + (k >> 6) * 32 + (k & 31), 8);
     __m256i b = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(buf));
     __m256i q = (k & 32) ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(15));
-    __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8)));
+    __m256 f = _mm256_cvtepi32_ps(q);
     return _mm256_mul_ps(f, _mm256_set1_ps(scales[n * num_groups + k / group_size]));
   }
 };
@@ -117,6 +117,7 @@ void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
 
 const tokenmill::KernelTable kTable = {
     "avx2", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, rope_kernel, attention_kernel,
+    nullptr,
 };
 
 }  // namespace

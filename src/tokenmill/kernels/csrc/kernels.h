@@ -17,10 +17,16 @@ struct GemmArgs {
   const void* w;        // bf16 [N, K], int8 [N, K] or packed int4 [N, K_pad / 2]
   int64_t ldw;          // elements (bf16/int8) or bytes (int4) per weight row
   const float* scales;  // int8: [N]; int4: [N, G]
-  const float* zeros;   // int4: [N, G]
+  const float* zeros;   // int4: [N, G] offsets, the value of code 0 (w = q * scale + offset)
   const float* xsum;    // int4: [M, G] sums of x over each group
   int64_t group_size, num_groups;
   const float* bias;    // [N] or null
+  // W8A8 (tables with quantize_rows): x quantized per row to int8, [M, ldq] bytes, zero-padded
+  // to whole 64-byte chunks; unsigned (x + 128) for int8 weights, signed for int4 codes.
+  uint8_t* xq;
+  int64_t ldq;
+  float* x_scale;       // [M]
+  const int32_t* wsum;  // int8: [N] sums of each weight row (undoes the +128)
   uint16_t* y;          // [M, N] bf16, row stride ldy
   int64_t ldy;
 };
@@ -79,9 +85,39 @@ struct KernelTable {
   void (*silu_mul)(const SiluMulArgs&, int64_t, int64_t);
   void (*rope)(const RopeArgs&, int64_t, int64_t);
   void (*decode_attention)(const AttnArgs&, int64_t, int64_t);
+  // Null where the int GEMMs read bf16 activations; else quantizes rows [begin, end) of
+  // a.x into a.xq / a.x_scale (``is_unsigned``: store x + 128) before gemm_int8/int4 run.
+  void (*quantize_rows)(const GemmArgs&, bool is_unsigned, int64_t, int64_t);
 };
 
 const KernelTable* avx512_kernels();
 const KernelTable* avx2_kernels();
+
+}  // namespace tokenmill
+
+namespace tokenmill {
+
+// AMX int8 tiles: weights prepacked at load into 16-channel x 64-input tiles in VNNI order
+// (kernels/amx_layout.py); activations quantized per row to u8 (x + 128) as for VNNI.
+struct AmxArgs {
+  const uint8_t* xq;        // [M, ldq] with ldq = 64 * num_chunks
+  const float* x_scale;     // [M]
+  int64_t M, ldq, num_chunks;
+  const void* w;            // int8: [N/16, chunks, 16, 64]; int4: [N/16, chunks, 512] nibbles
+  bool is_int4;
+  int64_t group_chunks, num_groups;  // int4: 64-input chunks per group, groups per row
+  // Per-channel values blocked by 16 channels (N padded to 16): int8 [N/16, 16], int4
+  // [N/16, G, 16]; see amx_layout.block_channels.
+  const float* scales;
+  const int32_t* wsum;      // int8: row sums; int4: code sums per group
+  const float* offsets;     // int4 only
+  const float* xsum;        // int4: [M, G]
+  const float* bias;        // [N] or null
+  uint16_t* y;              // [M, ldy] bf16
+  int64_t N, ldy;
+};
+
+// Output channels [16 * begin, 16 * end); only call when amx_permitted() said so.
+void amx_gemm(const AmxArgs&, int64_t, int64_t);
 
 }  // namespace tokenmill

@@ -32,6 +32,8 @@ const KernelTable* select(const std::string& want) {
   return has_avx2() ? avx2_kernels() : nullptr;
 }
 
+bool& amx_on();
+
 const KernelTable*& active() {
   static const KernelTable* table = [] {
     const char* env = std::getenv("TOKENMILL_CPU_ISA");
@@ -45,24 +47,47 @@ const KernelTable& kernels() {
   return *active();
 }
 
-std::string isa() { return active() ? active()->name : "none"; }
-
-std::string set_isa(const std::string& want) {
-  TORCH_CHECK(want == "auto" || want == "avx2" || want == "avx512",
-              "set_isa: expected auto, avx2 or avx512, got ", want);
-  const KernelTable* table = select(want);
-  TORCH_CHECK(table != nullptr, "set_isa: this CPU cannot run the ", want, " kernels");
-  active() = table;
-  return isa();
-}
-
 // AMX tiles may only be used once the kernel grants this process the tile state; some
 // VMs list the flags and still fault on the first tile instruction without it.
 bool amx_permitted() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return false;
-  constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  static const bool granted = [] {
+    unsigned a, b, c, d;
+    // CPUID.7.0: EDX bit 24 AMX-TILE, bit 25 AMX-INT8.
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return granted;
+}
+
+// AMX only with the AVX-512 table (its quantizer feeds the tiles) and not when a lower
+// ISA was asked for.
+bool& amx_on() {
+  static bool on = [] {
+    const char* env = std::getenv("TOKENMILL_CPU_ISA");
+    const std::string want = env ? env : "auto";
+    return (want == "auto" || want == "amx") && has_avx512_bf16() && amx_permitted();
+  }();
+  return on;
+}
+
+std::string isa() {
+  if (!active()) return "none";
+  return std::string(active()->name) + (amx_on() && active() == avx512_kernels() ? "+amx_int8" : "");
+}
+
+bool amx_active() { return amx_on() && active() == avx512_kernels(); }
+
+std::string set_isa(const std::string& want) {
+  TORCH_CHECK(want == "auto" || want == "amx" || want == "avx2" || want == "avx512",
+              "set_isa: expected auto, amx, avx512 or avx2, got ", want);
+  TORCH_CHECK(want != "amx" || (has_avx512_bf16() && amx_permitted()),
+              "set_isa: this CPU (or its kernel) does not let this process use AMX tiles");
+  const KernelTable* table = select(want == "amx" ? "avx512" : want);
+  TORCH_CHECK(table != nullptr, "set_isa: this CPU cannot run the ", want, " kernels");
+  active() = table;
+  amx_on() = (want == "auto" || want == "amx") && table == avx512_kernels() && amx_permitted();
+  return isa();
 }
 
 int fmt_of(const at::Tensor& t) {
@@ -126,15 +151,38 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 4), kernels().gemm_bf16);
 }
 
+// Tables with quantize_rows read int8 activations (W8A8): x is quantized per row first.
+void quantize_activations(const at::Tensor& x, GemmArgs& a, bool is_unsigned, at::Tensor& xq, at::Tensor& xs) {
+  const KernelTable& k = kernels();
+  if (!k.quantize_rows) return;
+  const int64_t M = x.size(0);
+  a.ldq = (x.size(1) + 63) / 64 * 64;
+  xq = at::empty({M, a.ldq}, x.options().dtype(at::kByte));
+  xs = at::empty({M}, x.options().dtype(at::kFloat));
+  a.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  a.ldx = x.stride(0);
+  a.K = x.size(1);
+  a.xq = xq.data_ptr<uint8_t>();
+  a.x_scale = xs.data_ptr<float>();
+  at::parallel_for(0, M, rows_grain(x.size(1)), [&](int64_t r0, int64_t r1) { k.quantize_rows(a, is_unsigned, r0, r1); });
+}
+
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
-                       const c10::optional<at::Tensor>& bias) {
+                       const at::Tensor& wsum, const c10::optional<at::Tensor>& bias) {
   check_rows(w, "weight");
   TORCH_CHECK(w.scalar_type() == at::kChar && w.size(1) == x.size(1), "linear_int8: weight must be int8 [N, K]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == w.size(0),
               "linear_int8: scales must be float32 [N]");
   GemmArgs a{};
   a.ldw = w.stride(0);
+  TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.numel() == w.size(0),
+              "linear_int8: wsum must be int32 [N], the sum of each weight row");
   a.scales = scales.data_ptr<float>();
+  a.wsum = wsum.data_ptr<int32_t>();
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
+  at::Tensor xq, xs;
+  quantize_activations(x, a, /*is_unsigned=*/true, xq, xs);
   return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 2), kernels().gemm_int8);
 }
 
@@ -160,7 +208,88 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   a.xsum = xsum.data_ptr<float>();
   a.group_size = group_size;
   a.num_groups = G;
+  at::Tensor xq, xs;
+  if (group_size % 64 == 0) quantize_activations(x, a, /*is_unsigned=*/false, xq, xs);
   return gemm(x, w, a, N, bias, gemm_grain(K, 1), kernels().gemm_int4);
+}
+
+// AMX: weights in tiles [N/16, chunks, 16, 64] (int8) or [N/16, chunks, 512] (int4 nibbles).
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, AmxArgs a, const c10::optional<at::Tensor>& bias) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
+  TORCH_CHECK(amx_active(), "tokenmill_cpu: the AMX kernels are not active in this process");
+  TORCH_CHECK(tiles.is_contiguous() && tiles.dim() >= 3 && tiles.size(0) * 16 >= a.N && tiles.size(1) * 64 >= x.size(1),
+              "amx linear: weight tiles do not cover [", a.N, ", ", x.size(1), "]");
+  const int64_t M = x.size(0);
+  a.num_chunks = tiles.size(1);
+  GemmArgs q{};
+  at::Tensor xq, xs;
+  quantize_activations(x, q, /*is_unsigned=*/true, xq, xs);
+  TORCH_CHECK(q.ldq == a.num_chunks * 64, "amx linear: weight tiles are padded beyond the input width");
+  a.xq = q.xq;
+  a.x_scale = q.x_scale;
+  a.ldq = q.ldq;
+  a.M = M;
+  a.w = tiles.data_ptr();
+  at::Tensor y = at::empty({M, a.N}, x.options());
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == a.N, "bias has ", b.numel(), " elements, expected ", a.N);
+    a.bias = b.data_ptr<float>();
+  }
+  a.y = reinterpret_cast<uint16_t*>(y.data_ptr());
+  a.ldy = a.N;
+  if (M == 0) return y;
+  const int64_t blocks = (a.N + 15) / 16;
+  at::parallel_for(0, (blocks + 1) / 2, 4, [&](int64_t p0, int64_t p1) {
+    amx_gemm(a, 2 * p0, std::min(blocks, 2 * p1));
+  });
+  return y;
+}
+
+at::Tensor linear_int8_amx(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                           const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(tiles.scalar_type() == at::kChar && tiles.dim() == 4, "linear_int8_amx: int8 tiles [N/16, chunks, 16, 64]");
+  const int64_t N = out_features;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && wsum.scalar_type() == at::kInt &&
+                  wsum.is_contiguous() && scales.numel() == tiles.size(0) * 16 && wsum.numel() == scales.numel(),
+              "linear_int8_amx: float32 scales and int32 row sums blocked [N/16, 16]");
+  AmxArgs a{};
+  a.N = N;
+  a.scales = scales.data_ptr<float>();
+  a.wsum = wsum.data_ptr<int32_t>();
+  return amx_linear(x, tiles, a, bias);
+}
+
+at::Tensor linear_int4_amx(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                           const at::Tensor& code_sums, const at::Tensor& offsets, int64_t group_size,
+                           const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.dim() == 3 && tiles.size(2) == 512,
+              "linear_int4_amx: uint8 tiles [N/16, chunks, 512]");
+  TORCH_CHECK(group_size % 64 == 0, "linear_int4_amx: group_size must be a multiple of 64");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == tiles.size(0) && scales.size(2) == 16,
+              "linear_int4_amx: scales blocked [N/16, groups, 16]");
+  const int64_t N = out_features, G = scales.size(1), K = x.size(1);
+  TORCH_CHECK(G * group_size == tiles.size(1) * 64, "linear_int4_amx: ", G, " groups of ", group_size,
+              " do not match ", tiles.size(1), " chunks of 64");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && offsets.sizes() == scales.sizes() &&
+                  offsets.scalar_type() == at::kFloat && offsets.is_contiguous() && code_sums.sizes() == scales.sizes() &&
+                  code_sums.scalar_type() == at::kInt && code_sums.is_contiguous(),
+              "linear_int4_amx: float32 scales and offsets, int32 code sums, all [N/16, groups, 16]");
+  at::Tensor xf = x.to(at::kFloat);
+  if (G * group_size > K) xf = at::constant_pad_nd(xf, {0, G * group_size - K});
+  at::Tensor xsum = xf.view({x.size(0), G, group_size}).sum(-1).contiguous();
+  AmxArgs a{};
+  a.N = N;
+  a.is_int4 = true;
+  a.group_chunks = group_size / 64;
+  a.num_groups = G;
+  a.scales = scales.data_ptr<float>();
+  a.wsum = code_sums.data_ptr<int32_t>();
+  a.offsets = offsets.data_ptr<float>();
+  a.xsum = xsum.data_ptr<float>();
+  return amx_linear(x, tiles, a, bias);
 }
 
 std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor* residual,
@@ -300,9 +429,13 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("isa() -> str");
   m.def("set_isa(str isa) -> str");
   m.def("amx_permitted() -> bool");
+  m.def("amx_active() -> bool");
+  m.def("linear_int8_amx(Tensor x, Tensor tiles, Tensor scales, Tensor wsum, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear_int4_amx(Tensor x, Tensor tiles, Tensor scales, Tensor code_sums, Tensor offsets, int group_size, "
+        "Tensor? bias, int out_features) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("linear_int8(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
-  m.def("linear_int4(Tensor x, Tensor weight, Tensor scales, Tensor zeros, int group_size, Tensor? bias) -> Tensor");
+  m.def("linear_int8(Tensor x, Tensor weight, Tensor scales, Tensor wsum, Tensor? bias) -> Tensor");
+  m.def("linear_int4(Tensor x, Tensor weight, Tensor scales, Tensor offsets, int group_size, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -312,12 +445,15 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.impl("isa", &tokenmill::isa);
   m.impl("set_isa", &tokenmill::set_isa);
   m.impl("amx_permitted", &tokenmill::amx_permitted);
+  m.impl("amx_active", &tokenmill::amx_active);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("linear_bf16", &tokenmill::linear_bf16);
   m.impl("linear_int8", &tokenmill::linear_int8);
   m.impl("linear_int4", &tokenmill::linear_int4);
+  m.impl("linear_int8_amx", &tokenmill::linear_int8_amx);
+  m.impl("linear_int4_amx", &tokenmill::linear_int4_amx);
   m.impl("rms_norm", &tokenmill::rms_norm);
   m.impl("add_rms_norm", &tokenmill::add_rms_norm);
   m.impl("silu_and_mul", &tokenmill::silu_and_mul);
