@@ -1,0 +1,181 @@
+"""Microbenchmark of tokenmill's CPU kernels against the torch paths they replace, in one run.
+
+Per op at the 250M benchmark Llama's shapes (benchmarks/engine_core.py), at M = 1, 16, 64
+rows: the bf16 projection (tokenmill kernel vs oneDNN prepacked, today's path), int8 and
+int4 weight-only projections (kernel vs torch's int kernels / dequantize + GEMM, as
+model/quant.py dispatches), add + RMSNorm, SiLU*mul, RoPE and paged decode attention (kernel
+vs the torch code in model/). With ``--profile``, one decode step of the 250M model (16
+sequences, short and long context) under torch.profiler with the kernels off and on.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/kernels.py --threads 2
+    PYTHONPATH=src .venv/bin/python benchmarks/kernels.py --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_core import MODEL_SHAPE
+
+from tokenmill import kernels
+from tokenmill.model.attention import attention_mask, _attend
+from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from tokenmill.model.quant import Int4Linear, Int8Linear
+
+HIDDEN = MODEL_SHAPE["hidden_size"]
+INTER = MODEL_SHAPE["intermediate_size"]
+HEADS, KV_HEADS = MODEL_SHAPE["num_attention_heads"], MODEL_SHAPE["num_key_value_heads"]
+HEAD_DIM = HIDDEN // HEADS
+PROJECTIONS = {
+    "qkv": (HIDDEN, HIDDEN + 2 * KV_HEADS * HEAD_DIM),
+    "o": (HIDDEN, HIDDEN),
+    "gate_up": (HIDDEN, 2 * INTER),
+    "down": (INTER, HIDDEN),
+}
+"""in -> out features of one layer's projections."""
+
+
+def timed_ms(fn, min_s: float = 0.3) -> float:
+    """Median of repeated calls, after a warm-up."""
+    fn()
+    times: list[float] = []
+    deadline = time.perf_counter() + min_s
+    while time.perf_counter() < deadline or len(times) < 5:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def layer_linears(kind: str) -> list[torch.nn.Module]:
+    """One layer's four projections as the model builds them for ``kind``."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for in_f, out_f in PROJECTIONS.values():
+        w = (torch.randn(out_f, in_f, generator=gen) * 0.02).bfloat16()
+        if kind == "int8":
+            out.append(Int8Linear(w, None))
+        elif kind == "int4":
+            out.append(Int4Linear(w, None, 128))
+        else:
+            lin = Linear(in_f, out_f)
+            lin.weight.data = w
+            lin.pack_for_onednn()
+            out.append(lin)
+    return out
+
+
+def bench_linears(rows: list[int]) -> dict[str, dict[str, float]]:
+    """ms per layer (4 projections) per row count, kernels on and off, per weight kind."""
+    results: dict[str, dict[str, float]] = {}
+    for kind in ("bf16", "int8", "int4"):
+        for use in (False, True):
+            kernels.ops.FORCE_OFF = not use
+            mods = layer_linears(kind)
+            for m in rows:
+                xs = [torch.randn(m, p[0]).bfloat16() for p in PROJECTIONS.values()]
+
+                def step(mods=mods, xs=xs):
+                    for mod, x in zip(mods, xs, strict=True):
+                        mod(x)
+
+                key = f"{kind} {'kernel' if use else 'torch'}"
+                results.setdefault(key, {})[str(m)] = round(timed_ms(step), 3)
+    kernels.ops.FORCE_OFF = False
+    weight_bytes = sum(i * o for i, o in PROJECTIONS.values()) * 2
+    results["bf16 kernel GB/s"] = {
+        m: round(weight_bytes / ms / 1e6, 1) for m, ms in results["bf16 kernel"].items()
+    }
+    return results
+
+
+def bench_elementwise(rows: int) -> dict[str, dict[str, float]]:
+    x = torch.randn(rows, HIDDEN).bfloat16()
+    res = torch.randn(rows, HIDDEN).bfloat16()
+    norm = RMSNorm(HIDDEN, 1e-6).bfloat16()
+    gate_up = torch.randn(rows, 2 * INTER).bfloat16()
+    rope = RotaryEmbedding(HEAD_DIM, 2048, 10000.0, None)
+    pos = torch.randint(0, 2048, (rows,))
+    q = torch.randn(rows, HEADS, HEAD_DIM).bfloat16()
+    k = torch.randn(rows, KV_HEADS, HEAD_DIM).bfloat16()
+    out = {}
+    ops = {
+        "add+rmsnorm": (
+            lambda: norm._norm(x + res),
+            lambda: kernels.rms_norm(x, norm.weight, 1e-6, res),
+        ),
+        "silu*mul": (
+            lambda: F.silu(gate_up[:, :INTER]) * gate_up[:, INTER:],
+            lambda: kernels.silu_and_mul(gate_up),
+        ),
+        "rope": (lambda: rope(pos, q, k), lambda: kernels.rope(pos, q, k, rope.cos, rope.sin)),
+    }
+    for name, (torch_fn, kernel_fn) in ops.items():
+        out[name] = {"torch": round(timed_ms(torch_fn), 4), "kernel": round(timed_ms(kernel_fn), 4)}
+    return out
+
+
+def bench_attention(batch: int, context: int, kv_dtype: torch.dtype) -> dict[str, float]:
+    """One layer's decode attention over ``context`` tokens per sequence, 16-token blocks."""
+    block = 16
+    width = -(-context // block)
+    num_blocks = batch * width + 1
+    k_cache = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM).to(kv_dtype)
+    tables = torch.randperm(num_blocks - 1)[: batch * width].view(batch, width)
+    lens = torch.full((batch,), context)
+    q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
+    scales = torch.ones(2)
+    mask = attention_mask((lens - 1)[:, None], lens, width * block, None)
+    return {
+        "torch": round(
+            timed_ms(lambda: _attend(q.unsqueeze(1), k_cache, v_cache, tables, mask, 0.125, scales)),
+            3,
+        ),
+        "kernel": round(
+            timed_ms(
+                lambda: kernels.paged_decode_attention(
+                    q, k_cache, v_cache, tables, lens, 0.125, 0, scales
+                )
+            ),
+            3,
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--rows", default="1,16,64")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not kernels.available():
+        raise SystemExit("the tokenmill CPU kernels did not build here; nothing to compare")
+    rows = [int(r) for r in args.rows.split(",")]
+    results = {
+        "threads": args.threads,
+        "isa": kernels.active_isa(),
+        "linear_ms_per_layer": bench_linears(rows),
+        "elementwise_ms_16_rows": bench_elementwise(16),
+        "attention_ms_per_layer": {
+            f"{name} B=16 ctx={ctx}": bench_attention(16, ctx, dtype)
+            for ctx in (192, 1088)
+            for name, dtype in (("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn))
+        },
+    }
+    print(json.dumps(results, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

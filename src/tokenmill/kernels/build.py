@@ -1,0 +1,118 @@
+"""Building and loading tokenmill's C++ CPU kernels, once per machine and torch version.
+
+The sources in ``csrc/`` are compiled on first use with ``torch.utils.cpp_extension`` into
+``$TOKENMILL_CACHE/kernels/<key>`` (default ``~/.cache/tokenmill``), where the key hashes the
+sources, the compiler flags, torch's version and the Python ABI; later processes load the
+cached library directly. Where there is no compiler (or ninja), the CPU is not x86-64, or
+the build fails, one warning says so and every op keeps its torch implementation.
+``TOKENMILL_CPU_KERNELS=0`` turns the kernels off; ``TOKENMILL_CPU_ISA=avx2`` forces the
+AVX2 kernels on an AVX-512 machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "TOKENMILL_CPU_KERNELS"
+"""Set to 0 to run every op on torch's kernels."""
+ENV_ISA = "TOKENMILL_CPU_ISA"
+"""auto (default), avx512 or avx2: which kernel table the extension selects at load."""
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("ops.cpp", "avx512.cpp", "avx2.cpp", "amx.cpp")
+HEADERS = ("kernels.h", "common.h", "vec_avx512.h", "vec_avx2.h")
+CFLAGS = ("-O3", "-std=c++17", "-fopenmp")
+"""-fopenmp: ATen's parallel_for is inlined into ops.cpp and runs on OpenMP there."""
+LDFLAGS = ("-fopenmp",)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
+
+
+def build_key() -> str:
+    """Hash of everything the compiled library depends on."""
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        digest.update(name.encode())
+        digest.update((CSRC / name).read_bytes())
+    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
+    digest.update(torch.__version__.encode())
+    digest.update(str(sysconfig.get_config_var("SOABI")).encode())
+    return digest.hexdigest()[:16]
+
+
+def is_switched_on() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _compile(name: str, folder: Path) -> Path:
+    from torch.utils import cpp_extension
+
+    folder.mkdir(parents=True, exist_ok=True)
+    # ninja may be installed in this interpreter's environment without being on PATH.
+    bin_dir = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if bin_dir not in path.split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + path
+    cpp_extension.load(
+        name=name,
+        sources=[str(CSRC / s) for s in SOURCES],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(folder),
+        is_python_module=False,
+        verbose=False,
+    )
+    return folder / f"{name}.so"
+
+
+@functools.cache
+def load() -> bool:
+    """Load (building first if needed) the extension; True if its ops are registered."""
+    if not is_switched_on():
+        logger.info("CPU kernels off (%s=0): torch kernels only", ENV_SWITCH)
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64") or sys.platform != "linux":
+        logger.warning(
+            "tokenmill CPU kernels need Linux on x86-64 (this is %s %s); using torch kernels",
+            sys.platform,
+            platform.machine(),
+        )
+        return False
+    key = build_key()
+    name = f"tokenmill_cpu_{key}"
+    folder = cache_root() / "kernels" / key
+    library = folder / f"{name}.so"
+    try:
+        if library.is_file():
+            torch.ops.load_library(str(library))
+        else:
+            logger.info("building tokenmill CPU kernels into %s (once)", folder)
+            _compile(name, folder)
+    except Exception as exc:  # no compiler, no ninja, a compile error: torch kernels still run
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        logger.warning(
+            "tokenmill CPU kernels unavailable (%s: %s); using torch kernels",
+            type(exc).__name__,
+            first[:300],
+        )
+        return False
+    if torch.ops.tokenmill_cpu.isa() == "none":
+        logger.warning("tokenmill CPU kernels need AVX2 or AVX-512 BF16; using torch kernels")
+        return False
+    from tokenmill.kernels.ops import register_fakes
+
+    register_fakes()
+    return True

@@ -1,0 +1,126 @@
+// AMX-INT8 GEMM for int8 and int4 weights: VPDPBUSD's math on 16x64 tiles (TDPBUSD), 16
+// times the work per instruction, so quantized weights keep up with oneDNN's AMX bf16 at
+// every batch size. Tiles are only touched after the kernel granted the tile state
+// (ops.cpp asks with arch_prctl); AMX is otherwise never executed.
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+#include <immintrin.h>
+
+#include "kernels.h"
+
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles: 0, 1 accumulators (two 16-channel blocks); 2 activations; 3, 4 weights.
+void configure(int rows) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  for (int t = 0; t < 3; ++t) { cfg.rows[t] = (uint8_t)rows; cfg.colsb[t] = 64; }
+  for (int t = 3; t < 5; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+}
+
+// int4 tile: 512 bytes, low nibbles the tile's first 512 codes, high nibbles the rest.
+inline void unpack_int4(const uint8_t* p, uint8_t* out) {
+  const __m512i low4 = _mm512_set1_epi8(15);
+  for (int i = 0; i < 512; i += 64) {
+    __m512i v = _mm512_loadu_si512(p + i);
+    _mm512_store_si512(out + i, _mm512_and_si512(v, low4));
+    _mm512_store_si512(out + 512 + i, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+  }
+}
+
+inline __mmask16 tail_mask(int64_t n0, int64_t N) {
+  const int64_t left = N - n0;
+  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (left > 0 ? left : 0)) - 1u);
+}
+
+// Per-channel vectors are blocked [N/16, (groups,) 16] so each epilogue step is one load.
+// int4 weights arrive unpacked to int8 tiles in ``panel`` (both blocks, every chunk), so
+// row blocks after the first do not unpack again.
+template <int NB>
+void block(const tokenmill::AmxArgs& a, int64_t nb, int64_t m0, int rows, int32_t (*c)[16][16],
+           float (*acc)[16][16], const uint8_t* panel) {
+  const int64_t chunks = a.num_chunks;
+  const int64_t group_chunks = a.is_int4 ? a.group_chunks : chunks;
+  const __m512i k128 = _mm512_set1_epi32(128);
+  for (int64_t g0 = 0; g0 < chunks; g0 += group_chunks) {
+    _tile_zero(0);
+    if (NB == 2) _tile_zero(1);
+    const int64_t g1 = g0 + group_chunks < chunks ? g0 + group_chunks : chunks;
+    for (int64_t kc = g0; kc < g1; ++kc) {
+      _tile_loadd(2, a.xq + m0 * a.ldq + kc * 64, a.ldq);
+      if (a.is_int4) {
+        _tile_loadd(3, panel + kc * 1024, 64);
+        if (NB == 2) _tile_loadd(4, panel + (chunks + kc) * 1024, 64);
+      } else {
+        const int8_t* w = static_cast<const int8_t*>(a.w);
+        _tile_loadd(3, w + (nb * chunks + kc) * 1024, 64);
+        if (NB == 2) _tile_loadd(4, w + ((nb + 1) * chunks + kc) * 1024, 64);
+      }
+      _tile_dpbusd(0, 2, 3);
+      if (NB == 2) _tile_dpbusd(1, 2, 4);
+    }
+    _tile_stored(0, c[0], 64);
+    if (NB == 2) _tile_stored(1, c[1], 64);
+    const int64_t g = g0 / group_chunks;  // int8: one "group", the whole row
+    for (int b = 0; b < NB; ++b) {
+      const int64_t at = ((nb + b) * (a.is_int4 ? a.num_groups : 1) + g) * 16;
+      const __m512i sums = _mm512_mullo_epi32(_mm512_loadu_si512(a.wsum + at), k128);
+      const __m512 scale = _mm512_loadu_ps(a.scales + at);
+      for (int m = 0; m < rows; ++m) {
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(c[b][m]), sums)), scale);
+        if (g0 > 0) v = _mm512_add_ps(v, _mm512_load_ps(acc[b][m]));
+        _mm512_store_ps(acc[b][m], v);
+      }
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    const int64_t n0 = (nb + b) * 16;
+    const __mmask16 mask = tail_mask(n0, a.N);
+    const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < rows; ++m) {
+      const int64_t row = m0 + m;
+      __m512 v = _mm512_fmadd_ps(_mm512_load_ps(acc[b][m]), _mm512_set1_ps(a.x_scale[row]), bias);
+      if (a.is_int4) {
+        const float* o = a.offsets + (nb + b) * a.num_groups * 16;
+        const float* xs = a.xsum + row * a.num_groups;
+        for (int64_t gg = 0; gg < a.num_groups; ++gg) v = _mm512_fmadd_ps(_mm512_loadu_ps(o + gg * 16), _mm512_set1_ps(xs[gg]), v);
+      }
+      _mm256_mask_storeu_epi16(a.y + row * a.ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+}  // namespace
+
+void tokenmill::amx_gemm(const AmxArgs& a, int64_t nb0, int64_t nb1) {
+  alignas(64) int32_t c[2][16][16];
+  alignas(64) float acc[2][16][16];
+  uint8_t* panel = a.is_int4 ? static_cast<uint8_t*>(std::aligned_alloc(64, 2 * a.num_chunks * 1024)) : nullptr;
+  int configured = -1;
+  for (int64_t nb = nb0; nb < nb1; nb += 2) {  // weights stream once; activations stay in L1/L2
+    if (panel) {
+      const uint8_t* w = static_cast<const uint8_t*>(a.w);
+      const int64_t blocks = nb + 2 <= nb1 ? 2 : 1;
+      for (int64_t i = 0; i < blocks * a.num_chunks; ++i) unpack_int4(w + (nb * a.num_chunks + i) * 512, panel + i * 1024);
+    }
+    for (int64_t m0 = 0; m0 < a.M; m0 += 16) {
+      const int rows = (int)(a.M - m0 < 16 ? a.M - m0 : 16);
+      if (rows != configured) { configure(rows); configured = rows; }
+      if (nb + 2 <= nb1) block<2>(a, nb, m0, rows, c, acc, panel);
+      else block<1>(a, nb, m0, rows, c, acc, panel);
+    }
+  }
+  _tile_release();
+  std::free(panel);
+}

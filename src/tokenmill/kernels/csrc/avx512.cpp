@@ -1,0 +1,286 @@
+// AVX-512 kernels (F/BW/VL/DQ + BF16 + VNNI): the bf16 GEMM on AVX512-BF16 dot products;
+// int8 and int4 GEMMs on VNNI integer dot products over activations quantized per row
+// (W8A8 dynamic, as llama.cpp's Q8_0 dot products); common.h's kernels on 16 lanes. Only ever called on CPUs that
+// report these features (ops.cpp checks); nothing here has external linkage but the table.
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c")
+#include "vec_avx512.h"
+#include "common.h"
+
+namespace {
+
+using tokenmill::GemmArgs;
+
+inline __mmask32 mask32(int64_t n) { return n >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << n) - 1u); }
+
+// Weight loaders: 32 consecutive weights of row n from column k, as bf16 pairs.
+struct Bf16Weights {
+  const uint16_t* w; int64_t ldw, K;
+  inline __m512bh operator()(int64_t n, int64_t k) const {
+    const uint16_t* p = w + n * ldw + k;
+    return (__m512bh)(K - k >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(mask32(K - k), p));
+  }
+};
+
+inline __m512bh int16_to_bf16(__m512i v) {  // exact: |v| < 256
+  __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
+  __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+inline __m512bh int16_to_bf16(__m512i v, __m512 scale) {
+  __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
+  __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
+  return _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, scale), _mm512_mul_ps(lo, scale));
+}
+
+// int4 layout (see kernels/int4_layout.py): per row, per 64 columns, 32 bytes whose low
+// nibbles are columns 0-31 and high nibbles columns 32-63; code q means q * scale + offset
+// of its group, the offsets added through the activation sums. Rows are padded to whole
+// 64-column chunks, so full loads never leave the row.
+struct Int4Weights {
+  const uint8_t* w; int64_t ldw; const float* scales; int64_t num_groups, group_size;
+  inline __m512bh operator()(int64_t n, int64_t k) const {
+    __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(w + n * ldw + (k >> 6) * 32)));
+    __m512i q = (k & 32) ? _mm512_srli_epi16(b, 4) : _mm512_and_si512(b, _mm512_set1_epi16(15));
+    return int16_to_bf16(q, _mm512_set1_ps(scales[n * num_groups + k / group_size]));
+  }
+};
+
+struct PanelWeights {  // a 4-row panel already converted to bf16, rows from n0
+  const uint16_t* panel; int64_t n0, kpad, K;
+  inline __m512bh operator()(int64_t n, int64_t k) const {
+    const uint16_t* p = panel + (n - n0) * kpad + k;
+    return (__m512bh)(K - k >= 32 ? _mm512_load_si512(p) : _mm512_maskz_loadu_epi16(mask32(K - k), p));
+  }
+};
+
+// A tile of MR activation rows by NR weight rows: sums of products in fp32 lanes.
+template <int MR, int NR, class WL>
+inline void tile(const GemmArgs& a, int64_t m0, int64_t n0, const WL& wl, float out[4][4]) {
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < a.K; k += 32) {
+    __m512bh w[NR];
+    for (int r = 0; r < NR; ++r) w[r] = wl(n0 + r, k);
+    const __mmask32 km = mask32(a.K - k);
+    for (int m = 0; m < MR; ++m) {
+      __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(km, a.x + (m0 + m) * a.ldx + k);
+      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], x, w[r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) out[m][r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+template <class WL>
+inline void tile_any(int mr, int nr, const GemmArgs& a, int64_t m0, int64_t n0, const WL& wl, float out[4][4]) {
+#define TM_CASE(M, N) case (M - 1) * 4 + (N - 1): tile<M, N>(a, m0, n0, wl, out); break;
+  switch ((mr - 1) * 4 + (nr - 1)) {
+    TM_CASE(1, 1) TM_CASE(1, 2) TM_CASE(1, 3) TM_CASE(1, 4)
+    TM_CASE(2, 1) TM_CASE(2, 2) TM_CASE(2, 3) TM_CASE(2, 4)
+    TM_CASE(3, 1) TM_CASE(3, 2) TM_CASE(3, 3) TM_CASE(3, 4)
+    TM_CASE(4, 1) TM_CASE(4, 2) TM_CASE(4, 3) TM_CASE(4, 4)
+  }
+#undef TM_CASE
+}
+
+// Per-output epilogue: scale (int8), group zeros (int4), bias; rounded to bf16.
+enum Kind { kBf16, kInt4 };
+
+template <Kind KIND>
+inline float finish(const GemmArgs& a, int64_t m, int64_t n, float s) {
+  if constexpr (KIND == kInt4) {
+    const float* z = a.zeros + n * a.num_groups;
+    const float* xs = a.xsum + m * a.num_groups;
+    for (int64_t g = 0; g < a.num_groups; ++g) s += z[g] * xs[g];
+  }
+  if (a.bias) s += a.bias[n];
+  return s;
+}
+
+inline uint16_t to_bf16(float f) {
+  return (uint16_t)_mm_cvtsi128_si32((__m128i)_mm_cvtneps_pbh(_mm_set1_ps(f)));
+}
+
+template <Kind KIND, class WL>
+void gemm_tiles(const GemmArgs& a, int64_t n0, int64_t n1, const WL& wl) {
+  float out[4][4];
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int nr = (int)min64(4, n1 - n);
+    for (int64_t m = 0; m < a.M; m += 4) {
+      const int mr = (int)min64(4, a.M - m);
+      tile_any(mr, nr, a, m, n, wl, out);
+      for (int i = 0; i < mr; ++i)
+        for (int r = 0; r < nr; ++r) a.y[(m + i) * a.ldy + n + r] = to_bf16(finish<KIND>(a, m + i, n + r, out[i][r]));
+    }
+  }
+}
+
+// Quantized weights with more than one 4-row tile of activations: each 4-channel panel is
+// converted to bf16 once into a buffer that stays in L2, then every row tile reads it.
+template <Kind KIND, class WL>
+void gemm_panels(const GemmArgs& a, int64_t n0, int64_t n1, const WL& wl) {
+  const int64_t kpad = (a.K + 31) / 32 * 32;
+  uint16_t* panel = static_cast<uint16_t*>(std::aligned_alloc(64, 4 * kpad * sizeof(uint16_t)));
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int nr = (int)min64(4, n1 - n);
+    for (int r = 0; r < nr; ++r)
+      for (int64_t k = 0; k < a.K; k += 32) _mm512_store_si512(panel + r * kpad + k, (__m512i)wl(n + r, k));
+    PanelWeights pw{panel, n, kpad, a.K};
+    float out[4][4];
+    for (int64_t m = 0; m < a.M; m += 4) {
+      const int mr = (int)min64(4, a.M - m);
+      tile_any(mr, nr, a, m, n, pw, out);
+      for (int i = 0; i < mr; ++i)
+        for (int r = 0; r < nr; ++r) a.y[(m + i) * a.ldy + n + r] = to_bf16(finish<KIND>(a, m + i, n + r, out[i][r]));
+    }
+  }
+  std::free(panel);
+}
+
+void gemm_bf16(const GemmArgs& a, int64_t n0, int64_t n1) {
+  gemm_tiles<kBf16>(a, n0, n1, Bf16Weights{static_cast<const uint16_t*>(a.w), a.ldw, a.K});
+}
+
+// ---- W8A8: activations quantized per row, integer dot products (VPDPBUSD: u8 x s8) ----
+
+void quantize_rows(const GemmArgs& a, bool is_unsigned, int64_t r0, int64_t r1) {
+  const int64_t K = a.K;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* x = a.x + r * a.ldx;
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      int n = (int)min64(16, K - k);
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(Vec::load_bf16(x + k, n)));
+    }
+    float m = _mm512_reduce_max_ps(amax);
+    float scale = m > 0.0f ? m / 127.0f : 1.0f;
+    a.x_scale[r] = scale;
+    const __m512 inv = _mm512_set1_ps(1.0f / scale);
+    uint8_t* out = a.xq + r * a.ldq;
+    const __m128i bias = _mm_set1_epi8(is_unsigned ? (char)0x80 : 0);
+    for (int64_t k = 0; k < a.ldq; k += 16) {
+      int n = (int)min64(16, K - k);
+      __m512 v = n > 0 ? _mm512_mul_ps(Vec::load_bf16(x + k, n), inv) : _mm512_setzero_ps();
+      __m128i q = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v));  // round to nearest even
+      _mm_storeu_si128((__m128i*)(out + k), _mm_add_epi8(q, bias));
+    }
+  }
+}
+
+// int8 weights [N, K] (s8) against x + 128 (u8): sum = dot - 128 * rowsum(w).
+template <int MR, int NR>
+inline void tile_int8(const GemmArgs& a, int64_t m0, int64_t n0, float out[4][4]) {
+  const int8_t* w = static_cast<const int8_t*>(a.w);
+  __m512i acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < a.K; k += 64) {
+    const __mmask64 km = a.K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (a.K - k)) - 1);
+    __m512i wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = _mm512_maskz_loadu_epi8(km, w + (n0 + r) * a.ldw + k);
+    for (int m = 0; m < MR; ++m) {
+      __m512i xv = _mm512_loadu_si512(a.xq + (m0 + m) * a.ldq + k);
+      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], xv, wv[r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) {
+      const int32_t dot = _mm512_reduce_add_epi32(acc[m][r]) - 128 * a.wsum[n0 + r];
+      out[m][r] = (float)dot * a.x_scale[m0 + m] * a.scales[n0 + r];
+    }
+}
+
+// int4 codes (u8 0..15) against signed x: per group, the integer dot times the group's scale,
+// accumulated in fp32; the offsets join in finish() through the activation sums.
+template <int MR, int NR>
+inline void tile_int4(const GemmArgs& a, int64_t m0, int64_t n0, float out[4][4]) {
+  const uint8_t* w = static_cast<const uint8_t*>(a.w);
+  __m512 facc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) facc[m][r] = _mm512_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(15);
+  const int64_t chunks_per_group = a.group_size / 64;
+  for (int64_t g = 0; g * a.group_size < a.K; ++g) {
+    __m512i acc[MR][NR];
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < chunks_per_group; ++c) {
+      const int64_t k = (g * chunks_per_group + c) * 64;
+      if (k >= a.K) break;
+      __m512i wv[NR];
+      for (int r = 0; r < NR; ++r) {
+        __m256i b = _mm256_loadu_si256((const __m256i*)(w + (n0 + r) * a.ldw + k / 2));
+        __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+        wv[r] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      }
+      for (int m = 0; m < MR; ++m) {
+        __m512i xv = _mm512_loadu_si512(a.xq + (m0 + m) * a.ldq + k);
+        for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], wv[r], xv);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m512 s = _mm512_set1_ps(a.scales[(n0 + r) * a.num_groups + g]);
+      for (int m = 0; m < MR; ++m) facc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][r]), s, facc[m][r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) out[m][r] = _mm512_reduce_add_ps(facc[m][r]) * a.x_scale[m0 + m];
+}
+
+template <bool INT4>
+void gemm_w8a8(const GemmArgs& a, int64_t n0, int64_t n1) {
+  constexpr int NB = INT4 ? 2 : 4;  // int4 keeps a second set of accumulators per group
+  float out[4][4];
+  for (int64_t n = n0; n < n1; n += NB) {
+    const int nr = (int)min64(NB, n1 - n);
+    for (int64_t m = 0; m < a.M; m += 4) {
+      const int mr = (int)min64(4, a.M - m);
+#define TM_CASE(M, N) \
+  case (M - 1) * 4 + (N - 1): \
+    if constexpr (INT4 && N > 2) {} else if constexpr (INT4) tile_int4<M, N>(a, m, n, out); else tile_int8<M, N>(a, m, n, out); \
+    break;
+      switch ((mr - 1) * 4 + (nr - 1)) {
+        TM_CASE(1, 1) TM_CASE(1, 2) TM_CASE(1, 3) TM_CASE(1, 4)
+        TM_CASE(2, 1) TM_CASE(2, 2) TM_CASE(2, 3) TM_CASE(2, 4)
+        TM_CASE(3, 1) TM_CASE(3, 2) TM_CASE(3, 3) TM_CASE(3, 4)
+        TM_CASE(4, 1) TM_CASE(4, 2) TM_CASE(4, 3) TM_CASE(4, 4)
+      }
+#undef TM_CASE
+      for (int i = 0; i < mr; ++i)
+        for (int r = 0; r < nr; ++r) {
+          float v = out[i][r];
+          if constexpr (INT4) {  // offsets x activation sums; scales are already in
+            const float* z = a.zeros + (n + r) * a.num_groups;
+            const float* xs = a.xsum + (m + i) * a.num_groups;
+            for (int64_t g = 0; g < a.num_groups; ++g) v += z[g] * xs[g];
+          }
+          if (a.bias) v += a.bias[n + r];
+          a.y[(m + i) * a.ldy + n + r] = to_bf16(v);
+        }
+    }
+  }
+}
+
+void gemm_int8(const GemmArgs& a, int64_t n0, int64_t n1) { gemm_w8a8<false>(a, n0, n1); }
+
+void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
+  if (a.group_size % 64 == 0) { gemm_w8a8<true>(a, n0, n1); return; }
+  // 32-channel groups split a 64-code chunk: weights converted to bf16 in registers instead.
+  Int4Weights wl{static_cast<const uint8_t*>(a.w), a.ldw, a.scales, a.num_groups, a.group_size};
+  if (a.M <= 4) gemm_tiles<kInt4>(a, n0, n1, wl); else gemm_panels<kInt4>(a, n0, n1, wl);
+}
+
+const tokenmill::KernelTable kTable = {
+    "avx512_bf16", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, rope_kernel, attention_kernel,
+    quantize_rows,
+};
+
+}  // namespace
+
+const tokenmill::KernelTable* tokenmill::avx512_kernels() { return &kTable; }

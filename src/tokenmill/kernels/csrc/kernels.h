@@ -1,0 +1,123 @@
+// tokenmill CPU kernels: argument blocks and the per-ISA kernel table.
+//
+// The kernel translation units (avx512.cpp, avx2.cpp) include no ATen header, so they
+// compile in seconds; ops.cpp checks tensors, splits work across ATen's threads and picks
+// a table at run time from the CPU's features.
+#pragma once
+#include <cstdint>
+
+namespace tokenmill {
+
+// Activation / cache element formats the kernels read.
+enum Fmt : int { F32 = 0, BF16 = 1, E4M3 = 2, E5M2 = 3 };
+
+struct GemmArgs {
+  const uint16_t* x;    // [M, K] bf16, row stride ldx
+  int64_t ldx, M, K;
+  const void* w;        // bf16 [N, K], int8 [N, K] or packed int4 [N, K_pad / 2]
+  int64_t ldw;          // elements (bf16/int8) or bytes (int4) per weight row
+  const float* scales;  // int8: [N]; int4: [N, G]
+  const float* zeros;   // int4: [N, G] offsets, the value of code 0 (w = q * scale + offset)
+  const float* xsum;    // int4: [M, G] sums of x over each group
+  int64_t group_size, num_groups;
+  const float* bias;    // [N] or null
+  // W8A8 (tables with quantize_rows): x quantized per row to int8, [M, ldq] bytes, zero-padded
+  // to whole 64-byte chunks; unsigned (x + 128) for int8 weights, signed for int4 codes.
+  uint8_t* xq;
+  int64_t ldq;
+  float* x_scale;       // [M]
+  const int32_t* wsum;  // int8: [N] sums of each weight row (undoes the +128)
+  uint16_t* y;          // [M, N] bf16, row stride ldy
+  int64_t ldy;
+};
+
+struct NormArgs {
+  const void* x;        // [R, D]
+  const void* residual; // [R, D] or null: normalise x + residual
+  void* residual_out;   // [R, D]: x + residual (when residual is set)
+  const void* weight;   // [D]
+  void* out;            // [R, D]
+  int64_t D, ldx, ldr;
+  float eps;
+  int fmt;              // F32 or BF16, for every tensor
+};
+
+struct SiluMulArgs {
+  const void* x;        // [R, 2D]: gate | up
+  void* out;            // [R, D]
+  int64_t D, ldx;
+  int fmt;
+};
+
+struct RopeArgs {
+  const void* q;        // [T, Hq, D] (token stride ldq)
+  const void* k;        // [T, Hk, D]
+  void* q_out;          // contiguous [T, Hq, D]
+  void* k_out;
+  const int64_t* positions;
+  const float* cos;     // [P, D] (rotate-half layout, both halves)
+  const float* sin;
+  int64_t Hq, Hk, D, ldq, ldk;
+  int fmt;
+};
+
+struct AttnArgs {
+  const void* q;            // [B, Hq, D], row stride ldq
+  const void* k_cache;      // [blocks, block_size, Hkv, D]
+  const void* v_cache;
+  const int64_t* block_tables;  // [B, ldbt]
+  const int64_t* context_lens;  // [B]
+  void* out;                // [B, Hq * D]
+  int64_t Hq, Hkv, D, block_size, ldq, ldbt;
+  int64_t window;           // 0: full attention
+  float scale, k_scale, v_scale;
+  int q_fmt, kv_fmt;
+};
+
+struct KernelTable {
+  const char* name;
+  // Every function handles the half-open range [begin, end) of its parallel dimension:
+  // output channels (gemm), rows (norm, silu), tokens (rope), (sequence, kv head) pairs.
+  void (*gemm_bf16)(const GemmArgs&, int64_t, int64_t);
+  void (*gemm_int8)(const GemmArgs&, int64_t, int64_t);
+  void (*gemm_int4)(const GemmArgs&, int64_t, int64_t);
+  void (*rms_norm)(const NormArgs&, int64_t, int64_t);
+  void (*silu_mul)(const SiluMulArgs&, int64_t, int64_t);
+  void (*rope)(const RopeArgs&, int64_t, int64_t);
+  void (*decode_attention)(const AttnArgs&, int64_t, int64_t);
+  // Null where the int GEMMs read bf16 activations; else quantizes rows [begin, end) of
+  // a.x into a.xq / a.x_scale (``is_unsigned``: store x + 128) before gemm_int8/int4 run.
+  void (*quantize_rows)(const GemmArgs&, bool is_unsigned, int64_t, int64_t);
+};
+
+const KernelTable* avx512_kernels();
+const KernelTable* avx2_kernels();
+
+}  // namespace tokenmill
+
+namespace tokenmill {
+
+// AMX int8 tiles: weights prepacked at load into 16-channel x 64-input tiles in VNNI order
+// (kernels/amx_layout.py); activations quantized per row to u8 (x + 128) as for VNNI.
+struct AmxArgs {
+  const uint8_t* xq;        // [M, ldq] with ldq = 64 * num_chunks
+  const float* x_scale;     // [M]
+  int64_t M, ldq, num_chunks;
+  const void* w;            // int8: [N/16, chunks, 16, 64]; int4: [N/16, chunks, 512] nibbles
+  bool is_int4;
+  int64_t group_chunks, num_groups;  // int4: 64-input chunks per group, groups per row
+  // Per-channel values blocked by 16 channels (N padded to 16): int8 [N/16, 16], int4
+  // [N/16, G, 16]; see amx_layout.block_channels.
+  const float* scales;
+  const int32_t* wsum;      // int8: row sums; int4: code sums per group
+  const float* offsets;     // int4 only
+  const float* xsum;        // int4: [M, G]
+  const float* bias;        // [N] or null
+  uint16_t* y;              // [M, ldy] bf16
+  int64_t N, ldy;
+};
+
+// Output channels [16 * begin, 16 * end); only call when amx_permitted() said so.
+void amx_gemm(const AmxArgs&, int64_t, int64_t);
+
+}  // namespace tokenmill

@@ -1,0 +1,462 @@
+// The torch custom ops (namespace tokenmill_cpu): tensor checks, the split across ATen's
+// threads, and run-time selection of the kernel table from the CPU's features.
+// TOKENMILL_CPU_ISA=avx2 forces the AVX2 kernels; set_isa() switches at run time (tests).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "kernels.h"
+
+namespace tokenmill {
+namespace {
+
+bool has_avx512_bf16() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16");
+}
+
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+const KernelTable* select(const std::string& want) {
+  if (want == "avx2") return has_avx2() ? avx2_kernels() : nullptr;
+  if (want == "avx512") return has_avx512_bf16() ? avx512_kernels() : nullptr;
+  if (has_avx512_bf16()) return avx512_kernels();
+  return has_avx2() ? avx2_kernels() : nullptr;
+}
+
+bool& amx_on();
+
+const KernelTable*& active() {
+  static const KernelTable* table = [] {
+    const char* env = std::getenv("TOKENMILL_CPU_ISA");
+    return select(env ? std::string(env) : std::string("auto"));
+  }();
+  return table;
+}
+
+const KernelTable& kernels() {
+  TORCH_CHECK(active() != nullptr, "tokenmill_cpu: this CPU has neither AVX-512 BF16 nor AVX2");
+  return *active();
+}
+
+// AMX tiles may only be used once the kernel grants this process the tile state; some
+// VMs list the flags and still fault on the first tile instruction without it.
+bool amx_permitted() {
+  static const bool granted = [] {
+    unsigned a, b, c, d;
+    // CPUID.7.0: EDX bit 24 AMX-TILE, bit 25 AMX-INT8.
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return granted;
+}
+
+// AMX only with the AVX-512 table (its quantizer feeds the tiles) and not when a lower
+// ISA was asked for.
+bool& amx_on() {
+  static bool on = [] {
+    const char* env = std::getenv("TOKENMILL_CPU_ISA");
+    const std::string want = env ? env : "auto";
+    return (want == "auto" || want == "amx") && has_avx512_bf16() && amx_permitted();
+  }();
+  return on;
+}
+
+std::string isa() {
+  if (!active()) return "none";
+  return std::string(active()->name) + (amx_on() && active() == avx512_kernels() ? "+amx_int8" : "");
+}
+
+bool amx_active() { return amx_on() && active() == avx512_kernels(); }
+
+std::string set_isa(const std::string& want) {
+  TORCH_CHECK(want == "auto" || want == "amx" || want == "avx2" || want == "avx512",
+              "set_isa: expected auto, amx, avx512 or avx2, got ", want);
+  TORCH_CHECK(want != "amx" || (has_avx512_bf16() && amx_permitted()),
+              "set_isa: this CPU (or its kernel) does not let this process use AMX tiles");
+  const KernelTable* table = select(want == "amx" ? "avx512" : want);
+  TORCH_CHECK(table != nullptr, "set_isa: this CPU cannot run the ", want, " kernels");
+  active() = table;
+  amx_on() = (want == "auto" || want == "amx") && table == avx512_kernels() && amx_permitted();
+  return isa();
+}
+
+int fmt_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return F32;
+    case at::kBFloat16: return BF16;
+    case at::kFloat8_e4m3fn: return E4M3;
+    case at::kFloat8_e5m2: return E5M2;
+    default: TORCH_CHECK(false, "tokenmill_cpu: unsupported dtype ", t.scalar_type());
+  }
+}
+
+int act_fmt(const at::Tensor& t) {
+  int f = fmt_of(t);
+  TORCH_CHECK(f == F32 || f == BF16, "tokenmill_cpu: activations must be float32 or bfloat16");
+  return f;
+}
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, name,
+              ": expected a 2-d CPU tensor with contiguous rows");
+}
+
+int64_t rows_grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, width)); }
+
+// Output channels per task: whole 16-channel blocks, and no task under ~64 KB of weights.
+int64_t gemm_grain(int64_t K, int64_t bytes_per_weight_x2) {
+  int64_t rows = (131072 / std::max<int64_t>(1, K * bytes_per_weight_x2) + 15) / 16 * 16;
+  return std::max<int64_t>(16, rows);
+}
+
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t N,
+                const c10::optional<at::Tensor>& bias, int64_t grain,
+                void (*fn)(const GemmArgs&, int64_t, int64_t)) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias has ", b.numel(), " elements, expected ", N);
+    args.bias = b.data_ptr<float>();
+  }
+  args.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  args.ldx = x.stride(0);
+  args.M = x.size(0);
+  args.K = x.size(1);
+  args.w = w.data_ptr();
+  args.y = reinterpret_cast<uint16_t*>(y.data_ptr());
+  args.ldy = N;
+  if (args.M == 0 || N == 0) return y;
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { fn(args, n0, n1); });
+  return y;
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  check_rows(w, "weight");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) == x.size(1), "linear_bf16: weight must be bfloat16 [N, K]");
+  GemmArgs a{};
+  a.ldw = w.stride(0);
+  return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 4), kernels().gemm_bf16);
+}
+
+// Tables with quantize_rows read int8 activations (W8A8): x is quantized per row first.
+void quantize_activations(const at::Tensor& x, GemmArgs& a, bool is_unsigned, at::Tensor& xq, at::Tensor& xs) {
+  const KernelTable& k = kernels();
+  if (!k.quantize_rows) return;
+  const int64_t M = x.size(0);
+  a.ldq = (x.size(1) + 63) / 64 * 64;
+  xq = at::empty({M, a.ldq}, x.options().dtype(at::kByte));
+  xs = at::empty({M}, x.options().dtype(at::kFloat));
+  a.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  a.ldx = x.stride(0);
+  a.K = x.size(1);
+  a.xq = xq.data_ptr<uint8_t>();
+  a.x_scale = xs.data_ptr<float>();
+  at::parallel_for(0, M, rows_grain(x.size(1)), [&](int64_t r0, int64_t r1) { k.quantize_rows(a, is_unsigned, r0, r1); });
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const at::Tensor& wsum, const c10::optional<at::Tensor>& bias) {
+  check_rows(w, "weight");
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.size(1) == x.size(1), "linear_int8: weight must be int8 [N, K]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == w.size(0),
+              "linear_int8: scales must be float32 [N]");
+  GemmArgs a{};
+  a.ldw = w.stride(0);
+  TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.numel() == w.size(0),
+              "linear_int8: wsum must be int32 [N], the sum of each weight row");
+  a.scales = scales.data_ptr<float>();
+  a.wsum = wsum.data_ptr<int32_t>();
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
+  at::Tensor xq, xs;
+  quantize_activations(x, a, /*is_unsigned=*/true, xq, xs);
+  return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 2), kernels().gemm_int8);
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const at::Tensor& zeros, int64_t group_size, const c10::optional<at::Tensor>& bias) {
+  check_rows(w, "weight");
+  const int64_t N = w.size(0), K = x.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.size(1) * 2 >= K && w.size(1) % 32 == 0,
+              "linear_int4: weight must be uint8 [N, K_pad / 2] with K_pad a multiple of 64 >= K");
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0, "linear_int4: group_size must be a multiple of 32");
+  const int64_t G = (w.size(1) * 2 + group_size - 1) / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == N && scales.size(1) == G &&
+                  zeros.scalar_type() == at::kFloat && zeros.is_contiguous() && zeros.sizes() == scales.sizes(),
+              "linear_int4: scales and zeros must be float32 [N, ", G, "]");
+  // Sum of the activations over each group: the zeros' share of every output.
+  at::Tensor xf = x.to(at::kFloat);
+  if (G * group_size > K) xf = at::constant_pad_nd(xf, {0, G * group_size - K});
+  at::Tensor xsum = xf.view({x.size(0), G, group_size}).sum(-1).contiguous();
+  GemmArgs a{};
+  a.ldw = w.stride(0);
+  a.scales = scales.data_ptr<float>();
+  a.zeros = zeros.data_ptr<float>();
+  a.xsum = xsum.data_ptr<float>();
+  a.group_size = group_size;
+  a.num_groups = G;
+  at::Tensor xq, xs;
+  if (group_size % 64 == 0) quantize_activations(x, a, /*is_unsigned=*/false, xq, xs);
+  return gemm(x, w, a, N, bias, gemm_grain(K, 1), kernels().gemm_int4);
+}
+
+// AMX: weights in tiles [N/16, chunks, 16, 64] (int8) or [N/16, chunks, 512] (int4 nibbles).
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, AmxArgs a, const c10::optional<at::Tensor>& bias) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
+  TORCH_CHECK(amx_active(), "tokenmill_cpu: the AMX kernels are not active in this process");
+  TORCH_CHECK(tiles.is_contiguous() && tiles.dim() >= 3 && tiles.size(0) * 16 >= a.N && tiles.size(1) * 64 >= x.size(1),
+              "amx linear: weight tiles do not cover [", a.N, ", ", x.size(1), "]");
+  const int64_t M = x.size(0);
+  a.num_chunks = tiles.size(1);
+  GemmArgs q{};
+  at::Tensor xq, xs;
+  quantize_activations(x, q, /*is_unsigned=*/true, xq, xs);
+  TORCH_CHECK(q.ldq == a.num_chunks * 64, "amx linear: weight tiles are padded beyond the input width");
+  a.xq = q.xq;
+  a.x_scale = q.x_scale;
+  a.ldq = q.ldq;
+  a.M = M;
+  a.w = tiles.data_ptr();
+  at::Tensor y = at::empty({M, a.N}, x.options());
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == a.N, "bias has ", b.numel(), " elements, expected ", a.N);
+    a.bias = b.data_ptr<float>();
+  }
+  a.y = reinterpret_cast<uint16_t*>(y.data_ptr());
+  a.ldy = a.N;
+  if (M == 0) return y;
+  const int64_t blocks = (a.N + 15) / 16;
+  at::parallel_for(0, (blocks + 1) / 2, 4, [&](int64_t p0, int64_t p1) {
+    amx_gemm(a, 2 * p0, std::min(blocks, 2 * p1));
+  });
+  return y;
+}
+
+at::Tensor linear_int8_amx(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                           const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(tiles.scalar_type() == at::kChar && tiles.dim() == 4, "linear_int8_amx: int8 tiles [N/16, chunks, 16, 64]");
+  const int64_t N = out_features;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && wsum.scalar_type() == at::kInt &&
+                  wsum.is_contiguous() && scales.numel() == tiles.size(0) * 16 && wsum.numel() == scales.numel(),
+              "linear_int8_amx: float32 scales and int32 row sums blocked [N/16, 16]");
+  AmxArgs a{};
+  a.N = N;
+  a.scales = scales.data_ptr<float>();
+  a.wsum = wsum.data_ptr<int32_t>();
+  return amx_linear(x, tiles, a, bias);
+}
+
+at::Tensor linear_int4_amx(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                           const at::Tensor& code_sums, const at::Tensor& offsets, int64_t group_size,
+                           const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.dim() == 3 && tiles.size(2) == 512,
+              "linear_int4_amx: uint8 tiles [N/16, chunks, 512]");
+  TORCH_CHECK(group_size % 64 == 0, "linear_int4_amx: group_size must be a multiple of 64");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == tiles.size(0) && scales.size(2) == 16,
+              "linear_int4_amx: scales blocked [N/16, groups, 16]");
+  const int64_t N = out_features, G = scales.size(1), K = x.size(1);
+  TORCH_CHECK(G * group_size == tiles.size(1) * 64, "linear_int4_amx: ", G, " groups of ", group_size,
+              " do not match ", tiles.size(1), " chunks of 64");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && offsets.sizes() == scales.sizes() &&
+                  offsets.scalar_type() == at::kFloat && offsets.is_contiguous() && code_sums.sizes() == scales.sizes() &&
+                  code_sums.scalar_type() == at::kInt && code_sums.is_contiguous(),
+              "linear_int4_amx: float32 scales and offsets, int32 code sums, all [N/16, groups, 16]");
+  at::Tensor xf = x.to(at::kFloat);
+  if (G * group_size > K) xf = at::constant_pad_nd(xf, {0, G * group_size - K});
+  at::Tensor xsum = xf.view({x.size(0), G, group_size}).sum(-1).contiguous();
+  AmxArgs a{};
+  a.N = N;
+  a.is_int4 = true;
+  a.group_chunks = group_size / 64;
+  a.num_groups = G;
+  a.scales = scales.data_ptr<float>();
+  a.wsum = code_sums.data_ptr<int32_t>();
+  a.offsets = offsets.data_ptr<float>();
+  a.xsum = xsum.data_ptr<float>();
+  return amx_linear(x, tiles, a, bias);
+}
+
+std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor* residual,
+                                        const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  const int64_t R = x.size(0), D = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == D,
+              "rms_norm: weight must be [", D, "] in the activation dtype");
+  NormArgs a{};
+  a.fmt = act_fmt(x);
+  a.x = x.data_ptr();
+  a.ldx = x.stride(0);
+  a.D = D;
+  a.weight = weight.data_ptr();
+  a.eps = static_cast<float>(eps);
+  at::Tensor out = at::empty({R, D}, x.options());
+  at::Tensor res_out;
+  a.out = out.data_ptr();
+  if (residual) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "add_rms_norm: residual must match x");
+    res_out = at::empty({R, D}, x.options());
+    a.residual = residual->data_ptr();
+    a.ldr = residual->stride(0);
+    a.residual_out = res_out.data_ptr();
+  }
+  const KernelTable& k = kernels();
+  at::parallel_for(0, R, rows_grain(D), [&](int64_t r0, int64_t r1) { k.rms_norm(a, r0, r1); });
+  return {out, res_out};
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<0>(norm(x, nullptr, weight, eps));
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  return norm(x, &residual, weight, eps);
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: the last dimension must be even");
+  SiluMulArgs a{};
+  a.fmt = act_fmt(x);
+  a.D = x.size(1) / 2;
+  a.x = x.data_ptr();
+  a.ldx = x.stride(0);
+  at::Tensor out = at::empty({x.size(0), a.D}, x.options());
+  a.out = out.data_ptr();
+  const KernelTable& k = kernels();
+  at::parallel_for(0, x.size(0), rows_grain(a.D), [&](int64_t r0, int64_t r1) { k.silu_mul(a, r0, r1); });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(2) == k.size(2) && q.size(0) == k.size(0) &&
+                  q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
+              "rope: q [T, Hq, D] and k [T, Hk, D] with contiguous heads");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "rope: q and k dtypes differ");
+  const int64_t T = q.size(0), D = q.size(2);
+  TORCH_CHECK(D % 2 == 0, "rope: head_dim must be even");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+                  sin.scalar_type() == at::kFloat && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "rope: cos and sin must be float32 [positions, head_dim]");
+  at::Tensor pos = positions.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == T, "rope: one position per token");
+  RopeArgs a{};
+  a.fmt = act_fmt(q);
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.ldq = q.stride(0);
+  a.ldk = k.stride(0);
+  a.Hq = q.size(1);
+  a.Hk = k.size(1);
+  a.D = D;
+  a.positions = pos.data_ptr<int64_t>();
+  a.cos = cos.data_ptr<float>();
+  a.sin = sin.data_ptr<float>();
+  at::Tensor qo = at::empty({T, a.Hq, D}, q.options()), ko = at::empty({T, a.Hk, D}, k.options());
+  a.q_out = qo.data_ptr();
+  a.k_out = ko.data_ptr();
+  const KernelTable& kt = kernels();
+  at::parallel_for(0, T, rows_grain((a.Hq + a.Hk) * D), [&](int64_t t0, int64_t t1) { kt.rope(a, t0, t1); });
+  return {qo, ko};
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t window, const at::Tensor& kv_scales) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "decode_attention: q [B, Hq, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "decode_attention: K and V caches [blocks, block_size, Hkv, D], contiguous, one dtype");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "decode_attention: head shapes do not match the cache");
+  at::Tensor bt = block_tables.to(at::kLong).contiguous();
+  at::Tensor cl = context_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(bt.dim() == 2 && bt.size(0) == B && cl.numel() == B, "decode_attention: one block table row per query");
+  at::Tensor sc = kv_scales.to(at::kFloat).contiguous();
+  TORCH_CHECK(sc.numel() == 2, "decode_attention: kv_scales holds [k_scale, v_scale]");
+  const int64_t* lens = cl.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= bt.size(1) * k_cache.size(1),
+                "decode_attention: context length ", lens[b], " outside the block table");
+  AttnArgs a{};
+  a.q = q.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.block_tables = bt.data_ptr<int64_t>();
+  a.context_lens = lens;
+  a.Hq = Hq;
+  a.Hkv = Hkv;
+  a.D = D;
+  a.block_size = k_cache.size(1);
+  a.ldq = q.stride(0);
+  a.ldbt = bt.size(1);
+  a.window = window;
+  a.scale = static_cast<float>(scale);
+  a.k_scale = sc.data_ptr<float>()[0];
+  a.v_scale = sc.data_ptr<float>()[1];
+  a.q_fmt = act_fmt(q);
+  a.kv_fmt = fmt_of(k_cache);
+  at::Tensor out = at::empty({B, Hq * D}, q.options());
+  a.out = out.data_ptr();
+  const KernelTable& k = kernels();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) { k.decode_attention(a, i0, i1); });
+  return out;
+}
+
+}  // namespace
+}  // namespace tokenmill
+
+TORCH_LIBRARY(tokenmill_cpu, m) {
+  m.def("isa() -> str");
+  m.def("set_isa(str isa) -> str");
+  m.def("amx_permitted() -> bool");
+  m.def("amx_active() -> bool");
+  m.def("linear_int8_amx(Tensor x, Tensor tiles, Tensor scales, Tensor wsum, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear_int4_amx(Tensor x, Tensor tiles, Tensor scales, Tensor code_sums, Tensor offsets, int group_size, "
+        "Tensor? bias, int out_features) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_int8(Tensor x, Tensor weight, Tensor scales, Tensor wsum, Tensor? bias) -> Tensor");
+  m.def("linear_int4(Tensor x, Tensor weight, Tensor scales, Tensor offsets, int group_size, Tensor? bias) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rope(Tensor positions, Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, int window, Tensor kv_scales) -> Tensor");
+  m.impl("isa", &tokenmill::isa);
+  m.impl("set_isa", &tokenmill::set_isa);
+  m.impl("amx_permitted", &tokenmill::amx_permitted);
+  m.impl("amx_active", &tokenmill::amx_active);
+}
+
+TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
+  m.impl("linear_bf16", &tokenmill::linear_bf16);
+  m.impl("linear_int8", &tokenmill::linear_int8);
+  m.impl("linear_int4", &tokenmill::linear_int4);
+  m.impl("linear_int8_amx", &tokenmill::linear_int8_amx);
+  m.impl("linear_int4_amx", &tokenmill::linear_int4_amx);
+  m.impl("rms_norm", &tokenmill::rms_norm);
+  m.impl("add_rms_norm", &tokenmill::add_rms_norm);
+  m.impl("silu_and_mul", &tokenmill::silu_and_mul);
+  m.impl("rope", &tokenmill::rope);
+  m.impl("paged_decode_attention", &tokenmill::paged_decode_attention);
+}

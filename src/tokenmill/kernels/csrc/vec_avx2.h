@@ -1,0 +1,100 @@
+// 8-lane fp32 vector helpers for AVX2 + FMA. Included after the target pragma of avx2.cpp
+// only; every function has internal linkage. Partial vectors go through a stack buffer.
+#pragma once
+#include <immintrin.h>
+#include <cstring>
+
+namespace {
+
+struct Vec {
+  using R = __m256;
+  static constexpr int W = 8;
+  static inline R zero() { return _mm256_setzero_ps(); }
+  static inline R set1(float a) { return _mm256_set1_ps(a); }
+  static inline R load_f32(const float* p, int n) {
+    if (n == W) return _mm256_loadu_ps(p);
+    float buf[W] = {0};
+    std::memcpy(buf, p, n * sizeof(float));
+    return _mm256_loadu_ps(buf);
+  }
+  static inline R bf16_to_f32(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static inline R load_bf16(const uint16_t* p, int n) {
+    if (n == W) return bf16_to_f32(_mm_loadu_si128((const __m128i*)p));
+    uint16_t buf[W] = {0};
+    std::memcpy(buf, p, n * sizeof(uint16_t));
+    return bf16_to_f32(_mm_loadu_si128((const __m128i*)buf));
+  }
+  template <int EXP_BITS>
+  static inline R load_fp8(const uint8_t* p, int n) {
+    uint8_t buf[16] = {0};
+    std::memcpy(buf, p, n);
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)buf));
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
+    __m256i mag = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7F)), 23 - (7 - EXP_BITS));
+    const float rebias = EXP_BITS == 4 ? 0x1p120f : 0x1p112f;
+    R f = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(rebias));
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign));
+  }
+  static inline void store_f32(float* p, R v, int n) {
+    if (n == W) { _mm256_storeu_ps(p, v); return; }
+    float buf[W];
+    _mm256_storeu_ps(buf, v);
+    std::memcpy(p, buf, n * sizeof(float));
+  }
+  // fp32 -> bf16 bits, round to nearest even (NaN inputs are not expected here).
+  static inline __m256i bf16_bits(R v) {
+    __m256i b = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  }
+  static inline void store_bf16(uint16_t* p, R v, int n) {
+    __m256i b = bf16_bits(v);
+    __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    if (n == W) { _mm_storeu_si128((__m128i*)p, h); return; }
+    uint16_t buf[W];
+    _mm_storeu_si128((__m128i*)buf, h);
+    std::memcpy(p, buf, n * sizeof(uint16_t));
+  }
+  static inline R round_bf16(R v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
+  static inline R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static inline R sub(R a, R b) { return _mm256_sub_ps(a, b); }
+  static inline R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+  static inline R div(R a, R b) { return _mm256_div_ps(a, b); }
+  static inline R max(R a, R b) { return _mm256_max_ps(a, b); }
+  static inline R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline float reduce_add(R v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static inline float reduce_max(R v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static inline R exp(R x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, set1(88.3762626647949f)), set1(-87.3365447505531f));
+    R n = _mm256_round_ps(_mm256_mul_ps(x, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    R r = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+    R p = set1(1.9875691500E-4f);
+    p = fma(p, r, set1(1.3981999507E-3f));
+    p = fma(p, r, set1(8.3334519073E-3f));
+    p = fma(p, r, set1(4.1665795894E-2f));
+    p = fma(p, r, set1(1.6666665459E-1f));
+    p = fma(p, r, set1(5.0000001201E-1f));
+    p = fma(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, set1(1.0f)));
+    // 2^n: n in [-127, 128] after the clamp; build the exponent in two halves so 2^128 holds.
+    __m256i ni = _mm256_cvtps_epi32(n);
+    __m256i half = _mm256_srai_epi32(ni, 1);
+    R s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    R s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+  }
+};
+
+}  // namespace

@@ -1,0 +1,70 @@
+// 16-lane fp32 vector helpers for AVX-512 (F, BW, VL, DQ, BF16). Included after the
+// target pragma of avx512.cpp only; every function has internal linkage.
+#pragma once
+#include <immintrin.h>
+
+namespace {
+
+struct Vec {
+  using R = __m512;
+  static constexpr int W = 16;
+  static inline __mmask16 mask(int n) { return (__mmask16)((1u << n) - 1u); }
+  static inline R zero() { return _mm512_setzero_ps(); }
+  static inline R set1(float a) { return _mm512_set1_ps(a); }
+  static inline R load_f32(const float* p, int n) {
+    return n == W ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mask(n), p);
+  }
+  static inline R load_bf16(const uint16_t* p, int n) {
+    __m256i h = n == W ? _mm256_loadu_si256((const __m256i*)p) : _mm256_maskz_loadu_epi16(mask(n), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  // fp8 bytes -> fp32: the 7 exponent+mantissa bits land at the top of fp32's, and one
+  // multiply rebiases the exponent (subnormals come out right too); the sign is ORed in.
+  template <int EXP_BITS>
+  static inline R load_fp8(const uint8_t* p, int n) {
+    __m128i b = n == W ? _mm_loadu_si128((const __m128i*)p) : _mm_maskz_loadu_epi8(mask(n), p);
+    __m512i v = _mm512_cvtepu8_epi32(b);
+    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+    __m512i mag = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x7F)), 23 - (7 - EXP_BITS));
+    const float rebias = EXP_BITS == 4 ? 0x1p120f : 0x1p112f;
+    R f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(rebias));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
+  }
+  static inline void store_f32(float* p, R v, int n) {
+    if (n == W) _mm512_storeu_ps(p, v); else _mm512_mask_storeu_ps(p, mask(n), v);
+  }
+  static inline __m256i to_bf16(R v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+  static inline void store_bf16(uint16_t* p, R v, int n) {
+    __m256i h = to_bf16(v);
+    if (n == W) _mm256_storeu_si256((__m256i*)p, h); else _mm256_mask_storeu_epi16(p, mask(n), h);
+  }
+  // Round to bf16 precision and back (torch rounds every bf16 op's result).
+  static inline R round_bf16(R v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
+  }
+  static inline R add(R a, R b) { return _mm512_add_ps(a, b); }
+  static inline R sub(R a, R b) { return _mm512_sub_ps(a, b); }
+  static inline R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+  static inline R div(R a, R b) { return _mm512_div_ps(a, b); }
+  static inline R max(R a, R b) { return _mm512_max_ps(a, b); }
+  static inline R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline float reduce_add(R v) { return _mm512_reduce_add_ps(v); }
+  static inline float reduce_max(R v) { return _mm512_reduce_max_ps(v); }
+  // exp with a degree-6 polynomial on [-ln2/2, ln2/2]: about 1 ulp in fp32.
+  static inline R exp(R x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, set1(88.3762626647949f)), set1(-87.3365447505531f));
+    R n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    R r = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+    R p = set1(1.9875691500E-4f);
+    p = fma(p, r, set1(1.3981999507E-3f));
+    p = fma(p, r, set1(8.3334519073E-3f));
+    p = fma(p, r, set1(4.1665795894E-2f));
+    p = fma(p, r, set1(1.6666665459E-1f));
+    p = fma(p, r, set1(5.0000001201E-1f));
+    p = fma(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, set1(1.0f)));
+    return _mm512_scalef_ps(p, n);
+  }
+};
+
+}  // namespace

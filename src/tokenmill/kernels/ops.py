@@ -1,0 +1,205 @@
+"""Python entry points to the C++ CPU kernels, with the fake (meta) implementations that let
+torch.compile trace them.
+
+Each function takes the tensors as the model layers hold them and reshapes for the op;
+``supports(x)`` says whether the kernels serve an activation (a CPU tensor in bfloat16, or
+float32 where noted, with the extension loaded). Call sites keep their torch code as the
+fallback.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.kernels.build import load
+
+
+def available() -> bool:
+    """Whether the extension is loaded and its ops registered (built on first call)."""
+    return load()
+
+
+def supports(x: torch.Tensor, *, float32: bool = False) -> bool:
+    """True if the kernels take this activation: CPU, bf16 (or fp32 when ``float32``)."""
+    if x.device.type != "cpu" or not available():
+        return False
+    return x.dtype == torch.bfloat16 or (float32 and x.dtype == torch.float32)
+
+
+def active_isa() -> str:
+    """The kernel table in use: avx512_bf16, avx2, or none."""
+    return str(torch.ops.tokenmill_cpu.isa()) if available() else "none"
+
+
+def set_isa(isa: str) -> str:
+    """Switch the kernel table (auto, avx512, avx2) for the whole process; returns the one chosen."""
+    return str(torch.ops.tokenmill_cpu.set_isa(isa))
+
+
+def amx_permitted() -> bool:
+    """Whether the Linux kernel granted this process the AMX tile state (arch_prctl)."""
+    return bool(torch.ops.tokenmill_cpu.amx_permitted()) if available() else False
+
+
+def amx_active() -> bool:
+    """Whether the int8/int4 projections run on AMX tiles (granted, and not switched off)."""
+    return bool(torch.ops.tokenmill_cpu.amx_active()) if available() else False
+
+
+def describe() -> str:
+    """One line for the start-up log: which kernels run."""
+    if not available():
+        return "tokenmill CPU kernels off: torch kernels for every op"
+    if amx_active():
+        amx = "AMX-INT8 tiles for int8/int4 projections"
+    elif amx_permitted():
+        amx = "AMX granted but switched off"
+    else:
+        amx = "AMX not granted, not used"
+    return (
+        f"tokenmill CPU kernels ({active_isa()}): int8/int4 linear (W8A8), add+RMSNorm, "
+        f"SiLU*mul, RoPE, paged decode attention; {amx}"
+    )
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b`` for bf16 x [..., K] and a contiguous bf16 W [N, K]."""
+    y = torch.ops.tokenmill_cpu.linear_bf16(_rows(x), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_int8(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    row_sums: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """int8 weights [N, K] with fp32 per-channel scales [N] and int32 row sums [N]; x bf16.
+
+    On AVX-512 the activations are quantized per row to int8 (W8A8, VNNI dot products);
+    on AVX2 the weights are converted to fp32 in registers (weight-only).
+    """
+    return torch.ops.tokenmill_cpu.linear_int8(_rows(x), qweight, scales, row_sums, bias)
+
+
+def linear_int4(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """int4 codes in ``kernels.int4_layout``'s packing, ``w = q * scale + offset`` per group
+    (fp32 [N, groups] each); x bf16 [M, K]. With groups of 64+ channels on AVX-512 the
+    activations are quantized per row to int8 (VNNI); otherwise weight-only."""
+    return torch.ops.tokenmill_cpu.linear_int4(
+        _rows(x), packed, scales, offsets, group_size, bias
+    )
+
+
+def linear_int8_amx(
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    scales: torch.Tensor,
+    row_sums: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """int8 weights in ``amx_layout.pack_int8`` tiles, fp32 scales and int32 row sums blocked
+    by ``amx_layout.block_channels``; activations quantized per row (W8A8)."""
+    return torch.ops.tokenmill_cpu.linear_int8_amx(
+        _rows(x), tiles, scales, row_sums, bias, out_features
+    )
+
+
+def linear_int4_amx(
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    scales: torch.Tensor,
+    code_sums: torch.Tensor,
+    offsets: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """int4 codes in ``amx_layout.pack_int4`` tiles, ``w = q * scale + offset`` per group;
+    scales, offsets and int32 code sums per group blocked by ``amx_layout.block_channels``.
+    Activations quantized per row (W8A8)."""
+    return torch.ops.tokenmill_cpu.linear_int4_amx(
+        _rows(x), tiles, scales, code_sums, offsets, group_size, bias, out_features
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x [+ residual]) * weight, x [+ residual]), shaped like x."""
+    rows = _rows(x)
+    if residual is None:
+        return torch.ops.tokenmill_cpu.rms_norm(rows, weight, eps).view(x.shape), x
+    out, summed = torch.ops.tokenmill_cpu.add_rms_norm(rows, _rows(residual), weight, eps)
+    return out.view(x.shape), summed.view(x.shape)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up on a fused [..., gate | up]."""
+    out = torch.ops.tokenmill_cpu.silu_and_mul(_rows(gate_up))
+    return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def rope(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of q [T, Hq, D] and k [T, Hk, D] by fp32 tables [P, D]."""
+    return torch.ops.tokenmill_cpu.rope(positions, q, k, cos, sin)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int,
+    kv_scales: torch.Tensor,
+) -> torch.Tensor:
+    """One query per row q [B, Hq, D] over the blocks in place; returns [B, Hq * D]."""
+    return torch.ops.tokenmill_cpu.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, scale, window, kv_scales
+    )
+
+
+def register_fakes() -> None:
+    """Shape functions for torch.compile; called once the library is loaded."""
+    lib = "tokenmill_cpu::"
+
+    def linear_fake(x, weight, *rest):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    for name in ("linear_bf16", "linear_int8", "linear_int4"):
+        torch.library.register_fake(lib + name)(linear_fake)
+    for name in ("linear_int8_amx", "linear_int4_amx"):
+        torch.library.register_fake(lib + name)(
+            lambda x, tiles, *rest: x.new_empty(x.shape[0], rest[-1])
+        )
+    torch.library.register_fake(lib + "rms_norm")(lambda x, w, eps: torch.empty_like(x))
+    torch.library.register_fake(lib + "add_rms_norm")(
+        lambda x, r, w, eps: (torch.empty_like(x), torch.empty_like(x))
+    )
+    torch.library.register_fake(lib + "silu_and_mul")(
+        lambda x: x.new_empty(x.shape[0], x.shape[1] // 2)
+    )
+    torch.library.register_fake(lib + "rope")(
+        lambda pos, q, k, cos, sin: (torch.empty_like(q), torch.empty_like(k))
+    )
+    torch.library.register_fake(lib + "paged_decode_attention")(
+        lambda q, kc, vc, bt, cl, scale, window, sc: q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    )

@@ -1,0 +1,218 @@
+"""Each C++ kernel against a torch reference: odd shapes, every dtype it takes, both ISAs
+(AVX-512 BF16 and AVX2), one and two threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill import kernels
+from tokenmill.kernels import int4_layout
+from tokenmill.model.layers import RMSNorm, RotaryEmbedding
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=_gen(seed)).to(dtype)
+
+
+def _close_to_fp32(got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
+    """bf16 outputs against an fp32 reference: within rtol of the largest output."""
+    err = (got.float() - want).abs().max().item()
+    assert err <= rtol * want.abs().max().item() + 1e-6, (err, want.abs().max().item())
+
+
+SHAPES = [(1, 1, 32), (1, 37, 70), (3, 5, 96), (5, 64, 33), (16, 130, 257), (64, 48, 128)]
+"""(rows M, output channels N, input channels K): tails in every dimension."""
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_bf16(isa: str, threads: int, m: int, n: int, k: int, with_bias: bool) -> None:
+    x, w = _randn(m, k, dtype=torch.bfloat16), _randn(n, k, dtype=torch.bfloat16, seed=1)
+    bias = _randn(n, dtype=torch.bfloat16, seed=2) if with_bias else None
+    want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    got = kernels.linear_bf16(x, w, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    _close_to_fp32(got, want, 1e-2)
+
+
+def test_linear_bf16_keeps_leading_dims_and_strided_rows(isa: str) -> None:
+    x = _randn(2, 3, 80, dtype=torch.bfloat16)[..., :72]  # rows with a stride
+    w = _randn(40, 72, dtype=torch.bfloat16, seed=1)
+    got = kernels.linear_bf16(x, w, None)
+    assert got.shape == (2, 3, 40)
+    _close_to_fp32(got, F.linear(x.float(), w.float()), 1e-2)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_linear_int8(isa: str, threads: int, m: int, n: int, k: int) -> None:
+    x = _randn(m, k, dtype=torch.bfloat16)
+    q = torch.randint(-127, 128, (n, k), generator=_gen(1), dtype=torch.int8)
+    scales = torch.rand(n, generator=_gen(2)) * 0.02 + 1e-3
+    bias = _randn(n, dtype=torch.bfloat16, seed=3)
+    row_sums = q.int().sum(1, dtype=torch.int32)
+    want = F.linear(x.float(), q.float() * scales[:, None], bias.float())
+    got = kernels.linear_int8(x, q, scales, row_sums, bias)
+    # AVX-512 quantizes activations per row to int8 (about 0.4% of the row's largest value)
+    _close_to_fp32(got, want, 2e-2 if isa == "avx512_bf16" else 1e-2)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 70), (3, 5, 96), (5, 64, 200), (16, 33, 256)])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_linear_int4(isa: str, threads: int, m: int, n: int, k: int, group_size: int) -> None:
+    k_pad = int4_layout.padded_in(k, group_size)
+    groups = k_pad // group_size
+    codes = torch.randint(0, 16, (n, k_pad), generator=_gen(1))
+    scales = torch.rand(n, groups, generator=_gen(2)) * 0.02 + 1e-3
+    offsets = -8 * scales + _randn(n, groups, seed=3) * 0.05
+    x = _randn(m, k, dtype=torch.bfloat16)
+    w = codes.float().view(n, groups, group_size) * scales[..., None] + offsets[..., None]
+    want = F.linear(x.float(), w.view(n, k_pad)[:, :k])
+    got = kernels.linear_int4(x, int4_layout.pack(codes), scales, offsets, group_size, None)
+    _close_to_fp32(got, want, 2e-2)
+
+
+def test_int4_layout_round_trips() -> None:
+    codes = torch.randint(0, 16, (7, 192), generator=_gen(0))
+    assert torch.equal(int4_layout.unpack(int4_layout.pack(codes)).long(), codes)
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "dim"), [(1, 64), (3, 37), (17, 1024), (130, 200)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(isa, threads, dtype, rows: int, dim: int, with_residual: bool) -> None:
+    norm = RMSNorm(dim, 1e-6)
+    norm.weight.data = 1 + 0.1 * _randn(dim, seed=5)
+    norm = norm.to(dtype)
+    x = _randn(rows, dim, dtype=dtype)
+    residual = _randn(rows, dim, dtype=dtype, seed=1) if with_residual else None
+    want, want_sum = norm(x, residual)  # the torch code (the layer calls the kernel only on request)
+    got, got_sum = kernels.rms_norm(x, norm.weight, 1e-6, residual)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    torch.testing.assert_close(got_sum, want_sum, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "dim"), [(1, 16), (3, 37), (64, 2816), (5, 1)])
+def test_silu_and_mul(isa, threads, dtype, rows: int, dim: int) -> None:
+    x = _randn(rows, 2 * dim, dtype=dtype) * 4
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_and_mul(x), F.silu(gate) * up, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "hq", "hk", "dim"), [(1, 4, 2, 16), (7, 3, 1, 64), (33, 16, 4, 40)])
+def test_rope(isa, threads, dtype, tokens: int, hq: int, hk: int, dim: int) -> None:
+    rope = RotaryEmbedding(dim, 512, 10000.0, None)
+    positions = torch.randint(0, 512, (tokens,), generator=_gen(3))
+    qkv = _randn(tokens, (hq + 2 * hk) * dim, dtype=dtype)
+    q, k, _ = qkv.split([hq * dim, hk * dim, hk * dim], dim=-1)
+    q, k = q.reshape(tokens, hq, dim), k.reshape(tokens, hk, dim)  # views with a token stride
+    want_q, want_k = rope(positions, q, k)
+    got_q, got_k = kernels.rope(positions, q, k, rope.cos, rope.sin)
+    torch.testing.assert_close(got_q, want_q, **_tol(dtype))
+    torch.testing.assert_close(got_k, want_k, **_tol(dtype))
+
+
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _reference_attention(q, k_cache, v_cache, tables, lens, scale, window, kv_scales):
+    out = []
+    for b in range(q.shape[0]):
+        ctx = int(lens[b])
+        slots = torch.arange(ctx)
+        blocks = tables[b][slots // k_cache.shape[1]]
+        keys = k_cache[blocks, slots % k_cache.shape[1]].float() * kv_scales[0]
+        values = v_cache[blocks, slots % k_cache.shape[1]].float() * kv_scales[1]
+        start = max(0, ctx - window) if window else 0
+        keys, values = keys[start:], values[start:]
+        group = q.shape[1] // k_cache.shape[2]
+        keys = keys.repeat_interleave(group, dim=1)  # [L, Hq, D]
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[b].float(), keys) * scale
+        out.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), values).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("q_dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("hq", "hkv", "dim", "block_size", "window"),
+    [(4, 2, 16, 16, 0), (16, 4, 64, 16, 0), (3, 3, 40, 8, 0), (12, 1, 24, 4, 5)],
+)
+def test_paged_decode_attention(isa, threads, kv_dtype, q_dtype, hq, hkv, dim, block_size, window):
+    lens = torch.tensor([1, 9, 37])
+    num_blocks = 40
+    gen = _gen(7)
+    # Blocks scattered over the pool, in no order: the kernel reads them where they lie.
+    order = torch.randperm(num_blocks, generator=gen)
+    width = -(-int(lens.max()) // block_size)
+    tables = order[: 3 * width].view(3, width)
+    kv_scales = torch.tensor([0.5, 2.0]) if kv_dtype.itemsize == 1 else torch.ones(2)
+    k_cache = (_randn(num_blocks, block_size, hkv, dim, seed=1) / kv_scales[0]).to(kv_dtype)
+    v_cache = (_randn(num_blocks, block_size, hkv, dim, seed=2) / kv_scales[1]).to(kv_dtype)
+    q = _randn(3, hq, dim, dtype=q_dtype, seed=3)
+    scale = dim**-0.5
+    want = _reference_attention(q, k_cache, v_cache, tables, lens, scale, window, kv_scales)
+    got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window, kv_scales)
+    assert got.dtype == q_dtype and got.shape == (3, hq * dim)
+    torch.testing.assert_close(got.float(), want, **_tol(q_dtype))
+
+
+@pytest.fixture
+def amx() -> None:
+    if not kernels.amx_active():
+        pytest.skip("AMX tiles are not granted (or are switched off) in this process")
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES + [(40, 33, 200)])
+def test_linear_int8_amx(amx, threads: int, m: int, n: int, k: int) -> None:
+    from tokenmill.kernels import amx_layout
+
+    x = _randn(m, k, dtype=torch.bfloat16)
+    q = torch.randint(-127, 128, (n, k), generator=_gen(1), dtype=torch.int8)
+    scales = torch.rand(n, generator=_gen(2)) * 0.02 + 1e-3
+    bias = _randn(n, dtype=torch.bfloat16, seed=3)
+    row_sums = q.int().sum(1, dtype=torch.int32)
+    want = F.linear(x.float(), q.float() * scales[:, None], bias.float())
+    block = amx_layout.block_channels
+    got = kernels.linear_int8_amx(
+        x, amx_layout.pack_int8(q), block(scales), block(row_sums), bias, n
+    )
+    assert got.shape == (m, n)
+    _close_to_fp32(got, want, 2e-2)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 70), (3, 5, 96), (17, 64, 200), (40, 33, 256)])
+@pytest.mark.parametrize("group_size", [64, 128])
+def test_linear_int4_amx(amx, threads: int, m: int, n: int, k: int, group_size: int) -> None:
+    from tokenmill.kernels import amx_layout
+
+    k_pad = int4_layout.padded_in(k, group_size)
+    groups = k_pad // group_size
+    codes = torch.randint(0, 16, (n, k_pad), generator=_gen(1))
+    codes[:, k:] = 0
+    scales = torch.rand(n, groups, generator=_gen(2)) * 0.02 + 1e-3
+    offsets = -8 * scales + _randn(n, groups, seed=3) * 0.05
+    x = _randn(m, k, dtype=torch.bfloat16)
+    w = codes.float().view(n, groups, group_size) * scales[..., None] + offsets[..., None]
+    want = F.linear(x.float(), w.view(n, k_pad)[:, :k])
+    code_sums = codes.view(n, groups, group_size).sum(-1).int()
+    tiles = amx_layout.pack_int4(codes)
+    block = amx_layout.block_channels
+    got = kernels.linear_int4_amx(
+        x, tiles, block(scales), block(code_sums), block(offsets), group_size, None, n
+    )
+    _close_to_fp32(got, want, 2e-2)
