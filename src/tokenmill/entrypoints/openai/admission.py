@@ -6,7 +6,11 @@ refused with 429 and ``Retry-After``); once the body is parsed, the route grows 
 request's real number of sequences (prompts times ``n``), with 429 if they do not fit now and
 400 if they could never fit in ``--max-num-seqs + --max-queue-len``. An API key's
 ``--per-key-max-concurrency`` counts its HTTP requests, so a few heavy clients cannot take
-every slot. While the server drains on SIGTERM every new request gets 503.
+every slot. A beam search request, once its body says so, gives its place back and holds
+one of its own instead (``--max-beam-search-requests`` + ``--max-beam-search-queue-len``):
+beam requests never take a standard request's place, so a beam flood cannot make standard
+requests get 429 (a beam request holds one standard place only while its body is read).
+While the server drains on SIGTERM every new request gets 503.
 """
 
 from __future__ import annotations
@@ -56,14 +60,25 @@ class AdmissionTicket:
 
     key_id: int | None
     num_seqs: int = 1
+    num_beam_requests: int = 0
+    """Beam searches it holds (one per prompt) in the beam bound, instead of sequences."""
 
 
 class AdmissionController:
     """Counts admitted sequences and requests, in total and per API key."""
 
-    def __init__(self, max_seqs_in_flight: int, per_key_max: int | None) -> None:
+    def __init__(
+        self,
+        max_seqs_in_flight: int,
+        per_key_max: int | None,
+        max_beam_requests_in_flight: int | None = None,
+    ) -> None:
         self.max_seqs_in_flight = max_seqs_in_flight
         """Sequences admitted at once: the running batch plus the waiting queue."""
+        self.max_beam_requests_in_flight = max_beam_requests_in_flight
+        """Beam search requests admitted at once (running and queued), apart from the rest;
+        None for no bound."""
+        self.num_beam_requests_in_flight = 0
         self.per_key_max = per_key_max
         """Most HTTP requests one API key may have in flight; None for no quota."""
         self.num_requests_in_flight = 0
@@ -90,8 +105,14 @@ class AdmissionController:
             self._per_key[key_id] += 1
         return AdmissionTicket(key_id)
 
-    def grow(self, ticket: AdmissionTicket, num_prompts: int, n: int) -> None:
-        """Hold ``num_prompts * n`` sequences for this request: 400 if they never fit, 429 if not now."""
+    def grow(
+        self, ticket: AdmissionTicket, num_prompts: int, n: int, is_beam: bool = False
+    ) -> None:
+        """Hold ``num_prompts * n`` sequences for this request: 400 if they never fit, 429 if
+        not now. A beam search holds one beam place per prompt instead, and no sequence."""
+        if is_beam:
+            self._grow_beam(ticket, num_prompts)
+            return
         num_seqs = num_prompts * n
         if num_seqs > self.max_seqs_in_flight:
             param = "n" if n > self.max_seqs_in_flight else "prompt"
@@ -109,10 +130,34 @@ class AdmissionController:
         self.num_seqs_in_flight += extra
         ticket.num_seqs = num_seqs
 
+    def _grow_beam(self, ticket: AdmissionTicket, num_searches: int) -> None:
+        limit = self.max_beam_requests_in_flight
+        if limit is None:
+            limit = num_searches + self.num_beam_requests_in_flight
+        if num_searches > limit:
+            raise InvalidRequestError(
+                f"this request needs {num_searches} beam searches (one per prompt), more than "
+                f"the {limit} this server admits at once (--max-beam-search-requests + "
+                "--max-beam-search-queue-len); split it into smaller requests",
+                param="prompt",
+            )
+        extra = num_searches - ticket.num_beam_requests
+        if self.num_beam_requests_in_flight + extra > limit:
+            raise _refusal(
+                "the beam search queue is full (--max-beam-search-requests + "
+                "--max-beam-search-queue-len); retry later"
+            )
+        self.num_beam_requests_in_flight += extra
+        ticket.num_beam_requests = num_searches
+        self.num_seqs_in_flight -= ticket.num_seqs  # its standard place goes back
+        ticket.num_seqs = 0
+
     def release(self, ticket: AdmissionTicket) -> None:
         self.num_requests_in_flight -= 1
         self.num_seqs_in_flight -= ticket.num_seqs
         ticket.num_seqs = 0
+        self.num_beam_requests_in_flight -= ticket.num_beam_requests
+        ticket.num_beam_requests = 0
         key_id = ticket.key_id
         if key_id is not None:
             self._per_key[key_id] -= 1
@@ -120,12 +165,12 @@ class AdmissionController:
                 del self._per_key[key_id]
 
 
-def admit_sequences(request: Request, num_prompts: int, n: int) -> None:
-    """Grow the admission of this HTTP request to its real number of sequences."""
+def admit_sequences(request: Request, num_prompts: int, n: int, is_beam: bool = False) -> None:
+    """Grow the admission of this HTTP request to its real number of sequences (or beam searches)."""
     ticket = request.scope.get("state", {}).get(TICKET_SCOPE_KEY)
     if ticket is not None:
         controller: AdmissionController = request.app.state.admission
-        controller.grow(ticket, num_prompts, n)
+        controller.grow(ticket, num_prompts, n, is_beam)
 
 
 class AdmissionMiddleware:

@@ -126,10 +126,11 @@ class ParsedRequest(Generic[BodyT]):
     def headers(self) -> dict[str, str]:
         return {"X-Request-Id": self.request_id}
 
-    def admit(self, num_prompts: int, n: int) -> None:
-        """Hold this request's ``num_prompts * n`` sequences (400 if they never fit, 429 if not now)."""
+    def admit(self, num_prompts: int, n: int, is_beam: bool = False) -> None:
+        """Hold this request's ``num_prompts * n`` sequences (400 if they never fit, 429 if
+        not now); a beam search holds a place in the beam bound instead."""
         grow_route(self.http, num_prompts, n)
-        admit_sequences(self.http, num_prompts, n)
+        admit_sequences(self.http, num_prompts, n, is_beam)
 
 
 async def parse_request(

@@ -79,7 +79,7 @@ CUT_OFF_GRACE_S = 0.5
 """After the drain cuts requests off: how long they get to send their 503 before connections close."""
 
 
-_NOT_FLAGS = ("max_num_seqs",)
+_NOT_FLAGS = ("max_num_seqs", "max_beam_search_requests")
 """ServerConfig fields copied from the engine's config rather than set by a flag."""
 
 
@@ -101,7 +101,11 @@ def server_config_from_args(args: argparse.Namespace, engine_config: EngineConfi
     values = config_kwargs(args, ServerConfig, exclude=_NOT_FLAGS)
     env_keys = os.environ.get(API_KEY_ENV_VAR, "").split(",")
     values["api_keys"] = (*values["api_keys"], *(k.strip() for k in env_keys if k.strip()))
-    config = ServerConfig(**values, max_num_seqs=engine_config.max_num_seqs)
+    config = ServerConfig(
+        **values,
+        max_num_seqs=engine_config.max_num_seqs,
+        max_beam_search_requests=engine_config.max_beam_search_requests,
+    )
     if config.per_key_max_concurrency is not None and not config.api_keys:
         logger.warning("--per-key-max-concurrency has no effect without --api-key")
     return config
@@ -151,7 +155,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
         except InvalidRequestError as exc:
             raise ConfigError(f"--lora-modules: {exc.message}") from None
         state.loras.add(adapter.name, adapter.path, adapter.base_model_name)
-    admission = AdmissionController(config.max_seqs_in_flight, config.per_key_max_concurrency)
+    admission = AdmissionController(
+        config.max_seqs_in_flight,
+        config.per_key_max_concurrency,
+        config.max_beam_requests_in_flight,
+    )
     routes = build_route_table(config, engine_config, metrics)
 
     @contextlib.asynccontextmanager

@@ -154,14 +154,19 @@ class ServerConfig:
     """Comma-separated paths (e.g. /health,/metrics) with no access-log line."""
     max_stored_responses: int = 1000
     """Responses kept in memory for previous_response_id and GET /v1/responses/{id} (least recently used evicted; 0: none kept; a restart forgets them)."""
+    max_beam_search_queue_len: int = 64
+    """Beam search requests admitted beyond --max-beam-search-requests (those running); more get 429. Beam requests hold no place of --max-num-seqs + --max-queue-len, so a flood of them never refuses a standard request."""
     max_num_seqs: int = 256
     """The engine's running-batch bound, copied here for admission control (not a flag)."""
+    max_beam_search_requests: int = 4
+    """The engine's running beam-search bound, copied here for admission control (not a flag)."""
 
     def __post_init__(self) -> None:
         checks = [
             (0 <= self.port <= 65535, "--port must be in [0, 65535] (0: any free port)"),
             (all(k.strip() for k in self.api_keys), "--api-key must not be empty"),
             (self.max_queue_len >= 0, "--max-queue-len must be >= 0"),
+            (self.max_beam_search_queue_len >= 0, "--max-beam-search-queue-len must be >= 0"),
             (
                 self.per_key_max_concurrency is None or self.per_key_max_concurrency >= 1,
                 "--per-key-max-concurrency must be >= 1",
@@ -207,6 +212,11 @@ class ServerConfig:
     def max_seqs_in_flight(self) -> int:
         """Sequences admitted at once: the running batch plus the waiting queue."""
         return self.max_num_seqs + self.max_queue_len
+
+    @property
+    def max_beam_requests_in_flight(self) -> int:
+        """Beam search requests admitted at once: running plus queued, apart from the rest."""
+        return self.max_beam_search_requests + self.max_beam_search_queue_len
 
 
 class RunningRequest(Protocol):

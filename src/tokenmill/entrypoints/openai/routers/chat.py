@@ -229,7 +229,7 @@ async def start_chat_run(req: ParsedRequest[ChatCompletionRequest]) -> ChatRun:
         if exc.param == "max_tokens" and body.max_completion_tokens is not None:
             exc.param = "max_completion_tokens"
         raise
-    req.admit(1, params.n)
+    req.admit(1, params.n, params.use_beam_search)
     prompt_tools = tools if mode.kind != "none" else None
     ids = await chat_prompt_ids(state, body.messages, body, tools=prompt_tools)
     prompts = await process_prompts(req, [ids], checked)

@@ -102,7 +102,7 @@ async def create_completion(request: Request) -> Response:
     grammar = await compile_grammar(req.state, params, body.structured_outputs_params()[1])
     checked = check_params(req.state, params, body.priority, req.lora_request, grammar)
     prompt_list = body.prompt_list()
-    req.admit(len(prompt_list), params.n)
+    req.admit(len(prompt_list), params.n, params.use_beam_search)
     prompts = await process_prompts(req, prompt_list, checked, body.add_special_tokens)
     if body.echo:  # token-id prompts are echoed as their text
         prompts = [
