@@ -309,9 +309,10 @@ def load_model(
             pending.clear()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed  # left as it is: converting would copy the embedding
-    for module in model.modules():  # built on the meta device, not from the checkpoint
-        if hasattr(module, "kv_scales"):
-            module.kv_scales = torch.ones(2, device=device)
+    for module in model.modules():  # state built on the meta device, not in the checkpoint
+        reset = getattr(module, "reset_state", None)
+        if reset is not None:
+            reset(device)
     left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
     if left:
         raise ModelLoadError(
