@@ -249,3 +249,18 @@ def test_request_timeout_is_a_total_deadline(fake_server) -> None:
     assert (result["completed"], result["failed"]) == (1, 2)  # the probe is request 0's short shape
     assert result["failure_reasons"] == {"timeout": 2}
     assert result["duration"] < 0.6 + 0.5  # not 40 x 0.05 = 2 s
+
+
+def test_library_log_lines_stay_out_of_the_measurement(
+    fake_server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """httpx logs every request at info; during the measured requests (the progress bar) it
+    is held to warnings, and its level is restored afterwards."""
+    import logging
+
+    requests = build_random_requests(8, 4, 2, vocab_size=10, seed=3)
+    with caplog.at_level(logging.INFO):
+        run_serve_benchmark(_config(fake_server), requests)
+    http_lines = [r for r in caplog.records if r.name == "httpx"]
+    assert len(http_lines) < len(requests)  # the probe's, not one per measured request
+    assert logging.getLogger("httpx").level == logging.NOTSET

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -65,3 +66,14 @@ def test_every_option_has_help_and_help_shows_defaults() -> None:
     # No default to show, or the help already explains it: nothing is appended.
     assert "(default: None)" not in " ".join(helps.values())
     assert "(default: False)" not in " ".join(helps.values())
+
+
+def test_generate_sizes_the_kv_pool_for_its_prompts(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two prompts of at most 64 tokens need 128 KV slots, not 256 sequences' worth."""
+    with caplog.at_level(logging.INFO, logger="tokenmill"):
+        code = main(["generate", "a", "b", "--max-tokens", "1", "--max-model-len", "64"])
+    assert code == 0 and capsys.readouterr().out.count("--- prompt:") == 2
+    loaded = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded "))
+    assert ": 128 tokens in 8 blocks of 16" in loaded

@@ -270,3 +270,71 @@ def test_root_path_and_docs(vllm_server: ServerHandle) -> None:
         spec = http.get("/openapi.json").json()
         assert spec["servers"] == [{"url": "/proxy"}]
         assert http.get("/docs").status_code == 200
+
+
+VLLM_FAMILIES = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:num_requests_waiting_by_reason": "gauge",
+    "vllm:engine_sleep_state": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:prompt_tokens": "counter",
+    "vllm:prompt_tokens_by_source": "counter",
+    "vllm:prompt_tokens_cached": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
+    "vllm:iteration_tokens_total": "histogram",
+    "vllm:request_max_num_generation_tokens": "histogram",
+    "vllm:request_params_n": "histogram",
+    "vllm:request_params_max_tokens": "histogram",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_num_preemptions": "histogram",
+    "vllm:request_prefill_kv_computed_tokens": "histogram",
+    "vllm:cache_config_info": "gauge",
+}
+"""vLLM 0.32's engine metric families (vllm/v1/metrics/loggers.py) that apply to tokenmill."""
+
+
+def test_vllm_metric_names_labels_and_buckets(
+    vllm_server: ServerHandle, client: openai.OpenAI
+) -> None:
+    client.completions.create(model="demo", prompt="metrics for vLLM dashboards", max_tokens=3, n=2)
+    vllm_server.wait_idle()
+    text = httpx.get(
+        f"{vllm_server.base_url}/metrics", headers=vllm_server.headers(), timeout=10
+    ).text
+    types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE vllm:"))
+    for name, kind in VLLM_FAMILIES.items():
+        shown = name + "_total" if kind == "counter" else name  # counters' TYPE line names
+        assert types.get(shown) == kind, f"{name}: {types.get(shown)}"
+    labels = 'engine="0",model_name="demo"'
+    assert f"vllm:num_requests_running{{{labels}}} 0.0" in text
+    assert (
+        'vllm:request_success_total{engine="0",finished_reason="length",model_name="demo"}' in text
+    )
+    assert 'vllm:request_params_n_bucket{engine="0",le="2.0",model_name="demo"} ' in text
+    assert (
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="demo"}' in text
+    )
+    assert 'vllm:iteration_tokens_total_bucket{engine="0",le="16384.0",model_name="demo"}' in text
+    assert (
+        'vllm:num_requests_waiting_by_reason{engine="0",model_name="demo",reason="capacity"}'
+        in text
+    )
+    assert 'block_size="16"' in text and 'enable_prefix_caching="True"' in text
+    # the same observations under both names
+    for name in ("request_prompt_tokens_count", "generation_tokens_total", "prompt_tokens_total"):
+        tokenmill = vllm_server.metrics()[f"tokenmill:{name}"]
+        assert tokenmill > 0 and vllm_server.metrics()[f"vllm:{name}"] == tokenmill

@@ -12,10 +12,12 @@ printed summary table.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -219,6 +221,39 @@ async def _measure(
         len(requests), config.request_rate, config.burstiness, config.seed
     )
     semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+    with quiet_library_loggers():
+        return await _measure_quietly(
+            client, config, options, requests, tokenizer, offsets_s, semaphore
+        )
+
+
+QUIET_LOGGERS = ("httpx", "httpcore", "urllib3", "filelock", "huggingface_hub")
+"""Libraries that log a line per request (httpx: ``HTTP Request: POST ...``) or per file."""
+
+
+@contextlib.contextmanager
+def quiet_library_loggers(names: Sequence[str] = QUIET_LOGGERS) -> Iterator[None]:
+    """Keep libraries' info lines out of the progress bar: warnings and errors still show."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(max(lg.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+async def _measure_quietly(
+    client: httpx.AsyncClient,
+    config: ServeConfig,
+    options: RequestOptions,
+    requests: list[BenchRequest],
+    tokenizer: TokenizerLike | None,
+    offsets_s: Sequence[float],
+    semaphore: asyncio.Semaphore | None,
+) -> tuple[list[RequestRecord], float]:
     bar = tqdm(
         total=len(requests), disable=not config.show_progress, desc="bench serve", unit="req"
     )

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
+
+ITERATION_TOKENS_BUCKETS: tuple[int, ...] = (
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+)  # fmt: skip
+"""vLLM's ``iteration_tokens_total`` buckets: tokens scheduled in one engine step."""
 
 
 @dataclass
@@ -31,6 +37,19 @@ class EngineStats:
     kv_used_token_steps: int = 0
     precision: dict[str, str] = field(default_factory=dict)
     """What runs, fixed at start-up: dtype, quantization, kv_cache_dtype, num_threads, cpu_isa."""
+    cache_config: dict[str, str] = field(default_factory=dict)
+    """The KV cache's configuration, fixed at start-up (vLLM's ``cache_config_info`` labels)."""
+    iteration_token_counts: tuple[int, ...] = (0,) * (len(ITERATION_TOKENS_BUCKETS) + 1)
+    """Engine steps by tokens scheduled, per ``ITERATION_TOKENS_BUCKETS`` bucket (+ overflow)."""
+    iteration_tokens_sum: int = 0
+
+    def observe_iteration(self, num_tokens: int) -> None:
+        """Count one step of ``num_tokens`` (a new tuple: copies handed out stay unchanged)."""
+        index = bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)
+        counts = list(self.iteration_token_counts)
+        counts[index] += 1
+        self.iteration_token_counts = tuple(counts)
+        self.iteration_tokens_sum += num_tokens
 
     @property
     def kv_waste(self) -> float | None:

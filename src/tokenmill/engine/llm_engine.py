@@ -269,6 +269,16 @@ class LLMEngine:
                 "num_threads": str(num_threads) if self.device.type == "cpu" else "n/a",
                 "cpu_isa": cpu_info().isa if self.device.type == "cpu" else "n/a",
             },
+            cache_config={  # vLLM's CacheConfig names
+                "block_size": str(self.kv_manager.block_size),
+                "cache_dtype": config.kv_cache_dtype,
+                "enable_prefix_caching": str(config.enable_prefix_caching),
+                "gpu_memory_utilization": str(config.gpu_memory_utilization),
+                "num_gpu_blocks": str(self.kv_manager.num_blocks),
+                "num_cpu_blocks": "None",
+                "prefix_caching_hash_algo": "sha256",
+                "kv_cache": config.kv_cache,
+            },
         )
         if compiled is not None:
             self.startup.compile_s_by_bucket = dict(compiled.compile_s_by_bucket)
@@ -506,6 +516,8 @@ class LLMEngine:
             except Exception as exc:
                 self._fail(request.request_id, exc)
         stats.num_steps += 1
+        if sched.total_num_tokens:
+            stats.observe_iteration(sched.total_num_tokens)
         self._drop_unused_loras()
         outputs = self.output_processor.collect() + self.beam_search.advance()
         for rid, search_error in self.beam_search.take_failures().items():

@@ -83,6 +83,8 @@ def _generate(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.llm import LLM
     from tokenmill.sampling import SamplingParams
 
+    if args.max_num_seqs is None:  # the batch is known: a KV pool for exactly these sequences
+        args.max_num_seqs = len(args.prompts) * args.n
     llm = LLM(config=engine_config_from_args(args, args.model))
     params = SamplingParams(
         temperature=args.temperature,
@@ -103,6 +105,12 @@ def _generate(args: argparse.Namespace) -> int:
             )
             print(completion.text)
     return 0
+
+
+def _note_default(parser: argparse.ArgumentParser, flag: str, note: str) -> None:
+    """Say in ``--help`` how a subcommand overrides a shared flag's default."""
+    action = parser._option_string_actions[flag]
+    action.help = f"{(action.help or '').rstrip('.')}; {note}"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -221,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-request sampling seed (default: the engine's generator)",
     )
     add_engine_args(gen)
-    gen.set_defaults(func=_generate)
+    gen.set_defaults(func=_generate, max_num_seqs=None)
+    _note_default(gen, "--max-num-seqs", "default: the prompts times --n")
 
     _add_serve_parser(sub)
 

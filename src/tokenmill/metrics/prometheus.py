@@ -1,8 +1,10 @@
 """ServerMetrics: the Prometheus registry behind ``GET /metrics``.
 
-Names follow vLLM's (``vllm:num_requests_running`` becomes ``tokenmill:num_requests_running``)
-so dashboards and ``bench serve`` read either server, and every series carries a
-``model_name`` label. Engine-wide gauges and counters are read from the engine thread's
+Every series is exported as ``tokenmill:<name>`` with a ``model_name`` label, and each one
+vLLM has is exported again as ``vllm:<name>`` with vLLM's labels (``model_name``, ``engine``)
+and buckets, so dashboards and alert rules written for vLLM work unchanged; vLLM families
+that apply here but had no tokenmill series (``iteration_tokens_total``,
+``request_params_n``, ``cache_config_info``...) are exported under ``vllm:`` only. Engine-wide gauges and counters are read from the engine thread's
 latest published ``EngineStats`` at scrape time, so they never drift from the engine.
 Per-request latencies are timed by the HTTP layer on the event loop, from the outputs it
 receives (never from objects the engine thread still mutates): inter-token latency per
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -22,14 +25,25 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-from tokenmill.core.stats import EngineStats
+from tokenmill.core.stats import ITERATION_TOKENS_BUCKETS, EngineStats
 
 PREFIX = "tokenmill:"
+VLLM_PREFIX = "vllm:"
+VLLM_ENGINE = "0"
+"""vLLM's ``engine`` label: the data-parallel engine index; one engine here."""
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+REQUEST_NUM_PREEMPTIONS_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20, 50)
 
 # vLLM's buckets, so percentiles compare across the two servers.
 TTFT_BUCKETS_S = (
@@ -132,6 +146,13 @@ class RequestTiming:
     choices: list[ChoiceTiming] = field(default_factory=list)
     first_scheduled_time: float | None = None
     """From the engine; None if it was never scheduled."""
+    n: int = 1
+    """The request's ``n`` (vLLM's request_params_n)."""
+    max_tokens: int | None = None
+    """The request's ``max_tokens`` after clamping (vLLM's request_params_max_tokens)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens the prefix cache served."""
+    num_preemptions: int = 0
 
     @property
     def first_token_time(self) -> float | None:
@@ -160,6 +181,33 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
+_VLLM_ENGINE_NAMES = frozenset(
+    {
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens",
+        "generation_tokens",
+        "num_preemptions",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+    }
+)
+"""Engine-wide tokenmill series that vLLM exports under the same name."""
+
+
+def _as_vllm(family: Metric) -> Metric:
+    """The same samples as ``vllm:<name>``, with vLLM's extra ``engine`` label."""
+    copy = Metric(VLLM_PREFIX + family.name.removeprefix(PREFIX), family.documentation, family.type)
+    for sample in family.samples:
+        copy.add_sample(
+            VLLM_PREFIX + sample.name.removeprefix(PREFIX),
+            {**sample.labels, "engine": VLLM_ENGINE},
+            sample.value,
+        )
+    return copy
+
+
 class _EngineStatsCollector(Collector):
     """Reads engine-wide figures at scrape time from the latest EngineStats."""
 
@@ -168,6 +216,77 @@ class _EngineStatsCollector(Collector):
         self._read_stats = read_stats
 
     def collect(self) -> Iterator[Metric]:
+        for family in self._tokenmill_families():
+            yield family
+            if family.name.removeprefix(PREFIX) in _VLLM_ENGINE_NAMES:
+                yield _as_vllm(family)
+        yield from self._vllm_only_families()
+
+    def _vllm_only_families(self) -> Iterator[Metric]:
+        """vLLM's engine families with no tokenmill series of their own."""
+        stats = self._read_stats() or EngineStats()
+        labels = ["model_name", "engine"]
+        values = [self._model_name, VLLM_ENGINE]
+        waiting = GaugeMetricFamily(
+            VLLM_PREFIX + "num_requests_waiting_by_reason",
+            "Number of waiting requests by reason ('capacity': waiting for room; 'deferred': held by a constraint such as the LoRA budget).",
+            labels=[*labels, "reason"],
+        )
+        waiting.add_metric([*values, "capacity"], stats.num_waiting)
+        waiting.add_metric([*values, "deferred"], 0)
+        yield waiting
+        sleep = GaugeMetricFamily(
+            VLLM_PREFIX + "engine_sleep_state",
+            "Engine sleep state (tokenmill has no sleep mode: always awake).",
+            labels=[*labels, "sleep_state"],
+        )
+        for state, value in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):
+            sleep.add_metric([*values, state], value)
+        yield sleep
+        cached = CounterMetricFamily(
+            VLLM_PREFIX + "prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            labels=labels,
+        )
+        cached.add_metric(values, stats.num_prefix_hit_tokens)
+        yield cached
+        by_source = CounterMetricFamily(
+            VLLM_PREFIX + "prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            labels=[*labels, "source"],
+        )
+        computed = max(0, stats.num_prompt_tokens - stats.num_prefix_hit_tokens)
+        for source, value in (
+            ("local_compute", computed),
+            ("local_cache_hit", stats.num_prefix_hit_tokens),
+            ("external_kv_transfer", 0),
+        ):
+            by_source.add_metric([*values, source], value)
+        yield by_source
+        iteration = HistogramMetricFamily(
+            VLLM_PREFIX + "iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            labels=labels,
+        )
+        cumulative, buckets = 0, []
+        for bound, count in zip(
+            (*ITERATION_TOKENS_BUCKETS, float("inf")), stats.iteration_token_counts, strict=True
+        ):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        iteration.add_metric(values, buckets, stats.iteration_tokens_sum)
+        yield iteration
+        if stats.cache_config:
+            names = sorted(stats.cache_config)
+            info = GaugeMetricFamily(
+                VLLM_PREFIX + "cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                labels=[*names, "engine"],
+            )
+            info.add_metric([*(stats.cache_config[n] for n in names), VLLM_ENGINE], 1)
+            yield info
+
+    def _tokenmill_families(self) -> Iterator[Metric]:
         stats = self._read_stats() or EngineStats()
         labels = [self._model_name]
 
@@ -228,6 +347,21 @@ class _EngineStatsCollector(Collector):
         )
 
 
+VLLM_LABELS = ["model_name", "engine"]
+
+
+@dataclass(frozen=True)
+class _Histograms:
+    """One histogram under both names: tokenmill's and vLLM's."""
+
+    tokenmill: Any
+    vllm: Any
+
+    def observe(self, value: float) -> None:
+        self.tokenmill.observe(value)
+        self.vllm.observe(value)
+
+
 class ServerMetrics:
     """All server metrics for one served model, in a registry of their own."""
 
@@ -241,8 +375,21 @@ class ServerMetrics:
         labels = ["model_name"]
         reg = self.registry
 
-        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg)
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> _Histograms:
+            """``tokenmill:<name>`` and vLLM's ``vllm:<name>``, observed together."""
+            return _Histograms(
+                Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg).labels(
+                    model_name
+                ),
+                Histogram(
+                    VLLM_PREFIX + name, doc, VLLM_LABELS, buckets=buckets, registry=reg
+                ).labels(model_name, VLLM_ENGINE),
+            )
+
+        def vllm_histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return Histogram(
+                VLLM_PREFIX + name, doc, VLLM_LABELS, buckets=buckets, registry=reg
+            ).labels(model_name, VLLM_ENGINE)
 
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_success = Counter(
@@ -250,6 +397,42 @@ class ServerMetrics:
             "Finished requests, by the first choice's finish reason (stop, length, abort).",
             [*labels, "finished_reason"],
             registry=reg,
+        )
+        self.vllm_request_success = Counter(
+            VLLM_PREFIX + "request_success",
+            "Count of successfully processed requests.",
+            [*VLLM_LABELS, "finished_reason"],
+            registry=reg,
+        )
+        for reason in ("stop", "length", "abort", "error"):  # vLLM shows every reason at 0
+            self.vllm_request_success.labels(model_name, VLLM_ENGINE, reason)
+        self.params_n = vllm_histogram(
+            "request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS
+        )
+        self.params_max_tokens = vllm_histogram(
+            "request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            token_buckets,
+        )
+        self.max_num_generation_tokens = vllm_histogram(
+            "request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            token_buckets,
+        )
+        self.request_num_preemptions = vllm_histogram(
+            "request_num_preemptions",
+            "Histogram of the number of times a request was preempted.",
+            REQUEST_NUM_PREEMPTIONS_BUCKETS,
+        )
+        self.prefill_kv_computed = vllm_histogram(
+            "request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            token_buckets,
+        )
+        self.inference_time = vllm_histogram(
+            "request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS_S,
         )
         self.ttft = histogram(
             "time_to_first_token_seconds", "Time to first token, from arrival.", TTFT_BUCKETS_S
@@ -308,7 +491,7 @@ class ServerMetrics:
 
     def observe_inter_token_latency(self, gap_s: float) -> None:
         """Record the gap between two successive token-carrying outputs of one choice."""
-        self.itl.labels(self.model_name).observe(gap_s)
+        self.itl.observe(gap_s)
 
     def observe_lora(self, lora_name: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
         """Count one ended engine request that ran with a LoRA adapter."""
@@ -320,22 +503,34 @@ class ServerMetrics:
         """Record one ended engine request: counted once, TPOT once per choice."""
         name = self.model_name
         self.request_success.labels(name, timing.finished_reason).inc()
-        self.prompt_tokens.labels(name).observe(timing.num_prompt_tokens)
-        self.generation_tokens.labels(name).observe(timing.num_output_tokens)
-        self.e2e.labels(name).observe(timing.end_time - timing.arrival_time)
+        self.vllm_request_success.labels(name, VLLM_ENGINE, timing.finished_reason).inc()
+        self.prompt_tokens.observe(timing.num_prompt_tokens)
+        self.generation_tokens.observe(timing.num_output_tokens)
+        self.e2e.observe(timing.end_time - timing.arrival_time)
+        self.params_n.observe(timing.n)
+        if timing.max_tokens is not None:
+            self.params_max_tokens.observe(timing.max_tokens)
+        self.max_num_generation_tokens.observe(
+            max((c.num_tokens for c in timing.choices), default=0)
+        )
+        self.request_num_preemptions.observe(timing.num_preemptions)
         scheduled = timing.first_scheduled_time
         if scheduled is not None:
-            self.queue_time.labels(name).observe(scheduled - timing.arrival_time)
+            self.queue_time.observe(scheduled - timing.arrival_time)
+            self.inference_time.observe(max(0.0, timing.end_time - scheduled))
+            self.prefill_kv_computed.observe(
+                max(0, timing.num_prompt_tokens - timing.num_cached_tokens)
+            )
         first, last = timing.first_token_time, timing.last_token_time
         if first is not None and last is not None:
-            self.ttft.labels(name).observe(first - timing.arrival_time)
+            self.ttft.observe(first - timing.arrival_time)
             if scheduled is not None:
-                self.prefill_time.labels(name).observe(max(0.0, first - scheduled))
-            self.decode_time.labels(name).observe(last - first)
+                self.prefill_time.observe(max(0.0, first - scheduled))
+            self.decode_time.observe(last - first)
         for choice in timing.choices:
             tpot_s = choice.tpot_s
             if tpot_s is not None:
-                self.tpot.labels(name).observe(tpot_s)
+                self.tpot.observe(tpot_s)
 
     def render(self) -> bytes:
         """The exposition text for ``GET /metrics``."""

@@ -537,6 +537,10 @@ class GenerationRun:
                 first_scheduled_time=output.metrics.first_scheduled_time
                 if output is not None
                 else None,
+                n=self.params.n,
+                max_tokens=self.params.max_tokens,
+                num_cached_tokens=output.num_cached_tokens if output is not None else 0,
+                num_preemptions=output.metrics.num_preemptions if output is not None else 0,
             )
         )
 
