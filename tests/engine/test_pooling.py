@@ -144,3 +144,31 @@ def test_unsupported_sentence_transformers_pooling_is_a_config_error(
     config_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="pooling_mode_max_tokens"):
         PoolerConfig.from_folder(folder)
+
+
+def test_runner_and_convert_flags_are_checked() -> None:
+    from tokenmill.config import EngineConfig
+    from tokenmill.errors import ConfigError
+
+    assert EngineConfig(runner="pooling").is_pooling and EngineConfig(convert="embed").is_pooling
+    assert not EngineConfig().is_pooling
+    with pytest.raises(ConfigError, match="--runner pooling"):
+        EngineConfig(convert="embed", runner="generate")
+    with pytest.raises(ConfigError, match="--convert none"):
+        EngineConfig(convert="none", runner="pooling")
+    with pytest.raises(ConfigError, match="--runner 'draft'"):
+        EngineConfig(runner="draft")  # type: ignore[arg-type]
+
+
+def test_matryoshka_dimensions_rules(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"matryoshka_dimensions": [32, 16]}))
+    config = PoolerConfig.from_folder(tmp_path)
+    assert config.matryoshka_dimensions == (16, 32) and config.pooling_type == "LAST"
+    assert config.dimensions_error(16, 64) is None
+    assert "16, 32" in (config.dimensions_error(20, 64) or "")
+    (tmp_path / "config.json").write_text(json.dumps({"is_matryoshka": True}))
+    anything = PoolerConfig.from_folder(tmp_path)
+    assert anything.dimensions_error(20, 64) is None
+    assert "[1, 64]" in (anything.dimensions_error(65, 64) or "")
+    (tmp_path / "config.json").write_text("{}")
+    assert "matryoshka" in (PoolerConfig.from_folder(tmp_path).dimensions_error(8, 64) or "")
