@@ -172,3 +172,30 @@ def test_matryoshka_dimensions_rules(tmp_path: Path) -> None:
     assert "[1, 64]" in (anything.dimensions_error(65, 64) or "")
     (tmp_path / "config.json").write_text("{}")
     assert "matryoshka" in (PoolerConfig.from_folder(tmp_path).dimensions_error(8, 64) or "")
+
+
+def test_a_base_model_checkpoint_loads_as_qwen3_embedding_ships(make_model, tmp_path: Path) -> None:
+    """Qwen3-Embedding's weights are a base-model save (``layers.0...``, no ``model.`` prefix, tied
+    LM head) under a ``Qwen3ForCausalLM`` config."""
+    import transformers
+
+    source = make_model("qwen3", tie_word_embeddings=True)
+    base = transformers.AutoModel.from_pretrained(source, dtype=torch.float32)
+    folder = tmp_path / "qwen3-embedding-like"
+    base.save_pretrained(folder)
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        assert "embed_tokens.weight" in set(f.keys())
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(
+        json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]})
+    )
+    for f in source.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, folder / f.name)
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, runner="pooling")
+    prompts = _prompts(llm.tokenizer.vocab_size, 3, seed=6)
+    want = reference_embeddings(source, prompts, "LAST")
+    for g, w in zip(llm.embed(prompts), want, strict=True):
+        assert torch.allclose(torch.tensor(g), w, atol=ATOL)
