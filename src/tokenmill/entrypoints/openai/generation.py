@@ -142,7 +142,10 @@ async def parse_request(
     data = decode_json_object(await request.body(), request.headers.get("content-type"))
     if translate is not None:
         data = translate(data)
-    body = validate_model(body_cls, route_body(request, data))
+    routed = route_body(request, data)
+    # A route's sampling defaults mean nothing to a body without such fields (embeddings).
+    routed = {k: v for k, v in routed.items() if k in data or k in body_cls.model_fields}
+    body = validate_model(body_cls, routed)
     body.check()
     body = check_route_body(request, body)
     model = state.resolve_model(body.model)
