@@ -144,3 +144,58 @@ def test_unsupported_sentence_transformers_pooling_is_a_config_error(
     config_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="pooling_mode_max_tokens"):
         PoolerConfig.from_folder(folder)
+
+
+def test_runner_and_convert_flags_are_checked() -> None:
+    from tokenmill.config import EngineConfig
+    from tokenmill.errors import ConfigError
+
+    assert EngineConfig(runner="pooling").is_pooling and EngineConfig(convert="embed").is_pooling
+    assert not EngineConfig().is_pooling
+    with pytest.raises(ConfigError, match="--runner pooling"):
+        EngineConfig(convert="embed", runner="generate")
+    with pytest.raises(ConfigError, match="--convert none"):
+        EngineConfig(convert="none", runner="pooling")
+    with pytest.raises(ConfigError, match="--runner 'draft'"):
+        EngineConfig(runner="draft")  # type: ignore[arg-type]
+
+
+def test_matryoshka_dimensions_rules(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"matryoshka_dimensions": [32, 16]}))
+    config = PoolerConfig.from_folder(tmp_path)
+    assert config.matryoshka_dimensions == (16, 32) and config.pooling_type == "LAST"
+    assert config.dimensions_error(16, 64) is None
+    assert "16, 32" in (config.dimensions_error(20, 64) or "")
+    (tmp_path / "config.json").write_text(json.dumps({"is_matryoshka": True}))
+    anything = PoolerConfig.from_folder(tmp_path)
+    assert anything.dimensions_error(20, 64) is None
+    assert "[1, 64]" in (anything.dimensions_error(65, 64) or "")
+    (tmp_path / "config.json").write_text("{}")
+    assert "matryoshka" in (PoolerConfig.from_folder(tmp_path).dimensions_error(8, 64) or "")
+
+
+def test_a_base_model_checkpoint_loads_as_qwen3_embedding_ships(make_model, tmp_path: Path) -> None:
+    """Qwen3-Embedding's weights are a base-model save (``layers.0...``, no ``model.`` prefix, tied
+    LM head) under a ``Qwen3ForCausalLM`` config."""
+    import transformers
+
+    source = make_model("qwen3", tie_word_embeddings=True)
+    base = transformers.AutoModel.from_pretrained(source, dtype=torch.float32)
+    folder = tmp_path / "qwen3-embedding-like"
+    base.save_pretrained(folder)
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        assert "embed_tokens.weight" in set(f.keys())
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(
+        json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]})
+    )
+    for f in source.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, folder / f.name)
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, runner="pooling")
+    prompts = _prompts(llm.tokenizer.vocab_size, 3, seed=6)
+    want = reference_embeddings(source, prompts, "LAST")
+    for g, w in zip(llm.embed(prompts), want, strict=True):
+        assert torch.allclose(torch.tensor(g), w, atol=ATOL)

@@ -166,6 +166,26 @@ def test_bad_input_and_the_wrong_runner(pool_server: ServerHandle, server: Serve
     assert_error(httpx.post(f"{pool_server.base_url}/v1/embeddings", json={"input": "x"}), 401)
 
 
+def test_a_route_applies_to_embeddings(
+    demo_cache: str, server_log_dir: Path, tmp_path: Path
+) -> None:
+    """Route defaults for sampling do not break a pooling body; the route's limits still hold."""
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "routes:\n  - name: embed\n    match: {models: [demo]}\n    max_input_tokens: 8\n"
+        "    defaults: {temperature: 0.5, max_tokens: 4}\n"
+    )
+    handle = start_server(server_log_dir, "--runner", "pooling", "--routes-config", str(routes))
+    try:
+        with handle.http() as http:
+            ok = http.post("/v1/embeddings", json={"input": "short"})
+            assert ok.status_code == 200, ok.text
+            long = http.post("/v1/embeddings", json={"input": "a much longer input " * 8})
+            assert_error(long, 400, code="context_length_exceeded")
+    finally:
+        handle.stop()
+
+
 def test_ping_invocations_and_load(pool_server: ServerHandle, server: ServerHandle) -> None:
     with pool_server.http() as http:
         assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200

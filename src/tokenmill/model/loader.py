@@ -194,6 +194,13 @@ def check_checkpoint(folder: Path, cfg: ModelConfig) -> _Checkpoint:
     architecture expects.
     """
     ckpt = _Checkpoint(_checkpoint_files(folder))
+    if "model.embed_tokens.weight" not in ckpt.entries and "embed_tokens.weight" in ckpt.entries:
+        # A base-model save (no LM head prefix), as embedding checkpoints such as
+        # Qwen3-Embedding ship: the same tensors without the ``model.`` prefix.
+        ckpt.entries = {
+            name if name == "lm_head.weight" else f"model.{name}": entry
+            for name, entry in ckpt.entries.items()
+        }
     expected = expected_tensors(cfg)
     if cfg.tie_word_embeddings:
         ckpt.discard("lm_head.weight")  # some tied checkpoints still store it

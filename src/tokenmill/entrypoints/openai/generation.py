@@ -153,9 +153,12 @@ async def parse_request(
     data = decode_json_object(await request.body(), request.headers.get("content-type"))
     if translate is not None:
         data = translate(data)
+    sent = set(data)
     data = with_generation_defaults(route_body(request, data), state.generation_defaults)
     if state.config.return_tokens_as_token_ids:
         data.setdefault("return_tokens_as_token_ids", True)
+    # Route and server defaults mean nothing to a body without such fields (embeddings).
+    data = {k: v for k, v in data.items() if k in sent or k in body_cls.model_fields}
     body = validate_model(body_cls, data)
     body.check()
     body = _with_server_defaults(state, check_route_body(request, body))
