@@ -16,7 +16,7 @@ def _built() -> None:
         pytest.skip("the tokenmill CPU kernels could not be built here")
 
 
-@pytest.fixture(params=["avx512", "avx2"])
+@pytest.fixture(params=["avx512", "avx2"])  # avx512 without AMX: the VNNI / BF16 paths
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run the test on one kernel table; skipped where the CPU lacks it."""
     before = kernels.active_isa()
@@ -25,7 +25,7 @@ def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     except RuntimeError:
         pytest.skip(f"this CPU cannot run the {request.param} kernels")
     yield chosen
-    kernels.set_isa("avx2" if before == "avx2" else "auto")
+    kernels.set_isa("avx2" if before == "avx2" else "avx512" if before == "avx512_bf16" else "auto")
 
 
 @pytest.fixture(params=[1, 2])

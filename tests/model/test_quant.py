@@ -1,4 +1,5 @@
-"""Weight-only int8/int4 projections: what they store, and that both kernel paths compute it."""
+"""int8/int4 projections: what they store, and that every kernel path computes it, with
+tokenmill's CPU kernels (AMX tiles or rows, W8A8 on AVX-512) and with torch's."""
 
 from __future__ import annotations
 
@@ -6,7 +7,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tokenmill import kernels
 from tokenmill.model.quant import Int4Linear, Int8Linear, quantize_linear
+
+
+@pytest.fixture(params=["tokenmill", "torch"], autouse=True)
+def kernel_path(request: pytest.FixtureRequest):
+    """Layers built with tokenmill's kernels (where they built) or with torch's only."""
+    if request.param == "tokenmill" and not kernels.available():
+        pytest.skip("the tokenmill CPU kernels could not be built here")
+    kernels.set_enabled(request.param == "tokenmill")
+    yield request.param
+    kernels.set_enabled(True)
 
 
 def _weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -19,7 +31,7 @@ def test_int8_rounds_each_weight_to_the_nearest_step_of_its_channel(dtype: torch
     linear = Int8Linear(weight, None)
     step = weight.float().abs().amax(dim=1) / 127
     error = (linear.dequantize(torch.float32) - weight.float()).abs()
-    assert linear.qweight.dtype == torch.int8
+    assert linear.int_weight().dtype == torch.int8
     assert (error <= step[:, None] * 0.5 + 1e-2 * step[:, None] + 1e-6).all()
 
 
@@ -32,7 +44,8 @@ def test_int4_rounds_each_weight_within_half_a_step_of_its_group(group_size: int
     error = (linear.dequantize(torch.float32) - weight).abs().view(64, -1, group_size)
     # half a step, plus bf16 rounding of the scale and zero point
     assert (error <= step.unsqueeze(-1) * 0.5 + 0.02 * groups.abs().amax(-1, keepdim=True)).all()
-    assert linear.packed.numel() == 64 * 256 // 2  # two weights a byte, no second copy
+    stored = linear.amx_tiles if linear.kernel == "amx" else linear.packed
+    assert stored.numel() == 64 * 256 // 2  # two weights a byte, no second copy
 
 
 @pytest.mark.parametrize("out_features,in_features", [(64, 128), (100, 688), (16, 40)])
@@ -51,16 +64,32 @@ def test_both_kernel_paths_compute_the_stored_weight(
     got = linear(x)
     want = F.linear(x, linear.dequantize(torch.float32), bias)
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
-    # the int kernels take bf16 activations: allow bf16 rounding of x, relative to |x||w|
+    # the int kernels take bf16 activations (tokenmill's on AVX-512: int8 per row): allow
+    # their rounding of x, relative to |x||w|
     scale = x.abs().amax() * weight.abs().amax() * in_features**0.5
     assert (got - want).abs().max() <= 2e-2 * scale
 
 
-def test_the_int4_packing_is_read_in_place_on_this_cpu() -> None:
+def test_the_int4_packing_is_read_in_place_on_this_cpu(kernel_path: str) -> None:
     """The dequantizing path reads torch's packed layout (64-channel blocks with AVX-512,
     32 with AVX2); if a torch release changed it, every batch would fall back to the slow
     int kernel, so this fails loudly instead."""
+    if kernel_path == "tokenmill":
+        pytest.skip("tokenmill's layouts are checked in tests/kernels")
     assert Int4Linear(_weight(128, 64), None, 32).layout_block in (64, 32)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_projection_stores_one_copy_in_its_kernels_layout(kernel_path: str, method: str) -> None:
+    linear = quantize_linear(_weight(48, 128), None, method, 64)
+    if kernel_path == "torch":
+        assert linear.kernel is None
+        return
+    assert linear.kernel == ("amx" if kernels.amx_active() else "rows")
+    int_bytes = sum(b.numel() for b in linear.buffers() if b.dtype in (torch.int8, torch.uint8))
+    per_weight = 1 if method == "int8" else 0.5
+    padded = (-(-48 // 16) * 16 if linear.kernel == "amx" else 48) * 128
+    assert int_bytes == padded * per_weight
 
 
 def test_unknown_method_names_the_flag() -> None:

@@ -14,9 +14,34 @@ import torch
 from tokenmill.kernels.build import load
 
 
+class _State:
+    """What the loaded library chose, read into Python once (and on ``set_isa``), so model
+    code traced by torch.compile sees constants instead of calling ops for them."""
+
+    loaded: bool | None = None
+    isa = "none"
+    amx = False
+    enabled = True
+
+    @classmethod
+    def refresh(cls) -> None:
+        cls.isa = str(torch.ops.tokenmill_cpu.isa())
+        cls.amx = bool(torch.ops.tokenmill_cpu.amx_active())
+
+
 def available() -> bool:
     """Whether the extension is loaded and its ops registered (built on first call)."""
-    return load()
+    if _State.loaded is None:
+        _State.loaded = load()
+        if _State.loaded:
+            _State.refresh()
+    return _State.loaded and _State.enabled
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn the kernels off (or back on) for layers built from now on and for every op
+    dispatch; for benchmarks that compare both paths in one process."""
+    _State.enabled = enabled
 
 
 def supports(x: torch.Tensor, *, float32: bool = False) -> bool:
@@ -27,13 +52,16 @@ def supports(x: torch.Tensor, *, float32: bool = False) -> bool:
 
 
 def active_isa() -> str:
-    """The kernel table in use: avx512_bf16, avx2, or none."""
-    return str(torch.ops.tokenmill_cpu.isa()) if available() else "none"
+    """The kernel table in use: avx512_bf16 (+amx_int8), avx2, or none."""
+    return _State.isa if available() else "none"
 
 
 def set_isa(isa: str) -> str:
-    """Switch the kernel table (auto, avx512, avx2) for the whole process; returns the one chosen."""
-    return str(torch.ops.tokenmill_cpu.set_isa(isa))
+    """Switch the kernel table (auto, amx, avx512, avx2) for the whole process; returns the
+    one chosen. Layers keep the weight layout they were built with."""
+    chosen = str(torch.ops.tokenmill_cpu.set_isa(isa))
+    _State.refresh()
+    return chosen
 
 
 def amx_permitted() -> bool:
@@ -43,7 +71,7 @@ def amx_permitted() -> bool:
 
 def amx_active() -> bool:
     """Whether the int8/int4 projections run on AMX tiles (granted, and not switched off)."""
-    return bool(torch.ops.tokenmill_cpu.amx_active()) if available() else False
+    return _State.amx if available() else False
 
 
 def describe() -> str:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tokenmill import kernels
+
 
 @dataclass
 class AttentionGroup:
@@ -166,6 +168,31 @@ def _attend(
     return attn.reshape(batch * max_q, num_heads * head_dim)
 
 
+_KERNEL_KV_DTYPES = (torch.float32, torch.bfloat16, *FP8_DTYPES)
+
+
+def _decode_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether tokenmill's paged decode kernel takes these queries and this cache."""
+    return kernels.supports(q, float32=True) and k_cache.dtype in _KERNEL_KV_DTYPES
+
+
+def _decode_kernel(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+    kv_scales: torch.Tensor | None,
+) -> torch.Tensor:
+    """tokenmill CPU kernel: one query per row [B, Hq, D] over the blocks where they lie."""
+    scales = kv_scales if kv_scales is not None else q.new_ones(2, dtype=torch.float32)
+    return kernels.paged_decode_attention(
+        q.contiguous(), k_cache, v_cache, block_tables, context_lens, scale, window or 0, scales
+    )
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -181,6 +208,19 @@ def paged_attention(
     block_size = k_cache.shape[1]
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in meta.groups:
+        if group.is_decode and _decode_kernel_applies(q, k_cache):  # tokenmill CPU kernel
+            rows = group.token_index.view(-1)
+            out[rows] = _decode_kernel(
+                q[rows],
+                k_cache,
+                v_cache,
+                group.block_tables,
+                group.context_lens,
+                scale,
+                window,
+                kv_scales,
+            )
+            continue
         rows = q[group.token_index]
         attn = _attend(
             rows,
@@ -240,6 +280,10 @@ def decode_attention(
     out of the traced graph. ``window`` 0 means full attention, ``softcap`` 0 no capping.
     """
     write_kv(k_cache, v_cache, k, v, slot_mapping, kv_scales)
+    if _decode_kernel_applies(q, k_cache):  # tokenmill CPU kernel: no gather, no trim needed
+        return _decode_kernel(
+            q, k_cache, v_cache, block_tables, context_lens, scale, window, kv_scales
+        )
     block_size = k_cache.shape[1]
     if trim_to_longest:
         block_tables = block_tables[:, : -(-int(context_lens.max()) // block_size)]

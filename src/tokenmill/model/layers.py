@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill import kernels
+
 
 def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -124,6 +126,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if kernels.supports(x) and self.weight.dtype == x.dtype:  # tokenmill CPU kernel
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         return self._norm(x), x
@@ -131,6 +135,8 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused [gate | up] projection."""
+    if kernels.supports(gate_up):  # tokenmill CPU kernel
+        return kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return nn.functional.silu(gate) * up
 
@@ -236,6 +242,8 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hkv, D] by their positions [T]."""
+        if kernels.supports(q) and self.cos.device.type == "cpu":  # tokenmill CPU kernel
+            return kernels.rope(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         if self.is_partial:

@@ -1,6 +1,12 @@
-"""Weight-only quantization at load time: int8 per output channel, int4 group-wise.
+"""Quantization at load time: int8 per output channel, int4 group-wise.
 
-Kernels are torch's own (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``). Measured
+With tokenmill's CPU kernels (``tokenmill/kernels``) a projection stores its weights in the
+layout its kernel reads, once: AMX-INT8 tiles where the process may use AMX, else plain rows
+for the VNNI (AVX-512) or AVX2 kernels. On AVX-512 those kernels quantize activations per
+row to int8 (W8A8 dynamic, llama.cpp Q8_0's trade); the AVX2 kernels stay weight-only. The
+torch paths below remain for machines without the extension.
+
+Torch's kernels are (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``). Measured
 on this project's 2-core AVX-512/AMX machine (8 layers of the 250M model's shapes,
 docs/benchmarks.md): for one row they read int4 weights 2.5x faster than oneDNN reads
 prepacked bf16 and int8 about as fast; their cost then grows with the row count (they walk
@@ -20,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.errors import ConfigError
+from tokenmill.kernels import amx_layout, int4_layout
 
 _INT4_LAYOUT_BLOCKS = (64, 32)
 """Output-channel block of torch's CPU int4 packing: 64 with AVX-512 kernels, 32 with AVX2."""
@@ -77,19 +85,54 @@ class Int8Linear(QuantizedLinear):
             "qweight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
         )
         self.register_buffer("scales", scales)  # fp32: the dequantizing path keeps full scales
+        self.kernel = _kernel_for(weight, amx_ok=True)
+        """Which tokenmill kernel serves this projection: amx, rows, or None (torch's)."""
+        if self.kernel is not None:
+            row_sums = self.qweight.sum(1, dtype=torch.int32)
+            if self.kernel == "amx":
+                self.register_buffer("amx_tiles", amx_layout.pack_int8(self.qweight))
+                self.register_buffer("amx_scales", amx_layout.block_channels(scales))
+                self.register_buffer("amx_row_sums", amx_layout.block_channels(row_sums))
+                self.qweight = None  # the tiles are the only copy
+                self.max_kernel_rows = torch.iinfo(torch.int64).max  # AMX beats bf16 GEMMs
+            else:
+                self.register_buffer("row_sums", row_sums)
+            return
         self.register_buffer("kernel_scales", scales.to(kernel_dtype(weight.dtype)))
         # torch's int8 kernel crashes or miscomputes from 2 rows on when the input width is
         # not a multiple of 16 (seen at 40 and 72 in torch 2.13); such a shape skips it.
         self.has_gemv = self.in_features % 16 == 0
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "amx" and kernels.amx_active():
+            return kernels.linear_int8_amx(
+                x.to(torch.bfloat16),
+                self.amx_tiles,
+                self.amx_scales,
+                self.amx_row_sums,
+                None,
+                self.out_features,
+            )
+        if self.kernel == "rows" and kernels.supports(x, float32=True):
+            return kernels.linear_int8(
+                x.to(torch.bfloat16), self.qweight, self.scales, self.row_sums, None
+            )
+        if self.kernel is not None:  # the ISA was switched after load (tests): stay correct
+            return F.linear(x, self.dequantize(x.dtype))
         scales = self.kernel_scales
         return torch._weight_int8pack_mm(x.to(scales.dtype), self.qweight, scales)
 
+    def int_weight(self) -> torch.Tensor:
+        """The int8 weight [out, in], from whichever layout holds it."""
+        if self.qweight is not None:
+            return self.qweight
+        tiles = self.amx_tiles.view(*self.amx_tiles.shape[:2], 16, 16, 4)
+        rows = tiles.permute(0, 3, 1, 2, 4).reshape(tiles.shape[0] * 16, -1)
+        return rows[: self.out_features, : self.in_features]
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        weight = self.qweight.to(
-            dtype
-        )  # two passes in ``dtype``: half the traffic of an fp32 temporary
+        # two passes in ``dtype``: half the traffic of an fp32 temporary
+        weight = self.int_weight().to(dtype)
         return weight.mul_(self.scales.to(dtype)[:, None])
 
 
@@ -121,6 +164,11 @@ class Int4Linear(QuantizedLinear):
         low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
         scale = ((high - low) / 15.0).clamp(min=1e-8)
         q = torch.round((w - low) / scale).clamp(0, 15).to(torch.int32).view(self.padded_out, -1)
+        self.kernel = _kernel_for(weight, amx_ok=group_size % 64 == 0)
+        """Which tokenmill kernel serves this projection: amx, rows, or None (torch's)."""
+        if self.kernel is not None:
+            self._store_for_kernel(q, scale.view(self.padded_out, groups), low.view(-1, groups))
+            return
         # torch's convention: w = (q - 8) * scale + zero, so zero = low + 8 * scale.
         zero = low + 8 * scale
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
@@ -138,6 +186,37 @@ class Int4Linear(QuantizedLinear):
         kernel serves every batch size (slower for large ones, still correct)."""
         if self.layout_block is None:
             self.max_kernel_rows = torch.iinfo(torch.int64).max
+
+    def _store_for_kernel(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> None:
+        """Codes, scales and offsets (``w = q * scale + low``) in the kernel's layout only."""
+        n, gs = self.out_features, self.group_size
+        k_pad = int4_layout.padded_in(self.in_features, gs)
+        groups = k_pad // gs
+        codes = F.pad(q[:n], (0, k_pad - q.shape[1]))
+        scale = F.pad(scale[:n], (0, groups - scale.shape[1])).contiguous()
+        low = F.pad(low[:n], (0, groups - low.shape[1])).contiguous()
+        self.register_buffer("kernel_scales", scale)
+        self.register_buffer("kernel_offsets", low)
+        if self.kernel == "amx":
+            block = amx_layout.block_channels
+            sums = codes.view(n, groups, gs).sum(-1, dtype=torch.int32)
+            self.register_buffer("amx_tiles", amx_layout.pack_int4(codes))
+            self.register_buffer("amx_scales", block(scale))
+            self.register_buffer("amx_offsets", block(low))
+            self.register_buffer("amx_code_sums", block(sums))
+            self.max_kernel_rows = torch.iinfo(torch.int64).max
+        else:
+            self.register_buffer("packed", int4_layout.pack(codes))
+        self.layout_block = None
+
+    def _codes(self) -> torch.Tensor:
+        """Codes [out, k_pad] from the kernel layout."""
+        if self.kernel == "amx":
+            tiles = self.amx_tiles
+            both = torch.cat((tiles & 15, tiles >> 4), dim=-1)  # [nb, kc, 1024]
+            both = both.view(*tiles.shape[:2], 16, 16, 4).permute(0, 3, 1, 2, 4)
+            return both.reshape(tiles.shape[0] * 16, -1)[: self.out_features]
+        return int4_layout.unpack(self.packed)
 
     def _unpacks_to(self, block: int, expected: torch.Tensor) -> bool:
         if self.padded_out % block:
@@ -162,6 +241,28 @@ class Int4Linear(QuantizedLinear):
         )
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "amx" and kernels.amx_active():
+            return kernels.linear_int4_amx(
+                x.to(torch.bfloat16),
+                self.amx_tiles,
+                self.amx_scales,
+                self.amx_code_sums,
+                self.amx_offsets,
+                self.group_size,
+                None,
+                self.out_features,
+            )
+        if self.kernel == "rows" and kernels.supports(x, float32=True):
+            return kernels.linear_int4(
+                x.to(torch.bfloat16),
+                self.packed,
+                self.kernel_scales,
+                self.kernel_offsets,
+                self.group_size,
+                None,
+            )
+        if self.kernel is not None:  # the ISA was switched after load (tests): stay correct
+            return F.linear(x, self.dequantize(x.dtype))
         y = torch._weight_int4pack_mm_for_cpu(
             self._pad(x).to(self.scales_and_zeros.dtype),
             self.packed,
@@ -171,6 +272,12 @@ class Int4Linear(QuantizedLinear):
         return y[:, : self.out_features]
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.kernel is not None:
+            groups = self._codes().to(dtype).view(self.out_features, -1, self.group_size)
+            groups.mul_(self.kernel_scales.to(dtype)[..., None]).add_(
+                self.kernel_offsets.to(dtype)[..., None]
+            )
+            return groups.view(self.out_features, -1)[:, : self.in_features]
         assert self.layout_block is not None
         out = self._unpack(self.layout_block, dtype)
         groups = out.view(self.padded_out, -1, self.group_size)
@@ -178,6 +285,13 @@ class Int4Linear(QuantizedLinear):
         offset = self.offsets.unsqueeze(-1).to(dtype)
         groups.mul_(scale).add_(offset)
         return out[: self.out_features, : self.in_features]
+
+
+def _kernel_for(weight: torch.Tensor, amx_ok: bool) -> str | None:
+    """The tokenmill kernel layout a projection stores: amx, rows, or None for torch's."""
+    if weight.device.type != "cpu" or not kernels.available():
+        return None
+    return "amx" if amx_ok and kernels.amx_active() else "rows"
 
 
 def quantize_linear(
