@@ -30,6 +30,8 @@ KV_CACHE_DTYPES: tuple[str, ...] = (
 )
 INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 SchedulingPolicy = Literal["fcfs", "priority"]
+ModelImpl = Literal["auto", "native", "transformers"]
+MODEL_IMPLS: tuple[str, ...] = ("auto", "native", "transformers")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class EngineConfig:
 
     model: str = "demo"
     """Path of a Hugging Face model folder, or ``demo`` for the built-in model."""
+    model_impl: ModelImpl = "auto"
+    """auto: tokenmill's own implementation for native families, Transformers' modeling code over tokenmill's KV cache for any other causal LM; native or transformers forces one."""
     dtype: DType = "auto"
     """Weights and activations dtype; auto: the checkpoint's, with half precision as bfloat16 where the CPU runs it natively (AVX512-BF16/AMX) and float32 where it does not."""
     quantization: Quantization | None = None
@@ -97,6 +101,10 @@ class EngineConfig:
         check(
             self.kv_cache in ("paged", "static"),
             f"kv_cache must be paged or static, got {self.kv_cache!r}",
+        )
+        check(
+            self.model_impl in MODEL_IMPLS,
+            f"--model-impl {self.model_impl!r} is not supported; choose one of {', '.join(MODEL_IMPLS)}",
         )
         check(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
