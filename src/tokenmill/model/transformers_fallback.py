@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
-from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from tokenmill.errors import ConfigError, ModelLoadError
@@ -177,13 +177,33 @@ def register_attention() -> None:
 # ---- the model --------------------------------------------------------------------------
 
 
+@dataclass
+class _HiddenOutput(BaseModelOutputWithPastAndCrossAttentions):
+    """A base model's output holding only the last hidden state; any other field a head
+    reads (cache, attentions, router logits) is None."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 class _HiddenStates(nn.Module):
     """Stands in for the decoder inside the Transformers model: ``inputs_embeds`` come back as
     the last hidden state, so the model's own head (with any logit scaling or soft-capping)
-    runs on the rows tokenmill asks logits for."""
+    runs on the rows tokenmill asks logits for. A head that reaches into the decoder's
+    children (OPT calls ``self.model.decoder``) finds this stand-in there too."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+            return self
 
     def forward(self, *args: Any, inputs_embeds: torch.Tensor, **kwargs: Any) -> Any:
-        return BaseModelOutputWithPast(last_hidden_state=inputs_embeds)
+        return _HiddenOutput(last_hidden_state=inputs_embeds)
 
 
 class TransformersCausalLM(CausalLM):
