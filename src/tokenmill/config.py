@@ -35,6 +35,8 @@ PICKLE_LOAD_FORMATS: tuple[str, ...] = ("pt", "npcache")
 """vLLM's load formats that unpickle: refused, since loading them can run code."""
 Runner = Literal["auto", "generate", "pooling"]
 Convert = Literal["auto", "none", "embed"]
+ModelImpl = Literal["auto", "native", "transformers"]
+MODEL_IMPLS: tuple[str, ...] = ("auto", "native", "transformers")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class EngineConfig:
 
     model: str = "demo"
     """Path of a Hugging Face model folder, or ``demo`` for the built-in model."""
+    model_impl: ModelImpl = "auto"
+    """auto: tokenmill's own implementation for native families, Transformers' modeling code over tokenmill's KV cache for any other causal LM; native or transformers forces one."""
     dtype: DType = field(default="auto", metadata={"parse": "dtype"})
     """Weights and activations dtype; auto: the checkpoint's, with half precision as bfloat16 where the CPU runs it natively (AVX512-BF16/AMX) and float32 where it does not."""
     quantization: Quantization | None = field(default=None, metadata={"aliases": ("-q",)})
@@ -124,6 +128,10 @@ class EngineConfig:
         check(
             self.kv_cache in ("paged", "static"),
             f"kv_cache must be paged or static, got {self.kv_cache!r}",
+        )
+        check(
+            self.model_impl in MODEL_IMPLS,
+            f"--model-impl {self.model_impl!r} is not supported; choose one of {', '.join(MODEL_IMPLS)}",
         )
         check(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),

@@ -30,6 +30,7 @@ from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info, default_num_threads
 from tokenmill.model.loader import load_model, resolve_dtype
+from tokenmill.model.registry import resolve_model_impl
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolerConfig
 from tokenmill.sampling.params import SamplingParams
@@ -96,7 +97,13 @@ class LLMEngine:
         start = time.monotonic()
         self.config = config
         self.model_path = resolve_model_path(config.model)
-        self.model_config = ModelConfig.from_folder(self.model_path)
+        self.model_config = ModelConfig.from_folder(self.model_path, config.model_impl)
+        _, impl_reason = resolve_model_impl(self.model_config.architecture, config.model_impl)
+        logger.info("model implementation: %s (%s)", self.model_config.model_impl, impl_reason)
+        if self.model_config.model_impl == "transformers":
+            from tokenmill.model.transformers_fallback import check_features
+
+            check_features(config.quantization, config.enable_lora)
         if config.rope_theta_override is not None:
             self.model_config = replace(self.model_config, rope_theta=config.rope_theta_override)
         if config.trust_remote_code:
@@ -335,12 +342,13 @@ class LLMEngine:
         return manager, caches
 
     def _model_compiles(self, model: CausalLM) -> bool:
-        """False for models whose forward cannot be compiled with fixed shapes (MoE routing)."""
+        """False for models whose forward cannot be compiled with fixed shapes (MoE routing,
+        the Transformers fallback)."""
         if not model.supports_compiled_decode:
             logger.info(
-                "static: %s runs the decode step eagerly (its forward has data-dependent "
-                "shapes: expert routing)",
+                "static: %s runs the decode step eagerly (%s)",
                 self.model_config.architecture,
+                model.eager_reason,
             )
         return model.supports_compiled_decode
 

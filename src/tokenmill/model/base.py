@@ -22,6 +22,8 @@ class CausalLM(nn.Module):
     attn_backend: AttentionBackend
     supports_compiled_decode: bool = True
     """Whether the forward can be compiled with fixed shapes (``worker/compiled_step.py``)."""
+    eager_reason: str = "its forward has data-dependent shapes: expert routing"
+    """Why the forward runs eagerly when ``supports_compiled_decode`` is False (logged)."""
 
     def forward(
         self,

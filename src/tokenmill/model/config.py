@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.model.registry import ArchSpec, lookup, weight_layout
+from tokenmill.model.registry import ArchSpec, lookup, resolve_model_impl, weight_layout
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 """RoPE scaling types the rotary embedding implements."""
@@ -78,6 +78,10 @@ class ModelConfig:
     """Qwen2-MoE's always-on expert (0: none)."""
     moe_layers: tuple[bool, ...] = ()
     """Per layer: sparse MLP (True) or dense MLP."""
+    model_impl: str = "native"
+    """``native`` (the shared decoder) or ``transformers`` (``model/transformers_fallback.py``)."""
+    declared_num_params: int | None = None
+    """Parameter count of a model the registry does not lay out (the Transformers fallback)."""
 
     @property
     def q_size(self) -> int:
@@ -97,6 +101,8 @@ class ModelConfig:
     @property
     def num_params(self) -> int:
         """Parameter count, from the registry's layout (an untied LM head counted apart)."""
+        if self.declared_num_params is not None:
+            return self.declared_num_params
         return sum(spec.numel for spec in weight_layout(self))
 
     @classmethod
@@ -170,7 +176,9 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: invalid value: {exc}") from None
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> ModelConfig:
+    def from_folder(cls, folder: str | Path, model_impl: str = "native") -> ModelConfig:
+        """The config of a model folder, for ``--model-impl model_impl`` (see the registry's
+        ``resolve_model_impl``); Transformers is imported only for the fallback."""
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise ModelLoadError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
@@ -178,6 +186,12 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ModelLoadError(f"{path}: cannot parse: {exc}") from None
+        archs = raw.get("architectures") if isinstance(raw, dict) else None
+        impl, _ = resolve_model_impl(archs[0] if archs else None, model_impl)
+        if impl == "transformers":
+            from tokenmill.model.transformers_fallback import fallback_model_config
+
+            return fallback_model_config(Path(folder))
         return cls.from_dict(raw, source=str(path))
 
 

@@ -248,6 +248,9 @@ def load_model(
 ) -> CausalLM:
     """Build the registered model for ``folder`` and fill it with the checkpoint's weights.
 
+    A config for the Transformers fallback (``cfg.model_impl``) is loaded by
+    ``model/transformers_fallback.py`` instead, with Transformers' own classes.
+
     Every parameter comes from the registry's layout (``model/registry.weight_layout``).
     With ``quantization``, each projection is quantized as soon as it is read, so at most
     one projection is ever held in the load dtype. The LM head is quantized to int8 in both
@@ -256,6 +259,14 @@ def load_model(
     """
     folder = Path(folder)
     cfg = cfg or ModelConfig.from_folder(folder)
+    if cfg.model_impl == "transformers":
+        from tokenmill.model.transformers_fallback import (
+            check_features,
+            load_transformers_model,
+        )
+
+        check_features(quantization, enable_lora=False)
+        return load_transformers_model(folder, cfg, dtype, device, max_positions, attn_backend)
     ckpt = check_checkpoint(folder, cfg)
     if quantization is not None and device.type != "cpu":
         raise ConfigError(

@@ -116,12 +116,34 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 """Every architecture tokenmill runs natively, by the name in ``config.json``."""
 
 
+def resolve_model_impl(architecture: str | None, requested: str) -> tuple[str, str]:
+    """(``native`` or ``transformers``, why) for ``--model-impl requested``.
+
+    ``auto`` runs a registered family natively and anything else through the Transformers
+    fallback (``model/transformers_fallback.py``); ``native`` refuses what is not registered.
+    """
+    is_native = architecture in ARCHITECTURES
+    if requested == "transformers":
+        return "transformers", "--model-impl transformers"
+    if requested == "native":
+        if not is_native:
+            lookup(architecture)  # raises, naming what is supported
+        return "native", f"--model-impl native; {architecture} is a native family"
+    if is_native:
+        return "native", f"{architecture} is a native family (--model-impl auto)"
+    return "transformers", (
+        f"{architecture} is not a native family, so --model-impl auto runs Transformers' "
+        "modeling code over tokenmill's KV cache"
+    )
+
+
 def lookup(architecture: str | None, source: str = "config.json") -> ArchSpec:
     """The registered spec, or a ModelLoadError naming the file and what is supported."""
     spec = ARCHITECTURES.get(architecture or "")
     if spec is None:
         raise ModelLoadError(
-            f"{source}: unsupported architecture {architecture!r}; supported: {sorted(ARCHITECTURES)}"
+            f"{source}: unsupported architecture {architecture!r}; supported natively: "
+            f"{sorted(ARCHITECTURES)} (others may run with --model-impl transformers)"
         )
     return spec
 

@@ -1,0 +1,346 @@
+"""The Transformers fallback (``--model-impl transformers``): greedy fp32 parity with
+transformers ``generate`` on architectures tokenmill does not implement natively, through the
+same scheduler (batching, chunked prefill, prefix caching, preemption, both KV strategies),
+a native family forced through it, and the refusals at start-up."""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tokenmill.entrypoints.llm import LLM
+from tokenmill.errors import ConfigError, ModelLoadError
+from tokenmill.sampling import SamplingParams
+
+MAX_NEW = 10
+
+
+def _neox(vocab: int, **overrides: Any) -> Any:
+    """GPT-NeoX: parallel residual, fused per-head QKV, rotary on a quarter of each head."""
+    import transformers
+
+    kwargs = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    return transformers.GPTNeoXConfig(**{**kwargs, **overrides})
+
+
+def _gpt2(vocab: int, **overrides: Any) -> Any:
+    """GPT-2: LayerNorm, biases everywhere, learned absolute positions, Conv1D, tied head."""
+    import transformers
+
+    kwargs = dict(
+        vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=0, eos_token_id=1
+    )
+    return transformers.GPT2Config(**{**kwargs, **overrides})
+
+
+def _opt(vocab: int, **overrides: Any) -> Any:
+    """OPT: LayerNorm, ReLU MLP, learned positions offset by 2."""
+    import transformers
+
+    kwargs = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        ffn_dim=128,
+        word_embed_proj_dim=64,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
+    return transformers.OPTConfig(**{**kwargs, **overrides})
+
+
+CONFIGS: dict[str, Callable[..., Any]] = {"gpt_neox": _neox, "gpt2": _gpt2, "opt": _opt}
+
+
+@pytest.fixture(scope="session")
+def make_fallback_model(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> Callable[..., Path]:
+    """``make_fallback_model(arch, **config overrides) -> folder`` with random, peaked weights."""
+    import transformers
+
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str, seed: int = 0, **overrides: Any) -> Path:
+        key = (arch, seed, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key in cache:
+            return cache[key]
+        from tokenmill.tokenizer import Tokenizer
+
+        vocab = Tokenizer.from_pretrained(tokenizer_dir).vocab_size
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch](vocab, **overrides))
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                is_norm_scale = p.ndim == 1 and name.endswith("weight")
+                p.copy_((1.0 if is_norm_scale else 0.0) + 0.1 * torch.randn(p.shape, generator=gen))
+        folder = tmp_path_factory.mktemp(f"{arch}-model")
+        model.save_pretrained(folder)
+        for f in tokenizer_dir.iterdir():
+            shutil.copy(f, folder / f.name)
+        cache[key] = folder
+        return folder
+
+    return make
+
+
+def _prompts(vocab: int, num: int, seed: int, max_len: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(rng.randint(1, max_len))] for _ in range(num)]
+
+
+def _greedy(max_tokens: int = MAX_NEW) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _tokens(outs: list) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "gpt2", "opt"])
+@pytest.mark.parametrize("max_num_batched_tokens", [2048, 7], ids=["batched", "chunked"])
+def test_batched_parity_with_transformers(
+    make_fallback_model, reference_greedy, arch: str, max_num_batched_tokens: int
+) -> None:
+    """Mixed-length prompts in one batch, whole or in 7-token chunks, as transformers alone."""
+    folder = make_fallback_model(arch)
+    llm = LLM(
+        str(folder), dtype="float32", max_model_len=256, max_num_batched_tokens=max_num_batched_tokens
+    )
+    assert llm.engine.model_config.model_impl == "transformers"
+    prompts = _prompts(llm.tokenizer.vocab_size, 8, seed=2)
+    expected, _ = reference_greedy(folder, prompts, MAX_NEW)
+    assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "gpt2"])
+def test_prefix_caching_and_preemption_keep_parity(
+    make_fallback_model, reference_greedy, arch: str
+) -> None:
+    """A shared prefix is served from cached blocks, a KV pool of 12 blocks forces
+    preemption and recompute, and every output still equals transformers'."""
+    folder = make_fallback_model(arch)
+    rng = random.Random(5)
+    prefix = [rng.randrange(4, 500) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(4, 500) for _ in range(rng.randint(1, 20))] for _ in range(8)]
+    max_new = 24
+    expected, _ = reference_greedy(folder, prompts, max_new)
+    bytes_per_token = 2 * 2 * 64 * 4  # K and V, 2 layers, 4 heads x 16, fp32
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory=12 * 16 * bytes_per_token,
+    )
+    assert llm.engine.kv_manager.num_blocks == 12
+    first = llm.generate(prompts[:1], _greedy(max_new), use_tqdm=False)
+    rest = llm.generate(prompts[1:], _greedy(max_new), use_tqdm=False)
+    assert rest[0].num_cached_tokens == 32  # two full blocks of the shared prefix reused
+    assert llm.engine.stats.num_prefix_hit_tokens > 0
+    assert llm.engine.stats.num_preemptions > 0
+    assert _tokens(first + rest) == expected
+
+
+def test_static_kv_decodes_eagerly_with_parity(make_fallback_model, reference_greedy, caplog) -> None:
+    folder = make_fallback_model("gpt_neox")
+    prompts = _prompts(500, 5, seed=3)
+    expected, _ = reference_greedy(folder, prompts, MAX_NEW)
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.llm_engine"):
+        llm = LLM(str(folder), dtype="float32", max_model_len=128, max_num_seqs=2, kv_cache="static")
+    assert llm.engine.runner.compiled_decode is None
+    assert "runs the decode step eagerly (Transformers' modeling code" in caplog.text
+    assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
+
+
+def test_prompt_logprobs_match_transformers(make_fallback_model, reference_greedy) -> None:
+    """The head runs through Transformers for any rows: prompt logprobs come out right too."""
+    folder = make_fallback_model("gpt2")
+    llm = LLM(str(folder), dtype="float32", max_model_len=128)
+    prompt = _prompts(500, 1, seed=4, max_len=30)[0] + [7, 8, 9]
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    got = torch.tensor([entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)])
+    want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+def test_native_llama_forced_through_transformers_matches_native(make_model, caplog) -> None:
+    folder = make_model("llama")
+    prompts = _prompts(500, 6, seed=6)
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.llm_engine"):
+        native = LLM(str(folder), dtype="float32", max_model_len=256)
+        assert "model implementation: native (LlamaForCausalLM is a native family" in caplog.text
+        caplog.clear()
+        fallback = LLM(str(folder), dtype="float32", max_model_len=256, model_impl="transformers")
+        assert "model implementation: transformers (--model-impl transformers)" in caplog.text
+    assert native.engine.model_config.model_impl == "native"
+    assert fallback.engine.model_config.model_impl == "transformers"
+    assert fallback.engine.model_config.num_params == native.engine.model_config.num_params
+    want = _tokens(native.generate(prompts, _greedy(), use_tqdm=False))
+    assert _tokens(fallback.generate(prompts, _greedy(), use_tqdm=False)) == want
+
+
+def test_auto_logs_why_it_falls_back(make_fallback_model, caplog) -> None:
+    folder = make_fallback_model("gpt_neox")
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.llm_engine"):
+        LLM(str(folder), dtype="float32", max_model_len=64)
+    assert (
+        "model implementation: transformers (GPTNeoXForCausalLM is not a native family, so "
+        "--model-impl auto runs Transformers' modeling code" in caplog.text
+    )
+
+
+def test_native_refuses_an_unregistered_architecture(make_fallback_model) -> None:
+    folder = make_fallback_model("gpt_neox")
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'GPTNeoXForCausalLM'.*--model-impl transformers"):
+        LLM(str(folder), model_impl="native")
+
+
+def test_unknown_model_impl_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"--model-impl 'vllm' is not supported; choose one of auto, native, transformers"):
+        LLM("demo", model_impl="vllm")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"quantization": "int8"}, r"--quantization int8: the Transformers fallback"),
+        ({"enable_lora": True}, r"--enable-lora: the Transformers fallback does not apply LoRA"),
+        ({"max_model_len": 1024}, r"--max-model-len 1024: beyond GPTNeoXForCausalLM's max_position_embeddings \(512\)"),
+    ],
+    ids=["quantization", "lora", "max-model-len"],
+)
+def test_unsupported_features_are_refused_in_one_line(make_fallback_model, options: dict, message: str) -> None:
+    folder = make_fallback_model("gpt_neox")
+    with pytest.raises(ConfigError, match=message) as info:
+        LLM(str(folder), dtype="float32", **options)
+    assert "\n" not in str(info.value)
+
+
+def _config_only(tmp_path: Path, config: Any) -> Path:
+    """A folder with just config.json: the structural refusals come before any weight is read."""
+    config.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _refusals() -> list[tuple[str, Callable[[], Any], str]]:
+    import transformers
+
+    small = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2)
+    return [
+        (
+            "encoder-decoder",
+            lambda: transformers.T5Config(vocab_size=128, d_model=64, num_layers=2, num_heads=4),
+            r"T5ForConditionalGeneration cannot run through the Transformers fallback: it is an encoder-decoder",
+        ),
+        (
+            "state-space",
+            lambda: transformers.MambaConfig(**small),
+            r"MambaForCausalLM cannot run through the Transformers fallback: it has recurrent or state-space layers",
+        ),
+        (
+            "alibi",
+            lambda: transformers.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4),
+            r"BloomForCausalLM cannot run through the Transformers fallback: Transformers' "
+            r"BloomForCausalLM does not route attention through its attention interface",
+        ),
+        (
+            "linear-attention layers",
+            lambda: transformers.Qwen3NextConfig(
+                **small,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                layer_types=["linear_attention", "full_attention"],
+            ),
+            r"Qwen3NextForCausalLM cannot run through the Transformers fallback: .*(recurrent|linear_attention)",
+        ),
+        (
+            "dynamic rope",
+            lambda: transformers.LlamaConfig(
+                **small,
+                num_attention_heads=4,
+                rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+            ),
+            r"LlamaForCausalLM cannot run through the Transformers fallback: dynamic NTK RoPE",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5), ids=[c[0] for c in _refusals()])
+def test_unexpressible_models_are_refused_with_the_reason(tmp_path: Path, case: int) -> None:
+    _, build, message = _refusals()[case]
+    config = build()
+    if not config.architectures:
+        config.architectures = [
+            {"t5": "T5ForConditionalGeneration", "mamba": "MambaForCausalLM"}.get(
+                config.model_type, type(config).__name__.replace("Config", "ForCausalLM")
+            )
+        ]
+    folder = _config_only(tmp_path, config)
+    with pytest.raises(ModelLoadError, match=message) as info:
+        LLM(str(folder), model_impl="transformers")
+    assert "\n" not in str(info.value)
+
+
+def test_attention_sinks_are_refused_by_the_probe(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """gpt-oss passes its attention sinks to the attention function: the probe step refuses."""
+    import transformers
+
+    config = transformers.GptOssConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    with pytest.raises(ModelLoadError, match=r"GptOssForCausalLM cannot run through the Transformers fallback: .*passes \['s_aux'\]"):
+        LLM(str(tmp_path), dtype="float32", max_model_len=128)
+
+
+def test_native_models_never_import_transformers(make_model) -> None:
+    """A native family runs without Transformers in the process (it is the fallback's only)."""
+    folder = make_model("llama")
+    code = (
+        "import sys\n"
+        "from tokenmill import LLM, SamplingParams\n"
+        f"llm = LLM({str(folder)!r}, dtype='float32', max_model_len=64)\n"
+        "llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
