@@ -44,6 +44,7 @@ from tokenmill.entrypoints.openai.routers import chat, completions, health, lora
 from tokenmill.entrypoints.openai.routes import RoutesMiddleware, build_route_table
 from tokenmill.entrypoints.openai.state import ServerConfig, ServerState
 from tokenmill.entrypoints.openai.tokenization import RequestTokenizer
+from tokenmill.entrypoints.log_limits import install_log_rate_limit
 from tokenmill.entrypoints.startup_checks import check_before_serving
 from tokenmill.errors import ConfigError, InvalidRequestError
 from tokenmill.metrics import ServerMetrics
@@ -355,6 +356,7 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         host=config.host,
         port=config.port,
         http=_JSONErrorH11Protocol,
+        loop="tokenmill.entrypoints.openai.event_loop:new_event_loop",  # accept() backs off
         lifespan="on",
         access_log=False,
         log_level=logging.getLogger().getEffectiveLevel(),
@@ -363,6 +365,7 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         timeout_keep_alive=5,
         timeout_graceful_shutdown=CUT_OFF_GRACE_S,  # type: ignore[arg-type]  # a float works (asyncio timeout)
     )
+    install_log_rate_limit("uvicorn", "uvicorn.error")  # repeated errors are summarised
     server = GracefulServer(uv_config, app)
     server.run()
     return server.exit_code
