@@ -30,6 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineState
 from tokenmill.entrypoints.config_args import add_config_args, config_kwargs
+from tokenmill.entrypoints.log_limits import install_log_rate_limit
 from tokenmill.entrypoints.openai.admission import AdmissionController, AdmissionMiddleware
 from tokenmill.entrypoints.openai.auth import APIKeyAuthMiddleware
 from tokenmill.entrypoints.openai.errors import error_body_bytes, install_exception_handlers
@@ -44,7 +45,6 @@ from tokenmill.entrypoints.openai.routers import chat, completions, health, lora
 from tokenmill.entrypoints.openai.routes import RoutesMiddleware, build_route_table
 from tokenmill.entrypoints.openai.state import ServerConfig, ServerState
 from tokenmill.entrypoints.openai.tokenization import RequestTokenizer
-from tokenmill.entrypoints.log_limits import install_log_rate_limit
 from tokenmill.entrypoints.startup_checks import check_before_serving
 from tokenmill.errors import ConfigError, InvalidRequestError
 from tokenmill.metrics import ServerMetrics
