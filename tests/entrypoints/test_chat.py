@@ -169,12 +169,44 @@ def test_response_format_text_is_accepted(client: openai.OpenAI) -> None:
             "messages.0.content",
         ),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
+        (  # issue 17: a result must answer a call an earlier assistant message made
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "tool", "tool_call_id": "call_nowhere", "content": "x"},
+                ]
+            },
+            "messages.1.tool_call_id",
+        ),
+        (  # issue 17: duplicate function names make calls and named tool_choice ambiguous
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {}}},
+                    {"type": "function", "function": {"name": "f", "parameters": {}}},
+                ]
+            },
+            "tools.1.function.name",
+        ),
     ],
 )
 def test_unsupported_features_are_clear_400s(http: httpx.Client, extra: dict, param: str) -> None:
     body = {"messages": MESSAGES, "max_tokens": 2, **extra}
     error = assert_error(http.post("/v1/chat/completions", json=body), 400)
     assert error["param"].startswith(param), error
+
+
+def test_a_tool_result_answering_an_earlier_call_is_accepted(http: httpx.Client) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+        ],
+        "max_tokens": 2,
+    }
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
 
 
 def test_request_chat_template_needs_operator_trust(http: httpx.Client) -> None:

@@ -12,6 +12,7 @@ import json
 import random
 import re
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -430,7 +431,9 @@ def test_compile_time_budget_is_a_400_naming_the_field() -> None:
         release.wait(30)
 
     state = SimpleNamespace(
-        engine=SimpleNamespace(input_processor=SimpleNamespace(compile_grammar=slow_compile)),
+        engine=SimpleNamespace(
+            input_processor=SimpleNamespace(compile_grammar=slow_compile, grammar_compiler=None)
+        ),
         config=SimpleNamespace(grammar_compile_timeout_s=0.05),
         grammar_pool=ThreadPoolExecutor(1),
     )
@@ -442,6 +445,103 @@ def test_compile_time_budget_is_a_400_naming_the_field() -> None:
     finally:
         release.set()
         state.grammar_pool.shutdown()
+
+
+def test_the_compile_budget_starts_when_the_compile_does() -> None:
+    """With one compile at a time, a request queued behind a slow compile is not refused for
+    the time it waited; one that leaves while queued never compiles."""
+    ran: list[str] = []
+
+    def compile_(params: SamplingParams) -> None:
+        ran.append(params.structured_outputs.regex)  # type: ignore[union-attr]
+        time.sleep(0.3)
+
+    state = SimpleNamespace(
+        engine=SimpleNamespace(
+            input_processor=SimpleNamespace(compile_grammar=compile_, grammar_compiler=None)
+        ),
+        config=SimpleNamespace(grammar_compile_timeout_s=0.5),
+        grammar_pool=ThreadPoolExecutor(1),
+    )
+
+    def params(regex: str) -> SamplingParams:
+        return SamplingParams(structured_outputs=StructuredOutputsParams(regex=regex))
+
+    async def main() -> None:
+        first = asyncio.ensure_future(compile_grammar(state, params("a"), "f"))  # type: ignore[arg-type]
+        second = asyncio.ensure_future(compile_grammar(state, params("b"), "f"))  # type: ignore[arg-type]
+        third = asyncio.ensure_future(compile_grammar(state, params("c"), "f"))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        third.cancel()  # left while queued behind two 0.3 s compiles
+        await asyncio.gather(first, second)  # the second waited 0.3 s, past no budget
+        await asyncio.sleep(0.4)
+
+    try:
+        asyncio.run(main())
+    finally:
+        state.grammar_pool.shutdown()
+    assert ran == ["a", "b"]
+
+
+@pytest.mark.parametrize("bound", [1, 3])
+def test_at_most_the_configured_number_of_compiles_run_at_once(bound: int) -> None:
+    """llguidance holds the GIL while compiling: concurrent compiles stall every stream."""
+    from tokenmill.entrypoints.openai.state import ServerConfig, ServerState
+
+    lock = threading.Lock()
+    running, peak = [0], [0]
+
+    def compile_(params: SamplingParams) -> None:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+
+    processor = SimpleNamespace(compile_grammar=compile_, grammar_compiler=None)
+    state = ServerState(
+        ServerConfig(max_concurrent_grammar_compiles=bound),
+        None,  # type: ignore[arg-type]
+        SimpleNamespace(input_processor=processor),  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+    )
+
+    async def main() -> None:
+        await asyncio.gather(
+            *(
+                compile_grammar(
+                    state,
+                    SamplingParams(structured_outputs=StructuredOutputsParams(regex=f"a{i}")),
+                    "f",
+                )
+                for i in range(8)
+            )
+        )
+
+    try:
+        asyncio.run(main())
+    finally:
+        state.grammar_pool.shutdown()
+    assert peak[0] == bound
+
+
+def test_compile_threads_run_at_the_lowest_cpu_priority() -> None:
+    """A compile is seconds of CPU: on a small machine the engine's step must win it."""
+    import os
+
+    from tokenmill.entrypoints.openai.state import GRAMMAR_THREAD_NICE, new_grammar_pool
+
+    pool = new_grammar_pool(1)
+    try:
+        nice = pool.submit(
+            lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        ).result(30)
+    finally:
+        pool.shutdown()
+    assert nice == GRAMMAR_THREAD_NICE == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # this thread's kept
 
 
 def test_catastrophic_backtracking_regexes_are_served_without_backtracking(

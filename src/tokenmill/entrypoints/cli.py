@@ -15,6 +15,7 @@ import traceback
 from typing import Any
 
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from tokenmill.entrypoints.log_limits import install_log_rate_limit
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -272,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    install_log_rate_limit()
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

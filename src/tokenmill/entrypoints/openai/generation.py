@@ -205,16 +205,42 @@ async def compile_grammar(
 ) -> CompiledGrammar | None:
     """Compile the request's output constraint on the grammar pool, within the time budget.
 
-    A compile that overruns is answered 400 at once; its thread finishes in the background
-    (llguidance's fuel limits bound it). Errors name ``field``, the body field the client used.
+    The budget runs from when the compile starts: waiting for a turn on the pool (bounded
+    by ``--max-concurrent-grammar-compiles``) does not count, and a request that leaves
+    while it waits takes its compile off the queue. A compile that overruns is answered 400
+    at once; its thread finishes in the background (llguidance's fuel limits bound it).
+    Errors name ``field``, the body field the client used.
     """
     if params.structured_outputs is None:
         return None
     processor = state.engine.input_processor
     timeout_s = state.config.grammar_compile_timeout_s
+    compiler = processor.grammar_compiler
+    compiled = compiler.cached(params.structured_outputs) if compiler is not None else None
+    if compiled is not None:  # no turn on the pool needed
+        return compiled
+    loop = asyncio.get_running_loop()
+    started: asyncio.Future[None] = loop.create_future()
+
+    def mark_started() -> None:
+        if not started.done():
+            started.set_result(None)
+
+    def work() -> CompiledGrammar | None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(mark_started)
+        return processor.compile_grammar(params)
+
+    future = state.grammar_pool.submit(work)
+    result = asyncio.wrap_future(future)
     try:
-        future = state.grammar_pool.submit(processor.compile_grammar, params)
-        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        waiting: set[asyncio.Future[Any]] = {started, result}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        future.cancel()  # still queued: it never runs
+        raise
+    try:
+        return await asyncio.wait_for(asyncio.shield(result), timeout_s)
     except asyncio.TimeoutError:
         raise InvalidRequestError(
             f"the {params.structured_outputs.kind} constraint took longer than {timeout_s:g}s to compile",

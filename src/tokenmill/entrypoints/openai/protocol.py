@@ -335,16 +335,26 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
                 )
         if self.tools is not None and not self.tools:
             raise InvalidRequestError("tools must not be empty", param="tools")
+        first_with_name: dict[str, int] = {}
         for i, tool in enumerate(self.tools or []):
-            if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", tool.function.name):
+            name = tool.function.name
+            if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
                 raise InvalidRequestError(
                     "function names must be 1-64 letters, digits, '_' or '-'",
                     param=f"tools.{i}.function.name",
                 )
+            if name in first_with_name:  # a call, or a named tool_choice, would be ambiguous
+                raise InvalidRequestError(
+                    f"function name {name!r} is also tools[{first_with_name[name]}]'s; "
+                    "names must be unique",
+                    param=f"tools.{i}.function.name",
+                )
+            first_with_name[name] = i
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true", param="top_logprobs"
             )
+        call_ids: set[str] = set()
         for i, message in enumerate(self.messages):
             if message.content is None and message.role != "assistant":
                 raise InvalidRequestError(
@@ -355,6 +365,13 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
                     f"messages[{i}].tool_call_id is required for a tool message",
                     param=f"messages.{i}.tool_call_id",
                 )
+            if message.role == "tool" and message.tool_call_id not in call_ids:
+                raise InvalidRequestError(  # as OpenAI: a result answers an earlier call
+                    f"messages[{i}].tool_call_id {message.tool_call_id!r} answers no tool call "
+                    "of an earlier assistant message",
+                    param=f"messages.{i}.tool_call_id",
+                )
+            call_ids.update(call.id for call in message.tool_calls or ())
 
     def max_new_tokens(self) -> int | None:
         return (

@@ -33,6 +33,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineState
 from tokenmill.engine.llm_engine import resolve_model_path
 from tokenmill.entrypoints.config_args import add_config_args, config_kwargs
+from tokenmill.entrypoints.log_limits import install_log_rate_limit
 from tokenmill.entrypoints.openai.admission import AdmissionController, AdmissionMiddleware
 from tokenmill.entrypoints.openai.anthropic import AnthropicErrorMiddleware
 from tokenmill.entrypoints.openai.auth import APIKeyAuthMiddleware
@@ -453,6 +454,7 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         ssl_cert_reqs=config.ssl_cert_reqs,
         ssl_ciphers=config.ssl_ciphers or "TLSv1",  # uvicorn's default
         http=_JSONErrorH11Protocol,
+        loop="tokenmill.entrypoints.openai.event_loop:new_event_loop",  # accept() backs off
         lifespan="on",
         access_log=False,
         log_level=config.uvicorn_log_level,
@@ -461,6 +463,7 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         timeout_keep_alive=5,
         timeout_graceful_shutdown=CUT_OFF_GRACE_S,  # type: ignore[arg-type]  # a float works (asyncio timeout)
     )
+    install_log_rate_limit("uvicorn", "uvicorn.error")  # repeated errors are summarised
     server = GracefulServer(uv_config, app)
     server.run()
     return server.exit_code

@@ -7,7 +7,10 @@ routes follow: loading or draining is a 503, a dead engine a 500.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -79,7 +82,9 @@ class ServerConfig:
     grammar_compile_timeout_s: float = field(
         default=10.0, metadata={"flag": "--grammar-compile-timeout"}
     )
-    """Seconds a structured-output schema, regex or grammar may take to compile (400 beyond it); compiling runs on its own threads, never the engine's."""
+    """Seconds a structured-output schema, regex or grammar may take to compile, from when its compile starts (400 beyond it); compiling runs on its own threads, never the engine's."""
+    max_concurrent_grammar_compiles: int = 1
+    """Structured-output constraints compiled at once (on threads at the lowest CPU priority); more wait for a turn. A large schema is seconds of CPU, and each concurrent compile takes it from the engine's step (8 at once stretched other streams' token gaps to ~0.5 s on 2 cores)."""
     enable_auto_tool_choice: bool = False
     """Let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser."""
     tool_call_parser: str | None = None
@@ -181,6 +186,10 @@ class ServerConfig:
             (self.max_stored_responses >= 0, "--max-stored-responses must be >= 0"),
             (self.grammar_compile_timeout_s > 0, "--grammar-compile-timeout must be > 0"),
             (
+                self.max_concurrent_grammar_compiles >= 1,
+                "--max-concurrent-grammar-compiles must be >= 1",
+            ),
+            (
                 self.tool_call_parser in (None, "hermes", "llama3_json"),
                 "--tool-call-parser must be 'hermes' or 'llama3_json'",
             ),
@@ -219,6 +228,23 @@ class ServerConfig:
         return self.max_beam_search_requests + self.max_beam_search_queue_len
 
 
+GRAMMAR_THREAD_NICE = 19
+"""Scheduling priority of the compile threads (Linux nice): the engine's step wins the CPU."""
+
+
+def _lower_thread_priority() -> None:
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not permitted
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), GRAMMAR_THREAD_NICE)
+
+
+def new_grammar_pool(num_workers: int) -> ThreadPoolExecutor:
+    """The threads structured-output constraints compile on, at the lowest CPU priority:
+    a 155 KB schema takes seconds of CPU, which on a small machine the step needs."""
+    return ThreadPoolExecutor(
+        num_workers, thread_name_prefix="tokenmill-grammar", initializer=_lower_thread_priority
+    )
+
+
 class RunningRequest(Protocol):
     """What the drain needs of a request that is generating: a way to end it now."""
 
@@ -247,14 +273,14 @@ class ServerState:
     """The operator's chat template, content format, template variables and response role."""
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     """Request-field defaults from the generation config (``--generation-config``)."""
-    grammar_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tokenmill-grammar")
-    )
-    """Where structured-output constraints compile: off the event loop and the engine thread."""
+    grammar_pool: ThreadPoolExecutor = field(init=False)
+    """Where structured-output constraints compile: off the event loop and the engine
+    thread, ``--max-concurrent-grammar-compiles`` at a time."""
     response_store: ResponseStore = field(init=False)
     """Stored Responses API responses (``--max-stored-responses``)."""
 
     def __post_init__(self) -> None:
+        self.grammar_pool = new_grammar_pool(self.config.max_concurrent_grammar_compiles)
         self.response_store = ResponseStore(self.config.max_stored_responses)
 
     @property
