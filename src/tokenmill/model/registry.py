@@ -14,6 +14,7 @@ import path and imported only when a model is built.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -175,7 +176,7 @@ def _one(
 
 def _projection(
     target: str,
-    sources: list[tuple[str, tuple[int, ...]]],
+    sources: Sequence[tuple[str, tuple[int, ...]]],
     lora: str | None,
     slices: tuple[int, ...] | None = None,
 ) -> WeightSpec:
