@@ -205,8 +205,8 @@ class DecoderModel(CausalLM):
         if local_rope is None and cfg.local_rope_theta is not None:
             self.local_rope = build_rope(cfg, max_positions, local=True)
 
-    def _layer_rope(self, layer: DecoderLayer) -> RotaryEmbedding:
-        if self.local_rope is not None and layer.attn.window is not None:
+    def _layer_rope(self, layer: nn.Module) -> RotaryEmbedding:
+        if self.local_rope is not None and isinstance(layer, DecoderLayer) and layer.attn.window:
             return self.local_rope
         return self.rope
 

@@ -234,6 +234,8 @@ class RotaryEmbedding(nn.Module):
             freqs = positions[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos(), emb.sin()
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.is_partial = self.rotary_dim != head_dim
