@@ -42,7 +42,7 @@ class EngineConfig:
     model: str = "demo"
     """Path of a Hugging Face model folder, or ``demo`` for the built-in model."""
     dtype: DType = field(default="auto", metadata={"parse": "dtype"})
-    """Weights and activations dtype; auto: the checkpoint's, with half precision as bfloat16 where the CPU runs it natively (AVX512-BF16/AMX) and float32 where it does not."""
+    """Weights and activations dtype; auto: on CPU, bfloat16 where the CPU runs it natively (AVX512-BF16/AMX), float32 checkpoints included (as vLLM), else float32; on a GPU the checkpoint's."""
     quantization: Quantization | None = field(default=None, metadata={"aliases": ("-q",)})
     """Weight-only quantization applied at load: int8 (per output channel) or int4 (group-wise)."""
     quantization_group_size: int = 128
