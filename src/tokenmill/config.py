@@ -67,8 +67,8 @@ class EngineConfig:
     """Maximum number of requests in the running batch."""
     max_num_batched_tokens: int = 2048
     """Token budget of one engine step (prefill chunks plus decodes)."""
-    max_model_len: int | None = None
-    """Context length limit; default: the model's max_position_embeddings."""
+    max_model_len: int | None = field(default=None, metadata={"parse": "max_model_len"})
+    """Context length limit (4096, 32k, 32K); default (or auto): the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
     enable_chunked_prefill: bool = True
