@@ -48,7 +48,7 @@ class EngineConfig:
     model_impl: ModelImpl = "auto"
     """auto: tokenmill's own implementation for native families, Transformers' modeling code over tokenmill's KV cache for any other causal LM; native or transformers forces one."""
     dtype: DType = field(default="auto", metadata={"parse": "dtype"})
-    """Weights and activations dtype; auto: the checkpoint's, with half precision as bfloat16 where the CPU runs it natively (AVX512-BF16/AMX) and float32 where it does not."""
+    """Weights and activations dtype; auto: on CPU, bfloat16 where the CPU runs it natively (AVX512-BF16/AMX), float32 checkpoints included (as vLLM), else float32; on a GPU the checkpoint's."""
     quantization: Quantization | None = field(default=None, metadata={"aliases": ("-q",)})
     """Weight-only quantization applied at load: int8 (per output channel) or int4 (group-wise)."""
     quantization_group_size: int = 128
@@ -73,8 +73,8 @@ class EngineConfig:
     """Maximum number of requests in the running batch."""
     max_num_batched_tokens: int = 2048
     """Token budget of one engine step (prefill chunks plus decodes)."""
-    max_model_len: int | None = None
-    """Context length limit; default: the model's max_position_embeddings."""
+    max_model_len: int | None = field(default=None, metadata={"parse": "max_model_len"})
+    """Context length limit (4096, 32k, 32K); default (or auto): the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
     enable_chunked_prefill: bool = True

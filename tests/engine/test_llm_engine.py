@@ -388,3 +388,20 @@ def test_priority_is_refused_under_fcfs_not_ignored(folder) -> None:
     assert not llm.engine.has_unfinished_requests()  # nothing half-submitted keeps running
     ranked = LLM(str(folder), dtype="float32", max_model_len=128, scheduling_policy="priority")
     assert len(ranked.generate([[5, 6, 7], [8, 9]], GREEDY, use_tqdm=False, priority=[0, 1])) == 2
+
+
+def test_tokenizer_option_reads_another_folder(make_model, tmp_path) -> None:
+    """--tokenizer: the tokenizer (and its chat template) come from that folder, not the model's."""
+    import shutil
+
+    folder = make_model("llama")
+    other = tmp_path / "tokenizer"
+    other.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, other / name)
+    (other / "chat_template.jinja").write_text("OTHER {{ messages[0]['content'] }}")
+    llm = LLM(str(folder), dtype="float32", max_model_len=64, tokenizer=str(other))
+    assert llm.tokenizer.chat_template == "OTHER {{ messages[0]['content'] }}"
+    assert LLM(str(folder), dtype="float32", max_model_len=64).tokenizer.chat_template != (
+        "OTHER {{ messages[0]['content'] }}"
+    )

@@ -35,7 +35,7 @@ def _json(max_tokens: int = 80, **kwargs) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("demo", max_model_len=512)
+    return LLM("demo", dtype="float32", max_model_len=512)
 
 
 def test_unconstrained_rows_get_their_own_greedy_tokens_in_a_mixed_batch(llm: LLM) -> None:
@@ -70,7 +70,13 @@ def test_preemption_and_chunked_prefill_keep_grammar_state(llm: LLM) -> None:
     prompts = [p + " " + str(i) * 12 for i, p in enumerate(PROMPTS)]
     roomy = llm.generate(prompts, params, use_tqdm=False)
     # Little KV (preemption) and an 8-token step budget (prompts prefill in chunks).
-    tight = LLM("demo", max_model_len=96, kv_cache_memory=6 * 16 * 2048, max_num_batched_tokens=8)
+    tight = LLM(
+        "demo",
+        dtype="float32",
+        max_model_len=96,
+        kv_cache_memory=6 * 16 * 2048,
+        max_num_batched_tokens=8,
+    )
     got = tight.generate(prompts, params, use_tqdm=False)
     assert tight.engine.stats.num_preemptions > 0
     assert all(len(o.prompt_token_ids) > 8 for o in got)
@@ -82,7 +88,14 @@ def test_preemption_and_chunked_prefill_keep_grammar_state(llm: LLM) -> None:
 
 
 def test_static_kv_sampled_n2_samples_each_follow_the_grammar() -> None:
-    llm = LLM("demo", max_model_len=256, kv_cache="static", max_num_seqs=4, enforce_eager=True)
+    llm = LLM(
+        "demo",
+        dtype="float32",
+        max_model_len=256,
+        kv_cache="static",
+        max_num_seqs=4,
+        enforce_eager=True,
+    )
     outs = llm.generate(PROMPTS[:2], _json(n=2, temperature=1.0, seed=7), use_tqdm=False)
     for out in outs:
         assert len(out.outputs) == 2

@@ -1,7 +1,8 @@
 """Real ``tokenmill serve`` processes on loopback, shared by the server tests.
 
 The main server starts once per session (loading takes seconds); tests that need other
-flags or kill their server start their own with ``start_server``. Every server uses one
+flags or kill their server start their own with ``start_server``. Servers run float32
+unless a test passes ``--dtype`` (``auto`` is bf16 on a CPU with bf16 units). Every server uses one
 torch thread (two would oversubscribe a small CI machine) and the same ``TOKENMILL_CACHE``
 as CI (the demo model itself ships in the package).
 """
@@ -133,6 +134,7 @@ def start_server(
         str(port),
         "--num-threads",
         "1",
+        *(() if "--dtype" in flags else ("--dtype", "float32")),  # the figures tests expect
         *flags,
     ]
     if api_key:

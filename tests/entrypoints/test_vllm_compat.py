@@ -182,6 +182,14 @@ def test_vllm_spellings_of_values_and_aliases() -> None:
     assert args.allowed_origins == ["http://a"] and args.enable_chunked_prefill is False
 
 
+@pytest.mark.parametrize(
+    ("text", "tokens"),
+    [("4096", 4096), ("32k", 32000), ("32K", 32768), ("1.5k", 1500), ("auto", None), ("-1", None)],
+)
+def test_max_model_len_takes_vllms_human_readable_lengths(text: str, tokens: int | None) -> None:
+    assert build_parser().parse_args(["serve", "--max-model-len", text]).max_model_len == tokens
+
+
 def test_help_equals_all_prints_the_help(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["serve", "--help=all"])

@@ -117,6 +117,17 @@ def test_long_prompt_without_chunked_prefill(tls_server: ServerHandle) -> None:
     assert "the step budget is 128 tokens" in tls_server.log()
 
 
+def test_dtype_auto_is_bf16_where_the_cpu_computes_it(tls_server: ServerHandle) -> None:
+    """vLLM's default: a float32 checkpoint (the demo) runs as bf16 on a CPU with bf16 units."""
+    from tokenmill.model.cpu import cpu_info
+
+    if cpu_info().has_native_bf16:
+        assert "checkpoint is float32; using bfloat16" in tls_server.log()
+        assert "--dtype float32 keeps float32" in tls_server.log()
+    else:
+        assert "dtype auto: float32, as the checkpoint declares" in tls_server.log()
+
+
 def test_docs_disabled_and_no_stats_line(tls_server: ServerHandle) -> None:
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert httpx.get(_url(tls_server, path), verify=False, timeout=10).status_code == 404

@@ -17,6 +17,7 @@ from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import ModelLoadError
 from tokenmill.model import demo
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.cpu import CPUInfo
 from tokenmill.model.demo import DEMO_MODEL_DIR, build_bpe_tokenizer, demo_model_path
 from tokenmill.model.loader import resolve_dtype
 from tokenmill.sampling.params import SamplingParams
@@ -46,7 +47,7 @@ def demo_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def demo_llm(demo_dir: Path) -> LLM:
-    return LLM("demo", max_model_len=512)
+    return LLM("demo", dtype="float32", max_model_len=512)  # the recorded figures are fp32
 
 
 def english_words(text: str) -> tuple[int, float]:
@@ -125,11 +126,17 @@ def test_weights_have_hf_llama_names_and_shapes_in_bfloat16(demo_dir: Path) -> N
     assert not torch.equal(weights["model.norm.weight"], torch.ones(hidden, dtype=torch.bfloat16))
 
 
-def test_engine_runs_the_demo_in_float32_by_default(demo_dir: Path) -> None:
-    """bf16 on disk for size; the config asks for float32, so results match the old demo's dtype."""
+def test_engine_runs_the_demo_in_float32_unless_the_cpu_has_bf16(
+    demo_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 on disk for size; the config asks for float32, which a GPU and a CPU without
+    bf16 units keep; a CPU with them runs it as bf16 (vLLM's auto)."""
     cfg = ModelConfig.from_folder(demo_dir)
-    for device in ("cpu", "cuda"):
-        assert resolve_dtype("auto", cfg, torch.device(device)) == torch.float32
+    assert resolve_dtype("auto", cfg, torch.device("cuda")) == torch.float32
+    for flags, want in (({"avx2"}, torch.float32), ({"amx_bf16"}, torch.bfloat16)):
+        info = CPUInfo("AVX512", frozenset(flags), 2)
+        monkeypatch.setattr("tokenmill.model.loader.cpu_info", lambda info=info: info)
+        assert resolve_dtype("auto", cfg, torch.device("cpu")) == want
 
 
 def test_demo_tokenizer_chatml(demo_dir: Path) -> None:
@@ -241,7 +248,7 @@ def test_sampled_text_is_english_and_the_check_rejects_the_untrained_demo(
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(demo_dir / name, tmp_path / name)
-    untrained = LLM(str(tmp_path), max_model_len=128)
+    untrained = LLM(str(tmp_path), dtype="float32", max_model_len=128)
     params = [
         SamplingParams(temperature=1.0, max_tokens=48, seed=seed, ignore_eos=True)
         for seed in range(4)

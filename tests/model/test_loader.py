@@ -121,7 +121,7 @@ def test_missing_config(tmp_path: Path) -> None:
         ({"avx2"}, torch.float32, "float32, as this CPU has no bf16 dot products"),
     ],
 )
-def test_dtype_auto_runs_a_half_checkpoint_as_bf16_only_where_the_cpu_has_bf16(
+def test_dtype_auto_runs_bf16_only_where_the_cpu_has_bf16(
     model_copy: Path, caplog, monkeypatch: pytest.MonkeyPatch, flags, want, logged
 ) -> None:
     info = CPUInfo("AVX512", frozenset(flags), 2)
@@ -134,7 +134,8 @@ def test_dtype_auto_runs_a_half_checkpoint_as_bf16_only_where_the_cpu_has_bf16(
         assert logged in caplog.text
         assert resolve_dtype("bfloat16", cfg, torch.device("cpu")) == torch.bfloat16
     cfg = ModelConfig.from_dict({**raw, "torch_dtype": "float32"})
-    assert resolve_dtype("auto", cfg, torch.device("cpu")) == torch.float32  # never lowered
+    assert resolve_dtype("auto", cfg, torch.device("cpu")) == want  # fp32 too, as vLLM does
+    assert resolve_dtype("float32", cfg, torch.device("cpu")) == torch.float32
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -70,6 +70,27 @@ def parse_dtype(text: str) -> str:
     return DTYPE_ALIASES.get(text, text)
 
 
+_HUMAN_INT = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtKMGT]?)\s*")
+
+
+def parse_max_model_len(text: str) -> int | None:
+    """vLLM's ``--max-model-len``: ``4096``, ``32k`` (32000), ``32K`` (32768), ``1m``, ``auto``
+    or ``-1`` (the model's own length)."""
+    if text.strip().lower() in ("auto", "-1"):
+        return None
+    match = _HUMAN_INT.fullmatch(text)
+    if not match:
+        raise argparse.ArgumentTypeError(
+            f"invalid length {text!r}: use a number of tokens like 4096, 32k, 32K or auto"
+        )
+    number, suffix = match.groups()
+    power = "kmgt".find(suffix.lower()) + 1 if suffix else 0
+    value = float(number) * ((1024 if suffix.isupper() else 1000) ** power)
+    if value != int(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"invalid length {text!r}: a whole number of tokens >= 1")
+    return int(value)
+
+
 def parse_json_list(text: str) -> list[str]:
     """A JSON list of strings, as vLLM's CORS flags take: ``'["*"]'``."""
     try:
@@ -99,6 +120,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "bytes": parse_bytes,
     "int_list": parse_int_list,
     "dtype": parse_dtype,
+    "max_model_len": parse_max_model_len,
 }
 """Parsers a field's ``parse`` metadata may name."""
 

@@ -27,16 +27,11 @@ from tokenmill.engine.input_processor import CheckedParams, ProcessedRequest
 from tokenmill.entrypoints.openai.admission import admit_sequences
 from tokenmill.entrypoints.openai.errors import APIError, to_api_error
 from tokenmill.entrypoints.openai.generation_config import (
-    capped_max_tokens,
     with_generation_defaults,
+    with_server_defaults,
 )
-from tokenmill.entrypoints.openai.protocol import (
-    RequestBody,
-    StreamOptions,
-    decode_json_object,
-    validate_model,
-)
-from tokenmill.entrypoints.openai.request_log import log_output, log_request
+from tokenmill.entrypoints.openai.protocol import RequestBody, decode_json_object, validate_model
+from tokenmill.entrypoints.openai.request_log import log_output, log_prompts
 from tokenmill.entrypoints.openai.routes import (
     check_route_body,
     grow_route,
@@ -161,30 +156,16 @@ async def parse_request(
     data = {k: v for k, v in data.items() if k in sent or k in body_cls.model_fields}
     body = validate_model(body_cls, data)
     body.check()
-    body = _with_server_defaults(state, check_route_body(request, body))
+    body = with_server_defaults(
+        check_route_body(request, body),
+        state.generation_defaults,
+        state.config.enable_force_include_usage,
+    )
     model = state.resolve_model(body.model)
     state.ready_engine()
     return ParsedRequest(
         request, state, request_id, arrival_time, body, model, lora_request=state.lora_for(model)
     )
-
-
-def _with_server_defaults(state: ServerState, body: BodyT) -> BodyT:
-    """The generation config's ``max_new_tokens`` cap and ``--enable-force-include-usage``."""
-    updates: dict[str, Any] = {}
-    cap = state.generation_defaults.get("max_tokens")
-    if cap is not None:
-        field = (
-            "max_completion_tokens"
-            if getattr(body, "max_completion_tokens", None)
-            else "max_tokens"
-        )
-        updates[field] = capped_max_tokens(getattr(body, field), state.generation_defaults)
-    streams = getattr(body, "stream", False)  # embeddings and pooling bodies do not
-    if state.config.enable_force_include_usage and streams and not body.include_usage:  # type: ignore[attr-defined]
-        options = body.stream_options or StreamOptions()  # type: ignore[attr-defined]
-        updates["stream_options"] = options.model_copy(update={"include_usage": True})
-    return body.model_copy(update=updates) if updates else body
 
 
 def check_params(
@@ -284,17 +265,8 @@ async def process_prompts(
         return processed
 
     processed = route_prompts(req.http, await tokenization.run(work))
-    config = state.config
-    if config.enable_log_requests:
-        for p in processed:
-            log_request(
-                p.request_id,
-                p.prompt_text,
-                p.prompt_token_ids,
-                p.params,
-                config.max_log_len,
-                req.lora_request.lora_name if req.lora_request is not None else None,
-            )
+    if state.config.enable_log_requests:
+        log_prompts(processed, state.config.max_log_len)
     return processed
 
 

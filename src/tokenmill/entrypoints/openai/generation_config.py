@@ -11,9 +11,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from tokenmill.entrypoints.openai.protocol import RequestBody, SamplingFields, StreamOptions
 from tokenmill.errors import ConfigError
+
+BodyT = TypeVar("BodyT", bound=RequestBody)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,26 @@ def with_generation_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> 
     """A request body with the defaults under the fields it leaves unset (or null)."""
     values = {k: v for k, v in defaults.items() if k != "max_tokens" and data.get(k) is None}
     return {**data, **values} if values else data
+
+
+def with_server_defaults(body: BodyT, defaults: dict[str, Any], force_include_usage: bool) -> BodyT:
+    """A validated body with the ``max_new_tokens`` cap applied and, under
+    ``--enable-force-include-usage``, a stream's usage chunk asked for. Bodies that sample
+    nothing (embeddings, pooling) pass through."""
+    if not isinstance(body, SamplingFields):
+        return body
+    updates: dict[str, Any] = {}
+    if defaults.get("max_tokens") is not None:
+        field = (
+            "max_completion_tokens"
+            if getattr(body, "max_completion_tokens", None)
+            else "max_tokens"
+        )
+        updates[field] = capped_max_tokens(getattr(body, field), defaults)
+    if force_include_usage and body.stream and not body.include_usage:
+        options = body.stream_options or StreamOptions()
+        updates["stream_options"] = options.model_copy(update={"include_usage": True})
+    return body.model_copy(update=updates) if updates else body
 
 
 def capped_max_tokens(requested: int | None, defaults: dict[str, Any]) -> int | None:

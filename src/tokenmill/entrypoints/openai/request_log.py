@@ -40,6 +40,13 @@ def log_request(
     )
 
 
+def log_prompts(prompts: Sequence[Any], max_log_len: int | None) -> None:
+    """``log_request`` for each ProcessedRequest of one API request."""
+    for p in prompts:
+        lora = p.lora_request.lora_name if p.lora_request is not None else None
+        log_request(p.request_id, p.prompt_text, p.prompt_token_ids, p.params, max_log_len, lora)
+
+
 def log_output(
     request_id: str,
     index: int,
