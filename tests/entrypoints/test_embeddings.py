@@ -86,6 +86,7 @@ def test_embeddings_match_transformers_float_and_base64(pool_server: ServerHandl
 
 def test_a_batch_of_32_equals_one_at_a_time(pool_server: ServerHandle) -> None:
     client = pool_server.openai()
+    before = pool_server.wait_idle().get("tokenmill:request_success_total", 0.0)
     inputs = [f"{TEXTS[i % len(TEXTS)]} {i}" for i in range(32)]
     batch = client.embeddings.create(model="demo", input=inputs, encoding_format="float")
     assert len(batch.data) == 32
@@ -97,6 +98,9 @@ def test_a_batch_of_32_equals_one_at_a_time(pool_server: ServerHandle) -> None:
     ids = [[5, 6, 7], [8, 9]]  # token ids are inputs too
     by_ids = client.embeddings.create(model="demo", input=ids, encoding_format="float")
     assert by_ids.usage.prompt_tokens == 5
+    # Every input is one engine request, counted in the metrics as generation is.
+    after = pool_server.wait_idle()["tokenmill:request_success_total"]
+    assert after - before == 32 + 3 + 2
 
 
 def test_dimensions_only_on_a_matryoshka_model(
