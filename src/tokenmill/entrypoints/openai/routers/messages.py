@@ -51,7 +51,7 @@ from tokenmill.outputs import CompletionOutput
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter(include_in_schema=False)  # not yet in /openapi.json (see docs/apis.md)
+router = APIRouter()
 
 
 def named_event(name: str, payload: dict[str, Any]) -> bytes:

@@ -45,7 +45,7 @@ from tokenmill.entrypoints.openai.tools import ToolCallStreamer, ToolMode
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter(include_in_schema=False)  # not yet in /openapi.json (see docs/apis.md)
+router = APIRouter()
 
 
 def _not_found(response_id: str, param: str | None = None) -> APIError:

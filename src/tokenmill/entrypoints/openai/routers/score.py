@@ -15,7 +15,7 @@ from tokenmill.entrypoints.openai.generation import parse_request
 from tokenmill.entrypoints.openai.pooling import ClientGone, cosine, pool_inputs, pooling_params
 from tokenmill.entrypoints.openai.pooling_protocol import RerankRequest, ScoreRequest
 
-router = APIRouter(include_in_schema=False)  # not yet in /openapi.json (see docs/apis.md)
+router = APIRouter()
 
 
 @router.post("/score")
