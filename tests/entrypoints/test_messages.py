@@ -34,7 +34,15 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def msg_server(demo_cache: str, server_log_dir: Path) -> Iterator[ServerHandle]:
-    handle = start_server(server_log_dir, "--max-model-len", "1024", "--max-num-seqs", "4")
+    handle = start_server(
+        server_log_dir,
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "4",
+        "--max-request-body-bytes",
+        "64KiB",
+    )
     yield handle
     handle.stop()
     assert "Traceback" not in handle.log(), handle.log()
@@ -203,6 +211,13 @@ def test_errors_are_anthropic_shaped(claude: anthropic.Anthropic, msg_server: Se
     assert_anthropic_error(malformed, 400, "invalid_request_error")
     unauthenticated = httpx.post(url, json=cases[0][0])
     assert_anthropic_error(unauthenticated, 401, "authentication_error")
+    # Refused by the body limit before the route runs: still Anthropic's shape.
+    huge = {
+        "model": "demo",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "x" * 70_000}],
+    }
+    assert_anthropic_error(httpx.post(url, json=huge, headers=headers), 413, "request_too_large")
     # The OpenAI routes keep OpenAI's shape.
     other = httpx.post(f"{msg_server.base_url}/v1/chat/completions", json={}, headers=headers)
     assert set(other.json()) == {"error"}
