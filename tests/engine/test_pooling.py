@@ -199,3 +199,13 @@ def test_a_base_model_checkpoint_loads_as_qwen3_embedding_ships(make_model, tmp_
     want = reference_embeddings(source, prompts, "LAST")
     for g, w in zip(llm.embed(prompts), want, strict=True):
         assert torch.allclose(torch.tensor(g), w, atol=ATOL)
+
+
+def test_an_input_may_fill_the_context_but_not_exceed_it(make_model) -> None:
+    from tokenmill.errors import ContextLengthError
+
+    llm = LLM(str(make_model("qwen3")), dtype="float32", max_model_len=32, runner="pooling")
+    full = _prompts(llm.tokenizer.vocab_size, 1, seed=7, max_len=1)[0] * 32
+    assert len(llm.embed([full])[0]) == 64  # no room for output is needed
+    with pytest.raises(ContextLengthError, match="the input has 33 tokens"):
+        llm.embed([full + full[:1]])
