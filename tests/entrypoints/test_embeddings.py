@@ -155,7 +155,8 @@ def test_bad_input_and_the_wrong_runner(pool_server: ServerHandle, server: Serve
             ({"input": ""}, "input"),
             ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
             ({"input": "x", "bogus": 1}, "bogus"),
-            ({"input": [10**9]}, "prompt"),
+            ({"input": [10**9]}, "input"),
+            ({"input": "word " * 2100}, "input"),  # longer than the demo's 2048-token context
         ]:
             assert_error(http.post("/v1/embeddings", json=body), 400, param=param)
         refused = http.post(
