@@ -34,11 +34,11 @@ from tokenmill.entrypoints.openai.responses_api import (
     input_messages,
 )
 from tokenmill.entrypoints.openai.routers.chat import ChatRun, start_chat_run
-from tokenmill.entrypoints.openai.routers.messages import named_event
 from tokenmill.entrypoints.openai.state import get_state
 from tokenmill.entrypoints.openai.streaming import (
     ClientDisconnected,
     SSEResponse,
+    named_event,
     run_until_disconnected,
 )
 from tokenmill.entrypoints.openai.tools import ToolCallStreamer, ToolMode
