@@ -218,6 +218,12 @@ def test_errors_are_anthropic_shaped(claude: anthropic.Anthropic, msg_server: Se
         "messages": [{"role": "user", "content": "x" * 70_000}],
     }
     assert_anthropic_error(httpx.post(url, json=huge, headers=headers), 413, "request_too_large")
+    # Counted by path and status, as chat completions are.
+    scrape = httpx.get(f"{msg_server.base_url}/metrics", headers=headers).text
+    assert (
+        'path="/v1/messages",status="400"' in scrape
+        and 'path="/v1/messages",status="401"' in scrape
+    )
     # The OpenAI routes keep OpenAI's shape.
     other = httpx.post(f"{msg_server.base_url}/v1/chat/completions", json={}, headers=headers)
     assert set(other.json()) == {"error"}
