@@ -237,5 +237,9 @@ def test_bearer_and_x_api_key_both_authenticate(msg_server: ServerHandle) -> Non
     )
     bearer = {"Authorization": f"Bearer {MAIN_KEY}"}
     assert httpx.post(url, json=body, headers=bearer, timeout=60).status_code == 200
-    both = {**bearer, "x-api-key": MAIN_KEY}  # ambiguous: refused
-    assert_anthropic_error(httpx.post(url, json=body, headers=both), 401, "authentication_error")
+    both = {**bearer, "x-api-key": MAIN_KEY}  # the same key twice (some gateways do)
+    assert httpx.post(url, json=body, headers=both, timeout=60).status_code == 200
+    different = {**bearer, "x-api-key": "sk-other"}  # which one would it be? refused
+    assert_anthropic_error(
+        httpx.post(url, json=body, headers=different), 401, "authentication_error"
+    )
