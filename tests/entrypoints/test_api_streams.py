@@ -1,19 +1,24 @@
-"""Failures after a Messages or Responses stream began are that API's own error event.
+"""Failures after a Messages or Responses stream began are that API's own error event, and
+``/load`` counts requests in flight.
 
-The engine is gated (``StepGate``) and never allowed a step, so a request reliably outlives
-``--request-timeout`` before its first token: plain requests answer 503 in the API's error
-shape, streams that already sent their first event end with an ``error`` event.
+The engine is gated (``StepGate``), so a request reliably outlives ``--request-timeout``
+before its first token (plain requests answer 503 in the API's error shape, streams that
+already sent their first event end with an ``error`` event), and stays in flight until the
+test lets it finish.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 
 from tests.entrypoints.inprocess import (
+    WAIT_S,
     InProcessServer,
     StepGate,
     serve_in_process,
@@ -74,3 +79,42 @@ def test_responses_timeout_is_openai_shaped(stalled: InProcessServer) -> None:
     assert [name for name, _ in events] == ["response.created", "response.in_progress", "error"]
     error = events[-1][1]
     assert error["code"] == "request_timeout" and error["sequence_number"] == 2
+
+
+def _wait_for_load(base_url: str, is_expected: Callable[[int], bool]) -> int:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        load = httpx.get(f"{base_url}/load", timeout=10).json()["server_load"]
+        if is_expected(load) or time.monotonic() > deadline:
+            return load
+        time.sleep(0.02)
+
+
+def test_load_counts_the_requests_in_flight(demo_cache: str) -> None:
+    gate = StepGate()
+    engine = gate.async_engine(ENGINE_CONFIG)
+    server = serve_in_process(engine, ServerConfig(max_num_seqs=4), ENGINE_CONFIG)
+    try:
+        wait_healthy(server.base_url)
+        assert httpx.get(f"{server.base_url}/load").json() == {"server_load": 0}
+        answers: list[int] = []
+        clients = [
+            threading.Thread(
+                target=lambda path=path, body=body: answers.append(
+                    httpx.post(f"{server.base_url}{path}", json=body, timeout=WAIT_S).status_code
+                )
+            )
+            for path, body in (("/v1/messages", MESSAGES_BODY), ("/v1/responses", RESPONSES_BODY))
+        ]
+        for client in clients:
+            client.start()
+        # Nothing can finish while the engine takes no step: both stay in flight.
+        assert _wait_for_load(server.base_url, lambda n: n == 2) == 2
+        gate.open()
+        for client in clients:
+            client.join(WAIT_S)
+        assert answers == [200, 200]
+        assert _wait_for_load(server.base_url, lambda n: n == 0) == 0
+    finally:
+        gate.open()
+        server.stop()

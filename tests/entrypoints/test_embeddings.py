@@ -206,10 +206,5 @@ def test_ping_invocations_and_load(pool_server: ServerHandle, server: ServerHand
         assert http.post("/invocations", json=chat).json()["object"] == "chat.completion"
         text = http.post("/invocations", json={"prompt": "x", "max_tokens": 2}).json()
         assert text["object"] == "text_completion"
-        assert isinstance(http.get("/load").json()["server_load"], int)
-        # A stream still open is a request in flight.
-        body = {"model": "demo", "prompt": "Hello", "max_tokens": 64, "stream": True}
-        with http.stream("POST", "/v1/completions", json={**body, "ignore_eos": True}) as stream:
-            next(stream.iter_lines())
-            assert http.get("/load").json()["server_load"] >= 1
+        assert isinstance(http.get("/load").json()["server_load"], int)  # counted: test_api_streams
     assert httpx.get(f"{server.base_url}/load").status_code == 401
