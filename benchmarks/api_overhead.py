@@ -9,6 +9,7 @@ completions, and /v1/embeddings throughput at batch 1 and 32.
               1 input per request and with 32, sequentially; inputs/s and prompt tokens/s
 
     .venv/bin/python benchmarks/api_overhead.py --out results/api_overhead.json
+    .venv/bin/python benchmarks/api_overhead.py --embeddings-url http://127.0.0.1:8001 --model M
 """
 
 from __future__ import annotations
@@ -121,20 +122,28 @@ def measure_overhead(num_requests: int, num_threads: int) -> dict[str, Any]:
     }
 
 
-def measure_embeddings(num_inputs: int, num_threads: int) -> dict[str, Any]:
-    server, thread, base_url = _serve(
-        EngineConfig(model="demo", num_threads=num_threads, runner="pooling", max_num_seqs=64)
-    )
+def measure_embeddings(
+    num_inputs: int, num_threads: int, base_url: str | None = None, model: str = "demo"
+) -> dict[str, Any]:
+    """In-process on the demo model, or against ``base_url`` (e.g. ``vllm serve --runner pooling``)."""
+    running = None
+    if base_url is None:
+        server, thread, base_url = _serve(
+            EngineConfig(model="demo", num_threads=num_threads, runner="pooling", max_num_seqs=64)
+        )
+        running = (server, thread)
     texts = [f"{USER} Input number {i} of the benchmark." for i in range(num_inputs)]
     result: dict[str, Any] = {}
     try:
         with httpx.Client(base_url=base_url, timeout=120) as http:
-            http.post("/v1/embeddings", json={"input": texts[:32]}).raise_for_status()  # warm-up
+            warm_up = {"model": model, "input": texts[:32]}
+            http.post("/v1/embeddings", json=warm_up).raise_for_status()
             for batch in (1, 32):
                 num_tokens = 0
                 start = time.perf_counter()
                 for i in range(0, num_inputs, batch):
-                    answer = http.post("/v1/embeddings", json={"input": texts[i : i + batch]})
+                    body = {"model": model, "input": texts[i : i + batch]}
+                    answer = http.post("/v1/embeddings", json=body)
                     answer.raise_for_status()
                     num_tokens += answer.json()["usage"]["prompt_tokens"]
                 elapsed = time.perf_counter() - start
@@ -145,7 +154,8 @@ def measure_embeddings(num_inputs: int, num_threads: int) -> dict[str, Any]:
                     "mean_tokens_per_input": round(num_tokens / num_inputs, 1),
                 }
     finally:
-        _stop(server, thread)
+        if running is not None:
+            _stop(*running)
     return result
 
 
@@ -154,12 +164,26 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=100, help="per API (overhead)")
     parser.add_argument("--num-inputs", type=int, default=256, help="per batch size (embeddings)")
     parser.add_argument("--num-threads", type=int, default=1, help="torch compute threads")
+    parser.add_argument(
+        "--embeddings-url",
+        default=None,
+        help="measure /v1/embeddings of this running server instead (e.g. vLLM with --runner "
+        "pooling on the same checkpoint); the overhead part is skipped",
+    )
+    parser.add_argument("--model", default="demo", help="model name sent with --embeddings-url")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
-    results = {
-        "overhead": measure_overhead(args.num_requests, args.num_threads),
-        "embeddings": measure_embeddings(args.num_inputs, args.num_threads),
-    }
+    if args.embeddings_url is not None:
+        results = {
+            "embeddings": measure_embeddings(
+                args.num_inputs, args.num_threads, args.embeddings_url, args.model
+            )
+        }
+    else:
+        results = {
+            "overhead": measure_overhead(args.num_requests, args.num_threads),
+            "embeddings": measure_embeddings(args.num_inputs, args.num_threads),
+        }
     text = json.dumps(results, indent=2)
     print(text)
     if args.out is not None:

@@ -199,3 +199,33 @@ def test_a_base_model_checkpoint_loads_as_qwen3_embedding_ships(make_model, tmp_
     want = reference_embeddings(source, prompts, "LAST")
     for g, w in zip(llm.embed(prompts), want, strict=True):
         assert torch.allclose(torch.tensor(g), w, atol=ATOL)
+
+
+def test_an_input_may_fill_the_context_but_not_exceed_it(make_model) -> None:
+    from tokenmill.errors import ContextLengthError
+
+    llm = LLM(str(make_model("qwen3")), dtype="float32", max_model_len=32, runner="pooling")
+    full = _prompts(llm.tokenizer.vocab_size, 1, seed=7, max_len=1)[0] * 32
+    assert len(llm.embed([full])[0]) == 64  # no room for output is needed
+    with pytest.raises(ContextLengthError, match="the input has 33 tokens"):
+        llm.embed([full + full[:1]])
+
+
+def test_pooling_requests_are_batched_into_one_step(make_model) -> None:
+    """32 inputs that fit the step's token budget are prefilled and pooled by one engine step."""
+    from tokenmill.engine.input_processor import CheckedParams
+    from tokenmill.sampling.params import SamplingParams
+
+    llm = LLM(str(make_model("qwen3")), dtype="float32", max_model_len=64, runner="pooling")
+    engine = llm.engine
+    prompts = _prompts(llm.tokenizer.vocab_size, 32, seed=8, max_len=20)
+    assert sum(map(len, prompts)) <= engine.config.max_num_batched_tokens
+    assert engine.pooler_config is not None
+    checked = CheckedParams(SamplingParams(max_tokens=1), 0, pooling=engine.pooler_config.params())
+    for i, prompt in enumerate(prompts):
+        engine.add_processed(engine.input_processor.process_prompt(f"r{i}", prompt, checked))
+    outputs = engine.step()
+    assert sorted(o.request_id for o in outputs if o.finished and o.pooled) == sorted(
+        f"r{i}" for i in range(32)
+    )
+    assert not engine.has_unfinished_requests()

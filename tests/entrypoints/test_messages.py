@@ -34,7 +34,15 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def msg_server(demo_cache: str, server_log_dir: Path) -> Iterator[ServerHandle]:
-    handle = start_server(server_log_dir, "--max-model-len", "1024", "--max-num-seqs", "4")
+    handle = start_server(
+        server_log_dir,
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "4",
+        "--max-request-body-bytes",
+        "64KiB",
+    )
     yield handle
     handle.stop()
     assert "Traceback" not in handle.log(), handle.log()
@@ -203,6 +211,19 @@ def test_errors_are_anthropic_shaped(claude: anthropic.Anthropic, msg_server: Se
     assert_anthropic_error(malformed, 400, "invalid_request_error")
     unauthenticated = httpx.post(url, json=cases[0][0])
     assert_anthropic_error(unauthenticated, 401, "authentication_error")
+    # Refused by the body limit before the route runs: still Anthropic's shape.
+    huge = {
+        "model": "demo",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "x" * 70_000}],
+    }
+    assert_anthropic_error(httpx.post(url, json=huge, headers=headers), 413, "request_too_large")
+    # Counted by path and status, as chat completions are.
+    scrape = httpx.get(f"{msg_server.base_url}/metrics", headers=headers).text
+    assert (
+        'path="/v1/messages",status="400"' in scrape
+        and 'path="/v1/messages",status="401"' in scrape
+    )
     # The OpenAI routes keep OpenAI's shape.
     other = httpx.post(f"{msg_server.base_url}/v1/chat/completions", json={}, headers=headers)
     assert set(other.json()) == {"error"}
@@ -216,5 +237,9 @@ def test_bearer_and_x_api_key_both_authenticate(msg_server: ServerHandle) -> Non
     )
     bearer = {"Authorization": f"Bearer {MAIN_KEY}"}
     assert httpx.post(url, json=body, headers=bearer, timeout=60).status_code == 200
-    both = {**bearer, "x-api-key": MAIN_KEY}  # ambiguous: refused
-    assert_anthropic_error(httpx.post(url, json=body, headers=both), 401, "authentication_error")
+    both = {**bearer, "x-api-key": MAIN_KEY}  # the same key twice (some gateways do)
+    assert httpx.post(url, json=body, headers=both, timeout=60).status_code == 200
+    different = {**bearer, "x-api-key": "sk-other"}  # which one would it be? refused
+    assert_anthropic_error(
+        httpx.post(url, json=body, headers=different), 401, "authentication_error"
+    )

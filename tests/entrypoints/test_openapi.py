@@ -106,6 +106,22 @@ OPERATIONS = [
     ("HEAD", "/health"),
     ("GET", "/metrics"),
     ("HEAD", "/metrics"),
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/responses/{response_id}"),
+    ("DELETE", "/v1/responses/{response_id}"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/v1/embeddings"),
+    ("POST", "/pooling"),
+    ("POST", "/score"),
+    ("POST", "/v1/score"),
+    ("POST", "/rerank"),
+    ("POST", "/v1/rerank"),
+    ("POST", "/v2/rerank"),
+    ("GET", "/ping"),
+    ("POST", "/ping"),
+    ("POST", "/invocations"),
+    ("GET", "/load"),
 ]
 
 
@@ -127,7 +143,14 @@ def _steer(mode: GenerationMode):
         body, path = case.body, case.operation.path
         if not isinstance(body, dict):
             return case
-        if path.startswith("/v1/"):
+        if path == "/v1/responses":
+            value = body.get("max_output_tokens")
+            if "max_output_tokens" not in body or (isinstance(value, int) and value > MAX_TOKENS):
+                body["max_output_tokens"] = MAX_TOKENS
+        elif path == "/v1/messages":  # max_tokens is required: a case without it stays so
+            if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > MAX_TOKENS:
+                body["max_tokens"] = MAX_TOKENS
+        elif path in ("/v1/completions", "/v1/chat/completions"):
             for name in ("max_tokens", "max_completion_tokens"):
                 if isinstance(body.get(name), int) and body[name] > MAX_TOKENS:
                     body[name] = MAX_TOKENS
@@ -197,6 +220,20 @@ FEATURES = [
     ("/tokenize", {"messages": CHAT, "return_token_strs": True}),
     ("/tokenize", {"prompt": "x", "add_special_tokens": False}),
     ("/detokenize", {"tokens": [5, 6, 7]}),
+    ("/v1/responses", {"input": "hi", "instructions": "Be brief.", "max_output_tokens": 3}),
+    (
+        "/v1/responses",
+        {"input": [{"role": "user", "content": "hi"}], "max_output_tokens": 3, "stream": True},
+    ),
+    (
+        "/v1/messages",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "system": "x"},
+    ),
+    (
+        "/v1/messages",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True},
+    ),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
 ]
 
 

@@ -223,3 +223,24 @@ def test_bad_input_is_a_400_naming_the_field(resp_server: ServerHandle) -> None:
         assert_error(http.get("/v1/responses/resp-nope"), 404, code="response_not_found")
     unauthenticated = httpx.post(f"{resp_server.base_url}/v1/responses", json={"input": "x"})
     assert_error(unauthenticated, 401)
+
+
+def test_previous_response_continues_without_its_instructions(oai: openai.OpenAI) -> None:
+    first = oai.responses.create(
+        model="demo", input="One.", instructions="Be brief.", max_output_tokens=3, **GREEDY
+    )
+    second = oai.responses.create(
+        model="demo", previous_response_id=first.id, input="Two.", max_output_tokens=2
+    )
+    replay = oai.responses.create(
+        model="demo",
+        input=[
+            {"role": "user", "content": "One."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "Two."},
+        ],
+        max_output_tokens=2,
+        store=False,
+    )
+    assert second.usage is not None and replay.usage is not None
+    assert second.usage.input_tokens == replay.usage.input_tokens

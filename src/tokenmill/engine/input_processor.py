@@ -144,7 +144,7 @@ class InputProcessor:
             token_ids = self.tokenizer.encode(prompt)
         else:
             prompt_text, token_ids = None, list(prompt)
-        self.validate_prompt(token_ids)
+        self.validate_prompt(token_ids, is_pooling=checked.pooling is not None)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         return ProcessedRequest(
             request_id,
@@ -158,8 +158,10 @@ class InputProcessor:
             checked.pooling,
         )
 
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Reject empty, out-of-vocabulary and over-context prompts with a clear error."""
+    def validate_prompt(self, prompt_token_ids: list[int], is_pooling: bool = False) -> None:
+        """Reject empty, out-of-vocabulary and over-context prompts with a clear error.
+
+        A pooling prompt (an embedding input) needs no room for output: it may fill the context."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab = self.limits.vocab_size
@@ -169,14 +171,21 @@ class InputProcessor:
                     f"token id {t!r} is outside the vocabulary [0, {vocab})", param="prompt"
                 )
         max_len = self.limits.max_model_len
-        if len(prompt_token_ids) >= max_len:
+        if is_pooling and len(prompt_token_ids) > max_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {max_len} tokens. However, the input "
+                f"has {len(prompt_token_ids)} tokens; reduce its length (or set "
+                "truncate_prompt_tokens).",
+                param="input",
+            )
+        if not is_pooling and len(prompt_token_ids) >= max_len:
             raise ContextLengthError(
                 f"This model's maximum context length is {max_len} tokens. However, your "
                 f"prompt has {len(prompt_token_ids)} tokens, leaving no room for output.",
                 param="prompt",
             )
         kv_capacity = self.limits.kv_capacity_tokens
-        if len(prompt_token_ids) >= kv_capacity:
+        if len(prompt_token_ids) >= kv_capacity + is_pooling:
             raise ContextLengthError(
                 f"the prompt ({len(prompt_token_ids)} tokens) does not fit the KV cache ({kv_capacity} tokens)",
                 param="prompt",

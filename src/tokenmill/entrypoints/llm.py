@@ -130,8 +130,13 @@ class LLM:
         params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         checked = CheckedParams(params, 0, pooling=pooling_params or config.params())
         ids = [str(next(self._ids)) for _ in prompts]
-        for rid, prompt in zip(ids, prompts, strict=True):
-            self.engine.add_processed(processor.process_prompt(rid, prompt, checked))
+        # Every input is checked before any is queued: a bad one leaves nothing running.
+        processed = [
+            processor.process_prompt(rid, prompt, checked)
+            for rid, prompt in zip(ids, prompts, strict=True)
+        ]
+        for request in processed:
+            self.engine.add_processed(request)
         outputs = self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 8)
         return [out.pooled or [] for out in outputs]
 

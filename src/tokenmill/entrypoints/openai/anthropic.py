@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenmill.entrypoints.openai.protocol import StrictModel
+from tokenmill.entrypoints.openai.protocol import StrictModel, validate_model
 from tokenmill.errors import InvalidRequestError
 
 MESSAGES_PATH_PREFIX = "/v1/messages"
@@ -223,8 +223,6 @@ def chat_tools(body: CountTokensRequest) -> dict[str, Any]:
 
 def to_chat_body(data: dict[str, Any]) -> dict[str, Any]:
     """A Messages body (decoded JSON) as the chat completion request it means."""
-    from tokenmill.entrypoints.openai.protocol import validate_model
-
     body = validate_model(MessagesRequest, data)
     chat: dict[str, Any] = {
         "model": body.model,

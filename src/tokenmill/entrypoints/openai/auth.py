@@ -37,18 +37,21 @@ class APIKeyAuthMiddleware:
 
     def _key_index(self, scope: Scope) -> int | None:
         values = header_value(scope, b"authorization")
-        api_key = header_value(scope, b"x-api-key")  # Anthropic's SDK sends the key so
-        if len(values) + len(api_key) != 1:
+        api_keys = header_value(scope, b"x-api-key")  # Anthropic's SDK sends the key so
+        if len(values) > 1 or len(api_keys) > 1:
             return None
-        if api_key:
-            token = api_key[0]
-        else:
-            scheme, _, token = values[0].partition(b" ")
+        tokens = {k.strip() for k in api_keys}
+        if values:
+            scheme, _, bearer = values[0].partition(b" ")
             if scheme.lower() != b"bearer":
                 return None
-        if not token.strip():
+            tokens.add(bearer.strip())
+        if len(tokens) != 1:  # none, or two different keys: which one would it be?
             return None
-        presented = _digest(token.strip())
+        token = tokens.pop()
+        if not token:
+            return None
+        presented = _digest(token)
         match = None
         for index, digest in enumerate(self._key_digests):
             if hmac.compare_digest(presented, digest) and match is None:

@@ -18,13 +18,25 @@ from pydantic.json_schema import models_json_schema
 
 import tokenmill
 from tokenmill.entrypoints.openai.admission import GENERATION_PATHS
+from tokenmill.entrypoints.openai.anthropic import (
+    MESSAGES_PATH_PREFIX,
+    CountTokensRequest,
+    MessagesRequest,
+)
 from tokenmill.entrypoints.openai.auth import OPEN_PATHS
+from tokenmill.entrypoints.openai.pooling_protocol import (
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tokenmill.entrypoints.openai.responses_api import ResponsesRequest
 from tokenmill.entrypoints.openai.routers.lora import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
@@ -35,6 +47,7 @@ _SCHEMA_REF = "#/components/schemas/{model}"
 _ERRORS_BY_METHOD = {
     "post": (400, 401, 404, 413, 415, 431, 500, 503),
     "get": (400, 401, 404, 431, 500, 503),
+    "delete": (400, 401, 404, 431, 500, 503),
 }
 """Statuses an operation may answer with an error; generation routes add 429 (admission)."""
 
@@ -51,6 +64,18 @@ class ErrorResponse(BaseModel):
     """Every error, in OpenAI's shape."""
 
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Errors on ``/v1/messages*``, in Anthropic's shape."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
 
 
 class Usage(BaseModel):
@@ -207,6 +232,96 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class ResponseObject(BaseModel):
+    """OpenAI's Response (docs/apis.md lists its fields)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response"]
+    deleted: bool
+
+
+class AnthropicMessageResponse(BaseModel):
+    """Anthropic's Message."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: dict[str, int]
+
+
+class CountTokensResponse(BaseModel):
+    input_tokens: int
+
+
+class PooledItem(BaseModel):
+    index: int
+    object: Literal["embedding", "pooling"]
+    embedding: list[float] | str | None = None
+    """``/v1/embeddings``: floats, or base64 of little-endian float32."""
+    data: list[float] | str | None = None
+    """``/pooling``."""
+
+
+class PoolingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[PooledItem]
+    usage: PoolingUsage
+
+
+class ScoreItem(BaseModel):
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreItem]
+    usage: PoolingUsage
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: dict[str, str] | None = None
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: dict[str, int]
+    results: list[RerankResult]
+
+
+class LoadResponse(BaseModel):
+    server_load: int
+
+
 # ---- the document ----------------------------------------------------------------------------
 REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("post", "/v1/completions"): CompletionRequest,
@@ -215,8 +330,26 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("post", "/detokenize"): DetokenizeRequest,
     ("post", "/v1/load_lora_adapter"): LoadLoRAAdapterRequest,
     ("post", "/v1/unload_lora_adapter"): UnloadLoRAAdapterRequest,
+    ("post", "/v1/responses"): ResponsesRequest,
+    ("post", "/v1/messages"): MessagesRequest,
+    ("post", "/v1/messages/count_tokens"): CountTokensRequest,
+    ("post", "/v1/embeddings"): EmbeddingRequest,
+    ("post", "/pooling"): PoolingRequest,
+    **{("post", path): ScoreRequest for path in ("/score", "/v1/score")},
+    **{("post", path): RerankRequest for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
 }
 """Operation -> the protocol.py model its body is validated with."""
+
+
+def _named_sse(error: type[BaseModel]) -> dict[str, Any]:
+    """A stream of named events (Responses, Messages): ``event:`` lines and JSON ``data:``."""
+    data = {"type": "string", "contentMediaType": "application/json"}
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"event": {"type": "string"}, "data": data},
+    }
+    return {"text/event-stream": {"schema": event}}
 
 
 def _sse(chunk: type[BaseModel]) -> dict[str, Any]:
@@ -246,6 +379,18 @@ _OK_BODIES: dict[tuple[str, str], tuple[type[BaseModel] | None, dict[str, Any]]]
     ("get", "/metrics"): (None, {"text/plain": {"schema": {"type": "string"}}}),
     ("post", "/v1/load_lora_adapter"): (None, {"text/plain": {"schema": {"type": "string"}}}),
     ("post", "/v1/unload_lora_adapter"): (None, {"text/plain": {"schema": {"type": "string"}}}),
+    ("post", "/v1/responses"): (ResponseObject, _named_sse(ErrorResponse)),
+    ("get", "/v1/responses/{response_id}"): (ResponseObject, {}),
+    ("delete", "/v1/responses/{response_id}"): (DeletedResponse, {}),
+    ("post", "/v1/messages"): (AnthropicMessageResponse, _named_sse(AnthropicErrorResponse)),
+    ("post", "/v1/messages/count_tokens"): (CountTokensResponse, {}),
+    ("post", "/v1/embeddings"): (EmbeddingResponse, {}),
+    ("post", "/pooling"): (EmbeddingResponse, {}),
+    **{("post", path): (ScoreResponse, {}) for path in ("/score", "/v1/score")},
+    **{("post", path): (RerankResponse, {}) for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
+    ("get", "/ping"): (None, {}),
+    ("post", "/ping"): (None, {}),
+    ("get", "/load"): (LoadResponse, {}),
 }
 """Operation -> (JSON model of a 200, other media types a 200 may have)."""
 
@@ -265,6 +410,7 @@ def build_openapi(app: FastAPI, config: ServerConfig) -> dict[str, Any]:
     models = [
         *REQUEST_BODIES.values(),
         ErrorResponse,
+        AnthropicErrorResponse,
         CompletionChunk,
         ChatCompletionChunk,
         *(m for m, _ in _OK_BODIES.values() if m is not None),
@@ -296,10 +442,15 @@ def build_openapi(app: FastAPI, config: ServerConfig) -> dict[str, Any]:
                 ok["content"] = {**(_json_content(ok_model) if ok_model else {}), **ok_other}
             errors = _ERRORS_BY_METHOD[key[0]] + ((429,) if path in GENERATION_PATHS else ())
             operation["responses"] = {"200": ok}
+            is_anthropic = path.startswith(MESSAGES_PATH_PREFIX)
             for status in sorted(errors):
-                error: dict[str, Any] = {"description": "error, in OpenAI's shape"}
+                error: dict[str, Any] = {
+                    "description": f"error, in {'Anthropic' if is_anthropic else 'OpenAI'}'s shape"
+                }
                 if method != "head":
-                    error["content"] = _json_content(ErrorResponse)
+                    error["content"] = _json_content(
+                        AnthropicErrorResponse if is_anthropic else ErrorResponse
+                    )
                 operation["responses"][str(status)] = error
             if config.api_keys and config.disable_auth_for_health_metrics and path in OPEN_PATHS:
                 operation["security"] = []

@@ -56,7 +56,10 @@ PoolT = TypeVar("PoolT", bound=PoolingFields)
 
 
 async def pool_inputs(
-    req: ParsedRequest[PoolT], inputs: list[str | list[int]], pooling: PoolingParams
+    req: ParsedRequest[PoolT],
+    inputs: list[str | list[int]],
+    pooling: PoolingParams,
+    input_param: str = "input",
 ) -> tuple[list[list[float]], int]:
     """Each input's pooled vector, in order, and the prompt tokens they took."""
     body, state = req.body, req.state
@@ -67,7 +70,12 @@ async def pool_inputs(
     req.admit(len(inputs), 1)
     if body.truncate_prompt_tokens is not None:
         inputs = [await _truncated(req, item, body.truncate_prompt_tokens) for item in inputs]
-    prompts = await process_prompts(req, inputs, checked, body.add_special_tokens)
+    try:
+        prompts = await process_prompts(req, inputs, checked, body.add_special_tokens)
+    except InvalidRequestError as exc:  # ContextLengthError too
+        if exc.param == "prompt":
+            exc.param = input_param  # the field this API calls its inputs
+        raise
     run = GenerationRun(state, req.request_id, prompts)
     try:
         outputs = await run_until_disconnected(req.http, run.collect())

@@ -40,6 +40,12 @@ def sse_event(payload: dict[str, Any]) -> bytes:
     )
 
 
+def named_event(name: str, payload: dict[str, Any]) -> bytes:
+    """An event with its ``event:`` name, as Anthropic's and OpenAI Responses' streams send."""
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {name}\ndata: {data}\n\n".encode()
+
+
 async def _wait_for_disconnect(receive: Receive) -> None:
     while True:
         message = await receive()

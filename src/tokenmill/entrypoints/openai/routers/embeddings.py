@@ -21,7 +21,7 @@ from tokenmill.entrypoints.openai.pooling import (
 )
 from tokenmill.entrypoints.openai.pooling_protocol import EmbeddingRequest, PoolingRequest
 
-router = APIRouter(include_in_schema=False)  # not yet in /openapi.json (see docs/apis.md)
+router = APIRouter()
 
 
 EmbeddingT = TypeVar("EmbeddingT", bound=EmbeddingRequest)

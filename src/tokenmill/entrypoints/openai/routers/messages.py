@@ -44,6 +44,7 @@ from tokenmill.entrypoints.openai.state import get_state
 from tokenmill.entrypoints.openai.streaming import (
     ClientDisconnected,
     SSEResponse,
+    named_event,
     run_until_disconnected,
 )
 from tokenmill.entrypoints.openai.tools import ToolCallStreamer, tool_calls_message
@@ -51,13 +52,7 @@ from tokenmill.outputs import CompletionOutput
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter(include_in_schema=False)  # not yet in /openapi.json (see docs/apis.md)
-
-
-def named_event(name: str, payload: dict[str, Any]) -> bytes:
-    """An SSE event with its ``event:`` name, as Anthropic's and OpenAI Responses' streams send."""
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {name}\ndata: {data}\n\n".encode()
+router = APIRouter()
 
 
 def stop_reason(finish_reason: str | None, stop: int | str | None, has_tool_calls: bool) -> str:

@@ -27,6 +27,7 @@ from tokenmill.entrypoints.openai.errors import APIError, to_api_error
 from tokenmill.entrypoints.openai.generation import ParsedRequest, parse_request
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, validate_model
 from tokenmill.entrypoints.openai.responses_api import (
+    FunctionToolChoice,
     ResponsesRequest,
     ResponseStore,
     StoredResponse,
@@ -34,18 +35,18 @@ from tokenmill.entrypoints.openai.responses_api import (
     input_messages,
 )
 from tokenmill.entrypoints.openai.routers.chat import ChatRun, start_chat_run
-from tokenmill.entrypoints.openai.routers.messages import named_event
 from tokenmill.entrypoints.openai.state import get_state
 from tokenmill.entrypoints.openai.streaming import (
     ClientDisconnected,
     SSEResponse,
+    named_event,
     run_until_disconnected,
 )
 from tokenmill.entrypoints.openai.tools import ToolCallStreamer, ToolMode
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter(include_in_schema=False)  # not yet in /openapi.json (see docs/apis.md)
+router = APIRouter()
 
 
 def _not_found(response_id: str, param: str | None = None) -> APIError:
@@ -295,7 +296,9 @@ def _response(
         "text": body.text.model_dump(exclude_none=True, by_alias=True)
         if body.text is not None and body.text.format is not None
         else {"format": {"type": "text"}},
-        "tool_choice": choice.model_dump() if hasattr(choice, "model_dump") else (choice or "auto"),  # type: ignore[union-attr]
+        "tool_choice": choice.model_dump()
+        if isinstance(choice, FunctionToolChoice)
+        else (choice or "auto"),
         "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
         "top_p": body.top_p if body.top_p is not None else 1.0,
         "truncation": "disabled",

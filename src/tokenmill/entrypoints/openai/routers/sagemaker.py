@@ -20,7 +20,7 @@ from tokenmill.entrypoints.openai.routers import chat, completions, embeddings, 
 from tokenmill.entrypoints.openai.state import get_state
 from tokenmill.errors import InvalidRequestError
 
-router = APIRouter(include_in_schema=False)  # not yet in /openapi.json (see docs/apis.md)
+router = APIRouter()
 
 Handler = Callable[[Request], Awaitable[Response]]
 

@@ -15,7 +15,7 @@ from tokenmill.entrypoints.openai.generation import parse_request
 from tokenmill.entrypoints.openai.pooling import ClientGone, cosine, pool_inputs, pooling_params
 from tokenmill.entrypoints.openai.pooling_protocol import RerankRequest, ScoreRequest
 
-router = APIRouter(include_in_schema=False)  # not yet in /openapi.json (see docs/apis.md)
+router = APIRouter()
 
 
 @router.post("/score")
@@ -26,7 +26,7 @@ async def create_score(request: Request) -> Response:
     left = list(dict.fromkeys(a for a, _ in pairs))
     right = [b for _, b in pairs]
     try:
-        vectors, num_tokens = await pool_inputs(req, [*left, *right], pooling_params(req))
+        vectors, num_tokens = await pool_inputs(req, [*left, *right], pooling_params(req), "text_2")
     except ClientGone as gone:
         return gone.response()
     by_text = dict(zip(left, vectors[: len(left)], strict=True))
@@ -55,7 +55,7 @@ async def create_rerank(request: Request) -> Response:
     body = req.body
     try:
         vectors, num_tokens = await pool_inputs(
-            req, [body.query, *body.documents], pooling_params(req)
+            req, [body.query, *body.documents], pooling_params(req), "documents"
         )
     except ClientGone as gone:
         return gone.response()
