@@ -64,7 +64,9 @@ def test_linear_int8(isa: str, threads: int, m: int, n: int, k: int) -> None:
     _close_to_fp32(got, want, 2e-2 if isa == "avx512_bf16" else 1e-2)
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 70), (3, 5, 96), (5, 64, 200), (16, 33, 256)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 37, 70), (3, 5, 96), (2, 16, 64), (5, 64, 200), (16, 33, 256)]
+)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_linear_int4(isa: str, threads: int, m: int, n: int, k: int, group_size: int) -> None:
     k_pad = int4_layout.padded_in(k, group_size)
@@ -195,7 +197,9 @@ def test_linear_int8_amx(amx, threads: int, m: int, n: int, k: int) -> None:
     _close_to_fp32(got, want, 2e-2)
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 70), (3, 5, 96), (17, 64, 200), (40, 33, 256)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 37, 70), (3, 5, 96), (2, 16, 64), (17, 64, 200), (40, 33, 256)]
+)
 @pytest.mark.parametrize("group_size", [64, 128])
 def test_linear_int4_amx(amx, threads: int, m: int, n: int, k: int, group_size: int) -> None:
     from tokenmill.kernels import amx_layout

@@ -19,6 +19,7 @@ from torch import nn
 
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.model.config import ModelConfig
+from tokenmill import kernels
 from tokenmill.model.cpu import cpu_info
 from tokenmill.model.decoder import DecoderModel
 from tokenmill.model.layers import Linear, RotaryEmbedding
@@ -40,13 +41,18 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 """The dtype names accepted by ``--dtype`` (besides ``auto``) and found in ``torch_dtype``."""
 
 
-def resolve_dtype(requested: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    requested: str, cfg: ModelConfig, device: torch.device, quantization: str | None = None
+) -> torch.dtype:
     """The dtype weights and activations run in; ``auto`` is explained in the log.
 
     ``auto`` keeps the checkpoint's precision, except on CPU: half precision runs as bf16
     where the CPU has bf16 dot products (AVX512-BF16 or AMX; fp16 GEMMs have no such units
     there, measured 3x slower than bf16 at 128 rows) and as fp32 where it has not. An fp32
-    checkpoint stays fp32: reduced precision is the user's choice (``--dtype bfloat16``).
+    checkpoint stays fp32 (reduced precision is the user's choice, ``--dtype bfloat16``),
+    unless ``--quantization`` already chose it: then activations run in bf16 where the CPU
+    computes it natively, as the int kernels take bf16 anyway (fp32 activations cost a
+    conversion per projection and twice the KV cache and embedding memory).
     """
     if requested != "auto":
         dtype = TORCH_DTYPES[requested]
@@ -56,6 +62,19 @@ def resolve_dtype(requested: str, cfg: ModelConfig, device: torch.device) -> tor
             )
         return dtype
     declared = TORCH_DTYPES.get(str(cfg.torch_dtype).replace("torch.", ""), torch.float32)
+    if (
+        quantization is not None
+        and device.type == "cpu"
+        and declared == torch.float32
+        and cpu_info().has_native_bf16
+    ):
+        logger.info(
+            "dtype auto: checkpoint is float32 and --quantization %s; bfloat16 activations, "
+            "which this CPU computes natively (%s)",
+            quantization,
+            cpu_info().describe(),
+        )
+        return torch.bfloat16
     if device.type != "cpu" or declared == torch.float32:
         logger.info("dtype auto: %s, as the checkpoint declares", declared)
         return declared
@@ -329,4 +348,6 @@ def load_model(
         logger.info(
             "prepacked %d %s projections for oneDNN (%s)", num_packed, dtype, cpu_info().describe()
         )
+    if device.type == "cpu":
+        logger.info("%s", kernels.describe())
     return model
