@@ -17,9 +17,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.model.config import ModelConfig
-from tokenmill import kernels
 from tokenmill.model.cpu import cpu_info
 from tokenmill.model.decoder import DecoderModel
 from tokenmill.model.layers import Linear, RotaryEmbedding
