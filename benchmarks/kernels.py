@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_core import MODEL_SHAPE
+from engine_core import DEFAULT_MODEL_DIR, MODEL_SHAPE, build_model
 
 from tokenmill import kernels
-from tokenmill.model.attention import attention_mask, _attend
-from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from tokenmill.model.attention import _attend, attention_mask
+from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding
 from tokenmill.model.quant import Int4Linear, Int8Linear
 
 HIDDEN = MODEL_SHAPE["hidden_size"]
@@ -78,7 +78,7 @@ def bench_linears(rows: list[int]) -> dict[str, dict[str, float]]:
     results: dict[str, dict[str, float]] = {}
     for kind in ("bf16", "int8", "int4"):
         for use in (False, True):
-            kernels.ops.FORCE_OFF = not use
+            kernels.set_enabled(use)
             mods = layer_linears(kind)
             for m in rows:
                 xs = [torch.randn(m, p[0]).bfloat16() for p in PROJECTIONS.values()]
@@ -89,11 +89,13 @@ def bench_linears(rows: list[int]) -> dict[str, dict[str, float]]:
 
                 key = f"{kind} {'kernel' if use else 'torch'}"
                 results.setdefault(key, {})[str(m)] = round(timed_ms(step), 3)
-    kernels.ops.FORCE_OFF = False
-    weight_bytes = sum(i * o for i, o in PROJECTIONS.values()) * 2
-    results["bf16 kernel GB/s"] = {
-        m: round(weight_bytes / ms / 1e6, 1) for m, ms in results["bf16 kernel"].items()
-    }
+    kernels.set_enabled(True)
+    weight_bytes = sum(i * o for i, o in PROJECTIONS.values())
+    for kind, per_weight in (("bf16", 2), ("int8", 1), ("int4", 0.5)):
+        results[f"{kind} kernel GB/s (weights as stored)"] = {
+            m: round(weight_bytes * per_weight / ms / 1e6, 1)
+            for m, ms in results[f"{kind} kernel"].items()
+        }
     return results
 
 
@@ -137,7 +139,9 @@ def bench_attention(batch: int, context: int, kv_dtype: torch.dtype) -> dict[str
     mask = attention_mask((lens - 1)[:, None], lens, width * block, None)
     return {
         "torch": round(
-            timed_ms(lambda: _attend(q.unsqueeze(1), k_cache, v_cache, tables, mask, 0.125, scales)),
+            timed_ms(
+                lambda: _attend(q.unsqueeze(1), k_cache, v_cache, tables, mask, 0.125, scales)
+            ),
             3,
         ),
         "kernel": round(
@@ -151,11 +155,67 @@ def bench_attention(batch: int, context: int, kv_dtype: torch.dtype) -> dict[str
     }
 
 
+def profile_decode_step(model_dir: Path, kv_cache: str, context: int, steps: int) -> list[dict]:
+    """Per-op CPU time of decode steps (16 sequences at ``context`` tokens), kernels off/on."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.sampling import SamplingParams
+
+    rows = []
+    for use in (False, True):
+        kernels.set_enabled(use)
+        engine = LLMEngine(
+            EngineConfig.from_kwargs(
+                model=str(model_dir),
+                dtype="bfloat16",
+                kv_cache=kv_cache,
+                max_num_seqs=16,
+                max_model_len=context + steps + 8,
+            )
+        )
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+        for i in range(16):
+            engine.add_request(str(i), [4 + (i + t) % 1000 for t in range(context)], params)
+        while any(r.num_computed_tokens < context for r in engine.scheduler.running) or (
+            engine.scheduler.waiting
+        ):
+            engine.step()  # prefill everything first
+        engine.step()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            step_ms = (time.perf_counter() - start) / steps * 1e3
+        top = [
+            {"op": e.key, "ms_per_step": round(e.self_cpu_time_total / 1e3 / steps, 3)}
+            for e in sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[
+                :12
+            ]
+        ]
+        rows.append(
+            {
+                "kernels": use,
+                "kv_cache": kv_cache,
+                "context": context,
+                "step_ms": round(step_ms, 2),
+                "top_ops": top,
+            }
+        )
+        del engine
+    kernels.set_enabled(True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    parser.add_argument(
+        "--profile", action="store_true", help="also profile decode steps of the 250M model"
+    )
+    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--profile-steps", type=int, default=8)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not kernels.available():
@@ -172,6 +232,13 @@ def main() -> None:
             for name, dtype in (("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn))
         },
     }
+    if args.profile:
+        build_model(args.model_dir)
+        results["decode_step_profile"] = [
+            row
+            for kv_cache, context in (("paged", 128), ("paged", 1024), ("static", 128))
+            for row in profile_decode_step(args.model_dir, kv_cache, context, args.profile_steps)
+        ]
     print(json.dumps(results, indent=1))
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

@@ -22,6 +22,13 @@ FORBIDDEN = {
     "worker": ("tokenmill.engine", "tokenmill.entrypoints"),
     "model": ("tokenmill.engine", "tokenmill.worker", "tokenmill.entrypoints"),
     "engine": ("tokenmill.entrypoints",),
+    "kernels": (
+        "tokenmill.engine",
+        "tokenmill.worker",
+        "tokenmill.entrypoints",
+        "tokenmill.model",
+        "tokenmill.core",
+    ),
 }
 
 

@@ -114,8 +114,10 @@ def test_no_full_precision_copy_of_quantized_or_half_weights_is_kept(make_model)
     projections = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert len(projections) == 4 * 2 + 1  # qkv, o, gate_up, down per layer, and the LM head
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if name.endswith(("scales", "kv_scales")) or name.startswith("rope."):
-            continue  # per-channel scales and RoPE tables are kept in fp32 on purpose
+        if name.endswith(("scales", "kv_scales", "offsets", "row_sums", "code_sums")):
+            continue  # per-channel (per-group) scales, offsets and sums: kernel metadata
+        if name.startswith("rope."):
+            continue  # RoPE tables are kept in fp32 on purpose
         assert tensor.dtype in (torch.bfloat16, torch.int8), (name, tensor.dtype)
 
 

@@ -64,7 +64,9 @@ def test_linear_int8(isa: str, threads: int, m: int, n: int, k: int) -> None:
     _close_to_fp32(got, want, 2e-2 if isa == "avx512_bf16" else 1e-2)
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 70), (3, 5, 96), (5, 64, 200), (16, 33, 256)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 37, 70), (3, 5, 96), (2, 16, 64), (5, 64, 200), (16, 33, 256)]
+)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_linear_int4(isa: str, threads: int, m: int, n: int, k: int, group_size: int) -> None:
     k_pad = int4_layout.padded_in(k, group_size)
@@ -85,7 +87,9 @@ def test_int4_layout_round_trips() -> None:
 
 
 def _tol(dtype: torch.dtype) -> dict[str, float]:
-    return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    return (
+        {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -97,7 +101,9 @@ def test_rms_norm(isa, threads, dtype, rows: int, dim: int, with_residual: bool)
     norm = norm.to(dtype)
     x = _randn(rows, dim, dtype=dtype)
     residual = _randn(rows, dim, dtype=dtype, seed=1) if with_residual else None
-    want, want_sum = norm(x, residual)  # the torch code (the layer calls the kernel only on request)
+    want, want_sum = norm(
+        x, residual
+    )  # the torch code (the layer calls the kernel only on request)
     got, got_sum = kernels.rms_norm(x, norm.weight, 1e-6, residual)
     torch.testing.assert_close(got, want, **_tol(dtype))
     torch.testing.assert_close(got_sum, want_sum, rtol=0, atol=0)
@@ -112,7 +118,9 @@ def test_silu_and_mul(isa, threads, dtype, rows: int, dim: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("tokens", "hq", "hk", "dim"), [(1, 4, 2, 16), (7, 3, 1, 64), (33, 16, 4, 40)])
+@pytest.mark.parametrize(
+    ("tokens", "hq", "hk", "dim"), [(1, 4, 2, 16), (7, 3, 1, 64), (33, 16, 4, 40)]
+)
 def test_rope(isa, threads, dtype, tokens: int, hq: int, hk: int, dim: int) -> None:
     rope = RotaryEmbedding(dim, 512, 10000.0, None)
     positions = torch.randint(0, 512, (tokens,), generator=_gen(3))
@@ -166,7 +174,9 @@ def test_paged_decode_attention(isa, threads, kv_dtype, q_dtype, hq, hkv, dim, b
     q = _randn(3, hq, dim, dtype=q_dtype, seed=3)
     scale = dim**-0.5
     want = _reference_attention(q, k_cache, v_cache, tables, lens, scale, window, kv_scales)
-    got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window, kv_scales)
+    got = kernels.paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, scale, window, kv_scales
+    )
     assert got.dtype == q_dtype and got.shape == (3, hq * dim)
     torch.testing.assert_close(got.float(), want, **_tol(q_dtype))
 
@@ -195,7 +205,9 @@ def test_linear_int8_amx(amx, threads: int, m: int, n: int, k: int) -> None:
     _close_to_fp32(got, want, 2e-2)
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 70), (3, 5, 96), (17, 64, 200), (40, 33, 256)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 37, 70), (3, 5, 96), (2, 16, 64), (17, 64, 200), (40, 33, 256)]
+)
 @pytest.mark.parametrize("group_size", [64, 128])
 def test_linear_int4_amx(amx, threads: int, m: int, n: int, k: int, group_size: int) -> None:
     from tokenmill.kernels import amx_layout

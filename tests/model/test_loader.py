@@ -138,6 +138,24 @@ def test_dtype_auto_runs_bf16_only_where_the_cpu_has_bf16(
     assert resolve_dtype("float32", cfg, torch.device("cpu")) == torch.float32
 
 
+@pytest.mark.parametrize(
+    ("flags", "want"), [({"avx512_bf16"}, torch.bfloat16), ({"avx2"}, torch.float32)]
+)
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_dtype_auto_runs_a_quantized_fp32_checkpoint_in_bf16_where_the_cpu_has_bf16(
+    model_copy: Path, caplog, monkeypatch: pytest.MonkeyPatch, flags, want, method: str
+) -> None:
+    info = CPUInfo("AVX512", frozenset(flags), 2)
+    monkeypatch.setattr("tokenmill.model.loader.cpu_info", lambda: info)
+    raw = json.loads((model_copy / "config.json").read_text())
+    cfg = ModelConfig.from_dict({**raw, "torch_dtype": "float32"})
+    with caplog.at_level("INFO"):
+        assert resolve_dtype("auto", cfg, torch.device("cpu"), method) == want
+    if want == torch.bfloat16:
+        assert f"--quantization {method}; bfloat16 activations" in caplog.text
+    assert resolve_dtype("float32", cfg, torch.device("cpu"), method) == torch.float32
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs(make_model, dtype: str) -> None:
     llm = LLM(str(make_model("qwen2")), dtype=dtype, max_model_len=64)

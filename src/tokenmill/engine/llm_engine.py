@@ -127,7 +127,7 @@ class LLMEngine:
                 if config.num_threads
                 else "one per physical core; --num-threads overrides",
             )
-        self.dtype = resolve_dtype(config.dtype, mc, self.device)
+        self.dtype = resolve_dtype(config.dtype, mc, self.device, config.quantization)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.config = config = replace(
             config,

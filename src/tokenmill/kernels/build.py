@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
@@ -58,6 +59,7 @@ def is_switched_on() -> bool:
 
 
 def _compile(name: str, folder: Path) -> Path:
+    """Build into ``folder`` and load; returns the library's path."""
     from torch.utils import cpp_extension
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -100,7 +102,13 @@ def load() -> bool:
             torch.ops.load_library(str(library))
         else:
             logger.info("building tokenmill CPU kernels into %s (once)", folder)
-            _compile(name, folder)
+            # Built (and loaded) aside, then moved in whole: a process starting meanwhile
+            # never loads a half-written library.
+            scratch = folder.with_name(f"{key}.build-{os.getpid()}")
+            built = _compile(name, scratch)
+            folder.mkdir(parents=True, exist_ok=True)
+            os.replace(built, library)
+            shutil.rmtree(scratch, ignore_errors=True)
     except Exception as exc:  # no compiler, no ninja, a compile error: torch kernels still run
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         logger.warning(

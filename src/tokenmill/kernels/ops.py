@@ -127,9 +127,7 @@ def linear_int4(
     """int4 codes in ``kernels.int4_layout``'s packing, ``w = q * scale + offset`` per group
     (fp32 [N, groups] each); x bf16 [M, K]. With groups of 64+ channels on AVX-512 the
     activations are quantized per row to int8 (VNNI); otherwise weight-only."""
-    return torch.ops.tokenmill_cpu.linear_int4(
-        _rows(x), packed, scales, offsets, group_size, bias
-    )
+    return torch.ops.tokenmill_cpu.linear_int4(_rows(x), packed, scales, offsets, group_size, bias)
 
 
 def linear_int8_amx(
@@ -229,5 +227,7 @@ def register_fakes() -> None:
         lambda pos, q, k, cos, sin: (torch.empty_like(q), torch.empty_like(k))
     )
     torch.library.register_fake(lib + "paged_decode_attention")(
-        lambda q, kc, vc, bt, cl, scale, window, sc: q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        lambda q, kc, vc, bt, cl, scale, window, sc: q.new_empty(
+            q.shape[0], q.shape[1] * q.shape[2]
+        )
     )

@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.model.attention_backend import AttentionBackend, default_attention_backend
 from tokenmill.model.base import CausalLM
@@ -41,7 +42,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 """The dtype names accepted by ``--dtype`` (besides ``auto``) and found in ``torch_dtype``."""
 
 
-def resolve_dtype(requested: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    requested: str, cfg: ModelConfig, device: torch.device, quantization: str | None = None
+) -> torch.dtype:
     """The dtype weights and activations run in; ``auto`` is explained in the log.
 
     ``auto`` keeps the checkpoint's precision on a GPU. On CPU it follows vLLM: where the
@@ -49,6 +52,8 @@ def resolve_dtype(requested: str, cfg: ModelConfig, device: torch.device) -> tor
     one included (2.3x the fp32 throughput at 16 streams on a 250M model; ``--dtype
     float32`` keeps fp32); where it has not, everything runs as fp32 (fp16 GEMMs have no
     such units on CPU, measured 3x slower than bf16 at 128 rows).
+    ``quantization`` needs no rule of its own: the int kernels take bf16 activations, which
+    ``auto`` already picks wherever the CPU computes bf16 natively.
     """
     if requested != "auto":
         dtype = TORCH_DTYPES[requested]
@@ -349,4 +354,6 @@ def load_model(
         logger.info(
             "prepacked %d %s projections for oneDNN (%s)", num_packed, dtype, cpu_info().describe()
         )
+    if device.type == "cpu":
+        logger.info("%s", kernels.describe())
     return model

@@ -152,11 +152,12 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
 }
 
 // Tables with quantize_rows read int8 activations (W8A8): x is quantized per row first.
-void quantize_activations(const at::Tensor& x, GemmArgs& a, bool is_unsigned, at::Tensor& xq, at::Tensor& xs) {
+void quantize_activations(const at::Tensor& x, GemmArgs& a, bool is_unsigned, at::Tensor& xq, at::Tensor& xs,
+                          int64_t ldq = 0) {
   const KernelTable& k = kernels();
   if (!k.quantize_rows) return;
   const int64_t M = x.size(0);
-  a.ldq = (x.size(1) + 63) / 64 * 64;
+  a.ldq = std::max(ldq, (x.size(1) + 63) / 64 * 64);
   xq = at::empty({M, a.ldq}, x.options().dtype(at::kByte));
   xs = at::empty({M}, x.options().dtype(at::kFloat));
   a.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
@@ -224,8 +225,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, AmxArgs a, c
   a.num_chunks = tiles.size(1);
   GemmArgs q{};
   at::Tensor xq, xs;
-  quantize_activations(x, q, /*is_unsigned=*/true, xq, xs);
-  TORCH_CHECK(q.ldq == a.num_chunks * 64, "amx linear: weight tiles are padded beyond the input width");
+  quantize_activations(x, q, /*is_unsigned=*/true, xq, xs, a.num_chunks * 64);
   a.xq = q.xq;
   a.x_scale = q.x_scale;
   a.ldq = q.ldq;

@@ -1,0 +1,60 @@
+"""The kernels are custom ops with fake implementations: torch.compile traces them in one
+graph (as ``static``'s compiled decode step does) and the compiled result equals eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import kernels
+from tokenmill.kernels import amx_layout
+
+
+def _step(x, residual, norm_w, gate_up_w, positions, cos, sin, k_cache, v_cache, tables, lens):
+    h, residual = kernels.rms_norm(x, norm_w, 1e-6, residual)
+    h = kernels.silu_and_mul(h.repeat(1, 2))
+    q = h.view(-1, 4, 16)
+    q, k = kernels.rope(positions, q, q[:, :2].contiguous(), cos, sin)
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 0, torch.ones(2))
+    return kernels.linear_bf16(out, gate_up_w, None), residual, k
+
+
+def test_every_op_traces_in_one_graph_and_matches_eager() -> None:
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).bfloat16()
+
+    args = (
+        rnd(3, 64),
+        rnd(3, 64),
+        rnd(64),
+        rnd(32, 64),
+        torch.tensor([0, 5, 9]),
+        torch.randn(16, 16, generator=gen),
+        torch.randn(16, 16, generator=gen),
+        rnd(6, 4, 2, 16),
+        rnd(6, 4, 2, 16),
+        torch.tensor([[0, 1], [2, 3], [4, 5]]),
+        torch.tensor([1, 5, 8]),
+    )
+    compiled = torch.compile(_step, fullgraph=True)
+    for got, want in zip(compiled(*args), _step(*args), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_the_amx_ops_trace_too() -> None:
+    if not kernels.amx_active():
+        pytest.skip("AMX tiles are not granted (or are switched off) in this process")
+    torch._dynamo.reset()
+    q = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
+    tiles = amx_layout.pack_int8(q)
+    scales = amx_layout.block_channels(torch.rand(40))
+    sums = amx_layout.block_channels(q.int().sum(1, dtype=torch.int32))
+
+    def fn(x):
+        return kernels.linear_int8_amx(x, tiles, scales, sums, None, 40) * 2
+
+    x = torch.randn(5, 64).bfloat16()
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True)(x), fn(x))
