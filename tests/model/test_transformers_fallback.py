@@ -48,7 +48,13 @@ def _gpt2(vocab: int, **overrides: Any) -> Any:
     import transformers
 
     kwargs = dict(
-        vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=0, eos_token_id=1
+        vocab_size=vocab,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=512,
+        bos_token_id=0,
+        eos_token_id=1,
     )
     return transformers.GPT2Config(**{**kwargs, **overrides})
 
@@ -129,7 +135,10 @@ def test_batched_parity_with_transformers(
     """Mixed-length prompts in one batch, whole or in 7-token chunks, as transformers alone."""
     folder = make_fallback_model(arch)
     llm = LLM(
-        str(folder), dtype="float32", max_model_len=256, max_num_batched_tokens=max_num_batched_tokens
+        str(folder),
+        dtype="float32",
+        max_model_len=256,
+        max_num_batched_tokens=max_num_batched_tokens,
     )
     assert llm.engine.model_config.model_impl == "transformers"
     prompts = _prompts(llm.tokenizer.vocab_size, 8, seed=2)
@@ -146,7 +155,9 @@ def test_prefix_caching_and_preemption_keep_parity(
     folder = make_fallback_model(arch)
     rng = random.Random(5)
     prefix = [rng.randrange(4, 500) for _ in range(40)]
-    prompts = [prefix + [rng.randrange(4, 500) for _ in range(rng.randint(1, 20))] for _ in range(8)]
+    prompts = [
+        prefix + [rng.randrange(4, 500) for _ in range(rng.randint(1, 20))] for _ in range(8)
+    ]
     max_new = 24
     expected, _ = reference_greedy(folder, prompts, max_new)
     bytes_per_token = 2 * 2 * 64 * 4  # K and V, 2 layers, 4 heads x 16, fp32
@@ -165,12 +176,16 @@ def test_prefix_caching_and_preemption_keep_parity(
     assert _tokens(first + rest) == expected
 
 
-def test_static_kv_decodes_eagerly_with_parity(make_fallback_model, reference_greedy, caplog) -> None:
+def test_static_kv_decodes_eagerly_with_parity(
+    make_fallback_model, reference_greedy, caplog
+) -> None:
     folder = make_fallback_model("gpt_neox")
     prompts = _prompts(500, 5, seed=3)
     expected, _ = reference_greedy(folder, prompts, MAX_NEW)
     with caplog.at_level(logging.INFO, logger="tokenmill.engine.llm_engine"):
-        llm = LLM(str(folder), dtype="float32", max_model_len=128, max_num_seqs=2, kv_cache="static")
+        llm = LLM(
+            str(folder), dtype="float32", max_model_len=128, max_num_seqs=2, kv_cache="static"
+        )
     assert llm.engine.runner.compiled_decode is None
     assert "runs the decode step eagerly (Transformers' modeling code" in caplog.text
     assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
@@ -187,7 +202,9 @@ def test_prompt_logprobs_match_transformers(make_fallback_model, reference_greed
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
-    got = torch.tensor([entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)])
+    got = torch.tensor(
+        [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+    )
     want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
 
@@ -220,12 +237,18 @@ def test_auto_logs_why_it_falls_back(make_fallback_model, caplog) -> None:
 
 def test_native_refuses_an_unregistered_architecture(make_fallback_model) -> None:
     folder = make_fallback_model("gpt_neox")
-    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'GPTNeoXForCausalLM'.*--model-impl transformers"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"unsupported architecture 'GPTNeoXForCausalLM'.*--model-impl transformers",
+    ):
         LLM(str(folder), model_impl="native")
 
 
 def test_unknown_model_impl_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"--model-impl 'vllm' is not supported; choose one of auto, native, transformers"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--model-impl 'vllm' is not supported; choose one of auto, native, transformers",
+    ):
         LLM("demo", model_impl="vllm")
 
 
@@ -234,11 +257,16 @@ def test_unknown_model_impl_is_refused() -> None:
     [
         ({"quantization": "int8"}, r"--quantization int8: the Transformers fallback"),
         ({"enable_lora": True}, r"--enable-lora: the Transformers fallback does not apply LoRA"),
-        ({"max_model_len": 1024}, r"--max-model-len 1024: beyond GPTNeoXForCausalLM's max_position_embeddings \(512\)"),
+        (
+            {"max_model_len": 1024},
+            r"--max-model-len 1024: beyond GPTNeoXForCausalLM's max_position_embeddings \(512\)",
+        ),
     ],
     ids=["quantization", "lora", "max-model-len"],
 )
-def test_unsupported_features_are_refused_in_one_line(make_fallback_model, options: dict, message: str) -> None:
+def test_unsupported_features_are_refused_in_one_line(
+    make_fallback_model, options: dict, message: str
+) -> None:
     folder = make_fallback_model("gpt_neox")
     with pytest.raises(ConfigError, match=message) as info:
         LLM(str(folder), dtype="float32", **options)
@@ -329,7 +357,10 @@ def test_attention_sinks_are_refused_by_the_probe(tmp_path: Path, tokenizer_dir:
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, tmp_path / f.name)
-    with pytest.raises(ModelLoadError, match=r"GptOssForCausalLM cannot run through the Transformers fallback: .*passes \['s_aux'\]"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"GptOssForCausalLM cannot run through the Transformers fallback: .*passes \['s_aux'\]",
+    ):
         LLM(str(tmp_path), dtype="float32", max_model_len=128)
 
 
