@@ -110,9 +110,13 @@ class ServerHandle:
 
 
 def start_server(
-    log_dir: Path, *flags: str, api_key: str | None = MAIN_KEY, wait: bool = True
+    log_dir: Path,
+    *flags: str,
+    api_key: str | None = MAIN_KEY,
+    wait: bool = True,
+    model: str = "demo",
 ) -> ServerHandle:
-    """Start ``python -m tokenmill.entrypoints.cli serve demo`` and wait for /health."""
+    """Start ``python -m tokenmill.entrypoints.cli serve MODEL`` and wait for /health."""
     port = free_port()
     env = {**os.environ, "TOKENMILL_CACHE": _cache_dir(), "TOKENIZERS_PARALLELISM": "false"}
     env.pop("TOKENMILL_API_KEY", None)
@@ -122,7 +126,7 @@ def start_server(
         "-m",
         "tokenmill.entrypoints.cli",
         "serve",
-        "demo",
+        model,
         "--host",
         "127.0.0.1",
         "--port",

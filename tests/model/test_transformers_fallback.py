@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.fallback_models import build_fallback_model
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.sampling import SamplingParams
@@ -24,92 +25,19 @@ from tokenmill.sampling import SamplingParams
 MAX_NEW = 10
 
 
-def _neox(vocab: int, **overrides: Any) -> Any:
-    """GPT-NeoX: parallel residual, fused per-head QKV, rotary on a quarter of each head."""
-    import transformers
-
-    kwargs = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        partial_rotary_factor=0.25,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    return transformers.GPTNeoXConfig(**{**kwargs, **overrides})
-
-
-def _gpt2(vocab: int, **overrides: Any) -> Any:
-    """GPT-2: LayerNorm, biases everywhere, learned absolute positions, Conv1D, tied head."""
-    import transformers
-
-    kwargs = dict(
-        vocab_size=vocab,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        n_positions=512,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    return transformers.GPT2Config(**{**kwargs, **overrides})
-
-
-def _opt(vocab: int, **overrides: Any) -> Any:
-    """OPT: LayerNorm, ReLU MLP, learned positions offset by 2."""
-    import transformers
-
-    kwargs = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        ffn_dim=128,
-        word_embed_proj_dim=64,
-        max_position_embeddings=512,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-    )
-    return transformers.OPTConfig(**{**kwargs, **overrides})
-
-
-CONFIGS: dict[str, Callable[..., Any]] = {"gpt_neox": _neox, "gpt2": _gpt2, "opt": _opt}
-
-
 @pytest.fixture(scope="session")
 def make_fallback_model(
     tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
 ) -> Callable[..., Path]:
-    """``make_fallback_model(arch, **config overrides) -> folder`` with random, peaked weights."""
-    import transformers
-
+    """``make_fallback_model(arch, **config overrides) -> folder``, cached per argument set."""
     cache: dict[tuple, Path] = {}
 
     def make(arch: str, seed: int = 0, **overrides: Any) -> Path:
         key = (arch, seed, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
-        if key in cache:
-            return cache[key]
-        from tokenmill.tokenizer import Tokenizer
-
-        vocab = Tokenizer.from_pretrained(tokenizer_dir).vocab_size
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch](vocab, **overrides))
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                is_norm_scale = p.ndim == 1 and name.endswith("weight")
-                p.copy_((1.0 if is_norm_scale else 0.0) + 0.1 * torch.randn(p.shape, generator=gen))
-        folder = tmp_path_factory.mktemp(f"{arch}-model")
-        model.save_pretrained(folder)
-        for f in tokenizer_dir.iterdir():
-            shutil.copy(f, folder / f.name)
-        cache[key] = folder
-        return folder
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(f"{arch}-model")
+            cache[key] = build_fallback_model(folder, tokenizer_dir, arch, seed, **overrides)
+        return cache[key]
 
     return make
 
