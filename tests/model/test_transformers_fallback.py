@@ -303,3 +303,35 @@ def test_native_models_never_import_transformers(make_model) -> None:
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_probe_refuses_logits_that_differ_from_transformers(make_fallback_model) -> None:
+    """The last start-up check compares the fallback's logits on a ragged probe batch with
+    Transformers' eager run: against another model's reference it must refuse."""
+    import transformers
+
+    from tokenmill.model.config import ModelConfig
+    from tokenmill.model.transformers_fallback import (
+        FallbackUnsupported,
+        _probe,
+        _probe_sequences,
+        _reference_logits,
+        load_transformers_model,
+    )
+
+    folder, other = make_fallback_model("gpt_neox"), make_fallback_model("gpt_neox", seed=1)
+    cfg = ModelConfig.from_folder(folder, "transformers")
+    cpu = torch.device("cpu")
+    model = load_transformers_model(folder, cfg, torch.float32, cpu, 128)
+    with torch.inference_mode():
+        own = _reference_logits(
+            transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+            _probe_sequences(cfg.vocab_size, cpu),
+        )
+        _probe(model, own, torch.float32, cpu)  # its own reference passes
+        wrong = _reference_logits(
+            transformers.AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32),
+            _probe_sequences(cfg.vocab_size, cpu),
+        )
+        with pytest.raises(FallbackUnsupported, match="differ from Transformers' eager run"):
+            _probe(model, wrong, torch.float32, cpu)
