@@ -335,3 +335,48 @@ def test_probe_refuses_logits_that_differ_from_transformers(make_fallback_model)
         )
         with pytest.raises(FallbackUnsupported, match="differ from Transformers' eager run"):
             _probe(model, wrong, torch.float32, cpu)
+
+
+def test_beam_search_through_the_fallback_equals_native(make_model) -> None:
+    """Beams fork KV blocks copy-on-write: a Llama's beams are the same both ways."""
+    from tokenmill.sampling.beam_search import BeamSearchParams
+
+    folder = make_model("llama")
+    prompts = _prompts(500, 2, seed=8, max_len=20)
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    outs = {
+        impl: LLM(str(folder), dtype="float32", max_model_len=128, model_impl=impl).beam_search(
+            prompts, params
+        )
+        for impl in ("native", "transformers")
+    }
+    beams = {
+        impl: [[s.output_token_ids for s in o.sequences] for o in res] for impl, res in outs.items()
+    }
+    assert beams["transformers"] == beams["native"]
+    assert all(len(b) == 3 for b in beams["native"])
+
+
+def test_fp8_kv_and_structured_outputs_through_the_fallback(
+    make_fallback_model, reference_greedy
+) -> None:
+    """fp8 KV: every layer's scales are calibrated at start-up and greedy stays on the fp32
+    reference; a choice constraint is enforced on the fallback's logits."""
+    from tokenmill.sampling.structured import StructuredOutputsParams
+
+    folder = make_fallback_model("gpt_neox")
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_dtype="fp8")
+    model = llm.engine.runner.model
+    assert all(state.kv_scales_calibrated for state in model.layer_states)
+    prompts = _prompts(500, 4, seed=9, max_len=30)
+    expected, _ = reference_greedy(folder, prompts, MAX_NEW)
+    got = _tokens(llm.generate(prompts, _greedy(), use_tqdm=False))
+    agree = sum(
+        a == b for g, e in zip(got, expected, strict=True) for a, b in zip(g, e, strict=True)
+    )
+    assert agree >= 0.8 * len(prompts) * MAX_NEW
+    choice = SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
+    )
+    texts = [o.outputs[0].text for o in llm.generate(prompts, choice, use_tqdm=False)]
+    assert all(t in ("yes", "no") for t in texts)
