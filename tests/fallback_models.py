@@ -66,7 +66,31 @@ def _opt(vocab: int, **overrides: Any) -> Any:
     return transformers.OPTConfig(**{**kwargs, **overrides})
 
 
-CONFIGS: dict[str, Callable[..., Any]] = {"gpt_neox": _neox, "gpt2": _gpt2, "opt": _opt}
+def _starcoder2(vocab: int, **overrides: Any) -> Any:
+    """StarCoder2: LayerNorm with biases, GQA, sliding-window attention, GELU MLP."""
+    import transformers
+
+    kwargs = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        sliding_window=8,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    return transformers.Starcoder2Config(**{**kwargs, **overrides})
+
+
+CONFIGS: dict[str, Callable[..., Any]] = {
+    "gpt_neox": _neox,
+    "gpt2": _gpt2,
+    "opt": _opt,
+    "starcoder2": _starcoder2,
+}
 
 
 def build_fallback_model(

@@ -104,6 +104,16 @@ def test_prefix_caching_and_preemption_keep_parity(
     assert _tokens(first + rest) == expected
 
 
+def test_sliding_window_beyond_the_window(make_fallback_model, reference_greedy) -> None:
+    """StarCoder2 with an 8-token window, prompts far longer than it, in chunks of 16: each
+    layer's ``sliding_window`` reaches tokenmill's attention mask."""
+    folder = make_fallback_model("starcoder2")
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, max_num_batched_tokens=16)
+    prompts = _prompts(llm.tokenizer.vocab_size, 3, seed=4, max_len=80)
+    expected, _ = reference_greedy(folder, prompts, MAX_NEW)
+    assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
+
+
 def test_static_kv_decodes_eagerly_with_parity(
     make_fallback_model, reference_greedy, caplog
 ) -> None:
