@@ -390,3 +390,12 @@ def test_fp8_kv_and_structured_outputs_through_the_fallback(
     )
     texts = [o.outputs[0].text for o in llm.generate(prompts, choice, use_tqdm=False)]
     assert all(t in ("yes", "no") for t in texts)
+
+
+def test_half_precision_passes_the_probe(make_fallback_model) -> None:
+    """bf16 differs from the eager reference only by rounding: the probe lets it start."""
+    folder = make_fallback_model("gpt2")
+    llm = LLM(str(folder), dtype="bfloat16", max_model_len=128)
+    assert llm.engine.dtype == torch.bfloat16
+    out = llm.generate([[5, 6, 7, 8]], _greedy(), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == MAX_NEW
