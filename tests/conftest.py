@@ -21,6 +21,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+DENSE_FAMILIES = ["llama_bias", "olmo2", "phi3", "gemma2", "gemma3"]
+"""Wave-3 dense families (registry entries on the shared decoder)."""
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
 _BASE = dict(
     hidden_size=64,
@@ -50,6 +53,65 @@ def _hf_config(family: str, vocab_size: int, **overrides: Any):
     if family == "qwen3":
         kwargs.setdefault("head_dim", 16)
         return transformers.Qwen3Config(**kwargs)
+    if family == "llama_bias":
+        return transformers.LlamaConfig(**{"attention_bias": True, "mlp_bias": True, **kwargs})
+    if family == "olmo2":
+        return transformers.Olmo2Config(**{"pad_token_id": 0, **kwargs})
+    if family == "phi3":
+        partial = kwargs.pop("partial_rotary_factor", 1.0)
+        num_factors = int(kwargs["hidden_size"] // kwargs["num_attention_heads"] * partial) // 2
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": partial,
+            "short_factor": [1.0 + 0.1 * i for i in range(num_factors)],
+            "long_factor": [2.0 + 0.5 * i for i in range(num_factors)],
+            "original_max_position_embeddings": 128,
+        }
+        return transformers.Phi3Config(
+            **{
+                "pad_token_id": 0,
+                "rope_parameters": rope,
+                "original_max_position_embeddings": 128,
+                **kwargs,
+            }
+        )
+    if family in ("gemma2", "gemma3"):
+        gemma = {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "pad_token_id": 0,
+            "tie_word_embeddings": True,
+        }
+        if family == "gemma2":
+            return transformers.Gemma2Config(**{**gemma, **kwargs})
+        gemma["rope_parameters"] = {
+            "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+        }
+        return transformers.Gemma3TextConfig(**{**gemma, **kwargs})
+    if family == "mixtral":
+        moe = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}
+        return transformers.MixtralConfig(**{**kwargs, **moe})
+    if family == "qwen2_moe":
+        moe = {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+        }
+        return transformers.Qwen2MoeConfig(**{**moe, **kwargs})
+    if family == "qwen3_moe":
+        moe = {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "head_dim": 16,
+        }
+        return transformers.Qwen3MoeConfig(**{**moe, **kwargs})
     raise ValueError(family)
 
 

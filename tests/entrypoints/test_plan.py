@@ -123,3 +123,31 @@ def test_gpu_budget_formula_the_engine_and_planner_share() -> None:
     plan = build_plan(PlanInputs("demo", 256, 4, dtype="float32", memory_bytes=80 * gib))
     weights = plan.weight_bytes
     assert plan.kv_budget_bytes == int(72 * gib) - weights - gib
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype", "quantization"),
+    [
+        ("qwen2_moe", "float32", None),
+        ("mixtral", "bfloat16", "int8"),
+        ("qwen3_moe", "float32", "int4"),
+        ("gemma3", "bfloat16", None),
+        ("phi3", "float32", "int8"),
+    ],
+)
+def test_weight_bytes_of_new_families_are_what_the_engine_holds(
+    make_model, family: str, dtype: str, quantization: str | None
+) -> None:
+    """Sizing derives from the registry's layout: experts, shared experts, per-layer RoPE."""
+    folder = make_model(family)
+    kwargs = {} if quantization is None else {"quantization": quantization}
+    if quantization == "int4":
+        kwargs["quantization_group_size"] = 32
+    engine = LLMEngine(
+        EngineConfig(model=str(folder), dtype=dtype, max_model_len=128, **kwargs)  # type: ignore[arg-type]
+    )
+    cfg = ModelConfig.from_folder(folder)
+    want = sizing.weight_bytes(
+        cfg, dtype, 128, quantization, kwargs.get("quantization_group_size", 128)
+    )
+    assert engine_weight_bytes(engine) == want

@@ -29,6 +29,8 @@ class EngineStats:
     kv_reserved_token_steps: int = 0
     """``kv_reserved_tokens`` summed over steps: with the next, a step-averaged KV waste."""
     kv_used_token_steps: int = 0
+    moe_tokens_per_expert: list[list[int]] = field(default_factory=list)
+    """Mixture-of-experts models: tokens routed to each expert, per sparse layer."""
     precision: dict[str, str] = field(default_factory=dict)
     """What runs, fixed at start-up: dtype, quantization, kv_cache_dtype, num_threads, cpu_isa."""
 

@@ -513,4 +513,5 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_query_tokens=self.kv_manager.stats.num_query_tokens,
             num_prefix_hit_tokens=self.kv_manager.stats.num_hit_tokens,
+            moe_tokens_per_expert=self.runner.model.debug_stats().get("moe_tokens_per_expert", []),
         )

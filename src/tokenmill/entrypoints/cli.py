@@ -1,4 +1,4 @@
-"""The ``tokenmill`` command: generate, serve, plan, bench and verify.
+"""The ``tokenmill`` command: generate, serve, plan, check, bench and verify.
 
 Owns the top-level parser and the argparse behaviour every subcommand shares: ``--help``
 shows defaults, and a bad flag is reported with the usage of the subcommand it was given to.
@@ -168,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.entrypoints.plan import add_plan_parser
 
     add_plan_parser(sub)
+
+    from tokenmill.entrypoints.check import add_check_parser
+
+    add_check_parser(sub)
 
     try:
         from tokenmill.bench.cli import register as register_bench

@@ -226,6 +226,16 @@ class _EngineStatsCollector(Collector):
             "Prompt tokens found in the prefix cache.",
             stats.num_prefix_hit_tokens,
         )
+        if stats.moe_tokens_per_expert:  # mixture-of-experts models only
+            routed = CounterMetricFamily(
+                PREFIX + "moe_routed_tokens",
+                "Tokens routed to each expert of each sparse layer (top-k: k per token).",
+                labels=["model_name", "layer", "expert"],
+            )
+            for layer, counts in enumerate(stats.moe_tokens_per_expert):
+                for expert, count in enumerate(counts):
+                    routed.add_metric([self._model_name, str(layer), str(expert)], count)
+            yield routed
 
 
 class ServerMetrics:

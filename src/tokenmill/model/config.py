@@ -130,7 +130,7 @@ class ModelConfig:
                     f"{source}: {field} {act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})"
                 )
             attention_bias = bool(raw.get("attention_bias", False))
-            moe = _moe_fields(raw, spec, num_layers)
+            moe = _moe_fields(raw, spec, num_layers, source)
             query_scalar = raw.get("query_pre_attn_scalar") if family.gemma else None
             return cls(
                 architecture=spec.name,
@@ -250,7 +250,9 @@ def _rope(
     return theta, scaling, local_theta, local_scaling, rotary_dim
 
 
-def _moe_fields(raw: dict[str, Any], spec: ArchSpec, num_layers: int) -> dict[str, Any]:
+def _moe_fields(
+    raw: dict[str, Any], spec: ArchSpec, num_layers: int, source: str
+) -> dict[str, Any]:
     kind = spec.family.moe
     if kind == "none":
         return {}
@@ -258,7 +260,7 @@ def _moe_fields(raw: dict[str, Any], spec: ArchSpec, num_layers: int) -> dict[st
     top_k = int(raw["num_experts_per_tok"])
     if num_experts < 1 or not 1 <= top_k <= num_experts:
         raise ModelLoadError(
-            f"config.json: num_experts_per_tok {top_k} must be between 1 and the number of "
+            f"{source}: num_experts_per_tok {top_k} must be between 1 and the number of "
             f"experts ({num_experts})"
         )
     if kind == "mixtral":

@@ -58,6 +58,11 @@ class Attention(nn.Module):
         """fp8 caches only: K and V are stored divided by these (set by ``calibrate_kv_scales``)."""
         self.kv_scales_calibrated = False
 
+    def reset_state(self, device: torch.device) -> None:
+        """Fresh, uncalibrated KV scales on ``device`` (the loader builds on the meta device)."""
+        self.kv_scales = torch.ones(2, device=device)
+        self.kv_scales_calibrated = False
+
     def calibrate_kv_scales(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
         """Per-tensor fp8 scales from the first K/V written: their largest magnitude maps to a
         quarter of the format's range, leaving room for larger values in later prompts
@@ -200,8 +205,8 @@ class DecoderModel(CausalLM):
         if local_rope is None and cfg.local_rope_theta is not None:
             self.local_rope = build_rope(cfg, max_positions, local=True)
 
-    def _layer_rope(self, layer: DecoderLayer) -> RotaryEmbedding:
-        if self.local_rope is not None and layer.attn.window is not None:
+    def _layer_rope(self, layer: nn.Module) -> RotaryEmbedding:
+        if self.local_rope is not None and isinstance(layer, DecoderLayer) and layer.attn.window:
             return self.local_rope
         return self.rope
 

@@ -175,9 +175,11 @@ def _longrope_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Phi-3's longrope: short factors below the original context, long factors from it on.
 
-    transformers switches the whole sequence to the long factors once it grows past the
-    original context; here each position uses the factors of its own range (vLLM's way),
-    which is identical below the original context.
+    Each position uses the factors of its own range, so the KV cache never has to be
+    recomputed. transformers instead recomputes the whole sequence with the long factors
+    once it grows past the original context (and vLLM switches a whole batch), so outputs
+    agree with transformers exactly while a sequence stays within
+    ``original_max_position_embeddings`` (4096 for Phi-3-mini-128k) and drift beyond it.
     """
     original = int(scaling["original_max_position_embeddings"])
     factor = scaling.get("factor")
@@ -226,6 +228,8 @@ class RotaryEmbedding(nn.Module):
             freqs = positions[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos(), emb.sin()
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.is_partial = self.rotary_dim != head_dim

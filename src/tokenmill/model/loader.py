@@ -290,7 +290,7 @@ def load_model(
             row += shape[0]
         setattr(module, attr, nn.Parameter(value.to(device), requires_grad=False))
 
-    def convert(parent: nn.Module, name: str, method: str | None) -> None:
+    def convert(parent: nn.Module, name: str, method: str | None, may_pack: bool) -> None:
         """Quantize (``method``) or prepack one projection."""
         nonlocal num_packed, num_quantized
         linear = getattr(parent, name)
@@ -298,31 +298,31 @@ def load_model(
             bias = None if linear.bias is None else linear.bias.data
             setattr(parent, name, quantize_linear(linear.weight.data, bias, method, group_size))
             num_quantized += 1
-        elif pack:
+        elif pack and may_pack:
             num_packed += linear.pack_for_onednn()
 
     layout = weight_layout(cfg)
-    pending: list[tuple[nn.Module, str, str | None]] = []
+    head_method = None if quantization is None else LM_HEAD_QUANTIZATION
+    pending: list[tuple[nn.Module, str, str | None, bool]] = []
     """Projections read but not converted yet: converted once their bias is read too."""
     for index, spec in enumerate(layout):
         module, attr = _resolve(model, spec.target)
         put(module, attr, spec.sources)
         if spec.kind != "plain":
             parent, name = _resolve(model, spec.target.rsplit(".", 1)[0])
-            head_method = None if quantization is None else LM_HEAD_QUANTIZATION
-            pending.append(
-                (parent, name, quantization if spec.kind == "projection" else head_method)
-            )
+            method = head_method if spec.kind == "lm_head" else quantization
+            pending.append((parent, name, method, spec.kind != "expert"))
         is_last = index + 1 == len(layout)
         if is_last or layout[index + 1].layer != spec.layer:  # a layer is complete: convert now
-            for parent, name, method in pending:
-                convert(parent, name, method)
+            for parent, name, method, may_pack in pending:
+                convert(parent, name, method, may_pack)
             pending.clear()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed  # left as it is: converting would copy the embedding
-    for module in model.modules():  # built on the meta device, not from the checkpoint
-        if hasattr(module, "kv_scales"):
-            module.kv_scales = torch.ones(2, device=device)
+    for module in model.modules():  # state built on the meta device, not in the checkpoint
+        reset = getattr(module, "reset_state", None)
+        if reset is not None:
+            reset(device)
     left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
     if left:
         raise ModelLoadError(

@@ -57,6 +57,10 @@ class SparseMoE(nn.Module):
         self.tokens_per_expert = torch.zeros(cfg.num_experts, dtype=torch.long)
         """Tokens routed to each expert since start-up (a plain tensor, not model state)."""
 
+    def reset_state(self, device: torch.device) -> None:
+        """Zero the router counters, on ``device`` (the loader builds on the meta device)."""
+        self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long, device=device)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) for each token."""
         logits = self.router(x)
@@ -84,7 +88,7 @@ class SparseMoE(nn.Module):
         flat_experts = experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
         counts = torch.bincount(flat_experts, minlength=self.num_experts)
-        self.tokens_per_expert += counts.to(self.tokens_per_expert.device)
+        self.tokens_per_expert += counts
         token_rows = order // self.top_k
         sorted_x = x.index_select(0, token_rows)
         sorted_w = weights.reshape(-1).index_select(0, order).unsqueeze(-1)

@@ -96,7 +96,7 @@ def weight_bytes(
             total += spec.numel * nbytes
             continue
         head_method = None if quantization is None else "int8"
-        method = quantization if spec.kind == "projection" else head_method
+        method = head_method if spec.kind == "lm_head" else quantization
         out_features, in_features = spec.shape
         total += projection_weight_bytes(out_features, in_features, nbytes, method, group_size)
     num_ropes = 2 if cfg.local_rope_theta is not None else 1
