@@ -307,6 +307,13 @@ def _check_structure(folder: Path, hf_config: Any) -> Any:
             arch,
             f"Transformers has no causal-LM class for model_type {hf_config.model_type!r}",
         )
+    if arch != cls.__name__:
+        raise _refuse(
+            folder,
+            arch,
+            f"config.json's model_type {hf_config.model_type!r} is Transformers' "
+            f"{cls.__name__}, not the architecture it names",
+        )
     if getattr(cls, "_is_stateful", False):
         raise _refuse(
             folder,
