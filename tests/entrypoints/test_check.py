@@ -138,3 +138,39 @@ def test_llama_biases_load_once_the_config_declares_them(
     assert (
         code == 0 and report["num_params"] > ModelConfig.from_folder(make_model("llama")).num_params
     )
+
+
+def test_fallback_model_is_servable_through_transformers(
+    tokenizer_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """A GPT-NeoX checkpoint: no native family, servable through the Transformers fallback,
+    with the fallback's features and, with --parity, transformers' own greedy tokens."""
+    import torch
+    import transformers
+
+    from tests.fallback_models import build_fallback_model
+
+    folder = build_fallback_model(tmp_path / "neox", tokenizer_dir, "gpt_neox")
+    code, report = _check(capsys, str(folder), "--parity", "--parity-tokens", "6")
+    assert code == 0, report
+    assert report["servable"] and report["implementation"] == "transformers"
+    assert "Transformers fallback" in report["reason"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert report["num_params"] == sum(p.numel() for p in hf.parameters())
+    assert report["weight_bytes"]["bfloat16"] == 2 * report["num_params"]
+    assert report["features"]["quantization"].startswith("no")
+    assert report["features"]["lora"].startswith("no")
+    assert report["parity"]["first_divergence"] == [None, None, None]
+
+
+def test_model_neither_native_nor_fallback_says_why(tmp_path: Path, capsys) -> None:
+    import transformers
+
+    config = transformers.MambaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2)
+    config.architectures = ["MambaForCausalLM"]
+    config.save_pretrained(tmp_path)
+    code, report = _check(capsys, str(tmp_path))
+    assert code == 1
+    assert report["implementation"] == "unsupported"
+    assert "unsupported architecture 'MambaForCausalLM'" in report["problems"][0]
+    assert "recurrent or state-space layers" in report["problems"][1]

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.fallback_models import build_fallback_model
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.sampling import SamplingParams
@@ -24,86 +25,19 @@ from tokenmill.sampling import SamplingParams
 MAX_NEW = 10
 
 
-def _neox(vocab: int, **overrides: Any) -> Any:
-    """GPT-NeoX: parallel residual, fused per-head QKV, rotary on a quarter of each head."""
-    import transformers
-
-    kwargs = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        partial_rotary_factor=0.25,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    return transformers.GPTNeoXConfig(**{**kwargs, **overrides})
-
-
-def _gpt2(vocab: int, **overrides: Any) -> Any:
-    """GPT-2: LayerNorm, biases everywhere, learned absolute positions, Conv1D, tied head."""
-    import transformers
-
-    kwargs = dict(
-        vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=0, eos_token_id=1
-    )
-    return transformers.GPT2Config(**{**kwargs, **overrides})
-
-
-def _opt(vocab: int, **overrides: Any) -> Any:
-    """OPT: LayerNorm, ReLU MLP, learned positions offset by 2."""
-    import transformers
-
-    kwargs = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        ffn_dim=128,
-        word_embed_proj_dim=64,
-        max_position_embeddings=512,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-    )
-    return transformers.OPTConfig(**{**kwargs, **overrides})
-
-
-CONFIGS: dict[str, Callable[..., Any]] = {"gpt_neox": _neox, "gpt2": _gpt2, "opt": _opt}
-
-
 @pytest.fixture(scope="session")
 def make_fallback_model(
     tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
 ) -> Callable[..., Path]:
-    """``make_fallback_model(arch, **config overrides) -> folder`` with random, peaked weights."""
-    import transformers
-
+    """``make_fallback_model(arch, **config overrides) -> folder``, cached per argument set."""
     cache: dict[tuple, Path] = {}
 
     def make(arch: str, seed: int = 0, **overrides: Any) -> Path:
         key = (arch, seed, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
-        if key in cache:
-            return cache[key]
-        from tokenmill.tokenizer import Tokenizer
-
-        vocab = Tokenizer.from_pretrained(tokenizer_dir).vocab_size
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch](vocab, **overrides))
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                is_norm_scale = p.ndim == 1 and name.endswith("weight")
-                p.copy_((1.0 if is_norm_scale else 0.0) + 0.1 * torch.randn(p.shape, generator=gen))
-        folder = tmp_path_factory.mktemp(f"{arch}-model")
-        model.save_pretrained(folder)
-        for f in tokenizer_dir.iterdir():
-            shutil.copy(f, folder / f.name)
-        cache[key] = folder
-        return folder
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(f"{arch}-model")
+            cache[key] = build_fallback_model(folder, tokenizer_dir, arch, seed, **overrides)
+        return cache[key]
 
     return make
 
@@ -129,7 +63,10 @@ def test_batched_parity_with_transformers(
     """Mixed-length prompts in one batch, whole or in 7-token chunks, as transformers alone."""
     folder = make_fallback_model(arch)
     llm = LLM(
-        str(folder), dtype="float32", max_model_len=256, max_num_batched_tokens=max_num_batched_tokens
+        str(folder),
+        dtype="float32",
+        max_model_len=256,
+        max_num_batched_tokens=max_num_batched_tokens,
     )
     assert llm.engine.model_config.model_impl == "transformers"
     prompts = _prompts(llm.tokenizer.vocab_size, 8, seed=2)
@@ -146,7 +83,9 @@ def test_prefix_caching_and_preemption_keep_parity(
     folder = make_fallback_model(arch)
     rng = random.Random(5)
     prefix = [rng.randrange(4, 500) for _ in range(40)]
-    prompts = [prefix + [rng.randrange(4, 500) for _ in range(rng.randint(1, 20))] for _ in range(8)]
+    prompts = [
+        prefix + [rng.randrange(4, 500) for _ in range(rng.randint(1, 20))] for _ in range(8)
+    ]
     max_new = 24
     expected, _ = reference_greedy(folder, prompts, max_new)
     bytes_per_token = 2 * 2 * 64 * 4  # K and V, 2 layers, 4 heads x 16, fp32
@@ -165,12 +104,26 @@ def test_prefix_caching_and_preemption_keep_parity(
     assert _tokens(first + rest) == expected
 
 
-def test_static_kv_decodes_eagerly_with_parity(make_fallback_model, reference_greedy, caplog) -> None:
+def test_sliding_window_beyond_the_window(make_fallback_model, reference_greedy) -> None:
+    """StarCoder2 with an 8-token window, prompts far longer than it, in chunks of 16: each
+    layer's ``sliding_window`` reaches tokenmill's attention mask."""
+    folder = make_fallback_model("starcoder2")
+    llm = LLM(str(folder), dtype="float32", max_model_len=256, max_num_batched_tokens=16)
+    prompts = _prompts(llm.tokenizer.vocab_size, 3, seed=4, max_len=80)
+    expected, _ = reference_greedy(folder, prompts, MAX_NEW)
+    assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
+
+
+def test_static_kv_decodes_eagerly_with_parity(
+    make_fallback_model, reference_greedy, caplog
+) -> None:
     folder = make_fallback_model("gpt_neox")
     prompts = _prompts(500, 5, seed=3)
     expected, _ = reference_greedy(folder, prompts, MAX_NEW)
     with caplog.at_level(logging.INFO, logger="tokenmill.engine.llm_engine"):
-        llm = LLM(str(folder), dtype="float32", max_model_len=128, max_num_seqs=2, kv_cache="static")
+        llm = LLM(
+            str(folder), dtype="float32", max_model_len=128, max_num_seqs=2, kv_cache="static"
+        )
     assert llm.engine.runner.compiled_decode is None
     assert "runs the decode step eagerly (Transformers' modeling code" in caplog.text
     assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
@@ -187,7 +140,9 @@ def test_prompt_logprobs_match_transformers(make_fallback_model, reference_greed
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
-    got = torch.tensor([entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)])
+    got = torch.tensor(
+        [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+    )
     want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
 
@@ -220,12 +175,18 @@ def test_auto_logs_why_it_falls_back(make_fallback_model, caplog) -> None:
 
 def test_native_refuses_an_unregistered_architecture(make_fallback_model) -> None:
     folder = make_fallback_model("gpt_neox")
-    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'GPTNeoXForCausalLM'.*--model-impl transformers"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"unsupported architecture 'GPTNeoXForCausalLM'.*--model-impl transformers",
+    ):
         LLM(str(folder), model_impl="native")
 
 
 def test_unknown_model_impl_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"--model-impl 'vllm' is not supported; choose one of auto, native, transformers"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--model-impl 'vllm' is not supported; choose one of auto, native, transformers",
+    ):
         LLM("demo", model_impl="vllm")
 
 
@@ -234,11 +195,16 @@ def test_unknown_model_impl_is_refused() -> None:
     [
         ({"quantization": "int8"}, r"--quantization int8: the Transformers fallback"),
         ({"enable_lora": True}, r"--enable-lora: the Transformers fallback does not apply LoRA"),
-        ({"max_model_len": 1024}, r"--max-model-len 1024: beyond GPTNeoXForCausalLM's max_position_embeddings \(512\)"),
+        (
+            {"max_model_len": 1024},
+            r"--max-model-len 1024: beyond GPTNeoXForCausalLM's max_position_embeddings \(512\)",
+        ),
     ],
     ids=["quantization", "lora", "max-model-len"],
 )
-def test_unsupported_features_are_refused_in_one_line(make_fallback_model, options: dict, message: str) -> None:
+def test_unsupported_features_are_refused_in_one_line(
+    make_fallback_model, options: dict, message: str
+) -> None:
     folder = make_fallback_model("gpt_neox")
     with pytest.raises(ConfigError, match=message) as info:
         LLM(str(folder), dtype="float32", **options)
@@ -329,7 +295,10 @@ def test_attention_sinks_are_refused_by_the_probe(tmp_path: Path, tokenizer_dir:
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, tmp_path / f.name)
-    with pytest.raises(ModelLoadError, match=r"GptOssForCausalLM cannot run through the Transformers fallback: .*passes \['s_aux'\]"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"GptOssForCausalLM cannot run through the Transformers fallback: .*passes \['s_aux'\]",
+    ):
         LLM(str(tmp_path), dtype="float32", max_model_len=128)
 
 
@@ -344,3 +313,89 @@ def test_native_models_never_import_transformers(make_model) -> None:
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_probe_refuses_logits_that_differ_from_transformers(make_fallback_model) -> None:
+    """The last start-up check compares the fallback's logits on a ragged probe batch with
+    Transformers' eager run: against another model's reference it must refuse."""
+    import transformers
+
+    from tokenmill.model.config import ModelConfig
+    from tokenmill.model.transformers_fallback import (
+        FallbackUnsupported,
+        _probe,
+        _probe_sequences,
+        _reference_logits,
+        load_transformers_model,
+    )
+
+    folder, other = make_fallback_model("gpt_neox"), make_fallback_model("gpt_neox", seed=1)
+    cfg = ModelConfig.from_folder(folder, "transformers")
+    cpu = torch.device("cpu")
+    model = load_transformers_model(folder, cfg, torch.float32, cpu, 128)
+    with torch.inference_mode():
+        own = _reference_logits(
+            transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+            _probe_sequences(cfg.vocab_size, cpu),
+        )
+        _probe(model, own, torch.float32, cpu)  # its own reference passes
+        wrong = _reference_logits(
+            transformers.AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32),
+            _probe_sequences(cfg.vocab_size, cpu),
+        )
+        with pytest.raises(FallbackUnsupported, match="differ from Transformers' eager run"):
+            _probe(model, wrong, torch.float32, cpu)
+
+
+def test_beam_search_through_the_fallback_equals_native(make_model) -> None:
+    """Beams fork KV blocks copy-on-write: a Llama's beams are the same both ways."""
+    from tokenmill.sampling.beam_search import BeamSearchParams
+
+    folder = make_model("llama")
+    prompts = _prompts(500, 2, seed=8, max_len=20)
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    outs = {
+        impl: LLM(str(folder), dtype="float32", max_model_len=128, model_impl=impl).beam_search(
+            prompts, params
+        )
+        for impl in ("native", "transformers")
+    }
+    beams = {
+        impl: [[s.output_token_ids for s in o.sequences] for o in res] for impl, res in outs.items()
+    }
+    assert beams["transformers"] == beams["native"]
+    assert all(len(b) == 3 for b in beams["native"])
+
+
+def test_fp8_kv_and_structured_outputs_through_the_fallback(
+    make_fallback_model, reference_greedy
+) -> None:
+    """fp8 KV: every layer's scales are calibrated at start-up and greedy stays on the fp32
+    reference; a choice constraint is enforced on the fallback's logits."""
+    from tokenmill.sampling.structured import StructuredOutputsParams
+
+    folder = make_fallback_model("gpt_neox")
+    llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_dtype="fp8")
+    model = llm.engine.runner.model
+    assert all(state.kv_scales_calibrated for state in model.layer_states)
+    prompts = _prompts(500, 4, seed=9, max_len=30)
+    expected, _ = reference_greedy(folder, prompts, MAX_NEW)
+    got = _tokens(llm.generate(prompts, _greedy(), use_tqdm=False))
+    agree = sum(
+        a == b for g, e in zip(got, expected, strict=True) for a, b in zip(g, e, strict=True)
+    )
+    assert agree >= 0.8 * len(prompts) * MAX_NEW
+    choice = SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
+    )
+    texts = [o.outputs[0].text for o in llm.generate(prompts, choice, use_tqdm=False)]
+    assert all(t in ("yes", "no") for t in texts)
+
+
+def test_half_precision_passes_the_probe(make_fallback_model) -> None:
+    """bf16 differs from the eager reference only by rounding: the probe lets it start."""
+    folder = make_fallback_model("gpt2")
+    llm = LLM(str(folder), dtype="bfloat16", max_model_len=128)
+    assert llm.engine.dtype == torch.bfloat16
+    out = llm.generate([[5, 6, 7, 8]], _greedy(), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == MAX_NEW

@@ -53,7 +53,7 @@ class CheckReport:
     servable: bool
     architecture: str | None = None
     implementation: str = "unsupported"
-    """``native`` (a registry entry) or ``unsupported``."""
+    """``native`` (a registry entry), ``transformers`` (the fallback) or ``unsupported``."""
     reason: str = ""
     problems: list[str] = field(default_factory=list)
     """One line per problem that stops serving, naming the file and field or tensor."""
@@ -200,6 +200,7 @@ def build_check(
 
         folder = demo_model_path()
     report = CheckReport(model=model, servable=False)
+    parity_args = (parity, parity_prompts, parity_tokens, parity_min_agreement)
     config_path = folder / "config.json"
     try:
         raw = json.loads(config_path.read_text())
@@ -210,13 +211,22 @@ def build_check(
         report.reason = "no readable config.json"
         return report
     if report.architecture not in ARCHITECTURES:
+        native_problem = ""
         try:
             lookup(report.architecture, str(config_path))
         except TokenmillError as exc:
-            report.problems.append(str(exc))
-        report.reason = "tokenmill has no native implementation of this architecture"
-        _inspect_tokenizer(folder, report)
-        return report
+            native_problem = str(exc)
+        try:
+            cfg = ModelConfig.from_folder(folder, "auto")  # the fallback's structural checks
+        except TokenmillError as exc:
+            report.problems += [p for p in (native_problem, str(exc)) if p]
+            report.reason = (
+                "tokenmill has no native implementation of this architecture, and the "
+                "Transformers fallback cannot run it"
+            )
+            _inspect_tokenizer(folder, report)
+            return report
+        return _check_fallback(folder, report, cfg, parity_args)
     report.implementation = "native"
     try:
         cfg = ModelConfig.from_folder(folder)
@@ -253,14 +263,56 @@ def build_check(
         report.reason = "the folder cannot be loaded as it is"
         return report
     report.servable = True
-    if parity:
-        result = _run_parity(
-            folder, parity_prompts, parity_tokens, parity_min_agreement, cfg.vocab_size
-        )
-        report.parity = {**asdict(result), "agreement": result.agreement, "passed": result.passed}
-        report.servable = result.passed
-        if not result.passed:
-            report.reason = "greedy outputs differ from transformers"
+    _maybe_parity(folder, report, cfg.vocab_size, parity_args)
+    return report
+
+
+def _maybe_parity(
+    folder: Path, report: CheckReport, vocab: int, parity_args: tuple[bool, int, int, float]
+) -> None:
+    """With ``--parity``: the greedy comparison decides whether the model is servable."""
+    parity, num_prompts, num_tokens, min_agreement = parity_args
+    if not parity:
+        return
+    result = _run_parity(folder, num_prompts, num_tokens, min_agreement, vocab)
+    report.parity = {**asdict(result), "agreement": result.agreement, "passed": result.passed}
+    report.servable = result.passed
+    if not result.passed:
+        report.reason = "greedy outputs differ from transformers"
+
+
+def _check_fallback(
+    folder: Path, report: CheckReport, cfg: Any, parity_args: tuple[bool, int, int, float]
+) -> CheckReport:
+    """A model only the Transformers fallback runs: its facts and the fallback's features.
+
+    Without ``--parity`` the verdict rests on the fallback's structural checks; the probe
+    against Transformers' eager run needs the weights and runs when the model loads (which
+    ``--parity`` does).
+    """
+    from tokenmill.model import sizing
+
+    report.implementation = "transformers"
+    report.reason = (
+        "no native implementation: runs through the Transformers fallback (--model-impl auto)"
+    )
+    report.dtype = cfg.torch_dtype
+    report.num_params = cfg.num_params
+    report.context_length = cfg.max_position_embeddings
+    for dtype in ("float32", "bfloat16"):
+        report.weight_bytes[dtype] = cfg.num_params * sizing.DTYPE_BYTES[dtype]
+    report.features = {
+        "quantization": "no (Transformers fallback)",
+        "lora": "no (Transformers fallback)",
+        "static kv": "yes (decode step runs eagerly: Transformers fallback)",
+        "prefix caching": "yes",
+    }
+    _inspect_tokenizer(folder, report)
+    if report.problems:
+        report.reason = "the folder cannot be loaded as it is"
+        return report
+    report.servable = True
+    _maybe_parity(folder, report, cfg.vocab_size, parity_args)
     return report
 
 

@@ -280,7 +280,9 @@ def _hf_config(folder: Path) -> Any:
         return transformers.AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ModelLoadError(f"{folder}/config.json: Transformers cannot read it: {message}") from None
+        raise ModelLoadError(
+            f"{folder}/config.json: Transformers cannot read it: {message}"
+        ) from None
 
 
 def _rope_types(value: Any) -> set[str]:
@@ -293,15 +295,24 @@ def _rope_types(value: Any) -> set[str]:
     return found
 
 
-def _check_structure(folder: Path, hf_config: Any) -> type:
+def _check_structure(folder: Path, hf_config: Any) -> Any:
     """The Transformers causal-LM class for ``hf_config``, or the reason it cannot run here."""
     arch = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
     if getattr(hf_config, "is_encoder_decoder", False):
         raise _refuse(folder, arch, "it is an encoder-decoder; tokenmill runs decoder-only LMs")
-    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
+    cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
     if cls is None:
         raise _refuse(
-            folder, arch, f"Transformers has no causal-LM class for model_type {hf_config.model_type!r}"
+            folder,
+            arch,
+            f"Transformers has no causal-LM class for model_type {hf_config.model_type!r}",
+        )
+    if arch != cls.__name__:
+        raise _refuse(
+            folder,
+            arch,
+            f"config.json's model_type {hf_config.model_type!r} is Transformers' "
+            f"{cls.__name__}, not the architecture it names",
         )
     if getattr(cls, "_is_stateful", False):
         raise _refuse(
@@ -397,7 +408,7 @@ def load_transformers_model(
         )
     register_attention()
     try:
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_model: Any = transformers.AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
         )
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
@@ -447,7 +458,10 @@ def _probe(
     block_size = 4
     shape = (4, block_size, cfg.num_kv_heads, cfg.head_dim)  # blocks: a=[0], b=[1, 2]; spare 3
     caches = [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
         for _ in range(cfg.num_layers)
     ]
     a, b = (s.tolist() for s in _probe_sequences(cfg.vocab_size, device))
@@ -486,7 +500,9 @@ def _probe(
         except FallbackUnsupported:
             raise
         except Exception as exc:  # whatever Transformers' code raises on a ragged batch
-            raise FallbackUnsupported(f"the probe step failed: {type(exc).__name__}: {exc}") from exc
+            raise FallbackUnsupported(
+                f"the probe step failed: {type(exc).__name__}: {exc}"
+            ) from exc
         if sorted(step.attended) != list(range(cfg.num_layers)):
             raise FallbackUnsupported(
                 f"its {cfg.num_layers} layers attended as {sorted(step.attended)} in one step; "
@@ -498,7 +514,9 @@ def _probe(
     rtol = PROBE_RTOL.get(dtype, PROBE_RTOL_HALF)
     for got, want in zip(ours, reference, strict=True):
         if got.shape != want.shape:
-            raise FallbackUnsupported(f"its logits have shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+            raise FallbackUnsupported(
+                f"its logits have shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+            )
         diff = (got - want).abs().max().item()
         bound = rtol * max(1.0, want.abs().max().item())
         if not diff <= bound:

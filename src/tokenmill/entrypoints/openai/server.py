@@ -428,7 +428,13 @@ def check_lora_modules(config: ServerConfig, engine_config: EngineConfig) -> Non
     from tokenmill.model.config import ModelConfig
     from tokenmill.model.lora import load_lora_adapter
 
-    model_config = ModelConfig.from_folder(resolve_model_path(engine_config.model))
+    model_config = ModelConfig.from_folder(
+        resolve_model_path(engine_config.model), engine_config.model_impl
+    )
+    if model_config.model_impl == "transformers":
+        from tokenmill.model.transformers_fallback import check_features
+
+        check_features(engine_config.quantization, engine_config.enable_lora)
     for entry in config.lora_modules:
         adapter = parse_lora_module(entry)
         load_lora_adapter(adapter.path, model_config, engine_config.max_lora_rank, torch.float32)
