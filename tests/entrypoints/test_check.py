@@ -96,6 +96,15 @@ def test_unknown_rope_scaling_type_is_one_line_at_check_and_at_start_up(
     assert len(err.splitlines()) == 1 and "'ntk-magic' is not supported" in err
 
 
+def test_bidirectional_gemma_is_refused_naming_the_field(
+    make_model, tmp_path: Path, capsys
+) -> None:
+    folder = _copy(make_model, tmp_path, "gemma3")
+    _edit_config(folder, use_bidirectional_attention=True)
+    code, report = _check(capsys, str(folder))
+    assert code == 1 and "use_bidirectional_attention" in report["problems"][0]
+
+
 def test_unknown_activation_is_refused_naming_the_field(make_model, tmp_path: Path, capsys) -> None:
     folder = _copy(make_model, tmp_path)
     _edit_config(folder, hidden_act="relu2")

@@ -129,6 +129,11 @@ class ModelConfig:
                 raise ModelLoadError(
                     f"{source}: {field} {act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})"
                 )
+            if raw.get("use_bidirectional_attention"):
+                raise ModelLoadError(
+                    f"{source}: use_bidirectional_attention is true (an encoder/embedding "
+                    "checkpoint); tokenmill serves causal decoders only"
+                )
             attention_bias = bool(raw.get("attention_bias", False))
             moe = _moe_fields(raw, spec, num_layers, source)
             query_scalar = raw.get("query_pre_attn_scalar") if family.gemma else None

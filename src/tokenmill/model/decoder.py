@@ -242,14 +242,17 @@ class DecoderModel(CausalLM):
         return [m for m in self.modules() if isinstance(m, Linear)]
 
     def debug_stats(self) -> dict[str, list[list[int]]]:
+        """Tokens routed per sparse layer and expert; empty for a dense model."""
+        if not self.config.is_moe:
+            return {}
         from tokenmill.model.moe import SparseMoE
 
         counts = [
             layer.mlp.tokens_per_expert.tolist()
             for layer in self.layers
-            if isinstance(layer.mlp, SparseMoE)
+            if isinstance(layer, DecoderLayer) and isinstance(layer.mlp, SparseMoE)
         ]
-        return {"moe_tokens_per_expert": counts} if counts else {}
+        return {"moe_tokens_per_expert": counts}
 
 
 def build_rope(cfg: ModelConfig, max_positions: int, local: bool = False) -> RotaryEmbedding:
