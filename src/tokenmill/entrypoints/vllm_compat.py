@@ -369,7 +369,7 @@ def vllm_flags() -> tuple[VLLMFlag, ...]:
                 choices=tuple(entry["choices"]) if entry.get("choices") else None,
                 vllm_help=entry["help"],
                 status=status,
-                note=note or "not built",
+                note=note or ("" if status == "implemented" else "not built"),
             )
         )
     return tuple(flags)
