@@ -53,10 +53,17 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+    """Prompt tokens the prefix cache served."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    """With ``--enable-prompt-tokens-details``."""
 
 
 class CompletionLogprobs(BaseModel):
@@ -82,6 +89,10 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     """vLLM's: per prompt position, token id -> logprob (only when asked for)."""
+    prompt_token_ids: list[int] | None = None
+    """vLLM's, with ``return_token_ids``."""
+    token_ids: list[int] | None = None
+    """vLLM's, with ``return_token_ids``."""
 
 
 class CompletionResponse(BaseModel):
@@ -110,8 +121,12 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str
+    role: str
+    """``assistant`` (``--response-role``)."""
+    content: str | None
+    reasoning_content: str | None = None
+    """With ``--reasoning-parser``: the text up to ``</think>``; also as ``reasoning``."""
+    reasoning: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -120,6 +135,8 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None
+    token_ids: list[int] | None = None
+    """vLLM's, with ``return_token_ids``."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -130,6 +147,10 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None
+    """vLLM's, with ``return_token_ids``."""
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    """vLLM's, with ``prompt_logprobs``."""
 
 
 class CompletionChunkChoice(BaseModel):
@@ -139,6 +160,9 @@ class CompletionChunkChoice(BaseModel):
     finish_reason: str | None
     stop_reason: int | str | None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    """In a choice's first chunk, with ``return_token_ids``."""
+    token_ids: list[int] | None = None
 
 
 class CompletionChunk(BaseModel):
@@ -154,8 +178,10 @@ class CompletionChunk(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -164,6 +190,8 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """With ``return_token_ids``."""
 
 
 class ChatCompletionChunk(BaseModel):
@@ -175,6 +203,10 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+    """In the first chunk, with ``return_token_ids``."""
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    """With the first output, with ``prompt_logprobs``."""
 
 
 class TokenizeResponse(BaseModel):
