@@ -166,6 +166,13 @@ def _add_serve_parser(sub: Any) -> None:
         metavar="MODEL",
         help="the model, as vLLM also takes it: a Hugging Face model folder, or 'demo'",
     )
+    groups("--config").add_argument(
+        "--config",
+        dest="config_file",
+        default=None,
+        metavar="FILE",
+        help="a YAML file of flags (name: value), as vLLM reads it; flags on the command line win",
+    )
     groups("--log-level").add_argument(
         "--log-level",
         dest="serve_log_level",
@@ -270,7 +277,15 @@ def _report(exc: Exception, is_debug: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tokenmill.entrypoints.vllm_argv import normalize_serve_argv
+    from tokenmill.errors import ConfigError
+
     parser = build_parser()
+    try:
+        argv = normalize_serve_argv(list(sys.argv[1:] if argv is None else argv))
+    except ConfigError as exc:
+        print(f"tokenmill: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     level = getattr(args, "serve_log_level", None) or args.log_level
     logging.basicConfig(

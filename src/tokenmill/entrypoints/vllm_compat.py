@@ -63,7 +63,7 @@ _FLAGS: dict[str, tuple[Status, str]] = {
     # ---- options (vLLM's top-level group)
     "--headless": ("refused", _ONE_PROCESS),
     "--api-server-count": ("refused", "one API server process per engine"),
-    "--config": ("refused", "YAML config files are not read; pass the flags on the command line"),
+    "--config": ("implemented", "YAML; the command line wins"),
     "--grpc": ("refused", "the gRPC server is not built"),
     "--disable-log-stats": ("implemented", "no periodic throughput/KV log line"),
     "--aggregate-engine-logging": ("ignored", "one engine: its stats are already the aggregate"),
@@ -369,7 +369,7 @@ def vllm_flags() -> tuple[VLLMFlag, ...]:
                 choices=tuple(entry["choices"]) if entry.get("choices") else None,
                 vllm_help=entry["help"],
                 status=status,
-                note=note or "not built",
+                note=note or ("" if status == "implemented" else "not built"),
             )
         )
     return tuple(flags)

@@ -78,10 +78,17 @@ class AnthropicErrorResponse(BaseModel):
     error: AnthropicErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+    """Prompt tokens the prefix cache served."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    """With ``--enable-prompt-tokens-details``."""
 
 
 class CompletionLogprobs(BaseModel):
@@ -107,6 +114,10 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     """vLLM's: per prompt position, token id -> logprob (only when asked for)."""
+    prompt_token_ids: list[int] | None = None
+    """vLLM's, with ``return_token_ids``."""
+    token_ids: list[int] | None = None
+    """vLLM's, with ``return_token_ids``."""
 
 
 class CompletionResponse(BaseModel):
@@ -135,8 +146,12 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str
+    role: str
+    """``assistant`` (``--response-role``)."""
+    content: str | None
+    reasoning_content: str | None = None
+    """With ``--reasoning-parser``: the text up to ``</think>``; also as ``reasoning``."""
+    reasoning: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -145,6 +160,8 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None
+    token_ids: list[int] | None = None
+    """vLLM's, with ``return_token_ids``."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -155,6 +172,10 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None
+    """vLLM's, with ``return_token_ids``."""
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    """vLLM's, with ``prompt_logprobs``."""
 
 
 class CompletionChunkChoice(BaseModel):
@@ -164,6 +185,9 @@ class CompletionChunkChoice(BaseModel):
     finish_reason: str | None
     stop_reason: int | str | None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    """In a choice's first chunk, with ``return_token_ids``."""
+    token_ids: list[int] | None = None
 
 
 class CompletionChunk(BaseModel):
@@ -179,8 +203,10 @@ class CompletionChunk(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -189,6 +215,8 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """With ``return_token_ids``."""
 
 
 class ChatCompletionChunk(BaseModel):
@@ -200,6 +228,10 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+    """In the first chunk, with ``return_token_ids``."""
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    """With the first output, with ``prompt_logprobs``."""
 
 
 class TokenizeResponse(BaseModel):
