@@ -47,23 +47,46 @@ def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_bytes
 
 
+QuantLayout = Literal["torch", "rows", "amx"]
+"""How ``model/quant.py`` stores a quantized projection: for torch's int kernels, as rows for
+tokenmill's VNNI/AVX2 kernels, or as AMX tiles (``quant.kernel_layout`` says which)."""
+
+
+def _up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
 def projection_weight_bytes(
     out_features: int,
     in_features: int,
     dtype_bytes: int,
     quantization: str | None = None,
     group_size: int = INT4_GROUP_SIZE,
+    layout: QuantLayout = "torch",
 ) -> int:
     """One projection's weight in memory, as ``model/quant.py`` stores it.
 
-    ``int8``: 1 byte per weight, an fp32 scale per output channel for dequantizing and a
-    16-bit copy for the kernel. ``int4``: half a byte per weight of the zero-padded shape
-    (inputs to whole groups, outputs to a multiple of 64), 16-bit scale and zero point per
-    group and an fp32 offset per group.
+    torch's kernels: ``int8`` 1 byte per weight, an fp32 scale per output channel for
+    dequantizing and a 16-bit copy for the kernel; ``int4`` half a byte per weight of the
+    zero-padded shape (inputs to whole groups, outputs to a multiple of 64), 16-bit scale
+    and zero point per group and an fp32 offset per group. tokenmill's kernels: rows, or
+    AMX tiles (outputs padded to 16, inputs to 64), with fp32 scales (offsets) and int32
+    sums per channel (group), the AMX ones blocked by 16 channels.
     """
     weights = out_features * in_features
     if quantization is None:
         return weights * dtype_bytes
+    n16 = _up(out_features, 16)
+    if quantization == "int8" and layout == "rows":
+        return weights + out_features * (4 + 4)
+    if quantization == "int8" and layout == "amx":
+        return n16 * _up(in_features, 64) + out_features * 4 + n16 * (4 + 4)
+    if quantization == "int4" and layout != "torch":
+        k_pad = _up(in_features, max(64, group_size))
+        groups = k_pad // group_size
+        tiles = (n16 if layout == "amx" else out_features) * k_pad // 2
+        blocked = 3 * n16 * groups * 4 if layout == "amx" else 0
+        return tiles + out_features * groups * (4 + 4) + blocked
     if quantization == "int8":
         return weights + out_features * (4 + KERNEL_SCALE_BYTES)
     if quantization == "int4":
@@ -80,19 +103,24 @@ def weight_bytes(
     max_model_len: int,
     quantization: str | None = None,
     group_size: int = INT4_GROUP_SIZE,
+    layout: QuantLayout = "torch",
+    head_layout: QuantLayout = "torch",
 ) -> int:
     """Everything the model holds on the device: parameters, the fp32 RoPE tables and the
     per-layer KV scales.
 
     Quantization applies to the decoder layers' projections (QKV, O, gate/up, down) and,
     in int8, to an untied LM head; the embedding, norms and biases stay in ``dtype``.
+    ``layout``/``head_layout``: how the layers' and the (int8) head's weights are stored.
     """
     nbytes = DTYPE_BYTES[dtype]
     h, i = cfg.hidden_size, cfg.intermediate_size
     qkv = cfg.q_size + 2 * cfg.kv_size
 
     def proj(out_features: int, in_features: int) -> int:
-        return projection_weight_bytes(out_features, in_features, nbytes, quantization, group_size)
+        return projection_weight_bytes(
+            out_features, in_features, nbytes, quantization, group_size, layout
+        )
 
     projections = proj(qkv, h) + proj(h, cfg.q_size) + proj(2 * i, h) + proj(h, i)
     per_layer_plain = (
@@ -102,7 +130,9 @@ def weight_bytes(
     lm_head = 0
     if not cfg.tie_word_embeddings:
         head_quantization = None if quantization is None else "int8"
-        lm_head = projection_weight_bytes(cfg.vocab_size, h, nbytes, head_quantization)
+        lm_head = projection_weight_bytes(
+            cfg.vocab_size, h, nbytes, head_quantization, layout=head_layout
+        )
     rope_tables = 2 * max_model_len * cfg.head_dim * DTYPE_BYTES["float32"]
     kv_scales = cfg.num_layers * 2 * DTYPE_BYTES["float32"]
     return cfg.num_layers * projections + plain * nbytes + lm_head + rope_tables + kv_scales
