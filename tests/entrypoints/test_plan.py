@@ -101,6 +101,14 @@ def test_kv_dtype_and_quantization_bytes() -> None:
     assert sizing.projection_weight_bytes(64, 256, 2, "int8") == 64 * 256 + 64 * (4 + 2)
     # int4, groups of 128: packed codes, then bf16 scale + zero and an fp32 offset per group
     assert sizing.projection_weight_bytes(64, 256, 2, "int4") == 64 * 128 + 64 * 2 * (4 + 4)
+    # tokenmill's kernels: rows (fp32 scales, int32 sums) or AMX tiles (padded, blocked by 16)
+    assert sizing.projection_weight_bytes(40, 70, 2, "int8", layout="rows") == 40 * 70 + 40 * 8
+    assert sizing.projection_weight_bytes(40, 70, 2, "int8", layout="amx") == (
+        48 * 128 + 40 * 4 + 48 * 8
+    )
+    assert sizing.projection_weight_bytes(40, 70, 2, "int4", 64, layout="amx") == (
+        48 * 128 // 2 + 40 * 2 * 8 + 3 * 48 * 2 * 4
+    )
     cfg = ModelConfig.from_folder(demo_model_path())
     per_token = sizing.kv_bytes_per_token(cfg, 1)
     assert per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim

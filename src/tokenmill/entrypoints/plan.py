@@ -143,8 +143,20 @@ def build_plan(inputs: PlanInputs) -> CapacityPlan:
     cfg = ModelConfig.from_folder(_resolve_model(inputs.model))
     dtype = resolve_model_dtype(inputs.dtype, cfg)
     kv_dtype = dtype if inputs.kv_cache_dtype == "auto" else inputs.kv_cache_dtype
+    layout = head_layout = "torch"
+    if inputs.quantization is not None:  # stored as this machine's CPU kernels read them
+        from tokenmill.model.quant import kernel_layout
+
+        layout = kernel_layout(inputs.quantization, inputs.quantization_group_size)
+        head_layout = kernel_layout("int8", inputs.quantization_group_size)  # the int8 head
     weights = sizing.weight_bytes(
-        cfg, dtype, inputs.max_model_len, inputs.quantization, inputs.quantization_group_size
+        cfg,
+        dtype,
+        inputs.max_model_len,
+        inputs.quantization,
+        inputs.quantization_group_size,
+        layout,  # type: ignore[arg-type]
+        head_layout,  # type: ignore[arg-type]
     )
     per_token = sizing.kv_bytes_per_token(
         cfg, sizing.kv_cache_dtype_bytes(inputs.kv_cache_dtype, dtype)

@@ -294,6 +294,13 @@ def _kernel_for(weight: torch.Tensor, amx_ok: bool) -> str | None:
     return "amx" if amx_ok and kernels.amx_active() else "rows"
 
 
+def kernel_layout(method: str, group_size: int) -> str:
+    """How a CPU projection quantized with ``method`` is stored in this process (torch, rows
+    or amx: ``sizing.QuantLayout``), for sizing memory as the engine will."""
+    amx_ok = method == "int8" or group_size % 64 == 0
+    return _kernel_for(torch.empty(0), amx_ok) or "torch"
+
+
 def quantize_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, method: str, group_size: int
 ) -> QuantizedLinear:

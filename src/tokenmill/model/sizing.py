@@ -48,23 +48,46 @@ def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_bytes
 
 
+QuantLayout = Literal["torch", "rows", "amx"]
+"""How ``model/quant.py`` stores a quantized projection: for torch's int kernels, as rows for
+tokenmill's VNNI/AVX2 kernels, or as AMX tiles (``quant.kernel_layout`` says which)."""
+
+
+def _up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
 def projection_weight_bytes(
     out_features: int,
     in_features: int,
     dtype_bytes: int,
     quantization: str | None = None,
     group_size: int = INT4_GROUP_SIZE,
+    layout: QuantLayout = "torch",
 ) -> int:
     """One projection's weight in memory, as ``model/quant.py`` stores it.
 
-    ``int8``: 1 byte per weight, an fp32 scale per output channel for dequantizing and a
-    16-bit copy for the kernel. ``int4``: half a byte per weight of the zero-padded shape
-    (inputs to whole groups, outputs to a multiple of 64), 16-bit scale and zero point per
-    group and an fp32 offset per group.
+    torch's kernels: ``int8`` 1 byte per weight, an fp32 scale per output channel for
+    dequantizing and a 16-bit copy for the kernel; ``int4`` half a byte per weight of the
+    zero-padded shape (inputs to whole groups, outputs to a multiple of 64), 16-bit scale
+    and zero point per group and an fp32 offset per group. tokenmill's kernels: rows, or
+    AMX tiles (outputs padded to 16, inputs to 64), with fp32 scales (offsets) and int32
+    sums per channel (group), the AMX ones blocked by 16 channels.
     """
     weights = out_features * in_features
     if quantization is None:
         return weights * dtype_bytes
+    n16 = _up(out_features, 16)
+    if quantization == "int8" and layout == "rows":
+        return weights + out_features * (4 + 4)
+    if quantization == "int8" and layout == "amx":
+        return n16 * _up(in_features, 64) + out_features * 4 + n16 * (4 + 4)
+    if quantization == "int4" and layout != "torch":
+        k_pad = _up(in_features, max(64, group_size))
+        groups = k_pad // group_size
+        tiles = (n16 if layout == "amx" else out_features) * k_pad // 2
+        blocked = 3 * n16 * groups * 4 if layout == "amx" else 0
+        return tiles + out_features * groups * (4 + 4) + blocked
     if quantization == "int8":
         return weights + out_features * (4 + KERNEL_SCALE_BYTES)
     if quantization == "int4":
@@ -81,13 +104,16 @@ def weight_bytes(
     max_model_len: int,
     quantization: str | None = None,
     group_size: int = INT4_GROUP_SIZE,
+    layout: QuantLayout = "torch",
+    head_layout: QuantLayout = "torch",
 ) -> int:
     """Everything the model holds on the device: parameters, the fp32 RoPE tables and the
     per-layer KV scales, summed over the registry's layout (``model/registry.py``).
 
     Quantization applies to the decoder layers' projections (QKV, O, gate/up, down, each
     expert's) and, in int8, to an untied LM head; the embedding, norms, routers and biases
-    stay in ``dtype``.
+    stay in ``dtype``. ``layout``/``head_layout``: how the layers' and the (int8) head's
+    weights are stored.
     """
     nbytes = DTYPE_BYTES[dtype]
     total = 0
@@ -98,7 +124,14 @@ def weight_bytes(
         head_method = None if quantization is None else "int8"
         method = head_method if spec.kind == "lm_head" else quantization
         out_features, in_features = spec.shape
-        total += projection_weight_bytes(out_features, in_features, nbytes, method, group_size)
+        total += projection_weight_bytes(
+            out_features,
+            in_features,
+            nbytes,
+            method,
+            group_size,
+            head_layout if spec.kind == "lm_head" else layout,
+        )
     num_ropes = 2 if cfg.local_rope_theta is not None else 1
     rotary_dim = cfg.rotary_dim or cfg.head_dim
     rope_tables = num_ropes * 2 * max_model_len * rotary_dim * DTYPE_BYTES["float32"]
