@@ -19,6 +19,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv import KVCacheManager, KVSizing, build_kv_manager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.speculative import num_tokens_to_propose, propose_ngram
 from tokenmill.core.stats import EngineStats, StartupCosts
 from tokenmill.engine.beam_search import BeamLimits, BeamSearchCoordinator
 from tokenmill.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
@@ -34,6 +35,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolerConfig
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.sampling.sampler import Sampler
+from tokenmill.sampling.speculative import VerifiedTokens
 from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
@@ -248,6 +250,10 @@ class LLMEngine:
             ),
             GrammarCompiler(self.tokenizer.backend.to_str(), mc.vocab_size, self.eos_token_ids),
         )
+        self.speculative = config.speculative
+        """Speculative decoding's config; None: one token per request per step."""
+        if self.speculative is not None:
+            self._check_speculation()
         self.beam_search = BeamSearchCoordinator(
             self.scheduler,
             self.tokenizer,
@@ -323,6 +329,24 @@ class LLMEngine:
             self.model_config, manager.num_blocks, block_size, self.kv_dtype, self.device
         )
         return manager, caches
+
+    def _check_speculation(self) -> None:
+        spec = self.speculative
+        assert spec is not None
+        if spec.method == "draft_model":
+            raise ConfigError(
+                "--speculative-config: method draft_model is not built yet; use method ngram"
+            )
+        if self.config.is_pooling:
+            raise ConfigError(
+                "--speculative-config: a pooling runner generates nothing to speculate on"
+            )
+        logger.info(
+            "speculative decoding: %s, %d tokens per step, off above %d running requests",
+            spec.method,
+            spec.num_speculative_tokens,
+            spec.max_batch_size,
+        )
 
     def _model_compiles(self, model: CausalLM) -> bool:
         """False for models whose forward cannot be compiled with fixed shapes (MoE routing)."""
@@ -413,6 +437,11 @@ class LLMEngine:
                 param="model",
             )
         if processed.params.use_beam_search:
+            if self.speculative is not None:
+                raise InvalidRequestError(
+                    "beam search is not supported with speculative decoding (--speculative-config)",
+                    param="use_beam_search",
+                )
             if processed.lora_request is not None:
                 raise InvalidRequestError(
                     "beam search on a LoRA adapter is not supported", param="use_beam_search"
@@ -490,6 +519,8 @@ class LLMEngine:
         post-processing one request aborts that request alone (``take_failures`` says
         which); only a failure of the batch's forward itself escapes."""
         self.beam_search.admit()
+        if self.speculative is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         self.scheduler.update_after_step(sched.scheduled)
@@ -532,6 +563,9 @@ class LLMEngine:
         token = result.sampled.get(rid)
         if token is None:
             return
+        if rid in result.verified:
+            self._on_verified(request, result.verified[rid], result, now, stats)
+            return
         stats.num_generation_tokens += 1
         if self.beam_search.owns(rid):  # the search picks the beams' tokens
             if request.num_output_tokens == 0 and request.metrics.first_token_time is None:
@@ -554,6 +588,54 @@ class LLMEngine:
         if status is not None:
             self.scheduler.finish_request(rid, status)
             self.output_processor.mark_finished(rid)
+
+    # ---- speculative decoding ----------------------------------------------------------
+    def _propose(self) -> None:
+        """Draft tokens for running requests about to decode, as many as the policy allows
+        for this batch size. Beams and structured outputs decode without them."""
+        spec = self.speculative
+        assert spec is not None
+        k = num_tokens_to_propose(spec, self.scheduler.num_running)
+        for request in self.scheduler.running:
+            request.spec_token_ids = []
+            if (
+                k == 0
+                or request.is_beam
+                or request.grammar is not None
+                or request.pooling is not None
+                or request.num_computed_tokens != request.num_tokens - 1
+            ):
+                continue
+            request.spec_token_ids = propose_ngram(spec, request, k)
+
+    def _on_verified(
+        self,
+        request: Request,
+        verified: VerifiedTokens,
+        result: StepOutput,
+        now: float,
+        stats: EngineStats,
+    ) -> None:
+        """Append the tokens verification kept, one at a time, until one of them finishes
+        the request (EOS, stop strings, max_tokens cut the run); then roll back the KV of
+        the rejected ones."""
+        rid = request.request_id
+        stats.record_speculation(verified.num_draft_tokens, verified.num_accepted)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        request.metrics.last_token_time = now
+        for token, logprobs in zip(verified.token_ids, verified.logprobs, strict=True):
+            stats.num_generation_tokens += 1
+            status = request.append_output_token(token)
+            stop = self.output_processor.on_token(rid, token, logprobs)
+            if stop is not None:
+                request.stop_reason = stop
+                status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                self.scheduler.finish_request(rid, status)
+                self.output_processor.mark_finished(rid)
+                return
+        self.scheduler.rollback_unverified(request)
 
     def _user_request_id(self, sequence: Request | str) -> str:
         """The user request a scheduler sequence (a sample of n, or a beam) belongs to."""
@@ -593,6 +675,7 @@ class LLMEngine:
         """Counters plus gauges read now; a copy, safe to hand to another thread."""
         return replace(
             self._counters,
+            spec_accepted_per_pos=list(self._counters.spec_accepted_per_pos),
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting + self.beam_search.num_queued,
             kv_usage=self.kv_manager.usage,
