@@ -592,7 +592,7 @@ class LLMEngine:
     # ---- speculative decoding ----------------------------------------------------------
     def _propose(self) -> None:
         """Draft tokens for running requests about to decode, as many as the policy allows
-        for this batch size. Beams and structured outputs decode without them."""
+        for this batch size. Beams decode without them."""
         spec = self.speculative
         assert spec is not None
         k = num_tokens_to_propose(spec, self.scheduler.num_running)
@@ -601,7 +601,6 @@ class LLMEngine:
             if (
                 k == 0
                 or request.is_beam
-                or request.grammar is not None
                 or request.pooling is not None
                 or request.num_computed_tokens != request.num_tokens - 1
             ):
@@ -624,6 +623,7 @@ class LLMEngine:
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         request.metrics.last_token_time = now
+        status: RequestStatus | None = None
         for token, logprobs in zip(verified.token_ids, verified.logprobs, strict=True):
             stats.num_generation_tokens += 1
             status = request.append_output_token(token)
@@ -632,9 +632,13 @@ class LLMEngine:
                 request.stop_reason = stop
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
-                self.scheduler.finish_request(rid, status)
-                self.output_processor.mark_finished(rid)
-                return
+                break
+        if status is None and rid in result.grammar_ended:
+            status = RequestStatus.FINISHED_STOPPED  # nothing more can satisfy its grammar
+        if status is not None:
+            self.scheduler.finish_request(rid, status)
+            self.output_processor.mark_finished(rid)
+            return
         self.scheduler.rollback_unverified(request)
 
     def _user_request_id(self, sequence: Request | str) -> str:

@@ -57,11 +57,16 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 def verify(
-    sampler: Sampler, logits: torch.Tensor, request: Request, drafts: list[int]
+    sampler: Sampler,
+    logits: torch.Tensor,
+    request: Request,
+    drafts: list[int],
+    token_bitmask: torch.Tensor | None = None,
 ) -> VerifiedTokens:
-    """Verify ``drafts`` of one request against its ``len(drafts) + 1`` logits rows."""
+    """Verify ``drafts`` of one request against its ``len(drafts) + 1`` logits rows;
+    ``token_bitmask`` holds a structured-output grammar's mask per position."""
     views = position_views(request, drafts)
-    processed = sampler.process(logits, views)
+    processed = sampler.process(logits, views, token_bitmask)
     is_greedy = request.sampling_params.is_greedy
     tokens: list[int] = []
     if is_greedy:

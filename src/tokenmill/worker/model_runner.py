@@ -306,13 +306,28 @@ class ModelRunner:
             request_logits = logits[first : first + len(rows)]
             first += len(rows)
             try:
-                verified = verify(self.sampler, request_logits, request, drafts)
+                bitmask = None
+                if request.grammar is not None:
+                    bitmask = self.grammar_masks.draft_bitmask(request, drafts)
+                verified = verify(self.sampler, request_logits, request, drafts, bitmask)
+                if request.grammar is not None:
+                    self._accept_verified(request, verified, out)
             except Exception as exc:
                 out.failed[rid] = exc
                 continue
             out.sampled[rid] = verified.token_ids[0]
             out.logprobs[rid] = verified.logprobs[0]
             out.verified[rid] = verified
+
+    def _accept_verified(self, request: Request, verified: VerifiedTokens, out: StepOutput) -> None:
+        """Advance the grammar by the kept tokens; where it completes, the run ends there,
+        as it would have ended decoding one token at a time."""
+        for i, token in enumerate(verified.token_ids):
+            if self.grammar_masks.accept([request], [token]):
+                out.grammar_ended.add(request.request_id)
+                del verified.token_ids[i + 1 :]
+                del verified.logprobs[i + 1 :]
+                return
 
     def _pool(
         self, hidden: torch.Tensor, request: Request, rows: list[int], is_complete: bool
