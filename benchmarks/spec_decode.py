@@ -2,7 +2,8 @@
 
 Prompts ask the demo model to rewrite a passage of the demo corpus, so good answers repeat
 the prompt and prompt lookup has something to find. Each configuration runs the same
-greedy requests in the offline engine, with and without ``--speculative-config``:
+greedy requests in the offline engine without speculation, with n-gram speculation and
+with the draft model (``demo-draft`` for the demo: its first 2 of 4 layers, untrained):
 
   1 stream    requests one after another (what one chat user feels: TPOT)
   16 streams  16 requests at once (the policy turns speculation down for a full batch)
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--draft-model", default="demo-draft")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     prompts = copy_prompts(args.num_requests)
@@ -88,7 +90,13 @@ def main() -> None:
         "prompt_lookup_min": 2,
     }
     results: dict[str, Any] = {"config": vars(args) | {"out": str(args.out)}, "runs": []}
-    for label, options in (("plain", {}), ("ngram", {"speculative_config": spec})):
+    draft = {"model": args.draft_model, "num_speculative_tokens": args.num_speculative_tokens}
+    configs: list[tuple[str, dict[str, Any]]] = [
+        ("plain", {}),
+        ("ngram", {"speculative_config": spec}),
+        ("draft_model", {"speculative_config": draft}),
+    ]
+    for label, options in configs:
         llm = LLM(args.model, max_model_len=512, **options)
         llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
         for streams in args.streams:

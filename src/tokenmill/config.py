@@ -117,7 +117,7 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = field(
         default=None, metadata={"parse": "json_object", "aliases": ("-sc",)}
     )
-    """Speculative decoding, vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}' (prompt lookup); "disable_by_batch_size" (default 8) turns it off above that many running requests."""
+    """Speculative decoding, vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}' (prompt lookup), or '{"model": DRAFT_DIR, "num_speculative_tokens": 3}' (a draft model with the same tokenizer; demo-draft for the demo); "disable_by_batch_size" (default 8) turns it off above that many running requests."""
     rope_theta_override: float | None = None
     """Test-only: replace the model's RoPE base to make the engine diverge on purpose."""
 

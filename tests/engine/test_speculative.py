@@ -230,3 +230,72 @@ def test_structured_outputs_with_speculation_match_and_validate() -> None:
         for completion in out.outputs:
             if completion.finish_reason == "stop":
                 jsonschema.validate(json.loads(completion.text), schema)
+
+
+@pytest.mark.parametrize("kv_cache", ["paged", "static"])
+def test_draft_model_greedy_matches_transformers(
+    make_model, reference_greedy, tmp_path, kv_cache
+) -> None:
+    """method draft_model: the target itself as its draft (every draft accepted) and a
+    one-layer truncation of it (most rejected); the output is the target's either way."""
+    from tokenmill.model.demo import build_truncated_draft
+
+    folder = make_model("llama")
+    build_truncated_draft(folder, tmp_path / "draft", 1)
+    from tokenmill.tokenizer import Tokenizer
+
+    prompts = _copy_prompts(Tokenizer.from_pretrained(folder).vocab_size, 4, seed=10)
+    expected, _ = reference_greedy(folder, prompts, MAX_NEW)
+    for draft, min_rate in ((folder, 1.0), (tmp_path / "draft", 0.0)):
+        llm = LLM(
+            str(folder),
+            dtype="float32",
+            max_model_len=128,
+            max_num_seqs=4,
+            kv_cache=kv_cache,
+            enforce_eager=True,
+            block_size=4,
+            speculative_config={"model": str(draft), "num_speculative_tokens": 3},
+        )
+        assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
+        stats = llm.engine.stats
+        assert stats.spec_num_draft_tokens > 0
+        assert stats.spec_num_accepted_tokens >= min_rate * stats.spec_num_draft_tokens
+
+
+def test_draft_model_survives_preemption_and_refuses_another_vocabulary(
+    make_model, tmp_path
+) -> None:
+    import json
+
+    from tokenmill.errors import ConfigError
+    from tokenmill.model.demo import build_truncated_draft
+
+    folder = make_model("llama")
+    plain = LLM(str(folder), dtype="float32", max_model_len=128, block_size=4)
+    tight = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        block_size=4,
+        kv_cache_memory=40 * 4 * 2 * 2 * 2 * 16 * 4,
+        speculative_config={"model": str(folder), "num_speculative_tokens": 4},
+    )
+    prompts = _copy_prompts(plain.tokenizer.vocab_size, 8, seed=11)
+    params = _greedy(32)
+    assert _tokens(tight.generate(prompts, params, use_tqdm=False)) == _tokens(
+        plain.generate(prompts, params, use_tqdm=False)
+    )
+    assert tight.engine.stats.num_preemptions > 0
+    assert tight.engine.stats.spec_num_accepted_tokens > 0
+    build_truncated_draft(folder, tmp_path / "other", 1)
+    config = json.loads((tmp_path / "other" / "config.json").read_text())
+    config["vocab_size"] += 1
+    (tmp_path / "other" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="vocabulary"):
+        LLM(
+            str(folder),
+            dtype="float32",
+            max_model_len=64,
+            speculative_config={"model": str(tmp_path / "other"), "num_speculative_tokens": 2},
+        )

@@ -19,7 +19,12 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv import KVCacheManager, KVSizing, build_kv_manager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.speculative import num_tokens_to_propose, propose_ngram
+from tokenmill.core.speculative import (
+    SpeculativeConfig,
+    max_draft_tokens,
+    num_tokens_to_propose,
+    propose_ngram,
+)
 from tokenmill.core.stats import EngineStats, StartupCosts
 from tokenmill.engine.beam_search import BeamLimits, BeamSearchCoordinator
 from tokenmill.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
@@ -39,6 +44,7 @@ from tokenmill.sampling.speculative import VerifiedTokens
 from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
+from tokenmill.worker.draft_proposer import DraftProposer
 from tokenmill.worker.kv_cache import allocate_kv_cache, kv_budget_bytes, kv_bytes_per_token
 from tokenmill.worker.lora_manager import LoRAManager
 from tokenmill.worker.model_runner import ModelRunner, StepOutput
@@ -47,11 +53,16 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_model_path(model: str) -> Path:
-    """``demo`` means the built-in demo model (built on first use)."""
+    """``demo`` means the built-in demo model; ``demo-draft`` its draft for speculative
+    decoding (built from it on first use)."""
     if model == "demo":
         from tokenmill.model.demo import demo_model_path
 
         return demo_model_path()
+    if model == "demo-draft":
+        from tokenmill.model.demo import demo_draft_path
+
+        return demo_draft_path()
     return Path(model)
 
 
@@ -252,6 +263,8 @@ class LLMEngine:
         )
         self.speculative = config.speculative
         """Speculative decoding's config; None: one token per request per step."""
+        self.drafter: DraftProposer | None = None
+        """The draft model (method draft_model); None for n-gram or no speculation."""
         if self.speculative is not None:
             self._check_speculation()
         self.beam_search = BeamSearchCoordinator(
@@ -334,9 +347,7 @@ class LLMEngine:
         spec = self.speculative
         assert spec is not None
         if spec.method == "draft_model":
-            raise ConfigError(
-                "--speculative-config: method draft_model is not built yet; use method ngram"
-            )
+            self.drafter = self._load_draft(spec)
         if self.config.is_pooling:
             raise ConfigError(
                 "--speculative-config: a pooling runner generates nothing to speculate on"
@@ -347,6 +358,35 @@ class LLMEngine:
             spec.num_speculative_tokens,
             spec.max_batch_size,
         )
+
+    def _load_draft(self, spec: SpeculativeConfig) -> DraftProposer:
+        """The draft model, with KV tensors in the target's block layout (model dtype)."""
+        assert spec.model is not None
+        folder = resolve_model_path(spec.model)
+        try:
+            draft_config = ModelConfig.from_folder(folder)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--speculative-config: draft model {spec.model!r}: {exc}") from None
+        if draft_config.vocab_size != self.model_config.vocab_size:
+            raise ConfigError(
+                f"--speculative-config: the draft's vocabulary ({draft_config.vocab_size}) is not "
+                f"the target's ({self.model_config.vocab_size}): they must share a tokenizer"
+            )
+        model = load_model(folder, self.dtype, self.device, self.max_model_len, draft_config)
+        caches = allocate_kv_cache(
+            draft_config,
+            self.kv_manager.num_blocks,
+            self.kv_manager.block_size,
+            self.dtype,
+            self.device,
+        )
+        logger.info(
+            "speculative decoding: draft %s (%.1fM params), its KV in the target's blocks (%.2f GiB)",
+            folder,
+            draft_config.num_params / 1e6,
+            sum(k.nbytes + v.nbytes for k, v in caches) / 2**30,
+        )
+        return DraftProposer.build(model, caches, self.kv_manager.block_size, self.device)
 
     def _model_compiles(self, model: CausalLM) -> bool:
         """False for models whose forward cannot be compiled with fixed shapes (MoE routing)."""
@@ -522,6 +562,8 @@ class LLMEngine:
         if self.speculative is not None:
             self._propose()
         sched = self.scheduler.schedule()
+        if self.drafter is not None:  # fills the draft slots the scheduler granted
+            self.drafter.propose(sched)
         result = self.runner.execute(sched)
         self.scheduler.update_after_step(sched.scheduled)
         now = time.monotonic()
@@ -605,7 +647,10 @@ class LLMEngine:
                 or request.num_computed_tokens != request.num_tokens - 1
             ):
                 continue
-            request.spec_token_ids = propose_ngram(spec, request, k)
+            if self.drafter is not None:  # slots now, the draft's tokens once scheduled
+                request.spec_token_ids = [0] * min(k, max_draft_tokens(request))
+            else:
+                request.spec_token_ids = propose_ngram(spec, request, k)
 
     def _on_verified(
         self,

@@ -301,7 +301,7 @@ _FLAGS: dict[str, tuple[Status, str]] = {
     ),
     "--stream-interval": ("refused", "every step's tokens are streamed at once"),
     # ---- VllmConfig
-    "--speculative-config": ("implemented", "methods ngram (and draft_model where built)"),
+    "--speculative-config": ("implemented", "methods ngram and draft_model"),
     "--spec-method": ("refused", "use --speculative-config"),
     "--spec-model": ("refused", "use --speculative-config"),
     "--spec-tokens": ("refused", "use --speculative-config"),
