@@ -102,7 +102,7 @@ def main() -> None:
         for streams in args.streams:
             row = {"config": label, **run(llm, prompts, params, streams)}
             results["runs"].append(row)
-            print(json.dumps(row))
+            print(json.dumps(row), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))
