@@ -8,6 +8,7 @@ one run produced.
 
     python scripts/train_demo_model.py            # ~15 min on one CPU thread
     python scripts/train_demo_model.py --max-steps 20 --out /tmp/demo   # smoke run
+    python scripts/train_demo_model.py --draft-only /tmp/draft   # the speculative draft
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from torch import nn
 
 from tokenmill.model.demo import (
     BOS_TOKEN,
+    DEMO_DRAFT_LAYERS,
     EOS_TOKEN,
     IM_END_TOKEN,
     build_bpe_tokenizer,
+    build_truncated_draft,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -303,6 +306,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
+        "--draft-only",
+        type=Path,
+        metavar="DIR",
+        help="skip training: write the demo's speculative-decoding draft (its first "
+        "DEMO_DRAFT_LAYERS layers, same tokenizer) from --out into DIR and exit",
+    )
+    parser.add_argument(
         "--no-bf16-autocast",
         dest="bf16_autocast",
         action="store_false",
@@ -313,6 +323,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.draft_only is not None:
+        # A draft is not trained here (it would cost minutes of CPU more); a truncated-layer
+        # copy shares the demo's embeddings and head, so its guesses are often the demo's.
+        build_truncated_draft(args.out, args.draft_only, DEMO_DRAFT_LAYERS)
+        print(f"draft: {DEMO_DRAFT_LAYERS} layers of {args.out} written to {args.draft_only}")
+        return
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     began = time.monotonic()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from tokenmill.core.speculative import SpeculativeConfig
 from tokenmill.errors import ConfigError
 
 KVCacheKind = Literal["paged", "static"]
@@ -117,6 +118,10 @@ class EngineConfig:
     """What the model serves, as vLLM's --runner: generate (text) or pooling (embeddings, /v1/embeddings and /pooling); auto: generate."""
     convert: Convert = "auto"
     """vLLM's --convert: embed serves a causal LM as an embedding model (implies --runner pooling); auto: embed under --runner pooling."""
+    speculative_config: dict[str, Any] | None = field(
+        default=None, metadata={"parse": "json_object", "aliases": ("-sc",)}
+    )
+    """Speculative decoding, vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}' (prompt lookup), or '{"model": DRAFT_DIR, "num_speculative_tokens": 3}' (a draft model with the same tokenizer; demo-draft for the demo); "disable_by_batch_size" (default 8) turns it off above that many running requests."""
     rope_theta_override: float | None = None
     """Test-only: replace the model's RoPE base to make the engine diverge on purpose."""
 
@@ -201,6 +206,8 @@ class EngineConfig:
             "--runner pooling serves a causal LM through --convert embed; --convert none leaves "
             "nothing to pool with",
         )
+        if self.speculative_config is not None:
+            self.speculative  # noqa: B018 - parses, raising ConfigError on a bad field
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
         check(self.max_loras >= 1, "max_loras must be >= 1")
         check(self.max_lora_rank >= 1, "max_lora_rank must be >= 1")
@@ -208,6 +215,13 @@ class EngineConfig:
             self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
             "max_cpu_loras must be >= max_loras",
         )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` parsed and checked; None: no speculation."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     @property
     def is_pooling(self) -> bool:

@@ -58,3 +58,30 @@ def test_start_up_costs_are_read_with_their_compile_cache_state() -> None:
     }
     assert read_startup_costs("vllm:num_requests_running 1.0\n") is None
     assert _compile_cell(12.34, "cold") == "12.3 cold" and _compile_cell(0.0, "none") == "0.0"
+
+
+def test_spec_decode_counters_are_exported_and_read_back() -> None:
+    """The engine's speculation counters reach /metrics with vLLM's names (tokenmill's
+    prefix), and the bench turns their deltas into acceptance rate and mean length."""
+    from tokenmill.bench.server_metrics import spec_decode_figures
+    from tokenmill.core.stats import EngineStats
+    from tokenmill.metrics import ServerMetrics
+
+    stats = EngineStats()
+    stats.record_speculation(3, 2)
+    stats.record_speculation(3, 0)
+    stats.record_speculation(2, 1)
+    metrics = ServerMetrics("demo", 1024, lambda: stats)
+    sample = metrics.registry.get_sample_value
+    labels = {"model_name": "demo"}
+    assert sample("tokenmill:spec_decode_num_drafts_total", labels) == 3
+    assert sample("tokenmill:spec_decode_num_draft_tokens_total", labels) == 8
+    assert sample("tokenmill:spec_decode_num_accepted_tokens_total", labels) == 3
+    per_pos = "tokenmill:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [sample(per_pos, {**labels, "position": str(p)}) for p in range(3)] == [2, 1, 0]
+    after = read_figures(parse_prometheus_text(metrics.render().decode()))
+    before = {"spec_num_drafts": 1.0, "spec_num_draft_tokens": 2.0, "spec_num_accepted_tokens": 1.0}
+    figures = spec_decode_figures(before, after)
+    assert figures["spec_acceptance_rate"] == 2 / 6
+    assert figures["spec_mean_accepted_length"] == 1 + 2 / 2
+    assert spec_decode_figures({}, read_figures({}))["spec_mean_accepted_length"] is None

@@ -38,6 +38,7 @@ _SAMPLES = {
     "--allowed-methods": '["GET", "POST"]',
     "--allowed-headers": '["*"]',
     "--quantization": "int8",
+    "--speculative-config": '{"method": "ngram", "num_speculative_tokens": 3}',
 }
 """Values of tokenmill's own flags where vLLM's default does not show their form."""
 

@@ -454,6 +454,10 @@ def format_summary(result: dict[str, Any]) -> str:
         row("Prefix cache hit rate (%):", None if hit_rate is None else hit_rate * 100)
         rss = server.get("peak_resident_memory_bytes")
         row("Peak server RSS (MiB):", None if rss is None else rss / 2**20)
+        if server.get("spec_mean_accepted_length") is not None:
+            rate = server.get("spec_acceptance_rate")
+            row("Spec decode acceptance rate (%):", None if rate is None else rate * 100)
+            row("Spec decode mean accepted length:", server.get("spec_mean_accepted_length"))
         for key, value in sorted((server.get("engine_config") or {}).items()):
             lines.append(f"{'Server ' + key.replace('_', ' ') + ':':<40}{value:>10}")
         startup = server.get("startup")

@@ -45,6 +45,18 @@ PREFIX_HIT_NAMES: tuple[str, ...] = (
     "vllm:prefix_cache_hits_total",
 )
 RSS_NAMES: tuple[str, ...] = ("process_resident_memory_bytes",)
+SPEC_DRAFTS_NAMES: tuple[str, ...] = (
+    "tokenmill:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_drafts_total",
+)
+SPEC_DRAFT_TOKENS_NAMES: tuple[str, ...] = (
+    "tokenmill:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+)
+SPEC_ACCEPTED_NAMES: tuple[str, ...] = (
+    "tokenmill:spec_decode_num_accepted_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+)
 
 
 def parse_prometheus_text(text: str) -> dict[str, list[float]]:
@@ -166,6 +178,36 @@ def read_figures(samples: dict[str, list[float]]) -> dict[str, float | None]:
         "prefix_cache_queries": _first(samples, PREFIX_QUERY_NAMES, "sum"),
         "prefix_cache_hits": _first(samples, PREFIX_HIT_NAMES, "sum"),
         "resident_memory_bytes": _first(samples, RSS_NAMES, "sum"),
+        "spec_num_drafts": _first(samples, SPEC_DRAFTS_NAMES, "sum"),
+        "spec_num_draft_tokens": _first(samples, SPEC_DRAFT_TOKENS_NAMES, "sum"),
+        "spec_num_accepted_tokens": _first(samples, SPEC_ACCEPTED_NAMES, "sum"),
+    }
+
+
+def spec_decode_figures(
+    before: dict[str, float | None], after: dict[str, float | None]
+) -> dict[str, float | None]:
+    """Speculative decoding over the run: acceptance rate (accepted / drafted tokens) and
+    mean accepted length (tokens a verifying step yields: 1 + accepted / drafts, as vLLM's)."""
+
+    def delta(name: str) -> float | None:
+        return _delta(after.get(name), before.get(name))
+
+    drafts, drafted, accepted = (
+        delta("spec_num_drafts"),
+        delta("spec_num_draft_tokens"),
+        delta("spec_num_accepted_tokens"),
+    )
+    rate = mean_length = None
+    if accepted is not None and drafted:
+        rate = accepted / drafted
+    if accepted is not None and drafts:
+        mean_length = 1.0 + accepted / drafts
+    return {
+        "spec_num_draft_tokens": drafted,
+        "spec_num_accepted_tokens": accepted,
+        "spec_acceptance_rate": rate,
+        "spec_mean_accepted_length": mean_length,
     }
 
 
@@ -258,4 +300,5 @@ class MetricsScraper:
             "peak_resident_memory_bytes": self.peaks.get("resident_memory_bytes"),
             "engine_config": self.engine_config,
             "startup": self.startup,
+            **spec_decode_figures(self.before, self.after),
         }

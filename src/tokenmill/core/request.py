@@ -73,6 +73,9 @@ class Request:
     """Set for a pooling request: prefilled, then its hidden states pooled instead of sampled."""
 
     output_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Speculative tokens proposed after the last output token, not yet verified: scheduled
+    after it this step, then accepted into ``output_token_ids`` or dropped."""
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
@@ -143,5 +146,6 @@ class Request:
     def reset_for_recompute(self) -> None:
         """Preempted: its KV is dropped, so every token must be computed again."""
         self.num_computed_tokens = 0
+        self.spec_token_ids = []
         self.status = RequestStatus.PREEMPTED
         self.metrics.num_preemptions += 1

@@ -2,7 +2,8 @@
 
 The output is ``{request_id: num_tokens}``: prefill, chunked prefill, decode and recompute
 after preemption are one mechanism (a request simply has ``num_tokens -
-num_computed_tokens`` tokens left to compute). Running requests are served first, in
+num_computed_tokens`` tokens left to compute, plus any speculative tokens proposed after its
+last one, which are scheduled with it whole or dropped when the budget or KV is short). Running requests are served first, in
 policy order, then waiting ones are admitted while the token budget, ``max_num_seqs`` and
 KV memory allow. When memory runs out the lowest-priority, most recently arrived running
 request is preempted (its KV freed, recomputed later). Beams of beam searches are a class
@@ -146,11 +147,18 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_left = request.num_tokens - request.num_computed_tokens
+            if request.spec_token_ids:  # they fit whole after the last token, or not at all
+                del request.spec_token_ids[max(0, budget - num_left) :]
+            num_new = min(num_left + len(request.spec_token_ids), budget)
             if num_new <= 0:
                 i += 1
                 continue
             while not self.kv.allocate(request, num_new):
+                if request.spec_token_ids:  # drop the guesses before anyone's KV
+                    num_new -= len(request.spec_token_ids)
+                    request.spec_token_ids = []
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
@@ -216,6 +224,17 @@ class Scheduler:
         for request, num_new in scheduled:
             if request.status is RequestStatus.RUNNING:
                 request.num_computed_tokens += num_new
+
+    def rollback_unverified(self, request: Request) -> None:
+        """After a step that verified speculative tokens (and appended the accepted ones):
+        only tokens before the last one have valid KV now, so the computed count steps
+        back and the KV blocks past it are released (rejected tokens' slots, no copy)."""
+        request.spec_token_ids = []
+        if request.is_finished:
+            return
+        num_valid = min(request.num_computed_tokens, request.num_tokens - 1)
+        request.num_computed_tokens = num_valid
+        self.kv.truncate(request, num_valid)
 
     # ---- internals -------------------------------------------------------------------
     def _preempt_for_urgent_waiting(self, out: SchedulerOutput) -> None:

@@ -53,6 +53,34 @@ class EngineStats:
         self.iteration_token_counts = tuple(counts)
         self.iteration_tokens_sum += num_tokens
 
+    spec_num_drafts: int = 0
+    """Speculative decoding: requests that verified draft tokens, counted once per step."""
+    spec_num_draft_tokens: int = 0
+    """Draft tokens verified."""
+    spec_num_accepted_tokens: int = 0
+    """Of those, tokens accepted."""
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+    """Accepted draft tokens by position in the draft (0 first)."""
+
+    def record_speculation(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One request's verification in one step."""
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_draft_tokens
+        self.spec_num_accepted_tokens += num_accepted
+        if len(self.spec_accepted_per_pos) < num_draft_tokens:
+            self.spec_accepted_per_pos.extend(
+                [0] * (num_draft_tokens - len(self.spec_accepted_per_pos))
+            )
+        for pos in range(num_accepted):
+            self.spec_accepted_per_pos[pos] += 1
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens produced per verifying step of a request: accepted drafts plus one."""
+        if not self.spec_num_drafts:
+            return None
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts
+
     @property
     def kv_waste(self) -> float | None:
         """Reserved but empty KV slots over reserved, averaged over steps (None before any)."""

@@ -19,6 +19,12 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv import KVCacheManager, KVSizing, build_kv_manager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.speculative import (
+    SpeculativeConfig,
+    max_draft_tokens,
+    num_tokens_to_propose,
+    propose_ngram,
+)
 from tokenmill.core.stats import EngineStats, StartupCosts
 from tokenmill.engine.beam_search import BeamLimits, BeamSearchCoordinator
 from tokenmill.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
@@ -35,9 +41,11 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolerConfig
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.sampling.sampler import Sampler
+from tokenmill.sampling.speculative import VerifiedTokens
 from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
+from tokenmill.worker.draft_proposer import DraftProposer
 from tokenmill.worker.kv_cache import allocate_kv_cache, kv_budget_bytes, kv_bytes_per_token
 from tokenmill.worker.lora_manager import LoRAManager
 from tokenmill.worker.model_runner import ModelRunner, StepOutput
@@ -46,11 +54,16 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_model_path(model: str) -> Path:
-    """``demo`` means the built-in demo model (built on first use)."""
+    """``demo`` means the built-in demo model; ``demo-draft`` its draft for speculative
+    decoding (built from it on first use)."""
     if model == "demo":
         from tokenmill.model.demo import demo_model_path
 
         return demo_model_path()
+    if model == "demo-draft":
+        from tokenmill.model.demo import demo_draft_path
+
+        return demo_draft_path()
     return Path(model)
 
 
@@ -255,6 +268,12 @@ class LLMEngine:
             ),
             GrammarCompiler(self.tokenizer.backend.to_str(), mc.vocab_size, self.eos_token_ids),
         )
+        self.speculative = config.speculative
+        """Speculative decoding's config; None: one token per request per step."""
+        self.drafter: DraftProposer | None = None
+        """The draft model (method draft_model); None for n-gram or no speculation."""
+        if self.speculative is not None:
+            self._check_speculation()
         self.beam_search = BeamSearchCoordinator(
             self.scheduler,
             self.tokenizer,
@@ -340,6 +359,51 @@ class LLMEngine:
             self.model_config, manager.num_blocks, block_size, self.kv_dtype, self.device
         )
         return manager, caches
+
+    def _check_speculation(self) -> None:
+        spec = self.speculative
+        assert spec is not None
+        if spec.method == "draft_model":
+            self.drafter = self._load_draft(spec)
+        if self.config.is_pooling:
+            raise ConfigError(
+                "--speculative-config: a pooling runner generates nothing to speculate on"
+            )
+        logger.info(
+            "speculative decoding: %s, %d tokens per step, off above %d running requests",
+            spec.method,
+            spec.num_speculative_tokens,
+            spec.max_batch_size,
+        )
+
+    def _load_draft(self, spec: SpeculativeConfig) -> DraftProposer:
+        """The draft model, with KV tensors in the target's block layout (model dtype)."""
+        assert spec.model is not None
+        folder = resolve_model_path(spec.model)
+        try:
+            draft_config = ModelConfig.from_folder(folder)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--speculative-config: draft model {spec.model!r}: {exc}") from None
+        if draft_config.vocab_size != self.model_config.vocab_size:
+            raise ConfigError(
+                f"--speculative-config: the draft's vocabulary ({draft_config.vocab_size}) is not "
+                f"the target's ({self.model_config.vocab_size}): they must share a tokenizer"
+            )
+        model = load_model(folder, self.dtype, self.device, self.max_model_len, draft_config)
+        caches = allocate_kv_cache(
+            draft_config,
+            self.kv_manager.num_blocks,
+            self.kv_manager.block_size,
+            self.dtype,
+            self.device,
+        )
+        logger.info(
+            "speculative decoding: draft %s (%.1fM params), its KV in the target's blocks (%.2f GiB)",
+            folder,
+            draft_config.num_params / 1e6,
+            sum(k.nbytes + v.nbytes for k, v in caches) / 2**30,
+        )
+        return DraftProposer.build(model, caches, self.kv_manager.block_size, self.device)
 
     def _model_compiles(self, model: CausalLM) -> bool:
         """False for models whose forward cannot be compiled with fixed shapes (MoE routing,
@@ -431,6 +495,11 @@ class LLMEngine:
                 param="model",
             )
         if processed.params.use_beam_search:
+            if self.speculative is not None:
+                raise InvalidRequestError(
+                    "beam search is not supported with speculative decoding (--speculative-config)",
+                    param="use_beam_search",
+                )
             if processed.lora_request is not None:
                 raise InvalidRequestError(
                     "beam search on a LoRA adapter is not supported", param="use_beam_search"
@@ -508,7 +577,11 @@ class LLMEngine:
         post-processing one request aborts that request alone (``take_failures`` says
         which); only a failure of the batch's forward itself escapes."""
         self.beam_search.admit()
+        if self.speculative is not None:
+            self._propose()
         sched = self.scheduler.schedule()
+        if self.drafter is not None:  # fills the draft slots the scheduler granted
+            self.drafter.propose(sched)
         result = self.runner.execute(sched)
         self.scheduler.update_after_step(sched.scheduled)
         now = time.monotonic()
@@ -552,6 +625,9 @@ class LLMEngine:
         token = result.sampled.get(rid)
         if token is None:
             return
+        if rid in result.verified:
+            self._on_verified(request, result.verified[rid], result, now, stats)
+            return
         stats.num_generation_tokens += 1
         if self.beam_search.owns(rid):  # the search picks the beams' tokens
             if request.num_output_tokens == 0 and request.metrics.first_token_time is None:
@@ -574,6 +650,61 @@ class LLMEngine:
         if status is not None:
             self.scheduler.finish_request(rid, status)
             self.output_processor.mark_finished(rid)
+
+    # ---- speculative decoding ----------------------------------------------------------
+    def _propose(self) -> None:
+        """Draft tokens for running requests about to decode, as many as the policy allows
+        for this batch size. Beams decode without them."""
+        spec = self.speculative
+        assert spec is not None
+        k = num_tokens_to_propose(spec, self.scheduler.num_running)
+        for request in self.scheduler.running:
+            request.spec_token_ids = []
+            if (
+                k == 0
+                or request.is_beam
+                or request.pooling is not None
+                or request.num_computed_tokens != request.num_tokens - 1
+            ):
+                continue
+            if self.drafter is not None:  # slots now, the draft's tokens once scheduled
+                request.spec_token_ids = [0] * min(k, max_draft_tokens(request))
+            else:
+                request.spec_token_ids = propose_ngram(spec, request, k)
+
+    def _on_verified(
+        self,
+        request: Request,
+        verified: VerifiedTokens,
+        result: StepOutput,
+        now: float,
+        stats: EngineStats,
+    ) -> None:
+        """Append the tokens verification kept, one at a time, until one of them finishes
+        the request (EOS, stop strings, max_tokens cut the run); then roll back the KV of
+        the rejected ones."""
+        rid = request.request_id
+        stats.record_speculation(verified.num_draft_tokens, verified.num_accepted)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        request.metrics.last_token_time = now
+        status: RequestStatus | None = None
+        for token, logprobs in zip(verified.token_ids, verified.logprobs, strict=True):
+            stats.num_generation_tokens += 1
+            status = request.append_output_token(token)
+            stop = self.output_processor.on_token(rid, token, logprobs)
+            if stop is not None:
+                request.stop_reason = stop
+                status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                break
+        if status is None and rid in result.grammar_ended:
+            status = RequestStatus.FINISHED_STOPPED  # nothing more can satisfy its grammar
+        if status is not None:
+            self.scheduler.finish_request(rid, status)
+            self.output_processor.mark_finished(rid)
+            return
+        self.scheduler.rollback_unverified(request)
 
     def _user_request_id(self, sequence: Request | str) -> str:
         """The user request a scheduler sequence (a sample of n, or a beam) belongs to."""
@@ -613,6 +744,7 @@ class LLMEngine:
         """Counters plus gauges read now; a copy, safe to hand to another thread."""
         return replace(
             self._counters,
+            spec_accepted_per_pos=list(self._counters.spec_accepted_per_pos),
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting + self.beam_search.num_queued,
             kv_usage=self.kv_manager.usage,

@@ -191,6 +191,10 @@ _VLLM_ENGINE_NAMES = frozenset(
         "num_preemptions",
         "prefix_cache_queries",
         "prefix_cache_hits",
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens_per_pos",
     }
 )
 """Engine-wide tokenmill series that vLLM exports under the same name."""
@@ -355,6 +359,36 @@ class _EngineStatsCollector(Collector):
                 for expert, count in enumerate(counts):
                     routed.add_metric([self._model_name, str(layer), str(expert)], count)
             yield routed
+
+        yield from _spec_decode_metrics(stats, self._model_name)
+
+
+def _spec_decode_metrics(stats: EngineStats, model_name: str) -> Iterator[Metric]:
+    """Speculative decoding counters, with vLLM's names (zero without speculation)."""
+    for name, doc, value in (
+        (
+            "spec_decode_num_drafts",
+            "Requests that verified draft tokens, per step.",
+            stats.spec_num_drafts,
+        ),
+        ("spec_decode_num_draft_tokens", "Draft tokens verified.", stats.spec_num_draft_tokens),
+        (
+            "spec_decode_num_accepted_tokens",
+            "Draft tokens accepted.",
+            stats.spec_num_accepted_tokens,
+        ),
+    ):
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([model_name], value)
+        yield family
+    per_pos = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft (0 first).",
+        labels=["model_name", "position"],
+    )
+    for position, value in enumerate(stats.spec_accepted_per_pos):
+        per_pos.add_metric([model_name, str(position)], value)
+    yield per_pos
 
 
 VLLM_LABELS = ["model_name", "engine"]

@@ -221,6 +221,53 @@ def demo_model_path() -> Path:
     return DEMO_MODEL_DIR
 
 
+DEMO_DRAFT_LAYERS = 2
+"""Decoder layers the demo's draft keeps (of the demo's 4)."""
+
+
+def demo_draft_path() -> Path:
+    """``demo-draft``: a draft for speculative decoding with the demo's tokenizer, built on
+    first use (deterministically: the demo's first ``DEMO_DRAFT_LAYERS`` layers, embeddings,
+    final norm and LM head; no training) under ``$TOKENMILL_CACHE``."""
+    import os
+
+    cache = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
+    folder = cache / f"demo-draft-{DEMO_DRAFT_LAYERS}"
+    if not (folder / "model.safetensors").is_file():
+        build_truncated_draft(demo_model_path(), folder, DEMO_DRAFT_LAYERS)
+    return folder
+
+
+def build_truncated_draft(source: Path, folder: Path, num_layers: int) -> None:
+    """A Llama-style folder keeping the first ``num_layers`` decoder layers of ``source``
+    (same tokenizer, embeddings and head), written atomically."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((source / "config.json").read_text())
+    if num_layers >= config["num_hidden_layers"]:
+        raise ValueError(f"a draft needs fewer than {config['num_hidden_layers']} layers")
+    config["num_hidden_layers"] = num_layers
+    tensors = {
+        name: tensor
+        for name, tensor in load_file(source / "model.safetensors").items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
+    }
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + "."))
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    _write_json(tmp / "config.json", config)
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (source / name).is_file():
+            shutil.copy(source / name, tmp / name)
+    try:
+        tmp.rename(folder)
+    except OSError:  # built meanwhile by another process
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def build_bpe_tokenizer(
     folder: str | Path,
     corpus: str | None = None,

@@ -127,12 +127,7 @@ class Sampler:
         """Sample one token per row; ``token_bitmask`` (packed int32 bits per row) bans
         the tokens a row's grammar does not allow, before anything else."""
         raw = logits
-        logits = logits.clone()
-        if token_bitmask is not None:
-            apply_token_bitmask(logits, token_bitmask)
-        self._mask_min_tokens(logits, requests)
-        if any(r.sampling_params.has_penalties for r in requests):
-            logits = apply_penalties(logits, requests)
+        logits = self.process(logits, requests, token_bitmask)
         greedy = logits.argmax(dim=-1)
         is_greedy = [r.sampling_params.is_greedy for r in requests]
         if all(is_greedy):
@@ -142,9 +137,41 @@ class Sampler:
                 torch.tensor(is_greedy, device=self.device), greedy, self._sample(logits, requests)
             )
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw, token_list, requests))
+        return SamplerOutput(token_list, self.logprobs_of(raw, token_list, requests))
+
+    def process(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        token_bitmask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """A copy of the logits with the grammar mask, min_tokens and penalties applied:
+        greedy rows take its argmax."""
+        logits = logits.clone()
+        if token_bitmask is not None:
+            apply_token_bitmask(logits, token_bitmask)
+        self._mask_min_tokens(logits, requests)
+        if any(r.sampling_params.has_penalties for r in requests):
+            logits = apply_penalties(logits, requests)
+        return logits
+
+    def generator_for(self, request: Request) -> torch.Generator:
+        """The generator a request draws its randomness from: its own if seeded."""
+        return self._request_generator(request) or self.generator
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        probs = self.probs(logits, requests)
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self.generator)
+        for i, r in enumerate(requests):
+            gen = self._request_generator(r)
+            if gen is not None and not r.sampling_params.is_greedy:
+                noise[i].exponential_(generator=gen)
+        return probs.div(noise).argmax(dim=-1)
+
+    def probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The distribution sampled rows draw from: processed logits under temperature,
+        min_p, top_k and top_p."""
         params = [r.sampling_params for r in requests]
         temperature = _column(
             [p.temperature if not p.is_greedy else 1.0 for p in params], self.device
@@ -157,14 +184,7 @@ class Sampler:
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
         if (top_k > 0).any() or (top_p < 1).any():
             logits = apply_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        noise.exponential_(generator=self.generator)
-        for i, r in enumerate(requests):
-            gen = self._request_generator(r)
-            if gen is not None and not params[i].is_greedy:
-                noise[i].exponential_(generator=gen)
-        return probs.div(noise).argmax(dim=-1)
+        return logits.softmax(dim=-1)
 
     @staticmethod
     def _mask_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -185,7 +205,7 @@ class Sampler:
                     logits[i, sorted(banned)] = float("-inf")
 
     @staticmethod
-    def _logprobs(
+    def logprobs_of(
         raw: torch.Tensor, tokens: list[int], requests: list[Request]
     ) -> list[PositionLogprobs | None]:
         wanted = [r.sampling_params.logprobs for r in requests]

@@ -106,6 +106,28 @@ class GrammarMasks:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-masks")
         return self._pool.submit(self.bitmask, requests)
 
+    def draft_bitmask(self, request: Request, drafts: list[int]) -> torch.Tensor:
+        """Allowed tokens at each position a speculative step verifies: after the request's
+        output, then after each draft token the grammar allows. Positions past a draft it
+        bans stay all ones: that draft's own mask bans it, so they are never reached. The
+        matcher walks the drafts and is rolled back, so it still follows the output only."""
+        matcher = self._synced(request)
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(drafts) + 1, words), -1, dtype=torch.int32)
+        num_valid = matcher.validate_tokens(drafts)
+        num_consumed = 0
+        for j in range(num_valid + 1):
+            if matcher.is_stopped():
+                break  # the grammar ended at the previous token: nothing after it is kept
+            llg_torch.fill_next_token_bitmask(matcher, bitmask, j)
+            if j < num_valid:
+                if not matcher.consume_token(drafts[j]):
+                    break
+                num_consumed += 1
+        if num_consumed:
+            matcher.rollback(num_consumed)
+        return bitmask
+
     def accept(self, requests: list[Request], tokens: list[int]) -> set[str]:
         """Advance matchers by the sampled tokens; return requests whose grammar is complete."""
         ended = set()

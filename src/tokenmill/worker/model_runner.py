@@ -14,6 +14,7 @@ raises, each row is retried alone and only the rows that still raise are reporte
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -26,10 +27,13 @@ from tokenmill.model.base import CausalLM
 from tokenmill.model.lora import LoRAStepState
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.sampling.sampler import Sampler, top_logprobs
+from tokenmill.sampling.speculative import VerifiedTokens, verify
 from tokenmill.structured.bitmask import GrammarMasks
 from tokenmill.worker.compiled_step import CompiledDecodeStep
 from tokenmill.worker.kv_cache import copy_kv_blocks
 from tokenmill.worker.lora_manager import LoRAManager
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,6 +55,9 @@ class StepInputs:
     """Which rows run which adapter; None when every row is on the base model."""
     pool_rows: dict[str, tuple[Request, list[int], bool]] = field(default_factory=dict)
     """Pooling requests: request_id -> (request, rows its pooling reads, whether the prompt ends here)."""
+    spec_rows: dict[str, tuple[Request, list[int], list[int]]] = field(default_factory=dict)
+    """Requests verifying speculative tokens: request_id -> (request, its last token's row
+    and the draft tokens' rows, the draft tokens)."""
 
 
 @dataclass
@@ -69,6 +76,9 @@ class StepOutput:
     """request_id -> what raised while sampling or scoring that request alone."""
     pooled: dict[str, list[float]] = field(default_factory=dict)
     """Pooling requests whose prompt was completed this step: their pooled vector."""
+    verified: dict[str, VerifiedTokens] = field(default_factory=dict)
+    """Requests that verified speculative tokens: every token kept (``sampled`` holds the
+    first), with the target's logprobs."""
 
 
 def _pooled_rows(pooling_type: str, rows: list[int], start: int, is_last: bool) -> list[int]:
@@ -107,6 +117,7 @@ class ModelRunner:
         self.grammar_masks = GrammarMasks(model.config.vocab_size)
         self._pool_sums: dict[str, torch.Tensor] = {}
         """MEAN/CLS pooling: what earlier prefill chunks of a request contributed."""
+        self._logged_spec_eager = False
 
     def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -124,6 +135,7 @@ class ModelRunner:
         prompt_rows: dict[str, tuple[list[int], int]] = {}
         pool_rows: dict[str, tuple[Request, list[int], bool]] = {}
         lora_rows: dict[int, list[int]] = {}
+        spec_rows: dict[str, tuple[Request, list[int], list[int]]] = {}
         for members, is_decode in ((decodes, True), (chunks, False)):
             if not members:
                 continue
@@ -139,7 +151,9 @@ class ModelRunner:
                 if request.lora_id:
                     lora_rows.setdefault(request.lora_id, []).extend(rows)
                 pos = list(range(start, start + num_new))
-                input_ids.extend(request.token_slice(start, start + num_new))
+                num_known = min(num_new, request.num_tokens - start)
+                drafts = request.spec_token_ids[: num_new - num_known]
+                input_ids.extend(request.token_slice(start, start + num_known) + drafts)
                 positions.extend(pos)
                 slots.extend(table[p // bs] * bs + p % bs for p in pos)
                 token_index.append(rows)
@@ -153,6 +167,8 @@ class ModelRunner:
                         _pooled_rows(request.pooling.pooling_type, rows, start, is_last),
                         is_last,
                     )
+                elif drafts and start + num_new == request.num_tokens + len(drafts):
+                    spec_rows[request.request_id] = (request, rows[-len(drafts) - 1 :], drafts)
                 elif start + num_new == request.num_tokens:
                     sample_rows.append(rows[-1])
                     sample_requests.append(request)
@@ -165,6 +181,12 @@ class ModelRunner:
             groups.append(BatchGroup(is_decode, token_index, query_pos, tables, ctx_lens))
         lora = self.lora.build_step(lora_rows, len(input_ids)) if self.lora else None
         is_decode_only = not chunks and not prompt_rows and len(sample_rows) == len(input_ids)
+        if spec_rows and self.compiled_decode is not None and not self._logged_spec_eager:
+            self._logged_spec_eager = True
+            logger.info(
+                "static: steps verifying speculative tokens run eagerly (the compiled decode "
+                "step takes one token per request)"
+            )
         if (
             is_decode_only
             and lora is None  # the compiled forwards have no LoRA: such steps run eagerly
@@ -189,6 +211,7 @@ class ModelRunner:
             prompt_logprob_rows=prompt_rows,
             lora=lora,
             pool_rows=pool_rows,
+            spec_rows=spec_rows,
         )
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -220,6 +243,8 @@ class ModelRunner:
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden[self._tensor(inputs.sample_rows)])
             self._sample(logits, inputs.sample_requests, masks, out)
+        if inputs.spec_rows:
+            self._verify(hidden, inputs.spec_rows, out)
         for request_id, (request, rows, is_complete) in inputs.pool_rows.items():
             pooled = self._pool(hidden, request, rows, is_complete)
             if pooled is not None:
@@ -266,6 +291,43 @@ class ModelRunner:
                 continue
             out.sampled[request.request_id] = token
             out.logprobs[request.request_id] = lp
+
+    def _verify(
+        self,
+        hidden: torch.Tensor,
+        spec_rows: dict[str, tuple[Request, list[int], list[int]]],
+        out: StepOutput,
+    ) -> None:
+        """Keep each request's accepted draft tokens plus one more (a failure is its own)."""
+        all_rows = [row for _, rows, _ in spec_rows.values() for row in rows]
+        logits = self.model.compute_logits(hidden[self._tensor(all_rows)])
+        first = 0
+        for rid, (request, rows, drafts) in spec_rows.items():
+            request_logits = logits[first : first + len(rows)]
+            first += len(rows)
+            try:
+                bitmask = None
+                if request.grammar is not None:
+                    bitmask = self.grammar_masks.draft_bitmask(request, drafts)
+                verified = verify(self.sampler, request_logits, request, drafts, bitmask)
+                if request.grammar is not None:
+                    self._accept_verified(request, verified, out)
+            except Exception as exc:
+                out.failed[rid] = exc
+                continue
+            out.sampled[rid] = verified.token_ids[0]
+            out.logprobs[rid] = verified.logprobs[0]
+            out.verified[rid] = verified
+
+    def _accept_verified(self, request: Request, verified: VerifiedTokens, out: StepOutput) -> None:
+        """Advance the grammar by the kept tokens; where it completes, the run ends there,
+        as it would have ended decoding one token at a time."""
+        for i, token in enumerate(verified.token_ids):
+            if self.grammar_masks.accept([request], [token]):
+                out.grammar_ended.add(request.request_id)
+                del verified.token_ids[i + 1 :]
+                del verified.logprobs[i + 1 :]
+                return
 
     def _pool(
         self, hidden: torch.Tensor, request: Request, rows: list[int], is_complete: bool

@@ -105,6 +105,11 @@ class KVCacheManager(ABC):
     def num_reserved_token_slots(self) -> int:
         """Token slots reserved by live requests, shared blocks once (for memory-waste figures)."""
 
+    def truncate(self, request: Request, num_tokens: int) -> None:  # noqa: B027 - optional
+        """Keep KV for the request's first ``num_tokens`` tokens only (speculative tokens
+        that were rejected): blocks past them are released, nothing is copied. Static
+        slots keep their region, so there it changes nothing."""
+
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the KV ``parent`` holds without copying it: the blocks are shared
         (ref counts up) and a shared block is copied only when one of them writes into it."""

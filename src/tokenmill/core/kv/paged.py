@@ -217,8 +217,22 @@ class PagedKVManager(KVCacheManager):
         self.pool.touch(prefix_blocks)
         blocks = blocks + prefix_blocks + self.pool.allocate(num_new_blocks)
         self._blocks[rid] = blocks
-        self._cache_full_blocks(request, blocks, (num_computed + num_new_tokens) // self.block_size)
+        # Only verified tokens are hashed: speculative ones past num_tokens may be rejected.
+        num_verified = min(num_computed + num_new_tokens, request.num_tokens)
+        self._cache_full_blocks(request, blocks, num_verified // self.block_size)
         return True
+
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        blocks = self._blocks.get(request.request_id)
+        if blocks is None:
+            return
+        num_kept = -(-num_tokens // self.block_size)
+        if num_kept >= len(blocks):
+            return
+        tail = blocks[num_kept:]
+        self._blocks[request.request_id] = blocks[:num_kept]
+        # Tail blocks hold unverified tokens only, so none of them was hashed or cached.
+        self.pool.free(list(reversed(tail)), keep_cached=False)
 
     def _shared_write_block(
         self, blocks: list[Block], num_computed: int, num_new_tokens: int

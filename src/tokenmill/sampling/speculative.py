@@ -1,0 +1,97 @@
+"""Verification of speculative tokens: keep the longest prefix the target model accepts.
+
+Each request with k draft tokens brings k + 1 logits rows (the target's prediction after
+its last token and after each draft token). Every row is processed as the sampler would
+process it at that position: penalties and min_tokens see the draft tokens accepted before
+it, so each verified position gets exactly the parameters plain decoding would give it.
+Greedy rows accept a draft token while it is the argmax. Sampled rows use speculative
+rejection sampling: a draft token d (proposed with a point-mass q, as n-gram and greedy
+drafting do) is accepted with probability p(d); on rejection the token is drawn from the
+residual max(0, p - q), i.e. p without d, renormalised; when every draft is accepted one
+more token is drawn from the last row. The output therefore follows the target
+distribution exactly. Random draws come from the request's own generator when it is
+seeded, so a seeded request stays deterministic. Logprobs are the target's raw ones.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.core.request import Request
+from tokenmill.outputs import PositionLogprobs
+from tokenmill.sampling.sampler import Sampler
+
+
+@dataclass
+class VerifiedTokens:
+    """What verification kept for one request: accepted drafts, then one more token."""
+
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]
+    num_draft_tokens: int
+
+    @property
+    def num_accepted(self) -> int:
+        """Draft tokens accepted (the last token is the target's own)."""
+        return len(self.token_ids) - 1
+
+
+def position_views(request: Request, drafts: list[int]) -> list[Request]:
+    """The request as the sampler sees it at each verified position (drafts before it
+    counted as output), so penalties and min_tokens apply per position."""
+    views = []
+    for j in range(len(drafts) + 1):
+        view = copy.copy(request)
+        view.output_token_ids = request.output_token_ids + drafts[:j]
+        views.append(view)
+    return views
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from ``probs`` (unnormalised is fine) by the exponential race."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int(probs.div(noise).argmax())
+
+
+def verify(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    request: Request,
+    drafts: list[int],
+    token_bitmask: torch.Tensor | None = None,
+) -> VerifiedTokens:
+    """Verify ``drafts`` of one request against its ``len(drafts) + 1`` logits rows;
+    ``token_bitmask`` holds a structured-output grammar's mask per position."""
+    views = position_views(request, drafts)
+    processed = sampler.process(logits, views, token_bitmask)
+    is_greedy = request.sampling_params.is_greedy
+    tokens: list[int] = []
+    if is_greedy:
+        targets = processed.argmax(dim=-1).tolist()
+        for j, target in enumerate(targets):
+            tokens.append(target)
+            if j == len(drafts) or target != drafts[j]:
+                break
+    else:
+        probs = sampler.probs(processed, views)
+        generator = sampler.generator_for(request)
+        for j in range(len(drafts) + 1):
+            row = probs[j]
+            if j == len(drafts):
+                tokens.append(_draw(row, generator))
+                break
+            draft = drafts[j]
+            u = torch.rand((), generator=generator, device=row.device)
+            if bool(u < row[draft]):
+                tokens.append(draft)
+                continue
+            residual = row.clone()
+            residual[draft] = 0.0
+            tokens.append(_draw(residual, generator))
+            break
+    rows = len(tokens)
+    logprobs = Sampler.logprobs_of(logits[:rows], tokens, views[:rows])
+    return VerifiedTokens(tokens, logprobs, len(drafts))

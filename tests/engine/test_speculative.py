@@ -1,0 +1,301 @@
+"""Speculative decoding through the whole engine: greedy output is token-identical to
+transformers (and to the engine without speculation) on every path, and drafts really
+were accepted, so the identity is not vacuous."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenmill.entrypoints.llm import LLM
+from tokenmill.errors import InvalidRequestError
+from tokenmill.lora_request import LoRARequest
+from tokenmill.sampling import SamplingParams
+
+MAX_NEW = 24
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+def _copy_prompts(vocab: int, num: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a span of themselves: prompt lookup finds proposals there, and
+    tiny random models fall into loops that it then predicts."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num):
+        text = [rng.randrange(4, vocab) for _ in range(rng.randint(6, 30))]
+        start = rng.randrange(len(text) - 4)
+        out.append(text + text[start : start + rng.randint(3, 8)])
+    return out
+
+
+def _greedy(max_tokens: int = MAX_NEW, **options) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **options)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _assert_speculated(llm: LLM) -> None:
+    stats = llm.engine.stats
+    assert stats.spec_num_draft_tokens > 0, "nothing was proposed: the test proves nothing"
+    assert stats.spec_num_accepted_tokens > 0, "nothing was accepted: the test proves nothing"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("kv_cache", ["paged", "static"])
+def test_greedy_matches_transformers(make_model, reference_greedy, family, kv_cache) -> None:
+    folder = make_model(family)
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        kv_cache=kv_cache,
+        enforce_eager=True,
+        speculative_config=NGRAM,
+    )
+    prompts = _copy_prompts(llm.tokenizer.vocab_size, 6, seed=1)
+    expected, _ = reference_greedy(folder, prompts, MAX_NEW)
+    assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
+    _assert_speculated(llm)
+
+
+def test_chunked_prefill_preemption_and_prefix_caching_stay_exact(make_model) -> None:
+    folder = make_model("llama")
+    plain = LLM(str(folder), dtype="float32", max_model_len=128, block_size=4)
+    tight = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        block_size=4,
+        max_num_batched_tokens=7,  # chunked prefill, and drafts cut to the budget
+        kv_cache_memory=40 * 4 * 2 * 2 * 2 * 16 * 4,  # 40 blocks of 4 tokens
+        speculative_config={**NGRAM, "disable_by_batch_size": 16},
+    )
+    assert tight.engine.kv_manager.num_blocks == 40
+    shared = _copy_prompts(plain.tokenizer.vocab_size, 1, seed=3)[0]
+    prompts = [shared + p for p in _copy_prompts(plain.tokenizer.vocab_size, 8, seed=4)]
+    params = _greedy(32)
+    want = _tokens(plain.generate(prompts, params, use_tqdm=False))
+    assert _tokens(tight.generate(prompts, params, use_tqdm=False)) == want
+    assert tight.engine.stats.num_preemptions > 0
+    assert tight.engine.stats.num_prefix_hit_tokens > 0
+    _assert_speculated(tight)
+    # again, now from the prefix cache that speculative steps filled
+    assert _tokens(tight.generate(prompts, params, use_tqdm=False)) == want
+    pool = tight.engine.kv_manager.pool
+    assert pool.num_free_blocks == 40 and all(b.ref_count == 0 for b in pool.blocks)
+
+
+def test_stops_max_tokens_and_min_tokens_cut_the_accepted_run(make_model) -> None:
+    folder = make_model("llama")
+    plain = LLM(str(folder), dtype="float32", max_model_len=128)
+    spec = LLM(str(folder), dtype="float32", max_model_len=128, speculative_config=NGRAM)
+    prompts = _copy_prompts(plain.tokenizer.vocab_size, 6, seed=5)
+    full = _tokens(plain.generate(prompts, _greedy(), use_tqdm=False))
+    cases = [_greedy(max_tokens=n) for n in (1, 2, 5, 9)]
+    # a stop token and a stop string taken from the middle of each greedy output
+    cases += [
+        _greedy(stop_token_ids=[full[0][7]]),
+        _greedy(stop_token_ids=[full[1][5]], min_tokens=9),
+    ]
+    text = plain.tokenizer.decode(full[2])
+    cases.append(_greedy(stop=[text[len(text) // 2 : len(text) // 2 + 3]]))
+    for params in cases:
+        want = plain.generate(prompts, params, use_tqdm=False)
+        got = spec.generate(prompts, params, use_tqdm=False)
+        assert [
+            (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in got
+        ] == [
+            (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in want
+        ], params
+    _assert_speculated(spec)
+
+
+def test_logprobs_are_the_targets(make_model) -> None:
+    folder = make_model("llama")
+    plain = LLM(str(folder), dtype="float32", max_model_len=128)
+    spec = LLM(str(folder), dtype="float32", max_model_len=128, speculative_config=NGRAM)
+    prompts = _copy_prompts(plain.tokenizer.vocab_size, 3, seed=6)
+    want = plain.generate(prompts, _greedy(logprobs=2), use_tqdm=False)
+    got = spec.generate(prompts, _greedy(logprobs=2), use_tqdm=False)
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for we, ge in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
+            assert we.keys() == ge.keys()
+            for t in we:
+                assert ge[t].logprob == pytest.approx(we[t].logprob, abs=1e-4)
+                assert ge[t].rank == we[t].rank
+    _assert_speculated(spec)
+
+
+def test_n_samples_fp8_kv_and_seeded_sampling(make_model) -> None:
+    folder = make_model("llama")
+    options = {"dtype": "float32", "max_model_len": 128, "kv_cache_dtype": "fp8"}
+    plain = LLM(str(folder), **options)
+    spec = LLM(str(folder), **options, speculative_config=NGRAM)
+    prompts = _copy_prompts(plain.tokenizer.vocab_size, 3, seed=7)
+    greedy_n = _greedy(n=2)
+    assert _tokens(spec.generate(prompts, greedy_n, use_tqdm=False)) == _tokens(
+        plain.generate(prompts, greedy_n, use_tqdm=False)
+    )
+    _assert_speculated(spec)
+    # seeded sampling with speculation is reproducible, sample by sample
+    seeded = SamplingParams(
+        n=3, temperature=0.8, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True
+    )
+    first = [
+        [c.token_ids for c in o.outputs] for o in spec.generate(prompts, seeded, use_tqdm=False)
+    ]
+    again = [
+        [c.token_ids for c in o.outputs] for o in spec.generate(prompts, seeded, use_tqdm=False)
+    ]
+    assert first == again
+
+
+def test_lora_with_speculation_matches_without(make_model, make_adapter) -> None:
+    folder = make_model("llama")
+    lora = LoRARequest("a", 1, str(make_adapter(folder)))
+    options = {"dtype": "float32", "max_model_len": 128, "enable_lora": True}
+    plain = LLM(str(folder), **options)
+    spec = LLM(str(folder), **options, speculative_config=NGRAM)
+    prompts = _copy_prompts(plain.tokenizer.vocab_size, 4, seed=8)
+    want = _tokens(plain.generate(prompts, _greedy(), use_tqdm=False, lora_request=lora))
+    assert want != _tokens(plain.generate(prompts, _greedy(), use_tqdm=False))
+    assert _tokens(spec.generate(prompts, _greedy(), use_tqdm=False, lora_request=lora)) == want
+    _assert_speculated(spec)
+
+
+def test_beam_search_with_speculation_is_refused(make_model) -> None:
+    spec = LLM(
+        str(make_model("llama")), dtype="float32", max_model_len=64, speculative_config=NGRAM
+    )
+    with pytest.raises(InvalidRequestError, match="speculative decoding") as info:
+        spec.engine.add_request(
+            "b", [5, 6, 7], SamplingParams(use_beam_search=True, n=2, max_tokens=4)
+        )
+    assert info.value.param == "use_beam_search"
+
+
+def test_policy_turns_speculation_off_for_a_full_batch(make_model) -> None:
+    folder = make_model("llama")
+    spec = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        speculative_config={**NGRAM, "disable_by_batch_size": 2},
+    )
+    prompts = _copy_prompts(spec.tokenizer.vocab_size, 6, seed=9)
+    spec.generate(prompts, _greedy(8), use_tqdm=False)
+    assert spec.engine.stats.spec_num_drafts == 0  # six running requests: above the limit
+    spec.generate(prompts[:1], _greedy(), use_tqdm=False)
+    assert spec.engine.stats.spec_num_draft_tokens > 0  # one alone: proposals again
+
+
+def test_structured_outputs_with_speculation_match_and_validate() -> None:
+    """Drafts are checked against the grammar position by position (a banned draft is
+    rejected, the matcher rolled back): greedy JSON is identical, sampled JSON validates."""
+    import json
+
+    import jsonschema
+
+    from tokenmill.sampling.structured import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "items": {"type": "array", "items": {"enum": ["one", "two"]}, "maxItems": 6},
+        },
+        "required": ["name", "items"],
+        "additionalProperties": False,
+    }
+    prompts = ["Return a record:", "The licence says", "def parse(text):"]
+    plain = LLM("demo", max_model_len=256)
+    spec = LLM("demo", max_model_len=256, speculative_config=NGRAM)
+
+    def params(**options) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=80, structured_outputs=StructuredOutputsParams(json=schema), **options
+        )
+
+    want = plain.generate(prompts, params(temperature=0.0), use_tqdm=False)
+    got = spec.generate(prompts, params(temperature=0.0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    _assert_speculated(spec)
+    sampled = spec.generate(prompts, params(temperature=1.0, n=2, seed=5), use_tqdm=False)
+    for out in sampled:
+        for completion in out.outputs:
+            if completion.finish_reason == "stop":
+                jsonschema.validate(json.loads(completion.text), schema)
+
+
+@pytest.mark.parametrize("kv_cache", ["paged", "static"])
+def test_draft_model_greedy_matches_transformers(
+    make_model, reference_greedy, tmp_path, kv_cache
+) -> None:
+    """method draft_model: the target itself as its draft (every draft accepted) and a
+    one-layer truncation of it (most rejected); the output is the target's either way."""
+    from tokenmill.model.demo import build_truncated_draft
+
+    folder = make_model("llama")
+    build_truncated_draft(folder, tmp_path / "draft", 1)
+    from tokenmill.tokenizer import Tokenizer
+
+    prompts = _copy_prompts(Tokenizer.from_pretrained(folder).vocab_size, 4, seed=10)
+    expected, _ = reference_greedy(folder, prompts, MAX_NEW)
+    for draft, min_rate in ((folder, 1.0), (tmp_path / "draft", 0.0)):
+        llm = LLM(
+            str(folder),
+            dtype="float32",
+            max_model_len=128,
+            max_num_seqs=4,
+            kv_cache=kv_cache,
+            enforce_eager=True,
+            block_size=4,
+            speculative_config={"model": str(draft), "num_speculative_tokens": 3},
+        )
+        assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
+        stats = llm.engine.stats
+        assert stats.spec_num_draft_tokens > 0
+        assert stats.spec_num_accepted_tokens >= min_rate * stats.spec_num_draft_tokens
+
+
+def test_draft_model_survives_preemption_and_refuses_another_vocabulary(
+    make_model, tmp_path
+) -> None:
+    import json
+
+    from tokenmill.errors import ConfigError
+    from tokenmill.model.demo import build_truncated_draft
+
+    folder = make_model("llama")
+    plain = LLM(str(folder), dtype="float32", max_model_len=128, block_size=4)
+    tight = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        block_size=4,
+        kv_cache_memory=40 * 4 * 2 * 2 * 2 * 16 * 4,
+        speculative_config={"model": str(folder), "num_speculative_tokens": 4},
+    )
+    prompts = _copy_prompts(plain.tokenizer.vocab_size, 8, seed=11)
+    params = _greedy(32)
+    assert _tokens(tight.generate(prompts, params, use_tqdm=False)) == _tokens(
+        plain.generate(prompts, params, use_tqdm=False)
+    )
+    assert tight.engine.stats.num_preemptions > 0
+    assert tight.engine.stats.spec_num_accepted_tokens > 0
+    build_truncated_draft(folder, tmp_path / "other", 1)
+    config = json.loads((tmp_path / "other" / "config.json").read_text())
+    config["vocab_size"] += 1
+    (tmp_path / "other" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="vocabulary"):
+        LLM(
+            str(folder),
+            dtype="float32",
+            max_model_len=64,
+            speculative_config={"model": str(tmp_path / "other"), "num_speculative_tokens": 2},
+        )
