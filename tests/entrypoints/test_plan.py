@@ -155,7 +155,14 @@ def test_weight_bytes_of_new_families_are_what_the_engine_holds(
         EngineConfig(model=str(folder), dtype=dtype, max_model_len=128, **kwargs)  # type: ignore[arg-type]
     )
     cfg = ModelConfig.from_folder(folder)
-    want = sizing.weight_bytes(
-        cfg, dtype, 128, quantization, kwargs.get("quantization_group_size", 128)
-    )
+    group_size = kwargs.get("quantization_group_size", 128)
+    layouts = {}
+    if quantization is not None:  # stored as the kernel that serves them reads them
+        from tokenmill.model.quant import kernel_layout
+
+        layouts = {
+            "layout": kernel_layout(quantization, group_size),
+            "head_layout": kernel_layout("int8", group_size),
+        }
+    want = sizing.weight_bytes(cfg, dtype, 128, quantization, group_size, **layouts)
     assert engine_weight_bytes(engine) == want

@@ -41,7 +41,7 @@ def test_greedy_text_is_unchanged_and_counted(spec_server: ServerHandle) -> None
     got = client.completions.create(
         model="demo", prompt=PROMPT, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
     )
-    want = LLM("demo", max_model_len=256).generate(
+    want = LLM("demo", max_model_len=256, dtype="float32").generate(  # as start_server pins it
         [PROMPT], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False
     )
     assert got.choices[0].text == want[0].outputs[0].text

@@ -152,7 +152,7 @@ def test_dtype_auto_runs_a_quantized_fp32_checkpoint_in_bf16_where_the_cpu_has_b
     with caplog.at_level("INFO"):
         assert resolve_dtype("auto", cfg, torch.device("cpu"), method) == want
     if want == torch.bfloat16:
-        assert f"--quantization {method}; bfloat16 activations" in caplog.text
+        assert "checkpoint is float32; using bfloat16" in caplog.text  # logged, with why
     assert resolve_dtype("float32", cfg, torch.device("cpu"), method) == torch.float32
 
 

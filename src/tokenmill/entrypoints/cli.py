@@ -288,11 +288,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = parser.parse_args(argv)
     level = getattr(args, "serve_log_level", None) or args.log_level
+    had_handlers = bool(logging.getLogger().handlers)  # then basicConfig adds none
     logging.basicConfig(
         level=getattr(logging, level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    install_log_rate_limit()
+    install_log_rate_limit(root=not had_handlers)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

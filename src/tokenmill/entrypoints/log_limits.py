@@ -69,10 +69,12 @@ class RepeatedRecordFilter(logging.Filter):
 _LIMITER = RepeatedRecordFilter()
 
 
-def install_log_rate_limit(*logger_names: str) -> None:
-    """Put the process's RepeatedRecordFilter on every handler of the root logger and of
-    the named loggers (uvicorn's own do not propagate to the root); idempotent."""
-    for name in ("", *logger_names):
+def install_log_rate_limit(*logger_names: str, root: bool = False) -> None:
+    """Put the process's RepeatedRecordFilter on every handler of the named loggers
+    (uvicorn's own do not propagate to the root) and, with ``root``, of the root logger;
+    idempotent. Only handlers tokenmill set up are filtered: an embedding program's (or a
+    test runner's) root handlers are left alone."""
+    for name in ("", *logger_names) if root else logger_names:
         for handler in logging.getLogger(name or None).handlers:
             if _LIMITER not in handler.filters:
                 handler.addFilter(_LIMITER)

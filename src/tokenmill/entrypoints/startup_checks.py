@@ -38,9 +38,13 @@ PROBE_RENDER_TIMEOUT_S = 10.0
 def check_before_serving(engine_config: EngineConfig) -> ModelConfig:
     """Every start-up check, cheapest first; returns the model's config."""
     path = resolve_model_path(engine_config.model)
-    model_config = ModelConfig.from_folder(path)
-    tokenizer = Tokenizer.from_pretrained(path)
-    check_chat_templates(tokenizer)
+    model_config = ModelConfig.from_folder(path, engine_config.model_impl)
+    tokenizer_path = (
+        resolve_model_path(engine_config.tokenizer) if engine_config.tokenizer else path
+    )
+    check_chat_templates(Tokenizer.from_pretrained(tokenizer_path))
+    if model_config.model_impl == "transformers":
+        return model_config  # no registry layout: the fallback probes its model as it loads
     check_checkpoint(path, model_config)
     check_memory(engine_config, model_config)
     return model_config

@@ -187,7 +187,7 @@ _FLAGS: dict[str, tuple[Status, str]] = {
     "--sleep-preserve-parameter-names": ("refused", "sleep mode is not built"),
     "--enable-cumem-allocator": ("ignored", "a CUDA allocator setting"),
     "--enable-nccl-comm-suspend": ("ignored", "an NCCL setting; one device"),
-    "--model-impl": ("refused", "architectures are tokenmill's own implementation"),
+    "--model-impl": ("implemented", "auto, native or transformers (the Transformers fallback)"),
     "--logits-processors": ("refused", _NO_PLUGINS),
     "--io-processor-plugin": ("refused", _NO_PLUGINS),
     "--renderer-num-workers": ("implemented", "same as --max-concurrent-tokenizations (4)"),
