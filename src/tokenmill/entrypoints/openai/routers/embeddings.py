@@ -47,31 +47,28 @@ def _envelope(req: ParsedRequest[Any], data: list[dict[str, Any]], num_tokens: i
     )
 
 
-@router.post("/v1/embeddings")
-async def create_embeddings(request: Request) -> Response:
-    req = await parse_request(request, EmbeddingRequest, "embd", runner="pooling")
+async def _pooled_response(
+    request: Request, body_cls: type[Any], id_prefix: str, object_name: str, vector_key: str
+) -> Response:
+    """/v1/embeddings and /pooling: the same pooled vectors, each API's own item shape."""
+    req = await parse_request(request, body_cls, id_prefix, runner="pooling")
     try:
         vectors, num_tokens = await _vectors(req)
     except ClientGone as gone:
         return gone.response()
     fmt = req.body.encoding_format
     data = [
-        {"index": i, "object": "embedding", "embedding": encode_vector(v, fmt)}
+        {"index": i, "object": object_name, vector_key: encode_vector(v, fmt)}
         for i, v in enumerate(vectors)
     ]
     return _envelope(req, data, num_tokens)
+
+
+@router.post("/v1/embeddings")
+async def create_embeddings(request: Request) -> Response:
+    return await _pooled_response(request, EmbeddingRequest, "embd", "embedding", "embedding")
 
 
 @router.post("/pooling")
 async def create_pooling(request: Request) -> Response:
-    req = await parse_request(request, PoolingRequest, "pool", runner="pooling")
-    try:
-        vectors, num_tokens = await _vectors(req)
-    except ClientGone as gone:
-        return gone.response()
-    fmt = req.body.encoding_format
-    data = [
-        {"index": i, "object": "pooling", "data": encode_vector(v, fmt)}
-        for i, v in enumerate(vectors)
-    ]
-    return _envelope(req, data, num_tokens)
+    return await _pooled_response(request, PoolingRequest, "pool", "pooling", "data")
