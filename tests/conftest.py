@@ -9,6 +9,7 @@ peaked: greedy parity then tests the engine, not fp32 noise on near-ties.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,13 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 DENSE_FAMILIES = ["llama_bias", "olmo2", "phi3", "gemma2", "gemma3"]
 """Wave-3 dense families (registry entries on the shared decoder)."""
 MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
+
+
+def random_prompts(vocab: int, num: int, seed: int, max_len: int = 60) -> list[list[int]]:
+    """``num`` reproducible prompts of 1 to ``max_len`` token ids, none of them special (< 4)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(rng.randint(1, max_len))] for _ in range(num)]
+
 
 _BASE = dict(
     hidden_size=64,

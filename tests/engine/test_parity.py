@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from tests.conftest import FAMILIES
+from tests.conftest import FAMILIES, random_prompts
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.sampling import SamplingParams
 
 MAX_NEW = 10
 LOGPROB_ATOL = 1e-4  # fp32: different matmul shapes and op order than transformers
-
-
-def _prompts(vocab: int, num: int, seed: int, max_len: int = 60) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(4, vocab) for _ in range(rng.randint(1, max_len))] for _ in range(num)]
 
 
 def _greedy(logprobs: int | None = None) -> SamplingParams:
@@ -28,7 +21,7 @@ def _greedy(logprobs: int | None = None) -> SamplingParams:
 def test_single_request_matches_transformers(make_model, reference_greedy, family: str) -> None:
     folder = make_model(family)
     llm = LLM(str(folder), dtype="float32", max_model_len=256)
-    prompts = _prompts(llm.tokenizer.vocab_size, 2, seed=1)
+    prompts = random_prompts(llm.tokenizer.vocab_size, 2, seed=1)
     expected, ref_logprobs = reference_greedy(folder, prompts, MAX_NEW)
     for prompt, want, ref_lp in zip(prompts, expected, ref_logprobs, strict=True):
         out = llm.generate([prompt], _greedy(logprobs=3), use_tqdm=False)[0].outputs[0]
@@ -56,7 +49,7 @@ def test_batch_of_16_mixed_lengths(
         max_model_len=256,
         max_num_batched_tokens=max_num_batched_tokens,
     )
-    prompts = _prompts(llm.tokenizer.vocab_size, 16, seed=2)
+    prompts = random_prompts(llm.tokenizer.vocab_size, 16, seed=2)
     expected, _ = reference_greedy(folder, prompts, MAX_NEW)
     outs = llm.generate(prompts, _greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -85,7 +78,7 @@ def test_batch_of_16_mixed_lengths(
 def test_llama_variants(make_model, reference_greedy, overrides: dict) -> None:
     folder = make_model("llama", **overrides)
     llm = LLM(str(folder), dtype="float32", max_model_len=256)
-    prompts = _prompts(llm.tokenizer.vocab_size, 4, seed=3, max_len=100)
+    prompts = random_prompts(llm.tokenizer.vocab_size, 4, seed=3, max_len=100)
     expected, _ = reference_greedy(folder, prompts, MAX_NEW)
     outs = llm.generate(prompts, _greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -95,7 +88,7 @@ def test_mistral_sliding_window_beyond_window(make_model, reference_greedy) -> N
     """Prompts far longer than the window: only the last `sliding_window` keys count."""
     folder = make_model("mistral", sliding_window=8)
     llm = LLM(str(folder), dtype="float32", max_model_len=256, max_num_batched_tokens=16)
-    prompts = _prompts(llm.tokenizer.vocab_size, 3, seed=4, max_len=80)
+    prompts = random_prompts(llm.tokenizer.vocab_size, 3, seed=4, max_len=80)
     expected, _ = reference_greedy(folder, prompts, MAX_NEW)
     outs = llm.generate(prompts, _greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -108,7 +101,7 @@ def test_static_kv_matches_transformers(
 ) -> None:
     """static (compiled or eager) == transformers; paged == transformers is tested above."""
     folder = make_model(family)
-    prompts = _prompts(500, 5, seed=2)
+    prompts = random_prompts(500, 5, seed=2)
     expected, _ = reference_greedy(folder, prompts, MAX_NEW)
     # One small bucket keeps CPU compile time in check; batches of 1 and 2 exercise padding.
     llm = LLM(

@@ -14,18 +14,13 @@ import random
 
 import pytest
 
-from tests.conftest import DENSE_FAMILIES, MOE_FAMILIES
+from tests.conftest import DENSE_FAMILIES, MOE_FAMILIES, random_prompts
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.sampling import SamplingParams
 
 ALL = DENSE_FAMILIES + MOE_FAMILIES
 MAX_NEW = 10
 LOGPROB_ATOL = 1e-4
-
-
-def _prompts(vocab: int, num: int, seed: int, max_len: int = 60) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(4, vocab) for _ in range(rng.randint(1, max_len))] for _ in range(num)]
 
 
 def _greedy(logprobs: int | None = None, max_tokens: int = MAX_NEW) -> SamplingParams:
@@ -42,7 +37,7 @@ def _tokens(outs) -> list[list[int]]:
 def test_single_request_matches_transformers(make_model, reference_greedy, family: str) -> None:
     folder = make_model(family)
     llm = LLM(str(folder), dtype="float32", max_model_len=256)
-    prompts = _prompts(llm.tokenizer.vocab_size, 2, seed=1)
+    prompts = random_prompts(llm.tokenizer.vocab_size, 2, seed=1)
     expected, ref_logprobs = reference_greedy(folder, prompts, MAX_NEW)
     for prompt, want, ref_lp in zip(prompts, expected, ref_logprobs, strict=True):
         out = llm.generate([prompt], _greedy(logprobs=3), use_tqdm=False)[0].outputs[0]
@@ -64,7 +59,7 @@ def test_batch_of_16_mixed_lengths(
         max_model_len=256,
         max_num_batched_tokens=max_num_batched_tokens,
     )
-    prompts = _prompts(llm.tokenizer.vocab_size, 16, seed=2)
+    prompts = random_prompts(llm.tokenizer.vocab_size, 16, seed=2)
     expected, _ = reference_greedy(folder, prompts, MAX_NEW)
     assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
 
@@ -95,7 +90,7 @@ def test_prefix_caching_and_preemption_match_transformers(
 def test_static_kv_matches_transformers(make_model, reference_greedy, family: str) -> None:
     """static KV, compiled decode where the model allows it (MoE runs it eagerly)."""
     folder = make_model(family)
-    prompts = _prompts(500, 5, seed=2)
+    prompts = random_prompts(500, 5, seed=2)
     expected, _ = reference_greedy(folder, prompts, MAX_NEW)
     llm = LLM(
         str(folder),
@@ -130,7 +125,7 @@ def test_static_kv_matches_transformers(make_model, reference_greedy, family: st
 def test_family_variants(make_model, reference_greedy, family: str, overrides: dict) -> None:
     folder = make_model(family, **overrides)
     llm = LLM(str(folder), dtype="float32", max_model_len=256, max_num_batched_tokens=16)
-    prompts = _prompts(llm.tokenizer.vocab_size, 4, seed=3, max_len=80)
+    prompts = random_prompts(llm.tokenizer.vocab_size, 4, seed=3, max_len=80)
     expected, _ = reference_greedy(folder, prompts, MAX_NEW)
     assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
 
