@@ -1,4 +1,5 @@
-"""Packages import one way (docs/architecture.md): entrypoints -> engine -> {core, worker}; worker -> {core, model}."""
+"""Packages import one way (docs/architecture.md): entrypoints -> engine -> {core, executor,
+worker}; executor -> worker -> {core, model}."""
 
 from __future__ import annotations
 
@@ -13,18 +14,26 @@ FORBIDDEN = {
     "core": (
         "tokenmill.engine",
         "tokenmill.worker",
+        "tokenmill.executor",
         "tokenmill.entrypoints",
         "tokenmill.model",
         "tokenmill.structured",
         "torch",
         "llguidance",
     ),
-    "worker": ("tokenmill.engine", "tokenmill.entrypoints"),
-    "model": ("tokenmill.engine", "tokenmill.worker", "tokenmill.entrypoints"),
+    "worker": ("tokenmill.engine", "tokenmill.executor", "tokenmill.entrypoints"),
+    "executor": ("tokenmill.engine", "tokenmill.entrypoints"),
+    "model": (
+        "tokenmill.engine",
+        "tokenmill.worker",
+        "tokenmill.executor",
+        "tokenmill.entrypoints",
+    ),
     "engine": ("tokenmill.entrypoints",),
     "kernels": (
         "tokenmill.engine",
         "tokenmill.worker",
+        "tokenmill.executor",
         "tokenmill.entrypoints",
         "tokenmill.model",
         "tokenmill.core",

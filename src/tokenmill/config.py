@@ -31,6 +31,7 @@ KV_CACHE_DTYPES: tuple[str, ...] = (
 )
 INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 SchedulingPolicy = Literal["fcfs", "priority"]
+ExecutorBackend = Literal["uni", "mp"]
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors")
 PICKLE_LOAD_FORMATS: tuple[str, ...] = ("pt", "npcache")
 """vLLM's load formats that unpickle: refused, since loading them can run code."""
@@ -122,6 +123,10 @@ class EngineConfig:
         default=None, metadata={"parse": "json_object", "aliases": ("-sc",)}
     )
     """Speculative decoding, vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}' (prompt lookup), or '{"model": DRAFT_DIR, "num_speculative_tokens": 3}' (a draft model with the same tokenizer; demo-draft for the demo); "disable_by_batch_size" (default 8) turns it off above that many running requests."""
+    tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",)})
+    """Ranks the model is split across (one worker process each; torch.distributed: gloo on CPU, NCCL on CUDA)."""
+    distributed_executor_backend: ExecutorBackend | None = None
+    """How workers run: uni (in the engine's process) or mp (one process per rank); default: uni at tensor-parallel size 1, else mp."""
     rope_theta_override: float | None = None
     """Test-only: replace the model's RoPE base to make the engine diverge on purpose."""
 
@@ -209,6 +214,15 @@ class EngineConfig:
         if self.speculative_config is not None:
             self.speculative  # noqa: B018 - parses, raising ConfigError on a bad field
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+        check(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+        check(
+            self.distributed_executor_backend in (None, "uni", "mp"),
+            f"--distributed-executor-backend must be uni or mp, got {self.distributed_executor_backend!r}",
+        )
+        check(
+            self.tensor_parallel_size == 1 or self.distributed_executor_backend != "uni",
+            "--tensor-parallel-size > 1 needs --distributed-executor-backend mp (one process per rank)",
+        )
         check(self.max_loras >= 1, "max_loras must be >= 1")
         check(self.max_lora_rank >= 1, "max_lora_rank must be >= 1")
         check(

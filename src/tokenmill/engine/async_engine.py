@@ -294,6 +294,7 @@ class AsyncLLMEngine:
 
     def _loop_forever(self, engine: LLMEngine) -> None:
         while True:
+            engine.check_health()  # a worker process that died while idle ends the loop too
             commands = self._take_commands(block=not engine.has_unfinished_requests())
             is_stopped, needs_flush = self._apply(engine, commands)
             if is_stopped:

@@ -13,80 +13,48 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv import KVCacheManager, KVSizing, build_kv_manager
+from tokenmill.core.messages import StepOutput, VerifiedTokens
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.speculative import (
-    SpeculativeConfig,
-    max_draft_tokens,
-    num_tokens_to_propose,
-    propose_ngram,
-)
+from tokenmill.core.speculative import max_draft_tokens, num_tokens_to_propose, propose_ngram
 from tokenmill.core.stats import EngineStats, StartupCosts
 from tokenmill.engine.beam_search import BeamLimits, BeamSearchCoordinator
 from tokenmill.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.step_plan import StepPlanBuilder
 from tokenmill.errors import ConfigError, InvalidRequestError, RequestFailedError
+from tokenmill.executor import Executor, build_executor, check_tensor_parallel
 from tokenmill.lora_request import LoRARequest
-from tokenmill.model.attention import FP8_DTYPES
-from tokenmill.model.base import CausalLM
-from tokenmill.model.config import ModelConfig
-from tokenmill.model.cpu import cpu_info, default_num_threads
-from tokenmill.model.loader import load_model, resolve_dtype
+from tokenmill.model.cpu import cpu_info
 from tokenmill.model.registry import resolve_model_impl
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolerConfig
 from tokenmill.sampling.params import SamplingParams
-from tokenmill.sampling.sampler import Sampler
-from tokenmill.sampling.speculative import VerifiedTokens
 from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.tokenizer.tokenizer import Tokenizer
-from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
-from tokenmill.worker.draft_proposer import DraftProposer
-from tokenmill.worker.kv_cache import allocate_kv_cache, kv_budget_bytes, kv_bytes_per_token
-from tokenmill.worker.lora_manager import LoRAManager
-from tokenmill.worker.model_runner import ModelRunner, StepOutput
+from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.worker import (  # re-exported: entry points resolve paths through here
+    KV_CACHE_DTYPES,
+    CacheInfo,
+    KVCacheSpec,
+    WorkerInfo,
+    load_model_config,
+    resolve_device,
+    resolve_kv_cache_dtype,
+    resolve_model_path,
+)
 
 logger = logging.getLogger(__name__)
 
-
-def resolve_model_path(model: str) -> Path:
-    """``demo`` means the built-in demo model; ``demo-draft`` its draft for speculative
-    decoding (built from it on first use)."""
-    if model == "demo":
-        from tokenmill.model.demo import demo_model_path
-
-        return demo_model_path()
-    if model == "demo-draft":
-        from tokenmill.model.demo import demo_draft_path
-
-        return demo_draft_path()
-    return Path(model)
-
-
-KV_CACHE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-KV_CACHE_DTYPE_NAMES = {dtype: name for name, dtype in KV_CACHE_DTYPES.items()}
-KV_CACHE_DTYPES["fp8"] = torch.float8_e4m3fn  # vLLM's alias
-
-
-def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
-    """``auto`` stores K/V in the model dtype; anything else as named (vLLM's names)."""
-    return model_dtype if requested == "auto" else KV_CACHE_DTYPES[requested]
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+__all__ = [
+    "KV_CACHE_DTYPES",
+    "LLMEngine",
+    "resolve_device",
+    "resolve_kv_cache_dtype",
+    "resolve_model_path",
+]
 
 
 def _generation_eos_ids(folder: Path) -> set[int]:
@@ -110,48 +78,44 @@ class LLMEngine:
         start = time.monotonic()
         self.config = config
         self.model_path = resolve_model_path(config.model)
-        self.model_config = ModelConfig.from_folder(self.model_path, config.model_impl)
-        _, impl_reason = resolve_model_impl(self.model_config.architecture, config.model_impl)
-        logger.info("model implementation: %s (%s)", self.model_config.model_impl, impl_reason)
-        if self.model_config.model_impl == "transformers":
+        self.model_config = mc = load_model_config(config, self.model_path)
+        _, impl_reason = resolve_model_impl(mc.architecture, config.model_impl)
+        logger.info("model implementation: %s (%s)", mc.model_impl, impl_reason)
+        if mc.model_impl == "transformers":
             from tokenmill.model.transformers_fallback import check_features
 
             check_features(config.quantization, config.enable_lora)
-        if config.rope_theta_override is not None:
-            self.model_config = replace(self.model_config, rope_theta=config.rope_theta_override)
         if config.trust_remote_code:
             logger.warning(
                 "--trust-remote-code: accepted, but no code from the model folder is run; "
                 "tokenmill implements each architecture itself"
             )
+        self.speculative = config.speculative
+        """Speculative decoding's config; None: one token per request per step."""
+        if self.speculative is not None and config.is_pooling:
+            raise ConfigError(
+                "--speculative-config: a pooling runner generates nothing to speculate on"
+            )
         self.tokenizer = Tokenizer.from_pretrained(
             resolve_model_path(config.tokenizer) if config.tokenizer else self.model_path
         )
-        mc = self.model_config
-        self.device = resolve_device(config.device)
-        num_threads = config.num_threads or default_num_threads()
-        if self.device.type == "cpu":
-            torch.set_num_threads(num_threads)
-            logger.info(
-                "CPU: %s; %d compute threads (%s)",
-                cpu_info().describe(),
-                num_threads,
-                "--num-threads"
-                if config.num_threads
-                else "one per physical core; --num-threads overrides",
-            )
-        self.dtype = resolve_dtype(config.dtype, mc, self.device, config.quantization)
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        check_tensor_parallel(config, mc)
+        self.executor: Executor = build_executor(config)
+        """How the engine reaches its workers (the only way it does)."""
+        info: WorkerInfo = self.executor.collective_rpc("describe", result_type=WorkerInfo)[0]
         self.config = config = replace(
             config,
-            device=str(self.device),
-            dtype=str(self.dtype).removeprefix("torch."),  # type: ignore[arg-type]
-            max_model_len=config.max_model_len or mc.max_position_embeddings,
-            num_threads=num_threads,
-            kv_cache_dtype=KV_CACHE_DTYPE_NAMES[self.kv_dtype],  # type: ignore[arg-type]
+            device=info.device,
+            dtype=info.dtype,  # type: ignore[arg-type]
+            max_model_len=info.max_model_len,
+            num_threads=info.num_threads,
+            kv_cache_dtype=info.kv_cache_dtype,  # type: ignore[arg-type]
         )
         """The resolved config: no ``auto`` device or dtype, and the model's context length filled in."""
-        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
+        self.device = resolve_device(info.device)
+        self.dtype = KV_CACHE_DTYPES[info.dtype]
+        self.kv_dtype = KV_CACHE_DTYPES[info.kv_cache_dtype]
+        self.max_model_len: int = info.max_model_len
         eos = set(mc.eos_token_ids) | _generation_eos_ids(self.model_path)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -169,21 +133,24 @@ class LLMEngine:
                 ", normalised" if self.pooler_config.normalize else "",
                 self.pooler_config.source,
             )
-
-        model = load_model(
-            self.model_path,
-            self.dtype,
-            self.device,
-            self.max_model_len,
-            mc,
-            quantization=config.quantization,
-            group_size=config.quantization_group_size,
-        )
         kv_start = time.monotonic()
         self.startup = StartupCosts(model_load_s=kv_start - start)
         """What this start cost per phase (model load, KV allocation, compile per bucket)."""
-        self.kv_manager, kv_caches = self._build_kv_cache()
-        self.startup.kv_allocation_s = time.monotonic() - kv_start
+        self.kv_manager = self._build_kv_manager()
+        cache: CacheInfo = self.executor.collective_rpc(
+            "initialize_cache",
+            (
+                KVCacheSpec(
+                    self.kv_manager.num_blocks,
+                    self.kv_manager.block_size,
+                    self.kv_manager.wants_compiled_decode,
+                ),
+            ),
+            result_type=CacheInfo,
+        )[0]
+        self.kv_cache_bytes = cache.kv_cache_bytes
+        self.startup.kv_allocation_s = time.monotonic() - kv_start - cache.compile_time_s
+        self.plan_builder = StepPlanBuilder(in_process=self.executor.is_in_process)
         step_budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill and step_budget < self.max_model_len:
             step_budget = self.max_model_len  # a whole prompt must fit one step
@@ -200,57 +167,12 @@ class LLMEngine:
             max_loras=config.max_loras if config.enable_lora else None,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        lora = None
-        if config.enable_lora:
-            lora = LoRAManager(
-                mc,
-                config.max_loras,
-                config.max_cpu_loras or config.max_loras,
-                config.max_lora_rank,
-                self.dtype,
-                self.device,
-                ids_in_use=lambda: {r.lora_id for r in self.scheduler.requests.values()},
-            )
-            logger.info(
-                "LoRA: %d slot(s) of rank %d (%.1f MiB)",
-                config.max_loras,
-                config.max_lora_rank,
-                lora.stacks.nbytes / 2**20,
-            )
         self._lora_removals: set[int] = set()
         """Adapters unloaded while requests still ran on them: dropped when the last ends."""
         self._removed_lora_ids: set[int] = set()
         """Unloaded adapter ids: a request naming one (sent before the unload) is refused."""
         self._failures: dict[str, RequestFailedError] = {}
         """Requests aborted because their own sampling or bookkeeping raised (per request id)."""
-        compiled = None
-        if (
-            self.kv_manager.wants_compiled_decode
-            and not config.is_pooling  # pooling never decodes
-            and not config.enforce_eager
-            and self._can_compile()
-            and self._model_compiles(model)
-        ):
-            compiled = CompiledDecodeStep(
-                model,
-                kv_caches,
-                self.kv_manager.block_size,
-                max_blocks_per_seq=-(-self.max_model_len // self.kv_manager.block_size),
-                scratch_block=self.kv_manager.num_blocks,
-                buckets=list(
-                    config.compile_batch_sizes or default_buckets(config.max_num_seqs, self.device)
-                ),
-                device=self.device,
-            )
-        self.runner = ModelRunner(
-            model,
-            kv_caches,
-            self.kv_manager.block_size,
-            Sampler(self.device, config.seed),
-            self.device,
-            compiled,
-            lora,
-        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(
             self.tokenizer,
@@ -268,12 +190,13 @@ class LLMEngine:
             ),
             GrammarCompiler(self.tokenizer.backend.to_str(), mc.vocab_size, self.eos_token_ids),
         )
-        self.speculative = config.speculative
-        """Speculative decoding's config; None: one token per request per step."""
-        self.drafter: DraftProposer | None = None
-        """The draft model (method draft_model); None for n-gram or no speculation."""
         if self.speculative is not None:
-            self._check_speculation()
+            logger.info(
+                "speculative decoding: %s, %d tokens per step, off above %d running requests",
+                self.speculative.method,
+                self.speculative.num_speculative_tokens,
+                self.speculative.max_batch_size,
+            )
         self.beam_search = BeamSearchCoordinator(
             self.scheduler,
             self.tokenizer,
@@ -285,15 +208,16 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
             ),
         )
+        is_cpu = self.device.type == "cpu"
         self._counters = EngineStats(
-            compile_time_s=compiled.compile_time_s if compiled else 0.0,
+            compile_time_s=cache.compile_time_s,
             kv_capacity_tokens=self.kv_manager.num_blocks * self.kv_manager.block_size,
             precision={
                 "dtype": config.dtype,
                 "quantization": config.quantization or "none",
                 "kv_cache_dtype": config.kv_cache_dtype,
-                "num_threads": str(num_threads) if self.device.type == "cpu" else "n/a",
-                "cpu_isa": cpu_info().isa if self.device.type == "cpu" else "n/a",
+                "num_threads": str(config.num_threads) if is_cpu else "n/a",
+                "cpu_isa": cpu_info().isa if is_cpu else "n/a",
             },
             cache_config={  # vLLM's CacheConfig names
                 "block_size": str(self.kv_manager.block_size),
@@ -306,10 +230,9 @@ class LLMEngine:
                 "kv_cache": config.kv_cache,
             },
         )
-        if compiled is not None:
-            self.startup.compile_s_by_bucket = dict(compiled.compile_s_by_bucket)
-            self.startup.compile_cache_by_bucket = dict(compiled.cache_by_bucket)
-        if self.kv_dtype in FP8_DTYPES:
+        self.startup.compile_s_by_bucket = dict(cache.compile_s_by_bucket)
+        self.startup.compile_cache_by_bucket = dict(cache.compile_cache_by_bucket)
+        if config.kv_cache_dtype.startswith("fp8"):
             self._calibrate_kv_scales()
         self.startup_time_s = time.monotonic() - start
         self.startup.total_s = self.startup_time_s
@@ -319,7 +242,7 @@ class LLMEngine:
             mc.architecture,
             mc.num_params / 1e6,
             self.device,
-            self.dtype,
+            config.dtype,
             f", {config.quantization} weights" if config.quantization else "",
             config.kv_cache_dtype,
             self.kv_manager.num_blocks * self.kv_manager.block_size,
@@ -338,110 +261,38 @@ class LLMEngine:
         )
 
     # ---- construction ------------------------------------------------------------------
-    def _build_kv_cache(self) -> tuple[KVCacheManager, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def _build_kv_manager(self) -> KVCacheManager:
+        """Sized for the tightest rank: the smallest budget over the largest bytes per token."""
         cfg = self.config
-        block_size = cfg.block_size
-        per_token = kv_bytes_per_token(self.model_config, self.kv_dtype)
-        budget = kv_budget_bytes(cfg.kv_cache_memory, cfg.gpu_memory_utilization, self.device)
-        manager = build_kv_manager(
+        infos = self.executor.collective_rpc("kv_cache_info", result_type=tuple[int, int])
+        return build_kv_manager(
             cfg.kv_cache,
             KVSizing(
                 max_num_seqs=cfg.max_num_seqs,
                 max_model_len=self.max_model_len,
-                block_size=block_size,
+                block_size=cfg.block_size,
                 enable_prefix_caching=cfg.enable_prefix_caching,
-                budget_bytes=budget,
-                bytes_per_token=per_token,
+                budget_bytes=min(budget for _, budget in infos),
+                bytes_per_token=max(per_token for per_token, _ in infos),
             ),
         )
-        self.kv_cache_bytes = manager.num_blocks * block_size * per_token
-        caches = allocate_kv_cache(
-            self.model_config, manager.num_blocks, block_size, self.kv_dtype, self.device
-        )
-        return manager, caches
 
-    def _check_speculation(self) -> None:
-        spec = self.speculative
-        assert spec is not None
-        if spec.method == "draft_model":
-            self.drafter = self._load_draft(spec)
-        if self.config.is_pooling:
-            raise ConfigError(
-                "--speculative-config: a pooling runner generates nothing to speculate on"
-            )
-        logger.info(
-            "speculative decoding: %s, %d tokens per step, off above %d running requests",
-            spec.method,
-            spec.num_speculative_tokens,
-            spec.max_batch_size,
-        )
+    def shutdown(self) -> None:
+        """Stop the workers (their processes, with the mp executor)."""
+        self.executor.shutdown()
 
-    def _load_draft(self, spec: SpeculativeConfig) -> DraftProposer:
-        """The draft model, with KV tensors in the target's block layout (model dtype)."""
-        assert spec.model is not None
-        folder = resolve_model_path(spec.model)
-        try:
-            draft_config = ModelConfig.from_folder(folder)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"--speculative-config: draft model {spec.model!r}: {exc}") from None
-        if draft_config.vocab_size != self.model_config.vocab_size:
-            raise ConfigError(
-                f"--speculative-config: the draft's vocabulary ({draft_config.vocab_size}) is not "
-                f"the target's ({self.model_config.vocab_size}): they must share a tokenizer"
-            )
-        model = load_model(folder, self.dtype, self.device, self.max_model_len, draft_config)
-        caches = allocate_kv_cache(
-            draft_config,
-            self.kv_manager.num_blocks,
-            self.kv_manager.block_size,
-            self.dtype,
-            self.device,
-        )
-        logger.info(
-            "speculative decoding: draft %s (%.1fM params), its KV in the target's blocks (%.2f GiB)",
-            folder,
-            draft_config.num_params / 1e6,
-            sum(k.nbytes + v.nbytes for k, v in caches) / 2**30,
-        )
-        return DraftProposer.build(model, caches, self.kv_manager.block_size, self.device)
+    def check_health(self) -> None:
+        """Raise WorkerDiedError (naming the rank) if a worker process is gone."""
+        self.executor.check_health()
 
-    def _model_compiles(self, model: CausalLM) -> bool:
-        """False for models whose forward cannot be compiled with fixed shapes (MoE routing,
-        the Transformers fallback)."""
-        if not model.supports_compiled_decode:
-            logger.info(
-                "static: %s runs the decode step eagerly (%s)",
-                self.model_config.architecture,
-                model.eager_reason,
-            )
-        return model.supports_compiled_decode
-
-    def _can_compile(self) -> bool:
-        """False for the one combination whose compiled decode step was seen to be wrong.
-
-        With half-precision activations, int8/int4 weights and an fp8 KV cache together,
-        inductor's decode step produced garbage tokens on AVX2 kernels (seen with ATen and
-        oneDNN held to AVX2 on an AVX-512 machine; each pair of the three compiled fine).
-        That combination runs the static strategy eagerly there, with a warning.
-        """
-        cfg = self.config
-        is_suspect = (
-            self.device.type == "cpu"
-            and cpu_info().isa != "AVX512"
-            and cfg.quantization is not None
-            and self.kv_dtype in FP8_DTYPES
-            and self.dtype != torch.float32
-        )
-        if is_suspect:
-            logger.warning(
-                "static: running the decode step eagerly: %s activations with %s weights and an "
-                "%s KV cache compiled to wrong results on %s kernels",
-                cfg.dtype,
-                cfg.quantization,
-                cfg.kv_cache_dtype,
-                cpu_info().isa,
-            )
-        return not is_suspect
+    @property
+    def runner(self) -> ModelRunner:
+        """The in-process worker's runner (tests and scoring reach the model through it)."""
+        worker = getattr(self.executor, "driver_worker", None)
+        if worker is None:
+            raise RuntimeError("the model runs in worker processes: no runner in the engine")
+        runner: ModelRunner = worker.runner
+        return runner
 
     def _calibrate_kv_scales(self) -> None:
         """Set every layer's fp8 KV scales from one fixed prompt, before any request.
@@ -528,7 +379,7 @@ class LLMEngine:
     # ---- LoRA adapters ---------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load an adapter (if not loaded yet); LoRAError names what does not fit the model."""
-        if self.runner.lora is None:
+        if not self.config.enable_lora:
             raise InvalidRequestError(
                 "a LoRA adapter needs the engine to run with --enable-lora", param="lora_request"
             )
@@ -536,14 +387,17 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"LoRA adapter {lora_request.lora_name!r} was unloaded", param="model"
             )
-        self.runner.lora.add(lora_request)
+        in_use = {r.lora_id for r in self.scheduler.requests.values()}
+        self.executor.collective_rpc("add_lora", (lora_request, in_use))
 
     def remove_lora(self, lora_id: int) -> bool:
         """Unload an adapter. Its running and waiting requests finish with it first; new
         requests naming its id are refused. False if it was not loaded."""
-        lora = self.runner.lora
         self._removed_lora_ids.add(lora_id)  # also when never loaded: one may be on its way
-        if lora is None or lora.get(lora_id) is None:
+        if (
+            not self.config.enable_lora
+            or not self.executor.collective_rpc("has_lora", (lora_id,))[0]
+        ):
             return False
         self._lora_removals.add(lora_id)
         self._drop_unused_loras()
@@ -551,14 +405,15 @@ class LLMEngine:
 
     def list_loras(self) -> list[int]:
         """Ids of the adapters loaded now."""
-        return self.runner.lora.ids() if self.runner.lora is not None else []
+        ids: list[int] = self.executor.collective_rpc("list_loras")[0]
+        return ids
 
     def _drop_unused_loras(self) -> None:
-        if not self._lora_removals or self.runner.lora is None:
+        if not self._lora_removals:
             return
         in_use = {r.lora_id for r in self.scheduler.requests.values()}
         for lora_id in self._lora_removals - in_use:
-            self.runner.lora.remove(lora_id)
+            self.executor.collective_rpc("remove_lora", (lora_id,))
             self._lora_removals.discard(lora_id)
 
     @property
@@ -580,9 +435,7 @@ class LLMEngine:
         if self.speculative is not None:
             self._propose()
         sched = self.scheduler.schedule()
-        if self.drafter is not None:  # fills the draft slots the scheduler granted
-            self.drafter.propose(sched)
-        result = self.runner.execute(sched)
+        result = self.executor.execute_model(self.plan_builder.build(sched))
         self.scheduler.update_after_step(sched.scheduled)
         now = time.monotonic()
         stats = self._counters
@@ -667,7 +520,7 @@ class LLMEngine:
                 or request.num_computed_tokens != request.num_tokens - 1
             ):
                 continue
-            if self.drafter is not None:  # slots now, the draft's tokens once scheduled
+            if spec.method == "draft_model":  # slots now, the worker's draft fills them
                 request.spec_token_ids = [0] * min(k, max_draft_tokens(request))
             else:
                 request.spec_token_ids = propose_ngram(spec, request, k)
@@ -711,16 +564,17 @@ class LLMEngine:
         sid = sequence if isinstance(sequence, str) else sequence.request_id
         return self.beam_search.owner_of(sid) or self.output_processor.parent_id(sid) or sid
 
-    def _fail(self, sequence_id: str, exc: Exception) -> None:
-        """Abort the user request a sequence belongs to, because that sequence raised."""
+    def _fail(self, sequence_id: str, exc: Exception | str) -> None:
+        """Abort the user request a sequence belongs to, because that sequence raised
+        (here, or in a worker: then ``exc`` is the worker's traceback as text)."""
         rid = self._user_request_id(sequence_id)
         if rid in self._failures:
             return
         logger.error(
-            "request %s failed in the engine step and was aborted; other requests go on: %r",
+            "request %s failed in the engine step and was aborted; other requests go on: %s",
             rid,
-            exc,
-            exc_info=exc,
+            exc if isinstance(exc, str) else repr(exc),
+            exc_info=None if isinstance(exc, str) else exc,
         )
         self._failures[rid] = RequestFailedError(rid)
         self.abort_request(rid)
@@ -751,5 +605,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_query_tokens=self.kv_manager.stats.num_query_tokens,
             num_prefix_hit_tokens=self.kv_manager.stats.num_hit_tokens,
-            moe_tokens_per_expert=self.runner.model.debug_stats().get("moe_tokens_per_expert", []),
+            moe_tokens_per_expert=self.executor.collective_rpc("debug_stats")[0].get(
+                "moe_tokens_per_expert", []
+            ),
         )

@@ -24,7 +24,14 @@ from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info
 from tokenmill.model.quant import quantize_linear
-from tokenmill.model.registry import expected_tensors, model_class, weight_layout
+from tokenmill.model.registry import WeightSpec, expected_tensors, model_class, weight_layout
+from tokenmill.model.tensor_parallel import (
+    TPShard,
+    check_supported,
+    parallelize,
+    read_shard,
+    shard_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +200,26 @@ class _Checkpoint:
         if not direct:
             out.copy_(target.view(out.shape))
 
+    def read_rows(self, name: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [start, stop) of tensor ``name`` (dim 0), reading only their bytes."""
+        entry = self.entries[name]
+        row_shape = entry.shape[1:]
+        row_bytes = entry.nbytes // max(1, entry.shape[0])
+        key = f"{name}[{start}:{stop}]"
+        self.entries[key] = _Entry(
+            entry.path,
+            entry.dtype,
+            (stop - start, *row_shape),
+            entry.start + start * row_bytes,
+            (stop - start) * row_bytes,
+        )
+        out = torch.empty((stop - start, *row_shape), dtype=dtype)
+        try:
+            self.read_into(key, out)
+        finally:
+            del self.entries[key]
+        return out
+
     def discard(self, name: str) -> None:
         self.entries.pop(name, None)
 
@@ -255,6 +282,7 @@ def load_model(
     group_size: int = 128,
     prepack: bool = True,
     attn_backend: AttentionBackend | None = None,
+    tensor_parallel: TPShard | None = None,
 ) -> CausalLM:
     """Build the registered model for ``folder`` and fill it with the checkpoint's weights.
 
@@ -265,7 +293,9 @@ def load_model(
     With ``quantization``, each projection is quantized as soon as it is read, so at most
     one projection is ever held in the load dtype. The LM head is quantized to int8 in both
     modes (int4 there cost more accuracy than it saved time, docs/benchmarks.md) unless it
-    is tied to the embedding, which stays in the model dtype for lookups.
+    is tied to the embedding, which stays in the model dtype for lookups. With
+    ``tensor_parallel``, the modules are built at one rank's sizes, only that rank's slice of
+    each tensor is read (``model/tensor_parallel.py``) and the collectives are installed.
     """
     folder = Path(folder)
     cfg = cfg or ModelConfig.from_folder(folder)
@@ -294,11 +324,27 @@ def load_model(
         else None
     )
     backend = attn_backend or default_attention_backend(device)
+    built_cfg = cfg
+    if tensor_parallel is not None:
+        check_supported(cfg, tensor_parallel.world_size)
+        built_cfg = shard_config(cfg, tensor_parallel)
     with torch.device("meta"):
-        model = model_class(cfg)(cfg, max_positions, rope, backend, local_rope)
+        model = model_class(cfg)(built_cfg, max_positions, rope, backend, local_rope)
+    model.config = cfg
 
-    def put(module: nn.Module, attr: str, names: tuple[str, ...]) -> None:
-        """Read ``names`` (fused along dim 0 when several) straight into one parameter."""
+    def put(module: nn.Module, attr: str, spec: WeightSpec) -> None:
+        """Read ``spec``'s sources (fused along dim 0 when several) straight into one parameter."""
+        names = spec.sources
+        if tensor_parallel is not None:
+            shard = read_shard(
+                spec,
+                cfg,
+                tensor_parallel,
+                dtype,
+                lambda name, lo, hi: ckpt.read_rows(name, lo, hi, dtype),
+            )
+            setattr(module, attr, nn.Parameter(shard.to(device), requires_grad=False))
+            return
         shapes = [ckpt.entries[n].shape for n in names]
         value = torch.empty((sum(s[0] for s in shapes), *shapes[0][1:]), dtype=dtype)
         row = 0
@@ -324,7 +370,7 @@ def load_model(
     """Projections read but not converted yet: converted once their bias is read too."""
     for index, spec in enumerate(layout):
         module, attr = _resolve(model, spec.target)
-        put(module, attr, spec.sources)
+        put(module, attr, spec)
         if spec.kind != "plain":
             parent, name = _resolve(model, spec.target.rsplit(".", 1)[0])
             method = head_method if spec.kind == "lm_head" else quantization
@@ -345,6 +391,8 @@ def load_model(
         raise ModelLoadError(
             f"{folder}: the {cfg.architecture} layout leaves {left[:3]} unset (a registry bug)"
         )
+    if tensor_parallel is not None:
+        parallelize(model, cfg, tensor_parallel)
     model.eval()
     if num_quantized:
         logger.info(

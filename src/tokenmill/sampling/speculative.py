@@ -16,27 +16,12 @@ seeded, so a seeded request stays deterministic. Logprobs are the target's raw o
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 
+from tokenmill.core.messages import VerifiedTokens
 from tokenmill.core.request import Request
-from tokenmill.outputs import PositionLogprobs
 from tokenmill.sampling.sampler import Sampler
-
-
-@dataclass
-class VerifiedTokens:
-    """What verification kept for one request: accepted drafts, then one more token."""
-
-    token_ids: list[int]
-    logprobs: list[PositionLogprobs | None]
-    num_draft_tokens: int
-
-    @property
-    def num_accepted(self) -> int:
-        """Draft tokens accepted (the last token is the target's own)."""
-        return len(self.token_ids) - 1
 
 
 def position_views(request: Request, drafts: list[int]) -> list[Request]:

@@ -9,17 +9,19 @@ of a request that reached its end (to sample) and prompt rows whose logprobs wer
 
 Sampling, grammar bookkeeping and prompt logprobs are per request: when the batched call
 raises, each row is retried alone and only the rows that still raise are reported in
-``StepOutput.failed``, so one request's failure never takes the batch (or the engine) down.
+``StepOutput.failed`` (as text, so it can cross a process), so one request's failure never takes the batch (or the engine) down.
 """
 
 from __future__ import annotations
 
 import logging
+import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.core.messages import StepOutput, VerifiedTokens
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.model.attention_backend import BatchGroup, StepBatch, StepMetadata
@@ -27,7 +29,7 @@ from tokenmill.model.base import CausalLM
 from tokenmill.model.lora import LoRAStepState
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.sampling.sampler import Sampler, top_logprobs
-from tokenmill.sampling.speculative import VerifiedTokens, verify
+from tokenmill.sampling.speculative import verify
 from tokenmill.structured.bitmask import GrammarMasks
 from tokenmill.worker.compiled_step import CompiledDecodeStep
 from tokenmill.worker.kv_cache import copy_kv_blocks
@@ -60,25 +62,9 @@ class StepInputs:
     and the draft tokens' rows, the draft tokens)."""
 
 
-@dataclass
-class StepOutput:
-    """What the step produced per request."""
-
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, PositionLogprobs | None] = field(default_factory=dict)
-    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs | None]]] = field(
-        default_factory=dict
-    )
-    """request_id -> (position of the first entry, logprobs of the prompt tokens that follow)."""
-    grammar_ended: set[str] = field(default_factory=set)
-    """Requests whose structured-output grammar is complete after this step's token."""
-    failed: dict[str, Exception] = field(default_factory=dict)
-    """request_id -> what raised while sampling or scoring that request alone."""
-    pooled: dict[str, list[float]] = field(default_factory=dict)
-    """Pooling requests whose prompt was completed this step: their pooled vector."""
-    verified: dict[str, VerifiedTokens] = field(default_factory=dict)
-    """Requests that verified speculative tokens: every token kept (``sampled`` holds the
-    first), with the target's logprobs."""
+def failure_text(exc: BaseException) -> str:
+    """What a request's failure crosses to the engine as: its traceback, as text."""
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
 
 
 def _pooled_rows(pooling_type: str, rows: list[int], start: int, is_last: bool) -> list[int]:
@@ -258,7 +244,7 @@ class ModelRunner:
                         self._prompt_logprobs(hidden, request, *entry),
                     )
                 except Exception as exc:  # that request fails alone
-                    out.failed[request.request_id] = exc
+                    out.failed[request.request_id] = failure_text(exc)
         return out
 
     def _sample(
@@ -282,12 +268,12 @@ class ModelRunner:
                     )
                     rows.append((request, alone.token_ids[0], alone.logprobs[0]))
                 except Exception as exc:
-                    out.failed[request.request_id] = exc
+                    out.failed[request.request_id] = failure_text(exc)
         for request, token, lp in rows:
             try:
                 out.grammar_ended |= self.grammar_masks.accept([request], [token])
             except Exception as exc:
-                out.failed[request.request_id] = exc
+                out.failed[request.request_id] = failure_text(exc)
                 continue
             out.sampled[request.request_id] = token
             out.logprobs[request.request_id] = lp
@@ -313,7 +299,7 @@ class ModelRunner:
                 if request.grammar is not None:
                     self._accept_verified(request, verified, out)
             except Exception as exc:
-                out.failed[rid] = exc
+                out.failed[rid] = failure_text(exc)
                 continue
             out.sampled[rid] = verified.token_ids[0]
             out.logprobs[rid] = verified.logprobs[0]

@@ -1,0 +1,392 @@
+"""Worker: one rank's device, threads, dtype, model, KV tensors, compiled step and draft.
+
+The engine never touches these: it reaches a worker through an executor (``executor/``),
+in this process or in another one, with the same calls: ``describe`` (what was resolved),
+``kv_cache_info`` (bytes per token and the memory budget), ``initialize_cache`` (allocate
+the KV tensors the engine's KV manager sized, compile the decode step, load the draft
+model and LoRA slots), ``execute_model`` (one step's diff in, what it produced out) and the
+LoRA calls. Start-up order is vLLM's: load, report memory, allocate what the scheduler side
+decided. Pooling runs in the same runner (``ModelRunner._pool``); fp8 KV scales are set by
+the engine running one fixed prompt through ``execute_model`` before any request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.messages import StepOutput, StepPlan
+from tokenmill.errors import ConfigError
+from tokenmill.lora_request import LoRARequest
+from tokenmill.model.attention import FP8_DTYPES
+from tokenmill.model.base import CausalLM
+from tokenmill.model.config import ModelConfig
+from tokenmill.model.cpu import cpu_info, default_num_threads
+from tokenmill.model.loader import load_model, resolve_dtype
+from tokenmill.model.tensor_parallel import TPShard, shard_config
+from tokenmill.sampling.params import SamplingParams
+from tokenmill.sampling.sampler import Sampler
+from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
+from tokenmill.worker.draft_proposer import DraftProposer
+from tokenmill.worker.kv_cache import allocate_kv_cache, kv_budget_bytes, kv_bytes_per_token
+from tokenmill.worker.lora_manager import LoRAManager
+from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.request_state import RequestStates
+
+logger = logging.getLogger(__name__)
+
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+KV_CACHE_DTYPE_NAMES = {dtype: name for name, dtype in KV_CACHE_DTYPES.items()}
+KV_CACHE_DTYPES["fp8"] = torch.float8_e4m3fn  # vLLM's alias
+
+
+def resolve_model_path(model: str) -> Path:
+    """``demo`` means the built-in demo model; ``demo-draft`` its draft for speculative
+    decoding (built from it on first use)."""
+    if model == "demo":
+        from tokenmill.model.demo import demo_model_path
+
+        return demo_model_path()
+    if model == "demo-draft":
+        from tokenmill.model.demo import demo_draft_path
+
+        return demo_draft_path()
+    return Path(model)
+
+
+def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
+    """``auto`` stores K/V in the model dtype; anything else as named (vLLM's names)."""
+    return model_dtype if requested == "auto" else KV_CACHE_DTYPES[requested]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model_config(config: EngineConfig, model_path: Path) -> ModelConfig:
+    """The model's config (implementation resolved), with the test-only RoPE override."""
+    mc = ModelConfig.from_folder(model_path, config.model_impl)
+    if config.rope_theta_override is not None:
+        mc = replace(mc, rope_theta=config.rope_theta_override)
+    return mc
+
+
+class WorkerInfo(msgspec.Struct):
+    """What a worker resolved at start-up (the engine's resolved config is built from it)."""
+
+    device: str
+    dtype: str
+    kv_cache_dtype: str
+    num_threads: int
+    max_model_len: int
+    model_load_s: float
+
+
+class KVCacheSpec(msgspec.Struct):
+    """What the engine's KV manager decided: the worker allocates exactly this."""
+
+    num_blocks: int
+    block_size: int
+    wants_compiled_decode: bool
+    """The KV strategy decodes through the compiled step (static)."""
+
+
+class CacheInfo(msgspec.Struct):
+    """What allocating the cache, compiling and loading the draft cost on this worker."""
+
+    kv_allocation_s: float
+    kv_cache_bytes: int
+    compile_time_s: float = 0.0
+    compile_s_by_bucket: dict[int, float] = {}
+    compile_cache_by_bucket: dict[int, str] = {}
+
+
+class Worker:
+    """One rank: owns its device, threads, dtype, model, KV tensors and runner."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1) -> None:
+        start = time.monotonic()
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = mc = load_model_config(config, self.model_path)
+        self.device = resolve_device(config.device)
+        self.num_threads = config.num_threads or max(1, default_num_threads() // world_size)
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.num_threads)
+            if rank == 0:
+                logger.info(
+                    "CPU: %s; %d compute threads%s (%s)",
+                    cpu_info().describe(),
+                    self.num_threads,
+                    f" per rank x {world_size} ranks" if world_size > 1 else "",
+                    "--num-threads"
+                    if config.num_threads
+                    else "one per physical core; --num-threads overrides",
+                )
+        self.dtype = resolve_dtype(config.dtype, mc, self.device, config.quantization)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.kv_config = self._kv_config(mc)
+        """The sizes of this rank's KV cache (its share of the KV heads under TP)."""
+        self.model: CausalLM = self._load_model(mc)
+        self.model_load_s = time.monotonic() - start
+        self.states = RequestStates(self._compile_grammar if world_size > 1 else None)
+        self._grammar_compiler: Any = None
+        self._lora_ids_in_use: set[int] = set()
+        self._runner: ModelRunner | None = None
+        self.drafter: DraftProposer | None = None
+        """The draft model (speculative method draft_model); None otherwise."""
+
+    @property
+    def shard(self) -> TPShard | None:
+        """This rank's place in the tensor-parallel group; None without one."""
+        return TPShard(self.rank, self.world_size) if self.world_size > 1 else None
+
+    def _kv_config(self, mc: ModelConfig) -> ModelConfig:
+        shard = self.shard
+        return mc if shard is None else shard_config(mc, shard)
+
+    def _load_model(self, mc: ModelConfig) -> CausalLM:
+        cfg = self.config
+        return load_model(
+            self.model_path,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            mc,
+            quantization=cfg.quantization,
+            group_size=cfg.quantization_group_size,
+            tensor_parallel=self.shard,
+        )
+
+    # ---- start-up ------------------------------------------------------------------
+    def describe(self) -> WorkerInfo:
+        return WorkerInfo(
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            kv_cache_dtype=KV_CACHE_DTYPE_NAMES[self.kv_dtype],
+            num_threads=self.num_threads,
+            max_model_len=self.max_model_len,
+            model_load_s=self.model_load_s,
+        )
+
+    def kv_cache_info(self) -> tuple[int, int]:
+        """(KV bytes one token takes on this rank, the KV memory this rank may use)."""
+        cfg = self.config
+        return (
+            kv_bytes_per_token(self.kv_config, self.kv_dtype),
+            kv_budget_bytes(cfg.kv_cache_memory, cfg.gpu_memory_utilization, self.device),
+        )
+
+    def initialize_cache(self, spec: KVCacheSpec) -> CacheInfo:
+        """Allocate the KV tensors, compile the decode step where it is right to, load the
+        draft model and LoRA slots, build the runner."""
+        start = time.monotonic()
+        cfg = self.config
+        caches = allocate_kv_cache(
+            self.kv_config, spec.num_blocks, spec.block_size, self.kv_dtype, self.device
+        )
+        info = CacheInfo(
+            kv_allocation_s=time.monotonic() - start,
+            kv_cache_bytes=spec.num_blocks
+            * spec.block_size
+            * kv_bytes_per_token(self.kv_config, self.kv_dtype),
+        )
+        compiled = None
+        if (
+            spec.wants_compiled_decode
+            and not cfg.is_pooling  # pooling never decodes
+            and not cfg.enforce_eager
+            and self._can_compile()
+            and self._model_compiles()
+            and self.world_size == 1  # the collectives run eagerly (no compiled all-reduce yet)
+        ):
+            compiled = CompiledDecodeStep(
+                self.model,
+                caches,
+                spec.block_size,
+                max_blocks_per_seq=-(-self.max_model_len // spec.block_size),
+                scratch_block=spec.num_blocks,
+                buckets=list(
+                    cfg.compile_batch_sizes or default_buckets(cfg.max_num_seqs, self.device)
+                ),
+                device=self.device,
+            )
+            info.compile_time_s = compiled.compile_time_s
+            info.compile_s_by_bucket = dict(compiled.compile_s_by_bucket)
+            info.compile_cache_by_bucket = dict(compiled.cache_by_bucket)
+        lora = None
+        if cfg.enable_lora:
+            lora = LoRAManager(
+                self.model_config,
+                cfg.max_loras,
+                cfg.max_cpu_loras or cfg.max_loras,
+                cfg.max_lora_rank,
+                self.dtype,
+                self.device,
+                ids_in_use=lambda: self._lora_ids_in_use | self.states.lora_ids(),
+            )
+            logger.info(
+                "LoRA: %d slot(s) of rank %d (%.1f MiB)",
+                cfg.max_loras,
+                cfg.max_lora_rank,
+                lora.stacks.nbytes / 2**20,
+            )
+        self._runner = ModelRunner(
+            self.model,
+            caches,
+            spec.block_size,
+            Sampler(self.device, cfg.seed),
+            self.device,
+            compiled,
+            lora,
+        )
+        spec_config = cfg.speculative
+        if spec_config is not None and spec_config.method == "draft_model":
+            self.drafter = self._load_draft(spec.num_blocks, spec.block_size)
+        return info
+
+    def _load_draft(self, num_blocks: int, block_size: int) -> DraftProposer:
+        """The draft model, with KV tensors in the target's block layout (model dtype)."""
+        spec = self.config.speculative
+        assert spec is not None and spec.model is not None
+        folder = resolve_model_path(spec.model)
+        try:
+            draft_config = ModelConfig.from_folder(folder)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--speculative-config: draft model {spec.model!r}: {exc}") from None
+        if draft_config.vocab_size != self.model_config.vocab_size:
+            raise ConfigError(
+                f"--speculative-config: the draft's vocabulary ({draft_config.vocab_size}) is not "
+                f"the target's ({self.model_config.vocab_size}): they must share a tokenizer"
+            )
+        model = load_model(folder, self.dtype, self.device, self.max_model_len, draft_config)
+        caches = allocate_kv_cache(draft_config, num_blocks, block_size, self.dtype, self.device)
+        logger.info(
+            "speculative decoding: draft %s (%.1fM params), its KV in the target's blocks (%.2f GiB)",
+            folder,
+            draft_config.num_params / 1e6,
+            sum(k.nbytes + v.nbytes for k, v in caches) / 2**30,
+        )
+        return DraftProposer.build(model, caches, block_size, self.device)
+
+    def _model_compiles(self) -> bool:
+        """False for models whose forward cannot be compiled with fixed shapes (MoE routing,
+        the Transformers fallback)."""
+        if not self.model.supports_compiled_decode:
+            logger.info(
+                "static: %s runs the decode step eagerly (%s)",
+                self.model_config.architecture,
+                self.model.eager_reason,
+            )
+        return self.model.supports_compiled_decode
+
+    def _can_compile(self) -> bool:
+        """False for the one combination whose compiled decode step was seen to be wrong.
+
+        With half-precision activations, int8/int4 weights and an fp8 KV cache together,
+        inductor's decode step produced garbage tokens on AVX2 kernels (seen with ATen and
+        oneDNN held to AVX2 on an AVX-512 machine; each pair of the three compiled fine).
+        That combination runs the static strategy eagerly there, with a warning.
+        """
+        cfg = self.config
+        is_suspect = (
+            self.device.type == "cpu"
+            and cpu_info().isa != "AVX512"
+            and cfg.quantization is not None
+            and self.kv_dtype in FP8_DTYPES
+            and self.dtype != torch.float32
+        )
+        if is_suspect:
+            logger.warning(
+                "static: running the decode step eagerly: %s activations with %s weights and an "
+                "%s KV cache compiled to wrong results on %s kernels",
+                cfg.dtype,
+                cfg.quantization,
+                cfg.kv_cache_dtype,
+                cpu_info().isa,
+            )
+        return not is_suspect
+
+    @property
+    def runner(self) -> ModelRunner:
+        if self._runner is None:
+            raise RuntimeError("the worker's cache is not initialized yet")
+        return self._runner
+
+    # ---- steps ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, plan: StepPlan) -> StepOutput | None:
+        """Apply the diff and run the step (the draft proposes first); rank 0 answers.
+
+        Per-request failures come back as text; only a failure of the whole step raises."""
+        sched = self.states.apply(plan)
+        if self.drafter is not None:  # fills the draft slots the scheduler granted
+            self.drafter.propose(sched)
+        out = self.runner.execute(sched)
+        return out if self.rank == 0 else None
+
+    def debug_stats(self) -> dict[str, Any]:
+        """The model's own counters (MoE tokens per expert)."""
+        return self.model.debug_stats()
+
+    def _compile_grammar(self, params: SamplingParams) -> object:
+        """A grammar that did not cross the process boundary, compiled here (cached)."""
+        from tokenmill.structured.grammar import GrammarCompiler
+        from tokenmill.tokenizer.tokenizer import Tokenizer
+
+        if self._grammar_compiler is None:
+            cfg = self.config
+            tokenizer = Tokenizer.from_pretrained(
+                resolve_model_path(cfg.tokenizer) if cfg.tokenizer else self.model_path
+            )
+            eos = set(self.model_config.eos_token_ids)
+            if tokenizer.eos_token_id is not None:
+                eos.add(tokenizer.eos_token_id)
+            self._grammar_compiler = GrammarCompiler(
+                tokenizer.backend.to_str(), self.model_config.vocab_size, frozenset(eos)
+            )
+        assert params.structured_outputs is not None
+        return self._grammar_compiler.compile(params.structured_outputs)
+
+    # ---- LoRA adapters ---------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest, ids_in_use: set[int]) -> None:
+        """Load an adapter; ``ids_in_use`` (the engine's unfinished requests' adapters) are
+        kept in the CPU cache whatever the LRU says."""
+        manager = self.runner.lora
+        if manager is None:
+            raise RuntimeError("LoRA is not enabled on this worker")
+        self._lora_ids_in_use = set(ids_in_use)
+        manager.add(lora_request)
+
+    def has_lora(self, lora_id: int) -> bool:
+        manager = self.runner.lora
+        return manager is not None and manager.get(lora_id) is not None
+
+    def remove_lora(self, lora_id: int) -> bool:
+        manager = self.runner.lora
+        return manager is not None and bool(manager.remove(lora_id))
+
+    def list_loras(self) -> list[int]:
+        manager = self.runner.lora
+        return manager.ids() if manager is not None else []
+
+    def shutdown(self) -> None:
+        """Nothing to release in-process; a worker process exits after this."""
