@@ -288,7 +288,9 @@ class AsyncLLMEngine:
             self.error = exc
             self.state = EngineState.DEAD
             self._call_on_loop(self._fail_all_streams, "the engine failed")
+            engine.shutdown()  # the ranks still alive exit too (worker processes)
             return
+        engine.shutdown()
         self.state = EngineState.STOPPED
         self._call_on_loop(self._fail_all_streams, "the engine was shut down")
 

@@ -147,7 +147,7 @@ class Worker:
         """The sizes of this rank's KV cache (its share of the KV heads under TP)."""
         self.model: CausalLM = self._load_model(mc)
         self.model_load_s = time.monotonic() - start
-        self.states = RequestStates(self._compile_grammar if world_size > 1 else None)
+        self.states = RequestStates(self._compile_grammar)  # used where no grammar crossed
         self._grammar_compiler: Any = None
         self._lora_ids_in_use: set[int] = set()
         self._runner: ModelRunner | None = None
