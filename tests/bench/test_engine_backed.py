@@ -130,7 +130,7 @@ def test_tokenmill_runs_start_with_an_empty_prefix_cache(make_model) -> None:
         records, _ = backend.run(requests)
         assert all(r.success for r in records)
     assert kv_stats.num_hit_tokens == 0  # the second run found nothing cached from the first
-    from tokenmill.sampling import SamplingParams
+    from tokenmill.core.sampling_params import SamplingParams
 
     backend.llm.generate(
         [r.prompt_token_ids for r in requests], SamplingParams(max_tokens=1), use_tqdm=False

@@ -129,7 +129,7 @@ class TokenmillBackend:
         return None
 
     def run(self, requests: list[BenchRequest]) -> tuple[list[RequestRecord], float]:
-        from tokenmill.sampling import SamplingParams
+        from tokenmill.core.sampling_params import SamplingParams
 
         # Each run starts cold: KV left by warm-ups or earlier rounds would let tokenmill skip
         # prefill that the other backends recompute.

@@ -169,8 +169,8 @@ def run_tokenmill_greedy(
     **engine_kwargs: Any,
 ) -> list[Generation]:
     """tokenmill in-process, all prompts batched, greedy with ignore_eos and the sampled logprob."""
+    from tokenmill.core.sampling_params import SamplingParams
     from tokenmill.entrypoints.llm import LLM
-    from tokenmill.sampling import SamplingParams
 
     llm = LLM(model=model, dtype=dtype, device=device, **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)

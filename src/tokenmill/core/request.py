@@ -11,9 +11,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.outputs import RequestMetrics
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.sampling.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

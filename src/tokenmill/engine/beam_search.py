@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 from tokenmill.core.beam_search import BeamSearch, Continuation, Hypothesis
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.input_processor import ProcessedRequest
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
-from tokenmill.sampling.params import SamplingParams
 from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenmill.tokenizer.tokenizer import Tokenizer
 

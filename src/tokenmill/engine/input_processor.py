@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass
 
 from tokenmill.core.request import Request
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.errors import ContextLengthError, InvalidRequestError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.sampling.params import SamplingParams
 from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler
 from tokenmill.tokenizer.tokenizer import Tokenizer
 

@@ -9,13 +9,13 @@ from typing import Any
 from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.beam_search_params import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from tokenmill.core.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.engine.input_processor import CheckedParams
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from tokenmill.sampling.params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 

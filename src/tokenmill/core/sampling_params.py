@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from tokenmill.core.structured_params import StructuredOutputsParams
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling.structured import StructuredOutputsParams
 
 _INT64_MAX = 2**63 - 1
 _MAX_N = 128
