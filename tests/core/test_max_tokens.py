@@ -12,7 +12,9 @@ from tokenmill.errors import ContextLengthError
 def test_output_room_is_the_context_left_and_refuses_a_prompt_that_fills_it() -> None:
     assert output_room(10, 64, "ctx") == 54
     assert output_room(63, 64, "ctx") == 1
-    with pytest.raises(ContextLengthError, match="^ctx. However, your prompt has 64 tokens, leaving"):
+    with pytest.raises(
+        ContextLengthError, match=r"^ctx\. However, your prompt has 64 tokens, leaving"
+    ):
         output_room(64, 64, "ctx")
 
 

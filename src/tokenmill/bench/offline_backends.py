@@ -79,7 +79,8 @@ def load_transformers_model(model: str, dtype: str, device: torch.device | str) 
     hf_model = AutoModelForCausalLM.from_pretrained(
         str(resolve_model_path(model)), dtype=TORCH_DTYPES[dtype]
     )
-    return hf_model.to(device).eval()
+    # transformers types ``to`` through a decorator whose signature drops ``self``
+    return hf_model.to(device).eval()  # type: ignore[arg-type]
 
 
 class TokenmillBackend:

@@ -289,6 +289,7 @@ def run_verify(
         server_model = first_served_model(server_url, api_key)
     reference = run_transformers_greedy(model, prompts, max_tokens, dtype, device)
     if server_url:
+        assert server_model is not None  # asked for above
         candidate = run_server_greedy(server_url, server_model, prompts, max_tokens, api_key)
         if any(isinstance(t, str) for g in candidate for t in g.token_ids):
             reference = [

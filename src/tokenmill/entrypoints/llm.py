@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -19,6 +19,15 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolingParams
 
 Prompt = str | list[int]
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text, or token ids) or a sequence of them, as a list."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [cast(Prompt, prompts)]
+    return list(cast(Sequence[Prompt], prompts))
 
 
 class LLM:
@@ -48,11 +57,7 @@ class LLM:
         ``lora_request`` runs every prompt with one adapter, or each with its own (None: the
         base model); the engine needs ``enable_lora=True``.
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
