@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_core import DEFAULT_MODEL_DIR, build_model
 
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
-from tokenmill.sampling import SamplingParams
 
 IMPLS = ("native", "transformers")
 

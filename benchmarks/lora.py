@@ -30,9 +30,9 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_core import build_model
 
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.lora_request import LoRARequest
-from tokenmill.sampling import SamplingParams
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.model.moe import SparseMoE
-from tokenmill.sampling import SamplingParams
 
 SHAPES: dict[str, dict[str, Any]] = {
     "full": dict(

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine_core import DEFAULT_MODEL_DIR, MODEL_SHAPE
 
 from tokenmill.entrypoints.llm import LLM
-from tokenmill.sampling import SamplingParams
+from tokenmill.core.sampling_params import SamplingParams
 
 TINY_SHAPE = dict(
     hidden_size=64,

@@ -16,8 +16,8 @@ import pytest
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.executor import WorkerDiedError
 from tokenmill.executor.multiproc import MultiprocExecutor
-from tokenmill.sampling import SamplingParams
-from tokenmill.sampling.structured import StructuredOutputsParams
+from tokenmill.core.sampling_params import SamplingParams
+from tokenmill.core.structured_params import StructuredOutputsParams
 
 
 @pytest.fixture(scope="module")

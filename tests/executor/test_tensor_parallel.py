@@ -19,7 +19,7 @@ from tokenmill.errors import ConfigError
 from tokenmill.executor import WorkerDiedError
 from tokenmill.executor.multiproc import MultiprocExecutor
 from tokenmill.model.config import ModelConfig
-from tokenmill.sampling import SamplingParams
+from tokenmill.core.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 

@@ -24,8 +24,8 @@ import msgspec
 
 from tokenmill.outputs import PositionLogprobs
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.sampling.params import RequestOutputKind, SamplingParams
-from tokenmill.sampling.structured import StructuredOutputsParams
+from tokenmill.core.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.core.structured_params import StructuredOutputsParams
 
 
 class NewRequestData(msgspec.Struct, omit_defaults=True):

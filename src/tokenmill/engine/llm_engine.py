@@ -17,6 +17,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv import KVCacheManager, KVSizing, build_kv_manager
 from tokenmill.core.messages import StepOutput, VerifiedTokens
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.speculative import max_draft_tokens, num_tokens_to_propose, propose_ngram
 from tokenmill.core.stats import EngineStats, StartupCosts
@@ -31,7 +32,6 @@ from tokenmill.model.cpu import cpu_info
 from tokenmill.model.registry import resolve_model_impl
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolerConfig
-from tokenmill.sampling.params import SamplingParams
 from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.worker.model_runner import ModelRunner

@@ -31,7 +31,7 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info, default_num_threads
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.model.tensor_parallel import TPShard, shard_config
-from tokenmill.sampling.params import SamplingParams
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.sampling.sampler import Sampler
 from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
 from tokenmill.worker.draft_proposer import DraftProposer
