@@ -31,8 +31,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_core import DEFAULT_MODEL_DIR, MODEL_SHAPE
 
-from tokenmill.entrypoints.llm import LLM
 from tokenmill.core.sampling_params import SamplingParams
+from tokenmill.entrypoints.llm import LLM
 
 TINY_SHAPE = dict(
     hidden_size=64,

@@ -16,9 +16,9 @@ from tokenmill.core.kv.paged import PagedKVManager
 from tokenmill.core.kv.static import StaticKVManager
 from tokenmill.core.messages import decode_plan, encode
 from tokenmill.core.request import Request
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.step_plan import StepPlanBuilder
-from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.worker.request_state import RequestStates
 
 BS = 4

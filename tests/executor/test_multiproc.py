@@ -13,11 +13,11 @@ import signal
 
 import pytest
 
+from tokenmill.core.sampling_params import SamplingParams
+from tokenmill.core.structured_params import StructuredOutputsParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.executor import WorkerDiedError
 from tokenmill.executor.multiproc import MultiprocExecutor
-from tokenmill.core.sampling_params import SamplingParams
-from tokenmill.core.structured_params import StructuredOutputsParams
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,12 @@ import signal
 
 import pytest
 
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import ConfigError
 from tokenmill.executor import WorkerDiedError
 from tokenmill.executor.multiproc import MultiprocExecutor
 from tokenmill.model.config import ModelConfig
-from tokenmill.core.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 

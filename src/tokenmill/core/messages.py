@@ -22,10 +22,10 @@ from typing import Any
 
 import msgspec
 
-from tokenmill.outputs import PositionLogprobs
-from tokenmill.pooling_params import PoolingParams
 from tokenmill.core.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.core.structured_params import StructuredOutputsParams
+from tokenmill.outputs import PositionLogprobs
+from tokenmill.pooling_params import PoolingParams
 
 
 class NewRequestData(msgspec.Struct, omit_defaults=True):

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from tokenmill.core.messages import NewRequestData, StepPlan, params_from_wire, pooling_from_wire
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.core.sampling_params import SamplingParams
+from tokenmill.core.scheduler import SchedulerOutput
 
 
 class RequestStates:

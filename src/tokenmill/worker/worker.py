@@ -23,6 +23,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import StepOutput, StepPlan
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.errors import ConfigError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.model.attention import FP8_DTYPES
@@ -31,7 +32,6 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info, default_num_threads
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.model.tensor_parallel import TPShard, shard_config
-from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.sampling.sampler import Sampler
 from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
 from tokenmill.worker.draft_proposer import DraftProposer
