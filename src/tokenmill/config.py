@@ -31,7 +31,6 @@ KV_CACHE_DTYPES: tuple[str, ...] = (
 )
 INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 SchedulingPolicy = Literal["fcfs", "priority"]
-ExecutorBackend = Literal["uni", "mp"]
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors")
 PICKLE_LOAD_FORMATS: tuple[str, ...] = ("pt", "npcache")
 """vLLM's load formats that unpickle: refused, since loading them can run code."""
@@ -125,7 +124,7 @@ class EngineConfig:
     """Speculative decoding, vLLM's JSON: '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}' (prompt lookup), or '{"model": DRAFT_DIR, "num_speculative_tokens": 3}' (a draft model with the same tokenizer; demo-draft for the demo); "disable_by_batch_size" (default 8) turns it off above that many running requests."""
     tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",)})
     """Ranks the model is split across (one worker process each; torch.distributed: gloo on CPU, NCCL on CUDA)."""
-    distributed_executor_backend: ExecutorBackend | None = None
+    distributed_executor_backend: str | None = None
     """How workers run: uni (in the engine's process) or mp (one process per rank); default: uni at tensor-parallel size 1, else mp."""
     rope_theta_override: float | None = None
     """Test-only: replace the model's RoPE base to make the engine diverge on purpose."""

@@ -127,12 +127,12 @@ def test_every_vllm_flag_parses_and_is_implemented_ignored_or_refused() -> None:
 def test_refused_flags_pass_with_vllms_default_and_stop_the_start_otherwise(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    check_vllm_compat_args(build_parser().parse_args(["serve", "--tensor-parallel-size", "1"]))
+    check_vllm_compat_args(build_parser().parse_args(["serve", "--pipeline-parallel-size", "1"]))
     check_vllm_compat_args(build_parser().parse_args(["serve", "-pp", "1", "--no-enable-dbo"]))
-    assert main(["serve", "-tp", "2"]) == 2
+    assert main(["serve", "-pp", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        "tokenmill: error: --tensor-parallel-size is not supported: tokenmill runs one engine "
+        "tokenmill: error: --pipeline-parallel-size is not supported: tokenmill runs one engine "
         "process on one device: no tensor, pipeline, data, context or expert parallelism"
     ]
 
@@ -212,4 +212,4 @@ def test_docs_vllm_compat_md_is_generated_and_up_to_date() -> None:
         "docs/vllm_compat.md is stale: run "
         "`PYTHONPATH=src python -m tokenmill.entrypoints.vllm_compat > docs/vllm_compat.md`"
     )
-    assert "| `--tensor-parallel-size`, `-tp` | refused |" in text
+    assert "| `--tensor-parallel-size`, `-tp` | implemented |" in text

@@ -160,6 +160,11 @@ _FLAGS: dict[str, tuple[Status, str]] = {
     "--code-revision": ("ignored", _NO_HUB),
     "--tokenizer-revision": ("ignored", _NO_HUB),
     "--max-model-len": ("implemented", ""),
+    "--tensor-parallel-size": (
+        "implemented",
+        "one worker process per rank (gloo on CPU, NCCL on CUDA)",
+    ),
+    "--distributed-executor-backend": ("implemented", "uni or mp (ray is not built)"),
     "--quantization": ("implemented", "int8, int4 (weight-only, applied at load)"),
     "--quantization-config": ("refused", "quantization is chosen by --quantization"),
     "--allow-deprecated-quantization": ("ignored", "no deprecated quantization methods"),
