@@ -7,11 +7,9 @@ request state update -> output processor -> RequestOutputs. Everything a caller 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv import KVCacheManager, KVSizing, build_kv_manager
@@ -24,11 +22,11 @@ from tokenmill.core.stats import EngineStats, StartupCosts
 from tokenmill.engine.beam_search import BeamLimits, BeamSearchCoordinator
 from tokenmill.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.startup import generation_eos_ids, initial_stats, log_ready
 from tokenmill.engine.step_plan import StepPlanBuilder
 from tokenmill.errors import ConfigError, InvalidRequestError, RequestFailedError
 from tokenmill.executor import Executor, build_executor, check_tensor_parallel
 from tokenmill.lora_request import LoRARequest
-from tokenmill.model.cpu import cpu_info
 from tokenmill.model.registry import resolve_model_impl
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolerConfig
@@ -55,20 +53,6 @@ __all__ = [
     "resolve_kv_cache_dtype",
     "resolve_model_path",
 ]
-
-
-def _generation_eos_ids(folder: Path) -> set[int]:
-    path = folder / "generation_config.json"
-    if not path.is_file():
-        return set()
-    try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
-    except (OSError, json.JSONDecodeError):
-        logger.warning("ignoring unreadable %s", path)
-        return set()
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, list) else {int(eos)}
 
 
 class LLMEngine:
@@ -116,7 +100,7 @@ class LLMEngine:
         self.dtype = KV_CACHE_DTYPES[info.dtype]
         self.kv_dtype = KV_CACHE_DTYPES[info.kv_cache_dtype]
         self.max_model_len: int = info.max_model_len
-        eos = set(mc.eos_token_ids) | _generation_eos_ids(self.model_path)
+        eos = set(mc.eos_token_ids) | generation_eos_ids(self.model_path)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
@@ -149,6 +133,10 @@ class LLMEngine:
             result_type=CacheInfo,
         )[0]
         self.kv_cache_bytes = cache.kv_cache_bytes
+        if cache.eager_reason is not None:
+            logger.info(
+                "static: %s runs the decode step eagerly (%s)", mc.architecture, cache.eager_reason
+            )
         self.startup.kv_allocation_s = time.monotonic() - kv_start - cache.compile_time_s
         self.plan_builder = StepPlanBuilder(in_process=self.executor.is_in_process)
         step_budget = config.max_num_batched_tokens
@@ -208,57 +196,14 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching,
             ),
         )
-        is_cpu = self.device.type == "cpu"
-        self._counters = EngineStats(
-            compile_time_s=cache.compile_time_s,
-            kv_capacity_tokens=self.kv_manager.num_blocks * self.kv_manager.block_size,
-            precision={
-                "dtype": config.dtype,
-                "quantization": config.quantization or "none",
-                "kv_cache_dtype": config.kv_cache_dtype,
-                "num_threads": str(config.num_threads) if is_cpu else "n/a",
-                "cpu_isa": cpu_info().isa if is_cpu else "n/a",
-            },
-            cache_config={  # vLLM's CacheConfig names
-                "block_size": str(self.kv_manager.block_size),
-                "cache_dtype": config.kv_cache_dtype,
-                "enable_prefix_caching": str(config.enable_prefix_caching),
-                "gpu_memory_utilization": str(config.gpu_memory_utilization),
-                "num_gpu_blocks": str(self.kv_manager.num_blocks),
-                "num_cpu_blocks": "None",
-                "prefix_caching_hash_algo": "sha256",
-                "kv_cache": config.kv_cache,
-            },
-        )
+        self._counters = initial_stats(config, self.kv_manager, cache.compile_time_s)
         self.startup.compile_s_by_bucket = dict(cache.compile_s_by_bucket)
         self.startup.compile_cache_by_bucket = dict(cache.compile_cache_by_bucket)
         if config.kv_cache_dtype.startswith("fp8"):
             self._calibrate_kv_scales()
         self.startup_time_s = time.monotonic() - start
         self.startup.total_s = self.startup_time_s
-        logger.info(
-            "loaded %s (%s, %.1fM params) on %s in %s%s; KV (%s): %d tokens in %d blocks of %d (%.2f GiB); ready in %.1fs",
-            self.model_path,
-            mc.architecture,
-            mc.num_params / 1e6,
-            self.device,
-            config.dtype,
-            f", {config.quantization} weights" if config.quantization else "",
-            config.kv_cache_dtype,
-            self.kv_manager.num_blocks * self.kv_manager.block_size,
-            self.kv_manager.num_blocks,
-            self.kv_manager.block_size,
-            self.kv_cache_bytes / 2**30,
-            self.startup_time_s,
-        )
-        logger.info(
-            "start-up costs: model load %.2fs, KV allocation %.2fs, compile %.2fs (%d buckets, cache %s)",
-            self.startup.model_load_s,
-            self.startup.kv_allocation_s,
-            self.startup.compile_s,
-            len(self.startup.compile_s_by_bucket),
-            self.startup.compile_cache,
-        )
+        log_ready(config, mc, self.model_path, self.kv_manager, self.kv_cache_bytes, self.startup)
 
     # ---- construction ------------------------------------------------------------------
     def _build_kv_manager(self) -> KVCacheManager:

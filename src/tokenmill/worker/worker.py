@@ -114,6 +114,9 @@ class CacheInfo(msgspec.Struct):
     compile_time_s: float = 0.0
     compile_s_by_bucket: dict[int, float] = {}
     compile_cache_by_bucket: dict[int, str] = {}
+    eager_reason: str | None = None
+    """Why the static strategy's decode step runs eagerly (the model's forward cannot be
+    compiled with fixed shapes); the engine logs it."""
 
 
 class Worker:
@@ -215,7 +218,7 @@ class Worker:
             and not cfg.is_pooling  # pooling never decodes
             and not cfg.enforce_eager
             and self._can_compile()
-            and self._model_compiles()
+            and self._model_compiles(info)
             and self.world_size == 1  # the collectives run eagerly (no compiled all-reduce yet)
         ):
             compiled = CompiledDecodeStep(
@@ -287,15 +290,11 @@ class Worker:
         )
         return DraftProposer.build(model, caches, block_size, self.device)
 
-    def _model_compiles(self) -> bool:
+    def _model_compiles(self, info: CacheInfo) -> bool:
         """False for models whose forward cannot be compiled with fixed shapes (MoE routing,
-        the Transformers fallback)."""
+        the Transformers fallback); the reason goes back in ``info``."""
         if not self.model.supports_compiled_decode:
-            logger.info(
-                "static: %s runs the decode step eagerly (%s)",
-                self.model_config.architecture,
-                self.model.eager_reason,
-            )
+            info.eager_reason = self.model.eager_reason
         return self.model.supports_compiled_decode
 
     def _can_compile(self) -> bool:
