@@ -31,6 +31,11 @@ def test_killed_rank_makes_health_503_and_the_server_exit_1(make_model) -> None:
     served = serve_in_process(engine, ServerConfig(max_num_seqs=4), config)
     served.server.dead_engine_grace_s = 5.0
     try:
+        deadline = time.monotonic() + 4 * WAIT_S  # two ranks spawn and load first
+        while not engine.is_ready:
+            assert engine.state is not EngineState.DEAD, engine.error
+            assert time.monotonic() < deadline, "the ranks never became ready"
+            time.sleep(0.1)
         wait_healthy(served.base_url)
         body = {"prompt": [5, 6, 7], "max_tokens": 3}
         ok = httpx.post(f"{served.base_url}/v1/completions", json=body, timeout=WAIT_S)
@@ -50,4 +55,4 @@ def test_killed_rank_makes_health_503_and_the_server_exit_1(make_model) -> None:
         assert served.server.exit_code == 1
     finally:
         served.stop()
-        engine.engine.shutdown()
+        engine.shutdown()  # its loop's end stops the ranks still alive
