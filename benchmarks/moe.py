@@ -166,6 +166,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--model-dir", type=Path, default=Path(".cache/bench/moe"))
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="an existing MoE folder to run (e.g. wave3_peers.py's); default: built from "
+        "--shape as --model-dir-SHAPE",
+    )
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
@@ -179,13 +186,13 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    folder = build_model(
+    folder = args.model or build_model(
         args.model_dir.with_name(f"{args.model_dir.name}-{args.shape}"), SHAPES[args.shape]
     )
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     result: dict[str, Any] = {
-        "shape": args.shape,
+        "shape": args.shape if args.model is None else str(args.model),
         "dtype": args.dtype,
         "threads": args.num_threads,
         "workload": {"prompt_len": args.prompt_len, "max_tokens": args.max_tokens},
