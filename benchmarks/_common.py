@@ -268,7 +268,10 @@ def bench_serve(
         *(["--tokenizer", str(tokenizer)] if tokenizer else []),
         *extra,
     )
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=env)
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.decode(errors="replace").splitlines()[-10:])
+        raise RuntimeError(f"bench serve exited with {done.returncode}:\n{tail}")
     result: dict[str, Any] = json.loads(out.read_text())
     return result
 
