@@ -133,7 +133,9 @@ class Context:
 # ---------------------------------------------------------------- servers
 
 
-def tokenmill_serve(ctx: Context, model: Path, flags: list[str], max_model_len: int) -> list[str]:
+def tokenmill_serve(
+    ctx: Context, model: Path, flags: list[str], max_model_len: int, max_num_seqs: int = 32
+) -> list[str]:
     return tokenmill_command(
         "serve",
         str(model),
@@ -142,7 +144,7 @@ def tokenmill_serve(ctx: Context, model: Path, flags: list[str], max_model_len: 
         "--max-model-len",
         str(max_model_len),
         "--max-num-seqs",
-        "32",
+        str(max_num_seqs),
         "--kv-cache-memory",
         "1GiB",
         "--num-threads",
@@ -152,11 +154,20 @@ def tokenmill_serve(ctx: Context, model: Path, flags: list[str], max_model_len: 
     )
 
 
-def vllm_serve(ctx: Context, model: Path, max_model_len: int) -> tuple[list[str], dict[str, str]]:
-    """``vllm-cpu.sh serve``: bf16, every core computing (VLLM_CPU_OMP_THREADS_BIND=0-N,
-    no core reserved for the front end), 16 sequences, 1 GiB KV."""
-    env = {**os.environ, "MAX_MODEL_LEN": str(max_model_len), "MAX_NUM_SEQS": "16"}
-    return ["bash", str(peers_dir() / "vllm-cpu.sh"), "serve", str(model), str(ctx.args.port)], env
+def vllm_serve(ctx: Context, model: Path, max_model_len: int) -> list[str]:
+    """``vllm-cpu.sh serve``: bf16, every core computing (VLLM_CPU_OMP_THREADS_BIND=0-N and
+    VLLM_CPU_NUM_OF_RESERVED_CPU=0: by default vLLM keeps one core for its front end and
+    computes on the rest), 16 sequences, 1 GiB KV."""
+    return [
+        "env",
+        f"MAX_MODEL_LEN={max_model_len}",
+        "MAX_NUM_SEQS=16",
+        "bash",
+        str(peers_dir() / "vllm-cpu.sh"),
+        "serve",
+        str(model),
+        str(ctx.args.port),
+    ]
 
 
 def llama_serve(ctx: Context, gguf: Path, slots: int) -> list[str]:
@@ -306,11 +317,16 @@ def step_prepare(ctx: Context) -> dict[str, Any]:
 
 
 def dense_server_step(
-    flags: list[str], workloads: list[str], *, ref: bool = False, max_model_len: int = 2048
+    flags: list[str],
+    workloads: list[str],
+    *,
+    ref: bool = False,
+    max_model_len: int = 2048,
+    max_num_seqs: int = 32,
 ) -> Callable[[Context], dict[str, Any]]:
     def run(ctx: Context) -> dict[str, Any]:
         name = ctx.current
-        command = tokenmill_serve(ctx, ctx.dense, flags, max_model_len)
+        command = tokenmill_serve(ctx, ctx.dense, flags, max_model_len, max_num_seqs)
         if ref:  # the older tree's tokenmill, with this interpreter and its packages
             command = ["env", f"PYTHONPATH={ctx.ref_src}", *command]
         result = serve_and_bench(ctx, name, command, workloads, tokenizer=ctx.dense)
@@ -323,9 +339,9 @@ def dense_server_step(
 
 
 def step_vllm_dense(ctx: Context) -> dict[str, Any]:
-    command, env = vllm_serve(ctx, ctx.dense, 2048)
+    command = vllm_serve(ctx, ctx.dense, 2048)
     return serve_and_bench(
-        ctx, "a-vllm-bf16", command, ["single", "many", "long"], tokenizer=ctx.dense, env=env
+        ctx, "a-vllm-bf16", command, ["single", "many", "long"], tokenizer=ctx.dense
     )
 
 
@@ -384,9 +400,8 @@ def step_moe_tm(ctx: Context) -> dict[str, Any]:
 
 
 def step_moe_vllm(ctx: Context) -> dict[str, Any]:
-    command, env = vllm_serve(ctx, ctx.moe, 1024)
     return serve_and_bench(
-        ctx, "b-moe-vllm", command, ["moe1", "moe16"], tokenizer=ctx.moe, env=env
+        ctx, "b-moe-vllm", vllm_serve(ctx, ctx.moe, 1024), ["moe1", "moe16"], tokenizer=ctx.moe
     )
 
 
@@ -412,9 +427,10 @@ STEPS: list[Step] = [
         "A",
         3,
         dense_server_step(
-            ["--dtype", "bfloat16", "--kv-cache", "static", "--max-num-seqs", "16"],
+            ["--dtype", "bfloat16", "--kv-cache", "static"],
             ["single", "many"],
             max_model_len=512,
+            max_num_seqs=16,
         ),
         "tokenmill bf16, static KV (compiled decode step)",
     ),
@@ -486,6 +502,7 @@ def ratio(a: float | None, b: float | None) -> str:
 
 def render_report(ctx: Context) -> str:
     wl = ctx.workloads
+    n = wl["many"].concurrency
     prep = load(ctx, "prepare") or {}
     lines = [
         f"Run of `benchmarks/wave3_peers.py` in {ctx.out} — report written "
@@ -509,6 +526,8 @@ def render_report(ctx: Context) -> str:
                 f"- {step.name}: {data.get('_started', '?')} → {data.get('_ended', '?')}, "
                 f"{data.get('_wall_s', '?')} s, {status}"
             )
+    walls = [d["_wall_s"] for st in STEPS if (d := load(ctx, st.name)) and "_wall_s" in d]
+    lines.append(f"- steps' wall time in all: {sum(walls) / 60:.1f} min")
     lines += ["", "### Issue 20: the 250M Llama, every server on the same cores", ""]
     lines.append(
         f"single = {wl['single'].describe()}, many = {wl['many'].describe()}, long = "
@@ -517,7 +536,7 @@ def render_report(ctx: Context) -> str:
     )
     lines += [
         "",
-        "| server, precision | 16 streams tok/s | 16-stream TTFT mean ms | 1-stream TPOT ms "
+        f"| server, precision | {n} streams tok/s | {n}-stream TTFT mean ms | 1-stream TPOT ms "
         "| long tok/s | long TTFT mean ms | long TPOT ms | peak RSS GiB |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -565,10 +584,10 @@ def render_report(ctx: Context) -> str:
         "",
         "| target | tokenmill | peer | ratio |",
         "|---|---|---|---|",
-        f"| 16 streams bf16 tok/s ≥ 1.2x vLLM | {fmt(m(bf16, 'many', 'output_throughput'))} "
+        f"| {n} streams bf16 tok/s ≥ 1.2x vLLM | {fmt(m(bf16, 'many', 'output_throughput'))} "
         f"| {fmt(m(vllm, 'many', 'output_throughput'))} "
         f"| {ratio(m(bf16, 'many', 'output_throughput'), m(vllm, 'many', 'output_throughput'))} |",
-        f"| 16-stream TTFT mean ≤ vLLM's (ms) | {fmt(m(bf16, 'many', 'mean_ttft_ms'), 0)} "
+        f"| {n}-stream TTFT mean ≤ vLLM's (ms) | {fmt(m(bf16, 'many', 'mean_ttft_ms'), 0)} "
         f"| {fmt(m(vllm, 'many', 'mean_ttft_ms'), 0)} "
         f"| {inv(m(bf16, 'many', 'mean_ttft_ms'), m(vllm, 'many', 'mean_ttft_ms'))} |",
         f"| long tok/s ≥ 1.2x vLLM | {fmt(m(bf16, 'long', 'output_throughput'))} "
@@ -593,7 +612,7 @@ def render_report(ctx: Context) -> str:
     for label, ours in (("int8", int8), ("int4", int4)):
         a, b = m(ours, "many", "output_throughput"), m(bf16, "many", "output_throughput")
         lines.append(
-            f"| 16 streams {label} ≥ bf16 (tok/s) | {fmt(a)} | {fmt(b)} (bf16) | {ratio(a, b)} |"
+            f"| {n} streams {label} ≥ bf16 (tok/s) | {fmt(a)} | {fmt(b)} (bf16) | {ratio(a, b)} |"
         )
     a, b = m(static, "single", "mean_tpot_ms"), m(bf16, "single", "mean_tpot_ms")
     lines.append(
@@ -674,7 +693,15 @@ def render_report(ctx: Context) -> str:
         d = load(ctx, name)
         if d is not None and "error" in d:
             lines.append(f"\n{name} failed: `{d['error']}`\n\n```\n{d.get('log_tail', '')}\n```")
-    lines += ["", "**Commands** (as run, in order):", "", "```bash"]
+    lines += [
+        "",
+        "**Commands** (this script's invocations, then each server as run):",
+        "",
+        "```bash",
+    ]
+    invocations = ctx.out / "invocations.txt"
+    if invocations.is_file():
+        lines += [f"# {line}" for line in invocations.read_text().splitlines()]
     for step in STEPS:
         d = load(ctx, step.name)
         if d and d.get("command"):
@@ -812,6 +839,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TOKENMILL_BENCH_DENSE"):
         ctx.dense = Path(os.environ["TOKENMILL_BENCH_DENSE"])
     ctx.out.mkdir(parents=True, exist_ok=True)
+    with (ctx.out / "invocations.txt").open("a") as f:
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        f.write(f"{stamp}  cd {Path.cwd()} && {shlex.join([sys.executable, *sys.argv])}\n")
     if args.ref:
         ctx.ref_src = ref_worktree(args.ref)
     todo = [
