@@ -549,7 +549,7 @@ def render_report(ctx: Context) -> str:
         ("llama.cpp Q8_0", "a-llama-q8_0"),
         ("tokenmill int4 (dtype auto)", "a-tm-int4"),
         ("llama.cpp Q4_0", "a-llama-q4_0"),
-        (f"tokenmill bf16 at {ctx.args.ref}", "a-ref-bf16"),
+        (f"tokenmill bf16 at {(load(ctx, 'a-ref-bf16') or {}).get('ref')}", "a-ref-bf16"),
     ]
     for label, name in rows:
         d = load(ctx, name)
@@ -624,7 +624,7 @@ def render_report(ctx: Context) -> str:
     if ref is not None:
         lines += [
             f"**No regression on the dense 250M** (same run: tokenmill bf16 paged at HEAD against "
-            f"the same server from a worktree of `{ctx.args.ref}` = {ref.get('ref_commit', '?')[:10]}):",
+            f"the same server from a worktree of `{ref.get('ref')}` = {ref.get('ref_commit', '?')[:10]}):",
             "",
             "| workload | HEAD tok/s | ref tok/s | HEAD / ref | HEAD TPOT ms | ref TPOT ms |",
             "|---|---|---|---|---|---|",
