@@ -62,14 +62,16 @@ from _common import (
 HERE = Path(__file__).resolve().parent
 THREADS = os.cpu_count() or 1
 
-LLAMA_TINY_SHAPE = dict(  # smoke tests only; head_dim 64 and multiples of 64 for the peers
-    hidden_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=512,
-    vocab_size=32000,
-    max_position_embeddings=2048,
+LLAMA_TINY_SHAPE: dict[str, Any] = (
+    dict(  # smoke tests only; head_dim 64 and multiples of 64 for the peers
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+    )
 )
 
 
