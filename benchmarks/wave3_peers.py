@@ -416,7 +416,7 @@ def step_report(ctx: Context) -> dict[str, Any]:
 
 STEPS: list[Step] = [
     Step("prepare", "prepare", 4, step_prepare, "models, GGUF, kernels, --ref worktree"),
-    Step("a-vllm-bf16", "A", 5, step_vllm_dense, "vLLM CPU bf16, every core"),
+    Step("a-vllm-bf16", "A", 4, step_vllm_dense, "vLLM CPU bf16, every core"),
     Step(
         "a-tm-bf16",
         "A",
@@ -471,7 +471,7 @@ STEPS: list[Step] = [
     ),
     Step("b-moe-offline", "B", 4, step_moe_offline, "MoE offline: tokenmill shares, Transformers"),
     Step("b-moe-tm", "B", 2, step_moe_tm, "MoE served by tokenmill bf16"),
-    Step("b-moe-vllm", "B", 4, step_moe_vllm, "MoE served by vLLM CPU bf16"),
+    Step("b-moe-vllm", "B", 3.5, step_moe_vllm, "MoE served by vLLM CPU bf16"),
     Step("report", "report", 0, step_report, "markdown tables"),
 ]
 
