@@ -24,7 +24,7 @@ run: setup
 test: lint
 	$(PY) -m pytest
 
-# ruff (lint and format) and mypy (core, engine, worker, entrypoints: see pyproject.toml).
+# ruff (lint and format) and mypy (every package of src/tokenmill: see pyproject.toml).
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks

@@ -279,7 +279,7 @@ def bench_serve(
 def warm_up(llm: LLM, num_requests: int = 1, **generate_kwargs: Any) -> None:
     """Short requests (8 -> 2 tokens), so the first measured batch does not pay for
     first-call setup (e.g. LoRA adapters loaded into their slots: one request per adapter)."""
-    from tokenmill.sampling import SamplingParams
+    from tokenmill.core.sampling_params import SamplingParams
 
     prompts = [[5 + i] * 8 for i in range(num_requests)]
     llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False, **generate_kwargs)
@@ -295,7 +295,7 @@ def timed_batch(
 ) -> tuple[dict[str, float], list[list[int]]]:
     """``num_requests`` random prompts submitted at once, greedy, EOS ignored: output tok/s,
     wall seconds, and each request's tokens."""
-    from tokenmill.sampling import SamplingParams
+    from tokenmill.core.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     vocab = llm.engine.model_config.vocab_size

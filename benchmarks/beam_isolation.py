@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.sampling import SamplingParams
 
 
 @dataclass

@@ -131,8 +131,8 @@ def kv_waste_after_prefill(
     model: str, requests: list[BenchRequest], engine_kwargs: dict[str, Any]
 ) -> dict[str, dict]:
     """Reserved-but-unused KV token slots over reserved, when the last prompt is prefilled."""
+    from tokenmill.core.sampling_params import SamplingParams
     from tokenmill.entrypoints.llm import LLM
-    from tokenmill.sampling import SamplingParams
 
     out = {}
     for kind in ("paged", "static"):

@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.core.structured_params import StructuredOutputsParams
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.entrypoints.openai.state import new_grammar_pool
-from tokenmill.sampling import SamplingParams
-from tokenmill.sampling.params import RequestOutputKind
-from tokenmill.sampling.structured import StructuredOutputsParams
 
 
 def big_schema(seed: int, size: int) -> dict[str, Any]:

@@ -179,8 +179,8 @@ def profile_decode_step(model_dir: Path, kv_cache: str, context: int, steps: int
     Kernels off means the layers' torch code for norms, SiLU, RoPE and attention (bf16
     projections run on oneDNN either way)."""
     from tokenmill.config import EngineConfig
+    from tokenmill.core.sampling_params import SamplingParams
     from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.sampling import SamplingParams
 
     rows = []
     for use in (False, True):

@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.model.demo import DEMO_CORPUS
-from tokenmill.sampling import SamplingParams
 
 
 def copy_prompts(num: int, lines_per_prompt: int = 2) -> list[str]:

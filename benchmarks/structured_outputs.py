@@ -61,7 +61,7 @@ def measure_compile(repeats: int = 5) -> dict[str, Any]:
     import llguidance
     import llguidance.torch as llg_torch
 
-    from tokenmill.sampling.structured import StructuredOutputsParams
+    from tokenmill.core.structured_params import StructuredOutputsParams
     from tokenmill.structured.grammar import GrammarCompiler
 
     text = _demo_tokenizer_json()

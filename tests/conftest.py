@@ -19,7 +19,19 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault(
+    "TOKENMILL_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "tokenmill")
+)
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the CPU kernels once before any test, so no server test spends its start-up
+    wait compiling them (a fresh clone on a busy machine took longer than the 60 s wait)."""
+    from tokenmill.kernels import build
+
+    build.load()
+
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 DENSE_FAMILIES = ["llama_bias", "olmo2", "phi3", "gemma2", "gemma3"]

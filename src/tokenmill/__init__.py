@@ -25,7 +25,7 @@ _LAZY = {
     "LoRARequest": "tokenmill.lora_request",
     "CompletionOutput": "tokenmill.outputs",
     "RequestOutput": "tokenmill.outputs",
-    "SamplingParams": "tokenmill.sampling.params",
+    "SamplingParams": "tokenmill.core.sampling_params",
 }
 
 

@@ -125,16 +125,16 @@ def test_tokenmill_runs_start_with_an_empty_prefix_cache(make_model) -> None:
     requests = build_random_requests(
         2, input_len=40, output_len=2, seed=0, tokenizer=load_tokenizer(folder)
     )
-    kv_stats = backend.llm.engine.kv_manager.stats
+    kv_stats = backend.engine.kv_manager.stats
     for _ in range(2):
         records, _ = backend.run(requests)
         assert all(r.success for r in records)
     assert kv_stats.num_hit_tokens == 0  # the second run found nothing cached from the first
-    from tokenmill.sampling import SamplingParams
+    from tokenmill.core.sampling_params import SamplingParams
+    from tokenmill.engine import batch
 
-    backend.llm.generate(
-        [r.prompt_token_ids for r in requests], SamplingParams(max_tokens=1), use_tqdm=False
-    )
+    prompts = [r.prompt_token_ids for r in requests]
+    batch.generate(backend.engine, ["a", "b"], prompts, [SamplingParams(max_tokens=1)] * 2)
     assert kv_stats.num_hit_tokens > 0  # without the reset these prompts do hit
     backend.close()
 

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from tokenmill.core.kv.paged import PagedKVManager
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.sampling import SamplingParams
 
 BS = 4
 

@@ -14,6 +14,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv.paged import PagedKVManager
 from tokenmill.core.kv.static import StaticKVManager
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.speculative import (
     SpeculativeConfig,
@@ -23,7 +24,6 @@ from tokenmill.core.speculative import (
     propose_ngram,
 )
 from tokenmill.errors import ConfigError
-from tokenmill.sampling import SamplingParams
 
 BS = 4
 

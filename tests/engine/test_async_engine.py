@@ -10,12 +10,12 @@ import pytest
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv.base import KVCacheStats
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.stats import EngineStats
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineState
 from tokenmill.engine.input_processor import ProcessedRequest
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenmill.sampling.params import SamplingParams
 
 
 class FakeEngine:

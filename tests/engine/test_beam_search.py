@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tokenmill.core.beam_search_params import BeamSearchParams
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling import SamplingParams
-from tokenmill.sampling.beam_search import BeamSearchParams
 
 MAX_NEW = 12
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import RequestFailedError
-from tokenmill.sampling import SamplingParams
 from tokenmill.sampling.sampler import Sampler
 
 BAD_SEED = 666

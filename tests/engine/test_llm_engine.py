@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import ContextLengthError, InvalidRequestError
-from tokenmill.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +336,7 @@ def _outputs_by_kind(
 
 
 def test_delta_and_final_only_outputs_add_up_to_the_cumulative_ones(folder) -> None:
-    from tokenmill.sampling import RequestOutputKind
+    from tokenmill.core.sampling_params import RequestOutputKind
 
     prompts = _prompts(4, seed=8)
     # Sampled n=2 with logprobs, prompt logprobs and a stop string that holds text back.

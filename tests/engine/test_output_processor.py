@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.conftest import FAMILIES, random_prompts
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
-from tokenmill.sampling import SamplingParams
 
 MAX_NEW = 10
 LOGPROB_ATOL = 1e-4  # fp32: different matmul shapes and op order than transformers

@@ -15,8 +15,8 @@ import random
 import pytest
 
 from tests.conftest import DENSE_FAMILIES, MOE_FAMILIES, random_prompts
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
-from tokenmill.sampling import SamplingParams
 
 ALL = DENSE_FAMILIES + MOE_FAMILIES
 MAX_NEW = 10

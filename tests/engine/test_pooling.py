@@ -213,8 +213,8 @@ def test_an_input_may_fill_the_context_but_not_exceed_it(make_model) -> None:
 
 def test_pooling_requests_are_batched_into_one_step(make_model) -> None:
     """32 inputs that fit the step's token budget are prefilled and pooled by one engine step."""
+    from tokenmill.core.sampling_params import SamplingParams
     from tokenmill.engine.input_processor import CheckedParams
-    from tokenmill.sampling.params import SamplingParams
 
     llm = LLM(str(make_model("qwen3")), dtype="float32", max_model_len=64, runner="pooling")
     engine = llm.engine

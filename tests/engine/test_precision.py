@@ -16,12 +16,12 @@ import torch
 from tests.conftest import FAMILIES, hf_greedy
 from tokenmill.bench.verify import run_precision_check
 from tokenmill.config import EngineConfig
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import ConfigError
 from tokenmill.model import cpu as cpu_module
 from tokenmill.model.quant import QuantizedLinear
-from tokenmill.sampling import SamplingParams
 
 HALF_LOGPROB_ATOL = 0.05
 """bf16/fp16 against transformers in the same dtype: both round every matmul to 8 (11) bits,

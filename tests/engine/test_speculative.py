@@ -8,10 +8,10 @@ import random
 
 import pytest
 
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import InvalidRequestError
 from tokenmill.lora_request import LoRARequest
-from tokenmill.sampling import SamplingParams
 
 MAX_NEW = 24
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
@@ -201,7 +201,7 @@ def test_structured_outputs_with_speculation_match_and_validate() -> None:
 
     import jsonschema
 
-    from tokenmill.sampling.structured import StructuredOutputsParams
+    from tokenmill.core.structured_params import StructuredOutputsParams
 
     schema = {
         "type": "object",

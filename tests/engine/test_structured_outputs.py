@@ -9,10 +9,10 @@ import re
 import jsonschema
 import pytest
 
+from tokenmill.core.sampling_params import SamplingParams
+from tokenmill.core.structured_params import StructuredOutputsParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling import SamplingParams
-from tokenmill.sampling.structured import StructuredOutputsParams
 
 SCHEMA = {
     "type": "object",

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tokenmill.core.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.engine.input_processor import ProcessedRequest
 from tokenmill.entrypoints.openai.errors import to_api_error
 from tokenmill.entrypoints.openai.generation import GenerationRun
@@ -22,7 +23,6 @@ from tokenmill.entrypoints.openai.state import ServerConfig
 from tokenmill.errors import InvalidRequestError
 from tokenmill.metrics import ServerMetrics
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenmill.sampling.params import RequestOutputKind, SamplingParams
 
 MODEL = "demo"
 PROMPT = [1, 2, 3]

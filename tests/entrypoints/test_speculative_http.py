@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from tests.entrypoints.conftest import ServerHandle, assert_error, start_server
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
-from tokenmill.sampling import SamplingParams
 
 PROMPT = (
     "Rewrite this text: The river ran quietly through the valley, past fields of wheat and "

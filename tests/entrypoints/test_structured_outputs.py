@@ -25,10 +25,10 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.entrypoints.conftest import ServerHandle, assert_error, sse_events, start_server
+from tokenmill.core.sampling_params import SamplingParams
+from tokenmill.core.structured_params import StructuredOutputsParams
 from tokenmill.entrypoints.openai.generation import compile_grammar
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling import SamplingParams
-from tokenmill.sampling.structured import StructuredOutputsParams
 
 MESSAGES = [{"role": "user", "content": "Describe a file as JSON."}]
 NUM_SCHEMAS = 200

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.metrics import ServerMetrics
-from tokenmill.sampling import SamplingParams
 
 
 def test_moe_routed_tokens_per_layer_and_expert_are_exported(make_model) -> None:

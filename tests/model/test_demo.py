@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import ModelLoadError
 from tokenmill.model import demo
@@ -20,7 +21,6 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import CPUInfo
 from tokenmill.model.demo import DEMO_MODEL_DIR, build_bpe_tokenizer, demo_model_path
 from tokenmill.model.loader import resolve_dtype
-from tokenmill.sampling.params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import CPUInfo
 from tokenmill.model.loader import load_model, resolve_dtype
-from tokenmill.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

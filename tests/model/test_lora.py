@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.conftest import FAMILIES, peft_greedy
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import InvalidRequestError
 from tokenmill.lora_request import LoRARequest
-from tokenmill.sampling import SamplingParams
 
 MAX_NEW = 8
 

@@ -9,13 +9,13 @@ import torch
 
 from tests.conftest import MOE_FAMILIES, peft_greedy
 from tokenmill.bench.verify import run_precision_check
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import InvalidRequestError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.model.layers import Linear
 from tokenmill.model.moe import SparseMoE
 from tokenmill.model.quant import QuantizedLinear
-from tokenmill.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.model import attention_backend as ab
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.loader import load_model
 from tokenmill.model.registry import ARCHITECTURES, expected_tensors, weight_layout
-from tokenmill.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

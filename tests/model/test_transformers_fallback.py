@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from tests.fallback_models import build_fallback_model
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import ConfigError, ModelLoadError
-from tokenmill.sampling import SamplingParams
 
 MAX_NEW = 10
 
@@ -349,7 +349,7 @@ def test_probe_refuses_logits_that_differ_from_transformers(make_fallback_model)
 
 def test_beam_search_through_the_fallback_equals_native(make_model) -> None:
     """Beams fork KV blocks copy-on-write: a Llama's beams are the same both ways."""
-    from tokenmill.sampling.beam_search import BeamSearchParams
+    from tokenmill.core.beam_search_params import BeamSearchParams
 
     folder = make_model("llama")
     prompts = _prompts(500, 2, seed=8, max_len=20)
@@ -372,7 +372,7 @@ def test_fp8_kv_and_structured_outputs_through_the_fallback(
 ) -> None:
     """fp8 KV: every layer's scales are calibrated at start-up and greedy stays on the fp32
     reference; a choice constraint is enforced on the fallback's logits."""
-    from tokenmill.sampling.structured import StructuredOutputsParams
+    from tokenmill.core.structured_params import StructuredOutputsParams
 
     folder = make_fallback_model("gpt_neox")
     llm = LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_dtype="fp8")

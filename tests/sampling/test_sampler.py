@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tokenmill.core.request import Request
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling import SamplingParams
 from tokenmill.sampling.sampler import Sampler, apply_penalties
 
 VOCAB = 12

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenmill.core.request import Request
-from tokenmill.sampling import SamplingParams
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.sampling.sampler import Sampler
 from tokenmill.sampling.speculative import verify
 

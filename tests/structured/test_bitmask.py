@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tokenmill.core.request import Request
+from tokenmill.core.sampling_params import SamplingParams
+from tokenmill.core.structured_params import StructuredOutputsParams as S
 from tokenmill.model.demo import demo_model_path
-from tokenmill.sampling import SamplingParams
 from tokenmill.sampling.sampler import Sampler
-from tokenmill.sampling.structured import StructuredOutputsParams as S
 from tokenmill.structured.bitmask import GrammarMasks, apply_token_bitmask
 from tokenmill.structured.grammar import GrammarCompiler
 

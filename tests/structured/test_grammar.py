@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tokenmill.core.structured_params import StructuredOutputsParams as S
 from tokenmill.errors import InvalidRequestError
 from tokenmill.model.demo import demo_model_path
-from tokenmill.sampling.structured import StructuredOutputsParams as S
 from tokenmill.structured.grammar import GrammarCompiler
 
 

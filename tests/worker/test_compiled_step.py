@@ -14,8 +14,8 @@ import logging
 import pytest
 import torch
 
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
-from tokenmill.sampling import SamplingParams
 from tokenmill.worker.compiled_step import CompiledDecodeStep
 
 FAMILIES = ["llama", "qwen2", "qwen3"]

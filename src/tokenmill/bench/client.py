@@ -159,7 +159,7 @@ def consume_chunk(state: _StreamState, data: dict[str, Any], now_s: float, is_ch
     is_finish_only = not content and choice.get("finish_reason") is not None
     if is_role_only or (is_finish_only and state.first_token_s is not None):
         return
-    if state.first_token_s is None:
+    if state.first_token_s is None or state.last_token_s is None:  # both set at the first token
         state.first_token_s = now_s
     else:
         state.itl_s.append(now_s - state.last_token_s)
@@ -209,8 +209,8 @@ async def _read_stream(
         "POST", options.url, json=payload, headers=options.headers
     ) as response:
         if response.status_code != 200:
-            body = await response.aread()
-            return _short(f"HTTP {response.status_code}: {_error_message(body)}")
+            error_body = await response.aread()
+            return _short(f"HTTP {response.status_code}: {_error_message(error_body)}")
         async for line in response.aiter_lines():
             now_s = time.perf_counter() - send_s
             line = line.strip()

@@ -67,8 +67,9 @@ def round_values(result: dict[str, Any], key: str) -> list[float]:
     """``key``'s value in each measured round; one value for a single run, none if unmeasured."""
     rounds = result.get("rounds") or []
     values = [r.get(key) for r in rounds if isinstance(r, dict)]
-    if len(values) > 1 and all(isinstance(v, (int, float)) for v in values):
-        return [float(v) for v in values]
+    numbers = [v for v in values if isinstance(v, (int, float))]
+    if len(values) > 1 and len(numbers) == len(values):
+        return [float(v) for v in numbers]
     if key == "output_throughput" and len(result.get("round_output_throughputs") or []) > 1:
         return [float(v) for v in result["round_output_throughputs"]]  # offline results
     value = result.get(key)
@@ -285,8 +286,7 @@ class TargetSummary:
     @property
     def max_load_within_sla(self) -> float | None:
         """The highest load at which the SLA still held."""
-        loads = [load_of(p)[1] for p in self.sla_points]
-        loads = [x for x in loads if x is not None]
+        loads = [x for x in (load_of(p)[1] for p in self.sla_points) if x is not None]
         return max(loads) if loads else None
 
 

@@ -434,6 +434,7 @@ def build_requests(
         return build_random_requests(
             num_prompts, input_len, output_len, range_ratio, seed, tokenizer, vocab_size
         )
+    assert not isinstance(input_len, tuple) and not isinstance(output_len, tuple)  # refused above
     if dataset == "prefix":
         return build_prefix_requests(
             num_prompts,
@@ -446,9 +447,11 @@ def build_requests(
             vocab_size,
         )
     if dataset == "sharegpt":
+        assert dataset_path is not None  # refused above
         return load_sharegpt_requests(
             dataset_path, num_prompts, seed, tokenizer, output_len if output_len_is_set else None
         )
     if dataset == "jsonl":
+        assert dataset_path is not None  # refused above
         return load_jsonl_requests(dataset_path, num_prompts, output_len, tokenizer)
     raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(DATASET_NAMES)}")

@@ -395,7 +395,7 @@ def format_offline_table(result: dict[str, Any]) -> str:
         "compile s",
         "x baseline",
     )
-    lines = []
+    lines: list[tuple[str, ...]] = []  # a skipped backend's row has two cells
     for row in result["backends"]:
         if row.get("skipped"):
             lines.append((row["label"], f"skipped: {row['note']}"))

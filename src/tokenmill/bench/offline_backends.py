@@ -2,7 +2,7 @@
 
 Each backend loads a model once, then ``run`` completes a list of requests that all
 arrive at the start and returns one ``RequestRecord`` per request plus the wall time.
-``tokenmill`` uses the ``LLM`` API, one instance per KV strategy, with its prefix cache
+``tokenmill`` runs the ``LLM`` API's loop (``engine.batch``), one engine per KV strategy, with its prefix cache
 emptied before every run so no run reuses an earlier one's prompts; ``transformers`` runs ``generate`` on left-padded
 static batches (a batch starts only when the previous one is done, as users of plain
 ``generate`` do); ``transformers-cb`` uses transformers' own continuous batching
@@ -79,33 +79,39 @@ def load_transformers_model(model: str, dtype: str, device: torch.device | str) 
     hf_model = AutoModelForCausalLM.from_pretrained(
         str(resolve_model_path(model)), dtype=TORCH_DTYPES[dtype]
     )
-    return hf_model.to(device).eval()
+    # transformers types ``to`` through a decorator whose signature drops ``self``
+    return hf_model.to(device).eval()  # type: ignore[arg-type]
 
 
 class TokenmillBackend:
-    """tokenmill's engine through the offline ``LLM`` API, with one KV strategy."""
+    """tokenmill's engine through the offline ``LLM`` API's loop (``engine.batch``), with one
+    KV strategy."""
 
     def __init__(self, config: OfflineConfig, kv_cache: str) -> None:
-        from tokenmill.entrypoints.llm import LLM
+        from tokenmill.config import EngineConfig
+        from tokenmill.engine.llm_engine import LLMEngine
 
         self.label = f"tokenmill[{kv_cache}]"
         self.ignore_eos = config.ignore_eos
         self._run_kv = (0, 0, 0)
         """Steps, reserved token-steps and used token-steps of the latest run."""
-        self.llm = LLM(
-            model=config.model,
-            dtype=config.dtype,
-            kv_cache=kv_cache,
-            device=config.device,
-            **config.engine_kwargs,
+        self.engine = LLMEngine(
+            EngineConfig.from_kwargs(
+                model=config.model,
+                dtype=config.dtype,
+                kv_cache=kv_cache,
+                device=config.device,
+                **config.engine_kwargs,
+            )
         )
+        self._ids = itertools.count()
 
     def unavailable_reason(self) -> str | None:
         return None
 
     def load_figures(self) -> dict[str, Any]:
-        stats = self.llm.engine.stats
-        startup = self.llm.engine.startup
+        stats = self.engine.stats
+        startup = self.engine.startup
         return {
             "compile_time_s": stats.compile_time_s,
             "precision": dict(stats.precision),
@@ -119,7 +125,7 @@ class TokenmillBackend:
         if not steps:
             return {}
         return {
-            "kv_pool_tokens": self.llm.engine.stats.kv_capacity_tokens,
+            "kv_pool_tokens": self.engine.stats.kv_capacity_tokens,
             "kv_reserved_tokens_mean": reserved / steps,
             "kv_used_tokens_mean": used / steps,
             "kv_waste": 1.0 - used / reserved if reserved else None,
@@ -129,22 +135,24 @@ class TokenmillBackend:
         return None
 
     def run(self, requests: list[BenchRequest]) -> tuple[list[RequestRecord], float]:
-        from tokenmill.sampling import SamplingParams
+        from tokenmill.core.sampling_params import SamplingParams
+        from tokenmill.engine import batch
 
         # Each run starts cold: KV left by warm-ups or earlier rounds would let tokenmill skip
         # prefill that the other backends recompute.
-        self.llm.engine.kv_manager.reset_prefix_cache()
-        prompts = [_prompt_ids(r, self.llm.tokenizer) for r in requests]
+        self.engine.kv_manager.reset_prefix_cache()
+        prompts = [_prompt_ids(r, self.engine.tokenizer) for r in requests]
         params = [
             SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=self.ignore_eos)
             for r in requests
         ]
-        before = self.llm.engine.stats
+        before = self.engine.stats
         start_mono_s = time.monotonic()
         start_s = time.perf_counter()
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        ids = [str(next(self._ids)) for _ in requests]
+        outputs = batch.generate(self.engine, ids, prompts, params)
         duration_s = time.perf_counter() - start_s
-        after = self.llm.engine.stats
+        after = self.engine.stats
         self._run_kv = (
             after.num_steps - before.num_steps,
             after.kv_reserved_token_steps - before.kv_reserved_token_steps,
@@ -174,7 +182,7 @@ class TokenmillBackend:
         return records, duration_s
 
     def close(self) -> None:
-        del self.llm
+        del self.engine
 
 
 class _StepTimer:

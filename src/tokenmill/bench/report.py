@@ -132,8 +132,9 @@ def build_throughput_figure(comparison: Comparison) -> Figure:
     is_curve = any(sum(load_of(p)[1] is not None for p in t.points) > 1 for t in comparison.targets)
     if is_curve:
         for target in comparison.targets:
-            points = [p for p in target.points if load_of(p)[1] is not None]
-            xs = [load_of(p)[1] for p in points]
+            located = [(p, load_of(p)[1]) for p in target.points]
+            points = [p for p, x in located if x is not None]
+            xs = [x for _, x in located if x is not None]
             ys = [p.get("output_throughput") or 0.0 for p in points]
             ax.errorbar(
                 xs,

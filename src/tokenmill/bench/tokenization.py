@@ -15,9 +15,11 @@ from typing import Any, Protocol
 class TokenizerLike(Protocol):
     """Anything with ``encode(text)`` and ``decode(ids)``; the return types may vary."""
 
-    def encode(self, text: str, *args: Any, **kwargs: Any) -> Any: ...
+    # Positional-only, so implementations may name the parameters as they like (token_ids...).
+    def encode(self, text: str, /, *args: Any, **kwargs: Any) -> Any: ...
 
-    def decode(self, ids: list[int], *args: Any, **kwargs: Any) -> str: ...
+    # A str for one flat list of ids; transformers types it str | list[str] (batches).
+    def decode(self, ids: list[int], /, *args: Any, **kwargs: Any) -> Any: ...
 
 
 def encode_text(tokenizer: TokenizerLike, text: str) -> list[int]:

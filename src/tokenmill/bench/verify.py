@@ -169,12 +169,17 @@ def run_tokenmill_greedy(
     **engine_kwargs: Any,
 ) -> list[Generation]:
     """tokenmill in-process, all prompts batched, greedy with ignore_eos and the sampled logprob."""
-    from tokenmill.entrypoints.llm import LLM
-    from tokenmill.sampling import SamplingParams
+    from tokenmill.config import EngineConfig
+    from tokenmill.core.sampling_params import SamplingParams
+    from tokenmill.engine import batch
+    from tokenmill.engine.llm_engine import LLMEngine
 
-    llm = LLM(model=model, dtype=dtype, device=device, **engine_kwargs)
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(model=model, dtype=dtype, device=device, **engine_kwargs)
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    ids = [str(i) for i in range(len(prompts))]
+    outputs = batch.generate(engine, ids, prompts, [params] * len(prompts))
     generations = []
     for out in outputs:
         completion = out.outputs[0]
@@ -183,7 +188,7 @@ def run_tokenmill_greedy(
             entry = completion.logprobs[position].get(token) if completion.logprobs else None
             logprobs.append(entry.logprob if entry is not None else None)
         generations.append(Generation(list(completion.token_ids), logprobs))
-    del llm
+    del engine
     return generations
 
 
@@ -284,6 +289,7 @@ def run_verify(
         server_model = first_served_model(server_url, api_key)
     reference = run_transformers_greedy(model, prompts, max_tokens, dtype, device)
     if server_url:
+        assert server_model is not None  # asked for above
         candidate = run_server_greedy(server_url, server_model, prompts, max_tokens, api_key)
         if any(isinstance(t, str) for g in candidate for t in g.token_ids):
             reference = [
@@ -403,18 +409,19 @@ def run_precision_check(
     The candidate is tokenmill with ``engine_kwargs`` (e.g. ``quantization="int8"``) on its
     decode path (``tokenmill.engine.scoring``); the reference is transformers in float32.
     """
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.engine.scoring import score_sequences
-    from tokenmill.entrypoints.llm import LLM
 
     tokenizer = load_tokenizer(model)
     prompts = build_prompt_ids(tokenizer, texts, num_prompts)
     continuations = run_transformers_greedy(model, prompts, max_tokens, "float32", device)
     sequences = [p + list(g.token_ids) for p, g in zip(prompts, continuations, strict=True)]
     reference = reference_logprobs(model, sequences, device)
-    llm = LLM(model=model, device=device, **engine_kwargs)
-    candidate = score_sequences(llm.engine, sequences, batch_size)
-    config = {k: v for k, v in llm.engine.config.__dict__.items() if k in _PRECISION_FIELDS}
-    del llm
+    engine = LLMEngine(EngineConfig.from_kwargs(model=model, device=device, **engine_kwargs))
+    candidate = score_sequences(engine, sequences, batch_size)
+    config = {k: v for k, v in engine.config.__dict__.items() if k in _PRECISION_FIELDS}
+    del engine
     first = [len(p) - 1 for p in prompts]
     return compare_distributions(reference, candidate, first, config, min_top1)
 

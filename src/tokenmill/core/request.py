@@ -11,9 +11,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tokenmill.core.max_tokens import bounded
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.outputs import RequestMetrics
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.sampling.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -123,9 +124,8 @@ class Request:
     @property
     def max_output_tokens(self) -> int:
         """Tokens this request may still produce in total, bounded by the context limit."""
-        budget = self.max_total_tokens - self.num_prompt_tokens
-        max_tokens = self.sampling_params.max_tokens
-        return budget if max_tokens is None else min(max_tokens, budget)
+        room = self.max_total_tokens - self.num_prompt_tokens
+        return bounded(self.sampling_params.max_tokens, room)
 
     # ---- transitions -------------------------------------------------------------
     def append_output_token(self, token_id: int) -> RequestStatus | None:

@@ -25,11 +25,12 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from tokenmill.core.beam_search import BeamSearch, Continuation, Hypothesis
+from tokenmill.core.max_tokens import bounded
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.input_processor import ProcessedRequest
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
-from tokenmill.sampling.params import SamplingParams
 from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
@@ -189,9 +190,8 @@ class BeamSearchCoordinator:
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.limits.eos_token_ids
-        max_tokens = self.limits.max_total_tokens - len(processed.prompt_token_ids)
-        if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
+        room = self.limits.max_total_tokens - len(processed.prompt_token_ids)
+        max_tokens = bounded(params.max_tokens, room)
         search = BeamSearch(
             width=params.beam_width,
             max_tokens=max_tokens,

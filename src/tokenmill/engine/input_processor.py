@@ -13,11 +13,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from tokenmill.core.max_tokens import output_room
 from tokenmill.core.request import Request
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.errors import ContextLengthError, InvalidRequestError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.sampling.params import SamplingParams
 from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
@@ -178,12 +179,9 @@ class InputProcessor:
                 "truncate_prompt_tokens).",
                 param="input",
             )
-        if not is_pooling and len(prompt_token_ids) >= max_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {max_len} tokens. However, your "
-                f"prompt has {len(prompt_token_ids)} tokens, leaving no room for output.",
-                param="prompt",
-            )
+        if not is_pooling:
+            context = f"This model's maximum context length is {max_len} tokens"
+            output_room(len(prompt_token_ids), max_len, context)
         kv_capacity = self.limits.kv_capacity_tokens
         if len(prompt_token_ids) >= kv_capacity + is_pooling:
             raise ContextLengthError(

@@ -18,6 +18,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv import KVCacheManager, KVSizing, build_kv_manager
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.speculative import (
     SpeculativeConfig,
@@ -39,7 +40,6 @@ from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.model.registry import resolve_model_impl
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolerConfig
-from tokenmill.sampling.params import SamplingParams
 from tokenmill.sampling.sampler import Sampler
 from tokenmill.sampling.speculative import VerifiedTokens
 from tokenmill.structured.grammar import GrammarCompiler

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sampling_params import RequestOutputKind
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from tokenmill.sampling.params import RequestOutputKind
 from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenmill.tokenizer.tokenizer import Tokenizer
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from tokenmill.core.request import Request
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.sampling.params import SamplingParams
 
 
 @torch.inference_mode()

@@ -142,8 +142,8 @@ def _run_parity(
     import torch
     import transformers
 
+    from tokenmill.core.sampling_params import SamplingParams
     from tokenmill.entrypoints.llm import LLM
-    from tokenmill.sampling import SamplingParams
 
     rng = random.Random(0)
     high = max(5, min(vocab, 1000))

@@ -81,8 +81,8 @@ def package_version() -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from tokenmill.core.sampling_params import SamplingParams
     from tokenmill.entrypoints.llm import LLM
-    from tokenmill.sampling import SamplingParams
 
     if args.max_num_seqs is None:  # the batch is known: a KV pool for exactly these sequences
         args.max_num_seqs = len(args.prompts) * args.n

@@ -4,20 +4,30 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.beam_search_params import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from tokenmill.core.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.engine import batch
 from tokenmill.engine.input_processor import CheckedParams
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from tokenmill.sampling.params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text, or token ids) or a sequence of them, as a list."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [cast(Prompt, prompts)]
+    return list(cast(Sequence[Prompt], prompts))
 
 
 class LLM:
@@ -47,22 +57,13 @@ class LLM:
         ``lora_request`` runs every prompt with one adapter, or each with its own (None: the
         base model); the engine needs ``enable_lora=True``.
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        # Only finished outputs are read here: FINAL_ONLY spares a per-step copy of each request.
-        final_only = {
-            id(p): p.clone(output_kind=RequestOutputKind.FINAL_ONLY) for p in params
-        }  # once per object
-        params = [final_only[id(p)] for p in params]
         if lora_request is None or isinstance(lora_request, LoRARequest):
             loras: list[LoRARequest | None] = [lora_request] * len(prompts)
         else:
@@ -70,20 +71,11 @@ class LLM:
             if len(loras) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
         ids = [str(next(self._ids)) for _ in prompts]
+        bar = self._bar(len(ids), use_tqdm)
         try:
-            for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params, strict=True)):
-                self.engine.add_request(
-                    rid,
-                    prompt,
-                    p,
-                    priority=priority[i] if priority else 0,
-                    lora_request=loras[i],
-                )
-        except Exception:
-            self.engine.abort_request(ids)  # nothing half-submitted keeps running
-            self.engine.step()
-            raise
-        return self._run(ids, use_tqdm if use_tqdm is not None else len(prompts) >= 8)
+            return batch.generate(self.engine, ids, prompts, params, priority, loras, bar.update)
+        finally:
+            bar.close()
 
     def beam_search(
         self,
@@ -137,7 +129,7 @@ class LLM:
         ]
         for request in processed:
             self.engine.add_processed(request)
-        outputs = self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 8)
+        outputs = self._run(ids, use_tqdm)
         return [out.pooled or [] for out in outputs]
 
     def chat(
@@ -162,22 +154,14 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm)
+    def _bar(self, total: int, use_tqdm: bool | None) -> tqdm:
+        """A progress bar, shown by default from 8 prompts up."""
+        show = use_tqdm if use_tqdm is not None else total >= 8
+        return tqdm(total=total, desc="Processed prompts", unit="req", disable=not show)
+
+    def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
+        bar = self._bar(len(ids), use_tqdm)
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
-                failures = self.engine.take_failures()
-                failed = [i for i in ids if i in failures]
-                if failed:  # the engine serves on; this call reports the first failure
-                    raise failures[failed[0]]
-        except BaseException:
-            self.engine.abort_request([i for i in ids if i not in results])
-            raise
+            return batch.run_to_completion(self.engine, ids, bar.update)
         finally:
             bar.close()
-        return [results[i] for i in ids]

@@ -59,6 +59,7 @@ class Linear(nn.Module):
                     x, self.packed, self.bias, self.out_features
                 )
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        assert self.weight is not None, "only packing drops the plain weight"
         return nn.functional.linear(x, self.weight, self.bias)
 
     def pack_for_onednn(self, batch_hint: int = 32) -> bool:

@@ -179,7 +179,7 @@ class _Checkpoint:
         entry = self.entries[name]
         direct = out.dtype == entry.dtype
         target = out if direct else torch.empty(entry.shape, dtype=entry.dtype)
-        buffer = memoryview(target.view(-1).view(torch.uint8).numpy())
+        buffer = target.view(-1).view(torch.uint8).numpy().data  # a memoryview over the bytes
         try:
             with entry.path.open("rb", buffering=0) as f:
                 f.seek(entry.start)

@@ -77,20 +77,29 @@ class Int8Linear(QuantizedLinear):
     """At 16 rows the kernel took 2.5 ms for 1024 -> 5632 (2 threads), dequantize + GEMM 3.6;
     at 64 rows 10.1 against 4.6."""
 
+    # Buffers (register_buffer), declared so that they type as tensors, not Tensor | Module;
+    # which of them exist depends on the layout (``kernel``).
+    qweight: torch.Tensor | None
+    scales: torch.Tensor
+    kernel_scales: torch.Tensor
+    row_sums: torch.Tensor
+    amx_tiles: torch.Tensor
+    amx_scales: torch.Tensor
+    amx_row_sums: torch.Tensor
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight.shape[1], weight.shape[0], bias)
         w = weight.float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-        self.register_buffer(
-            "qweight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        )
+        qweight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)  # fp32: the dequantizing path keeps full scales
         self.kernel = _kernel_for(weight, amx_ok=True)
         """Which tokenmill kernel serves this projection: amx, rows, or None (torch's)."""
         if self.kernel is not None:
-            row_sums = self.qweight.sum(1, dtype=torch.int32)
+            row_sums = qweight.sum(1, dtype=torch.int32)
             if self.kernel == "amx":
-                self.register_buffer("amx_tiles", amx_layout.pack_int8(self.qweight))
+                self.register_buffer("amx_tiles", amx_layout.pack_int8(qweight))
                 self.register_buffer("amx_scales", amx_layout.block_channels(scales))
                 self.register_buffer("amx_row_sums", amx_layout.block_channels(row_sums))
                 self.qweight = None  # the tiles are the only copy
@@ -115,12 +124,12 @@ class Int8Linear(QuantizedLinear):
             )
         if self.kernel == "rows" and kernels.supports(x, float32=True):
             return kernels.linear_int8(
-                x.to(torch.bfloat16), self.qweight, self.scales, self.row_sums, None
+                x.to(torch.bfloat16), self.int_weight(), self.scales, self.row_sums, None
             )
         if self.kernel is not None:  # the ISA was switched after load (tests): stay correct
             return F.linear(x, self.dequantize(x.dtype))
         scales = self.kernel_scales
-        return torch._weight_int8pack_mm(x.to(scales.dtype), self.qweight, scales)
+        return torch._weight_int8pack_mm(x.to(scales.dtype), self.int_weight(), scales)
 
     def int_weight(self) -> torch.Tensor:
         """The int8 weight [out, in], from whichever layout holds it."""
@@ -150,6 +159,18 @@ class Int4Linear(QuantizedLinear):
     max_kernel_rows = 64
     """Dequantizing the packing costs 4-5 elementwise passes (11 ms for 1024 -> 5632 on 2
     threads), which the int4 kernel only exceeds beyond about 64 rows."""
+
+    # Buffers (register_buffer), declared so that they type as tensors, not Tensor | Module;
+    # which of them exist depends on the layout (``kernel``).
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    offsets: torch.Tensor
+    kernel_scales: torch.Tensor
+    kernel_offsets: torch.Tensor
+    amx_tiles: torch.Tensor
+    amx_scales: torch.Tensor
+    amx_offsets: torch.Tensor
+    amx_code_sums: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> None:
         out_features, in_features = weight.shape

@@ -1,5 +1,5 @@
-"""Sampling: user-facing parameters and the batched sampler."""
+"""Sampling: the batched sampler and speculative verification (torch).
 
-from tokenmill.sampling.params import RequestOutputKind, SamplingParams
-
-__all__ = ["RequestOutputKind", "SamplingParams"]
+The parameter types they read live in ``tokenmill.core`` (``sampling_params``,
+``structured_params``, ``beam_search_params``), which is torch-free.
+"""

@@ -191,7 +191,7 @@ class Sampler:
         for i, r in enumerate(requests):
             params = r.sampling_params
             if r.num_output_tokens < params.min_tokens:
-                banned = set(params.stop_token_ids)
+                banned = set(params.stop_token_ids or ())
                 if not params.ignore_eos:
                     banned |= set(r.eos_token_ids)
                 banned = {t for t in banned if t < logits.shape[1]}

@@ -22,8 +22,8 @@ from typing import Any
 
 import llguidance
 
+from tokenmill.core.structured_params import StructuredOutputsParams
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling.structured import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ import copy
 import torch
 
 from tokenmill.core.request import Request
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.model.base import CausalLM
-from tokenmill.sampling.params import SamplingParams
 from tokenmill.sampling.sampler import Sampler
 from tokenmill.worker.model_runner import ModelRunner
 

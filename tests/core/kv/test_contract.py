@@ -8,8 +8,8 @@ from tokenmill.core.kv.base import KVCacheManager
 from tokenmill.core.kv.paged import PagedKVManager
 from tokenmill.core.kv.static import StaticKVManager
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.sampling import SamplingParams
 
 BS = 4
 MAX_LEN = 32

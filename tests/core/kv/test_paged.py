@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from tokenmill.core.kv.paged import PagedKVManager
 from tokenmill.core.request import Request
-from tokenmill.sampling import SamplingParams
+from tokenmill.core.sampling_params import SamplingParams
 
 BS = 4
 

@@ -23,6 +23,7 @@ from typing import Any, Generic, TypeVar
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
+from tokenmill.core.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.engine.input_processor import CheckedParams, ProcessedRequest
 from tokenmill.entrypoints.openai.admission import admit_sequences
 from tokenmill.entrypoints.openai.errors import APIError, to_api_error
@@ -50,7 +51,6 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.metrics import ChoiceTiming, RequestTiming
 from tokenmill.outputs import PositionLogprobs, RequestOutput
-from tokenmill.sampling.params import RequestOutputKind, SamplingParams
 from tokenmill.structured.grammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)

@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tokenmill.core.max_tokens import capped
 from tokenmill.entrypoints.openai.protocol import RequestBody, SamplingFields, StreamOptions
 from tokenmill.errors import ConfigError
 
@@ -88,7 +89,4 @@ def with_server_defaults(body: BodyT, defaults: dict[str, Any], force_include_us
 
 def capped_max_tokens(requested: int | None, defaults: dict[str, Any]) -> int | None:
     """``max_tokens`` with the generation config's ``max_new_tokens`` as a cap."""
-    cap = defaults.get("max_tokens")
-    if cap is None:
-        return requested
-    return cap if requested is None else min(requested, cap)
+    return capped(requested, defaults.get("max_tokens"))

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from fastapi.responses import Response
 
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.generation import (
     GenerationRun,
@@ -27,7 +28,6 @@ from tokenmill.entrypoints.openai.pooling_protocol import PoolingFields
 from tokenmill.entrypoints.openai.streaming import ClientDisconnected, run_until_disconnected
 from tokenmill.errors import InvalidRequestError
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.sampling.params import SamplingParams
 
 
 class ClientGone(Exception):

@@ -16,10 +16,10 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tokenmill.core.sampling_params import SamplingParams
+from tokenmill.core.structured_params import StructuredOutputsParams
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling.params import SamplingParams
-from tokenmill.sampling.structured import StructuredOutputsParams
 
 _INT32_MAX = 2**31 - 1
 

@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.max_tokens import clamp, output_room
 from tokenmill.engine.input_processor import ProcessedRequest
 from tokenmill.engine.llm_engine import resolve_model_path
 from tokenmill.entrypoints.openai.admission import GENERATION_PATHS
@@ -398,16 +399,9 @@ def route_prompts(request: Request, prompts: list[ProcessedRequest]) -> list[Pro
             )
         max_len = route.max_model_len
         if max_len is not None:
-            if num_tokens >= max_len:
-                raise ContextLengthError(
-                    f"route {route.name!r} has a context of {max_len} tokens. However, your prompt "
-                    f"has {num_tokens} tokens, leaving no room for output.",
-                    param="prompt",
-                )
-            params = processed.params
-            room = max_len - num_tokens
-            if params.max_tokens is None or params.max_tokens > room:
-                params = params.clone(max_tokens=room, min_tokens=min(params.min_tokens, room))
+            context = f"route {route.name!r} has a context of {max_len} tokens"
+            params = clamp(processed.params, output_room(num_tokens, max_len, context))
+            if params is not processed.params:
                 processed = replace(processed, params=params)
         limited.append(processed)
     table.charge_input(ticket, sum(len(p.prompt_token_ids) for p in prompts))

@@ -20,8 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.core.structured_params import StructuredOutputsParams
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling.structured import StructuredOutputsParams
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 _HERMES_OPEN = "<tool_call>"

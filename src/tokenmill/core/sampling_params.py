@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from tokenmill.core.structured_params import StructuredOutputsParams
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling.structured import StructuredOutputsParams
 
 _INT64_MAX = 2**63 - 1
 _MAX_N = 128
@@ -164,14 +164,15 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise bad(name, f"must be a non-negative integer, got {value!r}")
-        if len(self.stop) > _MAX_STOP_STRINGS:
-            raise bad("stop", f"accepts at most {_MAX_STOP_STRINGS} strings, got {len(self.stop)}")
-        for s in self.stop:
+        stop, stop_token_ids = self.stop or [], self.stop_token_ids or []  # lists by now
+        if len(stop) > _MAX_STOP_STRINGS:
+            raise bad("stop", f"accepts at most {_MAX_STOP_STRINGS} strings, got {len(stop)}")
+        for s in stop:
             if not isinstance(s, str) or not s:
                 raise bad("stop", "strings must be non-empty")
             if len(s) > _MAX_STOP_STRING_CHARS:
                 raise bad("stop", f"strings must be at most {_MAX_STOP_STRING_CHARS} characters")
-        for t in self.stop_token_ids:
+        for t in stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise bad("stop_token_ids", f"must be non-negative integers, got {t!r}")
         for name in (

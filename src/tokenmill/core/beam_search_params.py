@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.core.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling.params import RequestOutputKind, SamplingParams
 
 
 @dataclass(frozen=True)
