@@ -14,21 +14,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Server, free_port, tokenmill_command
 
 
 async def _standard(client: httpx.AsyncClient, max_tokens: int) -> tuple[int, float | None]:
@@ -95,11 +89,8 @@ def main() -> None:
     parser.add_argument("--beam-settle-s", type=float, default=2.0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "tokenmill.entrypoints.cli",
+    port = free_port()
+    cmd = tokenmill_command(
         "serve",
         args.model,
         "--port",
@@ -109,24 +100,10 @@ def main() -> None:
         "--max-queue-len",
         "16",
         "--disable-access-log",
-    ]
-    server = subprocess.Popen(cmd, env={**os.environ}, stderr=subprocess.DEVNULL)
+    )
     base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise SystemExit("the server did not start")
-            time.sleep(0.2)
+    with Server(cmd, base_url, ready_path="/health", ready_timeout_s=300):
         results = [asyncio.run(_phase(base_url, args, with_beams)) for with_beams in (False, True)]
-    finally:
-        server.terminate()
-        server.wait(60)
     for r in results:
         print(json.dumps(r))
     if args.out:

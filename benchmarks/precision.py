@@ -18,24 +18,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _common import PEERS_ROOT, RSSPoller, Server, bench_serve, peers_dir
 from engine_core import DEFAULT_MODEL_DIR, MODEL_SHAPE, build_model, read_bandwidth_gbs
 
-PEERS = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "build-llamacpp.sh"
+PEERS = peers_dir() / "build-llamacpp.sh"
 TOKENMILL = str(Path(sys.executable).parent / "tokenmill")
-GGUF_DIR = Path(os.environ.get("PEERS_ROOT", Path.home() / ".cache/tokenmill-peers")) / "gguf"
+GGUF_DIR = PEERS_ROOT / "gguf"
 
 TOKENMILL_CONFIGS: dict[str, list[str]] = {
     "fp32": ["--dtype", "float32"],
@@ -68,30 +66,6 @@ def decode_weight_bytes(config: str) -> float:
     return n * per_layer * layer_bytes + head * 1.0  # the LM head is int8 in both modes
 
 
-class RSSPoller:
-    """Peak resident memory of one process, polled every 100 ms."""
-
-    def __init__(self, pid: int) -> None:
-        self.process = psutil.Process(pid)
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.peak = max(self.peak, self.process.memory_info().rss)
-            except psutil.Error:
-                return
-            time.sleep(0.1)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
-
-
 def llama_server_command(binary: Path | None, gguf: Path, port: int) -> list[str]:
     """``build-llamacpp.sh serve``, or the same flags on another build of llama-server."""
     if binary is None:
@@ -113,74 +87,27 @@ def llama_server_command(binary: Path | None, gguf: Path, port: int) -> list[str
     ]
 
 
-def wait_ready(base_url: str, proc: subprocess.Popen[bytes], timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(base_url + "/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{base_url} did not become ready")
-
-
-def bench(
-    base_url: str, tokenizer: Path, num_prompts: int, concurrency: int, out: Path
-) -> dict[str, Any]:
-    subprocess.run(
-        [
-            TOKENMILL,
-            "bench",
-            "serve",
-            "--base-url",
-            base_url,
-            "--tokenizer",
-            str(tokenizer),
-            "--dataset",
-            "random",
-            "--input-len",
-            "128",
-            "--output-len",
-            "64",
-            "--ignore-eos",
-            "--num-prompts",
-            str(num_prompts),
-            "--max-concurrency",
-            str(concurrency),
-            "--num-warmups",
-            "1",
-            "--no-progress",
-            "--save-result",
-            str(out),
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    return json.loads(out.read_text())
-
-
 def run_server(
     command: list[str], base_url: str, tokenizer: Path, workdir: Path, name: str
 ) -> dict[str, Any]:
-    log = (workdir / f"{name}.log").open("w")
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        start = time.monotonic()
-        wait_ready(base_url, proc)
-        ready_s = time.monotonic() - start
-        poller = RSSPoller(proc.pid)
-        single = bench(base_url, tokenizer, 8, 1, workdir / f"{name}-1.json")
-        many = bench(base_url, tokenizer, 32, 16, workdir / f"{name}-16.json")
+    def bench(num_prompts: int, concurrency: int) -> dict[str, Any]:
+        return bench_serve(
+            base_url,
+            workdir / f"{name}-{concurrency}.json",
+            num_prompts=num_prompts,
+            concurrency=concurrency,
+            input_len=128,
+            output_len=64,
+            tokenizer=tokenizer,
+        )
+
+    with Server(command, base_url, log=workdir / f"{name}.log") as server:
+        poller = RSSPoller(server.pid)
+        single = bench(8, 1)
+        many = bench(32, 16)
         peak_rss = poller.stop()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-        log.close()
     return {
-        "ready_s": ready_s,
+        "ready_s": server.ready_s,
         "single_tpot_ms": single["median_tpot_ms"],
         "single_ttft_ms": single["median_ttft_ms"],
         "tok_s_16": many["output_throughput"],

@@ -15,10 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +23,9 @@ from typing import Any
 
 import httpx
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Server, free_port, tokenmill_command
 
 WORDS = [
     "the",
@@ -47,12 +47,6 @@ SCHEMAS = [
     {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
     for i in range(4)
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _prompt(rng: random.Random) -> str:
@@ -176,26 +170,12 @@ def main() -> None:
     parser.add_argument("--server-arg", action="append", default=[], help="extra serve flag")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    port = _free_port()
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", args.model]
+    port = free_port()
+    cmd = tokenmill_command("serve", args.model)
     cmd += ["--port", str(port), "--disable-access-log", *args.server_arg]
-    server = subprocess.Popen(cmd, env={**os.environ}, stderr=subprocess.DEVNULL)
     base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise SystemExit("the server did not start")
-            time.sleep(0.2)
+    with Server(cmd, base_url, ready_path="/health", ready_timeout_s=300) as server:
         result = asyncio.run(_soak(base_url, server.pid, args))
-    finally:
-        server.terminate()
-        server.wait(60)
     print(json.dumps({k: v for k, v in result.items() if k != "rss_mib"}, indent=2))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,901 @@
+"""Issues 18 and 20 in one prepared, resumable run: tokenmill against vLLM's CPU backend,
+llama.cpp and Transformers, every server on the same cores, one server at a time.
+
+Steps (``--list`` prints them with their estimated minutes on a quiet 2-core machine):
+
+  prepare            build the 250M benchmark Llama (engine_core.py's, seeded) and the ~360M
+                     random Mixtral (moe.py --shape full), convert the Llama to GGUF
+                     (gguf_convert.py), compile tokenmill's CPU kernels, check out --ref
+  A (issue 20)       the 250M Llama through each server with ``tokenmill bench serve``:
+                     single = 6 x (128 -> 64) at 1 stream, many = 32 x (128 -> 64) at 16
+                     streams, long = 16 x (1024 -> 64) at 8 streams; greedy, EOS ignored.
+                     a-vllm-bf16, a-tm-bf16 (paged), a-tm-bf16-static, a-tm-int8, a-tm-int4
+                     (--quantization, --dtype auto), a-llama-f16/q8_0/q4_0, a-ref-bf16 (with
+                     --ref: the same tokenmill bf16 server from a worktree of an older commit)
+  B (issue 18)       b-fallback: tokenmill bf16 --model-impl transformers on the 250M Llama
+                     (single, many; against a-tm-bf16); b-moe-offline: moe.py in bf16,
+                     tokenmill (with the share of step time in routing and expert dispatch,
+                     timed inside the engine's steps) and Transformers generate, at 1 and 16
+                     streams; b-moe-tm and b-moe-vllm: the MoE served, 4 x (128 -> 64) at 1
+                     stream and 32 x (128 -> 64) at 16
+  report             markdown tables with side-by-side ratios, the commands, CPU flags, date
+
+Each step writes ``OUT/<step>.json`` (a failed step too, with its error and the server log's
+tail, and the run goes on); ``--skip-done`` skips steps whose JSON has no error, so a run
+that stopped resumes where it was. Peak RSS is the server's process tree (summed RSS: vLLM's
+engine runs in a child process), over its whole life and while measured.
+
+    .venv/bin/python benchmarks/wave3_peers.py --ref 9abb3a3^ --skip-done   # everything
+    .venv/bin/python benchmarks/wave3_peers.py --only A --skip-done         # issue 20 only
+    .venv/bin/python benchmarks/wave3_peers.py --only report                # tables again
+    .venv/bin/python benchmarks/wave3_peers.py --tiny --out-dir results/wave3-smoke  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    CACHE,
+    PEERS_ROOT,
+    REPO,
+    Server,
+    bench_serve,
+    peers_dir,
+    source_env,
+    tokenmill_command,
+)
+
+HERE = Path(__file__).resolve().parent
+THREADS = os.cpu_count() or 1
+
+LLAMA_TINY_SHAPE: dict[str, Any] = (
+    dict(  # smoke tests only; head_dim 64 and multiples of 64 for the peers
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+    )
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_prompts: int
+    concurrency: int
+    input_len: int
+    output_len: int
+
+    def describe(self) -> str:
+        return (
+            f"{self.num_prompts} x ({self.input_len} -> {self.output_len}) "
+            f"at {self.concurrency} stream{'s' if self.concurrency > 1 else ''}"
+        )
+
+
+FULL_WORKLOADS = {
+    "single": Workload(6, 1, 128, 64),
+    "many": Workload(32, 16, 128, 64),
+    "long": Workload(16, 8, 1024, 64),
+    "moe1": Workload(4, 1, 128, 64),
+    "moe16": Workload(32, 16, 128, 64),
+}
+TINY_WORKLOADS = {
+    "single": Workload(2, 1, 16, 8),
+    "many": Workload(4, 4, 16, 8),
+    "long": Workload(4, 2, 128, 8),
+    "moe1": Workload(2, 1, 16, 8),
+    "moe16": Workload(4, 4, 16, 8),
+}
+
+
+@dataclass
+class Step:
+    name: str
+    group: str
+    minutes: float
+    """Estimated wall time on a quiet 2-core machine, models built and peers installed."""
+    run: Callable[[Context], dict[str, Any]]
+    describe: str = ""
+
+
+@dataclass
+class Context:
+    args: argparse.Namespace
+    out: Path
+    workloads: dict[str, Workload]
+    dense: Path
+    moe: Path
+    gguf_name: str
+    ref_src: Path | None = None
+    current: str = ""
+    """The step running now (dense_server_step's closures name their files by it)."""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.args.port}"
+
+
+# ---------------------------------------------------------------- servers
+
+
+def tokenmill_serve(
+    ctx: Context, model: Path, flags: list[str], max_model_len: int, max_num_seqs: int = 32
+) -> list[str]:
+    return tokenmill_command(
+        "serve",
+        str(model),
+        "--port",
+        str(ctx.args.port),
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--kv-cache-memory",
+        "1GiB",
+        "--num-threads",
+        str(THREADS),
+        "--disable-access-log",
+        *flags,
+    )
+
+
+def vllm_serve(ctx: Context, model: Path, max_model_len: int) -> list[str]:
+    """``vllm-cpu.sh serve``: bf16, every core computing (VLLM_CPU_OMP_THREADS_BIND=0-N and
+    VLLM_CPU_NUM_OF_RESERVED_CPU=0: by default vLLM keeps one core for its front end and
+    computes on the rest), 16 sequences, 1 GiB KV."""
+    return [
+        "env",
+        f"MAX_MODEL_LEN={max_model_len}",
+        "MAX_NUM_SEQS=16",
+        "bash",
+        str(peers_dir() / "vllm-cpu.sh"),
+        "serve",
+        str(model),
+        str(ctx.args.port),
+    ]
+
+
+def llama_serve(ctx: Context, gguf: Path, slots: int) -> list[str]:
+    """``build-llamacpp.sh serve``'s flags (16384 tokens of KV in all); ``slots`` parallel
+    sequences share them, so the long workload runs with 8 slots of 2048 tokens."""
+    return [
+        str(ctx.args.llama_server),
+        "-m",
+        str(gguf),
+        "--port",
+        str(ctx.args.port),
+        "-t",
+        str(THREADS),
+        "-np",
+        str(slots),
+        "-c",
+        "16384",
+        "-cb",
+    ]
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "completed",
+        "failed",
+        "duration_s",
+        "output_throughput",
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "mean_tpot_ms",
+        "median_tpot_ms",
+        "p99_tpot_ms",
+        "mean_itl_ms",
+    )
+    summary = {k: result[k] for k in keys if k in result}
+    config = (result.get("server_metrics") or {}).get("engine_config")
+    if config:
+        summary["engine_config"] = config
+    return summary
+
+
+def serve_and_bench(
+    ctx: Context,
+    name: str,
+    command: list[str],
+    workloads: list[str],
+    *,
+    tokenizer: Path,
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 900,
+) -> dict[str, Any]:
+    """Start one server, run ``workloads`` through it in turn, stop it."""
+    log = ctx.out / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, Any] = {}
+    result: dict[str, Any] = {"command": shlex.join(command), "runs": runs}
+    server = Server(
+        command, ctx.base_url, log=log, env=env, ready_timeout_s=ready_timeout_s, poll_rss=True
+    )
+    with server:
+        result["ready_s"] = round(server.ready_s, 1)
+        print(f"  ready in {server.ready_s:.0f} s", flush=True)
+        assert server.rss is not None
+        server.rss.mark()
+        for wl_name in workloads:
+            wl = ctx.workloads[wl_name]
+            start = time.monotonic()
+            raw = bench_serve(
+                ctx.base_url,
+                ctx.out / "raw" / f"{name}-{wl_name}.json",
+                num_prompts=wl.num_prompts,
+                concurrency=wl.concurrency,
+                input_len=wl.input_len,
+                output_len=wl.output_len,
+                tokenizer=tokenizer,
+                num_warmups=2,
+            )
+            runs[wl_name] = {"workload": wl.describe(), **summarize(raw)}
+            print(
+                f"  {wl_name:7s} {wl.describe():28s} {raw['output_throughput']:7.1f} tok/s  "
+                f"TTFT {raw['mean_ttft_ms']:7.0f} ms  TPOT {raw['mean_tpot_ms']:6.1f} ms  "
+                f"({time.monotonic() - start:.0f} s)",
+                flush=True,
+            )
+        result["peak_rss_gib"] = round(server.rss.peak / 2**30, 3)
+        result["peak_rss_serving_gib"] = round(server.rss.peak_since_mark / 2**30, 3)
+    return result
+
+
+# ---------------------------------------------------------------- steps
+
+
+def step_prepare(ctx: Context) -> dict[str, Any]:
+    py = sys.executable
+    info: dict[str, Any] = {}
+    for kind, folder in (("dense", ctx.dense), ("moe", ctx.moe)):
+        start = time.monotonic()
+        subprocess.run(
+            [
+                py,
+                __file__,
+                "--build-model",
+                kind,
+                str(folder),
+                *(["--tiny"] if ctx.args.tiny else []),
+            ],
+            check=True,
+        )
+        info[f"{kind}_model"] = {"path": str(folder), "build_s": round(time.monotonic() - start, 1)}
+        print(f"  {kind} model: {folder}", flush=True)
+    if ctx.args.llama_server.is_file():
+        subprocess.run(
+            [py, str(HERE / "gguf_convert.py"), str(ctx.dense), ctx.gguf_name], check=True
+        )
+        info["gguf"] = sorted(str(p) for p in (PEERS_ROOT / "gguf").glob(f"{ctx.gguf_name}-*.gguf"))
+        version = subprocess.run(
+            [str(ctx.args.llama_server), "--version"], capture_output=True, text=True
+        )
+        info["llama_cpp_version"] = (version.stdout + version.stderr).strip().splitlines()[:2]
+    else:
+        info["gguf"] = f"skipped: no llama-server at {ctx.args.llama_server}"
+    srcs = [("kernels", None)] + ([("ref_kernels", ctx.ref_src)] if ctx.ref_src else [])
+    for key, src in srcs:
+        start = time.monotonic()
+        probe = subprocess.run(
+            [py, "-c", "from tokenmill.kernels.build import load; print(load())"],
+            env=source_env(src),
+            capture_output=True,
+            text=True,
+        )
+        info[key] = {
+            "loaded": probe.stdout.strip() == "True",
+            "note": (probe.stderr.strip().splitlines() or [""])[-1][:300],
+            "seconds": round(time.monotonic() - start, 1),
+        }
+        print(f"  {key}: {info[key]}", flush=True)
+    vllm_py = PEERS_ROOT / "vllm-venv/bin/python"
+    if vllm_py.is_file():
+        version = subprocess.run(
+            [str(vllm_py), "-c", "import vllm; print(vllm.__version__)"],
+            capture_output=True,
+            text=True,
+        )
+        info["vllm_version"] = version.stdout.strip() or version.stderr.strip()[-300:]
+    return info
+
+
+def dense_server_step(
+    flags: list[str],
+    workloads: list[str],
+    *,
+    ref: bool = False,
+    max_model_len: int = 2048,
+    max_num_seqs: int = 32,
+) -> Callable[[Context], dict[str, Any]]:
+    def run(ctx: Context) -> dict[str, Any]:
+        name = ctx.current
+        command = tokenmill_serve(ctx, ctx.dense, flags, max_model_len, max_num_seqs)
+        if ref:  # the older tree's tokenmill, with this interpreter and its packages
+            command = ["env", f"PYTHONPATH={ctx.ref_src}", *command]
+        result = serve_and_bench(ctx, name, command, workloads, tokenizer=ctx.dense)
+        if ref:
+            result["ref"] = ctx.args.ref
+            result["ref_commit"] = git("rev-parse", ctx.args.ref)
+        return result
+
+    return run
+
+
+def step_vllm_dense(ctx: Context) -> dict[str, Any]:
+    command = vllm_serve(ctx, ctx.dense, 2048)
+    return serve_and_bench(
+        ctx, "a-vllm-bf16", command, ["single", "many", "long"], tokenizer=ctx.dense
+    )
+
+
+def llama_step(quant: str, long: bool) -> Callable[[Context], dict[str, Any]]:
+    def run(ctx: Context) -> dict[str, Any]:
+        gguf = PEERS_ROOT / "gguf" / f"{ctx.gguf_name}-{quant}.gguf"
+        if not gguf.is_file():
+            raise RuntimeError(f"{gguf} is missing: run the prepare step (needs llama.cpp built)")
+        name = f"a-llama-{quant}"
+        result = serve_and_bench(
+            ctx, name, llama_serve(ctx, gguf, 16), ["single", "many"], tokenizer=ctx.dense
+        )
+        if long:  # 8 slots of 2048 tokens: a 1088-token request does not fit 16 of 1024
+            long_result = serve_and_bench(
+                ctx, name + "-long", llama_serve(ctx, gguf, 8), ["long"], tokenizer=ctx.dense
+            )
+            result["runs"].update(long_result["runs"])
+            result["long_command"] = long_result["command"]
+            result["long_peak_rss_gib"] = long_result["peak_rss_gib"]
+        return result
+
+    return run
+
+
+def step_moe_offline(ctx: Context) -> dict[str, Any]:
+    out = ctx.out / "raw" / "b-moe-offline.json"
+    w1, w16 = ctx.workloads["moe1"], ctx.workloads["moe16"]
+    command = [
+        sys.executable,
+        str(HERE / "moe.py"),
+        "--model",
+        str(ctx.moe),
+        "--dtype",
+        "bfloat16",
+        "--prompt-len",
+        str(w16.input_len),
+        "--max-tokens",
+        str(w16.output_len),
+        "--streams",
+        str(w1.concurrency),
+        str(w16.concurrency),
+        "--num-threads",
+        str(THREADS),
+        "--with-transformers",
+        "--out",
+        str(out),
+    ]
+    subprocess.run(command, check=True)
+    result: dict[str, Any] = {"command": shlex.join(command), **json.loads(out.read_text())}
+    return result
+
+
+def step_moe_tm(ctx: Context) -> dict[str, Any]:
+    command = tokenmill_serve(ctx, ctx.moe, ["--dtype", "bfloat16"], 1024)
+    return serve_and_bench(ctx, "b-moe-tm", command, ["moe1", "moe16"], tokenizer=ctx.moe)
+
+
+def step_moe_vllm(ctx: Context) -> dict[str, Any]:
+    return serve_and_bench(
+        ctx, "b-moe-vllm", vllm_serve(ctx, ctx.moe, 1024), ["moe1", "moe16"], tokenizer=ctx.moe
+    )
+
+
+def step_report(ctx: Context) -> dict[str, Any]:
+    text = render_report(ctx)
+    (ctx.out / "report.md").write_text(text)
+    print(text)
+    return {"report": str(ctx.out / "report.md")}
+
+
+STEPS: list[Step] = [
+    Step("prepare", "prepare", 4, step_prepare, "models, GGUF, kernels, --ref worktree"),
+    Step("a-vllm-bf16", "A", 4, step_vllm_dense, "vLLM CPU bf16, every core"),
+    Step(
+        "a-tm-bf16",
+        "A",
+        2.5,
+        dense_server_step(["--dtype", "bfloat16"], ["single", "many", "long"]),
+        "tokenmill bf16, paged KV",
+    ),
+    Step(
+        "a-tm-bf16-static",
+        "A",
+        3,
+        dense_server_step(
+            ["--dtype", "bfloat16", "--kv-cache", "static"],
+            ["single", "many"],
+            max_model_len=512,
+            max_num_seqs=16,
+        ),
+        "tokenmill bf16, static KV (compiled decode step)",
+    ),
+    Step(
+        "a-tm-int8",
+        "A",
+        2.5,
+        dense_server_step(["--quantization", "int8"], ["single", "many", "long"]),
+        "tokenmill --quantization int8 (dtype auto)",
+    ),
+    Step(
+        "a-tm-int4",
+        "A",
+        2.5,
+        dense_server_step(["--quantization", "int4"], ["single", "many", "long"]),
+        "tokenmill --quantization int4 (dtype auto)",
+    ),
+    Step("a-llama-f16", "A", 3, llama_step("f16", True), "llama.cpp f16"),
+    Step("a-llama-q8_0", "A", 1.5, llama_step("q8_0", False), "llama.cpp Q8_0"),
+    Step("a-llama-q4_0", "A", 1.5, llama_step("q4_0", False), "llama.cpp Q4_0"),
+    Step(
+        "a-ref-bf16",
+        "A",
+        2.5,
+        dense_server_step(["--dtype", "bfloat16"], ["single", "many", "long"], ref=True),
+        "tokenmill bf16 paged at --ref (same run: no regression)",
+    ),
+    Step(
+        "b-fallback",
+        "B",
+        2,
+        dense_server_step(
+            ["--dtype", "bfloat16", "--model-impl", "transformers"], ["single", "many"]
+        ),
+        "tokenmill bf16 --model-impl transformers (against a-tm-bf16)",
+    ),
+    Step("b-moe-offline", "B", 4, step_moe_offline, "MoE offline: tokenmill shares, Transformers"),
+    Step("b-moe-tm", "B", 2, step_moe_tm, "MoE served by tokenmill bf16"),
+    Step("b-moe-vllm", "B", 3.5, step_moe_vllm, "MoE served by vLLM CPU bf16"),
+    Step("report", "report", 0, step_report, "markdown tables"),
+]
+
+
+# ---------------------------------------------------------------- report
+
+
+def load(ctx: Context, name: str) -> dict[str, Any] | None:
+    path = ctx.out / f"{name}.json"
+    if not path.is_file():
+        return None
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def metric(data: dict[str, Any] | None, run: str, key: str) -> float | None:
+    if not data or "error" in data:
+        return None
+    value = data.get("runs", {}).get(run, {}).get(key)
+    return float(value) if value is not None else None
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "—" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
+
+
+def render_report(ctx: Context) -> str:
+    wl = ctx.workloads
+    n = wl["many"].concurrency
+    prep = load(ctx, "prepare") or {}
+    lines = [
+        f"Run of `benchmarks/wave3_peers.py` in {ctx.out} — report written "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        "",
+        f"**Machine**: {cpu_model()}, {THREADS} logical CPUs, flags `{' '.join(cpu_flags())}`; "
+        f"torch {torch_version()}, vLLM {prep.get('vllm_version', '?')}, llama.cpp "
+        f"{' '.join(prep.get('llama_cpp_version', ['?']))}; tokenmill at {git('rev-parse', '--short', 'HEAD')}"
+        f"; tokenmill kernels loaded: {(prep.get('kernels') or {}).get('loaded')}.",
+        "",
+        "**Steps** (start → end UTC, wall s):",
+        "",
+    ]
+    for step in STEPS:
+        data = load(ctx, step.name)
+        if data is None:
+            lines.append(f"- {step.name}: not run")
+        else:
+            status = f"FAILED: {data['error']}" if "error" in data else "ok"
+            lines.append(
+                f"- {step.name}: {data.get('_started', '?')} → {data.get('_ended', '?')}, "
+                f"{data.get('_wall_s', '?')} s, {status}"
+            )
+    walls = [d["_wall_s"] for st in STEPS if (d := load(ctx, st.name)) and "_wall_s" in d]
+    lines.append(f"- steps' wall time in all: {sum(walls) / 60:.1f} min")
+    lines += ["", "### Issue 20: the 250M Llama, every server on the same cores", ""]
+    lines.append(
+        f"single = {wl['single'].describe()}, many = {wl['many'].describe()}, long = "
+        f"{wl['long'].describe()}; greedy, EOS ignored, `tokenmill bench serve` (2 warm-up "
+        "requests each). Means over requests. Peak RSS: the server's process tree, while serving."
+    )
+    lines += [
+        "",
+        f"| server, precision | {n} streams tok/s | {n}-stream TTFT mean ms | 1-stream TPOT ms "
+        "| long tok/s | long TTFT mean ms | long TPOT ms | peak RSS GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rows = [
+        ("vLLM CPU bf16", "a-vllm-bf16"),
+        ("tokenmill bf16 (paged)", "a-tm-bf16"),
+        ("tokenmill bf16 static", "a-tm-bf16-static"),
+        ("llama.cpp f16", "a-llama-f16"),
+        ("tokenmill int8 (dtype auto)", "a-tm-int8"),
+        ("llama.cpp Q8_0", "a-llama-q8_0"),
+        ("tokenmill int4 (dtype auto)", "a-tm-int4"),
+        ("llama.cpp Q4_0", "a-llama-q4_0"),
+        (f"tokenmill bf16 at {(load(ctx, 'a-ref-bf16') or {}).get('ref')}", "a-ref-bf16"),
+    ]
+    for label, name in rows:
+        d = load(ctx, name)
+        if d is None and name == "a-ref-bf16":
+            continue
+        if d is not None and "error" in d:
+            lines.append(f"| {label} | failed: {d['error'][:80]} | | | | | | |")
+            continue
+        lines.append(
+            f"| {label} | {fmt(metric(d, 'many', 'output_throughput'))} "
+            f"| {fmt(metric(d, 'many', 'mean_ttft_ms'), 0)} "
+            f"| {fmt(metric(d, 'single', 'mean_tpot_ms'))} "
+            f"| {fmt(metric(d, 'long', 'output_throughput'))} "
+            f"| {fmt(metric(d, 'long', 'mean_ttft_ms'), 0)} "
+            f"| {fmt(metric(d, 'long', 'mean_tpot_ms'))} "
+            f"| {fmt((d or {}).get('peak_rss_serving_gib'), 2)} |"
+        )
+    vllm, bf16 = load(ctx, "a-vllm-bf16"), load(ctx, "a-tm-bf16")
+    static = load(ctx, "a-tm-bf16-static")
+    int8, int4 = load(ctx, "a-tm-int8"), load(ctx, "a-tm-int4")
+    f16, q8, q4 = load(ctx, "a-llama-f16"), load(ctx, "a-llama-q8_0"), load(ctx, "a-llama-q4_0")
+
+    def m(d: dict[str, Any] | None, run: str, key: str) -> float | None:
+        return metric(d, run, key)
+
+    def inv(a: float | None, b: float | None) -> str:  # lower is better: b / a
+        return ratio(b, a)
+
+    lines += [
+        "",
+        "**Targets, side by side** (ratios > 1.00x favour tokenmill):",
+        "",
+        "| target | tokenmill | peer | ratio |",
+        "|---|---|---|---|",
+        f"| {n} streams bf16 tok/s ≥ 1.2x vLLM | {fmt(m(bf16, 'many', 'output_throughput'))} "
+        f"| {fmt(m(vllm, 'many', 'output_throughput'))} "
+        f"| {ratio(m(bf16, 'many', 'output_throughput'), m(vllm, 'many', 'output_throughput'))} |",
+        f"| {n}-stream TTFT mean ≤ vLLM's (ms) | {fmt(m(bf16, 'many', 'mean_ttft_ms'), 0)} "
+        f"| {fmt(m(vllm, 'many', 'mean_ttft_ms'), 0)} "
+        f"| {inv(m(bf16, 'many', 'mean_ttft_ms'), m(vllm, 'many', 'mean_ttft_ms'))} |",
+        f"| long tok/s ≥ 1.2x vLLM | {fmt(m(bf16, 'long', 'output_throughput'))} "
+        f"| {fmt(m(vllm, 'long', 'output_throughput'))} "
+        f"| {ratio(m(bf16, 'long', 'output_throughput'), m(vllm, 'long', 'output_throughput'))} |",
+        f"| long TTFT ≤ vLLM's (ms) | {fmt(m(bf16, 'long', 'mean_ttft_ms'), 0)} "
+        f"| {fmt(m(vllm, 'long', 'mean_ttft_ms'), 0)} "
+        f"| {inv(m(bf16, 'long', 'mean_ttft_ms'), m(vllm, 'long', 'mean_ttft_ms'))} |",
+        f"| long TPOT ≤ vLLM's (ms) | {fmt(m(bf16, 'long', 'mean_tpot_ms'))} "
+        f"| {fmt(m(vllm, 'long', 'mean_tpot_ms'))} "
+        f"| {inv(m(bf16, 'long', 'mean_tpot_ms'), m(vllm, 'long', 'mean_tpot_ms'))} |",
+    ]
+    for label, ours, theirs in (
+        ("bf16 vs llama.cpp f16", bf16, f16),
+        ("int8 vs llama.cpp Q8_0", int8, q8),
+        ("int4 vs llama.cpp Q4_0", int4, q4),
+    ):
+        a, b = m(ours, "single", "mean_tpot_ms"), m(theirs, "single", "mean_tpot_ms")
+        lines.append(
+            f"| 1-stream TPOT ≤ llama.cpp, {label} (ms) | {fmt(a)} | {fmt(b)} | {inv(a, b)} |"
+        )
+    for label, ours in (("int8", int8), ("int4", int4)):
+        a, b = m(ours, "many", "output_throughput"), m(bf16, "many", "output_throughput")
+        lines.append(
+            f"| {n} streams {label} ≥ bf16 (tok/s) | {fmt(a)} | {fmt(b)} (bf16) | {ratio(a, b)} |"
+        )
+    a, b = m(static, "single", "mean_tpot_ms"), m(bf16, "single", "mean_tpot_ms")
+    lines.append(
+        f"| 1-stream TPOT static vs paged (ms) | {fmt(a)} | {fmt(b)} (paged) | {inv(a, b)} |"
+    )
+
+    ref = load(ctx, "a-ref-bf16")
+    lines += ["", "### Issue 18", ""]
+    if ref is not None:
+        lines += [
+            f"**No regression on the dense 250M** (same run: tokenmill bf16 paged at HEAD against "
+            f"the same server from a worktree of `{ref.get('ref')}` = {ref.get('ref_commit', '?')[:10]}):",
+            "",
+            "| workload | HEAD tok/s | ref tok/s | HEAD / ref | HEAD TPOT ms | ref TPOT ms |",
+            "|---|---|---|---|---|---|",
+        ]
+        for run in ("single", "many", "long"):
+            a, b = m(bf16, run, "output_throughput"), m(ref, run, "output_throughput")
+            lines.append(
+                f"| {run} | {fmt(a)} | {fmt(b)} | {ratio(a, b)} | "
+                f"{fmt(m(bf16, run, 'mean_tpot_ms'))} | {fmt(m(ref, run, 'mean_tpot_ms'))} |"
+            )
+    else:
+        lines.append(
+            "**No regression on the dense 250M**: no `--ref` step in this run; compare the "
+            "tokenmill bf16 row above with an earlier run's (across runs, not the same run)."
+        )
+    fb = load(ctx, "b-fallback")
+    lines += [
+        "",
+        "**The Transformers fallback** (bf16, `--model-impl transformers`, against native in the "
+        "same run):",
+        "",
+        "| workload | native tok/s | fallback tok/s | fallback / native | native TPOT ms | fallback TPOT ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    if fb is not None and "error" in fb:
+        lines.append(f"| failed: {fb['error'][:100]} | | | | | |")
+    for run in ("single", "many"):
+        a, b = m(bf16, run, "output_throughput"), m(fb, run, "output_throughput")
+        lines.append(
+            f"| {wl[run].describe()} | {fmt(a)} | {fmt(b)} | {ratio(b, a)} | "
+            f"{fmt(m(bf16, run, 'mean_tpot_ms'))} | {fmt(m(fb, run, 'mean_tpot_ms'))} |"
+        )
+    off = load(ctx, "b-moe-offline") or {}
+    moe_tm, moe_vllm = load(ctx, "b-moe-tm"), load(ctx, "b-moe-vllm")
+    lines += [
+        "",
+        f"**Mixture of experts** ({ctx.moe.name}: random Mixtral, 8 experts, top-2; bf16). "
+        f"Served: moe1 = {wl['moe1'].describe()}, moe16 = {wl['moe16'].describe()}. Offline "
+        "(`moe.py`, one process, all prompts submitted at once; Transformers `generate` on one "
+        "padded batch): the share of tokenmill's wall time in routing and expert dispatch is "
+        "timed around `SparseMoE.route`/`dispatch` inside the engine's steps.",
+        "",
+        "| streams | tokenmill served tok/s | vLLM CPU served tok/s | tokenmill / vLLM "
+        "| tokenmill offline tok/s | Transformers tok/s | tokenmill / Transformers "
+        "| routing share | dispatch share |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for served_run, index in (("moe1", 0), ("moe16", 1)):
+        tm_rows = off.get("tokenmill") or []
+        hf_rows = off.get("transformers") or []
+        t = tm_rows[index] if index < len(tm_rows) else {}
+        h = hf_rows[index] if index < len(hf_rows) else {}
+        a, b = (
+            m(moe_tm, served_run, "output_throughput"),
+            m(moe_vllm, served_run, "output_throughput"),
+        )
+        share = t.get("route_share"), t.get("dispatch_share")
+        lines.append(
+            f"| {ctx.workloads[served_run].concurrency} | {fmt(a)} | {fmt(b)} | {ratio(a, b)} "
+            f"| {fmt(t.get('output_tok_s'))} | {fmt(h.get('output_tok_s'))} "
+            f"| {ratio(t.get('output_tok_s'), h.get('output_tok_s'))} "
+            f"| {fmt(None if share[0] is None else 100 * share[0])}% "
+            f"| {fmt(None if share[1] is None else 100 * share[1])}% |"
+        )
+    for name in ("b-moe-vllm", "b-moe-tm", "b-moe-offline"):
+        d = load(ctx, name)
+        if d is not None and "error" in d:
+            lines.append(f"\n{name} failed: `{d['error']}`\n\n```\n{d.get('log_tail', '')}\n```")
+    lines += [
+        "",
+        "**Commands** (this script's invocations, then each server as run):",
+        "",
+        "```bash",
+    ]
+    invocations = ctx.out / "invocations.txt"
+    if invocations.is_file():
+        lines += [f"# {line}" for line in invocations.read_text().splitlines()]
+    for step in STEPS:
+        d = load(ctx, step.name)
+        if d and d.get("command"):
+            lines.append(f"# {step.name}")
+            lines.append(d["command"])
+            if d.get("long_command"):
+                lines.append(d["long_command"])
+    lines += ["```", ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- plumbing
+
+
+def git(*args: str) -> str:
+    done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+    return done.stdout.strip() or done.stderr.strip()
+
+
+def cpu_flags() -> list[str]:
+    wanted = {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile"}
+    return sorted(wanted & set(Path("/proc/cpuinfo").read_text().split()))
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def torch_version() -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.__version__)"],
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout.strip()
+
+
+def ref_worktree(ref: str) -> Path:
+    """A detached worktree of ``ref`` under the cache (made once per commit); its src/."""
+    commit = git("rev-parse", "--verify", ref + "^{commit}")
+    if len(commit) != 40:
+        raise SystemExit(f"--ref {ref}: not a commit ({commit})")
+    folder = CACHE / "bench-ref" / commit[:12]
+    if not (folder / "src" / "tokenmill").is_dir():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(folder), commit],
+            check=True,
+            capture_output=True,
+        )
+    return folder / "src"
+
+
+def build_model_inner(kind: str, folder: Path, tiny: bool) -> None:
+    """In a child process (so the runner holds no weights): build one benchmark model."""
+    if kind == "dense":
+        if tiny:
+            import transformers
+            from _common import save_random_model
+
+            save_random_model(
+                folder,
+                lambda: transformers.LlamaConfig(
+                    **LLAMA_TINY_SHAPE, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1
+                ),
+            )
+        else:
+            from engine_core import build_model
+
+            build_model(folder)
+    else:
+        import moe
+
+        moe.build_model(folder, moe.SHAPES["tiny" if tiny else "full"])
+
+
+def select(args: argparse.Namespace) -> list[Step]:
+    steps = [s for s in STEPS if s.name != "a-ref-bf16" or args.ref]
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+        steps = [s for s in steps if any(s.name == w or s.group == w for w in wanted)]
+    if args.skip:
+        unwanted = [w.strip() for w in args.skip.split(",")]
+        steps = [s for s in steps if s.name not in unwanted and s.group not in unwanted]
+    return steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out-dir", type=Path, default=REPO / "results" / "wave3")
+    parser.add_argument("--only", help="comma list of steps or groups (prepare, A, B, report)")
+    parser.add_argument("--skip", help="comma list of steps or groups to leave out")
+    parser.add_argument("--skip-done", action="store_true", help="skip steps with a result")
+    parser.add_argument("--list", action="store_true", help="print the steps and exit")
+    parser.add_argument(
+        "--ref", help="git ref of an older tokenmill for the a-ref-bf16 step, e.g. 9abb3a3^"
+    )
+    parser.add_argument("--port", type=int, default=8600, help="every server's port, in turn")
+    parser.add_argument(
+        "--llama-server",
+        type=Path,
+        default=PEERS_ROOT / "build-llama" / "bin" / "llama-server",
+        help="llama.cpp's server binary (build-llamacpp.sh build)",
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="smoke test: tiny models and request counts"
+    )
+    parser.add_argument(
+        "--build-model", nargs=2, metavar=("KIND", "FOLDER"), help=argparse.SUPPRESS
+    )
+    args = parser.parse_args(argv)
+    if args.build_model:
+        build_model_inner(args.build_model[0], Path(args.build_model[1]), args.tiny)
+        return 0
+    steps = select(args)
+    if args.list:
+        for s in steps:
+            print(f"{s.name:18s} {s.group:8s} ~{s.minutes:4.1f} min  {s.describe}")
+        print(f"total ~{sum(s.minutes for s in steps):.0f} min")
+        return 0
+    tiny = args.tiny
+    ctx = Context(
+        args=args,
+        out=args.out_dir,
+        workloads=TINY_WORKLOADS if tiny else FULL_WORKLOADS,
+        dense=CACHE / ("bench-llama-tiny" if tiny else "bench-llama-250m"),
+        moe=CACHE / ("bench-moe-tiny" if tiny else "bench-moe-360m"),
+        gguf_name="llamatiny" if tiny else "llama250m",
+    )
+    if os.environ.get("TOKENMILL_BENCH_DENSE"):
+        ctx.dense = Path(os.environ["TOKENMILL_BENCH_DENSE"])
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    with (ctx.out / "invocations.txt").open("a") as f:
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        f.write(f"{stamp}  cd {Path.cwd()} && {shlex.join([sys.executable, *sys.argv])}\n")
+    if args.ref:
+        ctx.ref_src = ref_worktree(args.ref)
+    todo = [
+        s
+        for s in steps
+        if not (
+            args.skip_done
+            and s.name != "report"
+            and (d := load(ctx, s.name)) is not None
+            and "error" not in d
+        )
+    ]
+    total = sum(s.minutes for s in todo)
+    print(
+        f"{len(todo)} steps, about {total:.0f} min: {', '.join(s.name for s in todo)}", flush=True
+    )
+    run_start = time.monotonic()
+    for i, step in enumerate(todo, 1):
+        elapsed = (time.monotonic() - run_start) / 60
+        print(
+            f"[{i}/{len(todo)}] {step.name} (~{step.minutes} min; {elapsed:.1f} min elapsed) "
+            f"{step.describe}",
+            flush=True,
+        )
+        ctx.current = step.name
+        started = time.gmtime()
+        start = time.monotonic()
+        try:
+            result = step.run(ctx)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:
+            log = ctx.out / "logs" / f"{step.name}.log"
+            tail = (
+                "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+                if log.is_file()
+                else ""
+            )
+            result = {
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+                "log_tail": tail,
+            }
+            print(f"  FAILED: {result['error']}\n{tail}", flush=True)
+        result["_started"] = time.strftime("%Y-%m-%d %H:%M:%S", started)
+        result["_ended"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+        result["_wall_s"] = round(time.monotonic() - start, 1)
+        if step.name != "report":
+            (ctx.out / f"{step.name}.json").write_text(json.dumps(result, indent=2))
+        print(f"  done in {result['_wall_s']:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
