@@ -71,6 +71,13 @@ class _StopCommand:
 _Command = _AddCommand | _AbortCommand | _RemoveLoRACommand | _StopCommand
 
 
+def _shutdown_workers(engine: LLMEngine) -> None:
+    """Stop the engine's worker processes (a stand-in engine may have none)."""
+    shutdown = getattr(engine, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+
+
 class AsyncLLMEngine:
     """An LLMEngine driven by a background thread, fed and drained from asyncio."""
 
@@ -288,15 +295,17 @@ class AsyncLLMEngine:
             self.error = exc
             self.state = EngineState.DEAD
             self._call_on_loop(self._fail_all_streams, "the engine failed")
-            engine.shutdown()  # the ranks still alive exit too (worker processes)
+            _shutdown_workers(engine)  # the ranks still alive exit too
             return
-        engine.shutdown()
+        _shutdown_workers(engine)
         self.state = EngineState.STOPPED
         self._call_on_loop(self._fail_all_streams, "the engine was shut down")
 
     def _loop_forever(self, engine: LLMEngine) -> None:
+        # An engine factory may build a stand-in without workers (tests): nothing to watch.
+        check_health = getattr(engine, "check_health", lambda: None)
         while True:
-            engine.check_health()  # a worker process that died while idle ends the loop too
+            check_health()  # a worker process that died while idle ends the loop too
             commands = self._take_commands(block=not engine.has_unfinished_requests())
             is_stopped, needs_flush = self._apply(engine, commands)
             if is_stopped:
