@@ -171,10 +171,9 @@ def _attend(
 _KERNEL_KV_DTYPES = (torch.float32, torch.bfloat16, *FP8_DTYPES)
 
 
-def _decode_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, softcap: float) -> bool:
-    """Whether tokenmill's paged decode kernel takes these queries and this cache (it has no
-    score soft-capping: Gemma 2's layers take the torch path)."""
-    return softcap == 0 and kernels.supports(q, float32=True) and k_cache.dtype in _KERNEL_KV_DTYPES
+def _decode_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether tokenmill's paged decode kernel takes these queries and this cache."""
+    return kernels.supports(q, float32=True) and k_cache.dtype in _KERNEL_KV_DTYPES
 
 
 def _decode_kernel(
@@ -186,11 +185,20 @@ def _decode_kernel(
     scale: float,
     window: int | None,
     kv_scales: torch.Tensor | None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """tokenmill CPU kernel: one query per row [B, Hq, D] over the blocks where they lie."""
     scales = kv_scales if kv_scales is not None else q.new_ones(2, dtype=torch.float32)
     return kernels.paged_decode_attention(
-        q.contiguous(), k_cache, v_cache, block_tables, context_lens, scale, window or 0, scales
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        scale,
+        window or 0,
+        scales,
+        softcap,
     )
 
 
@@ -209,7 +217,7 @@ def paged_attention(
     block_size = k_cache.shape[1]
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in meta.groups:
-        if group.is_decode and _decode_kernel_applies(q, k_cache, softcap):  # tokenmill CPU kernel
+        if group.is_decode and _decode_kernel_applies(q, k_cache):  # tokenmill CPU kernel
             rows = group.token_index.view(-1)
             out[rows] = _decode_kernel(
                 q[rows],
@@ -220,6 +228,7 @@ def paged_attention(
                 scale,
                 window,
                 kv_scales,
+                softcap,
             )
             continue
         rows = q[group.token_index]
@@ -281,11 +290,9 @@ def decode_attention(
     out of the traced graph. ``window`` 0 means full attention, ``softcap`` 0 no capping.
     """
     write_kv(k_cache, v_cache, k, v, slot_mapping, kv_scales)
-    if _decode_kernel_applies(
-        q, k_cache, softcap
-    ):  # tokenmill CPU kernel: no gather, no trim needed
+    if _decode_kernel_applies(q, k_cache):  # tokenmill CPU kernel: no gather, no trim needed
         return _decode_kernel(
-            q, k_cache, v_cache, block_tables, context_lens, scale, window, kv_scales
+            q, k_cache, v_cache, block_tables, context_lens, scale, window, kv_scales, softcap
         )
     block_size = k_cache.shape[1]
     if trim_to_longest:
