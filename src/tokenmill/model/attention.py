@@ -37,6 +37,9 @@ class AttentionGroup:
     context_lens: torch.Tensor
     """[B] tokens with KV after this step's writes."""
     is_decode: bool
+    segments: list[tuple[int, int, int]] | None = None
+    """Per request (first row, queries, context length) where its rows are consecutive and
+    its queries are the last positions of its context (every prefill chunk); else None."""
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     """Per sliding window (None = full): [B, 1, max_q, max_kv] bool, True = attend."""
 
@@ -168,6 +171,64 @@ def _attend(
     return attn.reshape(batch * max_q, num_heads * head_dim)
 
 
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU flash attention: (out [1, H, n, D], log-sum-exp [1, H, n] fp32)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale
+    )
+    return out, lse
+
+
+def _causal_chunk(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    context: int,
+    scale: float,
+    kv_scales: torch.Tensor,
+) -> torch.Tensor:
+    """Causal attention of one request's chunk q [n, Hq, D] (its last n positions) over its
+    ``context`` cached tokens; returns [n, Hq * D].
+
+    torch's flash kernel with ``is_causal`` skips the masked upper triangle, which the
+    explicit-mask path cannot (it also builds and reads a [G * n, context] mask). A cached
+    prefix is attended without a mask (every query sees all of it) and merged with the
+    chunk's causal part through their log-sum-exps.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    keys = _gather(k_cache, blocks, kv_scales[0], q.dtype).view(-1, num_kv_heads, head_dim)
+    values = _gather(v_cache, blocks, kv_scales[1], q.dtype).view(-1, num_kv_heads, head_dim)
+    prefix = context - n
+
+    def heads(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """[1, Hq, hi - lo, D], contiguous: the flash kernel wants one K/V head per query head."""
+        return x[lo:hi].transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+
+    qh = q.transpose(0, 1).unsqueeze(0).contiguous()
+    out, lse = _flash(qh, heads(keys, prefix, context), heads(values, prefix, context), True, scale)
+    if prefix > 0:
+        out_p, lse_p = _flash(qh, heads(keys, 0, prefix), heads(values, 0, prefix), False, scale)
+        top = torch.maximum(lse, lse_p)
+        w, w_p = (lse - top).exp().unsqueeze(-1), (lse_p - top).exp().unsqueeze(-1)
+        out = ((out.float() * w + out_p.float() * w_p) / (w + w_p)).to(q.dtype)
+    return out[0].transpose(0, 1).reshape(n, num_heads * head_dim)
+
+
+def _causal_chunks_apply(
+    q: torch.Tensor, group: AttentionGroup, window: int | None, softcap: float
+) -> bool:
+    """Whether every request of a chunk group can take ``_causal_chunk``: CPU, no softcap,
+    and no sliding window shorter than a context (those need the explicit mask)."""
+    if group.is_decode or group.segments is None or softcap > 0 or q.device.type != "cpu":
+        return False
+    return window is None or all(ctx <= window for _, _, ctx in group.segments)
+
+
 _KERNEL_KV_DTYPES = (torch.float32, torch.bfloat16, *FP8_DTYPES)
 
 
@@ -230,6 +291,14 @@ def paged_attention(
                 kv_scales,
                 softcap,
             )
+            continue
+        if _causal_chunks_apply(q, group, window, softcap):
+            scales = kv_scales if kv_scales is not None else q.new_ones(2, dtype=torch.float32)
+            for i, (first, n, ctx) in enumerate(group.segments or ()):
+                blocks = group.block_tables[i, : -(-ctx // block_size)]
+                out[first : first + n] = _causal_chunk(
+                    q[first : first + n], k_cache, v_cache, blocks, ctx, scale, scales
+                )
             continue
         rows = q[group.token_index]
         attn = _attend(
