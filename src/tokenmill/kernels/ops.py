@@ -86,7 +86,7 @@ def describe() -> str:
         amx = "AMX not granted, not used"
     return (
         f"tokenmill CPU kernels ({active_isa()}): int8/int4 linear (W8A8), add+RMSNorm, "
-        f"SiLU*mul, RoPE, paged decode attention; {amx}"
+        f"SiLU*mul, RoPE, paged decode attention (split-K, softcap); {amx}"
     )
 
 
