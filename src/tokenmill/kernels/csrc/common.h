@@ -245,6 +245,8 @@ void attention_impl(const tokenmill::AttnArgs& a, int64_t i0, int64_t i1) {
   int64_t* rows = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * bs));
   const Vec::R qscale = Vec::set1(a.scale * (a.softcap > 0 ? 1.0f : a.k_scale));
   const float post_scale = a.softcap > 0 ? a.k_scale : 1.0f;  // K's fp8 scale, before the cap
+  const int64_t kv_bytes = KF == tokenmill::F32 ? 4 : KF == tokenmill::BF16 ? 2 : 1;
+  const int64_t block_bytes = bs * Hkv * D * kv_bytes;
   for (int64_t idx = i0; idx < i1; ++idx) {
     const int64_t b = a.item_seq[idx], t0 = a.item_range[2 * idx], t1 = a.item_range[2 * idx + 1];
     const int64_t* table = a.block_tables + b * a.ldbt;
@@ -261,6 +263,13 @@ void attention_impl(const tokenmill::AttnArgs& a, int64_t i0, int64_t i1) {
       const int64_t s = max64(t0, blk * bs), e = min64(t1, blk * bs + bs);
       const int n = (int)(e - s);
       const int64_t base = (table[blk] * bs + (s - blk * bs)) * Hkv * D;
+      if ((blk + 1) * bs < t1) {  // the next block lies elsewhere in the pool: fetch it early
+        const int64_t next = table[blk + 1] * bs * Hkv * D * kv_bytes;
+        for (int64_t off = 0; off < block_bytes; off += 64) {
+          __builtin_prefetch(static_cast<const char*>(a.k_cache) + next + off);
+          __builtin_prefetch(static_cast<const char*>(a.v_cache) + next + off);
+        }
+      }
       for (int64_t h = 0; h < Hkv; ++h) {
         for (int t = 0; t < n; ++t) rows[t] = base + (t * Hkv + h) * D;
         const float* qh = qf + h * G * dp;
