@@ -57,16 +57,24 @@ class PrefixAffinityRouter:
     def num_replicas(self) -> int:
         return len(self.load)
 
-    def choose(self, hashes: list[BlockHash]) -> tuple[int, int]:
-        """(replica, leading blocks it is believed to hold) for a prompt's block hashes."""
-        live = [r for r in range(self.num_replicas) if self.is_alive[r]]
+    def live_replicas(self, exclude: frozenset[int] = frozenset()) -> list[int]:
+        return [r for r in range(self.num_replicas) if self.is_alive[r] and r not in exclude]
+
+    def choose(
+        self, hashes: list[BlockHash], exclude: frozenset[int] = frozenset()
+    ) -> tuple[int, int]:
+        """(replica, leading blocks it is believed to hold) for a prompt's block hashes.
+
+        ``exclude``: replicas this request already tried (they answered 503).
+        """
+        live = self.live_replicas(exclude)
         if not live:
             raise RuntimeError("no live replica")
         least = min(live, key=lambda r: (self.load[r], r))
         best, depth = None, 0
         candidates: set[int] | None = None
         for i, h in enumerate(hashes):
-            holders = {r for r in self._holders.get(h, ()) if self.is_alive[r]}
+            holders = {r for r in self._holders.get(h, ()) if self.is_alive[r] and r not in exclude}
             candidates = holders if candidates is None else candidates & holders
             if not candidates:
                 break
@@ -100,9 +108,14 @@ class PrefixAffinityRouter:
     def finished(self, replica: int) -> None:
         self.load[replica] = max(0, self.load[replica] - 1)
 
-    def mark_dead(self, replica: int) -> None:
-        """A replica went away: its cache is gone, so is what we believed it held."""
+    def mark_dead(self, replica: int, forget: bool = True) -> None:
+        """A replica went away: its cache is gone, so is what we believed it held.
+
+        ``forget=False``: it only stopped answering (its process, and cache, live on).
+        """
         self.is_alive[replica] = False
+        if not forget:
+            return
         self.load[replica] = 0
         for h in self._blocks[replica]:
             self._forget(h, replica)
