@@ -29,6 +29,16 @@ def test_shared_prefixes_go_to_one_replica_and_others_spread() -> None:
     assert router.num_affinity_hits == 12
 
 
+def test_new_prefixes_spread_over_idle_replicas() -> None:
+    router = PrefixAffinityRouter(2, BS)
+    homes = []
+    for p in range(4):  # one at a time: every load is 0 when each is routed
+        prefix = list(range(100 * p, 100 * p + 2 * BS))
+        homes.append(router.route(prefix))
+        router.finished(homes[-1])
+    assert sorted(homes) == [0, 0, 1, 1]
+
+
 def test_load_beats_affinity_past_the_imbalance_bound() -> None:
     router = PrefixAffinityRouter(2, BS, max_load_imbalance=2)
     prompt = list(range(50, 70))

@@ -7,7 +7,7 @@ its longest chain of leading blocks, the one most likely to have them in its pre
 unless that replica is busier than the least loaded one by more than
 ``max_load_imbalance`` requests (then load wins, as Ray Serve's
 ``PrefixCacheAffinityRouter`` and SGLang's cache-aware router do); with no match it goes to
-the least loaded replica. Each replica's memory of hashes is an LRU bounded by
+the least loaded replica (of equally loaded ones, the one holding the fewest blocks). Each replica's memory of hashes is an LRU bounded by
 ``max_blocks_per_replica`` (about its KV cache's size in blocks: older blocks have likely
 been evicted there too). Lookup costs O(matched blocks), not O(replicas).
 """
@@ -70,7 +70,10 @@ class PrefixAffinityRouter:
         live = self.live_replicas(exclude)
         if not live:
             raise RuntimeError("no live replica")
-        least = min(live, key=lambda r: (self.load[r], r))
+        # Equal loads: the replica remembered to hold the fewest blocks, so that new prefixes
+        # spread over the caches instead of piling onto the first replica (as SGLang's
+        # cache-aware router sends an unmatched prompt to the smallest tree).
+        least = min(live, key=lambda r: (self.load[r], len(self._blocks[r]), r))
         best, depth = None, 0
         candidates: set[int] | None = None
         for i, h in enumerate(hashes):

@@ -262,8 +262,8 @@ class FrontEnd:
         except httpx.TransportError as exc:
             return self._lost(replica, exc)
         finally:
-            await upstream.aclose()
             self.pool.router.finished(replica)
+            await upstream.aclose()
         return Response(
             content,
             status_code=upstream.status_code,
@@ -296,9 +296,9 @@ class FrontEnd:
             else:
                 yield b"data: " + error_body_bytes(502, message, code="replica_failed") + b"\n\n"
                 yield b"data: [DONE]\n\n"
-        finally:
-            await upstream.aclose()
+        finally:  # counted as finished before the replica can see the stream close
             self.pool.router.finished(replica)
+            await upstream.aclose()
 
     # ---- own routes ----------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -307,7 +307,10 @@ class FrontEnd:
         return _error(503, "no replica is ready", code="no_replica_ready")
 
     async def replicas(self, request: Request) -> Response:
-        return JSONResponse({"replicas": self.supervisor.describe()})
+        replicas = self.supervisor.describe()
+        for entry in replicas:
+            entry["in_flight"] = self.pool.router.load[entry["replica"]]
+        return JSONResponse({"replicas": replicas, "routing": self.pool.policy})
 
     async def metrics_route(self, request: Request) -> Response:
         async def scrape(index: int) -> tuple[int, str | None]:
