@@ -44,25 +44,32 @@ REGISTRY_NAME = "tokenmill-metrics-registry"
 
 @dataclass
 class RoutedRequest:
-    """One HTTP request as the ingress hands it to an engine replica.
-
-    ``prompt`` / ``messages`` are the attributes Ray's prefix-aware router reads."""
+    """One HTTP request as the ingress hands it to an engine replica."""
 
     method: str
     path: str
     headers: list[tuple[str, str]]
     body: bytes
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = field(default=None)
+
+
+@dataclass
+class PromptRequest(RoutedRequest):
+    """Ray's prefix-aware router reads ``prompt`` (it stops at the first of ``messages`` and
+    ``prompt`` an argument has, even when None: so each class has exactly one)."""
+
+    prompt: str = ""
+
+
+@dataclass
+class ChatRequest(RoutedRequest):
+    messages: list[dict[str, Any]] = field(default_factory=list)
 
 
 def routed_request(method: str, path: str, headers: list[tuple[str, str]], body: bytes) -> Any:
-    """A RoutedRequest with the prompt text or messages of a generation body.
+    """A ChatRequest (messages) or PromptRequest (prompt text) for a body.
 
-    Ray's router needs one of the two attributes on every request (it raises otherwise),
-    so a request without a prompt gets an empty one (routed by load)."""
-    prompt: str | None = ""
-    messages = None
+    Ray's router needs one of the two on every request (it raises otherwise), so a request
+    without a prompt gets an empty one (routed by load)."""
     with contextlib.suppress(ValueError, TypeError, AttributeError):
         payload = json.loads(body) if body else {}
         if isinstance(payload, dict):
@@ -74,20 +81,27 @@ def routed_request(method: str, path: str, headers: list[tuple[str, str]], body:
                 ]
                 if payload.get("system"):
                     messages.insert(0, {"role": "system", "content": str(payload["system"])})
-                prompt = None
-            else:
-                value = payload.get("prompt", payload.get("input", ""))
-                if isinstance(value, list) and value and isinstance(value[0], str):
-                    value = value[0]
-                prompt = value if isinstance(value, str) else ""
-    return RoutedRequest(method, path, headers, body, prompt=prompt, messages=messages)
+                return ChatRequest(method, path, headers, body, messages=messages)
+            value = payload.get("prompt", payload.get("input", ""))
+            if isinstance(value, list) and value and isinstance(value[0], str):
+                value = value[0]
+            if isinstance(value, str) and value:
+                return PromptRequest(method, path, headers, body, prompt=value)
+    # Not empty: Ray's router divides by the text's length.
+    return PromptRequest(method, path, headers, body, prompt=path)
 
 
 def build_application(args: argparse.Namespace) -> Any:
     """The Ray Serve application for these flags (``serve.run`` it, or deploy it)."""
     from ray import serve
     from ray.serve.config import AutoscalingConfig, RequestRouterConfig
-    from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+
+    try:
+        from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+    except ImportError:  # ray.serve.llm's package needs ray[llm] (pyarrow...); the router does not
+        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+            PrefixCacheAffinityRouter,
+        )
     from starlette.requests import Request
     from starlette.responses import Response, StreamingResponse
 
@@ -311,7 +325,14 @@ def run_ray_serve(args: argparse.Namespace) -> int:
         ) from None
     from tokenmill.entrypoints.openai.server import server_config_from_args
 
-    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, namespace="serve")
+    # Ray's workers import tokenmill as this process does (a source checkout on PYTHONPATH too).
+    paths = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    ray.init(
+        address=os.environ.get("RAY_ADDRESS"),
+        include_dashboard=False,
+        namespace="serve",
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}} if paths else None,
+    )
     from tokenmill.entrypoints.cli import serve_model
     from tokenmill.entrypoints.engine_args import engine_config_from_args
 
