@@ -99,7 +99,7 @@ def build_application(args: argparse.Namespace) -> Any:
     try:
         from ray.serve.llm.request_router import PrefixCacheAffinityRouter
     except ImportError:  # ray.serve.llm's package needs ray[llm] (pyarrow...); the router does not
-        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (  # type: ignore[assignment]
             PrefixCacheAffinityRouter,
         )
     from starlette.requests import Request
