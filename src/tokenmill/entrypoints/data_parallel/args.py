@@ -70,6 +70,13 @@ def add_data_parallel_args(
         "all are loading) before it gets 503",
     )
     group.add_argument(
+        "--ray-max-replicas",
+        type=int,
+        default=None,
+        help="with --data-parallel-backend ray: let Ray autoscale the engine replicas on "
+        "ongoing requests between --data-parallel-size and this many (default: fixed)",
+    )
+    group.add_argument(
         "--dp-health-interval",
         type=float,
         default=0.5,
