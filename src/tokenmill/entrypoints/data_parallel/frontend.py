@@ -372,6 +372,17 @@ def build_front_app(front: FrontEnd) -> Starlette:
         api_keys=front.config.api_keys,
         open_health_metrics=front.config.disable_auth_for_health_metrics,
     )
+    config = front.config
+    if config.allowed_origins:  # CORS at the front (replicas are reached by it alone)
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_credentials=config.allow_credentials,
+            allow_methods=list(config.allowed_methods),
+            allow_headers=list(config.allowed_headers),
+        )
     return app
 
 

@@ -47,7 +47,7 @@ def replica_args(args: argparse.Namespace, index: int, socket_path: str) -> argp
     for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
         if hasattr(out, name):
             setattr(out, name, None)
-    out.allowed_origins = getattr(out, "allowed_origins", None) and ()
+    out.allowed_origins = ()  # CORS is the front end's
     if getattr(args, "num_threads", None) is None:
         import psutil
 
