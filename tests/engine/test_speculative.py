@@ -60,6 +60,33 @@ def test_greedy_matches_transformers(make_model, reference_greedy, family, kv_ca
     expected, _ = reference_greedy(folder, prompts, MAX_NEW)
     assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
     _assert_speculated(llm)
+    assert llm.engine.runner.num_compiled_verify_steps == 0  # enforce_eager: the eager path
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_static_compiled_verification_matches_transformers(
+    make_model, reference_greedy, method
+) -> None:
+    """static, compiled: steps verifying k + 1 tokens per request run through the compiled
+    graphs (a bucket added for their rows), and greedy output is still transformers'."""
+    folder = make_model("llama")
+    spec = NGRAM if method == "ngram" else {"model": str(folder), "num_speculative_tokens": 3}
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=2,
+        kv_cache="static",
+        speculative_config=spec,
+    )
+    step = llm.engine.runner.compiled_decode
+    assert step is not None and step.buckets == [1, 2, 8]  # 2 requests x (1 + 3 drafts)
+    prompts = _copy_prompts(llm.tokenizer.vocab_size, 4, seed=12)
+    expected, _ = reference_greedy(folder, prompts, MAX_NEW)
+    assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
+    _assert_speculated(llm)
+    assert llm.engine.runner.num_compiled_verify_steps > 0
+    assert step.eager_buckets == []
 
 
 def test_chunked_prefill_preemption_and_prefix_caching_stay_exact(make_model) -> None:

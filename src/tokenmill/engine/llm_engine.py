@@ -22,6 +22,7 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.speculative import (
     SpeculativeConfig,
     max_draft_tokens,
+    max_verify_rows,
     num_tokens_to_propose,
     propose_ngram,
 )
@@ -101,6 +102,17 @@ def _generation_eos_ids(folder: Path) -> set[int]:
     if eos is None:
         return set()
     return set(eos) if isinstance(eos, list) else {int(eos)}
+
+
+def _with_verify_bucket(config: EngineConfig, buckets: list[int]) -> list[int]:
+    """static + speculation: one more compiled batch size when a step verifying drafts can
+    have more rows (k + 1 per request) than the largest decode bucket (not with
+    ``--compile-batch-sizes``: those are taken as given)."""
+    spec = config.speculative
+    if spec is None or config.compile_batch_sizes:
+        return buckets
+    rows = max_verify_rows(spec, config.max_num_seqs)
+    return buckets + [rows] if rows > max(buckets, default=0) else buckets
 
 
 class LLMEngine:
@@ -237,8 +249,12 @@ class LLMEngine:
                 self.kv_manager.block_size,
                 max_blocks_per_seq=-(-self.max_model_len // self.kv_manager.block_size),
                 scratch_block=self.kv_manager.num_blocks,
-                buckets=list(
-                    config.compile_batch_sizes or default_buckets(config.max_num_seqs, self.device)
+                buckets=_with_verify_bucket(
+                    config,
+                    list(
+                        config.compile_batch_sizes
+                        or default_buckets(config.max_num_seqs, self.device)
+                    ),
                 ),
                 device=self.device,
             )
