@@ -457,7 +457,9 @@ def load_trained(folder: Path) -> tuple[TrainableLlama, dict]:
 
     cfg = json.loads((folder / "config.json").read_text())
     model = TrainableLlama(cfg)
-    model.load_state_dict({k: v.float() for k, v in load_file(folder / "model.safetensors").items()})
+    model.load_state_dict(
+        {k: v.float() for k, v in load_file(folder / "model.safetensors").items()}
+    )
     return model, cfg
 
 
@@ -515,8 +517,11 @@ def train_draft(args: argparse.Namespace) -> None:
         }
     )
     agreement_before = greedy_agreement(draft, teacher, heldout_windows)
-    print(f"draft: {sum(p.numel() for p in draft.parameters())} parameters; held-out greedy "
-          f"agreement before training {agreement_before:.3f}", flush=True)
+    print(
+        f"draft: {sum(p.numel() for p in draft.parameters())} parameters; held-out greedy "
+        f"agreement before training {agreement_before:.3f}",
+        flush=True,
+    )
     optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr / 2, weight_decay=0.0)
     generator = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(len(train_windows), generator=generator)
@@ -535,8 +540,11 @@ def train_draft(args: argparse.Namespace) -> None:
         losses.append(loss.item())
         if (step + 1) % args.log_every == 0:
             recent = sum(losses[-args.log_every :]) / args.log_every
-            print(f"draft step {step + 1}/{args.draft_steps} KL {recent:.3f} "
-                  f"({time.monotonic() - start:.0f}s)", flush=True)
+            print(
+                f"draft step {step + 1}/{args.draft_steps} KL {recent:.3f} "
+                f"({time.monotonic() - start:.0f}s)",
+                flush=True,
+            )
     draft.eval()
     with torch.no_grad():
         for param in draft.parameters():

@@ -290,6 +290,38 @@ def test_draft_model_greedy_matches_transformers(
         assert stats.spec_num_accepted_tokens >= min_rate * stats.spec_num_draft_tokens
 
 
+def test_draft_catch_up_within_a_small_budget_stays_exact(make_model) -> None:
+    """The draft's catch-up counts in max_num_batched_tokens: with 30-token prompts and a
+    budget of 7, it reads them in chunks over several steps, then proposes; exact still."""
+    folder = make_model("llama")
+    plain = LLM(str(folder), dtype="float32", max_model_len=128)
+    spec = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        max_num_batched_tokens=7,
+        speculative_config={"model": str(folder), "num_speculative_tokens": 2},
+    )
+    engine = spec.engine
+    prompts = [p + p[:10] for p in _copy_prompts(plain.tokenizer.vocab_size, 2, seed=13)]
+    prompts = [(p * 4)[:30] for p in prompts]
+    params = _greedy(20)
+    want = _tokens(plain.generate(prompts, params, use_tqdm=False))
+    budgets = []
+    original = engine.scheduler.schedule
+
+    def schedule():
+        out = original()
+        budgets.append((out.total_num_tokens, out.num_draft_model_tokens))
+        return out
+
+    engine.scheduler.schedule = schedule  # type: ignore[method-assign]
+    assert _tokens(spec.generate(prompts, params, use_tqdm=False)) == want
+    assert all(target + draft <= 7 for target, draft in budgets)
+    assert sum(1 for _, draft in budgets if draft >= 5) >= 4  # catch-up in chunks
+    assert engine.stats.spec_num_accepted_tokens > 0
+
+
 def test_draft_model_survives_preemption_and_refuses_another_vocabulary(
     make_model, tmp_path
 ) -> None:

@@ -211,6 +211,8 @@ class LLMEngine:
             config.scheduling_policy,
             max_loras=config.max_loras if config.enable_lora else None,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            draft_model=config.speculative is not None
+            and config.speculative.method == "draft_model",
         )
         lora = None
         if config.enable_lora:
