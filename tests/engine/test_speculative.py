@@ -221,6 +221,41 @@ def test_policy_turns_speculation_off_for_a_full_batch(make_model) -> None:
     assert spec.engine.stats.spec_num_draft_tokens > 0  # one alone: proposals again
 
 
+def test_policy_grades_proposals_by_batch_size(make_model) -> None:
+    """k = 4 up to half of disable_by_batch_size (4) running requests, fewer above, none past
+    it: the steps the policy graded, and the drafts verified, follow the batch size."""
+    from tokenmill.core.speculative import num_tokens_to_propose
+
+    folder = make_model("llama")
+    config = {**NGRAM, "num_speculative_tokens": 4, "disable_by_batch_size": 4}
+    spec = LLM(str(folder), dtype="float32", max_model_len=128, speculative_config=config)
+    assert [num_tokens_to_propose(spec.engine.speculative, n) for n in range(1, 7)] == [
+        4,
+        4,
+        3,
+        1,
+        0,
+        0,
+    ]
+    prompts = _copy_prompts(spec.tokenizer.vocab_size, 4, seed=14)
+    for batch, k in ((4, 1), (3, 3), (1, 4)):
+        before = spec.engine.stats
+        spec.generate(prompts[:batch], _greedy(12), use_tqdm=False)
+        after = spec.engine.stats
+        steps = {
+            n: after.spec_policy_steps.get(n, 0) - before.spec_policy_steps.get(n, 0)
+            for n in after.spec_policy_steps
+        }
+        # all start together; a request whose drafts were accepted finishes first, and the
+        # smaller batch then gets the policy's k for its size
+        allowed = {num_tokens_to_propose(spec.engine.speculative, n) for n in range(1, batch + 1)}
+        graded = {n for n, count in steps.items() if count}
+        assert k in graded and graded <= allowed, (batch, steps)
+        drafts = after.spec_num_drafts - before.spec_num_drafts
+        draft_tokens = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+        assert drafts > 0 and draft_tokens <= max(graded) * drafts, batch
+
+
 def test_structured_outputs_with_speculation_match_and_validate() -> None:
     """Drafts are checked against the grammar position by position (a banned draft is
     rejected, the matcher rolled back): greedy JSON is identical, sampled JSON validates."""

@@ -676,6 +676,9 @@ class LLMEngine:
         spec = self.speculative
         assert spec is not None
         k = num_tokens_to_propose(spec, self.scheduler.num_running)
+        if self.scheduler.num_running:
+            steps = self._counters.spec_policy_steps
+            steps[k] = steps.get(k, 0) + 1
         for request in self.scheduler.running:
             request.spec_token_ids = []
             if (
@@ -763,6 +766,7 @@ class LLMEngine:
         return replace(
             self._counters,
             spec_accepted_per_pos=list(self._counters.spec_accepted_per_pos),
+            spec_policy_steps=dict(self._counters.spec_policy_steps),
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting + self.beam_search.num_queued,
             kv_usage=self.kv_manager.usage,
