@@ -131,7 +131,12 @@ def servers(args: argparse.Namespace, port: int) -> list[Server]:
                 base + ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-m", str(k)],
                 "llamacpp",
             ),
-            Server("llama.cpp", "draft", base + ["-md", str(drafter), *spec], "llamacpp"),
+            Server(
+                "llama.cpp",
+                "draft",
+                base + ["-md", str(drafter), "--spec-type", "draft-simple", *spec],
+                "llamacpp",
+            ),
         ]
     if "vllm" in args.engines:
         threads = args.threads or os.cpu_count() or 1
@@ -254,11 +259,35 @@ def one_request(base_url: str, model: str, prompt: str, max_tokens: int) -> dict
     }
 
 
+LLAMACPP_DRAFTS = re.compile(
+    r"draft acceptance = [\d.]+ \(\s*(\d+) accepted /\s*(\d+) generated\), mean len =\s*([\d.]+)"
+)
+"""llama-server's line per finished request (its ``timings`` lack the number of drafts)."""
+
+
+def llamacpp_counters(log_text: str) -> dict[str, float]:
+    """Drafts (verifying steps), drafted and accepted tokens from llama-server log lines."""
+    drafts = drafted = accepted = 0.0
+    for match in LLAMACPP_DRAFTS.finditer(log_text):
+        ok, made, mean_len = int(match.group(1)), int(match.group(2)), float(match.group(3))
+        drafted += made
+        accepted += ok
+        drafts += ok / (mean_len - 1) if mean_len > 1 else 0
+    return {"num_drafts": drafts, "num_draft_tokens": drafted, "num_accepted_tokens": accepted}
+
+
 def measure(
-    server: Server, base_url: str, model: str, prompts: list[str], max_tokens: int, streams: int
+    server: Server,
+    base_url: str,
+    model: str,
+    prompts: list[str],
+    max_tokens: int,
+    streams: int,
+    log_path: Path | None = None,
 ) -> dict[str, Any]:
     prefix = {"tokenmill": "tokenmill", "vllm": "vllm"}.get(server.counters)
     before = spec_counters(prefix, metrics(base_url)) if prefix else {}
+    log_offset = log_path.stat().st_size if log_path is not None else 0
     start = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
         results = list(pool.map(lambda p: one_request(base_url, model, p, max_tokens), prompts))
@@ -275,11 +304,19 @@ def measure(
         time.sleep(0.5)  # counters are read after the step that finished the last request
         after = spec_counters(prefix, metrics(base_url))
         drafts, drafted, accepted = (after[c] - before[c] for c in SPEC_COUNTERS)
-    else:
-        timings = [r["timings"] for r in results if r["timings"]]
-        if any("draft_n" in t for t in timings):
-            drafted = sum(t.get("draft_n", 0) for t in timings)
-            accepted = sum(t.get("draft_n_accepted", 0) for t in timings)
+    elif log_path is not None:
+        time.sleep(0.5)
+        with open(log_path, "rb") as log:
+            log.seek(log_offset)
+            counts = llamacpp_counters(log.read().decode(errors="replace"))
+        if counts["num_draft_tokens"]:
+            drafts = counts["num_drafts"]
+            drafted, accepted = counts["num_draft_tokens"], counts["num_accepted_tokens"]
+        else:  # fall back on the responses' timings (no draft count there)
+            timings = [r["timings"] for r in results if r["timings"]]
+            if any("draft_n" in t for t in timings):
+                drafted = sum(t.get("draft_n", 0) for t in timings)
+                accepted = sum(t.get("draft_n_accepted", 0) for t in timings)
     return {
         "streams": streams,
         "num_requests": len(prompts),
@@ -393,7 +430,13 @@ def main(argv: list[str] | None = None) -> None:
                     row = {"engine": server.engine, "config": server.label, "workload": workload}
                     try:
                         row |= measure(
-                            server, base_url, args.model, prompts, args.max_tokens, streams
+                            server,
+                            base_url,
+                            args.model,
+                            prompts,
+                            args.max_tokens,
+                            streams,
+                            log_path if server.counters == "llamacpp" else None,
                         )
                     except httpx.HTTPError as exc:
                         row["error"] = f"{type(exc).__name__}: {exc}"
