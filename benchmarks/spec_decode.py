@@ -23,9 +23,10 @@ from each server's own counters (tokenmill and vLLM: ``/metrics``; llama.cpp: th
     # smoke: .venv/bin/python benchmarks/spec_decode.py --num-requests 2 --max-tokens 8 \\
     #     --streams 1 2 --engines tokenmill --out /tmp/spec.json
 
-The GGUF files come from ``../shared/peers/build-llamacpp.sh convert`` (``--gguf-dir``,
-names ``tm-demo-f32.gguf`` and ``tm-demo-draft-f32.gguf``); vLLM from its venv
-(``--vllm-python``). A peer that is missing or does not start is a row saying why.
+The GGUF files come from ``benchmarks/gguf_convert_demo.py`` (run with the peers' venv
+python; ``--gguf-dir``, names ``tm-demo-f32.gguf`` and ``tm-demo-draft-f32.gguf``); vLLM
+from its venv (``--vllm-python``; vLLM 0.32 CPU accepts ngram ``--speculative-config`` and
+warns that without Intel OpenMP in LD_PRELOAD speculation loses much of its speed). A peer that is missing or does not start is a row saying why.
 Writes the JSON (``--out``) and a markdown table beside it (``.md``) for docs/benchmarks.md.
 """
 
@@ -97,7 +98,7 @@ def servers(args: argparse.Namespace, port: int) -> list[Server]:
     if "tokenmill" in args.engines:
         base = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", args.model]
         base += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024"]
-        base += ["--max-num-seqs", "16", *args.tokenmill_flags]
+        base += ["--max-num-seqs", "16", "--dtype", args.dtype, *args.tokenmill_flags]
         out += [
             Server("tokenmill", "plain", base, "tokenmill"),
             Server(
@@ -148,7 +149,7 @@ def servers(args: argparse.Namespace, port: int) -> list[Server]:
         base = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server"]
         base += ["--model", str(args.model_dir), "--served-model-name", args.model]
         base += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024"]
-        base += ["--max-num-seqs", "16", "--dtype", "bfloat16"]
+        base += ["--max-num-seqs", "16", "--dtype", args.dtype]
         out += [
             Server("vLLM CPU", "plain", base, "vllm", env, 600),
             Server(
@@ -386,6 +387,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["tokenmill", "llamacpp", "vllm"],
     )
     parser.add_argument("--configs", nargs="+", default=["plain", "ngram", "draft"])
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="tokenmill's and vLLM's dtype; float32 matches the f32 GGUF and keeps greedy "
+        "speculation bitwise identical (bf16 rounds a k + 1-row verification differently "
+        "from a decode row, which can flip near-ties)",
+    )
     parser.add_argument("--gguf-dir", type=Path, default=PEERS / "gguf")
     parser.add_argument("--gguf-type", default="f32", help="f32 matches tokenmill's float32")
     parser.add_argument("--vllm-python", default=str(PEERS / "vllm-venv" / "bin" / "python"))
