@@ -23,6 +23,7 @@ from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.speculative import (
     SpeculativeConfig,
     max_draft_tokens,
+    max_verify_rows,
     num_tokens_to_propose,
     propose_ngram,
 )
@@ -101,6 +102,17 @@ def _generation_eos_ids(folder: Path) -> set[int]:
     if eos is None:
         return set()
     return set(eos) if isinstance(eos, list) else {int(eos)}
+
+
+def _with_verify_bucket(config: EngineConfig, buckets: list[int]) -> list[int]:
+    """static + speculation: one more compiled batch size when a step verifying drafts can
+    have more rows (k + 1 per request) than the largest decode bucket (not with
+    ``--compile-batch-sizes``: those are taken as given)."""
+    spec = config.speculative
+    if spec is None or config.compile_batch_sizes:
+        return buckets
+    rows = max_verify_rows(spec, config.max_num_seqs)
+    return buckets + [rows] if rows > max(buckets, default=0) else buckets
 
 
 class LLMEngine:
@@ -199,6 +211,8 @@ class LLMEngine:
             config.scheduling_policy,
             max_loras=config.max_loras if config.enable_lora else None,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            draft_model=config.speculative is not None
+            and config.speculative.method == "draft_model",
         )
         lora = None
         if config.enable_lora:
@@ -237,8 +251,12 @@ class LLMEngine:
                 self.kv_manager.block_size,
                 max_blocks_per_seq=-(-self.max_model_len // self.kv_manager.block_size),
                 scratch_block=self.kv_manager.num_blocks,
-                buckets=list(
-                    config.compile_batch_sizes or default_buckets(config.max_num_seqs, self.device)
+                buckets=_with_verify_bucket(
+                    config,
+                    list(
+                        config.compile_batch_sizes
+                        or default_buckets(config.max_num_seqs, self.device)
+                    ),
                 ),
                 device=self.device,
             )
@@ -658,6 +676,9 @@ class LLMEngine:
         spec = self.speculative
         assert spec is not None
         k = num_tokens_to_propose(spec, self.scheduler.num_running)
+        if self.scheduler.num_running:
+            steps = self._counters.spec_policy_steps
+            steps[k] = steps.get(k, 0) + 1
         for request in self.scheduler.running:
             request.spec_token_ids = []
             if (
@@ -745,6 +766,7 @@ class LLMEngine:
         return replace(
             self._counters,
             spec_accepted_per_pos=list(self._counters.spec_accepted_per_pos),
+            spec_policy_steps=dict(self._counters.spec_policy_steps),
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting + self.beam_search.num_queued,
             kv_usage=self.kv_manager.usage,
