@@ -5,7 +5,7 @@ from __future__ import annotations
 from tokenmill.core.kv.paged import PagedKVManager
 from tokenmill.core.prefix_router import PrefixAffinityRouter, prompt_block_hashes
 from tokenmill.core.request import Request
-from tokenmill.sampling import SamplingParams
+from tokenmill.core.sampling_params import SamplingParams
 
 BS = 4
 
