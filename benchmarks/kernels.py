@@ -1,6 +1,6 @@
 """Microbenchmark of tokenmill's CPU kernels against the torch paths they replace, in one run.
 
-Per op at the 250M benchmark Llama's shapes (benchmarks/engine_core.py), at M = 1, 16, 64
+Per op at the 250M benchmark Llama's shapes (benchmarks/engine_core.py), at M = 1, 2, 4, 16, 64
 rows: the bf16 projection (tokenmill kernel vs oneDNN prepacked, today's path), int8 and
 int4 weight-only projections (kernel vs torch's int kernels / dequantize + GEMM, as
 model/quant.py dispatches), add + RMSNorm, SiLU*mul, RoPE and paged decode attention (kernel
@@ -44,7 +44,7 @@ PROJECTIONS = {
 
 
 def timed_ms(fn, min_s: float = 0.3) -> float:
-    """Median of repeated calls, after a warm-up."""
+    """Fastest of repeated calls, after a warm-up (the least disturbed run)."""
     fn()
     times: list[float] = []
     deadline = time.perf_counter() + min_s
@@ -52,7 +52,7 @@ def timed_ms(fn, min_s: float = 0.3) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
+    return min(times) * 1e3
 
 
 def layer_linears(kind: str) -> list[torch.nn.Module]:
@@ -143,8 +143,11 @@ def bench_elementwise(rows: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def bench_attention(batch: int, context: int, kv_dtype: torch.dtype) -> dict[str, float]:
-    """One layer's decode attention over ``context`` tokens per sequence, 16-token blocks."""
+def bench_attention(
+    batch: int, context: int, kv_dtype: torch.dtype, softcap: float = 0.0
+) -> dict[str, float]:
+    """One layer's decode attention over ``context`` tokens per sequence, 16-token blocks
+    (the kernel splits long contexts of small batches across threads)."""
     block = 16
     width = -(-context // block)
     num_blocks = batch * width + 1
@@ -158,17 +161,48 @@ def bench_attention(batch: int, context: int, kv_dtype: torch.dtype) -> dict[str
     return {
         "torch": round(
             timed_ms(
-                lambda: _attend(q.unsqueeze(1), k_cache, v_cache, tables, mask, 0.125, scales)
+                lambda: _attend(
+                    q.unsqueeze(1), k_cache, v_cache, tables, mask, 0.125, scales, softcap
+                )
             ),
             3,
         ),
         "kernel": round(
             timed_ms(
                 lambda: kernels.paged_decode_attention(
-                    q, k_cache, v_cache, tables, lens, 0.125, 0, scales
+                    q, k_cache, v_cache, tables, lens, 0.125, 0, scales, softcap
                 )
             ),
             3,
+        ),
+    }
+
+
+def bench_prefill_attention(prefix: int, new: int) -> dict[str, float]:
+    """One layer's attention for one request's chunk of ``new`` tokens after ``prefix``
+    cached ones: the causal flash path (model/attention.py) against the explicit mask."""
+    import dataclasses
+
+    from tokenmill.model.attention import paged_attention
+    from tokenmill.model.attention_backend import BatchGroup, StepBatch, TorchSDPABackend
+
+    block = 16
+    context = prefix + new
+    width = -(-context // block)
+    k_cache = torch.randn(width, block, KV_HEADS, HEAD_DIM).bfloat16()
+    v_cache = torch.randn(width, block, KV_HEADS, HEAD_DIM).bfloat16()
+    group = BatchGroup(
+        False, [list(range(new))], [list(range(prefix, context))], [list(range(width))], [context]
+    )
+    meta = TorchSDPABackend(torch.device("cpu")).build_metadata(StepBatch([0] * new, [group], new))
+    masked = dataclasses.replace(meta, groups=[dataclasses.replace(meta.groups[0], segments=None)])
+    q = torch.randn(new, HEADS, HEAD_DIM).bfloat16()
+    return {
+        "mask": round(
+            timed_ms(lambda: paged_attention(q, k_cache, v_cache, masked, 0.125, None)), 3
+        ),
+        "causal flash": round(
+            timed_ms(lambda: paged_attention(q, k_cache, v_cache, meta, 0.125, None)), 3
         ),
     }
 
@@ -230,7 +264,7 @@ def profile_decode_step(model_dir: Path, kv_cache: str, context: int, steps: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--rows", default="1,16,64")
+    parser.add_argument("--rows", default="1,2,4,16,64")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     parser.add_argument(
         "--profile", action="store_true", help="also profile decode steps of the 250M model"
@@ -251,6 +285,14 @@ def main() -> None:
             f"{name} B=16 ctx={ctx}": bench_attention(16, ctx, dtype)
             for ctx in (192, 1088)
             for name, dtype in (("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn))
+        }
+        | {
+            "bf16 B=1 ctx=4096": bench_attention(1, 4096, torch.bfloat16),
+            "bf16 B=16 ctx=1088 softcap=50": bench_attention(16, 1088, torch.bfloat16, 50.0),
+        },
+        "prefill_attention_ms_per_layer": {
+            f"prefix={p} new={n}": bench_prefill_attention(p, n)
+            for p, n in ((0, 128), (0, 1024), (512, 512))
         },
     }
     if args.profile:

@@ -8,7 +8,8 @@ one run produced.
 
     python scripts/train_demo_model.py            # ~15 min on one CPU thread
     python scripts/train_demo_model.py --max-steps 20 --out /tmp/demo   # smoke run
-    python scripts/train_demo_model.py --draft-only /tmp/draft   # the speculative draft
+    python scripts/train_demo_model.py --draft-only /tmp/draft   # untrained truncated draft
+    python scripts/train_demo_model.py --train-draft   # the shipped draft, ~5 min
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ from tokenmill.model.demo import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+DRAFT_OUT = REPO_ROOT / "src/tokenmill/model/demo_draft_weights"
+DRAFT_LAYERS = 1
+"""The shipped draft keeps one decoder layer of the demo's four (its dims are the demo's)."""
 
 # ~3.8M parameters: small enough that tests which start servers on the demo stay fast.
 MODEL_CONFIG = {
@@ -313,6 +317,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "DEMO_DRAFT_LAYERS layers, same tokenizer) from --out into DIR and exit",
     )
     parser.add_argument(
+        "--train-draft",
+        type=Path,
+        nargs="?",
+        const=DRAFT_OUT,
+        metavar="DIR",
+        help="distil the speculative-decoding draft from the demo in --out (its embeddings, "
+        "head and first layer, trained to match the demo's next-token distribution on the "
+        "same corpus, same tokenizer) into DIR (default: the shipped demo_draft_weights)",
+    )
+    parser.add_argument("--draft-steps", type=int, default=300)
+    parser.add_argument(
         "--no-bf16-autocast",
         dest="bf16_autocast",
         action="store_false",
@@ -331,6 +346,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    if args.train_draft is not None:
+        train_draft(args)
+        return
     began = time.monotonic()
 
     documents = build_corpus()
@@ -428,6 +446,137 @@ def main(argv: list[str] | None = None) -> None:
     }
     (args.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
+
+
+# ---------------------------------------------------------------------------- draft
+
+
+def load_trained(folder: Path) -> tuple[TrainableLlama, dict]:
+    """A shipped model folder back as a TrainableLlama (bf16 weights upcast, exactly)."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    model = TrainableLlama(cfg)
+    model.load_state_dict(
+        {k: v.float() for k, v in load_file(folder / "model.safetensors").items()}
+    )
+    return model, cfg
+
+
+def distil_loss(draft: nn.Module, teacher: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || draft) over next-token distributions: a draft is judged by how often
+    its guesses are the target's, not by the corpus."""
+    with torch.no_grad():
+        target = teacher(batch).float().log_softmax(-1)
+    logp = draft(batch).float().log_softmax(-1)
+    vocab = logp.shape[-1]
+    return F.kl_div(
+        logp.reshape(-1, vocab), target.reshape(-1, vocab), log_target=True, reduction="batchmean"
+    )
+
+
+@torch.no_grad()
+def greedy_agreement(draft: nn.Module, teacher: nn.Module, batches: torch.Tensor) -> float:
+    """How often the draft's argmax is the teacher's: the greedy acceptance of one draft
+    token given the true prefix (an upper bound on per-position acceptance)."""
+    same = total = 0
+    for start in range(0, len(batches), 16):
+        batch = batches[start : start + 16]
+        same += int((draft(batch).argmax(-1) == teacher(batch).argmax(-1)).sum())
+        total += batch.numel()
+    return same / total
+
+
+def train_draft(args: argparse.Namespace) -> None:
+    """Distil a ``DRAFT_LAYERS``-layer draft from the demo in ``args.out`` into ``args.train_draft``.
+
+    Starts from the demo's embeddings, first layer(s), final norm and head (the truncated
+    draft), then trains every weight on the demo's own next-token distributions over the
+    demo's training corpus, tokenized with the demo's tokenizer (so the two share it).
+    """
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    began = time.monotonic()
+    teacher, cfg = load_trained(args.out)
+    teacher.eval()
+    tokenizer = Tokenizer.from_file(str(args.out / "tokenizer.json"))
+    documents = build_corpus()
+    train_docs = [d for d in documents if not d.is_heldout]
+    heldout_docs = [d for d in documents if d.is_heldout]
+    train_windows = windows(token_stream(tokenizer, [d.text for d in train_docs]))
+    heldout_windows = windows(token_stream(tokenizer, [d.text for d in heldout_docs]))
+    draft_cfg = {**cfg, "num_hidden_layers": DRAFT_LAYERS}
+    draft = TrainableLlama(draft_cfg)
+    draft.load_state_dict(
+        {
+            k: v
+            for k, v in teacher.state_dict().items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < DRAFT_LAYERS
+        }
+    )
+    agreement_before = greedy_agreement(draft, teacher, heldout_windows)
+    print(
+        f"draft: {sum(p.numel() for p in draft.parameters())} parameters; held-out greedy "
+        f"agreement before training {agreement_before:.3f}",
+        flush=True,
+    )
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=args.lr / 2, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(args.seed)
+    order = torch.randperm(len(train_windows), generator=generator)
+    start, losses = time.monotonic(), []
+    for step in range(args.draft_steps):
+        cursor = (step * args.batch_size) % max(1, len(order) - args.batch_size)
+        batch = train_windows[order[cursor : cursor + args.batch_size]]
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args.draft_steps, args.lr / 2, args.warmup_steps)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16_autocast):
+            loss = distil_loss(draft, teacher, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if (step + 1) % args.log_every == 0:
+            recent = sum(losses[-args.log_every :]) / args.log_every
+            print(
+                f"draft step {step + 1}/{args.draft_steps} KL {recent:.3f} "
+                f"({time.monotonic() - start:.0f}s)",
+                flush=True,
+            )
+    draft.eval()
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    agreement = greedy_agreement(draft, teacher, heldout_windows)
+    heldout_ppl = perplexity(draft, heldout_windows)
+    print(f"held-out greedy agreement {agreement:.3f}, perplexity {heldout_ppl:.2f}", flush=True)
+    out = args.train_draft
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(draft, draft_cfg, out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(args.out / name, out / name)
+    tail = losses[-args.log_every :]
+    summary = {
+        "teacher": "demo_weights",
+        "recipe": f"the demo's embeddings, first {DRAFT_LAYERS} layer(s), norm and head, "
+        "distilled (KL to the demo's next-token distribution) on the demo's training corpus",
+        "parameters": sum(p.numel() for p in draft.parameters()),
+        "steps": args.draft_steps,
+        "batch_size": args.batch_size,
+        "seq_len": SEQ_LEN,
+        "peak_lr": args.lr / 2,
+        "final_train_kl": round(sum(tail) / max(1, len(tail)), 4),
+        "heldout_greedy_agreement_before": round(agreement_before, 4),
+        "heldout_greedy_agreement": round(agreement, 4),
+        "heldout_perplexity": round(heldout_ppl, 4),
+        "train_seconds": round(time.monotonic() - start, 1),
+        "total_seconds": round(time.monotonic() - began, 1),
+        "machine": machine_description(),
+    }
+    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -157,6 +157,62 @@ def test_drafts_are_dropped_before_anyone_is_preempted() -> None:
     assert out.preempted_ids == [] and a.spec_token_ids == []
 
 
+def test_a_draft_models_catch_up_is_charged_to_the_budget() -> None:
+    """draft_model: proposing d tokens costs the target 1 + d and the draft its lag plus
+    d - 1; what does not fit is trimmed, and a lag longer than the budget is caught up in
+    chunks (no proposal meanwhile) until the draft can propose again."""
+    kv = PagedKVManager(num_blocks=16, block_size=BS)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=12, draft_model=True)
+    req = _req("r", list(range(7)))
+    _decode_ready(sched, req)
+    assert req.num_draft_lag == 8  # the draft has read nothing: prompt + the first output
+    req.spec_token_ids = [0, 0, 0]
+    out = sched.schedule()
+    # d = 2: target 3 tokens, draft 8 (catch-up) + 1 = 12; d = 3 would need 14
+    assert out.num_scheduled_tokens == {"r": 3} and req.spec_token_ids == [0, 0]
+    assert out.draft_catch_up == {"r": 8} and out.num_draft_model_tokens == 9
+    # the draft read 8 tokens, then its first draft: 9 tokens with draft KV
+    req.num_draft_computed_tokens = 9
+    sched.update_after_step(out.scheduled)
+    req.append_output_token(70)  # the first draft rejected, the target's own token instead
+    sched.rollback_unverified(req)
+    assert req.num_draft_lag == 1  # the draft's KV is valid up to the verified tokens
+    req.spec_token_ids = [0, 0, 0]
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"r": 4} and out.draft_catch_up == {"r": 1}
+    assert out.num_draft_model_tokens == 3  # 1 + 2 draft inputs; 4 + 3 <= 12
+
+    # a lag longer than the budget: chunks of catch-up, the target decoding meanwhile
+    sched = Scheduler(
+        PagedKVManager(num_blocks=16, block_size=BS),
+        max_num_seqs=4,
+        max_num_batched_tokens=6,
+        draft_model=True,
+    )
+    long = _req("l", list(range(20)))
+    sched.add_request(long)
+    for _ in range(4):  # chunked prefill of the 20-token prompt
+        out = sched.schedule()
+        sched.update_after_step(out.scheduled)
+    long.append_output_token(50)
+    caught_up = []
+    while True:
+        long.spec_token_ids = [0, 0]
+        out = sched.schedule()
+        assert out.total_num_tokens + out.num_draft_model_tokens <= 6
+        if long.spec_token_ids:
+            break
+        assert out.num_scheduled_tokens == {"l": 1}
+        caught_up.append(out.draft_catch_up["l"])
+        long.num_draft_computed_tokens += out.draft_catch_up["l"]
+        sched.update_after_step(out.scheduled)
+        long.append_output_token(51)
+    # 5 a step (the budget less the target's token) while the target decodes on, then the
+    # last 2 tokens with a proposal of 2: 1 + 2 for the target, 2 + 1 for the draft
+    assert caught_up == [5, 5, 5, 5, 4]
+    assert out.draft_catch_up == {"l": 2} and long.spec_token_ids == [0, 0]
+
+
 def test_static_slots_take_drafts_without_bookkeeping() -> None:
     kv = StaticKVManager(num_slots=2, max_model_len=32, block_size=BS)
     sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=64)
@@ -174,16 +230,23 @@ def test_static_slots_take_drafts_without_bookkeeping() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**31), num_blocks=st.integers(3, 24), prefix_caching=st.booleans())
+@given(
+    seed=st.integers(0, 2**31),
+    num_blocks=st.integers(3, 24),
+    prefix_caching=st.booleans(),
+    draft_model=st.booleans(),
+)
 def test_rollback_never_leaks_or_double_frees(
-    seed: int, num_blocks: int, prefix_caching: bool
+    seed: int, num_blocks: int, prefix_caching: bool, draft_model: bool
 ) -> None:
     """Random drafts, random accept lengths, finishes and preemption over a small pool: the
     ref counts always match the block tables, every table holds exactly the computed tokens,
-    and every cached block holds verified tokens only."""
+    and every cached block holds verified tokens only. With a draft model, its tokens and
+    the target's never exceed the step's budget."""
     rng = random.Random(seed)
     kv = PagedKVManager(num_blocks=num_blocks, block_size=BS, enable_prefix_caching=prefix_caching)
-    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=rng.randint(4, 32))
+    budget = rng.randint(4, 32)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=budget, draft_model=draft_model)
     shared = [rng.randrange(10) for _ in range(rng.randint(0, 9))]
     next_id = 0
     for _ in range(40):
@@ -196,6 +259,14 @@ def test_rollback_never_leaks_or_double_frees(
                 req.spec_token_ids = [rng.randrange(10) for _ in range(rng.randint(0, 5))]
                 del req.spec_token_ids[max_draft_tokens(req) :]
         out = sched.schedule()
+        assert out.total_num_tokens + out.num_draft_model_tokens <= budget
+        for req, _ in out.scheduled:  # the draft reads what it was granted
+            if req.request_id in out.draft_catch_up:
+                start = req.num_tokens - req.num_draft_lag
+                req.num_draft_computed_tokens = start + out.draft_catch_up[req.request_id]
+                if req.spec_token_ids:
+                    assert req.num_draft_computed_tokens == req.num_tokens
+                    req.num_draft_computed_tokens += len(req.spec_token_ids) - 1
         sched.update_after_step(out.scheduled)
         for req, _ in out.scheduled:
             drafts = list(req.spec_token_ids)

@@ -60,6 +60,33 @@ def test_greedy_matches_transformers(make_model, reference_greedy, family, kv_ca
     expected, _ = reference_greedy(folder, prompts, MAX_NEW)
     assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
     _assert_speculated(llm)
+    assert llm.engine.runner.num_compiled_verify_steps == 0  # enforce_eager: the eager path
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_static_compiled_verification_matches_transformers(
+    make_model, reference_greedy, method
+) -> None:
+    """static, compiled: steps verifying k + 1 tokens per request run through the compiled
+    graphs (a bucket added for their rows), and greedy output is still transformers'."""
+    folder = make_model("llama")
+    spec = NGRAM if method == "ngram" else {"model": str(folder), "num_speculative_tokens": 3}
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=2,
+        kv_cache="static",
+        speculative_config=spec,
+    )
+    step = llm.engine.runner.compiled_decode
+    assert step is not None and step.buckets == [1, 2, 8]  # 2 requests x (1 + 3 drafts)
+    prompts = _copy_prompts(llm.tokenizer.vocab_size, 4, seed=12)
+    expected, _ = reference_greedy(folder, prompts, MAX_NEW)
+    assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
+    _assert_speculated(llm)
+    assert llm.engine.runner.num_compiled_verify_steps > 0
+    assert step.eager_buckets == []
 
 
 def test_chunked_prefill_preemption_and_prefix_caching_stay_exact(make_model) -> None:
@@ -194,6 +221,41 @@ def test_policy_turns_speculation_off_for_a_full_batch(make_model) -> None:
     assert spec.engine.stats.spec_num_draft_tokens > 0  # one alone: proposals again
 
 
+def test_policy_grades_proposals_by_batch_size(make_model) -> None:
+    """k = 4 up to half of disable_by_batch_size (4) running requests, fewer above, none past
+    it: the steps the policy graded, and the drafts verified, follow the batch size."""
+    from tokenmill.core.speculative import num_tokens_to_propose
+
+    folder = make_model("llama")
+    config = {**NGRAM, "num_speculative_tokens": 4, "disable_by_batch_size": 4}
+    spec = LLM(str(folder), dtype="float32", max_model_len=128, speculative_config=config)
+    assert [num_tokens_to_propose(spec.engine.speculative, n) for n in range(1, 7)] == [
+        4,
+        4,
+        3,
+        1,
+        0,
+        0,
+    ]
+    prompts = _copy_prompts(spec.tokenizer.vocab_size, 4, seed=14)
+    for batch, k in ((4, 1), (3, 3), (1, 4)):
+        before = spec.engine.stats
+        spec.generate(prompts[:batch], _greedy(12), use_tqdm=False)
+        after = spec.engine.stats
+        steps = {
+            n: after.spec_policy_steps.get(n, 0) - before.spec_policy_steps.get(n, 0)
+            for n in after.spec_policy_steps
+        }
+        # all start together; a request whose drafts were accepted finishes first, and the
+        # smaller batch then gets the policy's k for its size
+        allowed = {num_tokens_to_propose(spec.engine.speculative, n) for n in range(1, batch + 1)}
+        graded = {n for n, count in steps.items() if count}
+        assert k in graded and graded <= allowed, (batch, steps)
+        drafts = after.spec_num_drafts - before.spec_num_drafts
+        draft_tokens = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+        assert drafts > 0 and draft_tokens <= max(graded) * drafts, batch
+
+
 def test_structured_outputs_with_speculation_match_and_validate() -> None:
     """Drafts are checked against the grammar position by position (a banned draft is
     rejected, the matcher rolled back): greedy JSON is identical, sampled JSON validates."""
@@ -263,6 +325,38 @@ def test_draft_model_greedy_matches_transformers(
         assert stats.spec_num_accepted_tokens >= min_rate * stats.spec_num_draft_tokens
 
 
+def test_draft_catch_up_within_a_small_budget_stays_exact(make_model) -> None:
+    """The draft's catch-up counts in max_num_batched_tokens: with 30-token prompts and a
+    budget of 7, it reads them in chunks over several steps, then proposes; exact still."""
+    folder = make_model("llama")
+    plain = LLM(str(folder), dtype="float32", max_model_len=128)
+    spec = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        max_num_batched_tokens=7,
+        speculative_config={"model": str(folder), "num_speculative_tokens": 2},
+    )
+    engine = spec.engine
+    prompts = [p + p[:10] for p in _copy_prompts(plain.tokenizer.vocab_size, 2, seed=13)]
+    prompts = [(p * 4)[:30] for p in prompts]
+    params = _greedy(20)
+    want = _tokens(plain.generate(prompts, params, use_tqdm=False))
+    budgets = []
+    original = engine.scheduler.schedule
+
+    def schedule():
+        out = original()
+        budgets.append((out.total_num_tokens, out.num_draft_model_tokens))
+        return out
+
+    engine.scheduler.schedule = schedule  # type: ignore[method-assign]
+    assert _tokens(spec.generate(prompts, params, use_tqdm=False)) == want
+    assert all(target + draft <= 7 for target, draft in budgets)
+    assert sum(1 for _, draft in budgets if draft >= 5) >= 4  # catch-up in chunks
+    assert engine.stats.spec_num_accepted_tokens > 0
+
+
 def test_draft_model_survives_preemption_and_refuses_another_vocabulary(
     make_model, tmp_path
 ) -> None:
@@ -299,3 +393,34 @@ def test_draft_model_survives_preemption_and_refuses_another_vocabulary(
             max_model_len=64,
             speculative_config={"model": str(tmp_path / "other"), "num_speculative_tokens": 2},
         )
+
+
+def test_demo_draft_is_the_shipped_trained_one_and_is_accepted() -> None:
+    """demo-draft is the distilled one-layer draft in the package (a few MB), and on the
+    demo its greedy guesses are mostly the demo's: acceptance well above the untrained
+    truncation's (about 0.3), output identical."""
+    import json
+
+    from tokenmill.model.demo import DEMO_DRAFT_DIR, DEMO_MODEL_DIR, demo_draft_path
+
+    assert demo_draft_path() == DEMO_DRAFT_DIR
+    config = json.loads((DEMO_DRAFT_DIR / "config.json").read_text())
+    demo = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and config["vocab_size"] == demo["vocab_size"]
+    assert (DEMO_DRAFT_DIR / "tokenizer.json").read_bytes() == (
+        DEMO_MODEL_DIR / "tokenizer.json"
+    ).read_bytes()
+    assert (DEMO_DRAFT_DIR / "model.safetensors").stat().st_size < 5 * 2**20
+    prompts = ["The recipe requires flour, butter, sugar", "Return the list of"]
+    params = _greedy(32)
+    plain = LLM("demo", dtype="float32", max_model_len=256)
+    spec = LLM(
+        "demo",
+        dtype="float32",
+        max_model_len=256,
+        speculative_config={"model": "demo-draft", "num_speculative_tokens": 4},
+    )
+    want = [_tokens(plain.generate([p], params, use_tqdm=False))[0] for p in prompts]
+    assert [_tokens(spec.generate([p], params, use_tqdm=False))[0] for p in prompts] == want
+    stats = spec.engine.stats
+    assert stats.spec_num_accepted_tokens >= 0.45 * stats.spec_num_draft_tokens > 0

@@ -52,6 +52,7 @@ def test_greedy_text_is_unchanged_and_counted(spec_server: ServerHandle) -> None
     assert after[drafted] > before.get(drafted, 0)
     assert after[accepted] > before.get(accepted, 0)
     assert "tokenmill:spec_decode_num_drafts_total" in after
+    assert after["tokenmill:spec_decode_policy_steps_total"] > 0  # the policy, measured
     assert "speculative decoding: ngram, 4 tokens per step" in spec_server.log()
 
 

@@ -136,7 +136,7 @@ def test_rope(isa, threads, dtype, tokens: int, hq: int, hk: int, dim: int) -> N
 KV_DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
-def _reference_attention(q, k_cache, v_cache, tables, lens, scale, window, kv_scales):
+def _reference_attention(q, k_cache, v_cache, tables, lens, scale, window, kv_scales, softcap=0.0):
     out = []
     for b in range(q.shape[0]):
         ctx = int(lens[b])
@@ -150,6 +150,8 @@ def _reference_attention(q, k_cache, v_cache, tables, lens, scale, window, kv_sc
         keys = keys.repeat_interleave(group, dim=1)  # [L, Hq, D]
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b].float(), keys) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         out.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), values).reshape(-1))
     return torch.stack(out)
 
@@ -179,6 +181,42 @@ def test_paged_decode_attention(isa, threads, kv_dtype, q_dtype, hq, hkv, dim, b
     )
     assert got.dtype == q_dtype and got.shape == (3, hq * dim)
     torch.testing.assert_close(got.float(), want, **_tol(q_dtype))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2])
+@pytest.mark.parametrize(("batch", "window", "softcap"), [(1, 0, 0.0), (2, 700, 0.0), (3, 0, 5.0)])
+def test_paged_decode_attention_long_contexts_split(isa, threads, kv_dtype, batch, window, softcap):
+    """Long contexts with few sequences are split across items (whole blocks, merged by
+    log-sum-exp); Gemma 2's softcap is applied before the softmax; lengths end mid-block."""
+    hq, hkv, dim, block_size = 8, 2, 64, 16
+    lens = torch.tensor([1037, 600, 5][:batch])
+    width = -(-int(lens.max()) // block_size)
+    num_blocks = batch * width + 3
+    tables = torch.randperm(num_blocks, generator=_gen(4))[: batch * width].view(batch, width)
+    kv_scales = torch.tensor([0.5, 2.0]) if kv_dtype.itemsize == 1 else torch.ones(2)
+    k_cache = (_randn(num_blocks, block_size, hkv, dim, seed=1) * 2 / kv_scales[0]).to(kv_dtype)
+    v_cache = (_randn(num_blocks, block_size, hkv, dim, seed=2) / kv_scales[1]).to(kv_dtype)
+    q = _randn(batch, hq, dim, dtype=torch.bfloat16, seed=3)
+    want = _reference_attention(
+        q, k_cache, v_cache, tables, lens, 0.125, window, kv_scales, softcap
+    )
+    got = kernels.paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, 0.125, window, kv_scales, softcap
+    )
+    torch.testing.assert_close(got.float(), want, **_tol(torch.bfloat16))
+
+
+def test_paged_decode_attention_softcap_fp32(isa) -> None:
+    """fp32 with a cap: as close to the reference as fp32 allows (Gemma 2 parity runs it)."""
+    lens = torch.tensor([3, 40])
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    k_cache, v_cache = _randn(6, 16, 2, 32, seed=1) * 3, _randn(6, 16, 2, 32, seed=2)
+    q = _randn(2, 4, 32, seed=3) * 3
+    want = _reference_attention(q, k_cache, v_cache, tables, lens, 0.2, 0, torch.ones(2), 2.0)
+    got = kernels.paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, 0.2, 0, torch.ones(2), 2.0
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture

@@ -73,6 +73,10 @@ class StepPlan(msgspec.Struct, omit_defaults=True):
     """Sequences to forget before this step (finished, aborted)."""
     preempted_ids: list[str] = []
     blocks_to_copy: list[tuple[int, int]] = []
+    draft_catch_up: dict[str, int] = {}
+    """Draft model: per sequence the draft runs on this step, the tokens it reads first."""
+    num_draft_computed: dict[str, int] = {}
+    """Draft model: those sequences' draft KV length as the engine knows it."""
 
     @property
     def is_empty(self) -> bool:
@@ -109,6 +113,8 @@ class StepOutput:
     """request_id -> what raised while sampling or scoring that request alone (as text)."""
     pooled: dict[str, list[float]] = field(default_factory=dict)
     """Pooling requests whose prompt was completed this step: their pooled vector."""
+    num_draft_computed: dict[str, int] = field(default_factory=dict)
+    """Draft model: each drafted sequence's draft KV length after this step."""
     verified: dict[str, VerifiedTokens] = field(default_factory=dict)
     """Requests that verified speculative tokens: every token kept (``sampled`` holds the
     first), with the target's logprobs."""

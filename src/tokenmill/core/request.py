@@ -78,6 +78,9 @@ class Request:
     """Speculative tokens proposed after the last output token, not yet verified: scheduled
     after it this step, then accepted into ``output_token_ids`` or dropped."""
     num_computed_tokens: int = 0
+    num_draft_computed_tokens: int = 0
+    """Speculation with a draft model: tokens whose draft-model KV was written (those past
+    ``num_computed_tokens`` were rejected drafts, so only the smaller count is valid)."""
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     metrics: RequestMetrics = field(init=False)
@@ -143,9 +146,15 @@ class Request:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    @property
+    def num_draft_lag(self) -> int:
+        """Tokens the draft model must read before it can propose after the last one."""
+        return self.num_tokens - min(self.num_draft_computed_tokens, self.num_computed_tokens)
+
     def reset_for_recompute(self) -> None:
         """Preempted: its KV is dropped, so every token must be computed again."""
         self.num_computed_tokens = 0
+        self.num_draft_computed_tokens = 0
         self.spec_token_ids = []
         self.status = RequestStatus.PREEMPTED
         self.metrics.num_preemptions += 1

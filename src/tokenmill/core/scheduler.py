@@ -3,7 +3,9 @@
 The output is ``{request_id: num_tokens}``: prefill, chunked prefill, decode and recompute
 after preemption are one mechanism (a request simply has ``num_tokens -
 num_computed_tokens`` tokens left to compute, plus any speculative tokens proposed after its
-last one, which are scheduled with it whole or dropped when the budget or KV is short). Running requests are served first, in
+last one, which are scheduled with it whole or dropped when the budget or KV is short;
+with a draft model, the draft's own tokens are charged to the same budget, see
+``_fit_draft``). Running requests are served first, in
 policy order, then waiting ones are admitted while the token budget, ``max_num_seqs`` and
 KV memory allow. When memory runs out the lowest-priority, most recently arrived running
 request is preempted (its KV freed, recomputed later). Beams of beam searches are a class
@@ -35,6 +37,13 @@ class SchedulerOutput:
     needs nothing from the KV manager."""
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     """(src, dst) KV blocks to copy before the forward: copy-on-write of blocks shared by forks."""
+    draft_catch_up: dict[str, int] = field(default_factory=dict)
+    """Speculation with a draft model, per request the draft runs on this step: how many
+    tokens it reads from its valid count on (all of its lag when it then proposes the
+    request's ``spec_token_ids``; part of it, and no proposal, when the budget is short)."""
+    num_draft_model_tokens: int = 0
+    """Tokens the draft model computes this step (catch-up plus draft inputs), charged to
+    the token budget with the target's."""
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -60,6 +69,7 @@ class Scheduler:
         policy: str = "fcfs",
         max_loras: int | None = None,
         enable_chunked_prefill: bool = True,
+        draft_model: bool = False,
     ) -> None:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
@@ -70,6 +80,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         """Off: a waiting request is admitted only when its whole prompt fits this step's budget."""
+        self.draft_model = draft_model
+        """Speculation by a draft model: its catch-up and drafting count in the token budget."""
         self.policy = policy
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -148,7 +160,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_left = request.num_tokens - request.num_computed_tokens
-            if request.spec_token_ids:  # they fit whole after the last token, or not at all
+            catch_up = 0
+            if request.spec_token_ids and self.draft_model:
+                catch_up = self._fit_draft(request, num_left, budget)
+            elif request.spec_token_ids:  # they fit whole after the last token, or not at all
                 del request.spec_token_ids[max(0, budget - num_left) :]
             num_new = min(num_left + len(request.spec_token_ids), budget)
             if num_new <= 0:
@@ -158,6 +173,7 @@ class Scheduler:
                 if request.spec_token_ids:  # drop the guesses before anyone's KV
                     num_new -= len(request.spec_token_ids)
                     request.spec_token_ids = []
+                    catch_up = min(catch_up, request.num_draft_lag - 1)  # no proposal now
                     continue
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -168,6 +184,11 @@ class Scheduler:
             else:
                 out.scheduled.append((request, num_new))
                 budget -= num_new
+                if catch_up > 0:
+                    draft_tokens = catch_up + max(0, len(request.spec_token_ids) - 1)
+                    out.draft_catch_up[request.request_id] = catch_up
+                    out.num_draft_model_tokens += draft_tokens
+                    budget -= draft_tokens
                 i += 1
                 continue
             break  # the current request itself was preempted: nothing after it fits
@@ -235,6 +256,24 @@ class Scheduler:
         num_valid = min(request.num_computed_tokens, request.num_tokens - 1)
         request.num_computed_tokens = num_valid
         self.kv.truncate(request, num_valid)
+
+    def _fit_draft(self, request: Request, num_left: int, budget: int) -> int:
+        """How many tokens the draft model reads for ``request`` this step; trims its draft
+        slots to what fits the budget with them.
+
+        The policy: the draft's tokens cost the budget as the target's do, in the request's
+        own turn. Proposing d tokens costs the target num_left + d and the draft its lag
+        (every token it has not read: after a prefill, the whole prompt) plus d - 1 inputs,
+        so d is the most that fits. When not even one fits, the draft reads what the budget
+        leaves (short of the last token) and proposes nothing: a long prompt is caught up
+        in chunks, like a chunked prefill, and speculation starts once it is.
+        """
+        lag = request.num_draft_lag
+        fit = (budget - num_left - lag + 1) // 2
+        del request.spec_token_ids[max(0, fit) :]
+        if request.spec_token_ids:
+            return lag
+        return max(0, min(lag - 1, budget - num_left))
 
     # ---- internals -------------------------------------------------------------------
     def _preempt_for_urgent_waiting(self, out: SchedulerOutput) -> None:

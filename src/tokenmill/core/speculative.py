@@ -91,6 +91,16 @@ def num_tokens_to_propose(config: SpeculativeConfig, num_running: int) -> int:
     return max(1, round(k * (limit - num_running + 1) / (limit - half + 1)))
 
 
+def max_verify_rows(config: SpeculativeConfig, max_num_seqs: int) -> int:
+    """The most rows a step of decodes and verifications can have under the policy
+    (``num_running`` requests, each its last token plus the policy's drafts): the largest
+    batch the ``static`` strategy's compiled step must take to keep such steps compiled."""
+    return max(
+        n * (num_tokens_to_propose(config, n) + 1)
+        for n in range(1, min(max_num_seqs, config.max_batch_size) + 1)
+    )
+
+
 def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest suffix
     of ``tokens`` (between min_n and max_n long); [] when no suffix recurs."""

@@ -62,6 +62,10 @@ class EngineStats:
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     """Accepted draft tokens by position in the draft (0 first)."""
 
+    spec_policy_steps: dict[int, int] = field(default_factory=dict)
+    """Steps by the number of tokens the batch-size policy let each request propose (0:
+    speculation off for that step's batch); only steps with running requests count."""
+
     def record_speculation(self, num_draft_tokens: int, num_accepted: int) -> None:
         """One request's verification in one step."""
         self.spec_num_drafts += 1

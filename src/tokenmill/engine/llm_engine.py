@@ -154,6 +154,8 @@ class LLMEngine:
             config.scheduling_policy,
             max_loras=config.max_loras if config.enable_lora else None,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            draft_model=config.speculative is not None
+            and config.speculative.method == "draft_model",
         )
         self._lora_removals: set[int] = set()
         """Adapters unloaded while requests still ran on them: dropped when the last ends."""
@@ -381,6 +383,8 @@ class LLMEngine:
             self._propose()
         sched = self.scheduler.schedule()
         result = self.executor.execute_model(self.plan_builder.build(sched))
+        for rid, num in result.num_draft_computed.items():  # the worker's draft KV length
+            self.scheduler.requests[rid].num_draft_computed_tokens = num
         self.scheduler.update_after_step(sched.scheduled)
         now = time.monotonic()
         stats = self._counters
@@ -456,6 +460,9 @@ class LLMEngine:
         spec = self.speculative
         assert spec is not None
         k = num_tokens_to_propose(spec, self.scheduler.num_running)
+        if self.scheduler.num_running:
+            steps = self._counters.spec_policy_steps
+            steps[k] = steps.get(k, 0) + 1
         for request in self.scheduler.running:
             request.spec_token_ids = []
             if (
@@ -544,6 +551,7 @@ class LLMEngine:
         return replace(
             self._counters,
             spec_accepted_per_pos=list(self._counters.spec_accepted_per_pos),
+            spec_policy_steps=dict(self._counters.spec_policy_steps),
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting + self.beam_search.num_queued,
             kv_usage=self.kv_manager.usage,

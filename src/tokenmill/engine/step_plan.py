@@ -49,12 +49,15 @@ class StepPlanBuilder:
             finished_ids=list(sched.finished_ids),
             preempted_ids=list(sched.preempted_ids),
             blocks_to_copy=list(sched.blocks_to_copy),
+            draft_catch_up=dict(sched.draft_catch_up),
         )
         for request, _ in sched.scheduled:
             rid = request.request_id
             table = sched.block_tables[rid]
             if request.spec_token_ids:
                 plan.spec_token_ids[rid] = list(request.spec_token_ids)
+            if rid in sched.draft_catch_up:
+                plan.num_draft_computed[rid] = request.num_draft_computed_tokens
             sent = self._sent.get(rid)
             if sent is None or request.num_tokens < sent.num_tokens:
                 if sent is not None:  # taken again from scratch

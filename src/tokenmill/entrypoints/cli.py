@@ -119,6 +119,17 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.vllm_compat import check_vllm_compat_args
 
     check_vllm_compat_args(args)
+    if args.data_parallel_size > 1 or args.data_parallel_backend == "ray":
+        from tokenmill.entrypoints.data_parallel.args import check_data_parallel_args
+
+        check_data_parallel_args(args)
+        if args.data_parallel_backend == "ray":
+            from tokenmill.entrypoints.data_parallel.ray_app import run_ray_serve
+
+            return run_ray_serve(args)
+        from tokenmill.entrypoints.data_parallel.frontend import run_data_parallel
+
+        return run_data_parallel(args)
     return run_server(args, engine_config_from_args(args, serve_model(args)))
 
 
@@ -188,6 +199,9 @@ def _add_serve_parser(sub: Any) -> None:
         pass
     else:
         add_server_args(serve, group_for=groups)
+    from tokenmill.entrypoints.data_parallel.args import add_data_parallel_args
+
+    add_data_parallel_args(serve, group_for=groups)
     add_vllm_compat_args(serve, groups)
     serve.set_defaults(func=_serve)
 

@@ -114,6 +114,11 @@ _FLAGS: dict[str, tuple[Status, str]] = {
     "--host": ("implemented", "tokenmill's default is 127.0.0.1 (vLLM: all interfaces)"),
     "--port": ("implemented", ""),
     "--grpc-port": ("refused", "the gRPC server is not built"),
+    "--data-parallel-size": (
+        "implemented",
+        "replicas behind one prefix-aware front end (docs/scale_out.md)",
+    ),
+    "--data-parallel-backend": ("implemented", "mp (child processes) or ray (Ray Serve)"),
     "--data-parallel-supervisor-port": ("refused", _ONE_PROCESS),
     "--dp-supervisor-probe-interval-s": ("refused", _ONE_PROCESS),
     "--dp-supervisor-probe-timeout-s": ("refused", _ONE_PROCESS),

@@ -86,7 +86,7 @@ def describe() -> str:
         amx = "AMX not granted, not used"
     return (
         f"tokenmill CPU kernels ({active_isa()}): int8/int4 linear (W8A8), add+RMSNorm, "
-        f"SiLU*mul, RoPE, paged decode attention; {amx}"
+        f"SiLU*mul, RoPE, paged decode attention (split-K, softcap); {amx}"
     )
 
 
@@ -196,10 +196,13 @@ def paged_decode_attention(
     scale: float,
     window: int,
     kv_scales: torch.Tensor,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """One query per row q [B, Hq, D] over the blocks in place; returns [B, Hq * D]."""
+    """One query per row q [B, Hq, D] over the blocks in place; returns [B, Hq * D].
+
+    ``window`` 0 is full attention; ``softcap`` > 0 caps scores as c * tanh(s / c)."""
     return torch.ops.tokenmill_cpu.paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, scale, window, kv_scales
+        q, k_cache, v_cache, block_tables, context_lens, scale, window, kv_scales, softcap
     )
 
 
@@ -227,7 +230,7 @@ def register_fakes() -> None:
         lambda pos, q, k, cos, sin: (torch.empty_like(q), torch.empty_like(k))
     )
     torch.library.register_fake(lib + "paged_decode_attention")(
-        lambda q, kc, vc, bt, cl, scale, window, sc: q.new_empty(
+        lambda q, kc, vc, bt, cl, scale, window, sc, softcap=0.0: q.new_empty(
             q.shape[0], q.shape[1] * q.shape[2]
         )
     )

@@ -390,6 +390,14 @@ def _spec_decode_metrics(stats: EngineStats, model_name: str) -> Iterator[Metric
     for position, value in enumerate(stats.spec_accepted_per_pos):
         per_pos.add_metric([model_name, str(position)], value)
     yield per_pos
+    policy = CounterMetricFamily(
+        PREFIX + "spec_decode_policy_steps",
+        "Engine steps by the draft tokens the batch-size policy allowed per request (0: off).",
+        labels=["model_name", "num_speculative_tokens"],
+    )
+    for k, value in sorted(stats.spec_policy_steps.items()):
+        policy.add_metric([model_name, str(k)], value)
+    yield policy
 
 
 VLLM_LABELS = ["model_name", "engine"]

@@ -158,6 +158,7 @@ class TorchSDPABackend(AttentionBackend):
             query_positions=self._tensor([p + [p[-1]] * (max_q - len(p)) for p in positions]),
             context_lens=self._tensor(group.context_lens),
             is_decode=group.is_decode,
+            segments=_segments(group),
         )
 
     def build_decode_metadata(
@@ -207,6 +208,21 @@ class TorchSDPABackend(AttentionBackend):
         return paged_attention(
             q, k_cache, v_cache, meta, layer.scale, layer.window, layer.kv_scales, softcap
         )
+
+
+def _segments(group: BatchGroup) -> list[tuple[int, int, int]] | None:
+    """(first row, queries, context) per request if each request's rows are consecutive and
+    its queries are the last positions of its context (what ``paged_attention``'s causal
+    chunk path needs); None otherwise."""
+    out = []
+    for rows, pos, ctx in zip(
+        group.token_index, group.query_positions, group.context_lens, strict=True
+    ):
+        n = len(rows)
+        if n == 0 or rows != list(range(rows[0], rows[0] + n)) or pos != list(range(ctx - n, ctx)):
+            return None
+        out.append((rows[0], n, ctx))
+    return out
 
 
 BACKENDS: dict[str, type[AttentionBackend]] = {TorchSDPABackend.name: TorchSDPABackend}

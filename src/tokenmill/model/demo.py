@@ -221,16 +221,26 @@ def demo_model_path() -> Path:
     return DEMO_MODEL_DIR
 
 
+DEMO_DRAFT_DIR = Path(__file__).resolve().with_name("demo_draft_weights")
+"""``demo-draft``: the demo's speculative-decoding draft, shipped beside it (one decoder layer
+with the demo's dims and tokenizer, distilled from the demo by ``scripts/train_demo_model.py
+--train-draft``; ``training.json`` there records the run)."""
 DEMO_DRAFT_LAYERS = 2
-"""Decoder layers the demo's draft keeps (of the demo's 4)."""
+"""Decoder layers of the untrained fallback draft (of the demo's 4)."""
 
 
 def demo_draft_path() -> Path:
-    """``demo-draft``: a draft for speculative decoding with the demo's tokenizer, built on
-    first use (deterministically: the demo's first ``DEMO_DRAFT_LAYERS`` layers, embeddings,
-    final norm and LM head; no training) under ``$TOKENMILL_CACHE``."""
+    """``demo-draft``: the shipped, trained draft; where the package data lacks it, an
+    untrained stand-in built on first use under ``$TOKENMILL_CACHE`` (the demo's first
+    ``DEMO_DRAFT_LAYERS`` layers, embeddings, final norm and LM head), with a warning."""
+    import logging
     import os
 
+    if all((DEMO_DRAFT_DIR / name).is_file() for name in DEMO_MODEL_FILES):
+        return DEMO_DRAFT_DIR
+    logging.getLogger(__name__).warning(
+        "%s missing: demo-draft falls back to an untrained truncation of the demo", DEMO_DRAFT_DIR
+    )
     cache = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
     folder = cache / f"demo-draft-{DEMO_DRAFT_LAYERS}"
     if not (folder / "model.safetensors").is_file():

@@ -39,6 +39,12 @@ class Linear(nn.Module):
     GEMMs at decode batch sizes about 2x faster than the default MKL path on this kind of
     machine (measured: 81 vs 45 GFLOP/s at 32 rows, 2 threads). The plain weight is dropped
     once packed, so memory does not grow.
+
+    bf16 runs on oneDNN at every row count: tokenmill's own bf16 GEMV
+    (``kernels.linear_bf16``) tied it at one row, where both read weights at the memory
+    bandwidth, and lost from two rows on (CPU time, one thread, the 250M model's four
+    projections; ``benchmarks/kernels.py`` prints both at 1, 2, 4, 16 and 64 rows: rerun it
+    on a quiet machine before wiring the kernel in at M = 1).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:

@@ -32,8 +32,6 @@ class DraftProposer:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         """The draft model's runner (its own KV tensors, no LoRA, no grammar)."""
-        self._num_seen: dict[str, int] = {}
-        """Per request: tokens whose draft KV was written (some may since be rejected)."""
 
     @classmethod
     def build(
@@ -45,19 +43,14 @@ class DraftProposer:
     ) -> DraftProposer:
         return cls(ModelRunner(model, kv_caches, block_size, Sampler(device), device))
 
-    def drop(self, request_ids: list[str]) -> None:
-        """Finished or preempted: a preempted request's blocks, draft KV included, are gone."""
-        for rid in request_ids:
-            self._num_seen.pop(rid, None)
-
     @torch.inference_mode()
     def propose(self, sched: SchedulerOutput) -> None:
-        """Replace the placeholder drafts of every scheduled request by the draft's tokens."""
-        self.drop(sched.finished_ids + sched.preempted_ids)
-        views: list[tuple[Request, Request]] = []
-        for request, num_new in sched.scheduled:
-            k = len(request.spec_token_ids)
-            if not k or request.num_computed_tokens + num_new != request.num_tokens + k:
+        """Run the draft on what the scheduler granted (``sched.draft_catch_up``): catch its
+        KV up, then replace the placeholder drafts of each request by the draft's tokens."""
+        views: list[tuple[Request, Request, int]] = []
+        for request, _ in sched.scheduled:
+            catch_up = sched.draft_catch_up.get(request.request_id, 0)
+            if not catch_up:
                 continue
             view = copy.copy(request)
             view.sampling_params = _GREEDY
@@ -66,27 +59,31 @@ class DraftProposer:
             view.grammar = None
             view.lora_id = 0
             view.eos_token_ids = frozenset()
-            seen = self._num_seen.get(request.request_id, 0)
-            view.num_computed_tokens = min(seen, request.num_computed_tokens)
-            views.append((request, view))
+            view.num_computed_tokens = request.num_tokens - request.num_draft_lag
+            views.append((request, view, catch_up))
         if not views:
             return
-        drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in views}
-        num_drafts = max(len(r.spec_token_ids) for r, _ in views)
-        for _ in range(num_drafts):
-            active = [(r, v) for r, v in views if len(drafts[r.request_id]) < len(r.spec_token_ids)]
-            if not active:
-                break
-            step_sched = SchedulerOutput(
-                scheduled=[(v, v.num_tokens - v.num_computed_tokens) for _, v in active],
-                block_tables={v.request_id: sched.block_tables[v.request_id] for _, v in active},
+        drafts: dict[str, list[int]] = {r.request_id: [] for r, _, _ in views}
+        steps = [(v, n) for _, v, n in views]  # the first forward: each request's catch-up
+        while steps:
+            out = self.runner.execute(
+                SchedulerOutput(
+                    scheduled=steps,
+                    block_tables={v.request_id: sched.block_tables[v.request_id] for v, _ in steps},
+                )
             )
-            out = self.runner.execute(step_sched)
-            for request, view in active:
-                token = out.sampled[view.request_id]
-                view.num_computed_tokens = view.num_tokens
+            for view, num_new in steps:
+                view.num_computed_tokens += num_new
+            steps = []
+            for request, view, _ in views:
+                request.num_draft_computed_tokens = view.num_computed_tokens
+                token = out.sampled.get(view.request_id)
+                mine = drafts[request.request_id]
+                if token is None or len(mine) >= len(request.spec_token_ids):
+                    continue  # caught up part of the way, or done proposing
                 view.output_token_ids.append(token)
-                drafts[request.request_id].append(token)
-                self._num_seen[request.request_id] = view.num_computed_tokens
-        for request, _ in views:
+                mine.append(token)
+                if len(mine) < len(request.spec_token_ids):
+                    steps.append((view, 1))
+        for request, _, _ in views:
             request.spec_token_ids = drafts[request.request_id]

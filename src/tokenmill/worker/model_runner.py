@@ -7,6 +7,13 @@ one attention group and multi-token chunks another, so each is a single batched 
 call. Logits are computed only for rows that need them: the last token
 of a request that reached its end (to sample) and prompt rows whose logprobs were asked.
 
+Speculative verification (a request's last token plus its k draft tokens) is k + 1 rows
+of one request. Under the ``static`` strategy's compiled step, such rows are decode rows:
+each attends to the positions up to its own, and the decode op writes every row's K/V
+before any row attends, so row i sees the drafts before it. A step of decodes and
+verifications only therefore runs through the same fixed-shape graphs (buckets count
+rows), with each row carrying its request's block table.
+
 Sampling, grammar bookkeeping and prompt logprobs are per request: when the batched call
 raises, each row is retried alone and only the rows that still raise are reported in
 ``StepOutput.failed`` (as text, so it can cross a process), so one request's failure never takes the batch (or the engine) down.
@@ -95,6 +102,8 @@ class ModelRunner:
         """Adapter slots, when LoRA is enabled."""
         self.num_compiled_steps = 0
         """Steps that ran the compiled decode forward (the rest ran eagerly)."""
+        self.num_compiled_verify_steps = 0
+        """Of those, steps that verified speculative tokens (k + 1 rows per request)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -122,6 +131,8 @@ class ModelRunner:
         pool_rows: dict[str, tuple[Request, list[int], bool]] = {}
         lora_rows: dict[int, list[int]] = {}
         spec_rows: dict[str, tuple[Request, list[int], list[int]]] = {}
+        row_tables: list[list[int]] = []
+        """Per row: its request's block table (the compiled step takes one per row)."""
         for members, is_decode in ((decodes, True), (chunks, False)):
             if not members:
                 continue
@@ -145,6 +156,7 @@ class ModelRunner:
                 token_index.append(rows)
                 query_pos.append(pos)
                 tables.append(table[: -(-(start + num_new) // bs)])
+                row_tables.extend([tables[-1]] * num_new)
                 ctx_lens.append(start + num_new)
                 if request.pooling is not None:
                     is_last = start + num_new == request.num_tokens
@@ -166,13 +178,14 @@ class ModelRunner:
                     prompt_rows[request.request_id] = (rows[: last - start], start)
             groups.append(BatchGroup(is_decode, token_index, query_pos, tables, ctx_lens))
         lora = self.lora.build_step(lora_rows, len(input_ids)) if self.lora else None
-        is_decode_only = not chunks and not prompt_rows and len(sample_rows) == len(input_ids)
-        if spec_rows and self.compiled_decode is not None and not self._logged_spec_eager:
-            self._logged_spec_eager = True
-            logger.info(
-                "static: steps verifying speculative tokens run eagerly (the compiled decode "
-                "step takes one token per request)"
-            )
+        num_spec_rows = sum(len(rows) for _, rows, _ in spec_rows.values())
+        # Decode rows and verification rows only (every chunk verifies drafts).
+        is_decode_only = (
+            len(spec_rows) == len(chunks)
+            and not prompt_rows
+            and not pool_rows
+            and len(sample_rows) + num_spec_rows == len(input_ids)
+        )
         if (
             is_decode_only
             and lora is None  # the compiled forwards have no LoRA: such steps run eagerly
@@ -185,7 +198,16 @@ class ModelRunner:
                 meta=None,
                 sample_rows=sample_rows,
                 sample_requests=sample_requests,
-                decode_rows=(input_ids, positions, slots, groups[0].block_tables),
+                decode_rows=(input_ids, positions, slots, row_tables),
+                spec_rows=spec_rows,
+            )
+        if spec_rows and self.compiled_decode is not None and not self._logged_spec_eager:
+            self._logged_spec_eager = True
+            logger.info(
+                "static: a step verifying speculative tokens ran eagerly (%d rows, a prefill "
+                "chunk, prompt logprobs or a LoRA adapter in the step; compiled up to %d rows)",
+                len(input_ids),
+                self.compiled_decode.max_batch,
             )
         meta = self.model.attn_backend.build_metadata(StepBatch(slots, groups, len(input_ids)))
         return StepInputs(
@@ -204,6 +226,7 @@ class ModelRunner:
         """Hidden states of the step: the compiled decode step where the inputs allow it."""
         if inputs.decode_rows is not None and self.compiled_decode is not None:
             self.num_compiled_steps += 1
+            self.num_compiled_verify_steps += bool(inputs.spec_rows)
             return self.compiled_decode.run(*inputs.decode_rows)
         return self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.lora

@@ -58,6 +58,8 @@ class RequestStates:
             request = requests[rid]
             request.spec_token_ids = list(drafts)
             self._with_drafts.append(request)
+        for rid, num in plan.num_draft_computed.items():
+            requests[rid].num_draft_computed_tokens = num
         scheduled = [(requests[rid], n) for rid, n in plan.scheduled]
         return SchedulerOutput(
             scheduled=scheduled,
@@ -65,6 +67,7 @@ class RequestStates:
             finished_ids=list(plan.finished_ids),
             block_tables={rid: tables[rid] for rid, _ in plan.scheduled},
             blocks_to_copy=[(s, d) for s, d in plan.blocks_to_copy],
+            draft_catch_up=dict(plan.draft_catch_up),
         )
 
     def _add(self, new: NewRequestData) -> None:

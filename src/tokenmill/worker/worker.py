@@ -24,6 +24,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import StepOutput, StepPlan
 from tokenmill.core.sampling_params import SamplingParams
+from tokenmill.core.speculative import max_verify_rows
 from tokenmill.errors import ConfigError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.model.attention import FP8_DTYPES
@@ -84,6 +85,17 @@ def load_model_config(config: EngineConfig, model_path: Path) -> ModelConfig:
     if config.rope_theta_override is not None:
         mc = replace(mc, rope_theta=config.rope_theta_override)
     return mc
+
+
+def _with_verify_bucket(config: EngineConfig, buckets: list[int]) -> list[int]:
+    """static + speculation: one more compiled batch size when a step verifying drafts can
+    have more rows (k + 1 per request) than the largest decode bucket (not with
+    ``--compile-batch-sizes``: those are taken as given)."""
+    spec = config.speculative
+    if spec is None or config.compile_batch_sizes:
+        return buckets
+    rows = max_verify_rows(spec, config.max_num_seqs)
+    return buckets + [rows] if rows > max(buckets, default=0) else buckets
 
 
 class WorkerInfo(msgspec.Struct):
@@ -227,8 +239,9 @@ class Worker:
                 spec.block_size,
                 max_blocks_per_seq=-(-self.max_model_len // spec.block_size),
                 scratch_block=spec.num_blocks,
-                buckets=list(
-                    cfg.compile_batch_sizes or default_buckets(cfg.max_num_seqs, self.device)
+                buckets=_with_verify_bucket(
+                    cfg,
+                    list(cfg.compile_batch_sizes or default_buckets(cfg.max_num_seqs, self.device)),
                 ),
                 device=self.device,
             )
@@ -340,6 +353,8 @@ class Worker:
         if self.drafter is not None:  # fills the draft slots the scheduler granted
             self.drafter.propose(sched)
         out = self.runner.execute(sched)
+        for rid in plan.draft_catch_up:
+            out.num_draft_computed[rid] = self.states.requests[rid].num_draft_computed_tokens
         return out if self.rank == 0 else None
 
     def debug_stats(self) -> dict[str, Any]:

@@ -127,98 +127,206 @@ void rope_kernel(const tokenmill::RopeArgs& a, int64_t t0, int64_t t1) {
   else rope_impl<tokenmill::F32>(a, t0, t1);
 }
 
-// One query per sequence over its KV blocks, read where they lie: for each (sequence, KV
-// head) the group's query heads score every cached token (K converted to fp32 in
-// registers, once for the whole group), softmax in fp32, then V accumulated in fp32.
-constexpr int kMaxGroupTile = 8;
+// Decode attention: one query per sequence over its KV blocks, read where they lie.
+//
+// A work item is one sequence's token range [t0, t1) (the whole context, or one split of a
+// long one). It walks the range block by block and, inside a block, every KV head: the
+// G query heads of that head score the block's tokens (K converted to fp32 in registers
+// once for the whole group), an online softmax (running max and sum per head, in fp32)
+// turns the scores into weights, and V is accumulated into registers tile by tile. So K
+// and V are each read once, in the cache's own order, with no gather and no scores buffer
+// longer than a block. Items of a split sequence leave normalised partial outputs and
+// their (max, sum), which attention_merge combines (split-K / log-sum-exp).
+constexpr int kScoreTile = 4;   // query heads scored together (accumulators in registers)
+constexpr int kHeadTile = 4;    // query heads per V tile
+constexpr int kVecTile = Vec::W == 16 ? 4 : 2;  // vectors of head_dim per V tile
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Softcap (Gemma 2): c * tanh(s / c), tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|).
+inline Vec::R softcap_vec(Vec::R s, float cap) {
+  const Vec::R inv = Vec::set1(1.0f / cap), c = Vec::set1(cap), one = Vec::set1(1.0f);
+  Vec::R x = Vec::mul(s, inv);
+  Vec::R ax = Vec::max(x, Vec::sub(Vec::zero(), x));
+  Vec::R e = Vec::exp(Vec::mul(ax, Vec::set1(-2.0f)));
+  Vec::R t = Vec::div(Vec::sub(one, e), Vec::add(one, e));
+  return Vec::mul(Vec::copysign(t, x), c);
+}
+
+// Scores of GN heads (fp32 q rows of stride dq, padded to W) for the block's n tokens:
+// per token one K row converted once, GN vectors of partial sums kept aside, then W
+// tokens' partials folded at once (transpose_sum) instead of one horizontal sum each.
+template <int KF, int GN>
+inline void score_block(const void* kc, const int64_t* rows, int n, int64_t D, const float* qf, int64_t dq,
+                        float* out, int64_t out_stride) {
+  alignas(64) float part[GN][Vec::W][Vec::W];
+  for (int t0 = 0; t0 < n; t0 += Vec::W) {
+    const int tn = (int)min64(Vec::W, n - t0);
+    for (int t = 0; t < Vec::W; ++t) {
+      Vec::R s[GN];
+      for (int g = 0; g < GN; ++g) s[g] = Vec::zero();
+      if (t < tn)
+        for (int64_t j = 0; j < D; j += Vec::W) {
+          Vec::R kv = ld<KF>(kc, rows[t0 + t] + j, chunk(D, j));
+          for (int g = 0; g < GN; ++g) s[g] = Vec::fma(Vec::load_f32(qf + g * dq + j, Vec::W), kv, s[g]);
+        }
+      for (int g = 0; g < GN; ++g) Vec::store_f32(part[g][t], s[g], Vec::W);
+    }
+    for (int g = 0; g < GN; ++g) {
+      Vec::R r[Vec::W];
+      for (int t = 0; t < Vec::W; ++t) r[t] = Vec::load_f32(part[g][t], Vec::W);
+      Vec::store_f32(out + g * out_stride + t0, Vec::transpose_sum(r), tn);
+    }
+  }
+}
+
+template <int KF>
+inline void score_block_any(int gn, const void* kc, const int64_t* rows, int n, int64_t D, const float* qf,
+                            int64_t dq, float* out, int64_t out_stride) {
+  switch (gn) {
+    case 1: score_block<KF, 1>(kc, rows, n, D, qf, dq, out, out_stride); break;
+    case 2: score_block<KF, 2>(kc, rows, n, D, qf, dq, out, out_stride); break;
+    case 3: score_block<KF, 3>(kc, rows, n, D, qf, dq, out, out_stride); break;
+    default: score_block<KF, 4>(kc, rows, n, D, qf, dq, out, out_stride); break;
+  }
+}
+
+// acc[g][j0 .. j0 + NV * W) += sum over the block's n tokens of p[g][t] * V[t]: heads
+// [0, GN) of the tile, NV vectors of head_dim, all in registers for the whole block.
+template <int KF, int GN, int NV>
+inline void accumulate_v(const void* vc, const int64_t* rows, int n, int64_t j0, int64_t D, const float* p,
+                         int64_t ps, float* acc, int64_t da) {
+  Vec::R o[GN][NV];
+  for (int g = 0; g < GN; ++g)
+    for (int v = 0; v < NV; ++v) o[g][v] = Vec::load_f32(acc + g * da + j0 + v * Vec::W, Vec::W);
+  for (int t = 0; t < n; ++t) {
+    Vec::R vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = ld<KF>(vc, rows[t] + j0 + v * Vec::W, chunk(D, j0 + v * Vec::W));
+    for (int g = 0; g < GN; ++g) {
+      const Vec::R w = Vec::set1(p[g * ps + t]);
+      for (int v = 0; v < NV; ++v) o[g][v] = Vec::fma(w, vv[v], o[g][v]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int v = 0; v < NV; ++v) Vec::store_f32(acc + g * da + j0 + v * Vec::W, o[g][v], Vec::W);
+}
+
+template <int KF, int GN>
+inline void accumulate_v_heads(const void* vc, const int64_t* rows, int n, int64_t D, const float* p, int64_t ps,
+                               float* acc, int64_t da) {
+  const int64_t step = kVecTile * Vec::W;
+  int64_t j = 0;
+  for (; j + step <= D; j += step) accumulate_v<KF, GN, kVecTile>(vc, rows, n, j, D, p, ps, acc, da);
+  for (; j < D; j += Vec::W) accumulate_v<KF, GN, 1>(vc, rows, n, j, D, p, ps, acc, da);
+}
+
+template <int KF>
+inline void accumulate_v_any(int gn, const void* vc, const int64_t* rows, int n, int64_t D, const float* p,
+                             int64_t ps, float* acc, int64_t da) {
+  switch (gn) {
+    case 1: accumulate_v_heads<KF, 1>(vc, rows, n, D, p, ps, acc, da); break;
+    case 2: accumulate_v_heads<KF, 2>(vc, rows, n, D, p, ps, acc, da); break;
+    case 3: accumulate_v_heads<KF, 3>(vc, rows, n, D, p, ps, acc, da); break;
+    default: accumulate_v_heads<KF, 4>(vc, rows, n, D, p, ps, acc, da); break;
+  }
+}
 
 template <int QF, int KF>
 void attention_impl(const tokenmill::AttnArgs& a, int64_t i0, int64_t i1) {
-  const int64_t D = a.D, G = a.Hq / a.Hkv, bs = a.block_size;
-  float* qf = static_cast<float*>(std::malloc(sizeof(float) * G * D));
-  float* acc = static_cast<float*>(std::malloc(sizeof(float) * G * D));
-  float* scores = nullptr;
-  int64_t scores_cap = 0;
+  const int64_t D = a.D, Hq = a.Hq, Hkv = a.Hkv, G = Hq / Hkv, bs = a.block_size;
+  const int64_t dp = round_up(D, Vec::W), bsp = round_up(bs, Vec::W);
+  // fp32 scratch: scaled queries and accumulators [Hq, dp], running max and sum [Hq],
+  // one block's scores / weights [G, bsp]; K/V row offsets of the block's tokens [bs].
+  float* qf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * round_up(2 * Hq * dp + 2 * Hq + G * bsp, 16)));
+  float* acc = qf + Hq * dp;
+  float* mx = acc + Hq * dp;
+  float* sm = mx + Hq;
+  float* sc = sm + Hq;
+  int64_t* rows = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * bs));
+  const Vec::R qscale = Vec::set1(a.scale * (a.softcap > 0 ? 1.0f : a.k_scale));
+  const float post_scale = a.softcap > 0 ? a.k_scale : 1.0f;  // K's fp8 scale, before the cap
+  const int64_t kv_bytes = KF == tokenmill::F32 ? 4 : KF == tokenmill::BF16 ? 2 : 1;
+  const int64_t block_bytes = bs * Hkv * D * kv_bytes;
   for (int64_t idx = i0; idx < i1; ++idx) {
-    const int64_t b = idx / a.Hkv, h = idx % a.Hkv;
-    const int64_t ctx = a.context_lens[b];
-    const int64_t start = a.window > 0 ? max64(0, ctx - a.window) : 0;
-    const int64_t L = ctx - start;
-    if (G * L > scores_cap) {
-      std::free(scores);
-      scores_cap = G * L;
-      scores = static_cast<float*>(std::malloc(sizeof(float) * scores_cap));
-    }
+    const int64_t b = a.item_seq[idx], t0 = a.item_range[2 * idx], t1 = a.item_range[2 * idx + 1];
     const int64_t* table = a.block_tables + b * a.ldbt;
-    const Vec::R qscale = Vec::set1(a.scale * a.k_scale);
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t j = 0; j < D; j += Vec::W) {
-        int n = chunk(D, j);
-        Vec::store_f32(qf + g * D + j, Vec::mul(ld<QF>(a.q, b * a.ldq + (h * G + g) * D + j, n), qscale), n);
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      for (int64_t j = 0; j < dp; j += Vec::W) {
+        Vec::R qv = j < D ? Vec::mul(ld<QF>(a.q, b * a.ldq + hq * D + j, chunk(D, j)), qscale) : Vec::zero();
+        Vec::store_f32(qf + hq * dp + j, qv, Vec::W);
+        Vec::store_f32(acc + hq * dp + j, Vec::zero(), Vec::W);
       }
-    for (int64_t t = start; t < ctx; ++t) {
-      const int64_t row = ((table[t / bs] * bs + t % bs) * a.Hkv + h) * D;
-      for (int64_t g0 = 0; g0 < G; g0 += kMaxGroupTile) {
-        const int64_t gn = min64(kMaxGroupTile, G - g0);
-        Vec::R s[kMaxGroupTile];
-        for (int64_t gi = 0; gi < gn; ++gi) s[gi] = Vec::zero();
-        for (int64_t j = 0; j < D; j += Vec::W) {
-          int n = chunk(D, j);
-          Vec::R kv = ld<KF>(a.k_cache, row + j, n);
-          for (int64_t gi = 0; gi < gn; ++gi)
-            s[gi] = Vec::fma(Vec::load_f32(qf + (g0 + gi) * D + j, n), kv, s[gi]);
-        }
-        for (int64_t gi = 0; gi < gn; ++gi) scores[(g0 + gi) * L + (t - start)] = Vec::reduce_add(s[gi]);
-      }
+      mx[hq] = -3.0e38f;
+      sm[hq] = 0.0f;
     }
-    for (int64_t g = 0; g < G; ++g) {
-      float* sc = scores + g * L;
-      Vec::R m = Vec::set1(-3.0e38f);
-      for (int64_t t = 0; t < L; t += Vec::W) {
-        int n = chunk(L, t);
-        Vec::R v = Vec::load_f32(sc + t, n);
-        if (n < Vec::W) {  // lanes past the end load as 0; keep them from raising the max
-          float tmp[Vec::W];
-          Vec::store_f32(tmp, v, Vec::W);
-          for (int i = n; i < Vec::W; ++i) tmp[i] = -3.0e38f;
-          v = Vec::load_f32(tmp, Vec::W);
+    for (int64_t blk = t0 / bs; blk * bs < t1; ++blk) {
+      const int64_t s = max64(t0, blk * bs), e = min64(t1, blk * bs + bs);
+      const int n = (int)(e - s);
+      const int64_t base = (table[blk] * bs + (s - blk * bs)) * Hkv * D;
+      if ((blk + 1) * bs < t1) {  // the next block lies elsewhere in the pool: fetch it early
+        const int64_t next = table[blk + 1] * bs * Hkv * D * kv_bytes;
+        for (int64_t off = 0; off < block_bytes; off += 64) {
+          __builtin_prefetch(static_cast<const char*>(a.k_cache) + next + off);
+          __builtin_prefetch(static_cast<const char*>(a.v_cache) + next + off);
         }
-        m = Vec::max(m, v);
       }
-      const Vec::R vmax = Vec::set1(Vec::reduce_max(m));
-      Vec::R sum = Vec::zero();
-      for (int64_t t = 0; t < L; t += Vec::W) {
-        int n = chunk(L, t);
-        Vec::R e = Vec::exp(Vec::sub(Vec::load_f32(sc + t, n), vmax));
-        Vec::store_f32(sc + t, e, n);
-        sum = Vec::add(sum, Vec::load_f32(sc + t, n));  // reload: drops the tail lanes
-      }
-      const float inv = a.v_scale / Vec::reduce_add(sum);
-      for (int64_t t = 0; t < L; t += Vec::W) {
-        int n = chunk(L, t);
-        Vec::store_f32(sc + t, Vec::mul(Vec::load_f32(sc + t, n), Vec::set1(inv)), n);
-      }
-    }
-    for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.0f;
-    for (int64_t t = start; t < ctx; ++t) {
-      const int64_t row = ((table[t / bs] * bs + t % bs) * a.Hkv + h) * D;
-      for (int64_t j = 0; j < D; j += Vec::W) {
-        int n = chunk(D, j);
-        Vec::R vv = ld<KF>(a.v_cache, row + j, n);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        for (int t = 0; t < n; ++t) rows[t] = base + (t * Hkv + h) * D;
+        const float* qh = qf + h * G * dp;
+        for (int64_t g0 = 0; g0 < G; g0 += kScoreTile) {
+          const int gn = (int)min64(kScoreTile, G - g0);
+          score_block_any<KF>(gn, a.k_cache, rows, n, D, qh + g0 * dp, dp, sc + g0 * bsp, bsp);
+        }
         for (int64_t g = 0; g < G; ++g) {
-          float* o = acc + g * D + j;
-          Vec::store_f32(o, Vec::fma(Vec::set1(scores[g * L + (t - start)]), vv, Vec::load_f32(o, n)), n);
+          float* p = sc + g * bsp;
+          const int64_t hq = h * G + g;
+          Vec::R m = Vec::set1(-3.0e38f);
+          for (int t = 0; t < n; t += Vec::W) {
+            const int c = (int)min64(Vec::W, n - t);
+            Vec::R v = Vec::load_f32(p + t, c);
+            if (a.softcap > 0) v = softcap_vec(Vec::mul(v, Vec::set1(post_scale)), a.softcap);
+            Vec::store_f32(p + t, v, c);
+            m = Vec::max(m, Vec::load_masked_or(p + t, c, -3.0e38f));
+          }
+          const float m_new = mx[hq] > Vec::reduce_max(m) ? mx[hq] : Vec::reduce_max(m);
+          const float alpha = __builtin_expf(mx[hq] - m_new);
+          const Vec::R vm = Vec::set1(m_new);
+          Vec::R sum = Vec::zero();
+          for (int t = 0; t < n; t += Vec::W) {
+            const int c = (int)min64(Vec::W, n - t);
+            Vec::store_f32(p + t, Vec::exp(Vec::sub(Vec::load_f32(p + t, c), vm)), c);
+            sum = Vec::add(sum, Vec::load_f32(p + t, c));  // reload: the tail lanes read as 0
+          }
+          sm[hq] = sm[hq] * alpha + Vec::reduce_add(sum);
+          mx[hq] = m_new;
+          if (alpha != 1.0f) {
+            const Vec::R va = Vec::set1(alpha);
+            float* o = acc + hq * dp;
+            for (int64_t j = 0; j < dp; j += Vec::W) Vec::store_f32(o + j, Vec::mul(Vec::load_f32(o + j, Vec::W), va), Vec::W);
+          }
+        }
+        for (int64_t g0 = 0; g0 < G; g0 += kHeadTile) {
+          const int gn = (int)min64(kHeadTile, G - g0);
+          accumulate_v_any<KF>(gn, a.v_cache, rows, n, D, sc + g0 * bsp, bsp, acc + (h * G + g0) * dp, dp);
         }
       }
     }
-    for (int64_t g = 0; g < G; ++g)
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const float inv = a.v_scale / sm[hq];
+      const Vec::R vi = Vec::set1(inv);
       for (int64_t j = 0; j < D; j += Vec::W) {
-        int n = chunk(D, j);
-        st<QF>(a.out, b * a.Hq * D + (h * G + g) * D + j, Vec::load_f32(acc + g * D + j, n), n);
+        const int c = chunk(D, j);
+        Vec::R o = Vec::mul(Vec::load_f32(acc + hq * dp + j, Vec::W), vi);
+        if (a.partial) Vec::store_f32(a.partial + (idx * Hq + hq) * D + j, o, c);
+        else st<QF>(a.out, b * Hq * D + hq * D + j, o, c);
       }
+      if (a.partial) {
+        a.partial_ml[2 * (idx * Hq + hq)] = mx[hq];
+        a.partial_ml[2 * (idx * Hq + hq) + 1] = sm[hq];
+      }
+    }
   }
-  std::free(scores);
-  std::free(acc);
+  std::free(rows);
   std::free(qf);
 }
 
@@ -235,6 +343,36 @@ void attention_for_q(const tokenmill::AttnArgs& a, int64_t i0, int64_t i1) {
 void attention_kernel(const tokenmill::AttnArgs& a, int64_t i0, int64_t i1) {
   if (a.q_fmt == tokenmill::BF16) attention_for_q<tokenmill::BF16>(a, i0, i1);
   else attention_for_q<tokenmill::F32>(a, i0, i1);
+}
+
+// Sequences [b0, b1) of a split step: out = sum_s w_s o_s / sum_s w_s, w_s = l_s exp(m_s - M).
+template <int QF>
+void merge_impl(const tokenmill::AttnArgs& a, int64_t b0, int64_t b1) {
+  const int64_t Hq = a.Hq, D = a.D;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t s0 = a.seq_items[b], s1 = a.seq_items[b + 1];
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      float m = -3.0e38f;
+      for (int64_t s = s0; s < s1; ++s) m = m > a.partial_ml[2 * (s * Hq + hq)] ? m : a.partial_ml[2 * (s * Hq + hq)];
+      float total = 0.0f;
+      for (int64_t s = s0; s < s1; ++s)
+        total += a.partial_ml[2 * (s * Hq + hq) + 1] * __builtin_expf(a.partial_ml[2 * (s * Hq + hq)] - m);
+      for (int64_t j = 0; j < D; j += Vec::W) {
+        const int c = chunk(D, j);
+        Vec::R o = Vec::zero();
+        for (int64_t s = s0; s < s1; ++s) {
+          const float w = a.partial_ml[2 * (s * Hq + hq) + 1] * __builtin_expf(a.partial_ml[2 * (s * Hq + hq)] - m) / total;
+          o = Vec::fma(Vec::set1(w), Vec::load_f32(a.partial + (s * Hq + hq) * D + j, c), o);
+        }
+        st<QF>(a.out, b * Hq * D + hq * D + j, o, c);
+      }
+    }
+  }
+}
+
+void attention_merge_kernel(const tokenmill::AttnArgs& a, int64_t b0, int64_t b1) {
+  if (a.q_fmt == tokenmill::BF16) merge_impl<tokenmill::BF16>(a, b0, b1);
+  else merge_impl<tokenmill::F32>(a, b0, b1);
 }
 
 }  // namespace

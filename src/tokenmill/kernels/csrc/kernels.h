@@ -69,9 +69,19 @@ struct AttnArgs {
   const int64_t* context_lens;  // [B]
   void* out;                // [B, Hq * D]
   int64_t Hq, Hkv, D, block_size, ldq, ldbt;
-  int64_t window;           // 0: full attention
+  int64_t window;           // 0: full attention (ops.cpp turns it into item ranges)
   float scale, k_scale, v_scale;
+  float softcap;            // > 0: scores capped as softcap * tanh(scores / softcap)
   int q_fmt, kv_fmt;
+  // Work items: item i attends sequence item_seq[i] over tokens [item_range[2i], item_range[2i+1]).
+  const int64_t* item_seq;
+  const int64_t* item_range;
+  // Split sequences: items leave fp32 partial outputs [items, Hq, D] and (max, sum)
+  // [items, Hq, 2] here, and the merge combines items [seq_items[b], seq_items[b+1]).
+  // Null: each item is its sequence's whole range and writes out directly.
+  float* partial;
+  float* partial_ml;
+  const int64_t* seq_items;
 };
 
 struct KernelTable {
@@ -84,7 +94,8 @@ struct KernelTable {
   void (*rms_norm)(const NormArgs&, int64_t, int64_t);
   void (*silu_mul)(const SiluMulArgs&, int64_t, int64_t);
   void (*rope)(const RopeArgs&, int64_t, int64_t);
-  void (*decode_attention)(const AttnArgs&, int64_t, int64_t);
+  void (*decode_attention)(const AttnArgs&, int64_t, int64_t);   // work items
+  void (*attention_merge)(const AttnArgs&, int64_t, int64_t);    // sequences
   // Null where the int GEMMs read bf16 activations; else quantizes rows [begin, end) of
   // a.x into a.xq / a.x_scale (``is_unsigned``: store x + 128) before gemm_int8/int4 run.
   void (*quantize_rows)(const GemmArgs&, bool is_unsigned, int64_t, int64_t);

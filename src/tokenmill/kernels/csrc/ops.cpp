@@ -11,6 +11,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "kernels.h"
 
@@ -379,14 +380,17 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& positions, const at::T
   return {qo, ko};
 }
 
+// Tokens per split of a long context: enough work per item that the merge stays cheap.
+constexpr int64_t kMinSplitTokens = 256;
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  int64_t window, const at::Tensor& kv_scales) {
+                                  int64_t window, const at::Tensor& kv_scales, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "decode_attention: q [B, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
               "decode_attention: K and V caches [blocks, block_size, Hkv, D], contiguous, one dtype");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2), bs = k_cache.size(1);
   TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "decode_attention: head shapes do not match the cache");
   at::Tensor bt = block_tables.to(at::kLong).contiguous();
   at::Tensor cl = context_lens.to(at::kLong).contiguous();
@@ -395,8 +399,29 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(sc.numel() == 2, "decode_attention: kv_scales holds [k_scale, v_scale]");
   const int64_t* lens = cl.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= bt.size(1) * k_cache.size(1),
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= bt.size(1) * bs,
                 "decode_attention: context length ", lens[b], " outside the block table");
+  // Work items: whole sequences, or, when there are fewer sequences than ~4 per thread,
+  // splits of the long ones (whole blocks, >= kMinSplitTokens each) merged afterwards.
+  const int64_t threads = at::get_num_threads();
+  const int64_t want = B >= 4 * threads ? 1 : (4 * threads + B - 1) / B;
+  std::vector<int64_t> item_seq, item_range, seq_items(B + 1, 0);
+  item_seq.reserve(B * want);
+  item_range.reserve(2 * B * want);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+    const int64_t L = lens[b] - start;
+    const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(want, L / kMinSplitTokens));
+    const int64_t per = (L + splits - 1) / splits;
+    const int64_t step = std::max<int64_t>(bs, (per + bs - 1) / bs * bs);  // whole blocks
+    for (int64_t t = start / bs * bs; t < lens[b]; t += step) {
+      item_seq.push_back(b);
+      item_range.push_back(std::max(t, start));
+      item_range.push_back(std::min(t + step, lens[b]));
+    }
+    seq_items[b + 1] = static_cast<int64_t>(item_seq.size());
+  }
+  const int64_t items = static_cast<int64_t>(item_seq.size());
   AttnArgs a{};
   a.q = q.data_ptr();
   a.k_cache = k_cache.data_ptr();
@@ -406,19 +431,31 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   a.Hq = Hq;
   a.Hkv = Hkv;
   a.D = D;
-  a.block_size = k_cache.size(1);
+  a.block_size = bs;
   a.ldq = q.stride(0);
   a.ldbt = bt.size(1);
   a.window = window;
   a.scale = static_cast<float>(scale);
+  a.softcap = static_cast<float>(softcap);
   a.k_scale = sc.data_ptr<float>()[0];
   a.v_scale = sc.data_ptr<float>()[1];
   a.q_fmt = act_fmt(q);
   a.kv_fmt = fmt_of(k_cache);
+  a.item_seq = item_seq.data();
+  a.item_range = item_range.data();
+  a.seq_items = seq_items.data();
   at::Tensor out = at::empty({B, Hq * D}, q.options());
   a.out = out.data_ptr();
+  at::Tensor partial, partial_ml;
+  if (items > B) {
+    partial = at::empty({items, Hq, D}, q.options().dtype(at::kFloat));
+    partial_ml = at::empty({items, Hq, 2}, q.options().dtype(at::kFloat));
+    a.partial = partial.data_ptr<float>();
+    a.partial_ml = partial_ml.data_ptr<float>();
+  }
   const KernelTable& k = kernels();
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) { k.decode_attention(a, i0, i1); });
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) { k.decode_attention(a, i0, i1); });
+  if (items > B) at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) { k.attention_merge(a, b0, b1); });
   return out;
 }
 
@@ -441,7 +478,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rope(Tensor positions, Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale, int window, Tensor kv_scales) -> Tensor");
+        "Tensor context_lens, float scale, int window, Tensor kv_scales, float softcap=0.0) -> Tensor");
   m.impl("isa", &tokenmill::isa);
   m.impl("set_isa", &tokenmill::set_isa);
   m.impl("amx_permitted", &tokenmill::amx_permitted);

@@ -26,16 +26,31 @@ struct Vec {
     std::memcpy(buf, p, n * sizeof(uint16_t));
     return bf16_to_f32(_mm_loadu_si128((const __m128i*)buf));
   }
-  template <int EXP_BITS>
+  template <int EXP_BITS>  // as vec_avx512.h: through fp16
   static inline R load_fp8(const uint8_t* p, int n) {
-    uint8_t buf[16] = {0};
-    std::memcpy(buf, p, n);
-    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)buf));
-    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
-    __m256i mag = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7F)), 23 - (7 - EXP_BITS));
-    const float rebias = EXP_BITS == 4 ? 0x1p120f : 0x1p112f;
-    R f = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(rebias));
-    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign));
+    int64_t buf = 0;
+    std::memcpy(&buf, p, n);
+    __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(buf)), 8);
+    if constexpr (EXP_BITS == 5) return _mm256_cvtph_ps(h);
+    const __m128i sign = _mm_set1_epi16((short)0x8000);
+    h = _mm_or_si128(_mm_and_si128(h, sign), _mm_srli_epi16(_mm_andnot_si128(sign, h), 1));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+  }
+  static inline R transpose_sum(const R* v) {
+    R t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    R t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    R u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  }
+  static inline R load_masked_or(const float* p, int n, float fill) {
+    if (n == W) return _mm256_loadu_ps(p);
+    float buf[W];
+    for (int i = 0; i < W; ++i) buf[i] = i < n ? p[i] : fill;
+    return _mm256_loadu_ps(buf);
+  }
+  static inline R copysign(R t, R s) {
+    const R sign = _mm256_set1_ps(-0.0f);
+    return _mm256_or_ps(_mm256_andnot_ps(sign, t), _mm256_and_ps(sign, s));
   }
   static inline void store_f32(float* p, R v, int n) {
     if (n == W) { _mm256_storeu_ps(p, v); return; }

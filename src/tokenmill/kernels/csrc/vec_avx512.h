@@ -18,17 +18,46 @@ struct Vec {
     __m256i h = n == W ? _mm256_loadu_si256((const __m256i*)p) : _mm256_maskz_loadu_epi16(mask(n), p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-  // fp8 bytes -> fp32: the 7 exponent+mantissa bits land at the top of fp32's, and one
-  // multiply rebiases the exponent (subnormals come out right too); the sign is ORed in.
+  // fp8 bytes -> fp32 through fp16 (F16C, exact): e5m2 is the top byte of an fp16; e4m3's
+  // 7 exponent+mantissa bits shifted under fp16's sign are the value / 256 (subnormals
+  // included), so one multiply of a normal float finishes it.
   template <int EXP_BITS>
   static inline R load_fp8(const uint8_t* p, int n) {
     __m128i b = n == W ? _mm_loadu_si128((const __m128i*)p) : _mm_maskz_loadu_epi8(mask(n), p);
-    __m512i v = _mm512_cvtepu8_epi32(b);
-    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
-    __m512i mag = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x7F)), 23 - (7 - EXP_BITS));
-    const float rebias = EXP_BITS == 4 ? 0x1p120f : 0x1p112f;
-    R f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(rebias));
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
+    __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
+    if constexpr (EXP_BITS == 5) return _mm512_cvtph_ps(h);
+    const __m256i sign = _mm256_set1_epi16((short)0x8000);
+    h = _mm256_or_si256(_mm256_and_si256(h, sign), _mm256_srli_epi16(_mm256_andnot_si256(sign, h), 1));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+  }
+  // n floats from p, the other lanes ``fill``.
+  static inline R load_masked_or(const float* p, int n, float fill) {
+    return n == W ? _mm512_loadu_ps(p) : _mm512_mask_loadu_ps(_mm512_set1_ps(fill), mask(n), p);
+  }
+  // |t| with the sign of s.
+  static inline R copysign(R t, R s) {
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_andnot_si512(sign, _mm512_castps_si512(t)),
+                                               _mm512_and_si512(sign, _mm512_castps_si512(s))));
+  }
+  // Lane t of the result: the sum of v[t]'s lanes, for W vectors (four rounds of pairwise
+  // folds, then one permute back to token order).
+  static inline R transpose_sum(const R* v) {
+    R c[8], d[4], e[2];
+    for (int i = 0; i < 8; ++i)
+      c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; ++i)
+      d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; ++i)
+      e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    R f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                        _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    // f's lane i holds token (i % 4) * 4 + i / 4; the same map undoes it.
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, f);
   }
   static inline void store_f32(float* p, R v, int n) {
     if (n == W) _mm512_storeu_ps(p, v); else _mm512_mask_storeu_ps(p, mask(n), v);

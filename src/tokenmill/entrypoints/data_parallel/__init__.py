@@ -1,0 +1,1 @@
+"""Data parallelism: N engine replicas behind one front end (``--data-parallel-size``)."""

@@ -1,0 +1,100 @@
+"""The data-parallel flags of ``tokenmill serve`` (vLLM's names where vLLM has one)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+ROUTING_POLICIES = ("prefix", "least_loaded", "round_robin")
+
+
+def add_data_parallel_args(
+    parser: argparse.ArgumentParser, group_for: Callable[[str], Any] | None = None
+) -> None:
+    """``--data-parallel-size`` and ``--data-parallel-backend`` in vLLM's group, the rest ours."""
+    vllm_group = (group_for("--data-parallel-size") if group_for else None) or parser
+    vllm_group.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine replicas, each with its own model copy and KV cache, behind one front end "
+        "that routes each request to the replica most likely to hold its prefix",
+    )
+    backend_group = (group_for("--data-parallel-backend") if group_for else None) or parser
+    backend_group.add_argument(
+        "--data-parallel-backend",
+        "-dpb",
+        "--backend",
+        dest="data_parallel_backend",
+        choices=["mp", "ray"],
+        default="mp",
+        help="mp: replicas are child processes supervised by this one; ray: a Ray Serve "
+        "application (pip install 'tokenmill[ray]'), replicas placed and restarted by Ray",
+    )
+    group = parser.add_argument_group("data parallel (tokenmill)")
+    group.add_argument(
+        "--dp-routing",
+        choices=ROUTING_POLICIES,
+        default="prefix",
+        help="how the front end picks a replica: prefix (the replica that was sent the "
+        "prompt's longest chain of cached blocks, else the least loaded), least_loaded, "
+        "or round_robin",
+    )
+    group.add_argument(
+        "--dp-max-load-imbalance",
+        type=int,
+        default=8,
+        help="prefix routing gives way to load when the prefix's replica has this many more "
+        "requests in flight than the least loaded one",
+    )
+    group.add_argument(
+        "--dp-max-blocks-per-replica",
+        type=int,
+        default=1 << 16,
+        help="block hashes the front end remembers per replica (LRU); about a replica's KV "
+        "cache size in blocks",
+    )
+    group.add_argument(
+        "--dp-route-prefix-chars",
+        type=int,
+        default=16384,
+        help="characters of a prompt tokenized to route it (only its leading blocks matter)",
+    )
+    group.add_argument(
+        "--dp-retry-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request that has not started waits for a live replica (one died, "
+        "all are loading) before it gets 503",
+    )
+    group.add_argument(
+        "--ray-max-replicas",
+        type=int,
+        default=None,
+        help="with --data-parallel-backend ray: let Ray autoscale the engine replicas on "
+        "ongoing requests between --data-parallel-size and this many (default: fixed)",
+    )
+    group.add_argument(
+        "--dp-health-interval",
+        type=float,
+        default=0.5,
+        help="seconds between the supervisor's checks of each replica (process and /health)",
+    )
+
+
+def check_data_parallel_args(args: argparse.Namespace) -> None:
+    from tokenmill.errors import ConfigError
+
+    for name, low in (
+        ("data_parallel_size", 1),
+        ("dp_max_load_imbalance", 0),
+        ("dp_max_blocks_per_replica", 1),
+        ("dp_route_prefix_chars", 1),
+    ):
+        if getattr(args, name) < low:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} must be >= {low}, got {getattr(args, name)}")
+    if args.dp_retry_timeout <= 0 or args.dp_health_interval <= 0:
+        raise ConfigError("--dp-retry-timeout and --dp-health-interval must be > 0")

@@ -1,0 +1,350 @@
+"""The Ray Serve application (``--data-parallel-backend ray``, ``pip install 'tokenmill[ray]'``).
+
+Two deployments, as Ray's own ``ray.serve.llm`` is built:
+
+- ``TokenmillIngress`` (HTTP): authentication, admission and the body limit, once; it reads
+  the body and hands the engine deployment a ``RoutedRequest`` whose ``prompt`` or
+  ``messages`` attribute is what Ray's ``PrefixCacheAffinityRouter`` matches on (it routes
+  by the prompt's text in a prefix tree, falling back to power-of-two choices when loads are
+  imbalanced).
+- ``TokenmillEngine`` (N replicas, placed, health-checked and restarted by Ray, autoscaled on
+  ongoing requests per replica): each replica runs a plain ``tokenmill serve`` process on a
+  private unix socket (the same one ``--data-parallel-size`` runs) and streams its answer
+  back through the handle. Its ``check_health`` fails when that process died, so Ray
+  replaces the replica; a request Ray could not deliver is retried by Ray on another one.
+
+``/metrics`` on the ingress: each replica pushes its series to a named registry actor every
+``METRICS_PUSH_S``; the ingress merges them (per replica, with a ``replica`` label, and summed).
+
+Locally, ``tokenmill serve --data-parallel-backend ray --data-parallel-size 2 ...`` starts
+Ray (or joins ``RAY_ADDRESS``), deploys the application and serves until Ctrl-C/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import signal
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+METRICS_PUSH_S = 2.0
+REGISTRY_NAME = "tokenmill-metrics-registry"
+
+
+@dataclass
+class RoutedRequest:
+    """One HTTP request as the ingress hands it to an engine replica."""
+
+    method: str
+    path: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+@dataclass
+class PromptRequest(RoutedRequest):
+    """Ray's prefix-aware router reads ``prompt`` (it stops at the first of ``messages`` and
+    ``prompt`` an argument has, even when None: so each class has exactly one)."""
+
+    prompt: str = ""
+
+
+@dataclass
+class ChatRequest(RoutedRequest):
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+def routed_request(method: str, path: str, headers: list[tuple[str, str]], body: bytes) -> Any:
+    """A ChatRequest (messages) or PromptRequest (prompt text) for a body.
+
+    Ray's router needs one of the two on every request (it raises otherwise), so a request
+    without a prompt gets an empty one (routed by load)."""
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        payload = json.loads(body) if body else {}
+        if isinstance(payload, dict):
+            if isinstance(payload.get("messages"), list):
+                messages = [
+                    {"role": str(m.get("role", "")), "content": m.get("content") or ""}
+                    for m in payload["messages"]
+                    if isinstance(m, dict)
+                ]
+                if payload.get("system"):
+                    messages.insert(0, {"role": "system", "content": str(payload["system"])})
+                return ChatRequest(method, path, headers, body, messages=messages)
+            value = payload.get("prompt", payload.get("input", ""))
+            if isinstance(value, list) and value and isinstance(value[0], str):
+                value = value[0]
+            if isinstance(value, str) and value:
+                return PromptRequest(method, path, headers, body, prompt=value)
+    # Not empty: Ray's router divides by the text's length.
+    return PromptRequest(method, path, headers, body, prompt=path)
+
+
+def build_application(args: argparse.Namespace) -> Any:
+    """The Ray Serve application for these flags (``serve.run`` it, or deploy it)."""
+    from ray import serve
+    from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+    try:
+        from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+    except ImportError:  # ray.serve.llm's package needs ray[llm] (pyarrow...); the router does not
+        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (  # type: ignore[assignment]
+            PrefixCacheAffinityRouter,
+        )
+    from starlette.requests import Request
+    from starlette.responses import Response, StreamingResponse
+
+    from tokenmill.entrypoints.cli import serve_model
+    from tokenmill.entrypoints.engine_args import engine_config_from_args
+    from tokenmill.entrypoints.openai.server import server_config_from_args
+
+    engine_config = engine_config_from_args(args, serve_model(args))
+    config = server_config_from_args(args, engine_config)
+    n = args.data_parallel_size
+    max_replicas = max(n, getattr(args, "ray_max_replicas", None) or n)
+
+    @serve.deployment(
+        name="TokenmillEngine",
+        num_replicas="auto" if max_replicas > n else n,
+        autoscaling_config=(
+            AutoscalingConfig(
+                min_replicas=n,
+                max_replicas=max_replicas,
+                target_ongoing_requests=max(1, engine_config.max_num_seqs),
+            )
+            if max_replicas > n
+            else None
+        ),
+        max_ongoing_requests=config.max_seqs_in_flight,
+        request_router_config=RequestRouterConfig(
+            request_router_class=PrefixCacheAffinityRouter,  # type: ignore[arg-type]
+            request_router_kwargs={"imbalanced_threshold": args.dp_max_load_imbalance},
+        ),
+        health_check_period_s=2.0,
+        health_check_timeout_s=30.0,
+        ray_actor_options={"num_cpus": 0},
+    )
+    class TokenmillEngine:
+        def __init__(self) -> None:
+            import multiprocessing
+
+            import httpx
+
+            from tokenmill.entrypoints.data_parallel.supervisor import replica_args, run_replica
+
+            self._dir = tempfile.TemporaryDirectory(prefix="tokenmill-ray-")
+            self._socket = os.path.join(self._dir.name, "replica.sock")
+            child_args = replica_args(args, 0, self._socket)
+            child_args.data_parallel_backend = "mp"
+            self._process = multiprocessing.get_context("spawn").Process(
+                target=run_replica, args=(child_args, 0, os.getpid()), name="tokenmill-replica"
+            )
+            self._process.start()
+            self._client = httpx.AsyncClient(
+                transport=httpx.AsyncHTTPTransport(uds=self._socket),
+                base_url="http://replica",
+                timeout=httpx.Timeout(None, connect=5.0),
+            )
+            self._id = serve.get_replica_context().replica_tag
+            self._push = asyncio.get_event_loop().create_task(self._push_metrics())
+
+        async def _wait_ready(self) -> None:
+            import httpx
+
+            while True:
+                if self._process.exitcode is not None:
+                    raise RuntimeError(f"the engine process exited ({self._process.exitcode})")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await self._client.get("/health")).status_code == 200:
+                        return
+                await asyncio.sleep(0.2)
+
+        async def _push_metrics(self) -> None:
+            import ray
+
+            registry = None
+            while True:
+                await asyncio.sleep(METRICS_PUSH_S)
+                with contextlib.suppress(Exception):
+                    registry = registry or ray.get_actor(REGISTRY_NAME, namespace="serve")
+                    text = (await self._client.get("/metrics")).text
+                    await registry.put.remote(self._id, text)
+
+        async def check_health(self) -> None:
+            if self._process.exitcode is not None:  # Ray replaces this replica
+                raise RuntimeError(f"the engine process exited ({self._process.exitcode})")
+
+        async def forward(self, request: RoutedRequest) -> AsyncIterator[Any]:
+            """The replica's answer: first (status, headers), then body chunks."""
+            await asyncio.wait_for(self._wait_ready(), 600)
+            upstream = await self._client.send(
+                self._client.build_request(
+                    request.method, request.path, headers=request.headers, content=request.body
+                ),
+                stream=True,
+            )
+            try:
+                yield (upstream.status_code, list(upstream.headers.items()), self._id)
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:
+                await upstream.aclose()
+
+        def __del__(self) -> None:
+            with contextlib.suppress(Exception):
+                self._process.kill()
+
+    @serve.deployment(name="TokenmillIngress", ray_actor_options={"num_cpus": 0})
+    class TokenmillIngress:
+        def __init__(self, engine: Any) -> None:
+            from tokenmill.entrypoints.openai.admission import AdmissionController
+
+            self.engine = engine.options(stream=True)
+            self.keys = [k.encode() for k in config.api_keys]
+            self.admission = AdmissionController(
+                config.max_seqs_in_flight * max_replicas,
+                config.per_key_max_concurrency,
+                config.max_beam_requests_in_flight * max_replicas,
+            )
+
+        def _key_id(self, request: Request) -> int | None:
+            token = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            token = token or request.headers.get("x-api-key", "")
+            for i, key in enumerate(self.keys):
+                if hmac.compare_digest(token.encode(), key):
+                    return i
+            return None
+
+        async def __call__(self, request: Request) -> Response:
+            from tokenmill.entrypoints.data_parallel.frontend import HOP_BY_HOP
+            from tokenmill.entrypoints.data_parallel.metrics import merge_replica_metrics
+            from tokenmill.entrypoints.openai.admission import GENERATION_PATHS
+            from tokenmill.entrypoints.openai.errors import APIError, error_body_bytes
+
+            def error(status: int, message: str, code: str | None = None) -> Response:
+                body = error_body_bytes(status, message, code=code)
+                return Response(body, status_code=status, media_type="application/json")
+
+            path = request.url.path
+            is_open = config.disable_auth_for_health_metrics and path in ("/health", "/metrics")
+            key_id = self._key_id(request) if self.keys else None
+            if self.keys and key_id is None and not is_open:
+                return error(401, "invalid or missing API key", code="invalid_api_key")
+            if path == "/metrics":
+                import ray
+
+                registry = ray.get_actor(REGISTRY_NAME, namespace="serve")
+                texts = await registry.get_all.remote()
+                merged = merge_replica_metrics(dict(enumerate(t for _, t in sorted(texts.items()))))
+                return Response(merged, media_type="text/plain; version=0.0.4; charset=utf-8")
+            ticket = None
+            if request.method == "POST" and path in GENERATION_PATHS:
+                try:
+                    ticket = self.admission.acquire(key_id)
+                except APIError as refusal:
+                    return error(refusal.status_code, refusal.message, code=refusal.code)
+            body = await request.body()
+            if len(body) > config.max_request_body_bytes:
+                if ticket is not None:
+                    self.admission.release(ticket)
+                return error(413, f"request body exceeds {config.max_request_body_bytes} bytes")
+            headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+            url = path + (f"?{request.url.query}" if request.url.query else "")
+            chunks = self.engine.forward.remote(routed_request(request.method, url, headers, body))
+            try:
+                status, upstream_headers, replica = await chunks.__anext__()
+            except Exception as exc:
+                if ticket is not None:
+                    self.admission.release(ticket)
+                return error(
+                    502, f"the replica failed ({type(exc).__name__}); retry it", "replica_failed"
+                )
+            out_headers = {k: v for k, v in upstream_headers if k.lower() not in HOP_BY_HOP}
+            out_headers["x-tokenmill-replica"] = str(replica)
+
+            async def body_chunks() -> AsyncIterator[bytes]:
+                try:
+                    async for chunk in chunks:
+                        yield chunk
+                except Exception:
+                    message = "the replica serving this stream failed; retry the request"
+                    yield (
+                        b"data: " + error_body_bytes(502, message, code="replica_failed") + b"\n\n"
+                    )
+                    yield b"data: [DONE]\n\n"
+                finally:
+                    if ticket is not None:
+                        self.admission.release(ticket)
+
+            return StreamingResponse(body_chunks(), status_code=status, headers=out_headers)
+
+    return TokenmillIngress.bind(TokenmillEngine.bind())  # type: ignore[attr-defined]
+
+
+def _start_registry() -> None:
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class MetricsRegistry:
+        def __init__(self) -> None:
+            self.texts: dict[str, tuple[float, str]] = {}
+
+        def put(self, replica: str, text: str) -> None:
+            self.texts[replica] = (time.time(), text)
+
+        def get_all(self) -> dict[str, str]:
+            now = time.time()  # a replica silent for 3 pushes is gone
+            return {r: t for r, (at, t) in self.texts.items() if now - at < 3 * METRICS_PUSH_S}
+
+    MetricsRegistry.options(  # type: ignore[attr-defined]
+        name=REGISTRY_NAME, namespace="serve", lifetime="detached", get_if_exists=True
+    ).remote()
+
+
+def run_ray_serve(args: argparse.Namespace) -> int:
+    """Start (or join ``RAY_ADDRESS``) Ray, deploy the application, serve until a signal."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        from tokenmill.errors import ConfigError
+
+        raise ConfigError(
+            "--data-parallel-backend ray needs Ray Serve: pip install 'tokenmill[ray]'"
+        ) from None
+    from tokenmill.entrypoints.openai.server import server_config_from_args
+
+    # Ray's workers import tokenmill as this process does (a source checkout on PYTHONPATH too).
+    paths = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    ray.init(
+        address=os.environ.get("RAY_ADDRESS"),
+        include_dashboard=False,
+        namespace="serve",
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}} if paths else None,
+    )
+    from tokenmill.entrypoints.cli import serve_model
+    from tokenmill.entrypoints.engine_args import engine_config_from_args
+
+    config = server_config_from_args(args, engine_config_from_args(args, serve_model(args)))
+    serve.start(http_options={"host": config.host, "port": config.port})
+    _start_registry()
+    serve.run(build_application(args), name="tokenmill", route_prefix="/")
+    logger.info("Ray Serve: tokenmill on http://%s:%d", config.host, config.port)
+    stop = asyncio.Event()
+    loop = asyncio.new_event_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loop.run_until_complete(stop.wait())
+    serve.delete("tokenmill")
+    return 0

@@ -1,0 +1,197 @@
+"""``tokenmill serve --data-parallel-size 2``: the real front end and two real replicas.
+
+One server for the module (two demo replicas, one thread each). The supervisor's periodic
+check is made rare (``--dp-health-interval 300``) so that a killed replica is found by the
+request that cannot reach it: the test gates the failure instead of racing the supervisor.
+The kill test runs last: it leaves one replica restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.conftest import MAIN_KEY, ServerHandle, start_server
+from tokenmill.entrypoints.data_parallel.metrics import merge_replica_metrics
+from tokenmill.entrypoints.data_parallel.route_key import RouteKeys
+from tokenmill.model.demo import demo_model_path
+from tokenmill.tokenizer.tokenizer import Tokenizer
+
+REPLICA = "x-tokenmill-replica"
+SYSTEM = (
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who "
+    "told the children stories about the stars, the wind and the long roads of the world."
+)
+SHARED = (  # routed by no other test: routing remembers every prefix it sent
+    "The little dog ran into the garden every morning to look for the red ball that the "
+    "girl had thrown over the fence, and every morning the cat watched him from the wall. "
+) * 2
+SHARED_C = (
+    "In the morning the baker opened his shop and the smell of warm bread filled the whole "
+    "street, so that the children stopped on their way to school to look in the window. "
+) * 2
+SHARED_B = (
+    "A tall ship sailed past the lighthouse at night while the keeper wrote in his book "
+    "about the storms of the winter and the birds that came back with the first warm days. "
+) * 2
+
+
+@pytest.fixture(scope="module")
+def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    handle = start_server(
+        tmp_path_factory.mktemp("dp"),
+        "--data-parallel-size",
+        "2",
+        "--dp-health-interval",
+        "300",
+        "--max-model-len",
+        "1024",
+    )
+    try:
+        wait_all_ready(handle)
+        yield handle
+    finally:
+        handle.stop()
+
+
+def replicas(handle: ServerHandle) -> list[dict]:
+    return httpx.get(f"{handle.base_url}/dp/replicas", headers=handle.headers(), timeout=10).json()[
+        "replicas"
+    ]
+
+
+def wait_all_ready(handle: ServerHandle, timeout_s: float = 180.0) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = replicas(handle)
+        if all(r["ready"] and r["in_flight"] == 0 for r in state):
+            return state
+        time.sleep(0.1)
+    pytest.fail(f"replicas not ready: {replicas(handle)}\n{handle.log()}")
+
+
+def series(handle: ServerHandle, name: str) -> dict[str, float]:
+    """Values of a metric by its ``replica`` label ('' for the aggregate)."""
+    text = httpx.get(f"{handle.base_url}/metrics", headers=handle.headers(), timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", line)
+        if match:
+            replica = re.search(r'replica="(\d+)"', match.group(1) or "")
+            key = replica.group(1) if replica else ""
+            out[key] = out.get(key, 0.0) + float(match.group(2))
+    return out
+
+
+def routed_by_prefix(handle: ServerHandle) -> float:
+    text = httpx.get(f"{handle.base_url}/metrics", headers=handle.headers(), timeout=10).text
+    pattern = r'dp_requests_routed_total\{replica="\d+",reason="prefix"\} (\S+)'
+    return sum(float(v) for v in re.findall(pattern, text))
+
+
+def complete(http: httpx.Client, prompt: str, max_tokens: int = 2) -> httpx.Response:
+    response = http.post(
+        "/v1/completions", json={"model": "demo", "prompt": prompt, "max_tokens": max_tokens}
+    )
+    assert response.status_code == 200, response.text
+    return response
+
+
+def test_metrics_merge_labels_each_replica_and_sums() -> None:
+    text = (
+        "# HELP x_total Things.\n# TYPE x_total counter\n"
+        'x_total{model_name="m"} %s\n'
+        "# HELP kv_perc Use.\n# TYPE kv_perc gauge\nkv_perc %s\n"
+    )
+    merged = merge_replica_metrics({0: text % (2, 0.5), 1: text % (3, 0.25)})
+    assert 'x_total{model_name="m"} 5.0' in merged
+    assert 'x_total{model_name="m",replica="0"} 2.0' in merged
+    assert 'x_total{model_name="m",replica="1"} 3.0' in merged
+    assert "kv_perc 0.375" in merged  # a fraction is averaged, not summed
+
+
+def test_front_end_tokens_are_the_replicas_own(dp: ServerHandle) -> None:
+    keys = RouteKeys(Tokenizer.from_pretrained(demo_model_path()), max_chars=10_000)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}]
+    with dp.http() as http:
+        served = http.post("/tokenize", json={"model": "demo", "messages": messages}).json()
+        plain = http.post("/tokenize", json={"model": "demo", "prompt": SYSTEM}).json()
+    chat_body = json.dumps({"model": "demo", "messages": messages}).encode()
+    assert keys.token_ids("/v1/chat/completions", chat_body) == served["tokens"]
+    prompt_body = json.dumps({"model": "demo", "prompt": SYSTEM}).encode()
+    assert keys.token_ids("/v1/completions", prompt_body) == plain["tokens"]
+    cut = RouteKeys(keys.tokenizer, max_chars=40).token_ids("/v1/completions", prompt_body)
+    assert cut and plain["tokens"][: len(cut)] == cut  # a cut prompt keeps its leading tokens
+
+
+def test_official_clients_and_auth_through_the_front_end(dp: ServerHandle) -> None:
+    client = dp.openai()
+    assert [m.id for m in client.models.list().data] == ["demo"]
+    chat = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 4
+    chunks = list(client.completions.create(model="demo", prompt=SYSTEM, max_tokens=3, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{dp.base_url}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError):  # the replica's own validation, passed through
+        client.completions.create(model="demo", prompt="x", max_tokens=-1)
+    assert httpx.get(f"{dp.base_url}/health", headers=dp.headers()).status_code == 200
+    assert MAIN_KEY not in dp.log()
+
+
+def test_a_shared_prefix_stays_on_the_replica_that_cached_it(dp: ServerHandle) -> None:
+    """Two long prefixes, interleaved one request at a time: each stays on one replica, and
+    they are spread over both (round robin would split each prefix, least-loaded would put
+    both on replica 0)."""
+    wait_all_ready(dp)
+    before = series(dp, "vllm:prefix_cache_hits_total")
+    prefixed = routed_by_prefix(dp)
+    order = ["a", "b", "a", "a", "b", "a", "b", "b"]
+    homes: dict[str, set[str]] = {"a": set(), "b": set()}
+    with dp.http() as http:
+        for i, group in enumerate(order):
+            prefix = SHARED if group == "a" else SHARED_B
+            homes[group].add(complete(http, f"{prefix} story {i}").headers[REPLICA])
+    assert len(homes["a"]) == 1 and len(homes["b"]) == 1 and homes["a"] != homes["b"]
+    hits = series(dp, "vllm:prefix_cache_hits_total")
+    assert all(hits[r] > before.get(r, 0.0) for r in ("0", "1"))
+    assert hits[""] == hits["0"] + hits["1"]
+    assert routed_by_prefix(dp) - prefixed >= 6  # every request after each prefix's first
+
+
+def test_a_killed_replica_loses_no_request_that_had_not_started(dp: ServerHandle) -> None:
+    wait_all_ready(dp)
+    with dp.http() as http:
+        body = {"model": "demo", "prompt": f"{SHARED_C} 0", "max_tokens": 800, "ignore_eos": True}
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            victim = int(stream.headers[REPLICA])
+            pid = replicas(dp)[victim]["pid"]
+            lines = stream.iter_lines()
+            next(lines)
+            os.kill(pid, signal.SIGKILL)  # in flight: this one gets an error
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert any('"replica_failed"' in line for line in rest)
+        # Not started: the prefix sends them to the dead replica first (the supervisor has not
+        # looked yet); each is retried on the live one.
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda i: complete(http, f"{SHARED_C} {i}"), range(1, 5)))
+    assert {a.headers[REPLICA] for a in answers} == {str(1 - victim)}
+    assert series(dp, "tokenmill:dp_requests_retried_total")[""] >= 1
+    assert series(dp, "tokenmill:dp_requests_failed_in_flight_total")[""] == 1
+    state = wait_all_ready(dp)  # the supervisor restarted it
+    assert state[victim]["restarts"] == 1 and state[victim]["pid"] != pid
+    with dp.http() as http:
+        assert complete(http, "back again").status_code == 200
+    assert series(dp, "tokenmill:dp_replica_restarts_total")[str(victim)] == 1

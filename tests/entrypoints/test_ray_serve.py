@@ -1,0 +1,80 @@
+"""``tokenmill serve --backend ray -dp 2``: the Ray Serve application on a local Ray instance.
+
+Skipped without ``ray[serve]`` (``pip install 'tokenmill[ray]'``; the ``dev`` extra installs it,
+so CI runs this). The server starts its own local Ray (no ``RAY_ADDRESS``), which ends with it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.entrypoints.conftest import ServerHandle, start_server
+
+pytest.importorskip("ray.serve")
+
+SHARED = (
+    "The little dog ran into the garden every morning to look for the red ball that the girl "
+    "had thrown over the fence, and every morning the cat watched him from the wall. "
+) * 2
+
+
+@pytest.fixture(scope="module")
+def ray_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    handle = start_server(
+        tmp_path_factory.mktemp("ray"), "--backend", "ray", "-dp", "2", wait=False
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert handle.process.poll() is None, handle.log()
+            try:
+                if httpx.get(
+                    f"{handle.base_url}/v1/models", headers=handle.headers(), timeout=10
+                ).is_success:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"the Ray application did not come up:\n{handle.log()}")
+        yield handle
+    finally:
+        handle.stop()
+
+
+def test_prefix_affinity_clients_auth_and_metrics_on_ray(ray_server: ServerHandle) -> None:
+    client = ray_server.openai()
+    chat = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Hi"}], max_tokens=3
+    )
+    assert chat.usage.completion_tokens == 3
+    homes = set()
+    with ray_server.http() as http:
+        for i in range(10):
+            response = http.post(
+                "/v1/completions",
+                json={"model": "demo", "prompt": f"{SHARED} {i}", "max_tokens": 2},
+            )
+            assert response.status_code == 200, response.text
+            homes.add(response.headers["x-tokenmill-replica"])
+        assert http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    # Ray's prefix-aware router kept the shared prefix on one replica (random choice: 1 in 512)
+    assert len(homes) == 1
+    deadline = time.monotonic() + 30  # replicas push their metrics every 2 s
+    while True:
+        text = httpx.get(
+            f"{ray_server.base_url}/metrics", headers=ray_server.headers(), timeout=10
+        ).text
+        hits = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:prefix_cache_hits_total{") and "replica=" in line
+        ]
+        if (len(hits) == 2 and max(hits) > 0) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert len(hits) == 2 and max(hits) > 0, text
