@@ -132,8 +132,9 @@ def test_refused_flags_pass_with_vllms_default_and_stop_the_start_otherwise(
     assert main(["serve", "-pp", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        "tokenmill: error: --pipeline-parallel-size is not supported: tokenmill runs one engine "
-        "process on one device: no tensor, pipeline, data, context or expert parallelism"
+        "tokenmill: error: --pipeline-parallel-size is not supported: tokenmill parallelises by "
+        "tensor parallelism (--tensor-parallel-size) and data-parallel replicas "
+        "(--data-parallel-size) only: no pipeline, context or expert parallelism"
     ]
 
 

@@ -39,7 +39,10 @@ PENDING_FLAGS: dict[str, str] = {
 """Implemented by another part of tokenmill (the pooling runner); where this build lacks
 them they are refused unless given vLLM's default."""
 
-_ONE_PROCESS = "tokenmill runs one engine process on one device: no tensor, pipeline, data, context or expert parallelism"
+_ONE_PROCESS = (
+    "tokenmill parallelises by tensor parallelism (--tensor-parallel-size) and data-parallel "
+    "replicas (--data-parallel-size) only: no pipeline, context or expert parallelism"
+)
 _TEXT_ONLY = "tokenmill serves text-only models; multimodal settings have nothing to act on"
 _CUDA_KERNEL = "selects a CUDA/ROCm kernel; tokenmill has one PyTorch kernel set per device"
 _NO_HUB = "tokenmill loads local model folders only (no model hub)"
