@@ -67,3 +67,25 @@ def test_memory_per_replica_is_bounded() -> None:
         router.route([i * 1000 + j for j in range(4 * BS)])
     assert len(router._blocks[0]) == 5
     assert len(router._holders) == 5
+
+
+def test_the_table_evicts_a_chains_deepest_blocks_first() -> None:
+    router = PrefixAffinityRouter(2, BS, max_blocks_per_replica=4)
+    shared = list(range(100, 100 + 3 * BS))  # 3 blocks
+    home = router.route(shared)
+    router.route(list(range(500, 500 + 2 * BS)))  # load evens out: the other replica
+    router.route(shared + list(range(900, 900 + 2 * BS)))  # 5 blocks on `home`: one goes
+    router.finished(home)
+    router.finished(home)
+    # The chain's first block survived, so the shared prefix still finds its replica.
+    assert router.choose(prompt_block_hashes(shared, BS)) == (home, 3)
+
+
+def test_a_restarted_replica_is_not_undercounted_by_requests_from_before() -> None:
+    router = PrefixAffinityRouter(2, BS)
+    before = router.route(list(range(10, 30)))
+    router.mark_dead(before)
+    router.mark_alive(before)
+    router.started(before, [])  # a new request on the restarted replica
+    router.finished(before)  # the old, failed request ends
+    assert router.load[before] == 1

@@ -98,7 +98,9 @@ class PrefixAffinityRouter:
     def started(self, replica: int, hashes: list[BlockHash]) -> None:
         self.load[replica] += 1
         table = self._blocks[replica]
-        for h in hashes:
+        # Deepest block first, so a prompt's leading blocks are the most recent and the
+        # last evicted: without its first block a chain can never match again.
+        for h in reversed(hashes):
             if h in table:
                 table.move_to_end(h)
             else:
@@ -119,7 +121,8 @@ class PrefixAffinityRouter:
         self.is_alive[replica] = False
         if not forget:
             return
-        self.load[replica] = 0
+        # ``load`` is kept: the requests that were in flight still call ``finished``, and
+        # zeroing it here would undercount the replica once it is restarted.
         for h in self._blocks[replica]:
             self._forget(h, replica)
         self._blocks[replica].clear()
