@@ -20,7 +20,8 @@ import dataclasses
 import logging
 import multiprocessing
 import os
-import socket
+import shutil
+import tempfile
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
@@ -52,12 +53,6 @@ def config_from_wire(data: bytes) -> EngineConfig:
     return EngineConfig(**values)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class MultiprocExecutor(Executor):
     """``tensor_parallel_size`` worker processes on this machine."""
 
@@ -65,7 +60,10 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, config: EngineConfig) -> None:
         self.world_size = config.tensor_parallel_size
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # A rendezvous file in a private folder: a free TCP port picked here could be taken
+        # by another replica's group starting at the same moment (-dp N -tp M).
+        self._rendezvous = tempfile.mkdtemp(prefix="tokenmill-tp-")
+        init_method = f"file://{os.path.join(self._rendezvous, 'store')}"
         ctx = multiprocessing.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs: list[BaseProcess] = []
@@ -82,7 +80,7 @@ class MultiprocExecutor(Executor):
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
-        self._finalizer = weakref.finalize(self, _stop, self._conns, self._procs)
+        self._finalizer = weakref.finalize(self, _stop, self._conns, self._procs, self._rendezvous)
         try:
             for rank in range(self.world_size):
                 self._answer(rank, timeout_s=STARTUP_TIMEOUT_S)
@@ -105,13 +103,13 @@ class MultiprocExecutor(Executor):
     ) -> list[Any]:
         self._send_all(encode([method, encode(list(args))]))
         return [
-            msgspec.convert(decode_any(self._answer(rank)), result_type, strict=False)
-            for rank in range(self.world_size)
+            msgspec.convert(decode_any(answer), result_type, strict=False)
+            for answer in self._answers()
         ]
 
     def execute_model(self, plan: StepPlan) -> StepOutput:
         self._send_all(encode(["execute_model", encode(plan)]))
-        answers = [self._answer(rank) for rank in range(self.world_size)]
+        answers = self._answers()
         out = decode_output(answers[0])
         assert out is not None
         return out
@@ -135,6 +133,23 @@ class MultiprocExecutor(Executor):
                 conn.send_bytes(frame)
             except OSError as exc:
                 raise self._died(rank, f"its pipe is closed ({exc})") from None
+
+    def _answers(self) -> list[bytes]:
+        """Every rank's answer to one call. A rank that answered an error is raised only after
+        the others' answers are read, so no stale answer is left in a pipe for the next call."""
+        answers: list[bytes] = []
+        failure: RuntimeError | None = None
+        for rank in range(self.world_size):
+            try:
+                answers.append(self._answer(rank))
+            except WorkerDiedError:
+                raise
+            except RuntimeError as exc:
+                failure = failure or exc
+                answers.append(b"")
+        if failure is not None:
+            raise failure
+        return answers
 
     def _answer(self, rank: int, timeout_s: float | None = None) -> bytes:
         """Rank ``rank``'s next answer; WorkerDiedError as soon as any rank is gone."""
@@ -161,10 +176,12 @@ class MultiprocExecutor(Executor):
     def _died(self, rank: int, detail: str, is_error_answer: bool = False) -> Exception:
         """The error to raise: naming a rank that exited if there is one (a rank's collective
         fails when its peer dies, so the first error seen is often not the cause)."""
-        deadline = time.monotonic() + _DEATH_GRACE_S
+        # One rank has no peer whose death could have caused its error: no grace to wait.
+        grace = _DEATH_GRACE_S if self.world_size > 1 else 0.0
+        deadline = time.monotonic() + grace
         while True:
             for r, proc in enumerate(self._procs):
-                # A rank that answered an error exits by itself: only another one is the cause.
+                # The rank that answered an error is alive: only another rank's exit is a cause.
                 if proc.exitcode is not None and not (is_error_answer and r == rank):
                     return WorkerDiedError(
                         r, f"process {proc.pid} exited with code {proc.exitcode}"
@@ -177,7 +194,7 @@ class MultiprocExecutor(Executor):
         return WorkerDiedError(rank, detail)
 
 
-def _stop(conns: list[Connection], procs: list[BaseProcess]) -> None:
+def _stop(conns: list[Connection], procs: list[BaseProcess], rendezvous: str) -> None:
     """Ask every worker to exit, then make sure: terminate, then kill what is left."""
     for conn in conns:
         with contextlib.suppress(OSError):
@@ -194,6 +211,7 @@ def _stop(conns: list[Connection], procs: list[BaseProcess]) -> None:
             proc.join(timeout=2.0)
     for conn in conns:
         conn.close()
+    shutil.rmtree(rendezvous, ignore_errors=True)
 
 
 # ---- the worker process ---------------------------------------------------------------
