@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -72,7 +73,7 @@ def run_policy(args: argparse.Namespace, policy: str) -> dict[str, Any]:
         sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", args.model,
         "--port", str(port), "--data-parallel-size", str(args.replicas),
         "--dp-routing", policy, "--num-threads", str(args.threads_per_replica),
-        "--dtype", args.dtype, "--disable-log-stats",
+        "--dtype", args.dtype, "--disable-log-stats", *shlex.split(args.server_flags),
     ]  # fmt: skip
     log = tempfile.NamedTemporaryFile(prefix=f"dp-{policy}-", suffix=".log", delete=False)  # noqa: SIM115  (outlives the function: named in the result)
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
@@ -129,6 +130,12 @@ def main() -> None:
     parser.add_argument("--max-concurrency", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--server-flags",
+        default="",
+        help="more tokenmill serve flags, e.g. '--kv-cache-memory 10MiB' so that one replica "
+        "cannot hold every prefix (the case prefix-aware routing is for)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     results = [run_policy(args, policy) for policy in args.policies]
