@@ -3,11 +3,13 @@
 One server for the module (two demo replicas, one thread each). The supervisor's periodic
 check is made rare (``--dp-health-interval 300``) so that a killed replica is found by the
 request that cannot reach it: the test gates the failure instead of racing the supervisor.
-The kill test runs last: it leaves one replica restarted.
+The kill test runs last: it leaves one replica restarted (and checks that a runtime LoRA
+loaded before is loaded on it again).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -15,14 +17,19 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.entrypoints.conftest import MAIN_KEY, ServerHandle, start_server
+from tokenmill.entrypoints.data_parallel.args import check_data_parallel_args
 from tokenmill.entrypoints.data_parallel.metrics import merge_replica_metrics
 from tokenmill.entrypoints.data_parallel.route_key import RouteKeys
+from tokenmill.entrypoints.data_parallel.supervisor import replica_args
+from tokenmill.errors import ConfigError
 from tokenmill.model.demo import demo_model_path
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
@@ -55,6 +62,10 @@ def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
         "300",
         "--max-model-len",
         "1024",
+        "--max-request-body-bytes",
+        "65536",
+        "--enable-lora",
+        "--allow-runtime-lora-updating",
     )
     try:
         wait_all_ready(handle)
@@ -119,6 +130,23 @@ def test_metrics_merge_labels_each_replica_and_sums() -> None:
     assert "kv_perc 0.375" in merged  # a fraction is averaged, not summed
 
 
+def test_ray_refuses_flags_its_proxy_would_ignore_and_tp_shares_the_cores() -> None:
+    from tokenmill.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "demo", "--backend", "ray", "--ssl-cert-reqs", "2"])
+    with pytest.raises(ConfigError, match="--ssl-cert-reqs: not supported with"):
+        check_data_parallel_args(args)
+    args = parser.parse_args(["serve", "demo", "-dp", "2", "--dp-health-timeout", "0"])
+    with pytest.raises(ConfigError, match="--dp-health-timeout must be > 0"):
+        check_data_parallel_args(args)
+    args = argparse.Namespace(
+        data_parallel_size=2, tensor_parallel_size=2, num_threads=None, api_keys=[]
+    )
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    assert replica_args(args, 0, "/tmp/x.sock").num_threads == max(1, cores // 4)
+
+
 def test_front_end_tokens_are_the_replicas_own(dp: ServerHandle) -> None:
     keys = RouteKeys(Tokenizer.from_pretrained(demo_model_path()), max_chars=10_000)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}]
@@ -148,6 +176,58 @@ def test_official_clients_and_auth_through_the_front_end(dp: ServerHandle) -> No
         client.completions.create(model="demo", prompt="x", max_tokens=-1)
     assert httpx.get(f"{dp.base_url}/health", headers=dp.headers()).status_code == 200
     assert MAIN_KEY not in dp.log()
+
+
+def test_the_front_end_gates_answer_in_the_api_shape(dp: ServerHandle) -> None:
+    """The single server's gates in front: a body over the limit is refused from its
+    Content-Length (413, not read), a bad key gets 401 with WWW-Authenticate, and on
+    /v1/messages both are in Anthropic's shape."""
+    with dp.http() as http:
+        big = http.post(
+            "/v1/completions", json={"model": "demo", "prompt": "x" * 70_000, "max_tokens": 1}
+        )
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+        assert REPLICA not in big.headers  # refused before any replica saw it
+        bad = http.post("/v1/completions", headers={"Authorization": "Bearer nope"}, json={})
+        assert bad.status_code == 401 and bad.headers["www-authenticate"] == "Bearer"
+        assert bad.json()["error"]["code"] == "invalid_api_key"
+        body = {"model": "demo", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+        anth = http.post("/v1/messages", headers={"Authorization": "Bearer nope"}, json=body)
+        assert anth.status_code == 401 and anth.json()["type"] == "error"
+        assert anth.json()["error"]["type"] == "authentication_error"
+        anth = http.post("/v1/messages", json={**body, "system": "x" * 70_000})
+        assert anth.status_code == 413 and anth.json()["error"]["type"] == "request_too_large"
+
+
+def answered_by(dp: ServerHandle, model: str) -> set[str]:
+    """Replicas that answered requests for ``model``; each request must succeed. Pairs of
+    concurrent requests: the least loaded routing sends the second of each elsewhere."""
+    seen: set[str] = set()
+    with dp.http() as http, ThreadPoolExecutor(2) as pool:
+        for i in range(5):
+            bodies = [{"model": model, "prompt": f"lora {i}{j}", "max_tokens": 8} for j in "ab"]
+            answers = list(pool.map(lambda b: http.post("/v1/completions", json=b), bodies))
+            for answer in answers:
+                assert answer.status_code == 200, answer.text
+                seen.add(answer.headers[REPLICA])
+            if len(seen) == 2:
+                break
+    return seen
+
+
+def test_runtime_lora_reaches_every_replica(dp: ServerHandle, make_adapter) -> None:
+    adapter = make_adapter(Path(demo_model_path()), seed=31)
+    with dp.http() as http:
+        load = {"lora_name": "dp-lora", "lora_path": str(adapter)}
+        assert http.post("/v1/load_lora_adapter", json=load).status_code == 200
+        again = http.post("/v1/load_lora_adapter", json=load)  # every replica refuses it
+        assert again.status_code == 400 and "already been loaded" in again.text
+        other = {"lora_name": "dp-gone", "lora_path": str(adapter)}
+        assert http.post("/v1/load_lora_adapter", json=other).status_code == 200
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "dp-gone"}).is_success
+        gone = http.post("/v1/unload_lora_adapter", json={"lora_name": "dp-gone"})
+        assert gone.status_code == 404
+    assert answered_by(dp, "dp-lora") == {"0", "1"}
 
 
 def test_a_shared_prefix_stays_on_the_replica_that_cached_it(dp: ServerHandle) -> None:
@@ -195,3 +275,4 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(dp: ServerHandle
     with dp.http() as http:
         assert complete(http, "back again").status_code == 200
     assert series(dp, "tokenmill:dp_replica_restarts_total")[str(victim)] == 1
+    assert answered_by(dp, "dp-lora") == {"0", "1"}  # reloaded on the restarted replica

@@ -150,8 +150,11 @@ def check_data_parallel_args(args: argparse.Namespace) -> None:
         ]
         if getattr(args, "ssl_cert_reqs", 0):
             given.append("--ssl-cert-reqs")
+        if getattr(args, "allow_runtime_lora_updating", False):
+            given.append("--allow-runtime-lora-updating")  # one replica would get each call
         if given:
             raise ConfigError(
                 f"{', '.join(given)}: not supported with --data-parallel-backend ray (Ray Serve's "
-                "HTTP proxy listens; terminate TLS in front of it)"
+                "HTTP proxy listens: terminate TLS in front of it; runtime LoRA updates would "
+                "reach one replica: use --lora-modules, or --backend mp)"
             )
