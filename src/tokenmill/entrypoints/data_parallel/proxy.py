@@ -93,7 +93,7 @@ class ReleasingResponse(Response):
         self.inner = inner
         self.release = release
         self.status_code = inner.status_code
-        self.background = inner.background
+        self.background = None  # the inner response runs its own
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
