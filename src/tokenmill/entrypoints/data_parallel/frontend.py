@@ -481,7 +481,7 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     engine_config = engine_config_from_args(args, serve_model(args))
     config = server_config_from_args(args, engine_config)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forwarded request
-    tokenizer_path = resolve_model_path(engine_config.tokenizer or engine_config.model)
+    tokenizer_path = str(resolve_model_path(engine_config.tokenizer or engine_config.model))
     front = FrontEnd(args, config, engine_config.block_size, tokenizer_path)
     if not engine_config.enable_prefix_caching and args.dp_routing == "prefix":
         logger.warning("--dp-routing prefix without prefix caching: routing by load only")
