@@ -3,8 +3,8 @@
 One server for the module (two demo replicas, one thread each). The supervisor's periodic
 check is made rare (``--dp-health-interval 300``) so that a killed replica is found by the
 request that cannot reach it: the test gates the failure instead of racing the supervisor.
-The kill test runs last: it leaves one replica restarted (and checks that a runtime LoRA
-loaded before is loaded on it again).
+The kill test runs next to last: it leaves one replica restarted (and checks that a runtime
+LoRA loaded before is loaded on it again); the SIGTERM test ends the server.
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
         "65536",
         "--enable-lora",
         "--allow-runtime-lora-updating",
+        "--shutdown-timeout",
+        "0",  # the SIGTERM test: replicas cut their streams off at once
     )
     try:
         wait_all_ready(handle)
@@ -276,3 +278,20 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(dp: ServerHandle
         assert complete(http, "back again").status_code == 200
     assert series(dp, "tokenmill:dp_replica_restarts_total")[str(victim)] == 1
     assert answered_by(dp, "dp-lora") == {"0", "1"}  # reloaded on the restarted replica
+
+
+def test_sigterm_ends_open_streams_as_the_single_server_does(dp: ServerHandle) -> None:
+    """The front end drains through the replicas' own shutdown: an open stream ends with the
+    error event and ``[DONE]``, and the front end exits 0 (runs last: it ends the server)."""
+    wait_all_ready(dp)
+    with dp.http() as http:
+        body = {"model": "demo", "prompt": "bye", "max_tokens": 800, "ignore_eos": True}
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            next(lines)
+            dp.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]
+    assert "shutting down" in error["message"]
+    assert dp.process.wait(timeout=30) == 0

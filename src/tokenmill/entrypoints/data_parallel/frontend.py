@@ -188,8 +188,8 @@ class FrontEnd:
     # ---- requests ------------------------------------------------------------------
     async def forward(self, request: Request) -> Response:
         path = request.url.path
-        if self.is_draining:
-            return error_response(503, "the server is shutting down", code="shutting_down")
+        if self.is_draining:  # as the single server refuses while it drains
+            return error_response(503, "the server is shutting down", headers={"Retry-After": "1"})
         if request.method == "POST" and path in LORA_PATHS:
             return await self._broadcast_lora(request)
         is_generation = request.method == "POST" and path in GENERATION_PATHS
@@ -370,7 +370,7 @@ class FrontEnd:
         if any(r.is_ready for r in self.supervisor.replicas):
             return Response(status_code=200)
         if self.is_draining:
-            return error_response(503, "the server is shutting down", code="shutting_down")
+            return error_response(503, "the server is shutting down")
         return error_response(503, "no replica is ready", code="no_replica_ready")
 
     async def replicas(self, request: Request) -> Response:
