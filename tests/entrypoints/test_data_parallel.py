@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -102,6 +103,18 @@ def series(handle: ServerHandle, name: str) -> dict[str, float]:
             replica = re.search(r'replica="(\d+)"', match.group(1) or "")
             key = replica.group(1) if replica else ""
             out[key] = out.get(key, 0.0) + float(match.group(2))
+    return out
+
+
+def series_with(handle: ServerHandle, name: str, label: str) -> dict[str, float]:
+    """``series`` of the samples whose labels include ``label``."""
+    text = httpx.get(f"{handle.base_url}/metrics", headers=handle.headers(), timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and label in line:
+            replica = re.search(r'replica="(\d+)"', line)
+            key = replica.group(1) if replica else ""
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -250,6 +263,32 @@ def test_a_shared_prefix_stays_on_the_replica_that_cached_it(dp: ServerHandle) -
     assert all(hits[r] > before.get(r, 0.0) for r in ("0", "1"))
     assert hits[""] == hits["0"] + hits["1"]
     assert routed_by_prefix(dp) - prefixed >= 6  # every request after each prefix's first
+
+
+def test_a_client_that_leaves_a_non_streaming_request_aborts_it(dp: ServerHandle) -> None:
+    """Gated on the request being in flight at its replica, the client closes its socket:
+    the replica aborts the request (counted as ``abort``, where finishing would be ``length``)."""
+    wait_all_ready(dp)
+    name = "vllm:request_success_total"
+    aborted = series_with(dp, name, 'finished_reason="abort"').get("", 0.0)
+    body = json.dumps(
+        {"model": "demo", "prompt": "leave", "max_tokens": 1000, "ignore_eos": True}
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {MAIN_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", dp.port)) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 30
+        while not any(r["in_flight"] for r in replicas(dp)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    deadline = time.monotonic() + 30
+    while series_with(dp, name, 'finished_reason="abort"').get("", 0.0) == aborted:
+        assert time.monotonic() < deadline, "the replica did not abort the request"
+        time.sleep(0.1)
+    wait_all_ready(dp)
 
 
 def test_a_killed_replica_loses_no_request_that_had_not_started(dp: ServerHandle) -> None:

@@ -239,11 +239,17 @@ class FrontEnd:
                 self.metrics.num_retried += 1
             is_retry = True
             client = self.supervisor.replicas[replica].client
-            try:
-                upstream = await client.send(
-                    client.build_request(request.method, url, headers=headers, content=body),
-                    stream=True,
+            try:  # a non-streaming answer's head comes when it is done: watch the client
+                upstream = await run_until_disconnected(
+                    request,
+                    client.send(
+                        client.build_request(request.method, url, headers=headers, content=body),
+                        stream=True,
+                    ),
                 )
+            except ClientDisconnected:  # closing the connection aborts it at the replica
+                self.pool.router.finished(replica)
+                return Response(status_code=499)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never delivered
                 logger.warning("replica %d unreachable (%s); trying another", replica, exc)
                 self.pool.router.finished(replica)

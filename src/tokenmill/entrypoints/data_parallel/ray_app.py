@@ -309,8 +309,12 @@ def build_application(args: argparse.Namespace) -> Any:
             headers = forwarded_headers(request.headers.items())
             url = path + (f"?{request.url.query}" if request.url.query else "")
             chunks = self.engine.forward.remote(routed_request(request.method, url, headers, body))
-            try:
+            try:  # a non-streaming answer's head comes when it is done
                 status, upstream_headers, replica = await chunks.__anext__()
+            except asyncio.CancelledError:  # the client left (Ray's proxy cancels the call)
+                with contextlib.suppress(Exception):
+                    chunks.cancel()
+                raise
             except Exception as exc:
                 return error_response(
                     502, f"the replica failed ({type(exc).__name__}); retry it", "replica_failed"
