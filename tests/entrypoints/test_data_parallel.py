@@ -77,20 +77,26 @@ def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
         handle.stop()
 
 
+def dp_state(handle: ServerHandle) -> dict:
+    return httpx.get(f"{handle.base_url}/dp/replicas", headers=handle.headers(), timeout=10).json()
+
+
 def replicas(handle: ServerHandle) -> list[dict]:
-    return httpx.get(f"{handle.base_url}/dp/replicas", headers=handle.headers(), timeout=10).json()[
-        "replicas"
-    ]
+    return dp_state(handle)["replicas"]
 
 
 def wait_all_ready(handle: ServerHandle, timeout_s: float = 180.0) -> list[dict]:
+    """Every replica ready and idle, and every admission ticket back (none leaked by the
+    requests before: finished, refused, cut off or left by their client)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        state = replicas(handle)
-        if all(r["ready"] and r["in_flight"] == 0 for r in state):
-            return state
+        state = dp_state(handle)
+        if state["admitted"] == 0 and all(
+            r["ready"] and r["in_flight"] == 0 for r in state["replicas"]
+        ):
+            return state["replicas"]
         time.sleep(0.1)
-    pytest.fail(f"replicas not ready: {replicas(handle)}\n{handle.log()}")
+    pytest.fail(f"replicas not ready: {dp_state(handle)}\n{handle.log()}")
 
 
 def series(handle: ServerHandle, name: str) -> dict[str, float]:

@@ -383,7 +383,13 @@ class FrontEnd:
         replicas = self.supervisor.describe()
         for entry in replicas:
             entry["in_flight"] = self.pool.router.load[entry["replica"]]
-        return JSONResponse({"replicas": replicas, "routing": self.pool.policy})
+        return JSONResponse(
+            {
+                "replicas": replicas,
+                "routing": self.pool.policy,
+                "admitted": self.admission.num_requests_in_flight,  # front-end admission
+            }
+        )
 
     async def metrics_route(self, request: Request) -> Response:
         async def scrape(index: int) -> None:
