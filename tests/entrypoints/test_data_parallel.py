@@ -168,6 +168,38 @@ def test_ray_refuses_flags_its_proxy_would_ignore_and_tp_shares_the_cores() -> N
     assert replica_args(args, 0, "/tmp/x.sock").num_threads == max(1, cores // 4)
 
 
+def test_a_failing_check_is_logged_and_the_watch_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import asyncio
+
+    from tokenmill.entrypoints.data_parallel.supervisor import ReplicaSupervisor
+
+    args = argparse.Namespace(
+        data_parallel_size=2, dp_health_timeout=1.0, dp_max_restart_backoff=1.0
+    )
+    checked: list[int] = []
+
+    async def run() -> None:
+        supervisor = ReplicaSupervisor(args, str(tmp_path), 0.01, print, print)
+
+        async def check(replica) -> None:  # replica 0's check is broken, replica 1's is fine
+            checked.append(replica.index)
+            if replica.index == 0:
+                raise ValueError("boom")
+            if checked.count(1) >= 3:
+                supervisor._is_stopping = True
+
+        supervisor._check = check  # type: ignore[method-assign]
+        await asyncio.wait_for(supervisor._watch(), 10)
+        for replica in supervisor.replicas:
+            await replica.client.aclose()
+
+    asyncio.run(run())
+    assert checked.count(1) >= 3  # the loop went on after replica 0's failures
+    assert "replica 0: the supervisor's check failed" in caplog.text and "boom" in caplog.text
+
+
 def test_front_end_tokens_are_the_replicas_own(dp: ServerHandle) -> None:
     keys = RouteKeys(Tokenizer.from_pretrained(demo_model_path()), max_chars=10_000)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}]
