@@ -69,6 +69,8 @@ def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
         "--allow-runtime-lora-updating",
         "--shutdown-timeout",
         "0",  # the SIGTERM test: replicas cut their streams off at once
+        "--tokenizer",
+        "demo",  # resolved by the front end as the engine resolves it
     )
     try:
         wait_all_ready(handle)
