@@ -1,11 +1,13 @@
 """The data-parallel front end: one HTTP server in front of N replicas (``--data-parallel-size``).
 
-Owns what is done once per request rather than once per replica: authentication
-(``--api-key``), admission (``--max-num-seqs`` + ``--max-queue-len`` per replica, times the
-replicas; ``--per-key-max-concurrency`` across all of them), the body limit, and the choice of
-replica. Every route is forwarded as it came (streams stream through), so the replicas'
-validation, errors and shapes are the API's. The choice (``--dp-routing``): ``prefix`` hashes
-the prompt's leading blocks as the replicas' paged caches do (``core/prefix_router.py``) and
+Owns what is done once per request rather than once per replica: the single server's
+listener (TLS, ``--uds``, head limits) and gates (``proxy.add_front_middlewares``: body
+limit, ``--api-key``, CORS, Anthropic's error shape), admission (``--max-num-seqs`` +
+``--max-queue-len`` per replica, times the replicas; ``--per-key-max-concurrency`` across
+all of them), and the choice of replica. Every route is forwarded as it came (streams
+stream through), so the replicas' validation, errors and shapes are the API's; runtime LoRA
+loads and unloads go to every replica. The choice (``--dp-routing``): ``prefix`` hashes the
+prompt's leading blocks as the replicas' paged caches do (``core/prefix_router.py``) and
 sends it where that prefix went before, else to the least loaded replica.
 
 Failures: a request that could not be delivered (the replica's socket refused it: it died or
@@ -13,7 +15,8 @@ is restarting) or that its replica answered 503 before starting (loading, draini
 another replica, waiting up to ``--dp-retry-timeout`` for one to be ready. A request that
 was delivered and then lost its replica gets 502 with the API's error JSON, or, on a stream
 already under way, an error event and ``[DONE]``: it may have run, so it is not re-run behind
-the client's back. ``/health`` is 200 while at least one replica is ready.
+the client's back. A client that leaves closes its upstream (the replica aborts).
+``/health`` is 200 while at least one replica is ready.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Two deployments, as Ray's own ``ray.serve.llm`` is built:
 
-- ``TokenmillIngress`` (HTTP): authentication, admission and the body limit, once; it reads
+- ``TokenmillIngress`` (HTTP): a Starlette app behind the local front end's gates
+  (``proxy.add_front_middlewares``: limits, API keys, CORS, Anthropic's errors), then
+  admission, once; Ray's own limits on it sit above tokenmill's admission. It reads
   the body and hands the engine deployment a ``RoutedRequest`` whose ``prompt`` or
   ``messages`` attribute is what Ray's ``PrefixCacheAffinityRouter`` matches on (it routes
   by the prompt's text in a prefix tree, falling back to power-of-two choices when loads are
@@ -10,8 +12,9 @@ Two deployments, as Ray's own ``ray.serve.llm`` is built:
 - ``TokenmillEngine`` (N replicas, placed, health-checked and restarted by Ray, autoscaled on
   ongoing requests per replica): each replica runs a plain ``tokenmill serve`` process on a
   private unix socket (the same one ``--data-parallel-size`` runs) and streams its answer
-  back through the handle. Its ``check_health`` fails when that process died, so Ray
-  replaces the replica; a request Ray could not deliver is retried by Ray on another one.
+  back through the handle. Its constructor returns once that process is ready (Ray routes
+  nothing to it before); ``check_health`` fails when the process died or its ``/health`` is
+  not 200, so Ray replaces the replica; a request Ray could not deliver is retried by Ray on another one.
 
 ``/metrics`` on the ingress: each replica pushes its series to a named registry actor every
 ``--dp-metrics-push-interval``; the ingress merges them (per replica, with a ``replica`` label, and summed).
