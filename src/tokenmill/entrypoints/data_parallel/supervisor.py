@@ -136,6 +136,7 @@ class ReplicaSupervisor:
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._is_stopping = False
+        self._signalled: set[int | None] = set()
 
     def start(self) -> None:
         for replica in self.replicas:
@@ -236,6 +237,7 @@ class ReplicaSupervisor:
         for replica in self.replicas:
             process = replica.process
             if process is not None and process.exitcode is None and process.pid is not None:
+                self._signalled.add(process.pid)  # a second signal would force it: no drain
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signal.SIGINT if sigint else signal.SIGTERM)
 
@@ -246,7 +248,7 @@ class ReplicaSupervisor:
             self._task.cancel()
         processes = [r.process for r in self.replicas if r.process is not None]
         for process in processes:
-            if process.exitcode is None:
+            if process.exitcode is None and process.pid not in self._signalled:
                 process.terminate()
         deadline = time.monotonic() + timeout_s
         for process in processes:
