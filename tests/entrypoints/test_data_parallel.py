@@ -170,6 +170,26 @@ def test_ray_refuses_flags_its_proxy_would_ignore_and_tp_shares_the_cores() -> N
     assert replica_args(args, 0, "/tmp/x.sock").num_threads == max(1, cores // 4)
 
 
+def test_the_front_end_listens_as_the_single_server_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """mTLS (``--ssl-cert-reqs 2``), ciphers and the h11 head limits reach the front end's
+    uvicorn (it used to drop ``ssl_cert_reqs``: client certificates were not required)."""
+    from tokenmill.entrypoints.cli import build_parser
+    from tokenmill.entrypoints.data_parallel import frontend
+    from tokenmill.entrypoints.openai.server import _JSONErrorH11Protocol
+
+    seen: list = []
+    monkeypatch.setattr(frontend.FrontServer, "run", lambda self: seen.append(self.config))
+    argv = ["serve", "demo", "-dp", "2", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"]
+    argv += ["--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2", "--ssl-ciphers", "ECDHE"]
+    argv += ["--max-header-bytes", "12345"]
+    assert frontend.run_data_parallel(build_parser().parse_args(argv)) == 0
+    (config,) = seen
+    assert (config.ssl_cert_reqs, config.ssl_ciphers, config.ssl_ca_certs) == (2, "ECDHE", "ca.pem")
+    assert config.http is _JSONErrorH11Protocol and config.h11_max_incomplete_event_size == 12345
+
+
 def test_a_failing_check_is_logged_and_the_watch_goes_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
