@@ -3,26 +3,34 @@
 One server for the module (two demo replicas, one thread each). The supervisor's periodic
 check is made rare (``--dp-health-interval 300``) so that a killed replica is found by the
 request that cannot reach it: the test gates the failure instead of racing the supervisor.
-The kill test runs last: it leaves one replica restarted.
+The kill test runs next to last: it leaves one replica restarted (and checks that a runtime
+LoRA loaded before is loaded on it again); the SIGTERM test ends the server.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.entrypoints.conftest import MAIN_KEY, ServerHandle, start_server
+from tokenmill.entrypoints.data_parallel.args import check_data_parallel_args
 from tokenmill.entrypoints.data_parallel.metrics import merge_replica_metrics
 from tokenmill.entrypoints.data_parallel.route_key import RouteKeys
+from tokenmill.entrypoints.data_parallel.supervisor import replica_args
+from tokenmill.errors import ConfigError
 from tokenmill.model.demo import demo_model_path
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
@@ -55,6 +63,14 @@ def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
         "300",
         "--max-model-len",
         "1024",
+        "--max-request-body-bytes",
+        "65536",
+        "--enable-lora",
+        "--allow-runtime-lora-updating",
+        "--shutdown-timeout",
+        "0",  # the SIGTERM test: replicas cut their streams off at once
+        "--tokenizer",
+        "demo",  # resolved by the front end as the engine resolves it
     )
     try:
         wait_all_ready(handle)
@@ -63,20 +79,26 @@ def dp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
         handle.stop()
 
 
+def dp_state(handle: ServerHandle) -> dict:
+    return httpx.get(f"{handle.base_url}/dp/replicas", headers=handle.headers(), timeout=10).json()
+
+
 def replicas(handle: ServerHandle) -> list[dict]:
-    return httpx.get(f"{handle.base_url}/dp/replicas", headers=handle.headers(), timeout=10).json()[
-        "replicas"
-    ]
+    return dp_state(handle)["replicas"]
 
 
 def wait_all_ready(handle: ServerHandle, timeout_s: float = 180.0) -> list[dict]:
+    """Every replica ready and idle, and every admission ticket back (none leaked by the
+    requests before: finished, refused, cut off or left by their client)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        state = replicas(handle)
-        if all(r["ready"] and r["in_flight"] == 0 for r in state):
-            return state
+        state = dp_state(handle)
+        if state["admitted"] == 0 and all(
+            r["ready"] and r["in_flight"] == 0 for r in state["replicas"]
+        ):
+            return state["replicas"]
         time.sleep(0.1)
-    pytest.fail(f"replicas not ready: {replicas(handle)}\n{handle.log()}")
+    pytest.fail(f"replicas not ready: {dp_state(handle)}\n{handle.log()}")
 
 
 def series(handle: ServerHandle, name: str) -> dict[str, float]:
@@ -89,6 +111,18 @@ def series(handle: ServerHandle, name: str) -> dict[str, float]:
             replica = re.search(r'replica="(\d+)"', match.group(1) or "")
             key = replica.group(1) if replica else ""
             out[key] = out.get(key, 0.0) + float(match.group(2))
+    return out
+
+
+def series_with(handle: ServerHandle, name: str, label: str) -> dict[str, float]:
+    """``series`` of the samples whose labels include ``label``."""
+    text = httpx.get(f"{handle.base_url}/metrics", headers=handle.headers(), timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and label in line:
+            replica = re.search(r'replica="(\d+)"', line)
+            key = replica.group(1) if replica else ""
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -117,6 +151,75 @@ def test_metrics_merge_labels_each_replica_and_sums() -> None:
     assert 'x_total{model_name="m",replica="0"} 2.0' in merged
     assert 'x_total{model_name="m",replica="1"} 3.0' in merged
     assert "kv_perc 0.375" in merged  # a fraction is averaged, not summed
+
+
+def test_ray_refuses_flags_its_proxy_would_ignore_and_tp_shares_the_cores() -> None:
+    from tokenmill.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "demo", "--backend", "ray", "--ssl-cert-reqs", "2"])
+    with pytest.raises(ConfigError, match="--ssl-cert-reqs: not supported with"):
+        check_data_parallel_args(args)
+    args = parser.parse_args(["serve", "demo", "-dp", "2", "--dp-health-timeout", "0"])
+    with pytest.raises(ConfigError, match="--dp-health-timeout must be > 0"):
+        check_data_parallel_args(args)
+    args = argparse.Namespace(
+        data_parallel_size=2, tensor_parallel_size=2, num_threads=None, api_keys=[]
+    )
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    assert replica_args(args, 0, "/tmp/x.sock").num_threads == max(1, cores // 4)
+
+
+def test_the_front_end_listens_as_the_single_server_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """mTLS (``--ssl-cert-reqs 2``), ciphers and the h11 head limits reach the front end's
+    uvicorn (it used to drop ``ssl_cert_reqs``: client certificates were not required)."""
+    from tokenmill.entrypoints.cli import build_parser
+    from tokenmill.entrypoints.data_parallel import frontend
+    from tokenmill.entrypoints.openai.server import _JSONErrorH11Protocol
+
+    seen: list = []
+    monkeypatch.setattr(frontend.FrontServer, "run", lambda self: seen.append(self.config))
+    argv = ["serve", "demo", "-dp", "2", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"]
+    argv += ["--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2", "--ssl-ciphers", "ECDHE"]
+    argv += ["--max-header-bytes", "12345"]
+    assert frontend.run_data_parallel(build_parser().parse_args(argv)) == 0
+    (config,) = seen
+    assert (config.ssl_cert_reqs, config.ssl_ciphers, config.ssl_ca_certs) == (2, "ECDHE", "ca.pem")
+    assert config.http is _JSONErrorH11Protocol and config.h11_max_incomplete_event_size == 12345
+
+
+def test_a_failing_check_is_logged_and_the_watch_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import asyncio
+
+    from tokenmill.entrypoints.data_parallel.supervisor import ReplicaSupervisor
+
+    args = argparse.Namespace(
+        data_parallel_size=2, dp_health_timeout=1.0, dp_max_restart_backoff=1.0
+    )
+    checked: list[int] = []
+
+    async def run() -> None:
+        supervisor = ReplicaSupervisor(args, str(tmp_path), 0.01, print, print)
+
+        async def check(replica) -> None:  # replica 0's check is broken, replica 1's is fine
+            checked.append(replica.index)
+            if replica.index == 0:
+                raise ValueError("boom")
+            if checked.count(1) >= 3:
+                supervisor._is_stopping = True
+
+        supervisor._check = check  # type: ignore[method-assign]
+        await asyncio.wait_for(supervisor._watch(), 10)
+        for replica in supervisor.replicas:
+            await replica.client.aclose()
+
+    asyncio.run(run())
+    assert checked.count(1) >= 3  # the loop went on after replica 0's failures
+    assert "replica 0: the supervisor's check failed" in caplog.text and "boom" in caplog.text
 
 
 def test_front_end_tokens_are_the_replicas_own(dp: ServerHandle) -> None:
@@ -150,6 +253,58 @@ def test_official_clients_and_auth_through_the_front_end(dp: ServerHandle) -> No
     assert MAIN_KEY not in dp.log()
 
 
+def test_the_front_end_gates_answer_in_the_api_shape(dp: ServerHandle) -> None:
+    """The single server's gates in front: a body over the limit is refused from its
+    Content-Length (413, not read), a bad key gets 401 with WWW-Authenticate, and on
+    /v1/messages both are in Anthropic's shape."""
+    with dp.http() as http:
+        big = http.post(
+            "/v1/completions", json={"model": "demo", "prompt": "x" * 70_000, "max_tokens": 1}
+        )
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+        assert REPLICA not in big.headers  # refused before any replica saw it
+        bad = http.post("/v1/completions", headers={"Authorization": "Bearer nope"}, json={})
+        assert bad.status_code == 401 and bad.headers["www-authenticate"] == "Bearer"
+        assert bad.json()["error"]["code"] == "invalid_api_key"
+        body = {"model": "demo", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+        anth = http.post("/v1/messages", headers={"Authorization": "Bearer nope"}, json=body)
+        assert anth.status_code == 401 and anth.json()["type"] == "error"
+        assert anth.json()["error"]["type"] == "authentication_error"
+        anth = http.post("/v1/messages", json={**body, "system": "x" * 70_000})
+        assert anth.status_code == 413 and anth.json()["error"]["type"] == "request_too_large"
+
+
+def answered_by(dp: ServerHandle, model: str) -> set[str]:
+    """Replicas that answered requests for ``model``; each request must succeed. Pairs of
+    concurrent requests: the least loaded routing sends the second of each elsewhere."""
+    seen: set[str] = set()
+    with dp.http() as http, ThreadPoolExecutor(2) as pool:
+        for i in range(5):
+            bodies = [{"model": model, "prompt": f"lora {i}{j}", "max_tokens": 8} for j in "ab"]
+            answers = list(pool.map(lambda b: http.post("/v1/completions", json=b), bodies))
+            for answer in answers:
+                assert answer.status_code == 200, answer.text
+                seen.add(answer.headers[REPLICA])
+            if len(seen) == 2:
+                break
+    return seen
+
+
+def test_runtime_lora_reaches_every_replica(dp: ServerHandle, make_adapter) -> None:
+    adapter = make_adapter(Path(demo_model_path()), seed=31)
+    with dp.http() as http:
+        load = {"lora_name": "dp-lora", "lora_path": str(adapter)}
+        assert http.post("/v1/load_lora_adapter", json=load).status_code == 200
+        again = http.post("/v1/load_lora_adapter", json=load)  # every replica refuses it
+        assert again.status_code == 400 and "already been loaded" in again.text
+        other = {"lora_name": "dp-gone", "lora_path": str(adapter)}
+        assert http.post("/v1/load_lora_adapter", json=other).status_code == 200
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "dp-gone"}).is_success
+        gone = http.post("/v1/unload_lora_adapter", json={"lora_name": "dp-gone"})
+        assert gone.status_code == 404
+    assert answered_by(dp, "dp-lora") == {"0", "1"}
+
+
 def test_a_shared_prefix_stays_on_the_replica_that_cached_it(dp: ServerHandle) -> None:
     """Two long prefixes, interleaved one request at a time: each stays on one replica, and
     they are spread over both (round robin would split each prefix, least-loaded would put
@@ -168,6 +323,32 @@ def test_a_shared_prefix_stays_on_the_replica_that_cached_it(dp: ServerHandle) -
     assert all(hits[r] > before.get(r, 0.0) for r in ("0", "1"))
     assert hits[""] == hits["0"] + hits["1"]
     assert routed_by_prefix(dp) - prefixed >= 6  # every request after each prefix's first
+
+
+def test_a_client_that_leaves_a_non_streaming_request_aborts_it(dp: ServerHandle) -> None:
+    """Gated on the request being in flight at its replica, the client closes its socket:
+    the replica aborts the request (counted as ``abort``, where finishing would be ``length``)."""
+    wait_all_ready(dp)
+    name = "vllm:request_success_total"
+    aborted = series_with(dp, name, 'finished_reason="abort"').get("", 0.0)
+    body = json.dumps(
+        {"model": "demo", "prompt": "leave", "max_tokens": 1000, "ignore_eos": True}
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {MAIN_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", dp.port)) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 30
+        while not any(r["in_flight"] for r in replicas(dp)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    deadline = time.monotonic() + 30
+    while series_with(dp, name, 'finished_reason="abort"').get("", 0.0) == aborted:
+        assert time.monotonic() < deadline, "the replica did not abort the request"
+        time.sleep(0.1)
+    wait_all_ready(dp)
 
 
 def test_a_killed_replica_loses_no_request_that_had_not_started(dp: ServerHandle) -> None:
@@ -195,3 +376,21 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(dp: ServerHandle
     with dp.http() as http:
         assert complete(http, "back again").status_code == 200
     assert series(dp, "tokenmill:dp_replica_restarts_total")[str(victim)] == 1
+    assert answered_by(dp, "dp-lora") == {"0", "1"}  # reloaded on the restarted replica
+
+
+def test_sigterm_ends_open_streams_as_the_single_server_does(dp: ServerHandle) -> None:
+    """The front end drains through the replicas' own shutdown: an open stream ends with the
+    error event and ``[DONE]``, and the front end exits 0 (runs last: it ends the server)."""
+    wait_all_ready(dp)
+    with dp.http() as http:
+        body = {"model": "demo", "prompt": "bye", "max_tokens": 800, "ignore_eos": True}
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            next(lines)
+            dp.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]
+    assert "shutting down" in error["message"]
+    assert dp.process.wait(timeout=30) == 0

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import ServerHandle, start_server
+from tests.entrypoints.conftest import MAIN_KEY, ServerHandle, start_server
 
 pytest.importorskip("ray.serve")
 
@@ -25,7 +25,14 @@ SHARED = (
 @pytest.fixture(scope="module")
 def ray_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
     handle = start_server(
-        tmp_path_factory.mktemp("ray"), "--backend", "ray", "-dp", "2", wait=False
+        tmp_path_factory.mktemp("ray"),
+        "--backend",
+        "ray",
+        "-dp",
+        "2",
+        "--max-request-body-bytes",
+        "65536",
+        wait=False,
     )
     try:
         deadline = time.monotonic() + 240
@@ -61,7 +68,16 @@ def test_prefix_affinity_clients_auth_and_metrics_on_ray(ray_server: ServerHandl
             )
             assert response.status_code == 200, response.text
             homes.add(response.headers["x-tokenmill-replica"])
-        assert http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        # The mp front end's gates (shared): auth with WWW-Authenticate, the body limit from
+        # Content-Length, Anthropic's shape on /v1/messages.
+        wrong = http.get("/v1/models", headers={"Authorization": "bearer wrong"})
+        assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == "Bearer"
+        assert http.get("/v1/models", headers={"Authorization": "bearer " + MAIN_KEY}).is_success
+        big = http.post("/v1/completions", json={"model": "demo", "prompt": "x" * 70_000})
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+        body = {"model": "demo", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+        anth = http.post("/v1/messages", headers={"Authorization": "Bearer nope"}, json=body)
+        assert anth.status_code == 401 and anth.json()["error"]["type"] == "authentication_error"
     # Ray's prefix-aware router kept the shared prefix on one replica (random choice: 1 in 512)
     assert len(homes) == 1
     deadline = time.monotonic() + 30  # replicas push their metrics every 2 s

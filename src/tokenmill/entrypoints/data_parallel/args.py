@@ -80,7 +80,36 @@ def add_data_parallel_args(
         "--dp-health-interval",
         type=float,
         default=0.5,
-        help="seconds between the supervisor's checks of each replica (process and /health)",
+        help="seconds between the supervisor's checks of each replica (process and /health; "
+        "Ray's health_check_period_s with --backend ray)",
+    )
+    group.add_argument(
+        "--dp-health-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a replica's /health (and a connection to it) may take before the replica "
+        "counts as not ready (Ray's health_check_timeout_s with --backend ray)",
+    )
+    group.add_argument(
+        "--dp-max-restart-backoff",
+        type=float,
+        default=30.0,
+        help="longest wait before restarting a replica that keeps exiting (the wait doubles "
+        "from 0.5 s with each consecutive failure)",
+    )
+    group.add_argument(
+        "--dp-ready-timeout",
+        type=float,
+        default=600.0,
+        help="with --backend ray: seconds a new replica may take to load its model before Ray "
+        "counts it as failed and replaces it",
+    )
+    group.add_argument(
+        "--dp-metrics-push-interval",
+        type=float,
+        default=2.0,
+        help="with --backend ray: seconds between each replica's pushes of its /metrics to "
+        "the ingress",
     )
 
 
@@ -96,5 +125,36 @@ def check_data_parallel_args(args: argparse.Namespace) -> None:
         if getattr(args, name) < low:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} must be >= {low}, got {getattr(args, name)}")
-    if args.dp_retry_timeout <= 0 or args.dp_health_interval <= 0:
-        raise ConfigError("--dp-retry-timeout and --dp-health-interval must be > 0")
+    for name in (
+        "dp_retry_timeout",
+        "dp_health_interval",
+        "dp_health_timeout",
+        "dp_max_restart_backoff",
+        "dp_ready_timeout",
+        "dp_metrics_push_interval",
+    ):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if getattr(args, "data_parallel_backend", "mp") == "ray":
+        # Ray's HTTP proxy listens, not tokenmill: these would be silently ignored there.
+        given = [
+            flag
+            for name, flag in (
+                ("ssl_keyfile", "--ssl-keyfile"),
+                ("ssl_certfile", "--ssl-certfile"),
+                ("ssl_ca_certs", "--ssl-ca-certs"),
+                ("ssl_ciphers", "--ssl-ciphers"),
+                ("uds", "--uds"),
+            )
+            if getattr(args, name, None)
+        ]
+        if getattr(args, "ssl_cert_reqs", 0):
+            given.append("--ssl-cert-reqs")
+        if getattr(args, "allow_runtime_lora_updating", False):
+            given.append("--allow-runtime-lora-updating")  # one replica would get each call
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)}: not supported with --data-parallel-backend ray (Ray Serve's "
+                "HTTP proxy listens: terminate TLS in front of it; runtime LoRA updates would "
+                "reach one replica: use --lora-modules, or --backend mp)"
+            )

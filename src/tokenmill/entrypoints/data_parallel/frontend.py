@@ -1,11 +1,13 @@
 """The data-parallel front end: one HTTP server in front of N replicas (``--data-parallel-size``).
 
-Owns what is done once per request rather than once per replica: authentication
-(``--api-key``), admission (``--max-num-seqs`` + ``--max-queue-len`` per replica, times the
-replicas; ``--per-key-max-concurrency`` across all of them), the body limit, and the choice of
-replica. Every route is forwarded as it came (streams stream through), so the replicas'
-validation, errors and shapes are the API's. The choice (``--dp-routing``): ``prefix`` hashes
-the prompt's leading blocks as the replicas' paged caches do (``core/prefix_router.py``) and
+Owns what is done once per request rather than once per replica: the single server's
+listener (TLS, ``--uds``, head limits) and gates (``proxy.add_front_middlewares``: body
+limit, ``--api-key``, CORS, Anthropic's error shape), admission (``--max-num-seqs`` +
+``--max-queue-len`` per replica, times the replicas; ``--per-key-max-concurrency`` across
+all of them), and the choice of replica. Every route is forwarded as it came (streams
+stream through), so the replicas' validation, errors and shapes are the API's; runtime LoRA
+loads and unloads go to every replica. The choice (``--dp-routing``): ``prefix`` hashes the
+prompt's leading blocks as the replicas' paged caches do (``core/prefix_router.py``) and
 sends it where that prefix went before, else to the least loaded replica.
 
 Failures: a request that could not be delivered (the replica's socket refused it: it died or
@@ -13,7 +15,8 @@ is restarting) or that its replica answered 503 before starting (loading, draini
 another replica, waiting up to ``--dp-retry-timeout`` for one to be ready. A request that
 was delivered and then lost its replica gets 502 with the API's error JSON, or, on a stream
 already under way, an error event and ``[DONE]``: it may have run, so it is not re-run behind
-the client's back. ``/health`` is 200 while at least one replica is ready.
+the client's back. A client that leaves closes its upstream (the replica aborts).
+``/health`` is 200 while at least one replica is ready.
 """
 
 from __future__ import annotations
@@ -23,53 +26,43 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from types import FrameType
 
 import httpx
 import uvicorn
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tokenmill.core.prefix_router import PrefixAffinityRouter, prompt_block_hashes
 from tokenmill.entrypoints.data_parallel.metrics import FrontMetrics, merge_replica_metrics
+from tokenmill.entrypoints.data_parallel.proxy import (
+    LORA_PATHS,
+    REPLICA_HEADER,
+    ReleasingResponse,
+    add_front_middlewares,
+    error_response,
+    forwarded_headers,
+    refusal_response,
+    response_headers,
+    stream_error,
+)
 from tokenmill.entrypoints.data_parallel.route_key import RouteKeys
-from tokenmill.entrypoints.data_parallel.supervisor import ReplicaSupervisor
+from tokenmill.entrypoints.data_parallel.supervisor import Replica, ReplicaSupervisor
 from tokenmill.entrypoints.openai.admission import GENERATION_PATHS
-from tokenmill.entrypoints.openai.errors import APIError, error_body_bytes
+from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.state import ServerConfig
+from tokenmill.entrypoints.openai.streaming import ClientDisconnected, run_until_disconnected
 
 logger = logging.getLogger(__name__)
 
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "transfer-encoding",
-        "te",
-        "trailer",
-        "upgrade",
-        "proxy-authorization",
-        "proxy-authenticate",
-        "host",
-        "content-length",
-        "authorization",  # checked here; replicas have no keys
-        "x-api-key",
-    }
-)
 POLL_S = 0.02
-
-
-def _error(status: int, message: str, code: str | None = None) -> Response:
-    return Response(
-        error_body_bytes(status, message, code=code),
-        status_code=status,
-        media_type="application/json",
-    )
+__all__ = ["REPLICA_HEADER", "FrontEnd", "build_front_app", "run_data_parallel"]
 
 
 class ReplicaPool:
@@ -92,7 +85,14 @@ class ReplicaPool:
         )
         for i in range(num_replicas):
             self.router.is_alive[i] = False  # ready once its /health says 200
+        self.ready_epoch = [0] * num_replicas
+        """Times each replica became ready: a request that could not connect to a replica
+        tries it again only after it became ready anew."""
         self._next = 0
+
+    def mark_ready(self, replica: int) -> None:
+        self.ready_epoch[replica] += 1
+        self.router.mark_alive(replica)
 
     def hashes(self, token_ids: list[int] | None) -> list[bytes]:
         if self.policy != "prefix" or not token_ids:
@@ -116,13 +116,14 @@ class ReplicaPool:
         return replica
 
     async def wait_pick(
-        self, hashes: list[bytes], exclude: frozenset[int], deadline: float
+        self, hashes: list[bytes], exclude: Callable[[], frozenset[int]], deadline: float
     ) -> int | None:
         """``pick``, waiting up to ``deadline`` while no replica is ready (restarting, loading).
 
         None at once when ready replicas exist but each was excluded (they refused it)."""
         while True:
-            replica = self.pick(hashes, exclude)
+            excluded = exclude()
+            replica = self.pick(hashes, excluded)
             if replica is not None or time.monotonic() >= deadline:
                 return replica
             if self.router.live_replicas():
@@ -131,10 +132,15 @@ class ReplicaPool:
 
 
 class FrontEnd:
-    """The front end's state: pool, supervisor, admission and route keys."""
+    """The front end's state: pool, supervisor, admission, route keys and runtime LoRAs."""
 
-    def __init__(self, args: argparse.Namespace, config: ServerConfig, block_size: int) -> None:
-        from tokenmill.engine.llm_engine import resolve_model_path
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        config: ServerConfig,
+        block_size: int,
+        tokenizer_path: str,
+    ) -> None:
         from tokenmill.entrypoints.openai.admission import AdmissionController
         from tokenmill.entrypoints.openai.chat_options import resolve_chat_template
         from tokenmill.tokenizer.tokenizer import Tokenizer
@@ -156,21 +162,27 @@ class FrontEnd:
             config.per_key_max_concurrency,
             config.max_beam_requests_in_flight * n,
         )
-        model = args.tokenizer or resolve_model_path(args.model or args.model_flag or "demo")
         self.route_keys = RouteKeys(
-            Tokenizer.from_pretrained(model),
+            Tokenizer.from_pretrained(tokenizer_path),
             args.dp_route_prefix_chars,
             resolve_chat_template(config.chat_template),
         )
+        self.loras: dict[str, bytes] = {}
+        """Runtime-loaded adapters (name -> the load request's body), replayed on a replica
+        that restarts before it takes requests."""
+        self.is_draining = False
         self._socket_dir = tempfile.TemporaryDirectory(prefix="tokenmill-dp-")
         self.supervisor = ReplicaSupervisor(
             args,
             self._socket_dir.name,
             args.dp_health_interval,
-            on_ready=self.pool.router.mark_alive,
+            on_ready=self.pool.mark_ready,
             on_down=lambda i: self.pool.router.mark_dead(i, forget=self._has_exited(i)),
+            prepare=self._replay_loras,
+            max_connections=config.max_seqs_in_flight,
         )
         self.retry_timeout_s = args.dp_retry_timeout
+        self._last_metrics: dict[int, str] = {}
 
     def _has_exited(self, index: int) -> bool:
         process = self.supervisor.replicas[index].process
@@ -179,86 +191,96 @@ class FrontEnd:
     # ---- requests ------------------------------------------------------------------
     async def forward(self, request: Request) -> Response:
         path = request.url.path
+        if self.is_draining:  # as the single server refuses while it drains
+            return error_response(503, "the server is shutting down", headers={"Retry-After": "1"})
+        if request.method == "POST" and path in LORA_PATHS:
+            return await self._broadcast_lora(request)
         is_generation = request.method == "POST" and path in GENERATION_PATHS
-        ticket = None
-        if is_generation:
-            try:
-                ticket = self.admission.acquire(request.scope.get("state", {}).get("api_key_id"))
-            except APIError as refusal:
-                return Response(
-                    json.dumps(refusal.body()),
-                    status_code=refusal.status_code,
-                    headers=refusal.headers,
-                    media_type="application/json",
-                )
+        if not is_generation:
+            return await self._forward(request, False)
         try:
-            body = await request.body()
-            if len(body) > self.config.max_request_body_bytes:
-                return _error(
-                    413, f"request body exceeds {self.config.max_request_body_bytes} bytes"
-                )
-            token_ids = None
-            if is_generation and self.pool.policy == "prefix":
-                token_ids = await asyncio.to_thread(self.route_keys.token_ids, path, body)
-            hashes = self.pool.hashes(token_ids)
-            response = await self._send(request, body, hashes)
+            ticket = self.admission.acquire(request.scope.get("state", {}).get("api_key_id"))
+        except APIError as refusal:
+            return refusal_response(refusal)
+        try:
+            response = await self._forward(request, True)
         except BaseException:
-            if ticket is not None:
-                self.admission.release(ticket)
+            self.admission.release(ticket)
             raise
-        if ticket is not None:
-            if isinstance(response, StreamingResponse):
-                response.background = BackgroundTask(self.admission.release, ticket)
-            else:
-                self.admission.release(ticket)
-        return response
+        return ReleasingResponse(response, lambda: self.admission.release(ticket))
+
+    async def _forward(self, request: Request, is_generation: bool) -> Response:
+        body = await request.body()  # within the limit: BodyLimitMiddleware refused the rest
+        token_ids = None
+        if is_generation and self.pool.policy == "prefix":
+            token_ids = await asyncio.to_thread(self.route_keys.token_ids, request.url.path, body)
+        return await self._send(request, body, self.pool.hashes(token_ids))
 
     async def _send(self, request: Request, body: bytes, hashes: list[bytes]) -> Response:
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+        headers = forwarded_headers(request.headers.items())
         url = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         deadline = time.monotonic() + self.retry_timeout_s
         refused: set[int] = set()
+        unreachable: dict[int, int] = {}  # replica -> its ready epoch when it could not connect
         last_refusal: Response | None = None
         is_retry = False
+
+        def excluded() -> frozenset[int]:
+            epochs = self.pool.ready_epoch
+            return frozenset(refused | {r for r, e in unreachable.items() if epochs[r] == e})
+
         while True:
-            replica = await self.pool.wait_pick(hashes, frozenset(refused), deadline)
+            replica = await self.pool.wait_pick(hashes, excluded, deadline)
             if replica is None:
                 if last_refusal is not None:
                     return last_refusal
                 self.metrics.num_no_replica += 1
-                return _error(503, "no replica is ready; retry later", code="no_replica_ready")
+                return error_response(
+                    503, "no replica is ready; retry later", code="no_replica_ready"
+                )
             if is_retry:
                 self.metrics.num_retried += 1
             is_retry = True
             client = self.supervisor.replicas[replica].client
-            try:
-                upstream = await client.send(
-                    client.build_request(request.method, url, headers=headers, content=body),
-                    stream=True,
+            try:  # a non-streaming answer's head comes when it is done: watch the client
+                upstream = await run_until_disconnected(
+                    request,
+                    client.send(
+                        client.build_request(request.method, url, headers=headers, content=body),
+                        stream=True,
+                    ),
                 )
+            except ClientDisconnected:  # closing the connection aborts it at the replica
+                self.pool.router.finished(replica)
+                return Response(status_code=499)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never delivered
                 logger.warning("replica %d unreachable (%s); trying another", replica, exc)
                 self.pool.router.finished(replica)
+                unreachable[replica] = self.pool.ready_epoch[replica]
                 self.supervisor.mark_unreachable(replica)
                 continue
             except httpx.TransportError as exc:  # delivered, then the replica went away
                 self.pool.router.finished(replica)
                 return self._lost(replica, exc)
             if upstream.status_code == 503 and len(refused) + 1 < self.pool.router.num_replicas:
-                last_refusal = await self._buffered(replica, upstream)
+                last_refusal = await self._buffered(replica, upstream, request)
                 refused.add(replica)
                 continue
             if upstream.headers.get("content-type", "").startswith("text/event-stream"):
                 return StreamingResponse(
                     self._stream(replica, upstream, request.url.path),
                     status_code=upstream.status_code,
-                    headers=_response_headers(upstream, replica),
+                    headers=response_headers(upstream.headers.items(), str(replica)),
                 )
-            return await self._buffered(replica, upstream)
+            return await self._buffered(replica, upstream, request)
 
-    async def _buffered(self, replica: int, upstream: httpx.Response) -> Response:
+    async def _buffered(self, replica: int, upstream: httpx.Response, request: Request) -> Response:
+        """The whole answer; if the client leaves first, the upstream connection is closed
+        (the replica sees the disconnect and aborts the request)."""
         try:
-            content = await upstream.aread()
+            content = await run_until_disconnected(request, upstream.aread())
+        except ClientDisconnected:
+            return Response(status_code=499)
         except httpx.TransportError as exc:
             return self._lost(replica, exc)
         finally:
@@ -267,13 +289,13 @@ class FrontEnd:
         return Response(
             content,
             status_code=upstream.status_code,
-            headers=_response_headers(upstream, replica),
+            headers=response_headers(upstream.headers.items(), str(replica)),
         )
 
     def _lost(self, replica: int, exc: Exception) -> Response:
         self.metrics.num_failed_in_flight += 1
         logger.error("replica %d failed during a request: %s", replica, exc)
-        return _error(
+        return error_response(
             502,
             f"the replica serving this request failed ({type(exc).__name__}); the request may "
             "have been partly processed; retry it",
@@ -290,41 +312,104 @@ class FrontEnd:
             self.metrics.num_failed_in_flight += 1
             logger.error("replica %d failed during a stream: %s", replica, exc)
             message = "the replica serving this stream failed; retry the request"
-            if path.endswith("/messages"):  # Anthropic's stream error event
-                event = {"type": "error", "error": {"type": "api_error", "message": message}}
-                yield f"event: error\ndata: {json.dumps(event)}\n\n".encode()
-            else:
-                yield b"data: " + error_body_bytes(502, message, code="replica_failed") + b"\n\n"
-                yield b"data: [DONE]\n\n"
+            yield stream_error(path, 502, message, "replica_failed")
         finally:  # counted as finished before the replica can see the stream close
             self.pool.router.finished(replica)
             await upstream.aclose()
+
+    # ---- runtime LoRA ----------------------------------------------------------------
+    async def _broadcast_lora(self, request: Request) -> Response:
+        """Load or unload on every ready replica; the first error if one failed.
+
+        What was loaded is remembered and replayed on a replica that restarts."""
+        path = request.url.path
+        body = await request.body()
+        headers = forwarded_headers(request.headers.items())
+        ready = [r for r in self.supervisor.replicas if r.is_ready]
+        if not ready:
+            return error_response(503, "no replica is ready; retry later", code="no_replica_ready")
+
+        async def post(replica: Replica) -> httpx.Response | Response:
+            try:
+                return await replica.client.post(path, headers=headers, content=body)
+            except httpx.TransportError as exc:
+                return self._lost(replica.index, exc)
+
+        answers = await asyncio.gather(*(post(r) for r in ready))
+        name = None
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            name = json.loads(body).get("lora_name")
+        if isinstance(name, str) and any(a.status_code == 200 for a in answers):
+            if path.endswith("/load_lora_adapter"):
+                self.loras[name] = body
+            else:
+                self.loras.pop(name, None)
+        failed = [(r, a) for r, a in zip(ready, answers, strict=True) if a.status_code != 200]
+        replica, answer = failed[0] if failed else (ready[0], answers[0])
+        if isinstance(answer, Response):
+            return answer
+        return Response(
+            answer.content,
+            status_code=answer.status_code,
+            headers=response_headers(answer.headers.items(), str(replica.index)),
+        )
+
+    async def _replay_loras(self, replica: Replica) -> bool:
+        """Load the runtime adapters on a replica before it takes requests; False if one failed
+        (it stays not ready and is tried again at the next check)."""
+        for name, body in list(self.loras.items()):
+            try:
+                answer = await replica.client.post(
+                    "/v1/load_lora_adapter",
+                    content=body,
+                    headers={"content-type": "application/json"},
+                )
+            except httpx.HTTPError as exc:
+                logger.warning("replica %d: reloading LoRA %r failed: %s", replica.index, name, exc)
+                return False
+            if answer.status_code != 200 and "already been loaded" not in answer.text:
+                logger.warning(
+                    "replica %d: reloading LoRA %r failed: %s", replica.index, name, answer.text
+                )
+                return False
+        return True
 
     # ---- own routes ----------------------------------------------------------------
     async def health(self, request: Request) -> Response:
         if any(r.is_ready for r in self.supervisor.replicas):
             return Response(status_code=200)
-        return _error(503, "no replica is ready", code="no_replica_ready")
+        if self.is_draining:
+            return error_response(503, "the server is shutting down")
+        return error_response(503, "no replica is ready", code="no_replica_ready")
 
     async def replicas(self, request: Request) -> Response:
         replicas = self.supervisor.describe()
         for entry in replicas:
             entry["in_flight"] = self.pool.router.load[entry["replica"]]
-        return JSONResponse({"replicas": replicas, "routing": self.pool.policy})
+        return JSONResponse(
+            {
+                "replicas": replicas,
+                "routing": self.pool.policy,
+                "admitted": self.admission.num_requests_in_flight,  # front-end admission
+            }
+        )
 
     async def metrics_route(self, request: Request) -> Response:
-        async def scrape(index: int) -> tuple[int, str | None]:
+        async def scrape(index: int) -> None:
             replica = self.supervisor.replicas[index]
             if replica.process is None:
-                return index, None
+                return
             try:
                 response = await replica.client.get("/metrics", timeout=5.0)
             except httpx.HTTPError:
-                return index, None
-            return index, response.text if response.status_code == 200 else None
+                return
+            if response.status_code == 200:
+                self._last_metrics[index] = response.text
 
-        results = await asyncio.gather(*(scrape(i) for i in range(len(self.supervisor.replicas))))
-        text = merge_replica_metrics({i: t for i, t in results if t is not None})
+        # A replica that misses a scrape keeps its last series: sums never go backwards
+        # but for a real restart (its first scrape replaces them).
+        await asyncio.gather(*(scrape(i) for i in range(len(self.supervisor.replicas))))
+        text = merge_replica_metrics(dict(self._last_metrics))
         text += self.metrics.render(
             [r.is_ready for r in self.supervisor.replicas],
             [r.num_restarts for r in self.supervisor.replicas],
@@ -332,23 +417,7 @@ class FrontEnd:
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-REPLICA_HEADER = "x-tokenmill-replica"
-"""Response header naming the replica that answered (for logs and debugging)."""
-
-
-def _response_headers(upstream: httpx.Response, replica: int) -> dict[str, str]:
-    headers = {
-        k: v
-        for k, v in upstream.headers.items()
-        if k.lower() not in HOP_BY_HOP and k.lower() != "content-encoding"
-    }
-    headers[REPLICA_HEADER] = str(replica)
-    return headers
-
-
 def build_front_app(front: FrontEnd) -> Starlette:
-    from tokenmill.entrypoints.openai.auth import APIKeyAuthMiddleware
-
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         front.supervisor.start()
@@ -367,53 +436,73 @@ def build_front_app(front: FrontEnd) -> Starlette:
         ],
         lifespan=lifespan,
     )
-    app.add_middleware(
-        APIKeyAuthMiddleware,
-        api_keys=front.config.api_keys,
-        open_health_metrics=front.config.disable_auth_for_health_metrics,
-    )
-    config = front.config
-    if config.allowed_origins:  # CORS at the front (replicas are reached by it alone)
-        from starlette.middleware.cors import CORSMiddleware
-
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(config.allowed_origins),
-            allow_credentials=config.allow_credentials,
-            allow_methods=list(config.allowed_methods),
-            allow_headers=list(config.allowed_headers),
-        )
+    add_front_middlewares(app, front.config)
     return app
+
+
+class FrontServer(uvicorn.Server):
+    """Drains on SIGTERM as the single server does: the replicas get SIGTERM at once (each
+    refuses new requests, lets its own finish for ``--shutdown-timeout``, then ends those
+    left with 503, or an error event and ``[DONE]`` on a stream), the front end refuses new
+    requests and exits once the replicas' answers have passed through. SIGINT: no wait."""
+
+    def __init__(self, config: uvicorn.Config, front: FrontEnd) -> None:
+        super().__init__(config)
+        self.front = front
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._is_drain_started = False
+
+    async def startup(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if (
+            sig in (signal.SIGTERM, signal.SIGINT)
+            and not self._is_drain_started
+            and self._loop is not None
+        ):
+            self._is_drain_started = True
+            timeout_s = self.front.config.shutdown_timeout_s if sig == signal.SIGTERM else 0.0
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain(timeout_s)))
+            return
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
+
+    async def _drain(self, timeout_s: float) -> None:
+        front = self.front
+        front.is_draining = True
+        admission = front.admission
+        logger.info(
+            "shutting down: draining %d in-flight request(s), up to %.0fs",
+            admission.num_requests_in_flight,
+            timeout_s,
+        )
+        front.supervisor.terminate(sigint=timeout_s == 0.0)
+        deadline = time.monotonic() + timeout_s + 2.0  # the replicas' cut-off, then its grace
+        while admission.num_requests_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
+        self.should_exit = True
 
 
 def run_data_parallel(args: argparse.Namespace) -> int:
     """Serve the front end until SIGTERM/SIGINT; the replicas drain and stop with it."""
+    from tokenmill.engine.llm_engine import resolve_model_path
     from tokenmill.entrypoints.cli import serve_model
     from tokenmill.entrypoints.engine_args import engine_config_from_args
-    from tokenmill.entrypoints.openai.server import server_config_from_args
+    from tokenmill.entrypoints.openai.server import server_config_from_args, uvicorn_config
 
     engine_config = engine_config_from_args(args, serve_model(args))
     config = server_config_from_args(args, engine_config)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forwarded request
-    front = FrontEnd(args, config, engine_config.block_size)
+    tokenizer_path = str(resolve_model_path(engine_config.tokenizer or engine_config.model))
+    front = FrontEnd(args, config, engine_config.block_size, tokenizer_path)
     if not engine_config.enable_prefix_caching and args.dp_routing == "prefix":
         logger.warning("--dp-routing prefix without prefix caching: routing by load only")
         front.pool.policy = "least_loaded"
     app = build_front_app(front)
-    uv_config = uvicorn.Config(
-        app,
-        host=config.host,
-        port=config.port,
-        uds=config.uds,
-        ssl_keyfile=config.ssl_keyfile,
-        ssl_certfile=config.ssl_certfile,
-        ssl_ca_certs=config.ssl_ca_certs,
-        lifespan="on",
-        access_log=False,
-        log_level=config.uvicorn_log_level,
-        server_header=False,
-        timeout_graceful_shutdown=int(config.shutdown_timeout_s),
-    )
+    uv_config = uvicorn_config(app, config, timeout_graceful_shutdown=2)
     logger.info(
         "data parallel: %d replicas behind http://%s:%d (routing: %s)",
         args.data_parallel_size,
@@ -421,6 +510,5 @@ def run_data_parallel(args: argparse.Namespace) -> int:
         config.port,
         front.pool.policy,
     )
-    server = uvicorn.Server(uv_config)
-    server.run()
+    FrontServer(uv_config, front).run()
     return 0

@@ -9,6 +9,7 @@ Aggregates are sums (counters, histograms, gauges of counts), except gauges of a
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -40,10 +41,11 @@ class _Family:
     per_replica: list[str] = field(default_factory=list)
 
 
-def merge_replica_metrics(texts: dict[int, str]) -> str:
-    """One exposition text from each replica's (replicas that did not answer are left out)."""
+def merge_replica_metrics(texts: Mapping[int, str] | Mapping[str, str]) -> str:
+    """One exposition text from each replica's, keyed by what labels it (an index, or Ray's
+    replica tag); the aggregate sums those given."""
     families: dict[str, _Family] = {}
-    for replica, text in sorted(texts.items()):
+    for replica, text in sorted(texts.items(), key=lambda item: str(item[0])):
         for family in text_string_to_metric_families(text):
             entry = families.setdefault(family.name, _Family(family.type, family.documentation))
             for sample in family.samples:

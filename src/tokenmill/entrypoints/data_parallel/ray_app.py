@@ -2,7 +2,9 @@
 
 Two deployments, as Ray's own ``ray.serve.llm`` is built:
 
-- ``TokenmillIngress`` (HTTP): authentication, admission and the body limit, once; it reads
+- ``TokenmillIngress`` (HTTP): a Starlette app behind the local front end's gates
+  (``proxy.add_front_middlewares``: limits, API keys, CORS, Anthropic's errors), then
+  admission, once; Ray's own limits on it sit above tokenmill's admission. It reads
   the body and hands the engine deployment a ``RoutedRequest`` whose ``prompt`` or
   ``messages`` attribute is what Ray's ``PrefixCacheAffinityRouter`` matches on (it routes
   by the prompt's text in a prefix tree, falling back to power-of-two choices when loads are
@@ -10,11 +12,12 @@ Two deployments, as Ray's own ``ray.serve.llm`` is built:
 - ``TokenmillEngine`` (N replicas, placed, health-checked and restarted by Ray, autoscaled on
   ongoing requests per replica): each replica runs a plain ``tokenmill serve`` process on a
   private unix socket (the same one ``--data-parallel-size`` runs) and streams its answer
-  back through the handle. Its ``check_health`` fails when that process died, so Ray
-  replaces the replica; a request Ray could not deliver is retried by Ray on another one.
+  back through the handle. Its constructor returns once that process is ready (Ray routes
+  nothing to it before); ``check_health`` fails when the process died or its ``/health`` is
+  not 200, so Ray replaces the replica; a request Ray could not deliver is retried by Ray on another one.
 
 ``/metrics`` on the ingress: each replica pushes its series to a named registry actor every
-``METRICS_PUSH_S``; the ingress merges them (per replica, with a ``replica`` label, and summed).
+``--dp-metrics-push-interval``; the ingress merges them (per replica, with a ``replica`` label, and summed).
 
 Locally, ``tokenmill serve --data-parallel-backend ray --data-parallel-size 2 ...`` starts
 Ray (or joins ``RAY_ADDRESS``), deploys the application and serves until Ctrl-C/SIGTERM.
@@ -25,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import os
@@ -38,7 +40,6 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-METRICS_PUSH_S = 2.0
 REGISTRY_NAME = "tokenmill-metrics-registry"
 
 
@@ -102,8 +103,10 @@ def build_application(args: argparse.Namespace) -> Any:
         from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (  # type: ignore[assignment]
             PrefixCacheAffinityRouter,
         )
+    from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import Response, StreamingResponse
+    from starlette.routing import Route
 
     from tokenmill.entrypoints.cli import serve_model
     from tokenmill.entrypoints.engine_args import engine_config_from_args
@@ -113,6 +116,12 @@ def build_application(args: argparse.Namespace) -> Any:
     config = server_config_from_args(args, engine_config)
     n = args.data_parallel_size
     max_replicas = max(n, getattr(args, "ray_max_replicas", None) or n)
+    push_s: float = args.dp_metrics_push_interval
+    # What one replica admits (running + queued, plain and beam search); tokenmill's own
+    # admission at the ingress refuses beyond it with 429, so Ray's limits sit above it:
+    # as many again for the routes that are not generation (models, tokenize, health).
+    per_replica = config.max_seqs_in_flight + config.max_beam_requests_in_flight
+    ingress_ongoing = 2 * per_replica * max_replicas
 
     @serve.deployment(
         name="TokenmillEngine",
@@ -126,17 +135,20 @@ def build_application(args: argparse.Namespace) -> Any:
             if max_replicas > n
             else None
         ),
-        max_ongoing_requests=config.max_seqs_in_flight,
+        max_ongoing_requests=2 * per_replica,
         request_router_config=RequestRouterConfig(
             request_router_class=PrefixCacheAffinityRouter,  # type: ignore[arg-type]
             request_router_kwargs={"imbalanced_threshold": args.dp_max_load_imbalance},
         ),
-        health_check_period_s=2.0,
-        health_check_timeout_s=30.0,
+        health_check_period_s=args.dp_health_interval,
+        health_check_timeout_s=args.dp_health_timeout,
+        graceful_shutdown_timeout_s=config.shutdown_timeout_s + 5.0,
         ray_actor_options={"num_cpus": 0},
     )
     class TokenmillEngine:
-        def __init__(self) -> None:
+        async def __init__(self) -> None:  # type: ignore[misc]  # Ray awaits it
+            """Start the replica's process and return once it serves: Ray sends no request
+            to a replica before its constructor returned."""
             import multiprocessing
 
             import httpx
@@ -154,40 +166,50 @@ def build_application(args: argparse.Namespace) -> Any:
             self._client = httpx.AsyncClient(
                 transport=httpx.AsyncHTTPTransport(uds=self._socket),
                 base_url="http://replica",
-                timeout=httpx.Timeout(None, connect=5.0),
+                timeout=httpx.Timeout(None, connect=args.dp_health_timeout),
+                limits=httpx.Limits(
+                    max_connections=None, max_keepalive_connections=max(1, per_replica)
+                ),
             )
             self._id = serve.get_replica_context().replica_tag
-            self._push = asyncio.get_event_loop().create_task(self._push_metrics())
+            await asyncio.wait_for(self._wait_ready(), args.dp_ready_timeout)
+            self._push = asyncio.get_running_loop().create_task(self._push_metrics())
 
         async def _wait_ready(self) -> None:
             import httpx
 
             while True:
-                if self._process.exitcode is not None:
-                    raise RuntimeError(f"the engine process exited ({self._process.exitcode})")
+                self._check_process()
                 with contextlib.suppress(httpx.HTTPError):
                     if (await self._client.get("/health")).status_code == 200:
                         return
                 await asyncio.sleep(0.2)
+
+        def _check_process(self) -> None:
+            if self._process.exitcode is not None:  # Ray replaces this replica
+                raise RuntimeError(f"the engine process exited ({self._process.exitcode})")
 
         async def _push_metrics(self) -> None:
             import ray
 
             registry = None
             while True:
-                await asyncio.sleep(METRICS_PUSH_S)
+                await asyncio.sleep(push_s)
                 with contextlib.suppress(Exception):
                     registry = registry or ray.get_actor(REGISTRY_NAME, namespace="serve")
                     text = (await self._client.get("/metrics")).text
                     await registry.put.remote(self._id, text)
 
         async def check_health(self) -> None:
-            if self._process.exitcode is not None:  # Ray replaces this replica
-                raise RuntimeError(f"the engine process exited ({self._process.exitcode})")
+            """Ray's periodic check: the process lives and its ``/health`` says 200."""
+            self._check_process()
+            response = await self._client.get("/health", timeout=args.dp_health_timeout)
+            if response.status_code != 200:
+                raise RuntimeError(f"the engine's /health answered {response.status_code}")
 
         async def forward(self, request: RoutedRequest) -> AsyncIterator[Any]:
             """The replica's answer: first (status, headers), then body chunks."""
-            await asyncio.wait_for(self._wait_ready(), 600)
+            self._check_process()
             upstream = await self._client.send(
                 self._client.build_request(
                     request.method, request.path, headers=request.headers, content=request.body
@@ -201,111 +223,153 @@ def build_application(args: argparse.Namespace) -> Any:
             finally:
                 await upstream.aclose()
 
-        def __del__(self) -> None:
+        async def __del__(self) -> None:
+            import ray
+
+            with contextlib.suppress(Exception):  # its series leave the ingress's /metrics
+                await ray.get_actor(REGISTRY_NAME, namespace="serve").remove.remote(self._id)
+            with contextlib.suppress(Exception):
+                self._process.terminate()
+                await asyncio.to_thread(self._process.join, config.shutdown_timeout_s + 2.0)
             with contextlib.suppress(Exception):
                 self._process.kill()
 
-    @serve.deployment(name="TokenmillIngress", ray_actor_options={"num_cpus": 0})
+    @serve.deployment(
+        name="TokenmillIngress",
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=ingress_ongoing,
+        max_queued_requests=ingress_ongoing,
+    )
+    @serve.ingress()
     class TokenmillIngress:
+        """The HTTP side: the front end's gates (``proxy.add_front_middlewares``: body and
+        head limits, API keys, CORS, Anthropic's error shape), admission, then the engine."""
+
         def __init__(self, engine: Any) -> None:
             from tokenmill.entrypoints.openai.admission import AdmissionController
 
             self.engine = engine.options(stream=True)
-            self.keys = [k.encode() for k in config.api_keys]
             self.admission = AdmissionController(
                 config.max_seqs_in_flight * max_replicas,
                 config.per_key_max_concurrency,
                 config.max_beam_requests_in_flight * max_replicas,
             )
 
-        def _key_id(self, request: Request) -> int | None:
-            token = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            token = token or request.headers.get("x-api-key", "")
-            for i, key in enumerate(self.keys):
-                if hmac.compare_digest(token.encode(), key):
-                    return i
-            return None
+        def __serve_build_asgi_app__(self) -> Starlette:
+            from tokenmill.entrypoints.data_parallel.proxy import add_front_middlewares
 
-        async def __call__(self, request: Request) -> Response:
-            from tokenmill.entrypoints.data_parallel.frontend import HOP_BY_HOP
+            methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
+            app = Starlette(
+                routes=[
+                    Route("/metrics", self.metrics, methods=["GET"]),
+                    Route("/{path:path}", self.forward, methods=methods),
+                ]
+            )
+            add_front_middlewares(app, config)
+            return app
+
+        async def metrics(self, request: Request) -> Response:
+            import ray
+
             from tokenmill.entrypoints.data_parallel.metrics import merge_replica_metrics
-            from tokenmill.entrypoints.openai.admission import GENERATION_PATHS
-            from tokenmill.entrypoints.openai.errors import APIError, error_body_bytes
 
-            def error(status: int, message: str, code: str | None = None) -> Response:
-                body = error_body_bytes(status, message, code=code)
-                return Response(body, status_code=status, media_type="application/json")
+            registry = ray.get_actor(REGISTRY_NAME, namespace="serve")
+            texts = await registry.get_all.remote()
+            merged = merge_replica_metrics(texts)  # labelled by Ray's replica tag
+            return Response(merged, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        async def forward(self, request: Request) -> Response:
+            from tokenmill.entrypoints.data_parallel.proxy import (
+                ReleasingResponse,
+                refusal_response,
+            )
+            from tokenmill.entrypoints.openai.admission import GENERATION_PATHS
+            from tokenmill.entrypoints.openai.errors import APIError
+
+            if request.method != "POST" or request.url.path not in GENERATION_PATHS:
+                return await self._forward(request)
+            try:
+                ticket = self.admission.acquire(request.scope.get("state", {}).get("api_key_id"))
+            except APIError as refusal:
+                return refusal_response(refusal)
+            try:
+                response = await self._forward(request)
+            except BaseException:
+                self.admission.release(ticket)
+                raise
+            return ReleasingResponse(response, lambda: self.admission.release(ticket))
+
+        async def _forward(self, request: Request) -> Response:
+            from tokenmill.entrypoints.data_parallel.proxy import (
+                error_response,
+                forwarded_headers,
+                response_headers,
+                stream_error,
+            )
 
             path = request.url.path
-            is_open = config.disable_auth_for_health_metrics and path in ("/health", "/metrics")
-            key_id = self._key_id(request) if self.keys else None
-            if self.keys and key_id is None and not is_open:
-                return error(401, "invalid or missing API key", code="invalid_api_key")
-            if path == "/metrics":
-                import ray
-
-                registry = ray.get_actor(REGISTRY_NAME, namespace="serve")
-                texts = await registry.get_all.remote()
-                merged = merge_replica_metrics(dict(enumerate(t for _, t in sorted(texts.items()))))
-                return Response(merged, media_type="text/plain; version=0.0.4; charset=utf-8")
-            ticket = None
-            if request.method == "POST" and path in GENERATION_PATHS:
-                try:
-                    ticket = self.admission.acquire(key_id)
-                except APIError as refusal:
-                    return error(refusal.status_code, refusal.message, code=refusal.code)
-            body = await request.body()
-            if len(body) > config.max_request_body_bytes:
-                if ticket is not None:
-                    self.admission.release(ticket)
-                return error(413, f"request body exceeds {config.max_request_body_bytes} bytes")
-            headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+            body = await request.body()  # within the limit: BodyLimitMiddleware refused the rest
+            headers = forwarded_headers(request.headers.items())
             url = path + (f"?{request.url.query}" if request.url.query else "")
             chunks = self.engine.forward.remote(routed_request(request.method, url, headers, body))
-            try:
+            try:  # a non-streaming answer's head comes when it is done
                 status, upstream_headers, replica = await chunks.__anext__()
+            except asyncio.CancelledError:  # the client left (Ray's proxy cancels the call)
+                with contextlib.suppress(Exception):
+                    chunks.cancel()
+                raise
             except Exception as exc:
-                if ticket is not None:
-                    self.admission.release(ticket)
-                return error(
+                return error_response(
                     502, f"the replica failed ({type(exc).__name__}); retry it", "replica_failed"
                 )
-            out_headers = {k: v for k, v in upstream_headers if k.lower() not in HOP_BY_HOP}
-            out_headers["x-tokenmill-replica"] = str(replica)
+            out_headers = response_headers(upstream_headers, str(replica))
+            is_stream = out_headers.get("content-type", "").startswith("text/event-stream")
 
             async def body_chunks() -> AsyncIterator[bytes]:
                 try:
                     async for chunk in chunks:
                         yield chunk
                 except Exception:
-                    message = "the replica serving this stream failed; retry the request"
-                    yield (
-                        b"data: " + error_body_bytes(502, message, code="replica_failed") + b"\n\n"
-                    )
-                    yield b"data: [DONE]\n\n"
-                finally:
-                    if ticket is not None:
-                        self.admission.release(ticket)
+                    if is_stream:  # else the body is cut short: the client sees it
+                        message = "the replica serving this stream failed; retry the request"
+                        yield stream_error(path, 502, message, "replica_failed")
+                finally:  # the client left: the replica's request is cancelled
+                    with contextlib.suppress(Exception):
+                        chunks.cancel()
 
             return StreamingResponse(body_chunks(), status_code=status, headers=out_headers)
 
     return TokenmillIngress.bind(TokenmillEngine.bind())  # type: ignore[attr-defined]
 
 
-def _start_registry() -> None:
+def _start_registry(push_s: float) -> None:
     import ray
 
     @ray.remote(num_cpus=0)
     class MetricsRegistry:
+        """Each replica's last pushed series, by Ray's replica tag. A replica that Ray
+        stops removes its own; one that died is dropped after ``STALE_PUSHES`` silent pushes
+        (a missed push or two keeps the last series: sums do not go backwards)."""
+
+        STALE_PUSHES = 30
+
         def __init__(self) -> None:
             self.texts: dict[str, tuple[float, str]] = {}
 
         def put(self, replica: str, text: str) -> None:
             self.texts[replica] = (time.time(), text)
 
+        def remove(self, replica: str) -> None:
+            self.texts.pop(replica, None)
+
         def get_all(self) -> dict[str, str]:
-            now = time.time()  # a replica silent for 3 pushes is gone
-            return {r: t for r, (at, t) in self.texts.items() if now - at < 3 * METRICS_PUSH_S}
+            now = time.time()
+            self.texts = {
+                r: (at, t)
+                for r, (at, t) in self.texts.items()
+                if now - at < self.STALE_PUSHES * push_s
+            }
+            return {r: t for r, (_, t) in self.texts.items()}
 
     MetricsRegistry.options(  # type: ignore[attr-defined]
         name=REGISTRY_NAME, namespace="serve", lifetime="detached", get_if_exists=True
@@ -338,7 +402,7 @@ def run_ray_serve(args: argparse.Namespace) -> int:
 
     config = server_config_from_args(args, engine_config_from_args(args, serve_model(args)))
     serve.start(http_options={"host": config.host, "port": config.port})
-    _start_registry()
+    _start_registry(args.dp_metrics_push_interval)
     serve.run(build_application(args), name="tokenmill", route_prefix="/")
     logger.info("Ray Serve: tokenmill on http://%s:%d", config.host, config.port)
     stop = asyncio.Event()

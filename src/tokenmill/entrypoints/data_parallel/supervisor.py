@@ -19,10 +19,11 @@ import copy
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -31,8 +32,6 @@ import httpx
 
 logger = logging.getLogger(__name__)
 
-MAX_RESTART_BACKOFF_S = 30.0
-HEALTH_TIMEOUT_S = 5.0
 STARTING_POLL_S = 0.2
 """How often replicas are checked while one is starting (then: ``--dp-health-interval``)."""
 
@@ -52,7 +51,9 @@ def replica_args(args: argparse.Namespace, index: int, socket_path: str) -> argp
         import psutil
 
         cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        out.num_threads = max(1, cores // args.data_parallel_size)
+        # Each replica's tensor-parallel workers take their own share.
+        tp = max(1, getattr(args, "tensor_parallel_size", None) or 1)
+        out.num_threads = max(1, cores // (args.data_parallel_size * tp))
     quiet = "/health,/metrics"  # the supervisor's and front end's own polls
     given = getattr(args, "disable_access_log_for_endpoints", None)
     out.disable_access_log_for_endpoints = f"{given},{quiet}" if given else quiet
@@ -107,11 +108,17 @@ class ReplicaSupervisor:
         health_interval_s: float,
         on_ready: Callable[[int], None],
         on_down: Callable[[int], None],
+        prepare: Callable[[Replica], Awaitable[bool]] | None = None,
+        max_connections: int = 64,
     ) -> None:
         self.args = args
         self.health_interval_s = health_interval_s
+        self.health_timeout_s: float = args.dp_health_timeout
+        self.max_restart_backoff_s: float = args.dp_max_restart_backoff
         self.on_ready = on_ready
         self.on_down = on_down
+        self.prepare = prepare
+        """Run on a healthy replica before it is marked ready (False: not yet)."""
         self._ctx = multiprocessing.get_context("spawn")
         self.replicas = []
         for i in range(args.data_parallel_size):
@@ -119,13 +126,17 @@ class ReplicaSupervisor:
             client = httpx.AsyncClient(
                 transport=httpx.AsyncHTTPTransport(uds=path),
                 base_url="http://replica",
-                timeout=httpx.Timeout(None, connect=HEALTH_TIMEOUT_S),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                timeout=httpx.Timeout(None, connect=self.health_timeout_s),
+                # As many kept-alive connections as the replica admits requests.
+                limits=httpx.Limits(
+                    max_connections=None, max_keepalive_connections=max(1, max_connections)
+                ),
             )
             self.replicas.append(Replica(i, path, client))
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._is_stopping = False
+        self._signalled: set[int | None] = set()
 
     def start(self) -> None:
         for replica in self.replicas:
@@ -150,7 +161,7 @@ class ReplicaSupervisor:
 
     async def _watch(self) -> None:
         while not self._is_stopping:
-            await asyncio.gather(*(self._check(r) for r in self.replicas))
+            await asyncio.gather(*(self._check_logged(r) for r in self.replicas))
             all_ready = all(r.is_ready for r in self.replicas)
             interval = (
                 self.health_interval_s
@@ -160,6 +171,16 @@ class ReplicaSupervisor:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
             self._wake.clear()
+
+    async def _check_logged(self, replica: Replica) -> None:
+        """``_check``; an unexpected error is logged and the loop goes on (a dead loop would
+        leave every replica unwatched, and nothing would say so)."""
+        try:
+            await self._check(replica)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("replica %d: the supervisor's check failed", replica.index)
 
     async def _check(self, replica: Replica) -> None:
         process = replica.process
@@ -174,7 +195,7 @@ class ReplicaSupervisor:
             replica.process = None
             self._set_ready(replica, False)
             replica.consecutive_failures += 1
-            backoff = min(MAX_RESTART_BACKOFF_S, 0.5 * 2 ** (replica.consecutive_failures - 1))
+            backoff = min(self.max_restart_backoff_s, 0.5 * 2 ** (replica.consecutive_failures - 1))
             replica.restart_at = time.monotonic() + backoff
             logger.error(
                 "replica %d exited (code %s); restarting it in %.1fs",
@@ -184,12 +205,14 @@ class ReplicaSupervisor:
             )
             return
         try:
-            response = await replica.client.get("/health", timeout=HEALTH_TIMEOUT_S)
+            response = await replica.client.get("/health", timeout=self.health_timeout_s)
             healthy = response.status_code == 200
         except httpx.HTTPError:
             healthy = False
         if healthy:
             replica.consecutive_failures = 0
+            if not replica.is_ready and self.prepare is not None:
+                healthy = await self.prepare(replica)
         self._set_ready(replica, healthy)
 
     def _set_ready(self, replica: Replica, is_ready: bool) -> None:
@@ -208,6 +231,16 @@ class ReplicaSupervisor:
         self._set_ready(self.replicas[index], False)
         self._wake.set()
 
+    def terminate(self, sigint: bool = False) -> None:
+        """Start stopping: no more restarts, SIGTERM (or SIGINT: no drain) to every replica."""
+        self._is_stopping = True
+        for replica in self.replicas:
+            process = replica.process
+            if process is not None and process.exitcode is None and process.pid is not None:
+                self._signalled.add(process.pid)  # a second signal would force it: no drain
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGINT if sigint else signal.SIGTERM)
+
     async def stop(self, timeout_s: float) -> None:
         """SIGTERM every replica (they drain), SIGKILL those still running after ``timeout_s``."""
         self._is_stopping = True
@@ -215,7 +248,7 @@ class ReplicaSupervisor:
             self._task.cancel()
         processes = [r.process for r in self.replicas if r.process is not None]
         for process in processes:
-            if process.exitcode is None:
+            if process.exitcode is None and process.pid not in self._signalled:
                 process.terminate()
         deadline = time.monotonic() + timeout_s
         for process in processes:

@@ -440,17 +440,11 @@ def check_lora_modules(config: ServerConfig, engine_config: EngineConfig) -> Non
         load_lora_adapter(adapter.path, model_config, engine_config.max_lora_rank, torch.float32)
 
 
-def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
-    """Serve until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the engine failed to load or died."""
-    config = server_config_from_args(args, engine_config)
-    check_before_serving(engine_config)  # all before listening: a failure is one line, exit 1
-    check_lora_modules(config, engine_config)
-    engine = AsyncLLMEngine(engine_config)
-    app = build_app(engine, config, engine_config)
-    if config.disable_access_log:
-        logging.getLogger("tokenmill.access").setLevel(logging.WARNING)
-    uv_config = uvicorn.Config(
-        app,
+def uvicorn_config(app: Any, config: ServerConfig, **overrides: Any) -> uvicorn.Config:
+    """uvicorn's settings for a tokenmill HTTP server: listening (TCP or ``--uds``), TLS and
+    mTLS (``--ssl-*``), the head limits and error shape of ``_JSONErrorH11Protocol``, and the
+    accept back-off; the single server and the data-parallel front end both listen so."""
+    settings: dict[str, Any] = dict(
         host=config.host,
         port=config.port,
         uds=config.uds,
@@ -467,7 +461,24 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         server_header=False,
         h11_max_incomplete_event_size=config.max_header_bytes,
         timeout_keep_alive=5,
-        timeout_graceful_shutdown=CUT_OFF_GRACE_S,  # type: ignore[arg-type]  # a float works (asyncio timeout)
+    )
+    settings.update(overrides)
+    return uvicorn.Config(app, **settings)
+
+
+def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+    """Serve until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the engine failed to load or died."""
+    config = server_config_from_args(args, engine_config)
+    check_before_serving(engine_config)  # all before listening: a failure is one line, exit 1
+    check_lora_modules(config, engine_config)
+    engine = AsyncLLMEngine(engine_config)
+    app = build_app(engine, config, engine_config)
+    if config.disable_access_log:
+        logging.getLogger("tokenmill.access").setLevel(logging.WARNING)
+    uv_config = uvicorn_config(
+        app,
+        config,
+        timeout_graceful_shutdown=CUT_OFF_GRACE_S,  # a float works (asyncio timeout)
     )
     install_log_rate_limit("uvicorn", "uvicorn.error")  # repeated errors are summarised
     server = GracefulServer(uv_config, app)
