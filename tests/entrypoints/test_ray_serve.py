@@ -6,10 +6,12 @@ so CI runs this). The server starts its own local Ray (no ``RAY_ADDRESS``), whic
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 
 import httpx
+import psutil
 import pytest
 
 from tests.entrypoints.conftest import MAIN_KEY, ServerHandle, start_server
@@ -94,3 +96,34 @@ def test_prefix_affinity_clients_auth_and_metrics_on_ray(ray_server: ServerHandl
             break
         time.sleep(1)
     assert len(hits) == 2 and max(hits) > 0, text
+
+
+def _engine_processes(server: ServerHandle) -> list[psutil.Process]:
+    """The replicas' tokenmill engine processes: spawned children of Ray's replica actors."""
+    found = []
+    for proc in psutil.Process(server.process.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            parent = proc.parent()
+            is_engine = "spawn_main" in " ".join(proc.cmdline())
+            if is_engine and parent and "TokenmillEngine" in " ".join(parent.cmdline()):
+                found.append(proc)
+    return found
+
+
+def test_a_killed_replica_loses_no_request_and_is_replaced(ray_server: ServerHandle) -> None:
+    engines = _engine_processes(ray_server)
+    assert len(engines) == 2, [p.cmdline() for p in engines]
+    engines[0].kill()  # SIGKILL: the replica's engine is gone, Ray's actor lives on
+    with ray_server.http() as http:
+        # Prompts with nothing in common: the router spreads them, so some reach the dead
+        # replica (all 8 missing it: 1 in 256). None had started anywhere: each is answered.
+        for i in range(8):
+            response = http.post(
+                "/v1/completions",
+                json={"model": "demo", "prompt": f"{i} {SHARED}", "max_tokens": 2},
+            )
+            assert response.status_code == 200, response.text
+    deadline = time.monotonic() + 120  # Ray's health check replaces the replica
+    while len(_engine_processes(ray_server)) < 2 or engines[0].is_running():
+        assert time.monotonic() < deadline, "the killed replica was not replaced"
+        time.sleep(0.5)

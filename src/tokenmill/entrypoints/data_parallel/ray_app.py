@@ -43,6 +43,11 @@ logger = logging.getLogger(__name__)
 REGISTRY_NAME = "tokenmill-metrics-registry"
 
 
+class ReplicaUnavailable(RuntimeError):
+    """The replica's engine process is gone or refused the connection: the request never
+    started there, so the ingress may send it to another replica."""
+
+
 @dataclass
 class RoutedRequest:
     """One HTTP request as the ingress hands it to an engine replica."""
@@ -187,7 +192,7 @@ def build_application(args: argparse.Namespace) -> Any:
 
         def _check_process(self) -> None:
             if self._process.exitcode is not None:  # Ray replaces this replica
-                raise RuntimeError(f"the engine process exited ({self._process.exitcode})")
+                raise ReplicaUnavailable(f"the engine process exited ({self._process.exitcode})")
 
         async def _push_metrics(self) -> None:
             import ray
@@ -209,13 +214,18 @@ def build_application(args: argparse.Namespace) -> Any:
 
         async def forward(self, request: RoutedRequest) -> AsyncIterator[Any]:
             """The replica's answer: first (status, headers), then body chunks."""
+            import httpx
+
             self._check_process()
-            upstream = await self._client.send(
-                self._client.build_request(
-                    request.method, request.path, headers=request.headers, content=request.body
-                ),
-                stream=True,
-            )
+            try:
+                upstream = await self._client.send(
+                    self._client.build_request(
+                        request.method, request.path, headers=request.headers, content=request.body
+                    ),
+                    stream=True,
+                )
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing was sent
+                raise ReplicaUnavailable(f"the engine refused the connection ({exc})") from None
             try:
                 yield (upstream.status_code, list(upstream.headers.items()), self._id)
                 async for chunk in upstream.aiter_raw():
@@ -311,17 +321,34 @@ def build_application(args: argparse.Namespace) -> Any:
             body = await request.body()  # within the limit: BodyLimitMiddleware refused the rest
             headers = forwarded_headers(request.headers.items())
             url = path + (f"?{request.url.query}" if request.url.query else "")
-            chunks = self.engine.forward.remote(routed_request(request.method, url, headers, body))
-            try:  # a non-streaming answer's head comes when it is done
-                status, upstream_headers, replica = await chunks.__anext__()
-            except asyncio.CancelledError:  # the client left (Ray's proxy cancels the call)
-                with contextlib.suppress(Exception):
-                    chunks.cancel()
-                raise
-            except Exception as exc:
-                return error_response(
-                    502, f"the replica failed ({type(exc).__name__}); retry it", "replica_failed"
+            # A replica whose engine is gone answers ReplicaUnavailable before anything
+            # started: the request goes again (Ray's router picks anew; the dead replica
+            # fails its health check and is replaced) until --dp-retry-timeout.
+            deadline = time.monotonic() + args.dp_retry_timeout
+            while True:
+                chunks = self.engine.forward.remote(
+                    routed_request(request.method, url, headers, body)
                 )
+                try:  # a non-streaming answer's head comes when it is done
+                    status, upstream_headers, replica = await chunks.__anext__()
+                except asyncio.CancelledError:  # the client left (Ray's proxy cancels the call)
+                    with contextlib.suppress(Exception):
+                        chunks.cancel()
+                    raise
+                except ReplicaUnavailable:
+                    if time.monotonic() < deadline:
+                        await asyncio.sleep(0.2)
+                        continue
+                    return error_response(
+                        503, "no replica could take the request; retry it", "replica_unavailable"
+                    )
+                except Exception as exc:
+                    return error_response(
+                        502,
+                        f"the replica failed ({type(exc).__name__}); retry it",
+                        "replica_failed",
+                    )
+                break
             out_headers = response_headers(upstream_headers, str(replica))
             is_stream = out_headers.get("content-type", "").startswith("text/event-stream")
 

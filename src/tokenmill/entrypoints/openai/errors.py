@@ -56,7 +56,8 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.error_type = error_type or _TYPE_BY_STATUS.get(status_code, "invalid_request_error")
+        fallback = "internal_server_error" if status_code >= 500 else "invalid_request_error"
+        self.error_type = error_type or _TYPE_BY_STATUS.get(status_code, fallback)
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
