@@ -65,6 +65,11 @@ CASES = [
     ("gemma2", {}, "paged"),  # sandwich norms, tied (vocab-parallel) head, soft-capping
     ("mixtral", {}, "paged"),  # experts split inside each expert
     ("qwen2_moe", {}, "paged"),  # plus a shared expert and its gate
+    ("mistral", {}, "paged"),  # sliding window
+    ("qwen2", {}, "paged"),  # q/k/v biases, split with their columns
+    ("llama_bias", {}, "paged"),  # o/down biases: added once, after the all-reduce
+    ("gemma3", {}, "paged"),  # alternating sliding/global layers, per-layer RoPE bases
+    ("qwen3_moe", {}, "paged"),  # experts with per-head q/k norm
 ]
 """One of each way a family differs for the split (each case starts two ranks: seconds)."""
 
