@@ -226,6 +226,11 @@ def build_application(args: argparse.Namespace) -> Any:
                 )
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing was sent
                 raise ReplicaUnavailable(f"the engine refused the connection ({exc})") from None
+            except (httpx.ReadError, httpx.RemoteProtocolError) as exc:
+                # The engine closed the connection before its answer's head: it died with
+                # the request (a kill, an OOM). Nothing reached the client, so the
+                # request may go again elsewhere; a live engine never drops it so.
+                raise ReplicaUnavailable(f"the engine dropped the connection ({exc!r})") from None
             try:
                 yield (upstream.status_code, list(upstream.headers.items()), self._id)
                 async for chunk in upstream.aiter_raw():
