@@ -66,10 +66,12 @@ CASES = [
     ("mixtral", {}, "paged"),  # experts split inside each expert
     ("qwen2_moe", {}, "paged"),  # plus a shared expert and its gate
     ("mistral", {}, "paged"),  # sliding window
-    ("qwen2", {}, "paged"),  # q/k/v biases, split with their columns
-    ("llama_bias", {}, "paged"),  # o/down biases: added once, after the all-reduce
-    ("gemma3", {}, "paged"),  # alternating sliding/global layers, per-layer RoPE bases
-    ("qwen3_moe", {}, "paged"),  # experts with per-head q/k norm
+    ("qwen2", {}, "paged"),  # q/k/v bias (column-parallel)
+    ("llama_bias", {}, "paged"),  # o and down bias (row-parallel: added once)
+    ("gemma3", {}, "paged"),  # per-head q/k norm with Gemma's offset, per-layer RoPE
+    ("olmo2", {}, "paged"),  # q/k norm over all heads: sum of squares all-reduced
+    ("olmo2", {"num_key_value_heads": 1}, "paged"),  # ... with a replicated KV head
+    ("qwen3_moe", {}, "paged"),  # per-head q/k norm, normalised top-k
 ]
 """One of each way a family differs for the split (each case starts two ranks: seconds)."""
 
@@ -105,8 +107,6 @@ def test_tp_refuses_what_does_not_split(make_model) -> None:
     draft = {"model": str(folder), "num_speculative_tokens": 2}
     with pytest.raises(ConfigError, match="does not support a draft model"):
         LLM(str(folder), tensor_parallel_size=2, speculative_config=draft)
-    with pytest.raises(ConfigError, match="normalises q and k over all heads"):
-        LLM(str(make_model("olmo2")), tensor_parallel_size=2)
 
 
 def test_a_killed_rank_is_named(make_model) -> None:

@@ -4,7 +4,8 @@ Each rank holds a slice of every big weight and reads only that slice from the c
 q/k/v and gate/up are column-parallel (a rank owns whole heads and a slice of the
 intermediate size), o and down row-parallel (the matching input columns; their bias on
 rank 0 only), each followed by one all-reduce (a forward hook on the attention and MLP
-modules, so the model code is unchanged); KV heads are split, or replicated when there are
+modules, so the model code is unchanged); OLMo 2's q/k norm over all heads all-reduces
+its sum of squares (``AllHeadsRMSNorm``); KV heads are split, or replicated when there are
 fewer KV heads than ranks (rank r keeps the head its query heads read). MoE experts are
 split the same way inside each expert, with one all-reduce after the whole sparse MLP.
 Embedding and LM head are vocab-parallel: a rank owns ``ceil(V / tp)`` rows plus one zero
@@ -55,11 +56,6 @@ def check_supported(cfg: ModelConfig, tp: int) -> None:
         raise ConfigError(
             f"--tensor-parallel-size {tp} does not divide {cfg.architecture}'s "
             f"{', '.join(problems)}"
-        )
-    if cfg.qk_norm == "full":
-        raise ConfigError(
-            f"--tensor-parallel-size {tp}: {cfg.architecture} normalises q and k over all heads, "
-            "which tensor parallelism does not support yet; use --tensor-parallel-size 1"
         )
 
 
@@ -135,6 +131,12 @@ def read_shard(
         full = read_rows(spec.sources[0], 0, spec.shapes[0][0])
         cols = full.shape[1] // shard.world_size
         return full[:, shard.rank * cols : (shard.rank + 1) * cols].contiguous()
+    if cfg.qk_norm == "full" and target.endswith(".attn.q_norm.weight"):
+        q = cfg.num_heads // shard.world_size * cfg.head_dim
+        return read_rows(spec.sources[0], shard.rank * q, (shard.rank + 1) * q)
+    if cfg.qk_norm == "full" and target.endswith(".attn.k_norm.weight"):
+        k0, nk = kv_heads(cfg, shard)
+        return read_rows(spec.sources[0], k0 * cfg.head_dim, (k0 + nk) * cfg.head_dim)
     if target.endswith((".attn.o.bias", ".down.bias")):
         full = read_rows(spec.sources[0], 0, spec.shapes[0][0])
         return full if shard.rank == 0 else torch.zeros_like(full)  # added once
@@ -149,6 +151,33 @@ def read_shard(
 def _all_reduce_output(_module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(output)
     return output
+
+
+class AllHeadsRMSNorm(nn.Module):
+    """OLMo 2's q/k RMSNorm over every head when this rank holds only some: the local sum
+    of squares is all-reduced (one small all-reduce), then the local weight slice scales.
+    Replicated KV heads are counted once per rank holding them, which the divisor matches
+    (``local size * world size`` elements were summed either way)."""
+
+    def __init__(self, norm: nn.Module, world_size: int) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.eps
+        self.offset = norm.offset
+        self.world_size = world_size
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        x32 = x.to(torch.float32)
+        sumsq = x32.pow(2).sum(-1, keepdim=True)
+        dist.all_reduce(sumsq)
+        x32 = x32 * torch.rsqrt(sumsq / (x.shape[-1] * self.world_size) + self.eps)
+        if self.offset:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype), x
+        return self.weight * x32.to(x.dtype), x
 
 
 def parallelize(model: nn.Module, cfg: ModelConfig, shard: TPShard) -> None:
@@ -175,6 +204,9 @@ def parallelize(model: nn.Module, cfg: ModelConfig, shard: TPShard) -> None:
     model.register_forward_pre_hook(local_ids)
     layers[0].register_forward_pre_hook(sum_embeddings)
     for layer in layers:
+        if cfg.qk_norm == "full":
+            layer.attn.q_norm = AllHeadsRMSNorm(layer.attn.q_norm, shard.world_size)
+            layer.attn.k_norm = AllHeadsRMSNorm(layer.attn.k_norm, shard.world_size)
         layer.attn.register_forward_hook(_all_reduce_output)
         layer.mlp.register_forward_hook(_all_reduce_output)
     model.lm_head.register_forward_hook(gather_logits)  # type: ignore[union-attr]
