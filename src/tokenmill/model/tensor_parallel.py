@@ -25,6 +25,7 @@ from torch import nn
 
 from tokenmill.errors import ConfigError
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.layers import RMSNorm
 from tokenmill.model.registry import WeightSpec
 
 ReadRows = Callable[[str, int, int], torch.Tensor]
@@ -159,7 +160,7 @@ class AllHeadsRMSNorm(nn.Module):
     Replicated KV heads are counted once per rank holding them, which the divisor matches
     (``local size * world size`` elements were summed either way)."""
 
-    def __init__(self, norm: nn.Module, world_size: int) -> None:
+    def __init__(self, norm: RMSNorm, world_size: int) -> None:
         super().__init__()
         self.weight = norm.weight
         self.eps = norm.eps
@@ -205,8 +206,10 @@ def parallelize(model: nn.Module, cfg: ModelConfig, shard: TPShard) -> None:
     layers[0].register_forward_pre_hook(sum_embeddings)
     for layer in layers:
         if cfg.qk_norm == "full":
-            layer.attn.q_norm = AllHeadsRMSNorm(layer.attn.q_norm, shard.world_size)
-            layer.attn.k_norm = AllHeadsRMSNorm(layer.attn.k_norm, shard.world_size)
+            attn = layer.attn
+            assert isinstance(attn.q_norm, RMSNorm) and isinstance(attn.k_norm, RMSNorm)
+            attn.q_norm = AllHeadsRMSNorm(attn.q_norm, shard.world_size)
+            attn.k_norm = AllHeadsRMSNorm(attn.k_norm, shard.world_size)
         layer.attn.register_forward_hook(_all_reduce_output)
         layer.mlp.register_forward_hook(_all_reduce_output)
     model.lm_head.register_forward_hook(gather_logits)  # type: ignore[union-attr]
