@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,27 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _common import free_port
+
+from tokenmill.bench.server_metrics import sum_by_label
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def series(base_url: str, name: str) -> dict[str, float]:
     """A metric's values by ``replica`` label ('' for the aggregate)."""
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", line)
-        if match:
-            replica = re.search(r'replica="(\d+)"', match.group(1) or "")
-            key = replica.group(1) if replica else ""
-            out[key] = out.get(key, 0.0) + float(match.group(2))
-    return out
+    return sum_by_label(httpx.get(f"{base_url}/metrics", timeout=30).text, name, "replica")
 
 
 def wait_ready(base_url: str, process: subprocess.Popen, timeout_s: float = 600) -> None:

@@ -11,14 +11,7 @@ import matplotlib.image
 import pytest
 
 from tokenmill.bench.cli import _named_results_from_files, register
-from tokenmill.bench.compare import (
-    build_comparison,
-    check_sla,
-    format_comparison,
-    name_by_config,
-    parse_sla,
-    table_rows,
-)
+from tokenmill.bench.compare import build_comparison, format_comparison, table_rows
 from tokenmill.bench.metrics import RequestRecord, summarize
 from tokenmill.bench.report import (
     PLOT_FILES,
@@ -26,6 +19,8 @@ from tokenmill.bench.report import (
     build_throughput_figure,
     write_report,
 )
+from tokenmill.bench.results import name_by_config
+from tokenmill.bench.sla import check_sla, parse_sla
 
 NUM_REQUESTS, NUM_TOKENS = 10, 11
 

@@ -85,3 +85,18 @@ def test_spec_decode_counters_are_exported_and_read_back() -> None:
     assert figures["spec_acceptance_rate"] == 2 / 6
     assert figures["spec_mean_accepted_length"] == 1 + 2 / 2
     assert spec_decode_figures({}, read_figures({}))["spec_mean_accepted_length"] is None
+
+
+def test_sum_by_label_sums_each_label_value_and_the_unlabelled_aggregate() -> None:
+    from tokenmill.bench.server_metrics import sum_by_label
+
+    text = (
+        "# TYPE x_total counter\n"
+        'x_total{model_name="m",replica="0"} 3.0\n'
+        'x_total{model_name="m",replica="1"} 5.0\n'
+        'x_total{model_name="m",replica="1",kind="b"} 1.0\n'
+        'x_total{model_name="m"} 9.0\n'
+        'y_total{replica="0"} 7.0\n'
+    )
+    assert sum_by_label(text, "x_total", "replica") == {"0": 3.0, "1": 6.0, "": 9.0}
+    assert sum_by_label(text, "z_total", "replica") == {}

@@ -149,14 +149,21 @@ def start_server(
     return handle
 
 
-def wait_healthy(handle: ServerHandle, timeout_s: float = 120.0) -> None:
+def wait_healthy(
+    handle: ServerHandle,
+    timeout_s: float = 120.0,
+    path: str = "/health",
+    request_timeout_s: float = 2.0,
+) -> None:
+    """Poll ``path`` until it answers 200; fail (stopping the server) if it exits or the
+    time runs out. Statuses seen are kept in ``handle.health_seen``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if handle.process.poll() is not None:
             pytest.fail(f"server exited with {handle.process.returncode}:\n{handle.log()}")
         try:
             status = httpx.get(
-                f"{handle.base_url}/health", headers=handle.headers(), timeout=2
+                f"{handle.base_url}{path}", headers=handle.headers(), timeout=request_timeout_s
             ).status_code
             handle.health_seen.append(status)
             if status == 200:
@@ -165,7 +172,7 @@ def wait_healthy(handle: ServerHandle, timeout_s: float = 120.0) -> None:
             pass
         time.sleep(0.1)
     handle.stop()
-    pytest.fail(f"server did not become healthy:\n{handle.log()}")
+    pytest.fail(f"server did not answer 200 on {path}:\n{handle.log()}")
 
 
 @pytest.fixture(scope="session")

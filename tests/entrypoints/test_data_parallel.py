@@ -26,6 +26,7 @@ import psutil
 import pytest
 
 from tests.entrypoints.conftest import MAIN_KEY, ServerHandle, start_server
+from tokenmill.bench.server_metrics import sum_by_label
 from tokenmill.entrypoints.data_parallel.args import check_data_parallel_args
 from tokenmill.entrypoints.data_parallel.metrics import merge_replica_metrics
 from tokenmill.entrypoints.data_parallel.route_key import RouteKeys
@@ -104,14 +105,7 @@ def wait_all_ready(handle: ServerHandle, timeout_s: float = 180.0) -> list[dict]
 def series(handle: ServerHandle, name: str) -> dict[str, float]:
     """Values of a metric by its ``replica`` label ('' for the aggregate)."""
     text = httpx.get(f"{handle.base_url}/metrics", headers=handle.headers(), timeout=10).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", line)
-        if match:
-            replica = re.search(r'replica="(\d+)"', match.group(1) or "")
-            key = replica.group(1) if replica else ""
-            out[key] = out.get(key, 0.0) + float(match.group(2))
-    return out
+    return sum_by_label(text, name, "replica")
 
 
 def series_with(handle: ServerHandle, name: str, label: str) -> dict[str, float]:

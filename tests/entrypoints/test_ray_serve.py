@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.entrypoints.conftest import MAIN_KEY, ServerHandle, start_server
+from tests.entrypoints.conftest import MAIN_KEY, ServerHandle, start_server, wait_healthy
 
 pytest.importorskip("ray.serve")
 
@@ -37,19 +37,8 @@ def ray_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandl
         wait=False,
     )
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert handle.process.poll() is None, handle.log()
-            try:
-                if httpx.get(
-                    f"{handle.base_url}/v1/models", headers=handle.headers(), timeout=10
-                ).is_success:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"the Ray application did not come up:\n{handle.log()}")
+        # The Ray application is up once its ingress answers /v1/models.
+        wait_healthy(handle, timeout_s=240, path="/v1/models", request_timeout_s=10)
         yield handle
     finally:
         handle.stop()

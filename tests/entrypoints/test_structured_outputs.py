@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 from tests.entrypoints.conftest import ServerHandle, assert_error, sse_events, start_server
 from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.structured_params import StructuredOutputsParams
-from tokenmill.entrypoints.openai.generation import compile_grammar
+from tokenmill.entrypoints.openai.generation_request import compile_grammar
 from tokenmill.errors import InvalidRequestError
 
 MESSAGES = [{"role": "user", "content": "Describe a file as JSON."}]

@@ -206,7 +206,7 @@ def _named_results_from_files(specs: list[str]) -> list[tuple[str, dict[str, Any
     A name given is kept; results named by their own label that share it but not their
     config are told apart by what differs (``name_by_config``), e.g. ``demo[static]``.
     """
-    from tokenmill.bench.compare import load_result, name_by_config
+    from tokenmill.bench.results import load_result, name_by_config
 
     loaded: list[tuple[str, dict[str, Any], bool]] = []  # name, result, is the name given
     for spec in specs:
@@ -258,8 +258,9 @@ def _run_targets(args: argparse.Namespace, out_dir: Path) -> list[tuple[str, dic
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """``tokenmill bench compare``."""
-    from tokenmill.bench.compare import build_comparison, format_comparison, parse_sla
+    from tokenmill.bench.compare import build_comparison, format_comparison
     from tokenmill.bench.report import write_report
+    from tokenmill.bench.sla import parse_sla
 
     if not args.results and not args.target:
         raise ValueError("give result files (NAME=FILE or FILE) or --target NAME=URL endpoints")

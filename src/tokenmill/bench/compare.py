@@ -7,20 +7,27 @@ verdict: which target to pick for this workload and the highest load each one su
 within the SLA. A difference is only called when it exceeds the noise: with two or more
 rounds per target (``--num-rounds``), when their ranges over rounds do not overlap; with
 one round, when one figure is at least ``SINGLE_RUN_NOISE`` above the other. Anything
-less is a tie, and the report says so. Drawing and HTML live in ``report.py``; this
-module stays free of matplotlib.
+less is a tie, and the report says so. Reading result files lives in ``results.py``, the
+SLA terms in ``sla.py``, drawing and HTML in ``report.py``; this module stays free of
+matplotlib.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from operator import attrgetter
-from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.metrics import LATENCY_METRICS, STATS, parse_latency_limits
+from tokenmill.bench.results import (
+    add_derived_figures,
+    load_of,
+    num_rounds_of,
+    round_values,
+    spread_of,
+    value_text,
+)
+from tokenmill.bench.sla import check_sla
 
 
 @dataclass(frozen=True)
@@ -63,25 +70,6 @@ from run to run (3-6% was seen between identical configs), so less than 10% is a
 unless ``--num-rounds`` measures the spread."""
 
 
-def round_values(result: dict[str, Any], key: str) -> list[float]:
-    """``key``'s value in each measured round; one value for a single run, none if unmeasured."""
-    rounds = result.get("rounds") or []
-    values = [r.get(key) for r in rounds if isinstance(r, dict)]
-    numbers = [v for v in values if isinstance(v, (int, float))]
-    if len(values) > 1 and len(numbers) == len(values):
-        return [float(v) for v in numbers]
-    if key == "output_throughput" and len(result.get("round_output_throughputs") or []) > 1:
-        return [float(v) for v in result["round_output_throughputs"]]  # offline results
-    value = result.get(key)
-    return [float(value)] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
-
-
-def spread_of(result: dict[str, Any], key: str) -> tuple[float, float] | None:
-    """(min, max) of ``key`` over rounds; None for a single run."""
-    values = round_values(result, key)
-    return (min(values), max(values)) if len(values) > 1 else None
-
-
 def is_clear_difference(a: dict[str, Any], b: dict[str, Any], key: str) -> bool:
     """Whether ``a`` and ``b`` differ on ``key`` by more than the noise.
 
@@ -106,156 +94,6 @@ def noise_rule(points: list[dict[str, Any]]) -> str:
         f"from one round, a difference under {SINGLE_RUN_NOISE:.0%} cannot be told from noise; "
         "measure the spread with --num-rounds 3"
     )
-
-
-CONFIG_KEYS: tuple[str, ...] = (
-    "backend",
-    "kv_cache",
-    "model",
-    "model_id",
-    "base_url",
-    "endpoint",
-    "prompt_format",
-    "dtype",
-    "device",
-    "batch_size",
-    "engine_kwargs",
-    "ignore_eos",
-    "temperature",
-    "metadata",
-)
-"""Settings that tell targets apart (load and workload are not among them: they form sweeps
-and are checked by ``workload_warnings``)."""
-
-
-def config_of(result: dict[str, Any]) -> dict[str, str]:
-    """The result's settings as text, ``metadata`` and ``engine_kwargs`` entries flattened."""
-    config: dict[str, str] = {}
-    for key in CONFIG_KEYS:
-        value = result.get(key)
-        if isinstance(value, dict):
-            config.update({k: _value_text(v) for k, v in value.items()})
-        elif value is not None:
-            text = _value_text(value)
-            config[key] = text.split("://", 1)[-1] if key == "base_url" else text
-    return config
-
-
-def name_by_config(
-    named_results: list[tuple[str, dict[str, Any]]],
-) -> list[tuple[str, dict[str, Any]]]:
-    """Results that share a name but not a config get the name plus what differs.
-
-    Two ``demo`` results run against servers given ``--metadata kv_cache=paged`` and
-    ``kv_cache=static`` become ``demo[paged]`` and ``demo[static]``; with several settings
-    differing, ``demo[kv_cache=static,max_num_seqs=64]``. Results with one config stay
-    one target, so a concurrency sweep keeps its name.
-    """
-    configs: dict[str, list[dict[str, str]]] = {}
-    for name, result in named_results:
-        config = config_of(result)
-        if config not in configs.setdefault(name, []):
-            configs[name].append(config)
-    renamed = []
-    for name, result in named_results:
-        distinct = configs[name]
-        if len(distinct) > 1:
-            config = config_of(result)
-            keys = [
-                k
-                for k in dict.fromkeys(k for c in distinct for k in c)
-                if len({c.get(k) for c in distinct}) > 1
-            ]
-            parts = [
-                config.get(k, "-") if len(keys) == 1 else f"{k}={config.get(k, '-')}" for k in keys
-            ]
-            name = f"{name}[{','.join(parts)}]"
-        renamed.append((name, result))
-    return renamed
-
-
-def parse_sla(text: str | None) -> dict[str, float]:
-    """``"ttft_p95_ms=800,tpot_p95_ms=50"`` into ``{"p95_ttft_ms": 800, "p95_tpot_ms": 50}``.
-
-    Each bound is an upper limit on a latency statistic; the result keys are the summary
-    keys. ``p95_ttft_ms`` (summary spelling) and ``e2e`` for ``e2el`` are accepted too.
-    """
-    return parse_latency_limits(
-        text,
-        "=",
-        _sla_key,
-        "SLA term",
-        f"METRIC_STAT_ms=LIMIT, e.g. ttft_p95_ms=800 (metrics {', '.join(LATENCY_METRICS)}; stats {', '.join(STATS)})",
-    )
-
-
-def _sla_key(name: str) -> str | None:
-    """Summary key of an SLA term name in either order (``ttft_p95_ms`` or ``p95_ttft_ms``)."""
-    if not name.endswith("_ms"):
-        return None
-    words = ["e2el" if w == "e2e" else w for w in name[: -len("_ms")].split("_")]
-    if len(words) != 2:
-        return None
-    for metric, stat in (words, words[::-1]):
-        if metric in LATENCY_METRICS and stat in STATS:
-            return f"{stat}_{metric}_ms"
-    return None
-
-
-def check_sla(result: dict[str, Any], sla: dict[str, float]) -> list[str]:
-    """Why ``result`` misses the SLA (empty when it meets it); failed requests always miss."""
-    misses = []
-    if result.get("failed"):
-        misses.append(f"{result['failed']} failed requests")
-    for key, limit in sla.items():
-        value = result.get(key)
-        if value is None:
-            misses.append(f"{key} not measured")
-        elif value > limit:
-            misses.append(f"{key} {value:.1f} > {limit:g}")
-    return misses
-
-
-def load_result(path: str | Path) -> dict[str, Any]:
-    """Read a result JSON (tokenmill or vLLM), with a label and the source path recorded."""
-    file = Path(path)
-    try:
-        result = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{file}: not a JSON result file ({exc.msg})") from None
-    if not isinstance(result, dict) or "output_throughput" not in result:
-        raise ValueError(f"{file}: not a benchmark result (no output_throughput)")
-    result.setdefault("label", result.get("model_id") or file.stem)
-    result["source"] = str(file)
-    return add_derived_figures(result)
-
-
-def add_derived_figures(result: dict[str, Any]) -> dict[str, Any]:
-    """Lift memory and KV figures to top-level keys the table shows, whatever their source.
-
-    Offline results carry ``peak_memory_bytes``; serve results carry the server's
-    ``/metrics`` figures under ``server_metrics``.
-    """
-    server = result.get("server_metrics") or {}
-    memory_bytes = result.get("peak_memory_bytes") or server.get("peak_resident_memory_bytes")
-    if memory_bytes:
-        result.setdefault("peak_memory_gib", memory_bytes / 2**30)
-    if server.get("peak_kv_cache_usage") is not None:
-        result.setdefault("peak_kv_cache_usage_perc", server["peak_kv_cache_usage"] * 100)
-    if server.get("num_preemptions") is not None:
-        result.setdefault("num_preemptions", server["num_preemptions"])
-    return result
-
-
-def load_of(result: dict[str, Any]) -> tuple[str, float | None]:
-    """The load a result was measured at: ``("concurrency", n)``, ``("request_rate", r)`` or none."""
-    concurrency = result.get("max_concurrency")
-    if concurrency:
-        return "concurrency", float(concurrency)
-    rate = result.get("request_rate")
-    if isinstance(rate, (int, float)) and math.isfinite(rate):
-        return "request_rate", float(rate)
-    return "unbounded", None
 
 
 @dataclass
@@ -434,10 +272,6 @@ def _verdict(
     ), None
 
 
-def _value_text(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
-
-
 def workload_warnings(named_results: list[tuple[str, dict[str, Any]]]) -> list[str]:
     """Why the results may not be comparable: targets that ran different workloads.
 
@@ -459,11 +293,11 @@ def workload_warnings(named_results: list[tuple[str, dict[str, Any]]]) -> list[s
     warnings = []
     if len(distinct) > 1:
         keys = sorted({k for w in distinct for k in w})
-        differing = [k for k in keys if len({_value_text(w.get(k)) for w in distinct}) > 1]
+        differing = [k for k in keys if len({value_text(w.get(k)) for w in distinct}) > 1]
         details = "; ".join(
             f"{key}: "
             + ", ".join(
-                f"{name}={'/'.join(dict.fromkeys(_value_text(w.get(key)) for w in ws))}"
+                f"{name}={'/'.join(dict.fromkeys(value_text(w.get(key)) for w in ws))}"
                 for name, ws in workloads.items()
             )
             for key in differing
@@ -569,11 +403,6 @@ def _cell(cell: Cell) -> str:
     if cell.ratio is not None:
         text += f" ({'' if cell.is_clear else '~'}{cell.ratio:.2f}x)"
     return text
-
-
-def num_rounds_of(result: dict[str, Any]) -> int:
-    """Measured rounds behind a result's figures."""
-    return max(len(round_values(result, "output_throughput")), 1)
 
 
 TABLE_LEGEND = "[min-max] over rounds; ~ marks a ratio within noise ({rule})."

@@ -18,16 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench import MissingExtraError
-from tokenmill.bench.compare import (
-    Comparison,
-    describe_load,
-    load_of,
-    noise_rule,
-    num_rounds_of,
-    round_values,
-    spread_of,
-    table_rows,
-)
+from tokenmill.bench.compare import Comparison, describe_load, noise_rule, table_rows
+from tokenmill.bench.results import load_of, num_rounds_of, round_values, spread_of
 
 try:
     from matplotlib.figure import Figure

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from tokenmill.bench import MissingExtraError
 
 try:
@@ -90,6 +92,21 @@ def parse_prometheus_text(text: str) -> dict[str, list[float]]:
             continue
         samples.setdefault(name, []).append(value)
     return samples
+
+
+def sum_by_label(text: str, name: str, label: str) -> dict[str, float]:
+    """``name``'s samples summed per value of ``label`` ('' for samples without it).
+
+    For the data-parallel front end's ``/metrics``, whose series carry a ``replica`` label
+    and whose aggregate has none: ``sum_by_label(text, name, "replica")``.
+    """
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                key = sample.labels.get(label, "")
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
 
 
 def _after_labels(line: str, brace: int) -> str | None:

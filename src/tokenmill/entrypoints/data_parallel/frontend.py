@@ -26,11 +26,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from types import FrameType
 
 import httpx
 import uvicorn
@@ -55,6 +53,7 @@ from tokenmill.entrypoints.data_parallel.proxy import (
 from tokenmill.entrypoints.data_parallel.route_key import RouteKeys
 from tokenmill.entrypoints.data_parallel.supervisor import Replica, ReplicaSupervisor
 from tokenmill.entrypoints.openai.admission import GENERATION_PATHS
+from tokenmill.entrypoints.openai.draining import DrainingServer
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.state import ServerConfig
 from tokenmill.entrypoints.openai.streaming import ClientDisconnected, run_until_disconnected
@@ -440,7 +439,7 @@ def build_front_app(front: FrontEnd) -> Starlette:
     return app
 
 
-class FrontServer(uvicorn.Server):
+class FrontServer(DrainingServer):
     """Drains on SIGTERM as the single server does: the replicas get SIGTERM at once (each
     refuses new requests, lets its own finish for ``--shutdown-timeout``, then ends those
     left with 503, or an error event and ``[DONE]`` on a stream), the front end refuses new
@@ -449,28 +448,12 @@ class FrontServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, front: FrontEnd) -> None:
         super().__init__(config)
         self.front = front
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._is_drain_started = False
 
-    async def startup(self, sockets: list | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().startup(sockets)
+    @property
+    def shutdown_timeout_s(self) -> float:
+        return self.front.config.shutdown_timeout_s
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if (
-            sig in (signal.SIGTERM, signal.SIGINT)
-            and not self._is_drain_started
-            and self._loop is not None
-        ):
-            self._is_drain_started = True
-            timeout_s = self.front.config.shutdown_timeout_s if sig == signal.SIGTERM else 0.0
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain(timeout_s)))
-            return
-        if self.should_exit:
-            self.force_exit = True
-        self.should_exit = True
-
-    async def _drain(self, timeout_s: float) -> None:
+    async def drain(self, timeout_s: float) -> None:
         front = self.front
         front.is_draining = True
         admission = front.admission

@@ -108,36 +108,10 @@ class ReleasingResponse(Response):
 
 
 def add_front_middlewares(app: Starlette, config: ServerConfig) -> None:
-    """The single server's gates, in its order (see ``server.build_app``), for a front end.
+    """The single server's gates, in its order (``openai/gates.add_gates``), for a front end.
 
-    Innermost first: the body limit (413 while the body arrives, not once it is buffered),
-    API keys, the head limits, CORS, and Anthropic's error shape outside all of them."""
-    from starlette.middleware.cors import CORSMiddleware
+    The body limit, API keys, the head limits, CORS (at the front: the replicas are reached
+    by it alone) and Anthropic's error shape; admission is the front end's own."""
+    from tokenmill.entrypoints.openai.gates import add_gates
 
-    from tokenmill.entrypoints.openai.anthropic import AnthropicErrorMiddleware
-    from tokenmill.entrypoints.openai.auth import APIKeyAuthMiddleware
-    from tokenmill.entrypoints.openai.middleware import (
-        BodyLimitMiddleware,
-        HeaderLimitMiddleware,
-    )
-
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
-    app.add_middleware(
-        APIKeyAuthMiddleware,
-        api_keys=config.api_keys,
-        open_health_metrics=config.disable_auth_for_health_metrics,
-    )
-    app.add_middleware(
-        HeaderLimitMiddleware,
-        max_header_bytes=config.max_header_bytes,
-        max_header_count=config.max_header_count,
-    )
-    if config.allowed_origins:  # CORS at the front (replicas are reached by it alone)
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(config.allowed_origins),
-            allow_credentials=config.allow_credentials,
-            allow_methods=list(config.allowed_methods),
-            allow_headers=list(config.allowed_headers),
-        )
-    app.add_middleware(AnthropicErrorMiddleware)
+    add_gates(app, config)

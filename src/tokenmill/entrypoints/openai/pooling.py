@@ -19,11 +19,8 @@ from fastapi.responses import Response
 
 from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.openai.errors import APIError
-from tokenmill.entrypoints.openai.generation import (
-    GenerationRun,
-    ParsedRequest,
-    process_prompts,
-)
+from tokenmill.entrypoints.openai.generation import GenerationRun
+from tokenmill.entrypoints.openai.generation_request import ParsedRequest, process_prompts
 from tokenmill.entrypoints.openai.pooling_protocol import PoolingFields
 from tokenmill.entrypoints.openai.streaming import ClientDisconnected, run_until_disconnected
 from tokenmill.errors import InvalidRequestError

@@ -19,14 +19,11 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
 from collections.abc import AsyncIterator, Callable
-from types import FrameType
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
-from starlette.middleware.cors import CORSMiddleware
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tokenmill.config import EngineConfig
@@ -35,17 +32,14 @@ from tokenmill.engine.llm_engine import resolve_model_path
 from tokenmill.entrypoints.config_args import add_config_args, config_kwargs
 from tokenmill.entrypoints.log_limits import install_log_rate_limit
 from tokenmill.entrypoints.openai.admission import AdmissionController, AdmissionMiddleware
-from tokenmill.entrypoints.openai.anthropic import AnthropicErrorMiddleware
-from tokenmill.entrypoints.openai.auth import APIKeyAuthMiddleware
 from tokenmill.entrypoints.openai.chat_options import ChatOptions, resolve_chat_template
+from tokenmill.entrypoints.openai.draining import DrainingServer
 from tokenmill.entrypoints.openai.errors import error_body_bytes, install_exception_handlers
+from tokenmill.entrypoints.openai.gates import add_gates
 from tokenmill.entrypoints.openai.generation_config import load_generation_defaults
 from tokenmill.entrypoints.openai.lora import check_lora_name, parse_lora_module
 from tokenmill.entrypoints.openai.middleware import (
     AccessLogMiddleware,
-    BodyLimitMiddleware,
-    HeaderLimitMiddleware,
-    ServerLoadMiddleware,
 )
 from tokenmill.entrypoints.openai.openapi import install_openapi
 from tokenmill.entrypoints.openai.routers import (
@@ -212,31 +206,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
         app.include_router(lora.router)
     install_openapi(app, config)
     # Added innermost first: the last one added runs first.
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
-    app.add_middleware(AdmissionMiddleware, state=state, controller=admission)
-    if routes is not None:  # before admission: a route's own bounds refuse first
-        app.add_middleware(RoutesMiddleware, table=routes)
-    app.add_middleware(
-        APIKeyAuthMiddleware,
-        api_keys=config.api_keys,
-        open_health_metrics=config.disable_auth_for_health_metrics,
-    )
-    app.add_middleware(
-        HeaderLimitMiddleware,
-        max_header_bytes=config.max_header_bytes,
-        max_header_count=config.max_header_count,
-    )
-    if config.enable_server_load_tracking:
-        app.add_middleware(ServerLoadMiddleware)
-    if config.allowed_origins:  # vLLM's CORS flags; without origins, no cross-origin calls
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(config.allowed_origins),
-            allow_credentials=config.allow_credentials,
-            allow_methods=list(config.allowed_methods),
-            allow_headers=list(config.allowed_headers),
-        )
-    app.add_middleware(AnthropicErrorMiddleware)  # outside every gate: their errors too
+
+    def inside_auth() -> None:
+        app.add_middleware(AdmissionMiddleware, state=state, controller=admission)
+        if routes is not None:  # before admission: a route's own bounds refuse first
+            app.add_middleware(RoutesMiddleware, table=routes)
+
+    add_gates(app, config, inside_auth, track_load=config.enable_server_load_tracking)
     app.add_middleware(
         AccessLogMiddleware,
         skip_paths=frozenset(
@@ -322,7 +298,7 @@ class _JSONErrorH11Protocol(H11Protocol):
         super().data_received(data)
 
 
-class GracefulServer(uvicorn.Server):
+class GracefulServer(DrainingServer):
     """uvicorn.Server that drains on SIGTERM, and exits 1 when the engine failed to load or died."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
@@ -330,14 +306,12 @@ class GracefulServer(uvicorn.Server):
         self.state: ServerState = app.state.server
         self.admission: AdmissionController = app.state.admission
         self.exit_code = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._is_drain_started = False
         self._engine_dead_since: float | None = None
         self.dead_engine_grace_s = DEAD_ENGINE_GRACE_S
 
-    async def startup(self, sockets: list | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().startup(sockets)
+    @property
+    def shutdown_timeout_s(self) -> float:
+        return self.state.config.shutdown_timeout_s
 
     async def on_tick(self, counter: int) -> bool:
         engine = self.state.engine
@@ -369,22 +343,7 @@ class GracefulServer(uvicorn.Server):
             or elapsed >= self.dead_engine_grace_s + self.state.config.shutdown_timeout_s
         )
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """SIGTERM drains for ``--shutdown-timeout``; SIGINT (Ctrl-C) cuts off at once; a second signal forces."""
-        if (
-            sig in (signal.SIGTERM, signal.SIGINT)
-            and not self._is_drain_started
-            and self._loop is not None
-        ):
-            self._is_drain_started = True
-            timeout_s = self.state.config.shutdown_timeout_s if sig == signal.SIGTERM else 0.0
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain(timeout_s)))
-            return
-        if self.should_exit:
-            self.force_exit = True
-        self.should_exit = True
-
-    async def _drain(self, timeout_s: float) -> None:
+    async def drain(self, timeout_s: float) -> None:
         """Refuse new requests, let in-flight ones finish for ``timeout_s``, then cut off the rest.
 
         Cut-off requests answer 503 (an error event then ``[DONE]`` on a stream) and are

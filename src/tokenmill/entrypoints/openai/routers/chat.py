@@ -22,15 +22,17 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from tokenmill.entrypoints.openai.chat_options import format_content
-from tokenmill.entrypoints.openai.generation import (
-    ChunkWriter,
-    GenerationRun,
+from tokenmill.entrypoints.openai.generation import GenerationRun
+from tokenmill.entrypoints.openai.generation_request import (
     ParsedRequest,
     check_params,
-    choice_logprob_entries,
     compile_grammar,
     parse_request,
     process_prompts,
+)
+from tokenmill.entrypoints.openai.generation_response import (
+    ChunkWriter,
+    choice_logprob_entries,
     respond,
     token_label,
 )

@@ -14,17 +14,18 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from tokenmill.entrypoints.openai.generation import (
-    ChoiceDelta,
-    ChunkWriter,
-    GenerationRun,
+from tokenmill.entrypoints.openai.generation import ChoiceDelta, GenerationRun
+from tokenmill.entrypoints.openai.generation_request import (
     ParsedRequest,
     check_params,
-    choice_logprob_entries,
     compile_grammar,
-    finite_logprob,
     parse_request,
     process_prompts,
+)
+from tokenmill.entrypoints.openai.generation_response import (
+    ChunkWriter,
+    choice_logprob_entries,
+    finite_logprob,
     respond,
     token_label,
 )

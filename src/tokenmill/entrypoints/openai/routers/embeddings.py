@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.entrypoints.openai.generation import ParsedRequest, parse_request
+from tokenmill.entrypoints.openai.generation_request import ParsedRequest, parse_request
 from tokenmill.entrypoints.openai.pooling import (
     ClientGone,
     encode_vector,

@@ -28,7 +28,8 @@ from tokenmill.entrypoints.openai.anthropic import (
     to_chat_body,
 )
 from tokenmill.entrypoints.openai.errors import APIError, to_api_error
-from tokenmill.entrypoints.openai.generation import GenerationRun, ParsedRequest, parse_request
+from tokenmill.entrypoints.openai.generation import GenerationRun
+from tokenmill.entrypoints.openai.generation_request import ParsedRequest, parse_request
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,

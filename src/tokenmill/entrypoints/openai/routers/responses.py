@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.entrypoints.openai.errors import APIError, to_api_error
-from tokenmill.entrypoints.openai.generation import ParsedRequest, parse_request
+from tokenmill.entrypoints.openai.generation_request import ParsedRequest, parse_request
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, validate_model
 from tokenmill.entrypoints.openai.responses_api import (
     FunctionToolChoice,

@@ -11,7 +11,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.entrypoints.openai.generation import parse_request
+from tokenmill.entrypoints.openai.generation_request import parse_request
 from tokenmill.entrypoints.openai.pooling import ClientGone, cosine, pool_inputs, pooling_params
 from tokenmill.entrypoints.openai.pooling_protocol import RerankRequest, ScoreRequest
 
