@@ -180,29 +180,15 @@ inline void score_block(const void* kc, const int64_t* rows, int n, int64_t D, c
   }
 }
 
-// A head count as a type, so a generic lambda can pass it on as a template argument
-// (ours, not std::integral_constant: this header instantiates no std templates).
-template <int GN>
-struct HeadCount {
-  static constexpr int value = GN;
-};
-
-// Calls f(HeadCount<GN>{}) for a tile of gn heads (1 to 4; more runs as 4), so each kernel
-// below is instantiated once per head count with its loops unrolled.
-template <typename F>
-inline void with_head_count(int gn, F&& f) {
-  switch (gn) {
-    case 1: f(HeadCount<1>{}); break;
-    case 2: f(HeadCount<2>{}); break;
-    case 3: f(HeadCount<3>{}); break;
-    default: f(HeadCount<4>{}); break;
-  }
-}
-
 template <int KF>
 inline void score_block_any(int gn, const void* kc, const int64_t* rows, int n, int64_t D, const float* qf,
                             int64_t dq, float* out, int64_t out_stride) {
-  with_head_count(gn, [&](auto g) { score_block<KF, decltype(g)::value>(kc, rows, n, D, qf, dq, out, out_stride); });
+  switch (gn) {
+    case 1: score_block<KF, 1>(kc, rows, n, D, qf, dq, out, out_stride); break;
+    case 2: score_block<KF, 2>(kc, rows, n, D, qf, dq, out, out_stride); break;
+    case 3: score_block<KF, 3>(kc, rows, n, D, qf, dq, out, out_stride); break;
+    default: score_block<KF, 4>(kc, rows, n, D, qf, dq, out, out_stride); break;
+  }
 }
 
 // acc[g][j0 .. j0 + NV * W) += sum over the block's n tokens of p[g][t] * V[t]: heads
@@ -237,7 +223,12 @@ inline void accumulate_v_heads(const void* vc, const int64_t* rows, int n, int64
 template <int KF>
 inline void accumulate_v_any(int gn, const void* vc, const int64_t* rows, int n, int64_t D, const float* p,
                              int64_t ps, float* acc, int64_t da) {
-  with_head_count(gn, [&](auto g) { accumulate_v_heads<KF, decltype(g)::value>(vc, rows, n, D, p, ps, acc, da); });
+  switch (gn) {
+    case 1: accumulate_v_heads<KF, 1>(vc, rows, n, D, p, ps, acc, da); break;
+    case 2: accumulate_v_heads<KF, 2>(vc, rows, n, D, p, ps, acc, da); break;
+    case 3: accumulate_v_heads<KF, 3>(vc, rows, n, D, p, ps, acc, da); break;
+    default: accumulate_v_heads<KF, 4>(vc, rows, n, D, p, ps, acc, da); break;
+  }
 }
 
 template <int QF, int KF>
