@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill import kernels
+from tokenmill.model.opaque_op import opaque_op, register_fake
 
 
 @dataclass
@@ -358,7 +359,7 @@ class DecodeMetadata:
     """Gather only up to the longest context (data-dependent: off under CUDA graphs)."""
 
 
-@torch.library.custom_op("tokenmill::decode_attention", mutates_args=("k_cache", "v_cache"))
+@opaque_op("decode_attention", mutates_args=("k_cache", "v_cache"))
 def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -397,7 +398,7 @@ def decode_attention(
     return _attend(q.unsqueeze(1), k_cache, v_cache, block_tables, mask, scale, kv_scales, softcap)
 
 
-@decode_attention.register_fake
+@register_fake("decode_attention")
 def _decode_attention_fake(
     q,
     k,
