@@ -124,6 +124,10 @@ def write_kv(
 ) -> None:
     """Store this step's K/V [T, Hkv, D] into caches shaped [num_blocks, block_size, Hkv, D]."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    if k_cache.dtype not in FP8_DTYPES:  # the per-step path: no scales to index
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+        return
     scales = kv_scales if kv_scales is not None else k.new_ones(2, dtype=torch.float32)
     _storage(k_cache).view(-1, num_kv_heads, head_dim).index_copy_(
         0, slots, _to_cache(k, k_cache, scales[0])
