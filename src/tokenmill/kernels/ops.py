@@ -46,7 +46,7 @@ def set_enabled(enabled: bool) -> None:
 
 def supports(x: torch.Tensor, *, float32: bool = False) -> bool:
     """True if the kernels take this activation: CPU, bf16 (or fp32 when ``float32``)."""
-    if x.device.type != "cpu" or not available():
+    if not x.is_cpu or not available():  # is_cpu: no torch.device built per call
         return False
     return x.dtype == torch.bfloat16 or (float32 and x.dtype == torch.float32)
 

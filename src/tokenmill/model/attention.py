@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill import kernels
+from tokenmill.model.opaque_op import opaque_op, register_fake
 
 
 @dataclass
@@ -123,6 +124,10 @@ def write_kv(
 ) -> None:
     """Store this step's K/V [T, Hkv, D] into caches shaped [num_blocks, block_size, Hkv, D]."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    if k_cache.dtype not in FP8_DTYPES:  # the per-step path: no scales to index
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+        return
     scales = kv_scales if kv_scales is not None else k.new_ones(2, dtype=torch.float32)
     _storage(k_cache).view(-1, num_kv_heads, head_dim).index_copy_(
         0, slots, _to_cache(k, k_cache, scales[0])
@@ -358,7 +363,7 @@ class DecodeMetadata:
     """Gather only up to the longest context (data-dependent: off under CUDA graphs)."""
 
 
-@torch.library.custom_op("tokenmill::decode_attention", mutates_args=("k_cache", "v_cache"))
+@opaque_op("decode_attention", mutates_args=("k_cache", "v_cache"))
 def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -397,7 +402,7 @@ def decode_attention(
     return _attend(q.unsqueeze(1), k_cache, v_cache, block_tables, mask, scale, kv_scales, softcap)
 
 
-@decode_attention.register_fake
+@register_fake("decode_attention")
 def _decode_attention_fake(
     q,
     k,

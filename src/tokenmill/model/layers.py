@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from tokenmill import kernels
+from tokenmill.model.opaque_op import opaque_op, register_fake
 
 
 def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-@torch.library.custom_op("tokenmill::onednn_linear", mutates_args=())
+@opaque_op("onednn_linear")
 def onednn_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
@@ -27,7 +28,7 @@ def onednn_linear(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@onednn_linear.register_fake
+@register_fake("onednn_linear")
 def _onednn_linear_fake(x, packed, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 

@@ -127,9 +127,12 @@ class Sampler:
         """Sample one token per row; ``token_bitmask`` (packed int32 bits per row) bans
         the tokens a row's grammar does not allow, before anything else."""
         raw = logits
+        is_greedy = [r.sampling_params.is_greedy for r in requests]
+        if all(is_greedy) and not self.needs_processing(requests, token_bitmask):
+            token_list = logits.argmax(dim=-1).tolist()  # the common batch: one argmax
+            return SamplerOutput(token_list, self.logprobs_of(raw, token_list, requests))
         logits = self.process(logits, requests, token_bitmask)
         greedy = logits.argmax(dim=-1)
-        is_greedy = [r.sampling_params.is_greedy for r in requests]
         if all(is_greedy):
             tokens = greedy
         else:
@@ -138,6 +141,16 @@ class Sampler:
             )
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self.logprobs_of(raw, token_list, requests))
+
+    @staticmethod
+    def needs_processing(requests: list[Request], token_bitmask: torch.Tensor | None) -> bool:
+        """Whether ``process`` would change any row (else greedy rows take the raw argmax
+        without a copy). Whatever ``process`` applies must be tested here too."""
+        return (
+            token_bitmask is not None
+            or any(r.num_output_tokens < r.sampling_params.min_tokens for r in requests)
+            or any(r.sampling_params.has_penalties for r in requests)
+        )
 
     def process(
         self,

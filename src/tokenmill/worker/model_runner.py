@@ -250,7 +250,11 @@ class ModelRunner:
         masks = self.grammar_masks.bitmask_async(inputs.sample_requests)
         hidden = self.forward(inputs)
         if inputs.sample_rows:
-            logits = self.model.compute_logits(hidden[self._tensor(inputs.sample_rows)])
+            rows = inputs.sample_rows  # increasing: every row when the last is the last
+            sampled = hidden if rows[-1] == len(hidden) - 1 == len(rows) - 1 else None
+            if sampled is None:
+                sampled = hidden[self._tensor(rows)]
+            logits = self.model.compute_logits(sampled)
             self._sample(logits, inputs.sample_requests, masks, out)
         if inputs.spec_rows:
             self._verify(hidden, inputs.spec_rows, out)
