@@ -87,6 +87,8 @@ def scopes() -> Iterator[None]:
         (Sampler, "__call__", "sampling"),
         (ModelRunner, "prepare_inputs", "input prep"),
     ]
+    if hasattr(kernels, "rope_kv_write"):  # the fused op's Python side too
+        patches.append((kernels, "rope_kv_write", "RoPE + KV write (fused)"))
     patches += [
         (quant, name, "GEMM/GEMV")
         for name in ("Int8Linear", "Int4Linear")

@@ -38,6 +38,8 @@ from tokenmill.model.attention import (
     AttentionGroup,
     AttentionMetadata,
     DecodeMetadata,
+    _decode_kernel,
+    _decode_kernel_applies,
     paged_attention,
     write_kv,
 )
@@ -240,12 +242,17 @@ class TorchSDPABackend(AttentionBackend):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: StepMetadata,
     ) -> torch.Tensor:
-        """The paged path on tokenmill's CPU kernels: RoPE and the KV write as one op."""
+        """On tokenmill's CPU kernels, RoPE and the KV write run as one op, then attention;
+        in the compiled decode step too (the op declares its cache mutations, so
+        torch.compile traces it and the decode kernel after it)."""
         k_cache, v_cache = kv_cache
+        compiled_decode = isinstance(meta, DecodeMetadata) and _decode_kernel_applies(q, k_cache)
         if not (
-            isinstance(meta, AttentionMetadata) and _fused_rope_applies(layer, rope, q, k_cache)
+            (isinstance(meta, AttentionMetadata) or compiled_decode)
+            and _fused_rope_applies(layer, rope, q, k_cache)
         ):
             return super().forward_rope(layer, positions, rope, q, k, v, kv_cache, meta)
+        assert isinstance(meta, (AttentionMetadata, DecodeMetadata))
         q = kernels.rope_kv_write(
             positions,
             q,
@@ -259,6 +266,18 @@ class TorchSDPABackend(AttentionBackend):
             layer.kv_scales,
         )
         softcap = layer.logit_softcap or 0.0
+        if isinstance(meta, DecodeMetadata):
+            return _decode_kernel(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                layer.scale,
+                layer.window,
+                layer.kv_scales,
+                softcap,
+            )
         return paged_attention(
             q, k_cache, v_cache, meta, layer.scale, layer.window, layer.kv_scales, softcap
         )
