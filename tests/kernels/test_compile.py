@@ -58,3 +58,41 @@ def test_the_amx_ops_trace_too() -> None:
 
     x = torch.randn(5, 64).bfloat16()
     torch.testing.assert_close(torch.compile(fn, fullgraph=True)(x), fn(x))
+
+
+def _rope_write_attend(q, k, v, positions, cos, sin, k_cache, v_cache, slots, tables, lens):
+    q = kernels.rope_kv_write(positions, q, k, v, cos, sin, k_cache, v_cache, slots, torch.ones(2))
+    return kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 0, torch.ones(2))
+
+
+def test_fused_rope_kv_write_traces_and_writes_the_callers_caches_in_place() -> None:
+    """As in ``static``'s compiled step: the op's declared mutations reach the caller's
+    caches, attention after it sees the new K/V, and inductor does not copy the caches."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).bfloat16()
+
+    q, k, v = rnd(3, 4, 16), rnd(3, 2, 16), rnd(3, 2, 16)
+    caches = [rnd(6, 4, 2, 16), rnd(6, 4, 2, 16)]
+    rest = (
+        torch.tensor([0, 5, 9]),
+        torch.randn(16, 16, generator=gen),
+        torch.randn(16, 16, generator=gen),
+    )
+    meta = (
+        torch.tensor([0, 9, 21]),
+        torch.tensor([[0, 1], [2, 3], [4, 5]]),
+        torch.tensor([1, 6, 8]),
+    )
+    eager = [c.clone() for c in caches]
+    want = _rope_write_attend(q, k, v, *rest, *eager, *meta)
+    compiled = torch.compile(_rope_write_attend, fullgraph=True)
+    got, (code,) = run_and_get_code(compiled, q, k, v, *rest, *caches, *meta)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(caches, eager, strict=True):
+        assert torch.equal(a, b)
+    assert "clone" not in code and "copy_" not in code, code

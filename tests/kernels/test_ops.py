@@ -266,3 +266,72 @@ def test_linear_int4_amx(amx, threads: int, m: int, n: int, k: int, group_size: 
         x, tiles, block(scales), block(code_sums), block(offsets), group_size, None, n
     )
     _close_to_fp32(got, want, 2e-2)
+
+
+CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, *KV_DTYPES[2:]]
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("tokens", "hq", "hk", "dim", "block_size"),
+    [(1, 4, 2, 16, 16), (7, 3, 1, 64, 4), (33, 16, 4, 40, 8)],
+)
+def test_rope_kv_write(isa, threads, cache_dtype, dtype, tokens, hq, hk, dim, block_size) -> None:
+    """The fused op equals RoPE then ``write_kv`` bit for bit: same rotated q, and the caches
+    hold the same bytes, the untouched slots included."""
+    from tokenmill.model.attention import write_kv
+
+    rope = RotaryEmbedding(dim, 512, 10000.0, None)
+    positions = torch.randint(0, 512, (tokens,), generator=_gen(3))
+    qkv = _randn(tokens, (hq + 2 * hk) * dim, dtype=dtype)
+    q, k, v = qkv.split([hq * dim, hk * dim, hk * dim], dim=-1)  # views with a token stride
+    q, k, v = (x.reshape(tokens, -1, dim) for x in (q, k, v))
+    num_blocks = -(-2 * tokens // block_size) + 1
+    slots = torch.randperm(num_blocks * block_size, generator=_gen(4))[:tokens]  # scattered
+    kv_scales = torch.tensor([0.02, 0.03]) if cache_dtype.itemsize == 1 else torch.ones(2)
+    shape = (num_blocks, block_size, hk, dim)
+    want_k = _randn(*shape, seed=5).to(cache_dtype)
+    want_v = _randn(*shape, seed=6).to(cache_dtype)
+    got_k, got_v = want_k.clone(), want_v.clone()
+    want_q, rot_k = kernels.rope(positions, q, k, rope.cos, rope.sin)
+    write_kv(want_k, want_v, rot_k, v, slots, kv_scales)
+    got_q = kernels.rope_kv_write(
+        positions, q, k, v, rope.cos, rope.sin, got_k, got_v, slots, kv_scales
+    )
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
+    # and RoPE itself against the torch layer, as test_rope
+    torch.testing.assert_close(
+        got_q, rope(positions, q.float(), k.float())[0].to(dtype), **_tol(dtype)
+    )
+
+
+def test_rope_kv_write_rejects_a_slot_outside_the_cache() -> None:
+    cache = torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16)
+    q = torch.zeros(1, 2, 16, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, 16, dtype=torch.bfloat16)
+    rope = RotaryEmbedding(16, 8, 10000.0, None)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.rope_kv_write(
+            torch.tensor([0]),
+            q,
+            k,
+            k,
+            rope.cos,
+            rope.sin,
+            cache,
+            cache.clone(),
+            torch.tensor([8]),
+            torch.ones(2),
+        )
+
+
+def test_partial_rope_keeps_the_torch_path(isa) -> None:
+    """Partial rotary (Phi-4-mini style) is not the kernel's layout: the layer must not call it."""
+    rope = RotaryEmbedding(32, 64, 10000.0, None, rotary_dim=16)
+    q = _randn(3, 2, 32, dtype=torch.bfloat16)
+    k = _randn(3, 1, 32, dtype=torch.bfloat16, seed=1)
+    got_q, got_k = rope(torch.tensor([0, 7, 63]), q, k)
+    assert torch.equal(got_q[..., 16:], q[..., 16:]) and torch.equal(got_k[..., 16:], k[..., 16:])

@@ -98,3 +98,65 @@ def test_segments_need_consecutive_rows_ending_at_the_context() -> None:
     ]
     for group in (gap, early):
         assert backend.build_metadata(StepBatch([0] * 3, [group], 3)).groups[0].segments is None
+
+
+class _Layer:
+    """The attention-layer state a backend reads (decoder.Attention has the same fields)."""
+
+    def __init__(self, calibrated: bool) -> None:
+        self.layer_idx, self.scale, self.window, self.logit_softcap = 0, 0.25, None, None
+        self.kv_scales = torch.tensor([0.02, 0.03]) if calibrated else torch.ones(2)
+        self.kv_scales_calibrated = calibrated
+
+    def calibrate_kv_scales(self, k, v, dtype) -> None:
+        self.kv_scales = torch.tensor([0.05, 0.07])
+        self.kv_scales_calibrated = True
+
+
+@pytest.mark.parametrize(
+    "kv_dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
+)
+@pytest.mark.parametrize("calibrated", [True, False])
+def test_fused_rope_and_kv_write_match_rope_then_forward(kv_dtype, calibrated) -> None:
+    """The backend's fused RoPE + KV write (CPU kernels, bf16) leaves the same caches and
+    attention output as rotating first and calling ``forward``; an fp8 cache that is not
+    calibrated yet takes the unfused path, which calibrates it from the rotated K."""
+    from tokenmill import kernels
+    from tokenmill.model.attention_backend import AttentionBackend
+    from tokenmill.model.layers import RotaryEmbedding
+
+    if not kernels.available():
+        pytest.skip("the tokenmill CPU kernels could not be built here")
+    hq, hkv, dim, num_blocks = 6, 2, 16, 40
+    chunks = [(0, 9), (13, 5), (6, 1), (21, 30)]
+    batch = _step(chunks, num_blocks)
+    total = sum(n for _, n in chunks)
+    slots = [
+        table[p // BLOCK] * BLOCK + p % BLOCK
+        for table, pos in zip(batch.block_tables, batch.query_positions, strict=True)
+        for p in pos
+    ]
+    backend = TorchSDPABackend(torch.device("cpu"))
+    meta = backend.build_metadata(StepBatch(slots, [batch], total))
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(total, (hq + 2 * hkv) * dim, generator=gen).bfloat16()
+    q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+    q, k, v = q.view(total, hq, dim), k.view(total, hkv, dim), v.view(total, hkv, dim)
+    positions = torch.tensor([p for pos in batch.query_positions for p in pos])
+    rope = RotaryEmbedding(dim, 64, 10000.0, None)
+    caches = {
+        name: tuple(
+            torch.randn(num_blocks, BLOCK, hkv, dim, generator=gen).to(kv_dtype) for _ in (0, 1)
+        )
+        for name in ("fused",)
+    }
+    caches["plain"] = tuple(c.clone() for c in caches["fused"])
+    layers = {name: _Layer(calibrated) for name in caches}
+    got = backend.forward_rope(layers["fused"], positions, rope, q, k, v, caches["fused"], meta)
+    want = AttentionBackend.forward_rope(
+        backend, layers["plain"], positions, rope, q, k, v, caches["plain"], meta
+    )
+    assert torch.equal(got, want)
+    for a, b in zip(caches["fused"], caches["plain"], strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert torch.equal(layers["fused"].kv_scales, layers["plain"].kv_scales)

@@ -86,7 +86,7 @@ def describe() -> str:
         amx = "AMX not granted, not used"
     return (
         f"tokenmill CPU kernels ({active_isa()}): int8/int4 linear (W8A8), add+RMSNorm, "
-        f"SiLU*mul, RoPE, paged decode attention (split-K, softcap); {amx}"
+        f"SiLU*mul, RoPE (+ KV write), paged decode attention (split-K, softcap); {amx}"
     )
 
 
@@ -187,6 +187,27 @@ def rope(
     return torch.ops.tokenmill_cpu.rope(positions, q, k, cos, sin)
 
 
+def rope_kv_write(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE of q [T, Hq, D] and k [T, Hk, D], with the rotated k and v [T, Hk, D] stored into
+    the caches [blocks, block_size, Hk, D] at ``slot_mapping`` [T] (fp8 caches: divided by
+    ``kv_scales`` [k, v] and saturated, as ``model.attention.write_kv``); returns the rotated
+    q [T, Hq, D]. One op instead of RoPE, two conversions and two index copies."""
+    return torch.ops.tokenmill_cpu.rope_kv_write(
+        positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, kv_scales
+    )
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -228,6 +249,9 @@ def register_fakes() -> None:
     )
     torch.library.register_fake(lib + "rope")(
         lambda pos, q, k, cos, sin: (torch.empty_like(q), torch.empty_like(k))
+    )
+    torch.library.register_fake(lib + "rope_kv_write")(
+        lambda pos, q, k, v, cos, sin, kc, vc, slots, sc: q.new_empty(q.shape)
     )
     torch.library.register_fake(lib + "paged_decode_attention")(
         lambda q, kc, vc, bt, cl, scale, window, sc, softcap=0.0: q.new_empty(

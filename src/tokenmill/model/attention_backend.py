@@ -12,7 +12,9 @@ the references):
    inside the compiled region, so it may only wrap tensors, never read them on the host.
 3. ``forward(layer, q, k, v, kv_cache, meta)``: writes this step's K/V into the layer's
    cache through the slot mapping, then attends q over everything the request has in
-   the cache; returns [T, num_heads * head_dim]. q and k arrive with RoPE applied.
+   the cache; returns [T, num_heads * head_dim]. q and k arrive with RoPE applied;
+   ``forward_rope`` takes them before RoPE, so that a backend may fuse the rotation with
+   the KV write (the CPU kernels' ``rope_kv_write``).
 
 Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` K and V tensors per layer
 (``worker/kv_cache.py``), read through block tables whatever the KV strategy (paged or
@@ -30,14 +32,18 @@ from typing import ClassVar, Protocol
 
 import torch
 
+from tokenmill import kernels
 from tokenmill.model.attention import (
     FP8_DTYPES,
     AttentionGroup,
     AttentionMetadata,
     DecodeMetadata,
+    _decode_kernel,
+    _decode_kernel_applies,
     paged_attention,
     write_kv,
 )
+from tokenmill.model.layers import RotaryEmbedding
 
 
 @dataclass
@@ -120,6 +126,22 @@ class AttentionBackend(ABC):
         meta: StepMetadata,
     ) -> torch.Tensor:
         """Write k, v [T, Hkv, D] into the cache, attend q [T, Hq, D]; returns [T, Hq * D]."""
+
+    def forward_rope(
+        self,
+        layer: AttentionLayerState,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: StepMetadata,
+    ) -> torch.Tensor:
+        """``forward`` with q and k not yet rotated: RoPE first, unless a backend fuses it
+        with the KV write."""
+        q, k = rope(positions, q, k)
+        return self.forward(layer, q, k, v, kv_cache, meta)
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -208,6 +230,71 @@ class TorchSDPABackend(AttentionBackend):
         return paged_attention(
             q, k_cache, v_cache, meta, layer.scale, layer.window, layer.kv_scales, softcap
         )
+
+    def forward_rope(
+        self,
+        layer: AttentionLayerState,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: StepMetadata,
+    ) -> torch.Tensor:
+        """On tokenmill's CPU kernels, RoPE and the KV write run as one op, then attention;
+        in the compiled decode step too (the op declares its cache mutations, so
+        torch.compile traces it and the decode kernel after it)."""
+        k_cache, v_cache = kv_cache
+        compiled_decode = isinstance(meta, DecodeMetadata) and _decode_kernel_applies(q, k_cache)
+        if not (
+            (isinstance(meta, AttentionMetadata) or compiled_decode)
+            and _fused_rope_applies(layer, rope, q, k_cache)
+        ):
+            return super().forward_rope(layer, positions, rope, q, k, v, kv_cache, meta)
+        assert isinstance(meta, (AttentionMetadata, DecodeMetadata))
+        q = kernels.rope_kv_write(
+            positions,
+            q,
+            k,
+            v,
+            rope.cos,
+            rope.sin,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            layer.kv_scales,
+        )
+        softcap = layer.logit_softcap or 0.0
+        if isinstance(meta, DecodeMetadata):
+            return _decode_kernel(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                layer.scale,
+                layer.window,
+                layer.kv_scales,
+                softcap,
+            )
+        return paged_attention(
+            q, k_cache, v_cache, meta, layer.scale, layer.window, layer.kv_scales, softcap
+        )
+
+
+def _fused_rope_applies(
+    layer: AttentionLayerState, rope: RotaryEmbedding, q: torch.Tensor, k_cache: torch.Tensor
+) -> bool:
+    """Where the RoPE kernel runs (bf16 on CPU, every dim rotated), the fused op does too;
+    an fp8 cache only once its scales are calibrated (from the first rotated K)."""
+    return (
+        kernels.supports(q)
+        and rope.cos.device.type == "cpu"
+        and not rope.is_partial
+        and k_cache.device.type == "cpu"
+        and (k_cache.dtype not in FP8_DTYPES or layer.kv_scales_calibrated)
+    )
 
 
 def _segments(group: BatchGroup) -> list[tuple[int, int, int]] | None:

@@ -94,8 +94,7 @@ class Attention(nn.Module):
         if self.qk_norm == "head" and self.q_norm is not None and self.k_norm is not None:
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
-        q, k = rope(positions, q, k)
-        out = self.backend.forward(self, q, k, v, kv_cache, meta)
+        out = self.backend.forward_rope(self, positions, rope, q, k, v, kv_cache, meta)
         if lora is None:
             return self.o(out)
         return lora.apply(self.layer_idx, "o", out, self.o(out))

@@ -252,7 +252,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hkv, D] by their positions [T]."""
-        if kernels.supports(q) and self.cos.device.type == "cpu":  # tokenmill CPU kernel
+        if kernels.supports(q) and self.cos.device.type == "cpu" and not self.is_partial:
             return kernels.rope(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)

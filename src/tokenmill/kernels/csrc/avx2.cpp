@@ -9,6 +9,7 @@
 #pragma GCC target("avx2,fma,f16c")
 #include "vec_avx2.h"
 #include "common.h"
+#include "rope_kv.h"
 
 namespace {
 
@@ -117,7 +118,7 @@ void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
 
 const tokenmill::KernelTable kTable = {
     "avx2", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, rope_kernel, attention_kernel,
-    attention_merge_kernel, nullptr,
+    attention_merge_kernel, nullptr, rope_kv_kernel,
 };
 
 }  // namespace

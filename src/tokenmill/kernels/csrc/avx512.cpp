@@ -9,6 +9,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c")
 #include "vec_avx512.h"
 #include "common.h"
+#include "rope_kv.h"
 
 namespace {
 
@@ -278,7 +279,7 @@ void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
 
 const tokenmill::KernelTable kTable = {
     "avx512_bf16", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, rope_kernel, attention_kernel,
-    attention_merge_kernel, quantize_rows,
+    attention_merge_kernel, quantize_rows, rope_kv_kernel,
 };
 
 }  // namespace

@@ -61,6 +61,18 @@ struct RopeArgs {
   int fmt;
 };
 
+// RoPE fused with the KV-cache write: q rotated into rope.q_out; k rotated and v copied
+// straight into their cache rows (the activation dtype), row dst_rows[t] of Hk * D
+// elements (null: row t, for a scratch buffer when the cache stores another dtype).
+struct RopeKvArgs {
+  RopeArgs rope;            // rope.k_out unused
+  const void* v;            // [T, Hk, D] (token stride ldv)
+  int64_t ldv;
+  void* k_dst;
+  void* v_dst;              // null: V is not copied (ops.cpp converts it)
+  const int64_t* dst_rows;  // [T] or null
+};
+
 struct AttnArgs {
   const void* q;            // [B, Hq, D], row stride ldq
   const void* k_cache;      // [blocks, block_size, Hkv, D]
@@ -99,6 +111,7 @@ struct KernelTable {
   // Null where the int GEMMs read bf16 activations; else quantizes rows [begin, end) of
   // a.x into a.xq / a.x_scale (``is_unsigned``: store x + 128) before gemm_int8/int4 run.
   void (*quantize_rows)(const GemmArgs&, bool is_unsigned, int64_t, int64_t);
+  void (*rope_kv)(const RopeKvArgs&, int64_t, int64_t);          // tokens
 };
 
 const KernelTable* avx512_kernels();

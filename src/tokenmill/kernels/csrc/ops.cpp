@@ -380,6 +380,86 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& positions, const at::T
   return {qo, ko};
 }
 
+// One cache's rows [slots] = x, as model/attention.py's write_kv stores them: converted to
+// the cache dtype, or for fp8 divided by the layer's scale, saturated and stored as bytes.
+void store_kv(const at::Tensor& cache, const at::Tensor& x, const at::Tensor& slots, const at::Tensor& scale) {
+  const auto dt = cache.scalar_type();
+  const bool fp8 = dt == at::kFloat8_e4m3fn || dt == at::kFloat8_e5m2;
+  at::Tensor rows = (fp8 ? cache.view(at::kByte) : cache).view({-1, x.size(1), x.size(2)});
+  if (!fp8) {
+    rows.index_copy_(0, slots, x.to(dt));
+    return;
+  }
+  const double limit = dt == at::kFloat8_e4m3fn ? 448.0 : 57344.0;  // torch.finfo(dt).max
+  rows.index_copy_(0, slots, (x.to(at::kFloat) / scale).clamp(-limit, limit).to(dt).view(at::kByte));
+}
+
+// RoPE of q and k, then k and v stored into the caches [blocks, block_size, Hk, D] at the
+// flat slots; returns the rotated q. A cache in the activation dtype is written in place
+// by the kernel; any other dtype gets the rotated k through a scratch buffer and store_kv.
+at::Tensor rope_kv_write(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                         const at::Tensor& slot_mapping, const at::Tensor& kv_scales) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(2) == k.size(2) && q.size(0) == k.size(0) &&
+                  q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
+              "rope_kv_write: q [T, Hq, D] and k [T, Hk, D] with contiguous heads");
+  TORCH_CHECK(v.sizes() == k.sizes() && v.stride(2) == 1 && v.stride(1) == v.size(2) &&
+                  v.scalar_type() == k.scalar_type() && q.scalar_type() == k.scalar_type(),
+              "rope_kv_write: v must be shaped like k, with contiguous heads, and q, k, v one dtype");
+  const int64_t T = q.size(0), Hk = k.size(1), D = q.size(2);
+  TORCH_CHECK(D % 2 == 0, "rope_kv_write: head_dim must be even");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+                  sin.scalar_type() == at::kFloat && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "rope_kv_write: cos and sin must be float32 [positions, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  k_cache.size(2) == Hk && k_cache.size(3) == D,
+              "rope_kv_write: K and V caches [blocks, block_size, Hk, D], contiguous, one dtype");
+  at::Tensor pos = positions.to(at::kLong).contiguous();
+  at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == T && slots.numel() == T, "rope_kv_write: one position and one slot per token");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "rope_kv_write: slot ", sp[t], " outside the cache");
+  at::Tensor sc = kv_scales.to(at::kFloat).contiguous();
+  TORCH_CHECK(sc.numel() == 2, "rope_kv_write: kv_scales holds [k_scale, v_scale]");
+  RopeKvArgs a{};
+  RopeArgs& r = a.rope;
+  r.fmt = act_fmt(q);
+  r.q = q.data_ptr();
+  r.k = k.data_ptr();
+  r.ldq = q.stride(0);
+  r.ldk = k.stride(0);
+  r.Hq = q.size(1);
+  r.Hk = Hk;
+  r.D = D;
+  r.positions = pos.data_ptr<int64_t>();
+  r.cos = cos.data_ptr<float>();
+  r.sin = sin.data_ptr<float>();
+  at::Tensor qo = at::empty({T, r.Hq, D}, q.options());
+  r.q_out = qo.data_ptr();
+  a.v = v.data_ptr();
+  a.ldv = v.stride(0);
+  const bool in_place = k_cache.scalar_type() == q.scalar_type();
+  at::Tensor k_rot;
+  if (in_place) {
+    a.k_dst = k_cache.data_ptr();
+    a.v_dst = v_cache.data_ptr();
+    a.dst_rows = sp;
+  } else {
+    k_rot = at::empty({T, Hk, D}, k.options());
+    a.k_dst = k_rot.data_ptr();
+  }
+  const KernelTable& kt = kernels();
+  at::parallel_for(0, T, rows_grain((r.Hq + 2 * Hk) * D), [&](int64_t t0, int64_t t1) { kt.rope_kv(a, t0, t1); });
+  if (!in_place) {
+    store_kv(k_cache, k_rot, slots, sc.select(0, 0));
+    store_kv(v_cache, v, slots, sc.select(0, 1));
+  }
+  return qo;
+}
+
 // Tokens per split of a long context: enough work per item that the merge stays cheap.
 constexpr int64_t kMinSplitTokens = 256;
 
@@ -477,6 +557,8 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rope(Tensor positions, Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def("rope_kv_write(Tensor positions, Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor kv_scales) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, int window, Tensor kv_scales, float softcap=0.0) -> Tensor");
   m.impl("isa", &tokenmill::isa);
@@ -496,4 +578,5 @@ TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("silu_and_mul", &tokenmill::silu_and_mul);
   m.impl("rope", &tokenmill::rope);
   m.impl("paged_decode_attention", &tokenmill::paged_decode_attention);
+  m.impl("rope_kv_write", &tokenmill::rope_kv_write);
 }
