@@ -57,7 +57,8 @@ class DraftProposer:
             if not catch_up:
                 continue
             view = copy.copy(request)
-            view.sampling_params = _GREEDY
+            bias = request.sampling_params.logit_bias  # the target's, so drafts follow it
+            view.sampling_params = _GREEDY.clone(logit_bias=bias) if bias else _GREEDY
             view.output_token_ids = list(request.output_token_ids)
             view.spec_token_ids = []
             view.grammar = None
