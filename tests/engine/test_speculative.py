@@ -450,13 +450,20 @@ def _staggered(llm: LLM, prompts: list[list[int]]) -> tuple[dict[str, list[int]]
     return outputs, forwards
 
 
-def test_draft_model_costs_nothing_while_the_policy_keeps_it_off(make_model) -> None:
+@pytest.mark.parametrize("kv_cache", ["paged", "static"])
+def test_draft_model_costs_nothing_while_the_policy_keeps_it_off(make_model, kv_cache) -> None:
     """More requests than disable_by_batch_size: the draft runs no forward and reads no
     token, counting the requests that are about to join (the first one does not speculate,
     its draft reading the prompt, while the others wait to be admitted). When the batch
     shrinks, the draft reads its whole lag and speculation resumes, output unchanged."""
     folder = make_model("llama")
-    kwargs = {"dtype": "float32", "max_model_len": 128, "max_num_seqs": 8}
+    kwargs = {
+        "dtype": "float32",
+        "max_model_len": 128,
+        "max_num_seqs": 8,
+        "kv_cache": kv_cache,
+        "enforce_eager": True,
+    }
     plain = LLM(str(folder), **kwargs)
     spec = LLM(
         str(folder),
