@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.core.messages import params_from_wire, params_to_wire
+from tokenmill.core.messages import decode_any, encode, params_from_wire, params_to_wire
 from tokenmill.core.sampling_params import MAX_LOGIT_BIAS_TOKENS, SamplingParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import InvalidRequestError
@@ -35,7 +35,8 @@ def test_params_validate_and_normalise_the_bias() -> None:
     params = SamplingParams(logit_bias={"7": 100, 3: -2.5})
     assert params.logit_bias == {7: 100.0, 3: -2.5}
     assert SamplingParams(logit_bias={}).logit_bias is None  # nothing to apply
-    assert params_from_wire(params_to_wire(params)).logit_bias == params.logit_bias
+    wire = decode_any(encode(params_to_wire(params)))  # as it crosses to worker processes
+    assert params_from_wire(wire).logit_bias == params.logit_bias
     too_many = {t: 1.0 for t in range(MAX_LOGIT_BIAS_TOKENS + 1)}
     for bias in ({"x": 1}, {-1: 1}, {True: 1}, {1: 100.5}, {1: float("nan")}, {1: "1"}, too_many):
         with pytest.raises(InvalidRequestError) as info:
