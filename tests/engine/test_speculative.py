@@ -424,3 +424,65 @@ def test_demo_draft_is_the_shipped_trained_one_and_is_accepted() -> None:
     assert [_tokens(spec.generate([p], params, use_tqdm=False))[0] for p in prompts] == want
     stats = spec.engine.stats
     assert stats.spec_num_accepted_tokens >= 0.45 * stats.spec_num_draft_tokens > 0
+
+
+def _staggered(llm: LLM, prompts: list[list[int]]) -> tuple[dict[str, list[int]], list[int]]:
+    """Request 0 alone until its prompt is prefilled, then the others (short answers) join;
+    once they finish, request 0 runs alone again. Outputs by id, and per step the draft
+    forwards run so far (the worker's own count)."""
+    engine = llm.engine
+    drafter = engine.executor.driver_worker.drafter
+    engine.add_request("long", prompts[0], _greedy(28))
+    outputs: dict[str, list[int]] = {}
+    forwards: list[int] = []
+
+    def step() -> None:
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        forwards.append(drafter.num_forwards if drafter is not None else 0)
+
+    step()  # prefill of the first request: it decodes from here on
+    for i, prompt in enumerate(prompts[1:]):
+        engine.add_request(f"short{i}", prompt, _greedy(6))
+    while engine.has_unfinished_requests():
+        step()
+    return outputs, forwards
+
+
+@pytest.mark.parametrize("kv_cache", ["paged", "static"])
+def test_draft_model_costs_nothing_while_the_policy_keeps_it_off(make_model, kv_cache) -> None:
+    """More requests than disable_by_batch_size: the draft runs no forward and reads no
+    token, counting the requests that are about to join (the first one does not speculate,
+    its draft reading the prompt, while the others wait to be admitted). When the batch
+    shrinks, the draft reads its whole lag and speculation resumes, output unchanged."""
+    folder = make_model("llama")
+    kwargs = {
+        "dtype": "float32",
+        "max_model_len": 128,
+        "max_num_seqs": 8,
+        "kv_cache": kv_cache,
+        "enforce_eager": True,
+    }
+    plain = LLM(str(folder), **kwargs)
+    spec = LLM(
+        str(folder),
+        **kwargs,
+        speculative_config={
+            "model": str(folder),  # the target as its own draft: every draft accepted
+            "num_speculative_tokens": 3,
+            "disable_by_batch_size": 2,
+        },
+    )
+    prompts = _copy_prompts(plain.tokenizer.vocab_size, 5, seed=21)
+    want, _ = _staggered(plain, prompts)
+    got, forwards = _staggered(spec, prompts)
+    assert got == want
+    stats = spec.engine.stats
+    num_busy = 1 + 6  # steps until the short answers are done (request 0 ran alone in one)
+    assert forwards[:num_busy] == [0] * num_busy, forwards
+    assert stats.spec_policy_steps.get(0, 0) >= num_busy - 1
+    # alone again: the draft read the prompt and the outputs so far, then drafted
+    assert forwards[-1] > 0 and stats.spec_num_accepted_tokens > 0
+    assert stats.spec_num_draft_model_steps > 0
+    assert stats.spec_num_draft_model_tokens >= len(prompts[0]) + 6

@@ -155,7 +155,9 @@ def test_response_format_text_is_accepted(client: openai.OpenAI) -> None:
         ({"tools": []}, "tools"),
         ({"functions": []}, "functions"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {str(10**6): 1}}, "logit_bias"),  # outside the vocabulary
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 10**6}, "top_logprobs"),
         ({"chat_template": "{{ messages }}"}, "chat_template"),

@@ -103,10 +103,10 @@ def test_clients_errors_and_prefix_affinity_through_smg(
         client.chat.completions.create(
             model="demo",
             messages=[{"role": "user", "content": "Hi"}],
-            logit_bias={"7": 1.0},
+            logit_bias={"7": 1000.0},
         )
     assert bad.value.body == {  # the replica's error JSON, as tokenmill wrote it
-        "message": "logit_bias is not supported",
+        "message": "logit_bias values must be numbers in [-100, 100], got 1000.0",
         "type": "invalid_request_error",
         "param": "logit_bias",
         "code": None,

@@ -124,6 +124,8 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     """SamplingParams as builtins: its fields, the enum by value, structured outputs as a dict."""
     wire = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
     wire["output_kind"] = params.output_kind.value
+    if params.logit_bias is not None:  # pairs: msgpack maps would want string keys
+        wire["logit_bias"] = [[t, b] for t, b in params.logit_bias.items()]
     so = params.structured_outputs
     if so is not None:
         wire["structured_outputs"] = {
@@ -140,6 +142,8 @@ def params_from_wire(wire: dict[str, Any] | SamplingParams) -> SamplingParams:
         return wire
     values = dict(wire)
     values["output_kind"] = RequestOutputKind(values["output_kind"])
+    if values.get("logit_bias") is not None:
+        values["logit_bias"] = {int(t): float(b) for t, b in values["logit_bias"]}
     if values.get("structured_outputs") is not None:
         values["structured_outputs"] = StructuredOutputsParams(**values["structured_outputs"])
     return SamplingParams(**values)

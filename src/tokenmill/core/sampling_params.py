@@ -18,6 +18,8 @@ _INT64_MAX = 2**63 - 1
 _MAX_N = 128
 _MAX_STOP_STRINGS = 64
 _MAX_STOP_STRING_CHARS = 1024
+MAX_LOGIT_BIAS_TOKENS = 300
+"""Most ``logit_bias`` entries one request may give (each costs the sampler a write)."""
 
 
 def _is_int(value: Any) -> bool:
@@ -99,6 +101,9 @@ class SamplingParams:
     beat the worst finished one; "never" also assumes a running beam could reach max_tokens."""
     structured_outputs: StructuredOutputsParams | None = None
     """A JSON schema, regex, choice or grammar the output must match (enforced per token)."""
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of these token ids before any other processing (OpenAI's field:
+    each in [-100, 100]; 100 all but forces a token, -100 all but bans it)."""
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -122,6 +127,8 @@ class SamplingParams:
     def _validate(self) -> None:
         def bad(param: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {message}", param=param)
+
+        self._validate_logit_bias(bad)
 
         if not _is_int(self.n) or not 1 <= self.n <= _MAX_N:
             raise bad("n", f"must be an integer in [1, {_MAX_N}], got {self.n!r}")
@@ -195,6 +202,32 @@ class SamplingParams:
                 "false is not supported (the tokenizer's decoder sets spacing)",
             )
         self._validate_beam_search(bad)
+
+    def _validate_logit_bias(self, bad: Any) -> None:
+        """Keys: token ids (ints, or strings of ints as JSON sends them); values: finite
+        numbers in [-100, 100]; normalised to ``{int: float}`` (empty: None)."""
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise bad("logit_bias", f"must map token ids to numbers, got {type(bias).__name__}")
+        if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise bad(
+                "logit_bias", f"accepts at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}"
+            )
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            token = key
+            if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+                token = int(key)
+            if not _is_int(token) or token < 0:
+                raise bad(
+                    "logit_bias", f"keys must be token ids (non-negative integers), got {key!r}"
+                )
+            if not _is_real(value) or not math.isfinite(value) or not -100 <= value <= 100:
+                raise bad("logit_bias", f"values must be numbers in [-100, 100], got {value!r}")
+            out[int(token)] = float(value)
+        self.logit_bias = out or None
 
     def _validate_beam_search(self, bad: Any) -> None:
         if not isinstance(self.use_beam_search, bool):

@@ -66,6 +66,16 @@ class EngineStats:
     """Steps by the number of tokens the batch-size policy let each request propose (0:
     speculation off for that step's batch); only steps with running requests count."""
 
+    spec_num_draft_model_steps: int = 0
+    """Draft model: engine steps in which it ran (read a lag, drafted); none while the
+    policy keeps speculation off."""
+    spec_num_draft_model_tokens: int = 0
+    """Draft model: tokens it computed (catch-up plus draft inputs), charged to the budget."""
+
+    def record_draft_model_step(self, num_tokens: int) -> None:
+        self.spec_num_draft_model_steps += 1
+        self.spec_num_draft_model_tokens += num_tokens
+
     def record_speculation(self, num_draft_tokens: int, num_accepted: int) -> None:
         """One request's verification in one step."""
         self.spec_num_drafts += 1

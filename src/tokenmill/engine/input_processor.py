@@ -190,13 +190,20 @@ class InputProcessor:
             )
 
     def validate_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: the vocabulary and the logprobs limit."""
+        """What SamplingParams cannot check alone: the vocabulary (stop_token_ids, logit_bias)
+        and the logprobs limit."""
         vocab = self.limits.vocab_size
         bad = [t for t in params.stop_token_ids or [] if t >= vocab]
         if bad:
             raise InvalidRequestError(
                 f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})",
                 param="stop_token_ids",
+            )
+        bad_bias = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad_bias:
+            raise InvalidRequestError(
+                f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary [0, {vocab})",
+                param="logit_bias",
             )
         max_logprobs = self.limits.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
@@ -245,6 +252,7 @@ class InputProcessor:
             "frequency_penalty": params.frequency_penalty != 0.0,
             "repetition_penalty": params.repetition_penalty != 1.0,
             "structured_outputs": params.structured_outputs is not None,
+            "logit_bias": params.logit_bias is not None,
         }
         for name, is_set in unsupported.items():
             if is_set:

@@ -382,6 +382,8 @@ class LLMEngine:
         if self.speculative is not None:
             self._propose()
         sched = self.scheduler.schedule()
+        if sched.draft_catch_up:
+            self._counters.record_draft_model_step(sched.num_draft_model_tokens)
         result = self.executor.execute_model(self.plan_builder.build(sched))
         for rid, num in result.num_draft_computed.items():  # the worker's draft KV length
             self.scheduler.requests[rid].num_draft_computed_tokens = num
@@ -456,10 +458,17 @@ class LLMEngine:
     # ---- speculative decoding ----------------------------------------------------------
     def _propose(self) -> None:
         """Draft tokens for running requests about to decode, as many as the policy allows
-        for this batch size. Beams decode without them."""
+        for this batch size. Beams decode without them.
+
+        The batch size counts waiting requests too (up to ``max_num_seqs``): they are
+        admitted in this very step or soon, and a draft reading prompts now would only take
+        budget from their prefills (at 16 arriving streams the first few used to speculate,
+        their draft reading whole prompts, while the rest waited for their first token)."""
         spec = self.speculative
         assert spec is not None
-        k = num_tokens_to_propose(spec, self.scheduler.num_running)
+        sched = self.scheduler
+        batch = min(sched.max_num_seqs, sched.num_running + sched.num_waiting)
+        k = num_tokens_to_propose(spec, batch)
         if self.scheduler.num_running:
             steps = self._counters.spec_policy_steps
             steps[k] = steps.get(k, 0) + 1

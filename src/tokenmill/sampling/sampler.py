@@ -1,8 +1,8 @@
 """Sampler: turns a batch of logits into next tokens, vectorised over requests.
 
-Order of operations follows vLLM: min_tokens masking and penalties on the raw logits, then
-greedy rows take the argmax; other rows get temperature, min_p, top_k, top_p and are
-sampled by the exponential race (argmax of p / E with E ~ Exp(1)), which lets a seeded
+Order of operations follows vLLM: logit bias, min_tokens masking and penalties on the raw
+logits, then greedy rows take the argmax; other rows get temperature, min_p, top_k, top_p
+and are sampled by the exponential race (argmax of p / E with E ~ Exp(1)), which lets a seeded
 request draw its noise from its own generator while the rest of the batch shares one.
 Reported logprobs are the model's raw log-probabilities (before any processing).
 """
@@ -69,6 +69,23 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     freq = _column([r.sampling_params.frequency_penalty for r in requests], device)
     presence = _column([r.sampling_params.presence_penalty for r in requests], device)
     return logits - freq * counts - presence * (counts > 0).float()
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Add each row's ``logit_bias`` to its logits, in place, first of all (as OpenAI and
+    vLLM do: the grammar, min_tokens and penalties then act on the biased logits)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, r in enumerate(requests):
+        for token, bias in (r.sampling_params.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token)
+            values.append(bias)
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    bias_values = torch.tensor(values, dtype=logits.dtype, device=device)
+    logits.index_put_(index, bias_values, accumulate=True)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -161,6 +178,8 @@ class Sampler:
         """A copy of the logits with the grammar mask, min_tokens and penalties applied:
         greedy rows take its argmax."""
         logits = logits.clone()
+        if any(r.sampling_params.logit_bias for r in requests):
+            apply_logit_bias(logits, requests)
         if token_bitmask is not None:
             apply_token_bitmask(logits, token_bitmask)
         self._mask_min_tokens(logits, requests)

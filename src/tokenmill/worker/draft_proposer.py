@@ -32,6 +32,10 @@ class DraftProposer:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         """The draft model's runner (its own KV tensors, no LoRA, no grammar)."""
+        self.num_forwards = 0
+        """Draft forwards run (tests check that a step without proposals runs none)."""
+        self.num_tokens = 0
+        """Tokens those forwards computed."""
 
     @classmethod
     def build(
@@ -53,7 +57,8 @@ class DraftProposer:
             if not catch_up:
                 continue
             view = copy.copy(request)
-            view.sampling_params = _GREEDY
+            bias = request.sampling_params.logit_bias  # the target's, so drafts follow it
+            view.sampling_params = _GREEDY.clone(logit_bias=bias) if bias else _GREEDY
             view.output_token_ids = list(request.output_token_ids)
             view.spec_token_ids = []
             view.grammar = None
@@ -66,6 +71,8 @@ class DraftProposer:
         drafts: dict[str, list[int]] = {r.request_id: [] for r, _, _ in views}
         steps = [(v, n) for _, v, n in views]  # the first forward: each request's catch-up
         while steps:
+            self.num_forwards += 1
+            self.num_tokens += sum(n for _, n in steps)
             out = self.runner.execute(
                 SchedulerOutput(
                     scheduled=steps,

@@ -3,7 +3,7 @@
 Owns what a valid body is. Models are strict (``"5"`` is not an integer, ``1.5`` is not
 ``n``) and forbid unknown fields, so a feature tokenmill does not implement is a clear 400
 naming the field rather than something silently ignored. Fields OpenAI defines but
-tokenmill cannot honour (functions, logit bias, suffix) are declared only so the
+tokenmill cannot honour (functions, suffix) are declared only so the
 rejection can say why. Bodies are decoded here, before pydantic sees them: wrong content
 type, invalid UTF-8, lone surrogates and non-object JSON all fail with OpenAI's error shape.
 """
@@ -137,6 +137,7 @@ class SamplingFields(RequestBody):
     user: str | None = None
     """Accepted for compatibility; not used."""
     logit_bias: dict[str, float] | None = None
+    """Token id (as a string) -> bias in [-100, 100], added to its logit before sampling."""
     # vLLM's extra sampling fields.
     top_k: int | None = None
     min_p: float | None = None
@@ -192,8 +193,6 @@ class SamplingFields(RequestBody):
 
     def check(self) -> None:
         """Reject what tokenmill cannot honour, naming the field."""
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
         if not -_INT32_MAX <= self.priority <= _INT32_MAX:
             raise InvalidRequestError("priority must fit in 32 bits", param="priority")
         if self.stream_options is not None and not self.stream:
@@ -237,6 +236,7 @@ class SamplingFields(RequestBody):
             "length_penalty": self.length_penalty,
             "early_stopping": self.early_stopping,
             "structured_outputs": self.structured_outputs_params()[0],
+            "logit_bias": self.logit_bias,
         }
         return SamplingParams(**values)
 
