@@ -167,6 +167,7 @@ class Sampler:
             token_bitmask is not None
             or any(r.num_output_tokens < r.sampling_params.min_tokens for r in requests)
             or any(r.sampling_params.has_penalties for r in requests)
+            or any(r.sampling_params.logit_bias for r in requests)
         )
 
     def process(
