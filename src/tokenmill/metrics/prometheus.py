@@ -378,6 +378,16 @@ def _spec_decode_metrics(stats: EngineStats, model_name: str) -> Iterator[Metric
             "Draft tokens accepted.",
             stats.spec_num_accepted_tokens,
         ),
+        (
+            "spec_decode_draft_model_steps",
+            "Engine steps in which the draft model ran (0 while the policy keeps it off).",
+            stats.spec_num_draft_model_steps,
+        ),
+        (
+            "spec_decode_draft_model_tokens",
+            "Tokens the draft model computed: catch-up on unread tokens plus draft inputs.",
+            stats.spec_num_draft_model_tokens,
+        ),
     ):
         family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
         family.add_metric([model_name], value)
@@ -398,21 +408,6 @@ def _spec_decode_metrics(stats: EngineStats, model_name: str) -> Iterator[Metric
     for k, value in sorted(stats.spec_policy_steps.items()):
         policy.add_metric([model_name, str(k)], value)
     yield policy
-    for name, doc, value in (
-        (
-            "spec_decode_draft_model_steps",
-            "Engine steps in which the draft model ran (0 while the policy keeps it off).",
-            stats.spec_num_draft_model_steps,
-        ),
-        (
-            "spec_decode_draft_model_tokens",
-            "Tokens the draft model computed: catch-up on unread tokens plus draft inputs.",
-            stats.spec_num_draft_model_tokens,
-        ),
-    ):
-        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-        family.add_metric([model_name], value)
-        yield family
 
 
 VLLM_LABELS = ["model_name", "engine"]
