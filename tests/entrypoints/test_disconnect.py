@@ -9,6 +9,7 @@ its client's departure. What is checked is steps, not seconds, so it holds on an
 from __future__ import annotations
 
 import json
+import logging
 import random
 import socket
 from collections import Counter
@@ -204,3 +205,55 @@ def test_a_request_id_in_use_is_refused_and_the_first_request_goes_on(
     gate.close()
     first.close()
     assert b'"completion_tokens":4' in received and b'"id":"cmpl-same-id"' in received
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "engine_id"),
+    [
+        (
+            "/v1/completions",
+            {"prompt": "left early", "max_tokens": 50, "ignore_eos": True},
+            "cmpl-left-{}-0",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}]},
+            "chatcmpl-left-{}-0",
+        ),
+        ("/v1/messages", {"messages": HI, "max_tokens": 50}, "msg-left-{}-0"),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 50}, "resp-left-{}-0"),
+    ],
+)
+def test_a_plain_request_whose_client_left_is_aborted_and_logged_as_499(
+    gated: tuple[InProcessServer, StepGate], path: str, body: dict, engine_id: str
+) -> None:
+    """Every non-streamed route (one shared collect) aborts on hang-up; the access log says 499."""
+    server, gate = gated
+    rid = f"left-{path.rsplit('/', 1)[-1]}"
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    access = logging.getLogger("tokenmill.access")
+    access.addHandler(handler)
+    level = access.level
+    access.setLevel(logging.INFO)
+    client = RawClient(server.base_url, path, {**body, "model": "demo"}, rid)
+    gate.wait_until(lambda: server.engine.num_streams == 1, "the request never reached the engine")
+    gate.step_and_wait()
+    assert gate.scheduled.get(engine_id.format(rid.removeprefix("left-"))), gate.scheduled.keys()
+    client.close()
+    gate.allow()  # the step on which the server notices
+    gate.wait_until(lambda: server.engine.num_streams == 0, "the abandoned request was not aborted")
+    gate.wait_until(
+        lambda: server.server.admission.num_requests_in_flight == 0,
+        "the handler kept its admission slot after its client left",
+    )
+    gate.wait_until(
+        lambda: any(f'"POST {path}" 499' in line for line in lines), f"no 499 line: {lines}"
+    )
+    access.removeHandler(handler)
+    access.setLevel(level)
+    assert any(f"-{rid} prompt_tokens=" in line for line in lines if " 499 " in line), lines

@@ -15,10 +15,11 @@ import re
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.engine.async_engine import EngineDeadError, EngineNotReadyError
+from tokenmill.entrypoints.openai.streaming import ClientDisconnected
 from tokenmill.errors import ContextLengthError, InvalidRequestError, RequestFailedError
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,12 @@ def install_exception_handlers(app: FastAPI) -> None:
         else:
             message = str(exc.detail)
         return APIError(exc.status_code, message, headers=dict(exc.headers or {})).response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(
+            status_code=499
+        )  # nginx's "client closed request": only the access log sees it
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:

@@ -24,6 +24,7 @@ from tokenmill.engine.input_processor import ProcessedRequest
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.request_log import log_output
 from tokenmill.entrypoints.openai.state import ServerState
+from tokenmill.entrypoints.openai.streaming import run_until_disconnected
 from tokenmill.metrics import ChoiceTiming, RequestTiming
 from tokenmill.outputs import PositionLogprobs, RequestOutput
 
@@ -224,6 +225,17 @@ class GenerationRun:
         finally:
             await stream.aclose()
         return self.latest
+
+    async def collect_for(self, request: Request) -> list[RequestOutput | None]:
+        """``collect()`` unless ``request``'s client leaves first, then ClientDisconnected.
+
+        The app answers ClientDisconnected with 499 (nginx's code), which only the access
+        log sees; the access log gets this run's counts either way.
+        """
+        try:
+            return await run_until_disconnected(request, self.collect())
+        finally:
+            self.record_for_access_log(request)
 
     async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
         """Per-choice deltas for streaming; a timeout finishes open choices with ``length``."""

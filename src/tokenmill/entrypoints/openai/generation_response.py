@@ -20,9 +20,7 @@ from tokenmill.entrypoints.openai.generation import GenerationRun
 from tokenmill.entrypoints.openai.generation_request import ParsedRequest
 from tokenmill.entrypoints.openai.streaming import (
     SSE_DONE,
-    ClientDisconnected,
     SSEResponse,
-    run_until_disconnected,
     sse_event,
 )
 from tokenmill.outputs import PositionLogprobs, RequestOutput
@@ -95,12 +93,7 @@ async def respond(
             stream(), req.request_id, on_close=lambda: run.record_for_access_log(request)
         )
         return SSEResponse(events, headers=req.headers)
-    try:
-        outputs = await run_until_disconnected(request, run.collect())
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        run.record_for_access_log(request)
+    outputs = await run.collect_for(request)
     return JSONResponse(
         {
             "id": req.request_id,

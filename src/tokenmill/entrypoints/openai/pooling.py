@@ -15,23 +15,13 @@ import struct
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from fastapi.responses import Response
-
 from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.generation import GenerationRun
 from tokenmill.entrypoints.openai.generation_request import ParsedRequest, process_prompts
 from tokenmill.entrypoints.openai.pooling_protocol import PoolingFields
-from tokenmill.entrypoints.openai.streaming import ClientDisconnected, run_until_disconnected
 from tokenmill.errors import InvalidRequestError
 from tokenmill.pooling_params import PoolingParams
-
-
-class ClientGone(Exception):
-    """The client left before the vectors were ready (answered 499, seen only in the access log)."""
-
-    def response(self) -> Response:
-        return Response(status_code=499)
 
 
 def pooling_params(
@@ -74,12 +64,7 @@ async def pool_inputs(
             exc.param = input_param  # the field this API calls its inputs
         raise
     run = GenerationRun(state, req.request_id, prompts)
-    try:
-        outputs = await run_until_disconnected(req.http, run.collect())
-    except ClientDisconnected:
-        raise ClientGone() from None
-    finally:
-        run.record_for_access_log(req.http)
+    outputs = await run.collect_for(req.http)
     vectors = [out.pooled if out is not None and out.pooled is not None else [] for out in outputs]
     if any(not v for v in vectors):  # a timeout: pooling has no partial result
         raise APIError(

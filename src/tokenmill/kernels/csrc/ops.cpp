@@ -347,19 +347,20 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
-                                        const at::Tensor& cos, const at::Tensor& sin) {
+// The checks and fields rope and rope_kv_write share (q, k, the tables and the positions);
+// the caller sets the outputs. `op` names the caller in the errors.
+RopeArgs rope_args(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                   const at::Tensor& sin, const at::Tensor& pos) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(2) == k.size(2) && q.size(0) == k.size(0) &&
                   q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
-              "rope: q [T, Hq, D] and k [T, Hk, D] with contiguous heads");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "rope: q and k dtypes differ");
-  const int64_t T = q.size(0), D = q.size(2);
-  TORCH_CHECK(D % 2 == 0, "rope: head_dim must be even");
+              op, ": q [T, Hq, D] and k [T, Hk, D] with contiguous heads");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), op, ": q and k dtypes differ");
+  const int64_t D = q.size(2);
+  TORCH_CHECK(D % 2 == 0, op, ": head_dim must be even");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
                   sin.scalar_type() == at::kFloat && cos.size(1) == D && sin.sizes() == cos.sizes(),
-              "rope: cos and sin must be float32 [positions, head_dim]");
-  at::Tensor pos = positions.to(at::kLong).contiguous();
-  TORCH_CHECK(pos.numel() == T, "rope: one position per token");
+              op, ": cos and sin must be float32 [positions, head_dim]");
+  TORCH_CHECK(pos.numel() == q.size(0), op, ": one position per token");
   RopeArgs a{};
   a.fmt = act_fmt(q);
   a.q = q.data_ptr();
@@ -372,6 +373,14 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& positions, const at::T
   a.positions = pos.data_ptr<int64_t>();
   a.cos = cos.data_ptr<float>();
   a.sin = sin.data_ptr<float>();
+  return a;
+}
+
+std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& cos, const at::Tensor& sin) {
+  at::Tensor pos = positions.to(at::kLong).contiguous();
+  RopeArgs a = rope_args("rope", q, k, cos, sin, pos);
+  const int64_t T = q.size(0), D = a.D;
   at::Tensor qo = at::empty({T, a.Hq, D}, q.options()), ko = at::empty({T, a.Hk, D}, k.options());
   a.q_out = qo.data_ptr();
   a.k_out = ko.data_ptr();
@@ -400,43 +409,26 @@ void store_kv(const at::Tensor& cache, const at::Tensor& x, const at::Tensor& sl
 at::Tensor rope_kv_write(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                          const at::Tensor& slot_mapping, const at::Tensor& kv_scales) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(2) == k.size(2) && q.size(0) == k.size(0) &&
-                  q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
-              "rope_kv_write: q [T, Hq, D] and k [T, Hk, D] with contiguous heads");
+  at::Tensor pos = positions.to(at::kLong).contiguous();
+  RopeKvArgs a{};
+  a.rope = rope_args("rope_kv_write", q, k, cos, sin, pos);
+  RopeArgs& r = a.rope;
+  const int64_t T = q.size(0), Hk = r.Hk, D = r.D;
   TORCH_CHECK(v.sizes() == k.sizes() && v.stride(2) == 1 && v.stride(1) == v.size(2) &&
-                  v.scalar_type() == k.scalar_type() && q.scalar_type() == k.scalar_type(),
+                  v.scalar_type() == k.scalar_type(),
               "rope_kv_write: v must be shaped like k, with contiguous heads, and q, k, v one dtype");
-  const int64_t T = q.size(0), Hk = k.size(1), D = q.size(2);
-  TORCH_CHECK(D % 2 == 0, "rope_kv_write: head_dim must be even");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
-                  sin.scalar_type() == at::kFloat && cos.size(1) == D && sin.sizes() == cos.sizes(),
-              "rope_kv_write: cos and sin must be float32 [positions, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
                   k_cache.size(2) == Hk && k_cache.size(3) == D,
               "rope_kv_write: K and V caches [blocks, block_size, Hk, D], contiguous, one dtype");
-  at::Tensor pos = positions.to(at::kLong).contiguous();
   at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
-  TORCH_CHECK(pos.numel() == T && slots.numel() == T, "rope_kv_write: one position and one slot per token");
+  TORCH_CHECK(slots.numel() == T, "rope_kv_write: one slot per token");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "rope_kv_write: slot ", sp[t], " outside the cache");
   at::Tensor sc = kv_scales.to(at::kFloat).contiguous();
   TORCH_CHECK(sc.numel() == 2, "rope_kv_write: kv_scales holds [k_scale, v_scale]");
-  RopeKvArgs a{};
-  RopeArgs& r = a.rope;
-  r.fmt = act_fmt(q);
-  r.q = q.data_ptr();
-  r.k = k.data_ptr();
-  r.ldq = q.stride(0);
-  r.ldk = k.stride(0);
-  r.Hq = q.size(1);
-  r.Hk = Hk;
-  r.D = D;
-  r.positions = pos.data_ptr<int64_t>();
-  r.cos = cos.data_ptr<float>();
-  r.sin = sin.data_ptr<float>();
   at::Tensor qo = at::empty({T, r.Hq, D}, q.options());
   r.q_out = qo.data_ptr();
   a.v = v.data_ptr();

@@ -14,7 +14,6 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.entrypoints.openai.generation_request import ParsedRequest, parse_request
 from tokenmill.entrypoints.openai.pooling import (
-    ClientGone,
     encode_vector,
     pool_inputs,
     pooling_params,
@@ -52,10 +51,7 @@ async def _pooled_response(
 ) -> Response:
     """/v1/embeddings and /pooling: the same pooled vectors, each API's own item shape."""
     req = await parse_request(request, body_cls, id_prefix, runner="pooling")
-    try:
-        vectors, num_tokens = await _vectors(req)
-    except ClientGone as gone:
-        return gone.response()
+    vectors, num_tokens = await _vectors(req)
     fmt = req.body.encoding_format
     data = [
         {"index": i, "object": object_name, vector_key: encode_vector(v, fmt)}

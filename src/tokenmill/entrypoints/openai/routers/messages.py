@@ -43,10 +43,8 @@ from tokenmill.entrypoints.openai.routers.chat import (
 )
 from tokenmill.entrypoints.openai.state import get_state
 from tokenmill.entrypoints.openai.streaming import (
-    ClientDisconnected,
     SSEResponse,
     named_event,
-    run_until_disconnected,
 )
 from tokenmill.entrypoints.openai.tools import ToolCallStreamer, tool_calls_message
 from tokenmill.outputs import CompletionOutput
@@ -80,12 +78,7 @@ async def create_message(request: Request) -> Response:
     if req.body.stream:
         events = _guarded(_stream(req, started), req, started.run)
         return SSEResponse(events, headers=req.headers)
-    try:
-        outputs = await run_until_disconnected(request, started.run.collect())
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        started.run.record_for_access_log(request)
+    outputs = await started.run.collect_for(request)
     output = outputs[0]
     choice = output.outputs[0] if output is not None and output.outputs else None
     return JSONResponse(_message(req, started, choice), headers=req.headers)

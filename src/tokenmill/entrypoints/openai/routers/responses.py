@@ -37,10 +37,8 @@ from tokenmill.entrypoints.openai.responses_api import (
 from tokenmill.entrypoints.openai.routers.chat import ChatRun, start_chat_run
 from tokenmill.entrypoints.openai.state import get_state
 from tokenmill.entrypoints.openai.streaming import (
-    ClientDisconnected,
     SSEResponse,
     named_event,
-    run_until_disconnected,
 )
 from tokenmill.entrypoints.openai.tools import ToolCallStreamer, ToolMode
 
@@ -329,12 +327,7 @@ async def create_response(request: Request) -> Response:
         events = _stream(req, body, started, translation, state.response_store)
         return SSEResponse(events, headers=req.headers)
     run = started.run
-    try:
-        outputs = await run_until_disconnected(request, run.collect())
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        run.record_for_access_log(request)
+    outputs = await run.collect_for(request)
     latest = outputs[0]
     choice = latest.outputs[0] if latest is not None and latest.outputs else None
     output = _Output(started.mode)

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.entrypoints.openai.generation_request import parse_request
-from tokenmill.entrypoints.openai.pooling import ClientGone, cosine, pool_inputs, pooling_params
+from tokenmill.entrypoints.openai.pooling import cosine, pool_inputs, pooling_params
 from tokenmill.entrypoints.openai.pooling_protocol import RerankRequest, ScoreRequest
 
 router = APIRouter()
@@ -25,10 +25,7 @@ async def create_score(request: Request) -> Response:
     pairs = req.body.pairs()
     left = list(dict.fromkeys(a for a, _ in pairs))
     right = [b for _, b in pairs]
-    try:
-        vectors, num_tokens = await pool_inputs(req, [*left, *right], pooling_params(req), "text_2")
-    except ClientGone as gone:
-        return gone.response()
+    vectors, num_tokens = await pool_inputs(req, [*left, *right], pooling_params(req), "text_2")
     by_text = dict(zip(left, vectors[: len(left)], strict=True))
     data = [
         {"index": i, "object": "score", "score": cosine(by_text[a], vectors[len(left) + i])}
@@ -53,12 +50,9 @@ async def create_score(request: Request) -> Response:
 async def create_rerank(request: Request) -> Response:
     req = await parse_request(request, RerankRequest, "rerank", runner="pooling")
     body = req.body
-    try:
-        vectors, num_tokens = await pool_inputs(
-            req, [body.query, *body.documents], pooling_params(req), "documents"
-        )
-    except ClientGone as gone:
-        return gone.response()
+    vectors, num_tokens = await pool_inputs(
+        req, [body.query, *body.documents], pooling_params(req), "documents"
+    )
     scores = [cosine(vectors[0], v) for v in vectors[1:]]
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     if body.top_n:
