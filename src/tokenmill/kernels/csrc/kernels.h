@@ -96,6 +96,24 @@ struct AttnArgs {
   const int64_t* seq_items;
 };
 
+// Prefill attention: each sequence's queries are its last positions (a prompt chunk, after
+// whatever it already has cached) and attend causally over its blocks, read in place.
+struct PrefillArgs {
+  const void* q;            // [N, Hq, D], row stride ldq: sequence b's rows [query_start[b], query_start[b+1])
+  const void* k_cache;      // [blocks, block_size, Hkv, D]
+  const void* v_cache;
+  const int64_t* block_tables;  // [B, ldbt]
+  const int64_t* context_lens;  // [B]: tokens in the cache, the chunk's own included
+  const int64_t* query_start;   // [B + 1]
+  void* out;                // [N, Hq * D]
+  int64_t Hq, Hkv, D, block_size, ldq, ldbt;
+  int64_t window;           // 0: full attention; else a key is seen from window - 1 positions back
+  float scale, k_scale, v_scale;
+  float softcap;
+  int q_fmt, kv_fmt;
+  const int64_t* items;     // [items, 3]: (sequence, kv head, first query row of the tile)
+};
+
 struct KernelTable {
   const char* name;
   // Every function handles the half-open range [begin, end) of its parallel dimension:
@@ -112,7 +130,12 @@ struct KernelTable {
   // a.x into a.xq / a.x_scale (``is_unsigned``: store x + 128) before gemm_int8/int4 run.
   void (*quantize_rows)(const GemmArgs&, bool is_unsigned, int64_t, int64_t);
   void (*rope_kv)(const RopeKvArgs&, int64_t, int64_t);          // tokens
+  void (*prefill_attention)(const PrefillArgs&, int64_t, int64_t);  // work items
 };
+
+// Query rows per prefill work item for ``group`` query heads per KV head: whole rows, at
+// most 16 query vectors (at least one row, whatever the group).
+inline int64_t prefill_rows_per_item(int64_t group) { return group >= 16 ? 1 : 16 / group; }
 
 const KernelTable* avx512_kernels();
 const KernelTable* avx2_kernels();
