@@ -383,10 +383,10 @@ def paged_attention(
             and group.segments is not None
             and _decode_kernel_applies(q, k_cache)
         ):
-            rows, attn = _prefill_kernel(
+            chunk_rows, attn = _prefill_kernel(
                 q, k_cache, v_cache, group, scale, window, kv_scales, softcap
             )
-            out[rows] = attn
+            out[chunk_rows] = attn
             continue
         if _causal_prefill_applies(q, group, window, softcap):
             scales = kv_scales if kv_scales is not None else q.new_ones(2, dtype=torch.float32)
