@@ -111,7 +111,16 @@ struct PrefillArgs {
   float scale, k_scale, v_scale;
   float softcap;
   int q_fmt, kv_fmt;
-  const int64_t* items;     // [items, 3]: (sequence, kv head, first query row of the tile)
+  // Work item i: sequence items[3i], KV heads [items[3i + 1], + heads_per_item), query rows
+  // [items[3i + 2], + rows_per_item) of that sequence's.
+  const int64_t* items;
+  int64_t rows_per_item, heads_per_item;
+  // Null: each item sees all its rows' keys and writes out. Else (split decode) item i sees
+  // keys [item_keys[2i], item_keys[2i+1]) only and leaves fp32 partial outputs [items, Hq,
+  // D] and (max, sum) [items, Hq, 2] for attention_merge, as AttnArgs' items do.
+  const int64_t* item_keys;
+  float* partial;
+  float* partial_ml;
 };
 
 struct KernelTable {

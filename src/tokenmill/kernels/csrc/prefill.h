@@ -176,8 +176,8 @@ inline void score_block_wide(int gn, const void* kc, const int64_t* rows, int n,
 template <int QF, int KF>
 void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
   const int64_t D = a.D, Hq = a.Hq, Hkv = a.Hkv, G = Hq / Hkv, bs = a.block_size;
-  const int64_t dp = round_up(D, Vec::W), rows_per_item = tokenmill::prefill_rows_per_item(G);
-  const int64_t MV = rows_per_item * G;  // query vectors per item, at most
+  const int64_t dp = round_up(D, Vec::W), R = a.rows_per_item, HI = a.heads_per_item;
+  const int64_t RG = R * G, MV = RG * HI;  // query vectors per head of an item, per item
   // fp32 scratch: scaled queries and accumulators [MV, dp], running max and sum [MV], one
   // key tile's scores / weights [MV, kKeyTile]; K/V row offsets of the tile's keys.
   // bf16 dot products: queries as bf16 pairs [MV, P], keys packed [kKeyTile / 16, P, 16],
@@ -196,113 +196,144 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
   uint32_t* vp = kt + kKeyTile * P;
   uint32_t* pw = vp + kKeyTile / 2 * dp;
   (void)kt; (void)vp; (void)pw;
-  int64_t rows[kKeyTile];
+  int64_t base[kKeyTile], rows[kKeyTile];
   const Vec::R qscale = Vec::set1(a.scale * (a.softcap > 0 ? 1.0f : a.k_scale));
   const float post_scale = a.softcap > 0 ? a.k_scale : 1.0f;  // K's fp8 scale, before the cap
+  const int64_t kv_bytes = KF == tokenmill::F32 ? 4 : KF == tokenmill::BF16 ? 2 : 1;
   for (int64_t idx = i0; idx < i1; ++idx) {
     const int64_t* it = a.items + 3 * idx;
-    const int64_t b = it[0], h = it[1], r0 = it[2];
+    const int64_t b = it[0], h0 = it[1], r0 = it[2];
     const int64_t q0 = a.query_start[b], nq = a.query_start[b + 1] - q0, ctx = a.context_lens[b];
-    const int64_t r1 = min64(nq, r0 + rows_per_item), M = (r1 - r0) * G;
+    const int64_t r1 = min64(nq, r0 + R), Mh = (r1 - r0) * G;  // vectors per head
     const int64_t first_pos = ctx - nq;  // position of the chunk's first query
     const int64_t* table = a.block_tables + b * a.ldbt;
-    // Vector m: query row r0 + m / G, head h * G + m % G.
-    for (int64_t m = 0; m < M; ++m) {
-      const int64_t row = q0 + r0 + m / G, hq = h * G + m % G;
-      for (int64_t j = 0; j < dp; j += Vec::W) {
-        Vec::R qv = j < D ? Vec::mul(ld<QF>(a.q, row * a.ldq + hq * D + j, chunk(D, j)), qscale) : Vec::zero();
-        Vec::store_f32(qf + m * dp + j, qv, Vec::W);
-        Vec::store_f32(acc + m * dp + j, Vec::zero(), Vec::W);
+    // Vector hl * RG + i: KV head h0 + hl, query row r0 + i / G, query head (h0 + hl) * G + i % G.
+    for (int64_t hl = 0; hl < HI; ++hl)
+      for (int64_t i = 0; i < Mh; ++i) {
+        const int64_t m = hl * RG + i, row = q0 + r0 + i / G, hq = (h0 + hl) * G + i % G;
+        for (int64_t j = 0; j < dp; j += Vec::W) {
+          Vec::R qv = j < D ? Vec::mul(ld<QF>(a.q, row * a.ldq + hq * D + j, chunk(D, j)), qscale) : Vec::zero();
+          Vec::store_f32(qf + m * dp + j, qv, Vec::W);
+          Vec::store_f32(acc + m * dp + j, Vec::zero(), Vec::W);
+        }
+        if constexpr (fast) {  // the bf16 query as it is (exact); the scale goes on the scores
+          uint16_t* w = reinterpret_cast<uint16_t*>(qw + m * P);
+          const uint16_t* src = static_cast<const uint16_t*>(a.q) + row * a.ldq + hq * D;
+          for (int64_t j = 0; j < 2 * P; ++j) w[j] = j < D ? src[j] : 0;
+        }
+        mx[m] = -3.0e38f;
+        sm[m] = 0.0f;
       }
-      if constexpr (fast) {  // the bf16 query as it is (exact); the scale goes on the scores
-        uint16_t* w = reinterpret_cast<uint16_t*>(qw + m * P);
-        const uint16_t* src = static_cast<const uint16_t*>(a.q) + row * a.ldq + hq * D;
-        for (int64_t j = 0; j < 2 * P; ++j) w[j] = j < D ? src[j] : 0;
-      }
-      mx[m] = -3.0e38f;
-      sm[m] = 0.0f;
-    }
-    // Keys row r sees: [lo(r), pos(r) + 1), lo = pos - window + 1 with a window.
-    const int64_t lo0 = a.window > 0 ? max64(0, first_pos + r0 - a.window + 1) : 0;
-    const int64_t hi1 = first_pos + r1;
+    // Keys row r sees: [lo(r), pos(r) + 1), lo = pos - window + 1 with a window; a split
+    // item only its share [item_keys) of them.
+    int64_t lo0 = a.window > 0 ? max64(0, first_pos + r0 - a.window + 1) : 0, hi1 = first_pos + r1;
+    if (a.item_keys) { lo0 = max64(lo0, a.item_keys[2 * idx]); hi1 = min64(hi1, a.item_keys[2 * idx + 1]); }
+    const int64_t line0 = h0 * D * kv_bytes, lines = HI * D * kv_bytes;  // the item's heads in a token's row
     for (int64_t k0 = lo0; k0 < hi1; k0 += kKeyTile) {
       const int n = (int)min64(kKeyTile, hi1 - k0);
       for (int t = 0; t < n; ++t) {
         const int64_t pos = k0 + t;
-        rows[t] = ((table[pos / bs] * bs + pos % bs) * Hkv + h) * D;
+        base[t] = (table[pos / bs] * bs + pos % bs) * Hkv * D;
       }
-      if constexpr (fast) {
+      // The next tile's K and V rows lie elsewhere in the pool: ask for them now (into L2:
+      // measured 1.2-1.5x faster decode than into L1, which the tile's own rows use), so
+      // that long contexts stream instead of waiting block by block.
+      for (int64_t pos = k0 + kKeyTile; pos < min64(hi1, k0 + 2 * kKeyTile); ++pos) {
+        const int64_t off = (table[pos / bs] * bs + pos % bs) * Hkv * D * kv_bytes + line0;
+        for (int64_t c = 0; c < lines; c += 64) {
+          __builtin_prefetch(static_cast<const char*>(a.k_cache) + off + c, 0, 2);
+          __builtin_prefetch(static_cast<const char*>(a.v_cache) + off + c, 0, 2);
+        }
+      }
+      for (int64_t hl = 0; hl < HI; ++hl) {
+        for (int t = 0; t < n; ++t) rows[t] = base[t] + (h0 + hl) * D;
+        const int64_t mh = hl * RG;  // this head's first vector
+        if constexpr (fast) {
 #ifdef TOKENMILL_BF16_DOT
-        const float dot_scale = a.scale * (a.softcap > 0 ? 1.0f : a.k_scale);
-        const uint16_t* kc = static_cast<const uint16_t*>(a.k_cache);
-        for (int t0 = 0; t0 < n; t0 += 16) {
-          uint32_t* ktt = kt + t0 * P;
-          pack_keys16(kc, rows + t0, (int)min64(16, n - t0), D, P, ktt);
-          for (int64_t m0 = 0; m0 < M; m0 += 8)
-            qk16_any((int)min64(8, M - m0), qw + m0 * P, P, ktt, dot_scale, sc + m0 * kKeyTile + t0, kKeyTile);
-        }
+          const float dot_scale = a.scale * (a.softcap > 0 ? 1.0f : a.k_scale);
+          const uint16_t* kc = static_cast<const uint16_t*>(a.k_cache);
+          for (int t0 = 0; t0 < n; t0 += 16) {
+            uint32_t* ktt = kt + t0 * P;
+            pack_keys16(kc, rows + t0, (int)min64(16, n - t0), D, P, ktt);
+            for (int64_t m0 = 0; m0 < Mh; m0 += 8)
+              qk16_any((int)min64(8, Mh - m0), qw + (mh + m0) * P, P, ktt, dot_scale, sc + (mh + m0) * kKeyTile + t0,
+                       kKeyTile);
+          }
 #endif
-      } else {
-        for (int64_t m0 = 0; m0 < M; m0 += kPrefillScoreTile) {
-          const int gn = (int)min64(kPrefillScoreTile, M - m0);
-          score_block_wide<KF>(gn, a.k_cache, rows, n, D, qf + m0 * dp, dp, sc + m0 * kKeyTile, kKeyTile);
+        } else {
+          for (int64_t m0 = 0; m0 < Mh; m0 += kPrefillScoreTile) {
+            const int gn = (int)min64(kPrefillScoreTile, Mh - m0);
+            score_block_wide<KF>(gn, a.k_cache, rows, n, D, qf + (mh + m0) * dp, dp, sc + (mh + m0) * kKeyTile, kKeyTile);
+          }
         }
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        float* p = sc + m * kKeyTile;
-        const int64_t pos = first_pos + r0 + m / G;
-        // This row's keys inside the tile: [ta, te).
-        const int ta = a.window > 0 ? (int)min64(n, max64(0, pos - a.window + 1 - k0)) : 0;
-        const int te = (int)max64(ta, min64(n, pos + 1 - k0));
-        for (int t = 0; t < ta; ++t) p[t] = 0.0f;
-        for (int t = te; t < n; ++t) p[t] = 0.0f;
-        if (ta == te) continue;
-        Vec::R vmax = Vec::set1(-3.0e38f);
-        for (int t = ta; t < te; t += Vec::W) {
-          const int c = (int)min64(Vec::W, te - t);
-          Vec::R v = Vec::load_f32(p + t, c);
-          if (a.softcap > 0) v = softcap_vec(Vec::mul(v, Vec::set1(post_scale)), a.softcap);
-          Vec::store_f32(p + t, v, c);
-          vmax = Vec::max(vmax, Vec::load_masked_or(p + t, c, -3.0e38f));
+        for (int64_t i = 0; i < Mh; ++i) {
+          const int64_t m = mh + i;
+          float* p = sc + m * kKeyTile;
+          const int64_t pos = first_pos + r0 + i / G;
+          // This row's keys inside the tile: [ta, te).
+          const int ta = a.window > 0 ? (int)min64(n, max64(0, pos - a.window + 1 - k0)) : 0;
+          const int te = (int)max64(ta, min64(n, pos + 1 - k0));
+          for (int t = 0; t < ta; ++t) p[t] = 0.0f;
+          for (int t = te; t < n; ++t) p[t] = 0.0f;
+          if (ta == te) continue;
+          Vec::R vmax = Vec::set1(-3.0e38f);
+          for (int t = ta; t < te; t += Vec::W) {
+            const int c = (int)min64(Vec::W, te - t);
+            Vec::R v = Vec::load_f32(p + t, c);
+            if (a.softcap > 0) v = softcap_vec(Vec::mul(v, Vec::set1(post_scale)), a.softcap);
+            Vec::store_f32(p + t, v, c);
+            vmax = Vec::max(vmax, Vec::load_masked_or(p + t, c, -3.0e38f));
+          }
+          const float tile_max = Vec::reduce_max(vmax);
+          const float m_new = mx[m] > tile_max ? mx[m] : tile_max;
+          const float alpha = __builtin_expf(mx[m] - m_new);
+          const Vec::R vm = Vec::set1(m_new);
+          Vec::R sum = Vec::zero();
+          for (int t = ta; t < te; t += Vec::W) {
+            const int c = (int)min64(Vec::W, te - t);
+            Vec::store_f32(p + t, Vec::exp(Vec::sub(Vec::load_f32(p + t, c), vm)), c);
+            sum = Vec::add(sum, Vec::load_f32(p + t, c));  // reload: the tail lanes read as 0
+          }
+          sm[m] = sm[m] * alpha + Vec::reduce_add(sum);
+          mx[m] = m_new;
+          if (alpha != 1.0f) {
+            const Vec::R va = Vec::set1(alpha);
+            float* o = acc + m * dp;
+            for (int64_t j = 0; j < dp; j += Vec::W) Vec::store_f32(o + j, Vec::mul(Vec::load_f32(o + j, Vec::W), va), Vec::W);
+          }
         }
-        const float tile_max = Vec::reduce_max(vmax);
-        const float m_new = mx[m] > tile_max ? mx[m] : tile_max;
-        const float alpha = __builtin_expf(mx[m] - m_new);
-        const Vec::R vm = Vec::set1(m_new);
-        Vec::R sum = Vec::zero();
-        for (int t = ta; t < te; t += Vec::W) {
-          const int c = (int)min64(Vec::W, te - t);
-          Vec::store_f32(p + t, Vec::exp(Vec::sub(Vec::load_f32(p + t, c), vm)), c);
-          sum = Vec::add(sum, Vec::load_f32(p + t, c));  // reload: the tail lanes read as 0
-        }
-        sm[m] = sm[m] * alpha + Vec::reduce_add(sum);
-        mx[m] = m_new;
-        if (alpha != 1.0f) {
-          const Vec::R va = Vec::set1(alpha);
-          float* o = acc + m * dp;
-          for (int64_t j = 0; j < dp; j += Vec::W) Vec::store_f32(o + j, Vec::mul(Vec::load_f32(o + j, Vec::W), va), Vec::W);
-        }
-      }
-      if constexpr (fast) {
+        if constexpr (fast) {
 #ifdef TOKENMILL_BF16_DOT
-        pack_values(static_cast<const uint16_t*>(a.v_cache), rows, n, D, dp, vp);
-        for (int64_t m = 0; m < M; ++m) pack_weights(sc + m * kKeyTile, n, pw + m * (kKeyTile / 2));
-        for (int64_t m0 = 0; m0 < M; m0 += 4)
-          pv_any((int)min64(4, M - m0), vp, (n + 1) / 2, dp, pw + m0 * (kKeyTile / 2), kKeyTile / 2, acc + m0 * dp);
+          pack_values(static_cast<const uint16_t*>(a.v_cache), rows, n, D, dp, vp);
+          for (int64_t i = 0; i < Mh; ++i) pack_weights(sc + (mh + i) * kKeyTile, n, pw + (mh + i) * (kKeyTile / 2));
+          for (int64_t m0 = 0; m0 < Mh; m0 += 4)
+            pv_any((int)min64(4, Mh - m0), vp, (n + 1) / 2, dp, pw + (mh + m0) * (kKeyTile / 2), kKeyTile / 2,
+                   acc + (mh + m0) * dp);
 #endif
-      } else {
-        for (int64_t m0 = 0; m0 < M; m0 += kHeadTile) {
-          const int gn = (int)min64(kHeadTile, M - m0);
-          accumulate_v_any<KF>(gn, a.v_cache, rows, n, D, sc + m0 * kKeyTile, kKeyTile, acc + m0 * dp, dp);
+        } else {
+          for (int64_t m0 = 0; m0 < Mh; m0 += kHeadTile) {
+            const int gn = (int)min64(kHeadTile, Mh - m0);
+            accumulate_v_any<KF>(gn, a.v_cache, rows, n, D, sc + (mh + m0) * kKeyTile, kKeyTile, acc + (mh + m0) * dp, dp);
+          }
         }
       }
     }
-    for (int64_t m = 0; m < M; ++m) {
-      const int64_t row = q0 + r0 + m / G, hq = h * G + m % G;
-      const Vec::R vi = Vec::set1(a.v_scale / sm[m]);  // every row sees at least its own key
-      for (int64_t j = 0; j < D; j += Vec::W)
-        st<QF>(a.out, (row * Hq + hq) * D + j, Vec::mul(Vec::load_f32(acc + m * dp + j, Vec::W), vi), chunk(D, j));
-    }
+    for (int64_t hl = 0; hl < HI; ++hl)
+      for (int64_t i = 0; i < Mh; ++i) {
+        const int64_t m = hl * RG + i, row = q0 + r0 + i / G, hq = (h0 + hl) * G + i % G;
+        // A whole range sees at least each row's own key; a split's share may see none
+        // (sum 0: its weight in the merge is 0).
+        const Vec::R vi = Vec::set1(sm[m] > 0 ? a.v_scale / sm[m] : 0.0f);
+        for (int64_t j = 0; j < D; j += Vec::W) {
+          const Vec::R o = Vec::mul(Vec::load_f32(acc + m * dp + j, Vec::W), vi);
+          if (a.partial) Vec::store_f32(a.partial + (idx * Hq + hq) * D + j, o, chunk(D, j));
+          else st<QF>(a.out, (row * Hq + hq) * D + j, o, chunk(D, j));
+        }
+        if (a.partial) {
+          a.partial_ml[2 * (idx * Hq + hq)] = mx[m];
+          a.partial_ml[2 * (idx * Hq + hq) + 1] = sm[m];
+        }
+      }
   }
   std::free(qf);
 }
