@@ -88,13 +88,15 @@ def kernel_prefill(prefix: int, new: int, rounds: int) -> dict[str, float]:
     return ratio(medians, "torch", "kernel")
 
 
-def kernel_decode(batch: int, context: int, rounds: int) -> dict[str, float]:
+def kernel_decode(
+    batch: int, context: int, rounds: int, kv_dtype: torch.dtype = torch.bfloat16
+) -> dict[str, float]:
     width = -(-context // BLOCK)
     pool = batch * width + 1
     layers = [
         (
-            torch.randn(pool, BLOCK, KV_HEADS, HEAD_DIM).bfloat16(),
-            torch.randn(pool, BLOCK, KV_HEADS, HEAD_DIM).bfloat16(),
+            torch.randn(pool, BLOCK, KV_HEADS, HEAD_DIM).to(kv_dtype),
+            torch.randn(pool, BLOCK, KV_HEADS, HEAD_DIM).to(kv_dtype),
         )
         for _ in range(LAYERS)
     ]
@@ -188,20 +190,22 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--skip-prefill", action="store_true", help="no kernel-alone prefill")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not kernels.available():
         raise SystemExit("the tokenmill CPU kernels did not build here; nothing to compare")
     results: dict[str, Any] = {"threads": args.threads, "isa": kernels.active_isa()}
-    results["kernel prefill (ms per layer)"] = {
-        f"prefix={p} new={n}": kernel_prefill(p, n, args.rounds)
-        for p, n in ((0, 512), (512, 512), (0, 1024), (1024, 64), (0, 64))
-    }
+    if not args.skip_prefill:
+        results["kernel prefill (ms per layer)"] = {
+            f"prefix={p} new={n}": kernel_prefill(p, n, args.rounds)
+            for p, n in ((0, 512), (512, 512), (0, 1024), (1024, 64), (0, 64))
+        }
     if has_decode_switch():
         results["kernel decode (ms per layer)"] = {
             f"B={b} ctx={c}": kernel_decode(b, c, args.rounds)
             for b, c in ((16, 1024), (1, 1024), (1, 4096))
-        }
+        } | {"B=16 ctx=1024 fp8_e4m3": kernel_decode(16, 1024, args.rounds, torch.float8_e4m3fn)}
     if not args.skip_engine:
         from engine_core import build_model
 

@@ -160,7 +160,14 @@ def _reference_attention(q, k_cache, v_cache, tables, lens, scale, window, kv_sc
 @pytest.mark.parametrize("q_dtype", DTYPES)
 @pytest.mark.parametrize(
     ("hq", "hkv", "dim", "block_size", "window"),
-    [(4, 2, 16, 16, 0), (16, 4, 64, 16, 0), (3, 3, 40, 8, 0), (12, 1, 24, 4, 5)],
+    [
+        (4, 2, 16, 16, 0),
+        (16, 4, 64, 16, 0),
+        (3, 3, 40, 8, 0),
+        (12, 1, 24, 4, 5),
+        (16, 2, 80, 16, 0),  # G = 8, head_dim not a multiple of 32
+        (8, 8, 128, 16, 3),  # G = 1
+    ],
 )
 def test_paged_decode_attention(isa, threads, kv_dtype, q_dtype, hq, hkv, dim, block_size, window):
     lens = torch.tensor([1, 9, 37])

@@ -86,7 +86,8 @@ def describe() -> str:
         amx = "AMX not granted, not used"
     return (
         f"tokenmill CPU kernels ({active_isa()}): int8/int4 linear (W8A8), add+RMSNorm, "
-        f"SiLU*mul, RoPE (+ KV write), paged decode attention (split-K, softcap); {amx}"
+        f"SiLU*mul, RoPE (+ KV write), paged decode and prefill attention (split-K, softcap); "
+        f"{amx}"
     )
 
 

@@ -1,8 +1,9 @@
 """Paged attention in plain torch: write K/V through the slot mapping, read through block tables.
 
 One step mixes decode tokens (one query each) and prefill chunks (many queries, possibly
-after a cached prefix). Each group is one batched ``scaled_dot_product_attention`` call over
-K/V gathered from the block tables; grouped-query attention folds the query heads of a KV
+after a cached prefix). On CPU, tokenmill's kernels attend both over the blocks where they
+lie (``paged_decode_attention``, ``paged_prefill_attention``). Otherwise each group is one
+batched ``scaled_dot_product_attention`` call over K/V gathered from the block tables; grouped-query attention folds the query heads of a KV
 head into extra query rows, so K/V are never repeated. Per-step data arrives as an explicit
 ``AttentionMetadata`` built once per step by ``TorchSDPABackend`` (``attention_backend.py``),
 the backend object the model calls; these are its kernels.

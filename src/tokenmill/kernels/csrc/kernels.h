@@ -73,6 +73,8 @@ struct RopeKvArgs {
   const int64_t* dst_rows;  // [T] or null
 };
 
+// Decode attention: ops.cpp runs it as PrefillArgs' work items (one query row per sequence,
+// every KV head per item); attention_merge reads the split fields.
 struct AttnArgs {
   const void* q;            // [B, Hq, D], row stride ldq
   const void* k_cache;      // [blocks, block_size, Hkv, D]
@@ -126,14 +128,13 @@ struct PrefillArgs {
 struct KernelTable {
   const char* name;
   // Every function handles the half-open range [begin, end) of its parallel dimension:
-  // output channels (gemm), rows (norm, silu), tokens (rope), (sequence, kv head) pairs.
+  // output channels (gemm), rows (norm, silu), tokens (rope), sequences or work items.
   void (*gemm_bf16)(const GemmArgs&, int64_t, int64_t);
   void (*gemm_int8)(const GemmArgs&, int64_t, int64_t);
   void (*gemm_int4)(const GemmArgs&, int64_t, int64_t);
   void (*rms_norm)(const NormArgs&, int64_t, int64_t);
   void (*silu_mul)(const SiluMulArgs&, int64_t, int64_t);
   void (*rope)(const RopeArgs&, int64_t, int64_t);
-  void (*decode_attention)(const AttnArgs&, int64_t, int64_t);   // work items
   void (*attention_merge)(const AttnArgs&, int64_t, int64_t);    // sequences
   // Null where the int GEMMs read bf16 activations; else quantizes rows [begin, end) of
   // a.x into a.xq / a.x_scale (``is_unsigned``: store x + 128) before gemm_int8/int4 run.

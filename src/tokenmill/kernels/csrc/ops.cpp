@@ -460,17 +460,6 @@ at::Tensor rope_kv_write(const at::Tensor& positions, const at::Tensor& q, const
   return qo;
 }
 
-// Dev switch (A/B in one process): decode through the tiled prefill kernel, or per block.
-bool& decode_tiles() {
-  static bool on = true;
-  return on;
-}
-
-bool set_decode_tiles(bool on) {
-  decode_tiles() = on;
-  return on;
-}
-
 
 // Tokens per split of a long context: enough work per item that the merge stays cheap.
 constexpr int64_t kMinSplitTokens = 256;
@@ -546,44 +535,40 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     a.partial_ml = partial_ml.data_ptr<float>();
   }
   const KernelTable& k = kernels();
-  if (decode_tiles()) {
-    // The prefill kernel with one query row per sequence and every KV head per item: keys
-    // in tiles across blocks (one softmax update per tile), bf16 dot products on AVX-512.
-    std::vector<int64_t> starts(B + 1), triples;
-    for (int64_t b = 0; b <= B; ++b) starts[b] = b;
-    triples.reserve(3 * items);
-    for (int64_t i = 0; i < items; ++i) triples.insert(triples.end(), {item_seq[i], 0, 0});
-    PrefillArgs p{};
-    p.q = a.q;
-    p.k_cache = a.k_cache;
-    p.v_cache = a.v_cache;
-    p.block_tables = a.block_tables;
-    p.context_lens = lens;
-    p.query_start = starts.data();
-    p.out = a.out;
-    p.Hq = Hq;
-    p.Hkv = Hkv;
-    p.D = D;
-    p.block_size = bs;
-    p.ldq = a.ldq;
-    p.ldbt = a.ldbt;
-    p.window = window;
-    p.scale = a.scale;
-    p.k_scale = a.k_scale;
-    p.v_scale = a.v_scale;
-    p.softcap = a.softcap;
-    p.q_fmt = a.q_fmt;
-    p.kv_fmt = a.kv_fmt;
-    p.items = triples.data();
-    p.rows_per_item = 1;
-    p.heads_per_item = Hkv;
-    p.item_keys = item_range.data();
-    p.partial = a.partial;
-    p.partial_ml = a.partial_ml;
-    at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) { k.prefill_attention(p, i0, i1); });
-  } else {
-    at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) { k.decode_attention(a, i0, i1); });
-  }
+  // The prefill kernel with one query row per sequence and every KV head per item: keys
+  // in tiles across blocks (one softmax update per tile), bf16 dot products on AVX-512.
+  std::vector<int64_t> starts(B + 1), triples;
+  for (int64_t b = 0; b <= B; ++b) starts[b] = b;
+  triples.reserve(3 * items);
+  for (int64_t i = 0; i < items; ++i) triples.insert(triples.end(), {item_seq[i], 0, 0});
+  PrefillArgs p{};
+  p.q = a.q;
+  p.k_cache = a.k_cache;
+  p.v_cache = a.v_cache;
+  p.block_tables = a.block_tables;
+  p.context_lens = lens;
+  p.query_start = starts.data();
+  p.out = a.out;
+  p.Hq = Hq;
+  p.Hkv = Hkv;
+  p.D = D;
+  p.block_size = bs;
+  p.ldq = a.ldq;
+  p.ldbt = a.ldbt;
+  p.window = window;
+  p.scale = a.scale;
+  p.k_scale = a.k_scale;
+  p.v_scale = a.v_scale;
+  p.softcap = a.softcap;
+  p.q_fmt = a.q_fmt;
+  p.kv_fmt = a.kv_fmt;
+  p.items = triples.data();
+  p.rows_per_item = 1;
+  p.heads_per_item = Hkv;
+  p.item_keys = item_range.data();
+  p.partial = a.partial;
+  p.partial_ml = a.partial_ml;
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) { k.prefill_attention(p, i0, i1); });
   if (items > B) at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) { k.attention_merge(a, b0, b1); });
   return out;
 }
@@ -668,7 +653,6 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("set_isa(str isa) -> str");
   m.def("amx_permitted() -> bool");
   m.def("amx_active() -> bool");
-  m.def("set_decode_tiles(bool on) -> bool");
   m.def("linear_int8_amx(Tensor x, Tensor tiles, Tensor scales, Tensor wsum, Tensor? bias, int out_features) -> Tensor");
   m.def("linear_int4_amx(Tensor x, Tensor tiles, Tensor scales, Tensor code_sums, Tensor offsets, int group_size, "
         "Tensor? bias, int out_features) -> Tensor");
@@ -690,7 +674,6 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.impl("set_isa", &tokenmill::set_isa);
   m.impl("amx_permitted", &tokenmill::amx_permitted);
   m.impl("amx_active", &tokenmill::amx_active);
-  m.impl("set_decode_tiles", &tokenmill::set_decode_tiles);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
