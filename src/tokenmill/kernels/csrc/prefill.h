@@ -3,9 +3,11 @@
 // Included by each ISA translation unit after common.h (score_block, accumulate_v, the
 // softcap); internal linkage only.
 //
-// A work item is (sequence, KV head, query tile): up to kPrefillRows x G query vectors (G
-// heads of that KV head, per query row), so each K/V row read from the cache serves all
-// of them. The item walks the keys its rows can see in tiles of kKeyTile tokens, across
+// A work item is (sequence, KV heads, query tile): for a prompt chunk one KV head and up to
+// 16 query vectors (rows x its G query heads), so each K/V row read from the cache serves
+// all of them; for decode (ops.cpp's paged_decode_attention) one query row and every KV
+// head, over the item's share of the keys when a long context is split (split-K, merged by
+// common.h's attention_merge). The item walks the keys its rows can see in tiles of kKeyTile tokens, across
 // block boundaries: scores for every query vector of the tile (K converted in registers
 // once per group of score_tile vectors), masked per row (causal, sliding window), an
 // online softmax per vector (running max and sum in fp32), and V accumulated into fp32
