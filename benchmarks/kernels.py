@@ -180,7 +180,8 @@ def bench_attention(
 
 def bench_prefill_attention(prefix: int, new: int) -> dict[str, float]:
     """One layer's attention for one request's chunk of ``new`` tokens after ``prefix``
-    cached ones: the causal flash path (model/attention.py) against the explicit mask."""
+    cached ones: torch's causal flash path (model/attention.py; fresh prompts only) and
+    explicit mask, and the kernels' paged prefill attention."""
     import dataclasses
 
     from tokenmill.model.attention import paged_attention
@@ -197,13 +198,19 @@ def bench_prefill_attention(prefix: int, new: int) -> dict[str, float]:
     meta = TorchSDPABackend(torch.device("cpu")).build_metadata(StepBatch([0] * new, [group], new))
     masked = dataclasses.replace(meta, groups=[dataclasses.replace(meta.groups[0], segments=None)])
     q = torch.randn(new, HEADS, HEAD_DIM).bfloat16()
+    from tokenmill.model import attention
+
+    def timed(flag: bool, m) -> float:  # PREFILL_KERNEL off: torch's paths
+        attention.PREFILL_KERNEL = flag
+        try:
+            return round(timed_ms(lambda: paged_attention(q, k_cache, v_cache, m, 0.125, None)), 3)
+        finally:
+            attention.PREFILL_KERNEL = True
+
     return {
-        "mask": round(
-            timed_ms(lambda: paged_attention(q, k_cache, v_cache, masked, 0.125, None)), 3
-        ),
-        "causal flash": round(
-            timed_ms(lambda: paged_attention(q, k_cache, v_cache, meta, 0.125, None)), 3
-        ),
+        "mask": timed(False, masked),
+        "causal flash": timed(False, meta),
+        "paged prefill kernel": timed(True, meta),
     }
 
 

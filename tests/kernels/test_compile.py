@@ -96,3 +96,23 @@ def test_fused_rope_kv_write_traces_and_writes_the_callers_caches_in_place() -> 
     for a, b in zip(caches, eager, strict=True):
         assert torch.equal(a, b)
     assert "clone" not in code and "copy_" not in code, code
+
+
+def test_paged_prefill_attention_traces_and_matches_eager() -> None:
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(7, 4, 16, generator=gen).bfloat16()
+    k_cache, v_cache = (torch.randn(6, 4, 2, 16, generator=gen).bfloat16() for _ in range(2))
+    tables, lens, starts = (
+        torch.tensor([[0, 1], [2, 3]]),
+        torch.tensor([5, 6]),
+        torch.tensor([0, 5, 7]),
+    )
+
+    def fn(q):
+        out = kernels.paged_prefill_attention(
+            q, k_cache, v_cache, tables, lens, starts, 0.25, 0, torch.ones(2)
+        )
+        return out * 2
+
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True)(q), fn(q))

@@ -160,7 +160,14 @@ def _reference_attention(q, k_cache, v_cache, tables, lens, scale, window, kv_sc
 @pytest.mark.parametrize("q_dtype", DTYPES)
 @pytest.mark.parametrize(
     ("hq", "hkv", "dim", "block_size", "window"),
-    [(4, 2, 16, 16, 0), (16, 4, 64, 16, 0), (3, 3, 40, 8, 0), (12, 1, 24, 4, 5)],
+    [
+        (4, 2, 16, 16, 0),
+        (16, 4, 64, 16, 0),
+        (3, 3, 40, 8, 0),
+        (12, 1, 24, 4, 5),
+        (16, 2, 80, 16, 0),  # G = 8, head_dim not a multiple of 32
+        (8, 8, 128, 16, 3),  # G = 1
+    ],
 )
 def test_paged_decode_attention(isa, threads, kv_dtype, q_dtype, hq, hkv, dim, block_size, window):
     lens = torch.tensor([1, 9, 37])
@@ -217,6 +224,105 @@ def test_paged_decode_attention_softcap_fp32(isa) -> None:
         q, k_cache, v_cache, tables, lens, 0.2, 0, torch.ones(2), 2.0
     )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _reference_prefill(
+    q, k_cache, v_cache, tables, lens, starts, scale, window, kv_scales, softcap
+):
+    """Each sequence's queries (its last positions) causally over its cached tokens, fp32."""
+    out, block = [], k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    for b, ctx in enumerate(lens.tolist()):
+        rows = q[int(starts[b]) : int(starts[b + 1])].float()
+        slots = torch.arange(ctx)
+        blocks = tables[b][slots // block]
+        keys = (k_cache[blocks, slots % block].float() * kv_scales[0]).repeat_interleave(group, 1)
+        values = (v_cache[blocks, slots % block].float() * kv_scales[1]).repeat_interleave(group, 1)
+        scores = torch.einsum("nhd,lhd->hnl", rows, keys) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        q_pos = torch.arange(ctx - rows.shape[0], ctx)[:, None]
+        allowed = slots[None, :] <= q_pos
+        if window:
+            allowed &= slots[None, :] > q_pos - window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out.append(torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values).flatten(1))
+    return torch.cat(out)
+
+
+def _prefill_case(kv_dtype, q_dtype, hq, hkv, dim, block_size, chunks, seed=0):
+    """Caches with blocks scattered over the pool; chunks: (cached prefix, new tokens) each."""
+    lens = torch.tensor([p + n for p, n in chunks])
+    starts = torch.tensor([0] + [n for _, n in chunks]).cumsum(0)
+    width = -(-int(lens.max()) // block_size)
+    num_blocks = len(chunks) * width + 2
+    tables = torch.randperm(num_blocks, generator=_gen(seed))[: len(chunks) * width]
+    kv_scales = torch.tensor([0.5, 2.0]) if kv_dtype.itemsize == 1 else torch.ones(2)
+    k_cache = (_randn(num_blocks, block_size, hkv, dim, seed=1) / kv_scales[0]).to(kv_dtype)
+    v_cache = (_randn(num_blocks, block_size, hkv, dim, seed=2) / kv_scales[1]).to(kv_dtype)
+    q = _randn(int(starts[-1]), hq, dim, dtype=q_dtype, seed=3)
+    return q, k_cache, v_cache, tables.view(len(chunks), width), lens, starts, kv_scales
+
+
+PREFILL_CHUNKS = [(0, 37), (20, 13), (64, 1), (5, 70)]
+"""A fresh prompt, a chunk after a cached prefix, a single query at the end of a long context,
+a chunk longer than a key tile; no length a multiple of a block."""
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("q_dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("hq", "hkv", "dim", "block_size", "window", "softcap"),
+    [
+        (16, 4, 64, 16, 0, 0.0),  # G = 4, the benchmark Llama's heads
+        (8, 8, 128, 16, 0, 0.0),  # G = 1
+        (8, 4, 80, 8, 0, 0.0),  # G = 2, head_dim not a multiple of 32
+        (16, 2, 64, 5, 23, 0.0),  # G = 8, sliding window, odd block size
+        (6, 2, 24, 4, 0, 5.0),  # G = 3, softcap
+    ],
+)
+def test_paged_prefill_attention(
+    isa, threads, kv_dtype, q_dtype, hq, hkv, dim, block_size, window, softcap
+):
+    q, k_cache, v_cache, tables, lens, starts, kv_scales = _prefill_case(
+        kv_dtype, q_dtype, hq, hkv, dim, block_size, PREFILL_CHUNKS
+    )
+    scale = dim**-0.5
+    want = _reference_prefill(
+        q, k_cache, v_cache, tables, lens, starts, scale, window, kv_scales, softcap
+    )
+    got = kernels.paged_prefill_attention(
+        q, k_cache, v_cache, tables, lens, starts, scale, window, kv_scales, softcap
+    )
+    assert got.dtype == q_dtype and got.shape == (q.shape[0], hq * dim)
+    torch.testing.assert_close(got.float(), want, **_tol(q_dtype))
+
+
+def test_paged_prefill_attention_matches_decode_for_single_queries(isa) -> None:
+    """One query per sequence is a decode step: both kernels agree (bf16 cache)."""
+    chunks = [(40, 1), (0, 1), (99, 1)]
+    q, k_cache, v_cache, tables, lens, starts, kv_scales = _prefill_case(
+        torch.bfloat16, torch.bfloat16, 8, 2, 64, 16, chunks
+    )
+    got = kernels.paged_prefill_attention(
+        q, k_cache, v_cache, tables, lens, starts, 0.125, 0, kv_scales
+    )
+    want = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, 0, kv_scales)
+    torch.testing.assert_close(got.float(), want.float(), **_tol(torch.bfloat16))
+
+
+def test_paged_prefill_attention_rejects_bad_ranges() -> None:
+    q, k_cache, v_cache, tables, lens, starts, kv_scales = _prefill_case(
+        torch.bfloat16, torch.bfloat16, 4, 2, 16, 4, [(0, 5), (3, 2)]
+    )
+    with pytest.raises(RuntimeError, match="queries for a context"):
+        kernels.paged_prefill_attention(
+            q, k_cache, v_cache, tables, torch.tensor([4, 5]), starts, 0.25, 0, kv_scales
+        )
+    with pytest.raises(RuntimeError, match="query_start"):
+        kernels.paged_prefill_attention(
+            q, k_cache, v_cache, tables, lens, starts + 1, 0.25, 0, kv_scales
+        )
 
 
 @pytest.fixture

@@ -64,7 +64,12 @@ def _reference(q, k_cache, v_cache, group: BatchGroup, scale, window, kv_scales)
     ],
 )
 @pytest.mark.parametrize("window", [None, 64, 7])
-def test_chunk_attention_matches_reference(dtype, kv_dtype, window) -> None:
+@pytest.mark.parametrize("prefill_kernel", [True, False])
+def test_chunk_attention_matches_reference(
+    dtype, kv_dtype, window, prefill_kernel, monkeypatch
+) -> None:
+    """With the paged prefill kernel (where the CPU kernels are built) and with torch's paths."""
+    monkeypatch.setattr(attention, "PREFILL_KERNEL", prefill_kernel)
     hq, hkv, dim, num_blocks = 6, 2, 16, 40
     chunks = [(0, 9), (13, 5), (6, 1), (0, 1), (21, 30)]  # prefill, chunk after a prefix, ...
     batch = _step(chunks, num_blocks)

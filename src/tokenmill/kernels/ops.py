@@ -86,7 +86,8 @@ def describe() -> str:
         amx = "AMX not granted, not used"
     return (
         f"tokenmill CPU kernels ({active_isa()}): int8/int4 linear (W8A8), add+RMSNorm, "
-        f"SiLU*mul, RoPE (+ KV write), paged decode attention (split-K, softcap); {amx}"
+        f"SiLU*mul, RoPE (+ KV write), paged decode and prefill attention (split-K, softcap); "
+        f"{amx}"
     )
 
 
@@ -227,6 +228,38 @@ def paged_decode_attention(
     )
 
 
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    window: int,
+    kv_scales: torch.Tensor,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Prefill chunks over the blocks in place; returns [N, Hq * D].
+
+    Sequence b's queries are rows ``query_start[b] : query_start[b + 1]`` of q [N, Hq, D],
+    its last positions (a prompt chunk after whatever it has cached); they attend its first
+    ``context_lens[b]`` cached tokens causally. ``window`` 0 is full attention; ``softcap``
+    > 0 caps scores as c * tanh(s / c)."""
+    return torch.ops.tokenmill_cpu.paged_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        query_start,
+        scale,
+        window,
+        kv_scales,
+        softcap,
+    )
+
+
 def register_fakes() -> None:
     """Shape functions for torch.compile; called once the library is loaded."""
     lib = "tokenmill_cpu::"
@@ -255,6 +288,11 @@ def register_fakes() -> None:
     )
     torch.library.register_fake(lib + "paged_decode_attention")(
         lambda q, kc, vc, bt, cl, scale, window, sc, softcap=0.0: q.new_empty(
+            q.shape[0], q.shape[1] * q.shape[2]
+        )
+    )
+    torch.library.register_fake(lib + "paged_prefill_attention")(
+        lambda q, kc, vc, bt, cl, qs, scale, window, sc, softcap=0.0: q.new_empty(
             q.shape[0], q.shape[1] * q.shape[2]
         )
     )

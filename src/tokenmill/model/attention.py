@@ -1,8 +1,9 @@
 """Paged attention in plain torch: write K/V through the slot mapping, read through block tables.
 
 One step mixes decode tokens (one query each) and prefill chunks (many queries, possibly
-after a cached prefix). Each group is one batched ``scaled_dot_product_attention`` call over
-K/V gathered from the block tables; grouped-query attention folds the query heads of a KV
+after a cached prefix). On CPU, tokenmill's kernels attend both over the blocks where they
+lie (``paged_decode_attention``, ``paged_prefill_attention``). Otherwise each group is one
+batched ``scaled_dot_product_attention`` call over K/V gathered from the block tables; grouped-query attention folds the query heads of a KV
 head into extra query rows, so K/V are never repeated. Per-step data arrives as an explicit
 ``AttentionMetadata`` built once per step by ``TorchSDPABackend`` (``attention_backend.py``),
 the backend object the model calls; these are its kernels.
@@ -46,6 +47,33 @@ class AttentionGroup:
     _split: tuple[list[tuple[int, int, int]], AttentionGroup | None] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    _chunks: tuple[torch.Tensor, slice | torch.Tensor] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def chunk_rows(self) -> tuple[torch.Tensor, slice | torch.Tensor]:
+        """For the paged prefill kernel: (query_start [B + 1], the group's token rows in
+        request order: a slice where they are consecutive, else an index); built once per
+        step. Needs ``segments``."""
+        if self._chunks is None:
+            assert self.segments is not None
+            starts = [0]
+            for _, n, _ in self.segments:
+                starts.append(starts[-1] + n)
+            first = self.segments[0][0]
+            consecutive = all(
+                seg[0] == first + start for seg, start in zip(self.segments, starts, strict=False)
+            )
+            rows: slice | torch.Tensor = (
+                slice(first, first + starts[-1])
+                if consecutive
+                else torch.tensor(
+                    [r for f, n, _ in self.segments for r in range(f, f + n)],
+                    device=self.token_index.device,
+                )
+            )
+            self._chunks = (torch.tensor(starts, device=self.token_index.device), rows)
+        return self._chunks
 
     def split_fresh(self) -> tuple[list[tuple[int, int, int]], AttentionGroup | None]:
         """(index, first row, tokens) of each request with no cached prefix, and the other
@@ -285,6 +313,40 @@ def _decode_kernel(
     )
 
 
+PREFILL_KERNEL = True
+"""Whether prompt chunks (fresh or after a cached prefix) take tokenmill's paged prefill
+kernel where it applies; off: the torch paths (gather + SDPA). For A/B benchmarks."""
+
+
+def _prefill_kernel(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+    window: int | None,
+    kv_scales: torch.Tensor | None,
+    softcap: float,
+) -> tuple[slice | torch.Tensor, torch.Tensor]:
+    """tokenmill CPU kernel: every chunk of the group over its blocks where they lie;
+    returns (the rows of q it attended, their outputs [rows, Hq * D])."""
+    query_start, rows = group.chunk_rows()
+    scales = kv_scales if kv_scales is not None else q.new_ones(2, dtype=torch.float32)
+    out = kernels.paged_prefill_attention(
+        q[rows].contiguous(),
+        k_cache,
+        v_cache,
+        group.block_tables,
+        group.context_lens,
+        query_start,
+        scale,
+        window or 0,
+        scales,
+        softcap,
+    )
+    return rows, out
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -315,6 +377,17 @@ def paged_attention(
                 kv_scales,
                 softcap,
             )
+            continue
+        if (
+            PREFILL_KERNEL
+            and not group.is_decode
+            and group.segments is not None
+            and _decode_kernel_applies(q, k_cache)
+        ):
+            chunk_rows, attn = _prefill_kernel(
+                q, k_cache, v_cache, group, scale, window, kv_scales, softcap
+            )
+            out[chunk_rows] = attn
             continue
         if _causal_prefill_applies(q, group, window, softcap):
             scales = kv_scales if kv_scales is not None else q.new_ones(2, dtype=torch.float32)

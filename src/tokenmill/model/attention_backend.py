@@ -147,7 +147,8 @@ class AttentionBackend(ABC):
 class TorchSDPABackend(AttentionBackend):
     """Plain torch: gathers K/V through block tables, one batched SDPA per group.
 
-    Runs on any device torch runs on; on CPU it is the default. The compiled decode step
+    Runs on any device torch runs on; on CPU it is the default, and there tokenmill's
+    kernels attend decodes and prompt chunks over the blocks in place. The compiled decode step
     goes through the ``tokenmill::decode_attention`` custom op, which torch.compile treats
     as opaque (it mutates the cache in place and trims to the longest context).
     """

@@ -10,6 +10,7 @@
 #include "vec_avx2.h"
 #include "common.h"
 #include "rope_kv.h"
+#include "prefill.h"
 
 namespace {
 
@@ -117,8 +118,8 @@ void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
 }
 
 const tokenmill::KernelTable kTable = {
-    "avx2", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, rope_kernel, attention_kernel,
-    attention_merge_kernel, nullptr, rope_kv_kernel,
+    "avx2", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, rope_kernel,
+    attention_merge_kernel, nullptr, rope_kv_kernel, prefill_attention_kernel,
 };
 
 }  // namespace

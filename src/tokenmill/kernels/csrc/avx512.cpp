@@ -10,6 +10,8 @@
 #include "vec_avx512.h"
 #include "common.h"
 #include "rope_kv.h"
+#define TOKENMILL_BF16_DOT 1
+#include "prefill.h"
 
 namespace {
 
@@ -278,8 +280,8 @@ void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
 }
 
 const tokenmill::KernelTable kTable = {
-    "avx512_bf16", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, rope_kernel, attention_kernel,
-    attention_merge_kernel, quantize_rows, rope_kv_kernel,
+    "avx512_bf16", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, rope_kernel,
+    attention_merge_kernel, quantize_rows, rope_kv_kernel, prefill_attention_kernel,
 };
 
 }  // namespace

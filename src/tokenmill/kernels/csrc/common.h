@@ -1,5 +1,5 @@
 // Kernels written once over a Vec type (vec_avx512.h or vec_avx2.h): RMSNorm with a fused
-// residual add, SiLU*mul, RoPE, and decode attention over paged KV blocks read in place.
+// residual add, SiLU*mul, RoPE, and the parts of paged attention prefill.h builds on.
 // Included by each ISA translation unit after its Vec; internal linkage only (no std
 // templates here, so no weak symbol compiled for one ISA can be picked for the other).
 #pragma once
@@ -127,18 +127,12 @@ void rope_kernel(const tokenmill::RopeArgs& a, int64_t t0, int64_t t1) {
   else rope_impl<tokenmill::F32>(a, t0, t1);
 }
 
-// Decode attention: one query per sequence over its KV blocks, read where they lie.
-//
-// A work item is one sequence's token range [t0, t1) (the whole context, or one split of a
-// long one). It walks the range block by block and, inside a block, every KV head: the
-// G query heads of that head score the block's tokens (K converted to fp32 in registers
-// once for the whole group), an online softmax (running max and sum per head, in fp32)
-// turns the scores into weights, and V is accumulated into registers tile by tile. So K
-// and V are each read once, in the cache's own order, with no gather and no scores buffer
-// longer than a block. Items of a split sequence leave normalised partial outputs and
-// their (max, sum), which attention_merge combines (split-K / log-sum-exp).
-constexpr int kScoreTile = 4;   // query heads scored together (accumulators in registers)
-constexpr int kHeadTile = 4;    // query heads per V tile
+// Attention over paged KV blocks read in place: the building blocks prefill.h's kernel
+// (prompt chunks, and decode as one query row per sequence) is made of where the cache is
+// not bf16 or the CPU has no bf16 dot products: scores of a few query vectors for a run of
+// keys (K converted to fp32 in registers once for all of them), V accumulated into fp32
+// registers, the softcap; and the merge of split-K partial outputs (log-sum-exp).
+constexpr int kHeadTile = 4;    // query vectors per V tile
 constexpr int kVecTile = Vec::W == 16 ? 4 : 2;  // vectors of head_dim per V tile
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -229,120 +223,6 @@ inline void accumulate_v_any(int gn, const void* vc, const int64_t* rows, int n,
     case 3: accumulate_v_heads<KF, 3>(vc, rows, n, D, p, ps, acc, da); break;
     default: accumulate_v_heads<KF, 4>(vc, rows, n, D, p, ps, acc, da); break;
   }
-}
-
-template <int QF, int KF>
-void attention_impl(const tokenmill::AttnArgs& a, int64_t i0, int64_t i1) {
-  const int64_t D = a.D, Hq = a.Hq, Hkv = a.Hkv, G = Hq / Hkv, bs = a.block_size;
-  const int64_t dp = round_up(D, Vec::W), bsp = round_up(bs, Vec::W);
-  // fp32 scratch: scaled queries and accumulators [Hq, dp], running max and sum [Hq],
-  // one block's scores / weights [G, bsp]; K/V row offsets of the block's tokens [bs].
-  float* qf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * round_up(2 * Hq * dp + 2 * Hq + G * bsp, 16)));
-  float* acc = qf + Hq * dp;
-  float* mx = acc + Hq * dp;
-  float* sm = mx + Hq;
-  float* sc = sm + Hq;
-  int64_t* rows = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * bs));
-  const Vec::R qscale = Vec::set1(a.scale * (a.softcap > 0 ? 1.0f : a.k_scale));
-  const float post_scale = a.softcap > 0 ? a.k_scale : 1.0f;  // K's fp8 scale, before the cap
-  const int64_t kv_bytes = KF == tokenmill::F32 ? 4 : KF == tokenmill::BF16 ? 2 : 1;
-  const int64_t block_bytes = bs * Hkv * D * kv_bytes;
-  for (int64_t idx = i0; idx < i1; ++idx) {
-    const int64_t b = a.item_seq[idx], t0 = a.item_range[2 * idx], t1 = a.item_range[2 * idx + 1];
-    const int64_t* table = a.block_tables + b * a.ldbt;
-    for (int64_t hq = 0; hq < Hq; ++hq) {
-      for (int64_t j = 0; j < dp; j += Vec::W) {
-        Vec::R qv = j < D ? Vec::mul(ld<QF>(a.q, b * a.ldq + hq * D + j, chunk(D, j)), qscale) : Vec::zero();
-        Vec::store_f32(qf + hq * dp + j, qv, Vec::W);
-        Vec::store_f32(acc + hq * dp + j, Vec::zero(), Vec::W);
-      }
-      mx[hq] = -3.0e38f;
-      sm[hq] = 0.0f;
-    }
-    for (int64_t blk = t0 / bs; blk * bs < t1; ++blk) {
-      const int64_t s = max64(t0, blk * bs), e = min64(t1, blk * bs + bs);
-      const int n = (int)(e - s);
-      const int64_t base = (table[blk] * bs + (s - blk * bs)) * Hkv * D;
-      if ((blk + 1) * bs < t1) {  // the next block lies elsewhere in the pool: fetch it early
-        const int64_t next = table[blk + 1] * bs * Hkv * D * kv_bytes;
-        for (int64_t off = 0; off < block_bytes; off += 64) {
-          __builtin_prefetch(static_cast<const char*>(a.k_cache) + next + off);
-          __builtin_prefetch(static_cast<const char*>(a.v_cache) + next + off);
-        }
-      }
-      for (int64_t h = 0; h < Hkv; ++h) {
-        for (int t = 0; t < n; ++t) rows[t] = base + (t * Hkv + h) * D;
-        const float* qh = qf + h * G * dp;
-        for (int64_t g0 = 0; g0 < G; g0 += kScoreTile) {
-          const int gn = (int)min64(kScoreTile, G - g0);
-          score_block_any<KF>(gn, a.k_cache, rows, n, D, qh + g0 * dp, dp, sc + g0 * bsp, bsp);
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          float* p = sc + g * bsp;
-          const int64_t hq = h * G + g;
-          Vec::R m = Vec::set1(-3.0e38f);
-          for (int t = 0; t < n; t += Vec::W) {
-            const int c = (int)min64(Vec::W, n - t);
-            Vec::R v = Vec::load_f32(p + t, c);
-            if (a.softcap > 0) v = softcap_vec(Vec::mul(v, Vec::set1(post_scale)), a.softcap);
-            Vec::store_f32(p + t, v, c);
-            m = Vec::max(m, Vec::load_masked_or(p + t, c, -3.0e38f));
-          }
-          const float m_new = mx[hq] > Vec::reduce_max(m) ? mx[hq] : Vec::reduce_max(m);
-          const float alpha = __builtin_expf(mx[hq] - m_new);
-          const Vec::R vm = Vec::set1(m_new);
-          Vec::R sum = Vec::zero();
-          for (int t = 0; t < n; t += Vec::W) {
-            const int c = (int)min64(Vec::W, n - t);
-            Vec::store_f32(p + t, Vec::exp(Vec::sub(Vec::load_f32(p + t, c), vm)), c);
-            sum = Vec::add(sum, Vec::load_f32(p + t, c));  // reload: the tail lanes read as 0
-          }
-          sm[hq] = sm[hq] * alpha + Vec::reduce_add(sum);
-          mx[hq] = m_new;
-          if (alpha != 1.0f) {
-            const Vec::R va = Vec::set1(alpha);
-            float* o = acc + hq * dp;
-            for (int64_t j = 0; j < dp; j += Vec::W) Vec::store_f32(o + j, Vec::mul(Vec::load_f32(o + j, Vec::W), va), Vec::W);
-          }
-        }
-        for (int64_t g0 = 0; g0 < G; g0 += kHeadTile) {
-          const int gn = (int)min64(kHeadTile, G - g0);
-          accumulate_v_any<KF>(gn, a.v_cache, rows, n, D, sc + g0 * bsp, bsp, acc + (h * G + g0) * dp, dp);
-        }
-      }
-    }
-    for (int64_t hq = 0; hq < Hq; ++hq) {
-      const float inv = a.v_scale / sm[hq];
-      const Vec::R vi = Vec::set1(inv);
-      for (int64_t j = 0; j < D; j += Vec::W) {
-        const int c = chunk(D, j);
-        Vec::R o = Vec::mul(Vec::load_f32(acc + hq * dp + j, Vec::W), vi);
-        if (a.partial) Vec::store_f32(a.partial + (idx * Hq + hq) * D + j, o, c);
-        else st<QF>(a.out, b * Hq * D + hq * D + j, o, c);
-      }
-      if (a.partial) {
-        a.partial_ml[2 * (idx * Hq + hq)] = mx[hq];
-        a.partial_ml[2 * (idx * Hq + hq) + 1] = sm[hq];
-      }
-    }
-  }
-  std::free(rows);
-  std::free(qf);
-}
-
-template <int QF>
-void attention_for_q(const tokenmill::AttnArgs& a, int64_t i0, int64_t i1) {
-  switch (a.kv_fmt) {
-    case tokenmill::F32: attention_impl<QF, tokenmill::F32>(a, i0, i1); break;
-    case tokenmill::BF16: attention_impl<QF, tokenmill::BF16>(a, i0, i1); break;
-    case tokenmill::E4M3: attention_impl<QF, tokenmill::E4M3>(a, i0, i1); break;
-    default: attention_impl<QF, tokenmill::E5M2>(a, i0, i1); break;
-  }
-}
-
-void attention_kernel(const tokenmill::AttnArgs& a, int64_t i0, int64_t i1) {
-  if (a.q_fmt == tokenmill::BF16) attention_for_q<tokenmill::BF16>(a, i0, i1);
-  else attention_for_q<tokenmill::F32>(a, i0, i1);
 }
 
 // Sequences [b0, b1) of a split step: out = sum_s w_s o_s / sum_s w_s, w_s = l_s exp(m_s - M).

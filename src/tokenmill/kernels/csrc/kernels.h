@@ -73,6 +73,8 @@ struct RopeKvArgs {
   const int64_t* dst_rows;  // [T] or null
 };
 
+// Decode attention: ops.cpp runs it as PrefillArgs' work items (one query row per sequence,
+// every KV head per item); attention_merge reads the split fields.
 struct AttnArgs {
   const void* q;            // [B, Hq, D], row stride ldq
   const void* k_cache;      // [blocks, block_size, Hkv, D]
@@ -96,23 +98,54 @@ struct AttnArgs {
   const int64_t* seq_items;
 };
 
+// Prefill attention: each sequence's queries are its last positions (a prompt chunk, after
+// whatever it already has cached) and attend causally over its blocks, read in place.
+struct PrefillArgs {
+  const void* q;            // [N, Hq, D], row stride ldq: sequence b's rows [query_start[b], query_start[b+1])
+  const void* k_cache;      // [blocks, block_size, Hkv, D]
+  const void* v_cache;
+  const int64_t* block_tables;  // [B, ldbt]
+  const int64_t* context_lens;  // [B]: tokens in the cache, the chunk's own included
+  const int64_t* query_start;   // [B + 1]
+  void* out;                // [N, Hq * D]
+  int64_t Hq, Hkv, D, block_size, ldq, ldbt;
+  int64_t window;           // 0: full attention; else a key is seen from window - 1 positions back
+  float scale, k_scale, v_scale;
+  float softcap;
+  int q_fmt, kv_fmt;
+  // Work item i: sequence items[3i], KV heads [items[3i + 1], + heads_per_item), query rows
+  // [items[3i + 2], + rows_per_item) of that sequence's.
+  const int64_t* items;
+  int64_t rows_per_item, heads_per_item;
+  // Null: each item sees all its rows' keys and writes out. Else (split decode) item i sees
+  // keys [item_keys[2i], item_keys[2i+1]) only and leaves fp32 partial outputs [items, Hq,
+  // D] and (max, sum) [items, Hq, 2] for attention_merge, as AttnArgs' items do.
+  const int64_t* item_keys;
+  float* partial;
+  float* partial_ml;
+};
+
 struct KernelTable {
   const char* name;
   // Every function handles the half-open range [begin, end) of its parallel dimension:
-  // output channels (gemm), rows (norm, silu), tokens (rope), (sequence, kv head) pairs.
+  // output channels (gemm), rows (norm, silu), tokens (rope), sequences or work items.
   void (*gemm_bf16)(const GemmArgs&, int64_t, int64_t);
   void (*gemm_int8)(const GemmArgs&, int64_t, int64_t);
   void (*gemm_int4)(const GemmArgs&, int64_t, int64_t);
   void (*rms_norm)(const NormArgs&, int64_t, int64_t);
   void (*silu_mul)(const SiluMulArgs&, int64_t, int64_t);
   void (*rope)(const RopeArgs&, int64_t, int64_t);
-  void (*decode_attention)(const AttnArgs&, int64_t, int64_t);   // work items
   void (*attention_merge)(const AttnArgs&, int64_t, int64_t);    // sequences
   // Null where the int GEMMs read bf16 activations; else quantizes rows [begin, end) of
   // a.x into a.xq / a.x_scale (``is_unsigned``: store x + 128) before gemm_int8/int4 run.
   void (*quantize_rows)(const GemmArgs&, bool is_unsigned, int64_t, int64_t);
   void (*rope_kv)(const RopeKvArgs&, int64_t, int64_t);          // tokens
+  void (*prefill_attention)(const PrefillArgs&, int64_t, int64_t);  // work items
 };
+
+// Query rows per prefill work item for ``group`` query heads per KV head: whole rows, at
+// most 16 query vectors (at least one row, whatever the group).
+inline int64_t prefill_rows_per_item(int64_t group) { return group >= 16 ? 1 : 16 / group; }
 
 const KernelTable* avx512_kernels();
 const KernelTable* avx2_kernels();

@@ -452,6 +452,7 @@ at::Tensor rope_kv_write(const at::Tensor& positions, const at::Tensor& q, const
   return qo;
 }
 
+
 // Tokens per split of a long context: enough work per item that the merge stays cheap.
 constexpr int64_t kMinSplitTokens = 256;
 
@@ -526,8 +527,113 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     a.partial_ml = partial_ml.data_ptr<float>();
   }
   const KernelTable& k = kernels();
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) { k.decode_attention(a, i0, i1); });
+  // The prefill kernel with one query row per sequence and every KV head per item: keys
+  // in tiles across blocks (one softmax update per tile), bf16 dot products on AVX-512.
+  std::vector<int64_t> starts(B + 1), triples;
+  for (int64_t b = 0; b <= B; ++b) starts[b] = b;
+  triples.reserve(3 * items);
+  for (int64_t i = 0; i < items; ++i) triples.insert(triples.end(), {item_seq[i], 0, 0});
+  PrefillArgs p{};
+  p.q = a.q;
+  p.k_cache = a.k_cache;
+  p.v_cache = a.v_cache;
+  p.block_tables = a.block_tables;
+  p.context_lens = lens;
+  p.query_start = starts.data();
+  p.out = a.out;
+  p.Hq = Hq;
+  p.Hkv = Hkv;
+  p.D = D;
+  p.block_size = bs;
+  p.ldq = a.ldq;
+  p.ldbt = a.ldbt;
+  p.window = window;
+  p.scale = a.scale;
+  p.k_scale = a.k_scale;
+  p.v_scale = a.v_scale;
+  p.softcap = a.softcap;
+  p.q_fmt = a.q_fmt;
+  p.kv_fmt = a.kv_fmt;
+  p.items = triples.data();
+  p.rows_per_item = 1;
+  p.heads_per_item = Hkv;
+  p.item_keys = item_range.data();
+  p.partial = a.partial;
+  p.partial_ml = a.partial_ml;
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) { k.prefill_attention(p, i0, i1); });
   if (items > B) at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) { k.attention_merge(a, b0, b1); });
+  return out;
+}
+
+// Prefill chunks over the paged cache: sequence b's queries are q rows [query_start[b],
+// query_start[b+1]), its last positions; they attend its first context_lens[b] tokens,
+// causally. Work items (sequence, KV head, tile of query rows), ordered so that a
+// contiguous share of them (OpenMP's static split) mixes early and late, cheap and dear,
+// tiles of the causal triangle.
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                   const at::Tensor& query_start, double scale, int64_t window,
+                                   const at::Tensor& kv_scales, double softcap) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "prefill_attention: q [N, Hq, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "prefill_attention: K and V caches [blocks, block_size, Hkv, D], contiguous, one dtype");
+  const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2), bs = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "prefill_attention: head shapes do not match the cache");
+  at::Tensor bt = block_tables.to(at::kLong).contiguous();
+  at::Tensor cl = context_lens.to(at::kLong).contiguous();
+  at::Tensor qs = query_start.to(at::kLong).contiguous();
+  const int64_t B = cl.numel();
+  TORCH_CHECK(bt.dim() == 2 && bt.size(0) == B && qs.numel() == B + 1,
+              "prefill_attention: one block table row and one query range per sequence");
+  at::Tensor sc = kv_scales.to(at::kFloat).contiguous();
+  TORCH_CHECK(sc.numel() == 2, "prefill_attention: kv_scales holds [k_scale, v_scale]");
+  const int64_t *lens = cl.data_ptr<int64_t>(), *starts = qs.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[B] == N, "prefill_attention: query_start must run from 0 to ", N);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = starts[b + 1] - starts[b];
+    TORCH_CHECK(n >= 0 && n <= lens[b] && lens[b] <= bt.size(1) * bs, "prefill_attention: sequence ", b, " has ", n,
+                " queries for a context of ", lens[b], " in ", bt.size(1), " blocks");
+  }
+  const int64_t G = Hq / Hkv, rows = prefill_rows_per_item(G);
+  std::vector<int64_t> items;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t tiles = (starts[b + 1] - starts[b] + rows - 1) / rows;
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t i = 0; i < tiles; ++i) {
+        // Tiles in the order 0, last, 1, last - 1, ...: any contiguous run is balanced.
+        const int64_t tile = i % 2 == 0 ? i / 2 : tiles - 1 - i / 2;
+        items.insert(items.end(), {b, h, tile * rows});
+      }
+  }
+  PrefillArgs a{};
+  a.q = q.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.block_tables = bt.data_ptr<int64_t>();
+  a.context_lens = lens;
+  a.query_start = starts;
+  a.Hq = Hq;
+  a.Hkv = Hkv;
+  a.D = D;
+  a.block_size = bs;
+  a.ldq = q.stride(0);
+  a.ldbt = bt.size(1);
+  a.window = window;
+  a.scale = static_cast<float>(scale);
+  a.softcap = static_cast<float>(softcap);
+  a.k_scale = sc.data_ptr<float>()[0];
+  a.v_scale = sc.data_ptr<float>()[1];
+  a.q_fmt = act_fmt(q);
+  a.kv_fmt = fmt_of(k_cache);
+  a.items = items.data();
+  a.rows_per_item = rows;
+  a.heads_per_item = 1;
+  at::Tensor out = at::empty({N, Hq * D}, q.options());
+  a.out = out.data_ptr();
+  const KernelTable& k = kernels();
+  const int64_t count = static_cast<int64_t>(items.size()) / 3;
+  at::parallel_for(0, count, 1, [&](int64_t i0, int64_t i1) { k.prefill_attention(a, i0, i1); });
   return out;
 }
 
@@ -553,6 +659,9 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor kv_scales) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, int window, Tensor kv_scales, float softcap=0.0) -> Tensor");
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, Tensor query_start, float scale, int window, Tensor kv_scales, "
+        "float softcap=0.0) -> Tensor");
   m.impl("isa", &tokenmill::isa);
   m.impl("set_isa", &tokenmill::set_isa);
   m.impl("amx_permitted", &tokenmill::amx_permitted);
@@ -571,4 +680,5 @@ TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("rope", &tokenmill::rope);
   m.impl("paged_decode_attention", &tokenmill::paged_decode_attention);
   m.impl("rope_kv_write", &tokenmill::rope_kv_write);
+  m.impl("paged_prefill_attention", &tokenmill::paged_prefill_attention);
 }

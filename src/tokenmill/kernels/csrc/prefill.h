@@ -1,0 +1,358 @@
+// Prefill attention over paged KV blocks read in place: a chunk of a request's queries (its
+// last positions) attends everything the request has in the cache, its own chunk causally.
+// Included by each ISA translation unit after common.h (score_block, accumulate_v, the
+// softcap); internal linkage only.
+//
+// A work item is (sequence, KV heads, query tile): for a prompt chunk one KV head and up to
+// 16 query vectors (rows x its G query heads), so each K/V row read from the cache serves
+// all of them; for decode (ops.cpp's paged_decode_attention) one query row and every KV
+// head, over the item's share of the keys when a long context is split (split-K, merged by
+// common.h's attention_merge). The item walks the keys its rows can see in tiles of kKeyTile tokens, across
+// block boundaries: scores for every query vector of the tile (K converted in registers
+// once per group of score_tile vectors), masked per row (causal, sliding window), an
+// online softmax per vector (running max and sum in fp32), and V accumulated into fp32
+// registers. No gather into contiguous K/V, no [queries, context] mask, no scores buffer
+// longer than a key tile.
+#pragma once
+#include <cstdint>
+#include <cstdlib>
+#include "kernels.h"
+
+namespace {
+
+constexpr int kKeyTile = 64;                       // keys scored per softmax update
+constexpr int kPrefillScoreTile = Vec::W == 16 ? 8 : 4;  // vectors scored per pass over K
+
+#ifdef TOKENMILL_BF16_DOT
+// bf16 queries over a bf16 cache (AVX512-BF16): Q.K and P.V as bf16 pair dot products with
+// fp32 accumulation (_mm512_dpbf16_ps), torch's flash kernel's precision (it too rounds the
+// softmax weights to bf16 before P.V). Keys are packed 16 at a time transposed (lane t:
+// token t), so one dot product scores 16 keys of one query vector with no horizontal sums;
+// V is packed by token pairs (word = the same channel of two tokens).
+constexpr bool kBf16Dot = true;
+
+inline __mmask32 mask_words16(int64_t n) { return n >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << n) - 1u); }
+
+// 16 x 16 32-bit transpose in registers.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // r[4i + j] now holds, in each 128-bit lane L, column 4L + j of rows 4i .. 4i + 3.
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);       // lanes 0, 2 of rows 0-3 | 4-7
+    t[4 + j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd);   // lanes 1, 3
+    t[8 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);         // column j
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);     // column 8 + j
+    r[4 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0x88);  // column 4 + j
+    r[12 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0xdd); // column 12 + j
+  }
+}
+
+// kt[p * 16 + t] = word p (channels 2p, 2p + 1) of key t's row, for the n <= 16 keys at
+// rows (zero words for missing keys and past head_dim); P words per row, padded to 16.
+inline void pack_keys16(const uint16_t* kc, const int64_t* rows, int n, int64_t D, int64_t P, uint32_t* kt) {
+  for (int64_t p0 = 0; p0 < P; p0 += 16) {
+    __m512i r[16];
+    const __mmask32 m = mask_words16(D - 2 * p0);
+    for (int t = 0; t < 16; ++t) r[t] = t < n ? _mm512_maskz_loadu_epi16(m, kc + rows[t] + 2 * p0) : _mm512_setzero_si512();
+    transpose16x16(r);
+    for (int i = 0; i < 16; ++i) _mm512_store_si512(kt + (p0 + i) * 16, r[i]);
+  }
+}
+
+// s[g][0 .. 16) = scale * (q_g . k_t) for 16 packed keys, GN query vectors of P words.
+template <int GN>
+inline void qk16(const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s, int64_t ss) {
+  __m512 acc[GN];
+  for (int g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {  // P: the row stride, in words; the pad words are 0
+    const __m512bh k = (__m512bh)_mm512_load_si512(kt + p * 16);
+    for (int g = 0; g < GN; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_set1_epi32((int)qw[g * P + p]), k);
+  }
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int g = 0; g < GN; ++g) _mm512_storeu_ps(s + g * ss, _mm512_mul_ps(acc[g], vs));
+}
+
+inline void qk16_any(int gn, const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s, int64_t ss) {
+  switch (gn) {
+    case 1: qk16<1>(qw, P, kt, scale, s, ss); break;
+    case 2: qk16<2>(qw, P, kt, scale, s, ss); break;
+    case 3: qk16<3>(qw, P, kt, scale, s, ss); break;
+    case 4: qk16<4>(qw, P, kt, scale, s, ss); break;
+    case 5: qk16<5>(qw, P, kt, scale, s, ss); break;
+    case 6: qk16<6>(qw, P, kt, scale, s, ss); break;
+    case 7: qk16<7>(qw, P, kt, scale, s, ss); break;
+    default: qk16<8>(qw, P, kt, scale, s, ss); break;
+  }
+}
+
+// vp[tp * dp + j] = channel j of keys 2tp (low half) and 2tp + 1 (high half), zero past n.
+inline void pack_values(const uint16_t* vc, const int64_t* rows, int n, int64_t D, int64_t dp, uint32_t* vp) {
+  for (int t = 0; t < n; t += 2) {
+    uint32_t* o = vp + (t / 2) * dp;
+    for (int64_t j = 0; j < dp; j += 16) {
+      const __mmask16 m = j + 16 <= D ? (__mmask16)0xFFFF : j < D ? (__mmask16)((1u << (D - j)) - 1u) : (__mmask16)0;
+      const __m512i a = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, vc + rows[t] + j));
+      const __m512i b = t + 1 < n ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, vc + rows[t + 1] + j)) : _mm512_setzero_si512();
+      _mm512_store_si512(o + j, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+    }
+  }
+}
+
+// acc[g][j0 .. j0 + 16 NV) += sum over key pairs of the weights (bf16 pairs pw) times V.
+template <int GN, int NV>
+inline void pv_pairs(const uint32_t* vp, int64_t pairs, int64_t dp, int64_t j0, const uint32_t* pw, int64_t ps,
+                     float* acc) {
+  __m512 o[GN][NV];
+  for (int g = 0; g < GN; ++g)
+    for (int v = 0; v < NV; ++v) o[g][v] = _mm512_loadu_ps(acc + g * dp + j0 + 16 * v);
+  for (int64_t tp = 0; tp < pairs; ++tp) {
+    __m512bh vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = (__m512bh)_mm512_load_si512(vp + tp * dp + j0 + 16 * v);
+    for (int g = 0; g < GN; ++g) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pw[g * ps + tp]);
+      for (int v = 0; v < NV; ++v) o[g][v] = _mm512_dpbf16_ps(o[g][v], w, vv[v]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + g * dp + j0 + 16 * v, o[g][v]);
+}
+
+template <int GN>
+inline void pv_heads(const uint32_t* vp, int64_t pairs, int64_t dp, const uint32_t* pw, int64_t ps, float* acc) {
+  int64_t j = 0;
+  for (; j + 64 <= dp; j += 64) pv_pairs<GN, 4>(vp, pairs, dp, j, pw, ps, acc);
+  for (; j < dp; j += 16) pv_pairs<GN, 1>(vp, pairs, dp, j, pw, ps, acc);
+}
+
+inline void pv_any(int gn, const uint32_t* vp, int64_t pairs, int64_t dp, const uint32_t* pw, int64_t ps, float* acc) {
+  switch (gn) {
+    case 1: pv_heads<1>(vp, pairs, dp, pw, ps, acc); break;
+    case 2: pv_heads<2>(vp, pairs, dp, pw, ps, acc); break;
+    case 3: pv_heads<3>(vp, pairs, dp, pw, ps, acc); break;
+    default: pv_heads<4>(vp, pairs, dp, pw, ps, acc); break;
+  }
+}
+
+// The weights p[0 .. n) as bf16 pairs, the odd tail padded with 0.
+inline void pack_weights(const float* p, int n, uint32_t* pw) {
+  uint16_t* h = reinterpret_cast<uint16_t*>(pw);
+  for (int t = 0; t < n; t += 16) {
+    const int c = n - t < 16 ? n - t : 16;
+    Vec::store_bf16(h + t, Vec::load_f32(p + t, c), c);
+  }
+  if (n % 2) h[n] = 0;
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+template <int KF>
+inline void score_block_wide(int gn, const void* kc, const int64_t* rows, int n, int64_t D, const float* qf,
+                             int64_t dq, float* out, int64_t out_stride) {
+  if constexpr (kPrefillScoreTile == 8) {
+    switch (gn) {
+      case 5: score_block<KF, 5>(kc, rows, n, D, qf, dq, out, out_stride); return;
+      case 6: score_block<KF, 6>(kc, rows, n, D, qf, dq, out, out_stride); return;
+      case 7: score_block<KF, 7>(kc, rows, n, D, qf, dq, out, out_stride); return;
+      case 8: score_block<KF, 8>(kc, rows, n, D, qf, dq, out, out_stride); return;
+      default: break;
+    }
+  }
+  score_block_any<KF>(gn, kc, rows, n, D, qf, dq, out, out_stride);
+}
+
+template <int QF, int KF>
+void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
+  const int64_t D = a.D, Hq = a.Hq, Hkv = a.Hkv, G = Hq / Hkv, bs = a.block_size;
+  const int64_t dp = round_up(D, Vec::W), R = a.rows_per_item, HI = a.heads_per_item;
+  const int64_t RG = R * G, MV = RG * HI;  // query vectors per head of an item, per item
+  // fp32 scratch: scaled queries and accumulators [MV, dp], running max and sum [MV], one
+  // key tile's scores / weights [MV, kKeyTile]; K/V row offsets of the tile's keys.
+  // bf16 dot products: queries as bf16 pairs [MV, P], keys packed [kKeyTile / 16, P, 16],
+  // values by key pairs [kKeyTile / 2, dp], weights as bf16 pairs [MV, kKeyTile / 2].
+  constexpr bool fast = kBf16Dot && QF == tokenmill::BF16 && KF == tokenmill::BF16;
+  const int64_t P = round_up((D + 1) / 2, 16);
+  const int64_t words = fast ? MV * P + kKeyTile * P + kKeyTile / 2 * dp + MV * kKeyTile / 2 : 0;
+  float* qf = static_cast<float*>(
+      std::aligned_alloc(64, sizeof(float) * (2 * MV * dp + 2 * round_up(MV, 16) + MV * kKeyTile + words)));
+  float* acc = qf + MV * dp;
+  float* mx = acc + MV * dp;
+  float* sm = mx + round_up(MV, 16);
+  float* sc = sm + round_up(MV, 16);
+  uint32_t* qw = reinterpret_cast<uint32_t*>(sc + MV * kKeyTile);  // each part 64-byte aligned
+  uint32_t* kt = qw + MV * P;
+  uint32_t* vp = kt + kKeyTile * P;
+  uint32_t* pw = vp + kKeyTile / 2 * dp;
+  (void)kt; (void)vp; (void)pw;
+  int64_t base[kKeyTile], rows[kKeyTile];
+  const Vec::R qscale = Vec::set1(a.scale * (a.softcap > 0 ? 1.0f : a.k_scale));
+  const float post_scale = a.softcap > 0 ? a.k_scale : 1.0f;  // K's fp8 scale, before the cap
+  const int64_t kv_bytes = KF == tokenmill::F32 ? 4 : KF == tokenmill::BF16 ? 2 : 1;
+  for (int64_t idx = i0; idx < i1; ++idx) {
+    const int64_t* it = a.items + 3 * idx;
+    const int64_t b = it[0], h0 = it[1], r0 = it[2];
+    const int64_t q0 = a.query_start[b], nq = a.query_start[b + 1] - q0, ctx = a.context_lens[b];
+    const int64_t r1 = min64(nq, r0 + R), Mh = (r1 - r0) * G;  // vectors per head
+    const int64_t first_pos = ctx - nq;  // position of the chunk's first query
+    const int64_t* table = a.block_tables + b * a.ldbt;
+    // Vector hl * RG + i: KV head h0 + hl, query row r0 + i / G, query head (h0 + hl) * G + i % G.
+    for (int64_t hl = 0; hl < HI; ++hl)
+      for (int64_t i = 0; i < Mh; ++i) {
+        const int64_t m = hl * RG + i, row = q0 + r0 + i / G, hq = (h0 + hl) * G + i % G;
+        for (int64_t j = 0; j < dp; j += Vec::W) {
+          Vec::R qv = j < D ? Vec::mul(ld<QF>(a.q, row * a.ldq + hq * D + j, chunk(D, j)), qscale) : Vec::zero();
+          Vec::store_f32(qf + m * dp + j, qv, Vec::W);
+          Vec::store_f32(acc + m * dp + j, Vec::zero(), Vec::W);
+        }
+        if constexpr (fast) {  // the bf16 query as it is (exact); the scale goes on the scores
+          uint16_t* w = reinterpret_cast<uint16_t*>(qw + m * P);
+          const uint16_t* src = static_cast<const uint16_t*>(a.q) + row * a.ldq + hq * D;
+          for (int64_t j = 0; j < 2 * P; ++j) w[j] = j < D ? src[j] : 0;
+        }
+        mx[m] = -3.0e38f;
+        sm[m] = 0.0f;
+      }
+    // Keys row r sees: [lo(r), pos(r) + 1), lo = pos - window + 1 with a window; a split
+    // item only its share [item_keys) of them.
+    int64_t lo0 = a.window > 0 ? max64(0, first_pos + r0 - a.window + 1) : 0, hi1 = first_pos + r1;
+    if (a.item_keys) { lo0 = max64(lo0, a.item_keys[2 * idx]); hi1 = min64(hi1, a.item_keys[2 * idx + 1]); }
+    const int64_t line0 = h0 * D * kv_bytes, lines = HI * D * kv_bytes;  // the item's heads in a token's row
+    for (int64_t k0 = lo0; k0 < hi1; k0 += kKeyTile) {
+      const int n = (int)min64(kKeyTile, hi1 - k0);
+      for (int t = 0; t < n; ++t) {
+        const int64_t pos = k0 + t;
+        base[t] = (table[pos / bs] * bs + pos % bs) * Hkv * D;
+      }
+      // The next tile's K and V rows lie elsewhere in the pool: ask for them now (into L2:
+      // measured 1.2-1.5x faster decode than into L1, which the tile's own rows use), so
+      // that long contexts stream instead of waiting block by block.
+      for (int64_t pos = k0 + kKeyTile; pos < min64(hi1, k0 + 2 * kKeyTile); ++pos) {
+        const int64_t off = (table[pos / bs] * bs + pos % bs) * Hkv * D * kv_bytes + line0;
+        for (int64_t c = 0; c < lines; c += 64) {
+          __builtin_prefetch(static_cast<const char*>(a.k_cache) + off + c, 0, 2);
+          __builtin_prefetch(static_cast<const char*>(a.v_cache) + off + c, 0, 2);
+        }
+      }
+      for (int64_t hl = 0; hl < HI; ++hl) {
+        for (int t = 0; t < n; ++t) rows[t] = base[t] + (h0 + hl) * D;
+        const int64_t mh = hl * RG;  // this head's first vector
+        if constexpr (fast) {
+#ifdef TOKENMILL_BF16_DOT
+          const float dot_scale = a.scale * (a.softcap > 0 ? 1.0f : a.k_scale);
+          const uint16_t* kc = static_cast<const uint16_t*>(a.k_cache);
+          for (int t0 = 0; t0 < n; t0 += 16) {
+            uint32_t* ktt = kt + t0 * P;
+            pack_keys16(kc, rows + t0, (int)min64(16, n - t0), D, P, ktt);
+            for (int64_t m0 = 0; m0 < Mh; m0 += 8)
+              qk16_any((int)min64(8, Mh - m0), qw + (mh + m0) * P, P, ktt, dot_scale, sc + (mh + m0) * kKeyTile + t0,
+                       kKeyTile);
+          }
+#endif
+        } else {
+          for (int64_t m0 = 0; m0 < Mh; m0 += kPrefillScoreTile) {
+            const int gn = (int)min64(kPrefillScoreTile, Mh - m0);
+            score_block_wide<KF>(gn, a.k_cache, rows, n, D, qf + (mh + m0) * dp, dp, sc + (mh + m0) * kKeyTile, kKeyTile);
+          }
+        }
+        for (int64_t i = 0; i < Mh; ++i) {
+          const int64_t m = mh + i;
+          float* p = sc + m * kKeyTile;
+          const int64_t pos = first_pos + r0 + i / G;
+          // This row's keys inside the tile: [ta, te).
+          const int ta = a.window > 0 ? (int)min64(n, max64(0, pos - a.window + 1 - k0)) : 0;
+          const int te = (int)max64(ta, min64(n, pos + 1 - k0));
+          for (int t = 0; t < ta; ++t) p[t] = 0.0f;
+          for (int t = te; t < n; ++t) p[t] = 0.0f;
+          if (ta == te) continue;
+          Vec::R vmax = Vec::set1(-3.0e38f);
+          for (int t = ta; t < te; t += Vec::W) {
+            const int c = (int)min64(Vec::W, te - t);
+            Vec::R v = Vec::load_f32(p + t, c);
+            if (a.softcap > 0) v = softcap_vec(Vec::mul(v, Vec::set1(post_scale)), a.softcap);
+            Vec::store_f32(p + t, v, c);
+            vmax = Vec::max(vmax, Vec::load_masked_or(p + t, c, -3.0e38f));
+          }
+          const float tile_max = Vec::reduce_max(vmax);
+          const float m_new = mx[m] > tile_max ? mx[m] : tile_max;
+          const float alpha = __builtin_expf(mx[m] - m_new);
+          const Vec::R vm = Vec::set1(m_new);
+          Vec::R sum = Vec::zero();
+          for (int t = ta; t < te; t += Vec::W) {
+            const int c = (int)min64(Vec::W, te - t);
+            Vec::store_f32(p + t, Vec::exp(Vec::sub(Vec::load_f32(p + t, c), vm)), c);
+            sum = Vec::add(sum, Vec::load_f32(p + t, c));  // reload: the tail lanes read as 0
+          }
+          sm[m] = sm[m] * alpha + Vec::reduce_add(sum);
+          mx[m] = m_new;
+          if (alpha != 1.0f) {
+            const Vec::R va = Vec::set1(alpha);
+            float* o = acc + m * dp;
+            for (int64_t j = 0; j < dp; j += Vec::W) Vec::store_f32(o + j, Vec::mul(Vec::load_f32(o + j, Vec::W), va), Vec::W);
+          }
+        }
+        if constexpr (fast) {
+#ifdef TOKENMILL_BF16_DOT
+          pack_values(static_cast<const uint16_t*>(a.v_cache), rows, n, D, dp, vp);
+          for (int64_t i = 0; i < Mh; ++i) pack_weights(sc + (mh + i) * kKeyTile, n, pw + (mh + i) * (kKeyTile / 2));
+          for (int64_t m0 = 0; m0 < Mh; m0 += 4)
+            pv_any((int)min64(4, Mh - m0), vp, (n + 1) / 2, dp, pw + (mh + m0) * (kKeyTile / 2), kKeyTile / 2,
+                   acc + (mh + m0) * dp);
+#endif
+        } else {
+          for (int64_t m0 = 0; m0 < Mh; m0 += kHeadTile) {
+            const int gn = (int)min64(kHeadTile, Mh - m0);
+            accumulate_v_any<KF>(gn, a.v_cache, rows, n, D, sc + (mh + m0) * kKeyTile, kKeyTile, acc + (mh + m0) * dp, dp);
+          }
+        }
+      }
+    }
+    for (int64_t hl = 0; hl < HI; ++hl)
+      for (int64_t i = 0; i < Mh; ++i) {
+        const int64_t m = hl * RG + i, row = q0 + r0 + i / G, hq = (h0 + hl) * G + i % G;
+        // A whole range sees at least each row's own key; a split's share may see none
+        // (sum 0: its weight in the merge is 0).
+        const Vec::R vi = Vec::set1(sm[m] > 0 ? a.v_scale / sm[m] : 0.0f);
+        for (int64_t j = 0; j < D; j += Vec::W) {
+          const Vec::R o = Vec::mul(Vec::load_f32(acc + m * dp + j, Vec::W), vi);
+          if (a.partial) Vec::store_f32(a.partial + (idx * Hq + hq) * D + j, o, chunk(D, j));
+          else st<QF>(a.out, (row * Hq + hq) * D + j, o, chunk(D, j));
+        }
+        if (a.partial) {
+          a.partial_ml[2 * (idx * Hq + hq)] = mx[m];
+          a.partial_ml[2 * (idx * Hq + hq) + 1] = sm[m];
+        }
+      }
+  }
+  std::free(qf);
+}
+
+template <int QF>
+void prefill_for_q(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
+  switch (a.kv_fmt) {
+    case tokenmill::F32: prefill_impl<QF, tokenmill::F32>(a, i0, i1); break;
+    case tokenmill::BF16: prefill_impl<QF, tokenmill::BF16>(a, i0, i1); break;
+    case tokenmill::E4M3: prefill_impl<QF, tokenmill::E4M3>(a, i0, i1); break;
+    default: prefill_impl<QF, tokenmill::E5M2>(a, i0, i1); break;
+  }
+}
+
+void prefill_attention_kernel(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
+  if (a.q_fmt == tokenmill::BF16) prefill_for_q<tokenmill::BF16>(a, i0, i1);
+  else prefill_for_q<tokenmill::F32>(a, i0, i1);
+}
+
+}  // namespace
