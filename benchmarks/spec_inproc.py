@@ -58,8 +58,6 @@ def build(config: str, args: argparse.Namespace) -> LLMEngine:
     drafter = engine.executor.driver_worker.drafter  # type: ignore[attr-defined]
     if config == "draft_runner":  # variants for A/B: every draft forward through its runner
         drafter.rows = None
-    elif config == "draft_eager":  # the decode-row loop, eager
-        drafter.rows.compiled = None
     return engine
 
 
