@@ -35,6 +35,10 @@ from tokenmill.model.demo import demo_draft_path
 
 
 def build(config: str, args: argparse.Namespace) -> LLMEngine:
+    return build_llm(config, args).engine
+
+
+def build_llm(config: str, args: argparse.Namespace) -> LLM:
     spec: dict[str, Any] | None = None
     if config == "ngram":
         spec = {
@@ -54,11 +58,10 @@ def build(config: str, args: argparse.Namespace) -> LLMEngine:
         num_threads=args.threads,
         speculative_config=spec,
     )
-    engine = llm.engine
-    drafter = engine.executor.driver_worker.drafter  # type: ignore[attr-defined]
+    drafter = llm.engine.executor.driver_worker.drafter
     if config == "draft_runner":  # variants for A/B: every draft forward through its runner
         drafter.rows = None
-    return engine
+    return llm
 
 
 def one_request(
@@ -143,7 +146,7 @@ class _StepLog:
         self.parts: dict[str, dict[str, list[float]]] = {}
         self._part_s: dict[str, float] = {}
         self._proposed = False
-        worker = engine.executor.driver_worker  # type: ignore[attr-defined]
+        worker = engine.executor.driver_worker
         runner = worker.runner
         targets = [
             ("forward", runner, "forward"),
@@ -166,7 +169,7 @@ class _StepLog:
                 propose()
                 self._proposed = any(r.spec_token_ids for r in engine.scheduler.running)
 
-            engine._propose = marked  # type: ignore[method-assign]
+            engine._propose = marked
 
     def _wrap(self, name: str, obj: Any, attr: str) -> None:
         inner = getattr(obj, attr)
@@ -231,6 +234,26 @@ def breakdown(args: argparse.Namespace) -> None:
         print(json.dumps({c: log.summary()}), flush=True)
 
 
+def batch(args: argparse.Namespace) -> None:
+    """All prompts at once (16 streams): output tok/s per config, repeats interleaved."""
+    torch.set_num_threads(args.threads)
+    llms = {c: build_llm(c, args) for c in args.configs}
+    prompts = WORKLOADS[args.workloads[0]](args.num_requests)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    rates: dict[str, list[float]] = {c: [] for c in llms}
+    for r in range(args.rounds + 1):
+        for c in llms if r % 2 == 0 else list(llms)[::-1]:
+            start = time.perf_counter()
+            outs = llms[c].generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            if r:  # the first round warms up
+                rates[c].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+    med = {c: statistics.median(v) for c, v in rates.items()}
+    print(
+        json.dumps({"tok_s_median": med, "ratio_to_plain": {c: med[c] / med["plain"] for c in med}})
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kv", default="paged", choices=["paged", "static"])
@@ -243,6 +266,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", default=None, help="cProfile one config instead")
     parser.add_argument("--breakdown", action="store_true", help="per-step times by kind")
+    parser.add_argument("--batch", action="store_true", help="all prompts at once: tok/s")
     parser.add_argument("--sort", default="tottime")
     parser.add_argument("--top", type=int, default=45)
     parser.add_argument("--out", type=Path, default=None)
@@ -252,6 +276,9 @@ def main() -> None:
         return
     if args.breakdown:
         breakdown(args)
+        return
+    if args.batch:
+        batch(args)
         return
     report = run(args)
     if args.out:
