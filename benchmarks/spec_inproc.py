@@ -58,9 +58,11 @@ def build_llm(config: str, args: argparse.Namespace) -> LLM:
         num_threads=args.threads,
         speculative_config=spec,
     )
-    drafter = llm.engine.executor.driver_worker.drafter
+    drafter = llm.engine.executor.driver_worker.drafter  # type: ignore[attr-defined]
     if config == "draft_runner":  # variants for A/B: every draft forward through its runner
         drafter.rows = None
+    elif config == "draft_eager":  # the decode-row loop, never compiled
+        drafter.rows.compiled = None
     return llm
 
 
@@ -146,7 +148,7 @@ class _StepLog:
         self.parts: dict[str, dict[str, list[float]]] = {}
         self._part_s: dict[str, float] = {}
         self._proposed = False
-        worker = engine.executor.driver_worker
+        worker = engine.executor.driver_worker  # type: ignore[attr-defined]
         runner = worker.runner
         targets = [
             ("forward", runner, "forward"),
@@ -169,7 +171,7 @@ class _StepLog:
                 propose()
                 self._proposed = any(r.spec_token_ids for r in engine.scheduler.running)
 
-            engine._propose = marked
+            engine._propose = marked  # type: ignore[method-assign]
 
     def _wrap(self, name: str, obj: Any, attr: str) -> None:
         inner = getattr(obj, attr)

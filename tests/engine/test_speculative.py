@@ -89,8 +89,9 @@ def test_static_compiled_verification_matches_transformers(
     _assert_speculated(llm)
     assert llm.engine.runner.num_compiled_verify_steps > 0
     assert step.eager_buckets == []
-    if method == "draft_model":  # the draft proposes by its decode-row loop
-        assert llm.engine.executor.driver_worker.drafter.rows.num_forwards > 0
+    if method == "draft_model":  # static: the draft compiles too, and proposes through it
+        rows = llm.engine.executor.driver_worker.drafter.rows
+        assert rows.compiled is not None and rows.num_compiled > 0
 
 
 def test_chunked_prefill_preemption_and_prefix_caching_stay_exact(make_model) -> None:
@@ -349,14 +350,14 @@ def test_draft_row_loop_proposes_what_the_runner_path_proposes(make_model, tmp_p
         )
         drafter = llm.engine.executor.driver_worker.drafter
         rows = drafter.rows
-        assert rows is not None
+        assert rows is not None and rows.compiled is None  # enforce_eager: eager rows
         if not use_rows:
             drafter.rows = None
         prompts = _copy_prompts(llm.tokenizer.vocab_size, 4, seed=21)
         out = _tokens(llm.generate(prompts, _greedy(), use_tqdm=False))
         stats = llm.engine.stats
         runs.append((out, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens))
-        assert (rows.num_forwards > 0) == use_rows
+        assert (rows.num_eager > 0) == use_rows
     assert runs[0] == runs[1]
     assert runs[0][1] > 0
 

@@ -10,7 +10,8 @@ Greedy drafting makes the proposal a point mass, which is what verification assu
 draft KV is simply not counted as valid any more; freed blocks take it with them.
 
 The common step (a catch-up of one or two tokens, then k - 1 single tokens) runs as decode
-rows in a tight loop (``RowForward``, eager with decode metadata) and an argmax, with no scheduler output, sampler or input
+rows in a tight loop (``RowForward``: compiled when the engine compiles the draft, else
+eager with decode metadata) and an argmax, with no scheduler output, sampler or input
 layout per forward: on a one-layer draft those cost as much as the forward itself. A long
 catch-up (after a prefill or a preemption), a logit_bias or a model without decode
 metadata takes the general path through the draft's ``ModelRunner``. What the draft
@@ -29,6 +30,7 @@ from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.model.base import CausalLM
 from tokenmill.sampling.sampler import Sampler
+from tokenmill.worker.compiled_step import CompiledDecodeStep
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.row_forward import RowForward
 
@@ -58,11 +60,13 @@ class DraftProposer:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         device: torch.device,
+        compiled: CompiledDecodeStep | None = None,
     ) -> DraftProposer:
+        """``compiled``: the draft's compiled decode step (the rows run eagerly without)."""
         rows = None
         if RowForward.supports(model):
             scratch = kv_caches[0][0].shape[0] - 1  # allocate_kv_cache's extra block
-            rows = RowForward(model, kv_caches, block_size, scratch, device)
+            rows = RowForward(model, kv_caches, block_size, scratch, device, compiled)
         return cls(ModelRunner(model, kv_caches, block_size, Sampler(device), device), rows)
 
     @torch.inference_mode()

@@ -1,4 +1,4 @@
-"""RowForward: an eager forward over decode-shaped rows.
+"""RowForward: a forward over decode-shaped rows, compiled where a bucket fits, else eager.
 
 A decode-shaped row is one token that attends to every position of its request up to its
 own. The decode attention op writes every row's K/V before any row attends, so several rows
@@ -8,9 +8,9 @@ metadata (no query groups, no causal mask, no gather of the cached keys), which 
 model is most of what a step costs besides the GEMVs.
 
 The ``static`` strategy's ``CompiledDecodeStep`` runs these rows through its fixed-shape
-graphs; this runs the same rows eagerly with the backend's decode metadata. Speculative
-decoding uses it where no compiled step takes a verification (the ``paged`` strategy,
-``--enforce-eager``) and for every forward of the draft model.
+graphs; without one (the ``paged`` strategy, ``--enforce-eager``) the same rows run eagerly
+with the backend's decode metadata. Speculative decoding uses it for the paged strategy's
+verification steps and for every forward of the draft model.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from __future__ import annotations
 import torch
 
 from tokenmill.model.base import CausalLM
+from tokenmill.worker.compiled_step import CompiledDecodeStep
 
 
 class RowForward:
-    """Hidden states for decode-shaped rows, eagerly."""
+    """Hidden states for decode-shaped rows: ``compiled`` when it takes the batch, else eager."""
 
     def __init__(
         self,
@@ -30,6 +31,7 @@ class RowForward:
         block_size: int,
         scratch_block: int,
         device: torch.device,
+        compiled: CompiledDecodeStep | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -37,8 +39,10 @@ class RowForward:
         self.scratch_block = scratch_block
         """A block nobody reads: it pads the rows' block tables to one width."""
         self.device = device
-        self.num_forwards = 0
-        """Forwards run (tests check this path is the one taken)."""
+        self.compiled = compiled
+        self.num_compiled = 0
+        """Forwards that ran compiled (tests check the compiled path is the one taken)."""
+        self.num_eager = 0
 
     @staticmethod
     def supports(model: CausalLM) -> bool:
@@ -53,7 +57,11 @@ class RowForward:
         block_tables: list[list[int]],
     ) -> torch.Tensor:
         """Hidden states [rows, hidden], one row per token (its K/V written at its slot)."""
-        self.num_forwards += 1
+        compiled = self.compiled
+        if compiled is not None and len(input_ids) <= compiled.max_batch:
+            self.num_compiled += 1
+            return compiled.run(input_ids, positions, slots, block_tables)
+        self.num_eager += 1
         width = max(len(t) for t in block_tables)
         tables = [t + [self.scratch_block] * (width - len(t)) for t in block_tables]
         device = self.device
