@@ -61,6 +61,8 @@ def test_greedy_matches_transformers(make_model, reference_greedy, family, kv_ca
     assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
     _assert_speculated(llm)
     assert llm.engine.runner.num_compiled_verify_steps == 0  # enforce_eager: the eager path
+    # without a compiled step, verification steps run as eager decode rows
+    assert llm.engine.runner.num_row_verify_steps > 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -87,6 +89,9 @@ def test_static_compiled_verification_matches_transformers(
     _assert_speculated(llm)
     assert llm.engine.runner.num_compiled_verify_steps > 0
     assert step.eager_buckets == []
+    if method == "draft_model":  # static: the draft compiles too, and proposes through it
+        rows = llm.engine.executor.driver_worker.drafter.rows
+        assert rows.compiled is not None and rows.num_compiled > 0
 
 
 def test_chunked_prefill_preemption_and_prefix_caching_stay_exact(make_model) -> None:
@@ -323,6 +328,38 @@ def test_draft_model_greedy_matches_transformers(
         stats = llm.engine.stats
         assert stats.spec_num_draft_tokens > 0
         assert stats.spec_num_accepted_tokens >= min_rate * stats.spec_num_draft_tokens
+
+
+def test_draft_row_loop_proposes_what_the_runner_path_proposes(make_model, tmp_path) -> None:
+    """The draft's tight decode-row loop and its general path through the draft's ModelRunner make the same proposals: the same
+    drafted and accepted counts, the same output."""
+    from tokenmill.model.demo import build_truncated_draft
+
+    folder = make_model("llama")
+    build_truncated_draft(folder, tmp_path / "draft", 1)
+    runs = []
+    for use_rows in (True, False):
+        llm = LLM(
+            str(folder),
+            dtype="float32",
+            max_model_len=128,
+            max_num_seqs=4,
+            enforce_eager=True,
+            block_size=4,
+            speculative_config={"model": str(tmp_path / "draft"), "num_speculative_tokens": 3},
+        )
+        drafter = llm.engine.executor.driver_worker.drafter
+        rows = drafter.rows
+        assert rows is not None and rows.compiled is None  # enforce_eager: eager rows
+        if not use_rows:
+            drafter.rows = None
+        prompts = _copy_prompts(llm.tokenizer.vocab_size, 4, seed=21)
+        out = _tokens(llm.generate(prompts, _greedy(), use_tqdm=False))
+        stats = llm.engine.stats
+        runs.append((out, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens))
+        assert (rows.num_eager > 0) == use_rows
+    assert runs[0] == runs[1]
+    assert runs[0][1] > 0
 
 
 def test_draft_catch_up_within_a_small_budget_stays_exact(make_model) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenmill.core.request import Request
 from tokenmill.core.sampling_params import SamplingParams
@@ -137,3 +139,32 @@ def test_a_seeded_request_is_deterministic() -> None:
             [verify(sampler, LOGITS, _request(params), DRAFTS).token_ids for _ in range(20)]
         )
     assert runs[0] == runs[1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    drafts=st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=4),
+)
+def test_greedy_fast_path_keeps_what_the_per_position_path_keeps(
+    seed: int, drafts: list[int]
+) -> None:
+    """A greedy request that nothing processes skips the per-position views and the
+    sampler's processing (spied on), and keeps exactly the tokens the general path keeps
+    (the same request asking logprobs takes the general path)."""
+    logits = torch.randn(len(drafts) + 1, VOCAB, generator=torch.Generator().manual_seed(seed))
+    # Drafts that follow the argmax run for a while, so long accepted runs are covered.
+    argmax = logits.argmax(dim=-1).tolist()
+    cut = seed % (len(drafts) + 1)
+    drafts = argmax[:cut] + drafts[cut:]
+    sampler = Sampler(torch.device("cpu"))
+    calls: list[int] = []
+    process = sampler.process
+    sampler.process = lambda *a, **kw: calls.append(1) or process(*a, **kw)  # type: ignore[method-assign]
+    fast = verify(sampler, logits, _request(SamplingParams(temperature=0.0)), drafts)
+    assert calls == []
+    general = verify(sampler, logits, _request(SamplingParams(temperature=0.0, logprobs=1)), drafts)
+    assert calls == [1]
+    assert fast.token_ids == general.token_ids
+    assert fast.num_draft_tokens == general.num_draft_tokens == len(drafts)
+    assert fast.logprobs == [None] * len(fast.token_ids)

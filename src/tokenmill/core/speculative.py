@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from tokenmill.core.ngram_index import NgramProposer
 from tokenmill.core.request import Request
 from tokenmill.errors import ConfigError
 
@@ -116,11 +117,16 @@ def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int
     return []
 
 
-def propose_ngram(config: SpeculativeConfig, request: Request, k: int) -> list[int]:
-    """Prompt-lookup proposals for ``request``, trimmed to what it may still produce."""
+def propose_ngram(
+    config: SpeculativeConfig, request: Request, k: int, index: NgramProposer | None = None
+) -> list[int]:
+    """Prompt-lookup proposals for ``request``, trimmed to what it may still produce;
+    ``index`` (the engine's) looks up incrementally, else the history is scanned."""
     k = min(k, max_draft_tokens(request))
     if k <= 0:
         return []
+    if index is not None:
+        return index.propose(request, k)
     tokens = request.token_slice(0, request.num_tokens)
     return ngram_propose(tokens, k, config.prompt_lookup_min, config.prompt_lookup_max)
 

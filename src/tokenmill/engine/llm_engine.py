@@ -14,6 +14,7 @@ from dataclasses import replace
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv import KVCacheManager, KVSizing, build_kv_manager
 from tokenmill.core.messages import StepOutput, VerifiedTokens
+from tokenmill.core.ngram_index import NgramProposer
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import Scheduler
@@ -76,6 +77,12 @@ class LLMEngine:
             )
         self.speculative = config.speculative
         """Speculative decoding's config; None: one token per request per step."""
+        self._ngram = (
+            NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
+            if self.speculative is not None and self.speculative.method == "ngram"
+            else None
+        )
+        """Per-request n-gram indexes (method ngram): a lookup per step, not a scan."""
         if self.speculative is not None and config.is_pooling:
             raise ConfigError(
                 "--speculative-config: a pooling runner generates nothing to speculate on"
@@ -484,7 +491,7 @@ class LLMEngine:
             if spec.method == "draft_model":  # slots now, the worker's draft fills them
                 request.spec_token_ids = [0] * min(k, max_draft_tokens(request))
             else:
-                request.spec_token_ids = propose_ngram(spec, request, k)
+                request.spec_token_ids = propose_ngram(spec, request, k, self._ngram)
 
     def _on_verified(
         self,

@@ -11,6 +11,10 @@ residual max(0, p - q), i.e. p without d, renormalised; when every draft is acce
 more token is drawn from the last row. The output therefore follows the target
 distribution exactly. Random draws come from the request's own generator when it is
 seeded, so a seeded request stays deterministic. Logprobs are the target's raw ones.
+
+A greedy request that nothing processes (no penalties, logit_bias, min_tokens left or
+grammar) and that asks no logprobs takes the raw argmax of its rows: the per-position
+views would change nothing there, and building them is most of a small step's verify cost.
 """
 
 from __future__ import annotations
@@ -41,6 +45,17 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(probs.div(noise).argmax())
 
 
+def _accept_greedy(logits: torch.Tensor, drafts: list[int]) -> list[int]:
+    """The target's argmax at each position up to and including the first that differs
+    from the draft (all of them, plus the bonus token, when every draft matches)."""
+    tokens: list[int] = []
+    for j, target in enumerate(logits.argmax(dim=-1).tolist()):
+        tokens.append(target)
+        if j == len(drafts) or target != drafts[j]:
+            break
+    return tokens
+
+
 def verify(
     sampler: Sampler,
     logits: torch.Tensor,
@@ -50,16 +65,23 @@ def verify(
 ) -> VerifiedTokens:
     """Verify ``drafts`` of one request against its ``len(drafts) + 1`` logits rows;
     ``token_bitmask`` holds a structured-output grammar's mask per position."""
+    params = request.sampling_params
+    if (
+        params.is_greedy
+        and params.logprobs is None
+        and token_bitmask is None
+        and not Sampler.needs_processing([request], None)
+    ):
+        # min_tokens: the first position has the fewest outputs, so if it needs no mask
+        # none does; penalties and logit_bias are per request.
+        kept = _accept_greedy(logits, drafts)
+        return VerifiedTokens(kept, [None] * len(kept), len(drafts))
     views = position_views(request, drafts)
     processed = sampler.process(logits, views, token_bitmask)
     is_greedy = request.sampling_params.is_greedy
     tokens: list[int] = []
     if is_greedy:
-        targets = processed.argmax(dim=-1).tolist()
-        for j, target in enumerate(targets):
-            tokens.append(target)
-            if j == len(drafts) or target != drafts[j]:
-                break
+        tokens = _accept_greedy(processed, drafts)
     else:
         probs = sampler.probs(processed, views)
         generator = sampler.generator_for(request)

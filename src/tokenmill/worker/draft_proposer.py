@@ -8,6 +8,15 @@ verified count, or less), then the draft decodes greedily, one token per draft s
 Greedy drafting makes the proposal a point mass, which is what verification assumes
 (``sampling.speculative``), so the output stays exactly the target's. Rejected drafts'
 draft KV is simply not counted as valid any more; freed blocks take it with them.
+
+The common step (a catch-up of one or two tokens, then k - 1 single tokens) runs as decode
+rows in a tight loop (``RowForward``: compiled when the engine compiles the draft, else
+eager with decode metadata) and an argmax, with no scheduler output, sampler or input
+layout per forward: on a one-layer draft those cost as much as the forward itself. A long
+catch-up (after a prefill or a preemption), a logit_bias or a model without decode
+metadata takes the general path through the draft's ``ModelRunner``. What the draft
+proposes may differ in rounding between the two paths; what is kept never does, since
+verification decides.
 """
 
 from __future__ import annotations
@@ -21,7 +30,9 @@ from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.model.base import CausalLM
 from tokenmill.sampling.sampler import Sampler
+from tokenmill.worker.compiled_step import CompiledDecodeStep
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.row_forward import RowForward
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
 
@@ -29,9 +40,14 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
 class DraftProposer:
     """Fills the draft slots of scheduled requests (``Request.spec_token_ids``)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    MAX_ROW_CATCH_UP = 4
+    """The longest catch-up the row path takes (usually 1 or 2: the last verified tokens)."""
+
+    def __init__(self, runner: ModelRunner, rows: RowForward | None = None) -> None:
         self.runner = runner
         """The draft model's runner (its own KV tensors, no LoRA, no grammar)."""
+        self.rows = rows
+        """The tight decode-row loop; None: every forward goes through the runner."""
         self.num_forwards = 0
         """Draft forwards run (tests check that a step without proposals runs none)."""
         self.num_tokens = 0
@@ -44,8 +60,14 @@ class DraftProposer:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         device: torch.device,
+        compiled: CompiledDecodeStep | None = None,
     ) -> DraftProposer:
-        return cls(ModelRunner(model, kv_caches, block_size, Sampler(device), device))
+        """``compiled``: the draft's compiled decode step (the rows run eagerly without)."""
+        rows = None
+        if RowForward.supports(model):
+            scratch = kv_caches[0][0].shape[0] - 1  # allocate_kv_cache's extra block
+            rows = RowForward(model, kv_caches, block_size, scratch, device, compiled)
+        return cls(ModelRunner(model, kv_caches, block_size, Sampler(device), device), rows)
 
     @torch.inference_mode()
     def propose(self, sched: SchedulerOutput) -> None:
@@ -67,6 +89,11 @@ class DraftProposer:
             view.num_computed_tokens = request.num_tokens - request.num_draft_lag
             views.append((request, view, catch_up))
         if not views:
+            return
+        if self.rows is not None and all(
+            n <= self.MAX_ROW_CATCH_UP and not v.sampling_params.logit_bias for _, v, n in views
+        ):
+            self._propose_rows(sched, views, self.rows)
             return
         drafts: dict[str, list[int]] = {r.request_id: [] for r, _, _ in views}
         steps = [(v, n) for _, v, n in views]  # the first forward: each request's catch-up
@@ -92,5 +119,61 @@ class DraftProposer:
                 mine.append(token)
                 if len(mine) < len(request.spec_token_ids):
                     steps.append((view, 1))
+        for request, _, _ in views:
+            request.spec_token_ids = drafts[request.request_id]
+
+    def _propose_rows(
+        self,
+        sched: SchedulerOutput,
+        views: list[tuple[Request, Request, int]],
+        rows: RowForward,
+    ) -> None:
+        """The general loop's result, by decode rows: each forward lays out its rows
+        directly (token, position, slot, block table) and takes the argmax of the rows
+        that end a request's input."""
+        bs = rows.block_size
+        model = self.runner.model
+        # Per request: (request, its block table, next position, tokens to feed, drafts).
+        live = []
+        for request, view, catch_up in views:
+            start = view.num_computed_tokens
+            feed = view.token_slice(start, start + catch_up)
+            # A catch-up short of the last token proposes nothing (as the general path).
+            proposes = start + catch_up == view.num_tokens
+            live.append((request, sched.block_tables[request.request_id], start, feed, proposes))
+        drafts: dict[str, list[int]] = {r.request_id: [] for r, _, _ in views}
+        while live:
+            ids: list[int] = []
+            positions: list[int] = []
+            slots: list[int] = []
+            tables: list[list[int]] = []
+            ends: list[int] = []
+            for _, table, start, feed, _ in live:
+                for j, token in enumerate(feed):
+                    pos = start + j
+                    ids.append(token)
+                    positions.append(pos)
+                    slots.append(table[pos // bs] * bs + pos % bs)
+                    tables.append(table)
+                ends.append(len(ids) - 1)
+            self.num_forwards += 1
+            self.num_tokens += len(ids)
+            hidden = rows.run(ids, positions, slots, tables)
+            picked = (
+                hidden
+                if len(ends) == len(ids)
+                else hidden[torch.tensor(ends, device=hidden.device)]
+            )
+            tokens = model.compute_logits(picked).argmax(dim=-1).tolist()
+            following = []
+            for (request, table, start, feed, proposes), token in zip(live, tokens, strict=True):
+                request.num_draft_computed_tokens = start + len(feed)
+                mine = drafts[request.request_id]
+                if not proposes or len(mine) >= len(request.spec_token_ids):
+                    continue
+                mine.append(token)
+                if len(mine) < len(request.spec_token_ids):
+                    following.append((request, table, start + len(feed), [token], True))
+            live = following
         for request, _, _ in views:
             request.spec_token_ids = drafts[request.request_id]

@@ -12,7 +12,10 @@ of one request. Under the ``static`` strategy's compiled step, such rows are dec
 each attends to the positions up to its own, and the decode op writes every row's K/V
 before any row attends, so row i sees the drafts before it. A step of decodes and
 verifications only therefore runs through the same fixed-shape graphs (buckets count
-rows), with each row carrying its request's block table.
+rows), with each row carrying its request's block table. Without the compiled step (the
+``paged`` strategy) such a step runs the same decode rows eagerly (``RowForward``): the
+verification's rows take the decode kernel, as its positions would one at a time, instead
+of a prefill chunk's metadata, mask and gathered attention.
 
 Sampling, grammar bookkeeping and prompt logprobs are per request: when the batched call
 raises, each row is retried alone and only the rows that still raise are reported in
@@ -41,6 +44,7 @@ from tokenmill.structured.bitmask import GrammarMasks
 from tokenmill.worker.compiled_step import CompiledDecodeStep
 from tokenmill.worker.kv_cache import copy_kv_blocks
 from tokenmill.worker.lora_manager import LoRAManager
+from tokenmill.worker.row_forward import RowForward
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +117,13 @@ class ModelRunner:
         self._pool_sums: dict[str, torch.Tensor] = {}
         """MEAN/CLS pooling: what earlier prefill chunks of a request contributed."""
         self._logged_spec_eager = False
+        self.rows: RowForward | None = None
+        """Eager decode rows for verification steps without a compiled step (paged)."""
+        if compiled_decode is None and RowForward.supports(model):
+            scratch = kv_caches[0][0].shape[0] - 1 if kv_caches else 0
+            self.rows = RowForward(model, kv_caches, block_size, scratch, device)
+        self.num_row_verify_steps = 0
+        """Verification steps that ran as eager decode rows (paged)."""
 
     def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -186,11 +197,13 @@ class ModelRunner:
             and not pool_rows
             and len(sample_rows) + num_spec_rows == len(input_ids)
         )
+        compiled_fits = (
+            self.compiled_decode is not None and len(input_ids) <= self.compiled_decode.max_batch
+        )
         if (
             is_decode_only
             and lora is None  # the compiled forwards have no LoRA: such steps run eagerly
-            and self.compiled_decode is not None
-            and len(input_ids) <= self.compiled_decode.max_batch
+            and (compiled_fits or (bool(spec_rows) and self.rows is not None))
         ):
             return StepInputs(
                 input_ids=None,
@@ -224,10 +237,14 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the step: the compiled decode step where the inputs allow it."""
-        if inputs.decode_rows is not None and self.compiled_decode is not None:
-            self.num_compiled_steps += 1
-            self.num_compiled_verify_steps += bool(inputs.spec_rows)
-            return self.compiled_decode.run(*inputs.decode_rows)
+        if inputs.decode_rows is not None:
+            if self.compiled_decode is not None:
+                self.num_compiled_steps += 1
+                self.num_compiled_verify_steps += bool(inputs.spec_rows)
+                return self.compiled_decode.run(*inputs.decode_rows)
+            assert self.rows is not None
+            self.num_row_verify_steps += 1
+            return self.rows.run(*inputs.decode_rows)
         return self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.lora
         )

@@ -31,6 +31,7 @@ from tokenmill.model.attention import FP8_DTYPES
 from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info, default_num_threads
+from tokenmill.model.layers import Linear
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.model.tensor_parallel import TPShard, shard_config
 from tokenmill.sampling.sampler import Sampler
@@ -276,11 +277,13 @@ class Worker:
         )
         spec_config = cfg.speculative
         if spec_config is not None and spec_config.method == "draft_model":
-            self.drafter = self._load_draft(spec.num_blocks, spec.block_size)
+            self.drafter = self._load_draft(spec, info)
         return info
 
-    def _load_draft(self, num_blocks: int, block_size: int) -> DraftProposer:
-        """The draft model, with KV tensors in the target's block layout (model dtype)."""
+    def _load_draft(self, kv: KVCacheSpec, info: CacheInfo) -> DraftProposer:
+        """The draft model, with KV tensors in the target's block layout (model dtype), its
+        decode step compiled where the target's is (static; the time is added to ``info``)."""
+        num_blocks, block_size = kv.num_blocks, kv.block_size
         spec = self.config.speculative
         assert spec is not None and spec.model is not None
         folder = resolve_model_path(spec.model)
@@ -293,7 +296,16 @@ class Worker:
                 f"--speculative-config: the draft's vocabulary ({draft_config.vocab_size}) is not "
                 f"the target's ({self.model_config.vocab_size}): they must share a tokenizer"
             )
-        model = load_model(folder, self.dtype, self.device, self.max_model_len, draft_config)
+        # One-row GEMVs (a draft forward is one token per request): plain weights through
+        # F.linear beat oneDNN's prepacked layout at these sizes (fp32, one thread, the
+        # demo draft's four projections: 84 vs 152 us a forward), the vocabulary-wide head
+        # excepted (66 vs 74 us packed). The draft's rounding never reaches the output.
+        model = load_model(
+            folder, self.dtype, self.device, self.max_model_len, draft_config, prepack=False
+        )
+        head = getattr(model, "lm_head", None)
+        if isinstance(head, Linear) and self.device.type == "cpu":
+            head.pack_for_onednn()
         caches = allocate_kv_cache(draft_config, num_blocks, block_size, self.dtype, self.device)
         logger.info(
             "speculative decoding: draft %s (%.1fM params), its KV in the target's blocks (%.2f GiB)",
@@ -301,7 +313,48 @@ class Worker:
             draft_config.num_params / 1e6,
             sum(k.nbytes + v.nbytes for k, v in caches) / 2**30,
         )
-        return DraftProposer.build(model, caches, block_size, self.device)
+        compiled = self._compile_draft(model, caches) if kv.wants_compiled_decode else None
+        if compiled is not None:
+            info.compile_time_s += compiled.compile_time_s
+        return DraftProposer.build(model, caches, block_size, self.device, compiled)
+
+    def _compile_draft(
+        self, model: CausalLM, caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> CompiledDecodeStep | None:
+        """The draft's compiled decode step (static). Under ``static`` the target's decode
+        step is compiled, so the draft's k eager forwards are what a speculative step
+        costs most; compiled alone, one demo-draft forward took 450-560 us against 750-830
+        eagerly (one thread, loaded machine). Under ``paged`` the draft runs eagerly: the
+        same compile measured no faster per engine step there (within noise), and paged
+        starts without compiling. Buckets: powers of two up to two rows (a catch-up) per
+        request that may speculate (``disable_by_batch_size``); ``--enforce-eager`` keeps
+        it eager."""
+        cfg, spec = self.config, self.config.speculative
+        assert spec is not None
+        if (
+            cfg.enforce_eager
+            or not model.supports_compiled_decode
+            or not self._can_compile()
+            or self.world_size != 1
+        ):
+            return None
+        rows = 2 * min(cfg.max_num_seqs, spec.max_batch_size)
+        num_blocks_and_scratch, block_size = caches[0][0].shape[:2]
+        compiled = CompiledDecodeStep(
+            model,
+            caches,
+            block_size,
+            max_blocks_per_seq=-(-self.max_model_len // block_size),
+            scratch_block=num_blocks_and_scratch - 1,
+            buckets=default_buckets(rows, self.device),
+            device=self.device,
+        )
+        logger.info(
+            "speculative decoding: the draft's decode step compiled for %s rows in %.1fs",
+            compiled.buckets,
+            compiled.compile_time_s,
+        )
+        return compiled
 
     def _model_compiles(self, info: CacheInfo) -> bool:
         """False for models whose forward cannot be compiled with fixed shapes (MoE routing,
