@@ -65,7 +65,18 @@ def test_linear_int8(isa: str, threads: int, m: int, n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "k"), [(1, 37, 70), (3, 5, 96), (2, 16, 64), (5, 64, 200), (16, 33, 256)]
+    ("m", "n", "k"),
+    [
+        (1, 37, 70),
+        (3, 5, 96),
+        (2, 16, 64),
+        (5, 64, 200),
+        (16, 33, 256),
+        # several groups of 128+: the two-chunk GEMV path, with row tails (N % 4) and K tails
+        (1, 67, 640),
+        (2, 6, 1000),
+        (3, 130, 384),
+    ],
 )
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_linear_int4(isa: str, threads: int, m: int, n: int, k: int, group_size: int) -> None:

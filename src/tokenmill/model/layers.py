@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tokenmill import kernels
+from tokenmill.kernels import gemv_layout
 from tokenmill.model.opaque_op import opaque_op, register_fake
 
 
@@ -57,9 +58,13 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         )
         self.packed: torch.Tensor | None = None
+        self.gemv: torch.Tensor | None = None
+        """The bf16 weight in ``kernels.gemv_layout``'s blocks (``pack_for_gemv``), or None."""
         self.out_features = out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None:
+            return kernels.gemv_bf16(x, self.gemv, self.out_features, self.bias)
         if self.packed is not None:
             if torch.compiler.is_compiling():  # inductor cannot lower a prepacked weight itself
                 return torch.ops.tokenmill.onednn_linear(
@@ -68,6 +73,25 @@ class Linear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         assert self.weight is not None, "only packing drops the plain weight"
         return nn.functional.linear(x, self.weight, self.bias)
+
+    def pack_for_gemv(self) -> bool:
+        """Store a bf16 CPU weight in the blocks tokenmill's bf16 GEMV streams; True if packed.
+
+        Only with the AVX-512 BF16 kernels (the AVX2 kernel is there for correctness after an
+        ISA switch, not measured as faster than oneDNN). The plain weight is dropped.
+        """
+        weight = self.weight
+        if (
+            weight is None
+            or weight.device.type != "cpu"
+            or weight.dtype != torch.bfloat16
+            or not kernels.available()
+            or kernels.active_isa() != "avx512_bf16"
+        ):
+            return False
+        self.gemv = gemv_layout.pack(weight.data)
+        self.weight = None
+        return True
 
     def pack_for_onednn(self, batch_hint: int = 32) -> bool:
         """Prepack for CPU if oneDNN runs this dtype and agrees with F.linear; True if packed.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -362,7 +363,8 @@ def load_model(
             setattr(parent, name, quantize_linear(linear.weight.data, bias, method, group_size))
             num_quantized += 1
         elif pack and may_pack:
-            num_packed += linear.pack_for_onednn()
+            gemv = os.environ.get("TOKENMILL_BF16_GEMV") == "1" and linear.pack_for_gemv()
+            num_packed += gemv or linear.pack_for_onednn()
 
     layout = weight_layout(cfg)
     head_method = None if quantization is None else LM_HEAD_QUANTIZATION
