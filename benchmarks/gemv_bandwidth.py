@@ -73,7 +73,10 @@ def cases(k: int, n: int, kinds: set[str]) -> dict[str, tuple[list[Callable[[], 
         onednn.append(lin)
     out["onednn"] = ([lambda m=m: m(x) for m in onednn], w.nbytes)
     if kernels.available():
-        out["linear_bf16"] = ([lambda t=t: kernels.linear_bf16(x, t, None) for t in plain], w.nbytes)
+        out["linear_bf16"] = (
+            [lambda t=t: kernels.linear_bf16(x, t, None) for t in plain],
+            w.nbytes,
+        )
         if hasattr(kernels, "gemv_bf16"):
             packed = [kernels.pack_gemv_bf16(t) for t in plain]
             out["gemv_bf16"] = (
@@ -81,7 +84,10 @@ def cases(k: int, n: int, kinds: set[str]) -> dict[str, tuple[list[Callable[[], 
                 w.nbytes,
             )
     del onednn
-    for name, make in (("int8", lambda: Int8Linear(w, None)), ("int4", lambda: Int4Linear(w, None, 128))):
+    for name, make in (
+        ("int8", lambda: Int8Linear(w, None)),
+        ("int4", lambda: Int4Linear(w, None, 128)),
+    ):
         if name not in kinds:
             continue
         first = make()

@@ -110,7 +110,9 @@ def main() -> None:
         cells = []
         for tree in trees:
             med = statistics.median(tpot[tree])
-            cells.append(f"{tree}: {med:.2f} ms (x{med / base:.3f}) {[round(t, 1) for t in tpot[tree]]}")
+            cells.append(
+                f"{tree}: {med:.2f} ms (x{med / base:.3f}) {[round(t, 1) for t in tpot[tree]]}"
+            )
         same = all(tokens[t] == tokens[trees[0]] for t in trees)
         print(f"{case} | " + " | ".join(cells) + ("" if same else " | TOKENS DIFFER"), flush=True)
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill import kernels
-from tokenmill.kernels import int4_layout
+from tokenmill.kernels import gemv_layout, int4_layout
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -49,6 +49,35 @@ def test_linear_bf16_keeps_leading_dims_and_strided_rows(isa: str) -> None:
     got = kernels.linear_bf16(x, w, None)
     assert got.shape == (2, 3, 40)
     _close_to_fp32(got, F.linear(x.float(), w.float()), 1e-2)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES + [(4, 17, 1000), (9, 33, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_bf16(isa: str, threads: int, m: int, n: int, k: int, with_bias: bool) -> None:
+    """Up to 4 rows each row streams the blocks; more go through the 4x4 register tiles."""
+    x, w = _randn(m, k, dtype=torch.bfloat16), _randn(n, k, dtype=torch.bfloat16, seed=1)
+    bias = _randn(n, dtype=torch.bfloat16, seed=2) if with_bias else None
+    want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    got = kernels.gemv_bf16(x, gemv_layout.pack(w), n, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    _close_to_fp32(got, want, 1e-2)
+
+
+def test_gemv_bf16_keeps_leading_dims_and_strided_rows(isa: str) -> None:
+    x = _randn(2, 3, 80, dtype=torch.bfloat16)[..., :72]
+    w = _randn(40, 72, dtype=torch.bfloat16, seed=1)
+    got = kernels.gemv_bf16(x, gemv_layout.pack(w), 40, None)
+    assert got.shape == (2, 3, 40)
+    _close_to_fp32(got, F.linear(x.float(), w.float()), 1e-2)
+
+
+def test_gemv_layout_round_trips_and_rejects_other_shapes() -> None:
+    w = _randn(37, 70, dtype=torch.bfloat16)
+    packed = gemv_layout.pack(w)
+    assert packed.shape == (3, 3, 16, 32)
+    assert torch.equal(gemv_layout.unpack(packed, 37, 70), w)
+    with pytest.raises(RuntimeError, match="gemv_bf16"):  # packed for another K
+        kernels.gemv_bf16(_randn(1, 100, dtype=torch.bfloat16), packed, 37, None)
 
 
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)

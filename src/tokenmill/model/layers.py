@@ -7,6 +7,7 @@ greedy outputs match token for token in float32.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -32,6 +33,27 @@ def onednn_linear(
 @register_fake("onednn_linear")
 def _onednn_linear_fake(x, packed, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+GEMV_MAX_ROWS = 4
+"""Decode batches up to which bf16 weights go in tokenmill's GEMV layout instead of oneDNN's.
+
+Measured (benchmarks/gemv_bandwidth.py style loop over 132 MB of the 250M model's MLP
+weights, one thread, a loaded 2-core AVX-512 BF16 machine, interleaved): at one row
+``kernels.gemv_bf16`` read 1.3-1.7x faster than prepacked oneDNN (about a plain sequential
+read's rate), about even at 2-4 rows, 0.75-0.8x at 16 rows and 0.85-0.9x at 128 (prefill).
+So an engine whose decode batch can exceed this keeps oneDNN for every projection."""
+
+GEMV_ENV = "TOKENMILL_BF16_GEMV"
+"""``1`` forces the GEMV layout whatever the batch, ``0`` keeps oneDNN's (A/B runs)."""
+
+
+def gemv_layout_for(decode_rows: int | None) -> bool:
+    """Whether bf16 CPU projections should be packed for ``Linear.pack_for_gemv``."""
+    forced = os.environ.get(GEMV_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    return decode_rows is not None and decode_rows <= GEMV_MAX_ROWS
 
 
 class Linear(nn.Module):
