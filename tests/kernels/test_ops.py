@@ -80,7 +80,7 @@ def test_gemv_layout_round_trips_and_rejects_other_shapes() -> None:
         kernels.gemv_bf16(_randn(1, 100, dtype=torch.bfloat16), packed, 37, None)
 
 
-@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES + [(1, 19, 300), (1, 40, 1024)])
 def test_linear_int8(isa: str, threads: int, m: int, n: int, k: int) -> None:
     x = _randn(m, k, dtype=torch.bfloat16)
     q = torch.randint(-127, 128, (n, k), generator=_gen(1), dtype=torch.int8)

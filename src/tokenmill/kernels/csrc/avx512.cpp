@@ -348,10 +348,77 @@ void gemm_w8a8(const GemmArgs& a, int64_t n0, int64_t n1) {
   }
 }
 
-void gemm_int8(const GemmArgs& a, int64_t n0, int64_t n1) { gemm_w8a8<false>(a, n0, n1); }
+// One activation row (the one-stream decode): each weight row is read whole before the
+// next, so a thread's range of rows is one sequential stream (rows [N, K] lie one after
+// another). The tiles above read 2-4 rows side by side, several short streams that the
+// hardware prefetcher follows badly (the same loss as row-major bf16, see gemv_bf16);
+// rows are independent, so out-of-order execution still overlaps their dot products.
+void gemv_int8_seq(const GemmArgs& a, int64_t n0, int64_t n1) {
+  const int8_t* w = static_cast<const int8_t*>(a.w);
+  const float xs = a.x_scale[0];
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = w + n * a.ldw;
+    __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
+    int64_t k = 0;
+    for (; k + 128 <= a.K; k += 128) {
+      acc0 = _mm512_dpbusd_epi32(acc0, _mm512_loadu_si512(a.xq + k), _mm512_loadu_si512(wr + k));
+      acc1 = _mm512_dpbusd_epi32(acc1, _mm512_loadu_si512(a.xq + k + 64), _mm512_loadu_si512(wr + k + 64));
+    }
+    for (; k < a.K; k += 64) {
+      const __mmask64 km = a.K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (a.K - k)) - 1);
+      acc0 = _mm512_dpbusd_epi32(acc0, _mm512_loadu_si512(a.xq + k), _mm512_maskz_loadu_epi8(km, wr + k));
+    }
+    const int32_t dot = _mm512_reduce_add_epi32(_mm512_add_epi32(acc0, acc1)) - 128 * a.wsum[n];
+    float v = (float)dot * xs * a.scales[n];
+    if (a.bias) v += a.bias[n];
+    a.y[n] = to_bf16(v);
+  }
+}
+
+void gemm_int8(const GemmArgs& a, int64_t n0, int64_t n1) {
+  if (a.M == 1) gemv_int8_seq(a, n0, n1);
+  else gemm_w8a8<false>(a, n0, n1);
+}
+
+// int4, one row, groups of 128+ (see gemv_int8_seq and tile_int4_wide): x is put in the
+// nibbles' order once per call, then every weight row is read whole, in order.
+void gemv_int4_seq(const GemmArgs& a, int64_t n0, int64_t n1) {
+  const uint8_t* w = static_cast<const uint8_t*>(a.w);
+  uint8_t* xp = static_cast<uint8_t*>(std::aligned_alloc(64, a.ldq));
+  for (int64_t k = 0; k < a.ldq; k += 128) {
+    const __m512i x0 = _mm512_loadu_si512(a.xq + k), x1 = _mm512_loadu_si512(a.xq + k + 64);
+    _mm512_store_si512(xp + k, _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(1, 0, 1, 0)));
+    _mm512_store_si512(xp + k + 64, _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const int64_t blocks = a.group_size / 128;
+  float out[4][4];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * a.ldw;
+    const float* sc = a.scales + n * a.num_groups;
+    __m512 f = _mm512_setzero_ps();
+    for (int64_t g = 0; g * a.group_size < a.K; ++g) {
+      __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t k = (g * blocks + b) * 128;
+        const __m512i v = _mm512_loadu_si512(wr + k / 2);
+        acc0 = _mm512_dpbusd_epi32(acc0, _mm512_and_si512(v, low4), _mm512_load_si512(xp + k));
+        acc1 = _mm512_dpbusd_epi32(acc1, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4), _mm512_load_si512(xp + k + 64));
+      }
+      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc0, acc1)), _mm512_set1_ps(sc[g]), f);
+    }
+    out[0][0] = _mm512_reduce_add_ps(f) * a.x_scale[0];
+    store_int4(a, 0, n, 1, 1, out);
+  }
+  std::free(xp);
+}
 
 void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
-  if (a.group_size % 128 == 0 && a.ldq % 128 == 0) { gemm_int4_wide(a, n0, n1); return; }
+  if (a.group_size % 128 == 0 && a.ldq % 128 == 0) {
+    if (a.M == 1) gemv_int4_seq(a, n0, n1);
+    else gemm_int4_wide(a, n0, n1);
+    return;
+  }
   if (a.group_size % 64 == 0) { gemm_w8a8<true>(a, n0, n1); return; }
   // 32-channel groups split a 64-code chunk: weights converted to bf16 in registers instead.
   Int4Weights wl{static_cast<const uint8_t*>(a.w), a.ldw, a.scales, a.num_groups, a.group_size};
