@@ -1,14 +1,18 @@
-"""One-row projections of the 250M benchmark Llama in GB/s of weight bytes, against streaming reads.
+"""One-row projections of the 250M benchmark Llama in GB/s of the weight bytes each kernel reads.
 
 Issue 20's one-stream TPOT is weight-bandwidth bound: each decode step reads every weight
-once. This prints, per projection shape at M = 1, how fast each kernel reads its weights
-(bytes of the weight it stores / time) next to a plain streaming read of the same bytes
-(``torch.sum`` over the weight viewed as int32), so "how far from bandwidth" is one ratio.
+once. Per projection shape at M = 1 this prints how fast each path reads what it stores:
+bf16 on oneDNN (prepacked), ``kernels.linear_bf16`` (row-major) and ``kernels.gemv_bf16``
+(``kernels.gemv_layout`` blocks), and the int8 / int4 projections (model/quant.py) as
+stored. (torch reductions are no streaming reference: ``t.view(torch.int32).sum()`` read
+below the kernels; a plain AVX-512 sequential read in C measured about the GEMV layout's
+rate.)
 
 Every case cycles through enough copies of its weight to exceed the L3 cache (the model's
 460 MB never fits; a single 3 MB matrix in a loop would be read from cache). Cases run
 interleaved, round by round, and each cell is a median over rounds, so load drift hits all
-of them alike; on a shared machine use ``--threads 1`` and read the ratios.
+of them alike; on a shared machine use ``--threads 1`` and read the ratios. Under
+``PYTHONPATH`` of another tree it measures that tree's kernels (A/B by alternating runs).
 
     PYTHONPATH=src .venv/bin/python benchmarks/gemv_bandwidth.py --threads 1
 """
@@ -64,7 +68,6 @@ def cases(k: int, n: int, kinds: set[str]) -> dict[str, tuple[list[Callable[[], 
     plain = [w.clone() for _ in range(copies)]
     if "bf16" not in kinds:
         plain = []
-    out["stream(sum)"] = ([lambda t=t: t.view(torch.int32).sum() for t in plain], w.nbytes)
     onednn = []
     for _ in plain:
         lin = Linear(k, n)
@@ -78,7 +81,9 @@ def cases(k: int, n: int, kinds: set[str]) -> dict[str, tuple[list[Callable[[], 
             w.nbytes,
         )
         if hasattr(kernels, "gemv_bf16"):
-            packed = [kernels.pack_gemv_bf16(t) for t in plain]
+            from tokenmill.kernels import gemv_layout
+
+            packed = [gemv_layout.pack(t) for t in plain]
             out["gemv_bf16"] = (
                 [lambda p=p: kernels.gemv_bf16(x, p, n, None) for p in packed],
                 w.nbytes,
@@ -94,14 +99,6 @@ def cases(k: int, n: int, kinds: set[str]) -> dict[str, tuple[list[Callable[[], 
         nbytes = stored_bytes(first)
         mods = [first] + [make() for _ in range(max(2, L3_BYTES // nbytes) - 1)]
         out[f"{name}[{first.kernel}]"] = ([lambda m=m: m(x) for m in mods], nbytes)
-        packed_streams = [
-            next(b for n_, b in m.named_buffers() if n_ in ("packed", "qweight", "amx_tiles"))
-            for m in mods
-        ]
-        out[f"stream {name}"] = (
-            [lambda t=t: t.view(torch.int32).sum() for t in packed_streams],
-            packed_streams[0].nbytes,
-        )
     return out
 
 

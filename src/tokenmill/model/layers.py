@@ -64,11 +64,12 @@ class Linear(nn.Module):
     machine (measured: 81 vs 45 GFLOP/s at 32 rows, 2 threads). The plain weight is dropped
     once packed, so memory does not grow.
 
-    bf16 runs on oneDNN at every row count: tokenmill's own bf16 GEMV
-    (``kernels.linear_bf16``) tied it at one row, where both read weights at the memory
-    bandwidth, and lost from two rows on (CPU time, one thread, the 250M model's four
-    projections; ``benchmarks/kernels.py`` prints both at 1, 2, 4, 16 and 64 rows: rerun it
-    on a quiet machine before wiring the kernel in at M = 1).
+    bf16 with a decode batch of at most ``GEMV_MAX_ROWS`` (one-stream engines) is stored for
+    ``kernels.gemv_bf16`` instead (``pack_for_gemv``): 16-channel blocks that each thread
+    reads as one sequential stream. Row-major and oneDNN-packed weights are read several
+    short rows side by side, and at one row that left both at a fraction of a plain
+    sequential read's bandwidth (``benchmarks/gemv_bandwidth.py``); from a few rows on
+    oneDNN's GEMM is faster, so larger batches keep it (``gemv_layout_for``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
