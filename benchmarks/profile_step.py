@@ -16,6 +16,7 @@ region waits for whichever thread was descheduled, which inflates whatever op wa
 
     PYTHONPATH=src .venv/bin/python benchmarks/profile_step.py              # the 4 cases
     PYTHONPATH=src .venv/bin/python benchmarks/profile_step.py --streams 16 --contexts 1024
+    PYTHONPATH=src .venv/bin/python benchmarks/profile_step.py --streams 1 --quantization int4
 """
 
 from __future__ import annotations
@@ -147,7 +148,12 @@ def bucket_times(prof: torch.profiler.profile) -> tuple[list[dict[str, float]], 
 
 
 def profile_case(
-    model_dir: Path, streams: int, context: int, steps: int, threads: int
+    model_dir: Path,
+    streams: int,
+    context: int,
+    steps: int,
+    threads: int,
+    quantization: str | None = None,
 ) -> dict[str, Any]:
     from tokenmill.config import EngineConfig
     from tokenmill.core.sampling_params import SamplingParams
@@ -162,6 +168,7 @@ def profile_case(
                 max_num_seqs=streams,
                 max_model_len=context + steps + 8,
                 num_threads=threads,
+                quantization=quantization,
             )
         )
         params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
@@ -218,13 +225,16 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=torch.get_num_threads(), help="the engine's --num-threads"
     )
+    parser.add_argument(
+        "--quantization", choices=("int8", "int4"), default=None, help="weights quantized at load"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     build_model(args.model_dir)
     print(kernels.describe(), file=sys.stderr)
     rows = [
-        profile_case(args.model_dir, int(s), int(c), args.steps, args.threads)
+        profile_case(args.model_dir, int(s), int(c), args.steps, args.threads, args.quantization)
         for c in args.contexts.split(",")
         for s in args.streams.split(",")
     ]

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill import kernels
-from tokenmill.kernels import int4_layout
+from tokenmill.kernels import gemv_layout, int4_layout
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -51,7 +51,36 @@ def test_linear_bf16_keeps_leading_dims_and_strided_rows(isa: str) -> None:
     _close_to_fp32(got, F.linear(x.float(), w.float()), 1e-2)
 
 
-@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES + [(4, 17, 1000), (9, 33, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_bf16(isa: str, threads: int, m: int, n: int, k: int, with_bias: bool) -> None:
+    """Up to 4 rows each row streams the blocks; more go through the 4x4 register tiles."""
+    x, w = _randn(m, k, dtype=torch.bfloat16), _randn(n, k, dtype=torch.bfloat16, seed=1)
+    bias = _randn(n, dtype=torch.bfloat16, seed=2) if with_bias else None
+    want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    got = kernels.gemv_bf16(x, gemv_layout.pack(w), n, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    _close_to_fp32(got, want, 1e-2)
+
+
+def test_gemv_bf16_keeps_leading_dims_and_strided_rows(isa: str) -> None:
+    x = _randn(2, 3, 80, dtype=torch.bfloat16)[..., :72]
+    w = _randn(40, 72, dtype=torch.bfloat16, seed=1)
+    got = kernels.gemv_bf16(x, gemv_layout.pack(w), 40, None)
+    assert got.shape == (2, 3, 40)
+    _close_to_fp32(got, F.linear(x.float(), w.float()), 1e-2)
+
+
+def test_gemv_layout_round_trips_and_rejects_other_shapes() -> None:
+    w = _randn(37, 70, dtype=torch.bfloat16)
+    packed = gemv_layout.pack(w)
+    assert packed.shape == (3, 3, 16, 32)
+    assert torch.equal(gemv_layout.unpack(packed, 37, 70), w)
+    with pytest.raises(RuntimeError, match="gemv_bf16"):  # packed for another K
+        kernels.gemv_bf16(_randn(1, 100, dtype=torch.bfloat16), packed, 37, None)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES + [(1, 19, 300), (1, 40, 1024)])
 def test_linear_int8(isa: str, threads: int, m: int, n: int, k: int) -> None:
     x = _randn(m, k, dtype=torch.bfloat16)
     q = torch.randint(-127, 128, (n, k), generator=_gen(1), dtype=torch.int8)
@@ -65,7 +94,18 @@ def test_linear_int8(isa: str, threads: int, m: int, n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "k"), [(1, 37, 70), (3, 5, 96), (2, 16, 64), (5, 64, 200), (16, 33, 256)]
+    ("m", "n", "k"),
+    [
+        (1, 37, 70),
+        (3, 5, 96),
+        (2, 16, 64),
+        (5, 64, 200),
+        (16, 33, 256),
+        # several groups of 128+: the two-chunk GEMV path, with row tails (N % 4) and K tails
+        (1, 67, 640),
+        (2, 6, 1000),
+        (3, 130, 384),
+    ],
 )
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_linear_int4(isa: str, threads: int, m: int, n: int, k: int, group_size: int) -> None:

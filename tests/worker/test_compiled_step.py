@@ -130,3 +130,25 @@ def test_start_up_costs_per_bucket_and_a_warm_second_start(
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("compiled decode bucket 2 in ") and "cache warm" in m for m in messages)
     assert any(m.startswith("start-up costs: model load") for m in messages)
+
+
+def test_bf16_gemv_layout_compiles_and_matches_eager(make_model, caplog) -> None:
+    """A one-stream bf16 engine keeps its projections in tokenmill's GEMV layout
+    (``Linear.pack_for_gemv``); the compiled decode traces the op through its fake and
+    gives the eager engine's greedy tokens."""
+    from tokenmill import kernels
+
+    if not kernels.available() or kernels.active_isa() != "avx512_bf16":
+        pytest.skip("the GEMV layout is used with the AVX-512 BF16 kernels only")
+    folder = make_model("llama", dtype="bfloat16")
+    kwargs = dict(dtype="bfloat16", max_model_len=64, max_num_seqs=1, kv_cache="static")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with caplog.at_level(logging.WARNING):
+        compiled = LLM(str(folder), compile_batch_sizes=(1,), **kwargs)
+        got = compiled.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert "eager" not in caplog.text
+    model = compiled.engine.runner.model
+    assert model.lm_head.gemv is not None and model.layers[0].mlp.down.gemv is not None
+    eager = LLM(str(folder), enforce_eager=True, **kwargs)
+    want = eager.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want

@@ -102,6 +102,14 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+def gemv_bf16(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x W^T + b`` for bf16 x [..., K] and W in ``kernels.gemv_layout``'s blocks."""
+    y = torch.ops.tokenmill_cpu.gemv_bf16(_rows(x), packed, out_features, bias)
+    return y.view(*x.shape[:-1], out_features)
+
+
 def linear_int8(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -269,6 +277,9 @@ def register_fakes() -> None:
 
     for name in ("linear_bf16", "linear_int8", "linear_int4"):
         torch.library.register_fake(lib + name)(linear_fake)
+    torch.library.register_fake(lib + "gemv_bf16")(
+        lambda x, packed, out_features, bias: x.new_empty(x.shape[0], out_features)
+    )
     for name in ("linear_int8_amx", "linear_int4_amx"):
         torch.library.register_fake(lib + name)(
             lambda x, tiles, *rest: x.new_empty(x.shape[0], rest[-1])

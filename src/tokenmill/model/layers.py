@@ -7,12 +7,14 @@ greedy outputs match token for token in float32.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
 from torch import nn
 
 from tokenmill import kernels
+from tokenmill.kernels import gemv_layout
 from tokenmill.model.opaque_op import opaque_op, register_fake
 
 
@@ -33,6 +35,27 @@ def _onednn_linear_fake(x, packed, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+GEMV_MAX_ROWS = 4
+"""Decode batches up to which bf16 weights go in tokenmill's GEMV layout instead of oneDNN's.
+
+Measured (benchmarks/gemv_bandwidth.py style loop over 132 MB of the 250M model's MLP
+weights, one thread, a loaded 2-core AVX-512 BF16 machine, interleaved): at one row
+``kernels.gemv_bf16`` read 1.3-1.7x faster than prepacked oneDNN (about a plain sequential
+read's rate), about even at 2-4 rows, 0.75-0.8x at 16 rows and 0.85-0.9x at 128 (prefill).
+So an engine whose decode batch can exceed this keeps oneDNN for every projection."""
+
+GEMV_ENV = "TOKENMILL_BF16_GEMV"
+"""``1`` forces the GEMV layout whatever the batch, ``0`` keeps oneDNN's (A/B runs)."""
+
+
+def gemv_layout_for(decode_rows: int | None) -> bool:
+    """Whether bf16 CPU projections should be packed for ``Linear.pack_for_gemv``."""
+    forced = os.environ.get(GEMV_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    return decode_rows is not None and decode_rows <= GEMV_MAX_ROWS
+
+
 class Linear(nn.Module):
     """``y = x W^T + b``, optionally with the weight prepacked for oneDNN on CPU.
 
@@ -41,11 +64,12 @@ class Linear(nn.Module):
     machine (measured: 81 vs 45 GFLOP/s at 32 rows, 2 threads). The plain weight is dropped
     once packed, so memory does not grow.
 
-    bf16 runs on oneDNN at every row count: tokenmill's own bf16 GEMV
-    (``kernels.linear_bf16``) tied it at one row, where both read weights at the memory
-    bandwidth, and lost from two rows on (CPU time, one thread, the 250M model's four
-    projections; ``benchmarks/kernels.py`` prints both at 1, 2, 4, 16 and 64 rows: rerun it
-    on a quiet machine before wiring the kernel in at M = 1).
+    bf16 with a decode batch of at most ``GEMV_MAX_ROWS`` (one-stream engines) is stored for
+    ``kernels.gemv_bf16`` instead (``pack_for_gemv``): 16-channel blocks that each thread
+    reads as one sequential stream. Row-major and oneDNN-packed weights are read several
+    short rows side by side, and at one row that left both at a fraction of a plain
+    sequential read's bandwidth (``benchmarks/gemv_bandwidth.py``); from a few rows on
+    oneDNN's GEMM is faster, so larger batches keep it (``gemv_layout_for``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -57,9 +81,13 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         )
         self.packed: torch.Tensor | None = None
+        self.gemv: torch.Tensor | None = None
+        """The bf16 weight in ``kernels.gemv_layout``'s blocks (``pack_for_gemv``), or None."""
         self.out_features = out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None:
+            return kernels.gemv_bf16(x, self.gemv, self.out_features, self.bias)
         if self.packed is not None:
             if torch.compiler.is_compiling():  # inductor cannot lower a prepacked weight itself
                 return torch.ops.tokenmill.onednn_linear(
@@ -68,6 +96,25 @@ class Linear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         assert self.weight is not None, "only packing drops the plain weight"
         return nn.functional.linear(x, self.weight, self.bias)
+
+    def pack_for_gemv(self) -> bool:
+        """Store a bf16 CPU weight in the blocks tokenmill's bf16 GEMV streams; True if packed.
+
+        Only with the AVX-512 BF16 kernels (the AVX2 kernel is there for correctness after an
+        ISA switch, not measured as faster than oneDNN). The plain weight is dropped.
+        """
+        weight = self.weight
+        if (
+            weight is None
+            or weight.device.type != "cpu"
+            or weight.dtype != torch.bfloat16
+            or not kernels.available()
+            or kernels.active_isa() != "avx512_bf16"
+        ):
+            return False
+        self.gemv = gemv_layout.pack(weight.data)
+        self.weight = None
+        return True
 
     def pack_for_onednn(self, batch_hint: int = 32) -> bool:
         """Prepack for CPU if oneDNN runs this dtype and agrees with F.linear; True if packed.

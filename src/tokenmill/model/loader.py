@@ -23,6 +23,7 @@ from tokenmill.model.attention_backend import AttentionBackend, default_attentio
 from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info
+from tokenmill.model.layers import gemv_layout_for
 from tokenmill.model.quant import quantize_linear
 from tokenmill.model.registry import WeightSpec, expected_tensors, model_class, weight_layout
 from tokenmill.model.tensor_parallel import (
@@ -283,6 +284,7 @@ def load_model(
     prepack: bool = True,
     attn_backend: AttentionBackend | None = None,
     tensor_parallel: TPShard | None = None,
+    decode_rows: int | None = None,
 ) -> CausalLM:
     """Build the registered model for ``folder`` and fill it with the checkpoint's weights.
 
@@ -296,6 +298,8 @@ def load_model(
     is tied to the embedding, which stays in the model dtype for lookups. With
     ``tensor_parallel``, the modules are built at one rank's sizes, only that rank's slice of
     each tensor is read (``model/tensor_parallel.py``) and the collectives are installed.
+    ``decode_rows`` (the engine's max_num_seqs) picks how bf16 projections are prepacked on
+    CPU: ``layers.gemv_layout_for`` says when tokenmill's GEMV layout beats oneDNN's.
     """
     folder = Path(folder)
     cfg = cfg or ModelConfig.from_folder(folder)
@@ -313,6 +317,7 @@ def load_model(
             f"--quantization {quantization}: the int8/int4 kernels are CPU-only; use --device cpu"
         )
     pack = prepack and device.type == "cpu"  # False keeps plain weights to inspect
+    gemv = gemv_layout_for(decode_rows)
     num_packed = num_quantized = 0
 
     from tokenmill.model.decoder import build_rope
@@ -362,7 +367,7 @@ def load_model(
             setattr(parent, name, quantize_linear(linear.weight.data, bias, method, group_size))
             num_quantized += 1
         elif pack and may_pack:
-            num_packed += linear.pack_for_onednn()
+            num_packed += (gemv and linear.pack_for_gemv()) or linear.pack_for_onednn()
 
     layout = weight_layout(cfg)
     head_method = None if quantization is None else LM_HEAD_QUANTIZATION

@@ -117,9 +117,39 @@ void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
   gemm_tiles<kInt4>(a, n0, n1, Int4Weights{static_cast<const uint8_t*>(a.w), a.ldw, a.scales, a.num_groups, a.group_size});
 }
 
+// bf16 GEMV over kernels/gemv_layout.py's blocks (see avx512.cpp): per 16-channel block,
+// two passes of 8 channels (8 accumulators and the x vector fill the 16 ymm registers).
+void gemv_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
+  const int64_t kc = (a.K + 31) / 32;
+  const uint16_t* w = static_cast<const uint16_t*>(a.w);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n = b * 16;
+    for (int64_t m = 0; m < a.M; ++m) {
+      const uint16_t* x = a.x + m * a.ldx;
+      for (int half = 0; half < 2; ++half) {
+        const int nr = (int)min64(8, a.N - n - half * 8);
+        if (nr <= 0) break;
+        __m256 acc[8];
+        for (int r = 0; r < 8; ++r) acc[r] = Vec::zero();
+        const uint16_t* p = w + b * kc * 512 + half * 256;
+        for (int64_t c = 0; c < kc; ++c, p += 512)
+          for (int j = 0; j < 4; ++j) {
+            const int64_t k = c * 32 + j * 8;
+            if (k >= a.K) break;
+            const __m256 xv = Vec::load_bf16(x + k, (int)min64(8, a.K - k));
+            for (int r = 0; r < 8; ++r) acc[r] = Vec::fma(xv, Vec::load_bf16(p + r * 32 + j * 8, 8), acc[r]);
+          }
+        alignas(32) float out[8] = {};
+        for (int r = 0; r < nr; ++r) out[r] = Vec::reduce_add(acc[r]) + (a.bias ? a.bias[n + half * 8 + r] : 0.0f);
+        Vec::store_bf16(a.y + m * a.ldy + n + half * 8, Vec::load_f32(out, 8), nr);
+      }
+    }
+  }
+}
+
 const tokenmill::KernelTable kTable = {
     "avx2", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, rope_kernel,
-    attention_merge_kernel, nullptr, rope_kv_kernel, prefill_attention_kernel,
+    attention_merge_kernel, nullptr, rope_kv_kernel, prefill_attention_kernel, gemv_bf16,
 };
 
 }  // namespace

@@ -29,6 +29,7 @@ struct GemmArgs {
   const int32_t* wsum;  // int8: [N] sums of each weight row (undoes the +128)
   uint16_t* y;          // [M, N] bf16, row stride ldy
   int64_t ldy;
+  int64_t N;            // gemv_bf16: output channels (the last 16-channel block may be padding)
 };
 
 struct NormArgs {
@@ -141,6 +142,9 @@ struct KernelTable {
   void (*quantize_rows)(const GemmArgs&, bool is_unsigned, int64_t, int64_t);
   void (*rope_kv)(const RopeKvArgs&, int64_t, int64_t);          // tokens
   void (*prefill_attention)(const PrefillArgs&, int64_t, int64_t);  // work items
+  // bf16 weights in kernels/gemv_layout.py's blocks (16 channels x 32 inputs, 1 KB each,
+  // block after block): whole 16-channel blocks [begin, end), every row of a.x.
+  void (*gemv_bf16)(const GemmArgs&, int64_t, int64_t);
 };
 
 // Query rows per prefill work item for ``group`` query heads per KV head: whole rows, at

@@ -122,7 +122,7 @@ int64_t gemm_grain(int64_t K, int64_t bytes_per_weight_x2) {
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t N,
                 const c10::optional<at::Tensor>& bias, int64_t grain,
-                void (*fn)(const GemmArgs&, int64_t, int64_t)) {
+                void (*fn)(const GemmArgs&, int64_t, int64_t), int64_t range = -1) {
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
   at::Tensor y = at::empty({x.size(0), N}, x.options());
@@ -140,7 +140,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t
   args.y = reinterpret_cast<uint16_t*>(y.data_ptr());
   args.ldy = N;
   if (args.M == 0 || N == 0) return y;
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { fn(args, n0, n1); });
+  // The parallel dimension: output channels, or (range >= 0) the kernel's channel blocks.
+  at::parallel_for(0, range < 0 ? N : range, grain, [&](int64_t n0, int64_t n1) { fn(args, n0, n1); });
   return y;
 }
 
@@ -150,6 +151,20 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   GemmArgs a{};
   a.ldw = w.stride(0);
   return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 4), kernels().gemm_bf16);
+}
+
+// bf16 weights packed by kernels/gemv_layout.py: [ceil(N/16), ceil(K/32), 16, 32].
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
+  check_rows(x, "x");
+  const int64_t K = x.size(1), blocks = (N + 15) / 16, kc = (K + 31) / 32;
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(0) == blocks && packed.size(1) == kc && packed.size(2) == 16 && packed.size(3) == 32,
+              "gemv_bf16: weight must be bfloat16 blocks [", blocks, ", ", kc, ", 16, 32] (kernels.gemv_layout)");
+  GemmArgs a{};
+  a.N = N;
+  // Tasks of whole blocks, ~64 KB of weights or more: each thread streams one contiguous range.
+  const int64_t grain = std::max<int64_t>(1, 65536 / (kc * 1024));
+  return gemm(x, packed, a, N, bias, grain, kernels().gemv_bf16, blocks);
 }
 
 // Tables with quantize_rows read int8 activations (W8A8): x is quantized per row first.
@@ -211,7 +226,8 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   a.group_size = group_size;
   a.num_groups = G;
   at::Tensor xq, xs;
-  if (group_size % 64 == 0) quantize_activations(x, a, /*is_unsigned=*/false, xq, xs);
+  // Codes padded to whole groups: the quantized rows too, so a kernel may read whole blocks.
+  if (group_size % 64 == 0) quantize_activations(x, a, /*is_unsigned=*/false, xq, xs, w.size(1) * 2);
   return gemm(x, w, a, N, bias, gemm_grain(K, 1), kernels().gemm_int4);
 }
 
@@ -649,6 +665,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("linear_int4_amx(Tensor x, Tensor tiles, Tensor scales, Tensor code_sums, Tensor offsets, int group_size, "
         "Tensor? bias, int out_features) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("gemv_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor weight, Tensor scales, Tensor wsum, Tensor? bias) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor weight, Tensor scales, Tensor offsets, int group_size, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -670,6 +687,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("linear_bf16", &tokenmill::linear_bf16);
+  m.impl("gemv_bf16", &tokenmill::gemv_bf16);
   m.impl("linear_int8", &tokenmill::linear_int8);
   m.impl("linear_int4", &tokenmill::linear_int4);
   m.impl("linear_int8_amx", &tokenmill::linear_int8_amx);
