@@ -3,7 +3,11 @@
 llama.cpp's ``convert_hf_to_gguf.py`` refuses BPE tokenizers whose pre-tokenizer it has no
 hash for; the demo's (byte-level, GPT-2's split regex) is GPT-2's, so that name is given.
 
-    ~/.cache/tokenmill-peers/venv/bin/python benchmarks/gguf_convert_demo.py
+The converter needs ``sentencepiece`` importable (it tries that vocabulary first and only
+falls back to GPT-2's BPE on a missing file), which tokenmill's venv does not install:
+
+    .venv/bin/pip install --target /tmp/sp sentencepiece
+    PYTHONPATH=/tmp/sp .venv/bin/python benchmarks/gguf_convert_demo.py
 """
 
 from __future__ import annotations

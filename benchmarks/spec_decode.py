@@ -23,8 +23,8 @@ from each server's own counters (tokenmill and vLLM: ``/metrics``; llama.cpp: th
     # smoke: .venv/bin/python benchmarks/spec_decode.py --num-requests 2 --max-tokens 8 \\
     #     --streams 1 2 --engines tokenmill --out /tmp/spec.json
 
-The GGUF files come from ``benchmarks/gguf_convert_demo.py`` (run with the peers' venv
-python; ``--gguf-dir``, names ``tm-demo-f32.gguf`` and ``tm-demo-draft-f32.gguf``); vLLM
+The GGUF files come from ``benchmarks/gguf_convert_demo.py`` (see its docstring
+for the python to run it with; ``--gguf-dir``, names ``tm-demo-f32.gguf`` and ``tm-demo-draft-f32.gguf``); vLLM
 from its venv (``--vllm-python``; vLLM 0.32 CPU accepts ngram ``--speculative-config`` and
 warns that without Intel OpenMP in LD_PRELOAD speculation loses much of its speed). A peer that is missing or does not start is a row saying why.
 Writes the JSON (``--out``) and a markdown table beside it (``.md``) for docs/benchmarks.md.

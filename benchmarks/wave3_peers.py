@@ -9,7 +9,8 @@ Steps (``--list`` prints them with their estimated minutes on a quiet 2-core mac
   A (issue 20)       the 250M Llama through each server with ``tokenmill bench serve``:
                      single = 6 x (128 -> 64) at 1 stream, many = 32 x (128 -> 64) at 16
                      streams, long = 16 x (1024 -> 64) at 8 streams; greedy, EOS ignored.
-                     a-vllm-bf16, a-tm-bf16 (paged), a-tm-bf16-static, a-tm-int8, a-tm-int4
+                     a-vllm-bf16, a-tm-bf16 (paged), a-tm-bf16-static, a-tm-bf16-lat and
+                     a-tm-bf16-static-lat (--max-num-seqs 4, single only), a-tm-int8, a-tm-int4
                      (--quantization, --dtype auto), a-llama-f16/q8_0/q4_0, a-ref-bf16 (with
                      --ref: the same tokenmill bf16 server from a worktree of an older commit)
   B (issue 18)       b-fallback: tokenmill bf16 --model-impl transformers on the 250M Llama
@@ -377,6 +378,25 @@ STEPS: list[Step] = [
             max_num_seqs=16,
         ),
         "tokenmill bf16, static KV (compiled decode step)",
+    ),
+    Step(
+        "a-tm-bf16-lat",
+        "A",
+        1,
+        dense_server_step(["--dtype", "bfloat16"], ["single"], max_num_seqs=4),
+        "tokenmill bf16 paged, latency config (--max-num-seqs 4: the streaming GEMV layout)",
+    ),
+    Step(
+        "a-tm-bf16-static-lat",
+        "A",
+        2,
+        dense_server_step(
+            ["--dtype", "bfloat16", "--kv-cache", "static"],
+            ["single"],
+            max_model_len=512,
+            max_num_seqs=4,
+        ),
+        "tokenmill bf16 static, latency config (--max-num-seqs 4)",
     ),
     Step(
         "a-tm-int8",

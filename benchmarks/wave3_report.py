@@ -76,6 +76,8 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
         ("vLLM CPU bf16", "a-vllm-bf16"),
         ("tokenmill bf16 (paged)", "a-tm-bf16"),
         ("tokenmill bf16 static", "a-tm-bf16-static"),
+        ("tokenmill bf16, --max-num-seqs 4", "a-tm-bf16-lat"),
+        ("tokenmill bf16 static, --max-num-seqs 4", "a-tm-bf16-static-lat"),
         ("llama.cpp f16", "a-llama-f16"),
         ("tokenmill int8 (dtype auto)", "a-tm-int8"),
         ("llama.cpp Q8_0", "a-llama-q8_0"),
@@ -85,7 +87,7 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
     ]
     for label, name in rows:
         d = load(ctx, name)
-        if d is None and name == "a-ref-bf16":
+        if d is None and name in ("a-ref-bf16", "a-tm-bf16-lat", "a-tm-bf16-static-lat"):
             continue
         if d is not None and "error" in d:
             lines.append(f"| {label} | failed: {d['error'][:80]} | | | | | | |")
@@ -101,6 +103,7 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
         )
     vllm, bf16 = load(ctx, "a-vllm-bf16"), load(ctx, "a-tm-bf16")
     static = load(ctx, "a-tm-bf16-static")
+    lat, static_lat = load(ctx, "a-tm-bf16-lat"), load(ctx, "a-tm-bf16-static-lat")
     int8, int4 = load(ctx, "a-tm-int8"), load(ctx, "a-tm-int4")
     f16, q8, q4 = load(ctx, "a-llama-f16"), load(ctx, "a-llama-q8_0"), load(ctx, "a-llama-q4_0")
 
@@ -134,6 +137,8 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
     ]
     for label, ours, theirs in (
         ("bf16 vs llama.cpp f16", bf16, f16),
+        ("bf16 --max-num-seqs 4 vs llama.cpp f16", lat, f16),
+        ("bf16 static --max-num-seqs 4 vs llama.cpp f16", static_lat, f16),
         ("int8 vs llama.cpp Q8_0", int8, q8),
         ("int4 vs llama.cpp Q4_0", int4, q4),
     ):
