@@ -18,7 +18,7 @@ from tokenmill.model.layers import Linear
 
 
 def engine_weight_bytes(engine: LLMEngine) -> int:
-    """Bytes of every parameter, buffer and prepacked weight the loaded model holds."""
+    """Bytes of every parameter, buffer and prepacked weight (oneDNN or GEMV) the model holds."""
     model = engine.runner.model
     seen, total = set(), 0
     for tensor in [*model.parameters(), *model.buffers()]:
@@ -26,8 +26,10 @@ def engine_weight_bytes(engine: LLMEngine) -> int:
             seen.add(tensor.data_ptr())
             total += tensor.numel() * tensor.element_size()
     for linear in model.modules():
-        if isinstance(linear, Linear) and linear.packed is not None:
-            total += linear.packed.numel() * linear.packed.element_size()
+        if isinstance(linear, Linear):
+            for packed in (linear.packed, linear.gemv):
+                if packed is not None:
+                    total += packed.numel() * packed.element_size()
     return total
 
 

@@ -51,10 +51,15 @@ def test_linear_bf16_keeps_leading_dims_and_strided_rows(isa: str) -> None:
     _close_to_fp32(got, F.linear(x.float(), w.float()), 1e-2)
 
 
-@pytest.mark.parametrize(("m", "n", "k"), SHAPES + [(4, 17, 1000), (9, 33, 64)])
+GEMV_SHAPES = [(4, 17, 1000), (9, 33, 64), (13, 20, 7), (24, 50, 33), (70, 47, 101), (129, 16, 64)]
+"""Every row count up to 16 has its own tile; more rows go 8 x 3 blocks in 64-row chunks, so
+these cover 8-row tails, 1- and 2-block tails, odd K and a chunk boundary."""
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES + GEMV_SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemv_bf16(isa: str, threads: int, m: int, n: int, k: int, with_bias: bool) -> None:
-    """Up to 4 rows each row streams the blocks; more go through the 4x4 register tiles."""
+    """Each weight line is read once per row tile; odd K pads the last pair with zero."""
     x, w = _randn(m, k, dtype=torch.bfloat16), _randn(n, k, dtype=torch.bfloat16, seed=1)
     bias = _randn(n, dtype=torch.bfloat16, seed=2) if with_bias else None
     want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
@@ -74,7 +79,7 @@ def test_gemv_bf16_keeps_leading_dims_and_strided_rows(isa: str) -> None:
 def test_gemv_layout_round_trips_and_rejects_other_shapes() -> None:
     w = _randn(37, 70, dtype=torch.bfloat16)
     packed = gemv_layout.pack(w)
-    assert packed.shape == (3, 3, 16, 32)
+    assert packed.shape == (3, 35, 16, 2)
     assert torch.equal(gemv_layout.unpack(packed, 37, 70), w)
     with pytest.raises(RuntimeError, match="gemv_bf16"):  # packed for another K
         kernels.gemv_bf16(_randn(1, 100, dtype=torch.bfloat16), packed, 37, None)

@@ -196,33 +196,30 @@ def test_truncated_tensor_data_names_the_file(model_copy: Path) -> None:
         _load(model_copy)
 
 
-def _bf16_logits(folder: Path, decode_rows: int | None) -> tuple[torch.Tensor, list]:
+def _bf16_logits(folder: Path) -> tuple[torch.Tensor, list]:
     from tokenmill.model.layers import Linear
 
-    model = load_model(folder, torch.bfloat16, torch.device("cpu"), 64, decode_rows=decode_rows)
+    model = load_model(folder, torch.bfloat16, torch.device("cpu"), 64)
     hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     logits = model.compute_logits(hidden.to(torch.bfloat16))
     return logits, [m.gemv is not None for m in model.modules() if isinstance(m, Linear)]
 
 
-def test_bf16_projections_take_the_gemv_layout_only_for_small_decode_batches(
+def test_bf16_projections_take_the_gemv_layout_unless_told_not_to(
     make_model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One-stream engines stream tokenmill's GEMV blocks; larger batches keep oneDNN's layout
-    (faster from a few rows on); both give the same products; the env var forces either."""
+    """bf16 projections stream tokenmill's GEMV blocks at every batch size; the env var keeps
+    oneDNN's layout; both give the same products."""
     from tokenmill import kernels
-    from tokenmill.model.layers import GEMV_ENV, GEMV_MAX_ROWS
+    from tokenmill.model.layers import GEMV_ENV
 
     if not kernels.available() or kernels.active_isa() != "avx512_bf16":
         pytest.skip("the GEMV layout is used with the AVX-512 BF16 kernels only")
     monkeypatch.delenv(GEMV_ENV, raising=False)
     folder = make_model("llama", dtype="bfloat16")
-    gemv, packed = _bf16_logits(folder, decode_rows=1)
+    gemv, packed = _bf16_logits(folder)
     assert all(packed)
-    onednn, packed = _bf16_logits(folder, decode_rows=GEMV_MAX_ROWS + 1)
+    monkeypatch.setenv(GEMV_ENV, "0")
+    onednn, packed = _bf16_logits(folder)
     assert not any(packed)
     assert (gemv - onednn).abs().max() <= 2e-2 * onednn.abs().max()
-    monkeypatch.setenv(GEMV_ENV, "1")
-    assert all(_bf16_logits(folder, decode_rows=None)[1])
-    monkeypatch.setenv(GEMV_ENV, "0")
-    assert not any(_bf16_logits(folder, decode_rows=1)[1])

@@ -35,25 +35,18 @@ def _onednn_linear_fake(x, packed, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-GEMV_MAX_ROWS = 4
-"""Decode batches up to which bf16 weights go in tokenmill's GEMV layout instead of oneDNN's.
-
-Measured (benchmarks/gemv_bandwidth.py style loop over 132 MB of the 250M model's MLP
-weights, one thread, a loaded 2-core AVX-512 BF16 machine, interleaved): at one row
-``kernels.gemv_bf16`` read 1.3-1.7x faster than prepacked oneDNN (about a plain sequential
-read's rate), about even at 2-4 rows, 0.75-0.8x at 16 rows and 0.85-0.9x at 128 (prefill).
-So an engine whose decode batch can exceed this keeps oneDNN for every projection."""
-
 GEMV_ENV = "TOKENMILL_BF16_GEMV"
-"""``1`` forces the GEMV layout whatever the batch, ``0`` keeps oneDNN's (A/B runs)."""
+"""``0`` keeps bf16 projections in oneDNN's layout instead of tokenmill's GEMV blocks (A/B runs)."""
 
 
-def gemv_layout_for(decode_rows: int | None) -> bool:
-    """Whether bf16 CPU projections should be packed for ``Linear.pack_for_gemv``."""
-    forced = os.environ.get(GEMV_ENV)
-    if forced in ("0", "1"):
-        return forced == "1"
-    return decode_rows is not None and decode_rows <= GEMV_MAX_ROWS
+def gemv_layout_wanted() -> bool:
+    """Whether bf16 CPU projections should be packed for ``Linear.pack_for_gemv``.
+
+    Yes unless ``TOKENMILL_BF16_GEMV=0``: measured against prepacked oneDNN on the 250M
+    model's projections (one thread, interleaved), ``kernels.gemv_bf16`` is 1.3-1.8x faster
+    at 1-8 rows, 1.0-1.3x at 16-64 and 0.97-1.28x at 512-2048 (prefill chunks), so one
+    layout serves every batch (see avx512.cpp)."""
+    return os.environ.get(GEMV_ENV) != "0"
 
 
 class Linear(nn.Module):
@@ -64,12 +57,12 @@ class Linear(nn.Module):
     machine (measured: 81 vs 45 GFLOP/s at 32 rows, 2 threads). The plain weight is dropped
     once packed, so memory does not grow.
 
-    bf16 with a decode batch of at most ``GEMV_MAX_ROWS`` (one-stream engines) is stored for
-    ``kernels.gemv_bf16`` instead (``pack_for_gemv``): 16-channel blocks that each thread
-    reads as one sequential stream. Row-major and oneDNN-packed weights are read several
-    short rows side by side, and at one row that left both at a fraction of a plain
-    sequential read's bandwidth (``benchmarks/gemv_bandwidth.py``); from a few rows on
-    oneDNN's GEMM is faster, so larger batches keep it (``gemv_layout_for``).
+    bf16 with the AVX-512 BF16 kernels is stored for ``kernels.gemv_bf16`` instead
+    (``pack_for_gemv``): 16-channel blocks that each thread reads as one sequential stream.
+    Row-major and oneDNN-packed weights are read several short rows side by side, and at
+    one row that left both at a fraction of a plain sequential read's bandwidth
+    (``benchmarks/gemv_bandwidth.py``); the GEMV's register tiles keep up with oneDNN's
+    GEMM at prefill sizes too (``gemv_layout_wanted``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:

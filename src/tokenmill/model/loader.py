@@ -23,7 +23,7 @@ from tokenmill.model.attention_backend import AttentionBackend, default_attentio
 from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info
-from tokenmill.model.layers import gemv_layout_for
+from tokenmill.model.layers import gemv_layout_wanted
 from tokenmill.model.quant import quantize_linear
 from tokenmill.model.registry import WeightSpec, expected_tensors, model_class, weight_layout
 from tokenmill.model.tensor_parallel import (
@@ -284,7 +284,6 @@ def load_model(
     prepack: bool = True,
     attn_backend: AttentionBackend | None = None,
     tensor_parallel: TPShard | None = None,
-    decode_rows: int | None = None,
 ) -> CausalLM:
     """Build the registered model for ``folder`` and fill it with the checkpoint's weights.
 
@@ -298,8 +297,8 @@ def load_model(
     is tied to the embedding, which stays in the model dtype for lookups. With
     ``tensor_parallel``, the modules are built at one rank's sizes, only that rank's slice of
     each tensor is read (``model/tensor_parallel.py``) and the collectives are installed.
-    ``decode_rows`` (the engine's max_num_seqs) picks how bf16 projections are prepacked on
-    CPU: ``layers.gemv_layout_for`` says when tokenmill's GEMV layout beats oneDNN's.
+    bf16 projections on CPU go in tokenmill's GEMV layout (``layers.gemv_layout_wanted``),
+    other dtypes in oneDNN's.
     """
     folder = Path(folder)
     cfg = cfg or ModelConfig.from_folder(folder)
@@ -317,8 +316,8 @@ def load_model(
             f"--quantization {quantization}: the int8/int4 kernels are CPU-only; use --device cpu"
         )
     pack = prepack and device.type == "cpu"  # False keeps plain weights to inspect
-    gemv = gemv_layout_for(decode_rows)
-    num_packed = num_quantized = 0
+    gemv = gemv_layout_wanted()
+    num_packed = num_gemv = num_quantized = 0
 
     from tokenmill.model.decoder import build_rope
 
@@ -360,14 +359,17 @@ def load_model(
 
     def convert(parent: nn.Module, name: str, method: str | None, may_pack: bool) -> None:
         """Quantize (``method``) or prepack one projection."""
-        nonlocal num_packed, num_quantized
+        nonlocal num_packed, num_gemv, num_quantized
         linear = getattr(parent, name)
         if method is not None and linear.weight is not None:
             bias = None if linear.bias is None else linear.bias.data
             setattr(parent, name, quantize_linear(linear.weight.data, bias, method, group_size))
             num_quantized += 1
         elif pack and may_pack:
-            num_packed += (gemv and linear.pack_for_gemv()) or linear.pack_for_onednn()
+            if gemv and linear.pack_for_gemv():
+                num_gemv += 1
+            else:
+                num_packed += linear.pack_for_onednn()
 
     layout = weight_layout(cfg)
     head_method = None if quantization is None else LM_HEAD_QUANTIZATION
@@ -403,6 +405,8 @@ def load_model(
         logger.info(
             "quantized %d projections to %s (%s)", num_quantized, quantization, cpu_info().isa
         )
+    if num_gemv:
+        logger.info("packed %d %s projections for tokenmill's GEMV", num_gemv, dtype)
     if num_packed:
         logger.info(
             "prepacked %d %s projections for oneDNN (%s)", num_packed, dtype, cpu_info().describe()

@@ -190,7 +190,6 @@ class Worker:
             quantization=cfg.quantization,
             group_size=cfg.quantization_group_size,
             tensor_parallel=self.shard,
-            decode_rows=cfg.max_num_seqs,
         )
 
     # ---- start-up ------------------------------------------------------------------

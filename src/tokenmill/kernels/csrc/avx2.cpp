@@ -117,31 +117,40 @@ void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
   gemm_tiles<kInt4>(a, n0, n1, Int4Weights{static_cast<const uint8_t*>(a.w), a.ldw, a.scales, a.num_groups, a.group_size});
 }
 
-// bf16 GEMV over kernels/gemv_layout.py's blocks (see avx512.cpp): per 16-channel block,
-// two passes of 8 channels (8 accumulators and the x vector fill the 16 ymm registers).
+// bf16 GEMV over kernels/gemv_layout.py's blocks (see avx512.cpp): per 16-channel block and
+// row, two halves of 8 channels; a line's 8 channels x 2 weights split into the even (k) and
+// odd (k + 1) weights as fp32, each multiplied by its broadcast x (no horizontal sums).
+inline float bf16_to_f32(uint16_t v) {
+  const uint32_t u = (uint32_t)v << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 void gemv_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
-  const int64_t kc = (a.K + 31) / 32;
+  const int64_t kp = (a.K + 1) / 2;
   const uint16_t* w = static_cast<const uint16_t*>(a.w);
+  const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
   for (int64_t b = b0; b < b1; ++b) {
-    const int64_t n = b * 16;
     for (int64_t m = 0; m < a.M; ++m) {
       const uint16_t* x = a.x + m * a.ldx;
       for (int half = 0; half < 2; ++half) {
-        const int nr = (int)min64(8, a.N - n - half * 8);
+        const int64_t n = b * 16 + half * 8;
+        const int nr = (int)min64(8, a.N - n);
         if (nr <= 0) break;
-        __m256 acc[8];
-        for (int r = 0; r < 8; ++r) acc[r] = Vec::zero();
-        const uint16_t* p = w + b * kc * 512 + half * 256;
-        for (int64_t c = 0; c < kc; ++c, p += 512)
-          for (int j = 0; j < 4; ++j) {
-            const int64_t k = c * 32 + j * 8;
-            if (k >= a.K) break;
-            const __m256 xv = Vec::load_bf16(x + k, (int)min64(8, a.K - k));
-            for (int r = 0; r < 8; ++r) acc[r] = Vec::fma(xv, Vec::load_bf16(p + r * 32 + j * 8, 8), acc[r]);
-          }
-        alignas(32) float out[8] = {};
-        for (int r = 0; r < nr; ++r) out[r] = Vec::reduce_add(acc[r]) + (a.bias ? a.bias[n + half * 8 + r] : 0.0f);
-        Vec::store_bf16(a.y + m * a.ldy + n + half * 8, Vec::load_f32(out, 8), nr);
+        __m256 acc0 = Vec::zero(), acc1 = Vec::zero();
+        const uint16_t* p = w + b * kp * 32 + half * 16;
+        for (int64_t i = 0; i < kp; ++i, p += 32) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)p);
+          const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+          const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+          const float x1 = 2 * i + 1 < a.K ? bf16_to_f32(x[2 * i + 1]) : 0.0f;
+          acc0 = Vec::fma(even, Vec::set1(bf16_to_f32(x[2 * i])), acc0);
+          acc1 = Vec::fma(odd, Vec::set1(x1), acc1);
+        }
+        __m256 s = _mm256_add_ps(acc0, acc1);
+        if (a.bias) s = _mm256_add_ps(s, Vec::load_f32(a.bias + n, nr));
+        Vec::store_bf16(a.y + m * a.ldy + n, s, nr);
       }
     }
   }

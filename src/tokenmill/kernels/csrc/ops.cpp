@@ -153,17 +153,17 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 4), kernels().gemm_bf16);
 }
 
-// bf16 weights packed by kernels/gemv_layout.py: [ceil(N/16), ceil(K/32), 16, 32].
+// bf16 weights packed by kernels/gemv_layout.py: [ceil(N/16), ceil(K/2), 16, 2].
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
   check_rows(x, "x");
-  const int64_t K = x.size(1), blocks = (N + 15) / 16, kc = (K + 31) / 32;
+  const int64_t K = x.size(1), blocks = (N + 15) / 16, kp = (K + 1) / 2;
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 4 &&
-                  packed.size(0) == blocks && packed.size(1) == kc && packed.size(2) == 16 && packed.size(3) == 32,
-              "gemv_bf16: weight must be bfloat16 blocks [", blocks, ", ", kc, ", 16, 32] (kernels.gemv_layout)");
+                  packed.size(0) == blocks && packed.size(1) == kp && packed.size(2) == 16 && packed.size(3) == 2,
+              "gemv_bf16: weight must be bfloat16 blocks [", blocks, ", ", kp, ", 16, 2] (kernels.gemv_layout)");
   GemmArgs a{};
   a.N = N;
   // Tasks of whole blocks, ~64 KB of weights or more: each thread streams one contiguous range.
-  const int64_t grain = std::max<int64_t>(1, 65536 / (kc * 1024));
+  const int64_t grain = std::max<int64_t>(1, 65536 / (kp * 64));
   return gemm(x, packed, a, N, bias, grain, kernels().gemv_bf16, blocks);
 }
 
