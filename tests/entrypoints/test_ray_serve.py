@@ -38,7 +38,7 @@ def ray_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandl
     )
     try:
         # The Ray application is up once its ingress answers /v1/models.
-        wait_healthy(handle, timeout_s=240, path="/v1/models", request_timeout_s=10)
+        wait_healthy(handle, path="/v1/models", request_timeout_s=10)
         yield handle
     finally:
         handle.stop()
@@ -71,7 +71,7 @@ def test_prefix_affinity_clients_auth_and_metrics_on_ray(ray_server: ServerHandl
         assert anth.status_code == 401 and anth.json()["error"]["type"] == "authentication_error"
     # Ray's prefix-aware router kept the shared prefix on one replica (random choice: 1 in 512)
     assert len(homes) == 1
-    deadline = time.monotonic() + 30  # replicas push their metrics every 2 s
+    deadline = time.monotonic() + 300  # replicas push their metrics every 2 s (a ceiling)
     while True:
         text = httpx.get(
             f"{ray_server.base_url}/metrics", headers=ray_server.headers(), timeout=10
@@ -112,7 +112,7 @@ def test_a_killed_replica_loses_no_request_and_is_replaced(ray_server: ServerHan
                 json={"model": "demo", "prompt": f"{i} {SHARED}", "max_tokens": 2},
             )
             assert response.status_code == 200, response.text
-    deadline = time.monotonic() + 120  # Ray's health check replaces the replica
+    deadline = time.monotonic() + 600  # Ray's health check replaces the replica
     while len(_engine_processes(ray_server)) < 2 or engines[0].is_running():
         assert time.monotonic() < deadline, "the killed replica was not replaced"
         time.sleep(0.5)

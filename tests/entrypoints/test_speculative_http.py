@@ -74,5 +74,5 @@ def test_a_bad_speculative_config_stops_the_start(server_log_dir: Path) -> None:
     handle = start_server(
         server_log_dir, "--speculative-config", '{"method": "medusa"}', api_key=None, wait=False
     )
-    assert handle.process.wait(timeout=120) == 2  # a usage error, as argparse gives
+    assert handle.process.wait(timeout=600) == 2  # a usage error, as argparse gives
     assert "--speculative-config: method 'medusa' is not supported" in handle.log()

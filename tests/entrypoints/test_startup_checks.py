@@ -96,7 +96,7 @@ def test_the_server_never_listens_and_debug_shows_the_traceback(tmp_path: Path) 
     cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli"]
     serve = ["serve", str(folder), "--port", str(free_port()), "--num-threads", "1"]
     quiet = subprocess.run(
-        [*cmd, *serve], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+        [*cmd, *serve], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
     )
     assert quiet.returncode == 1
     assert "Uvicorn running" not in quiet.stderr and "Traceback" not in quiet.stderr
@@ -105,7 +105,7 @@ def test_the_server_never_listens_and_debug_shows_the_traceback(tmp_path: Path) 
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     assert debug.returncode == 1
     assert "Traceback" in debug.stderr and "Uvicorn running" not in debug.stderr
