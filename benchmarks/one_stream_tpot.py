@@ -97,7 +97,7 @@ def main() -> None:
         "--max-num-seqs",
         type=int,
         default=1,
-        help="the engine's max_num_seqs (32, the served default, keeps oneDNN's bf16 layout)",
+        help="the engine's max_num_seqs (a server's default is 32)",
     )
     args = parser.parse_args()
     if args.child:
