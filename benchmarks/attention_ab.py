@@ -6,9 +6,9 @@ head_dim 64, bf16, 16-token blocks scattered over the pool):
   prefill  a chunk of ``new`` tokens after ``prefix`` cached ones: the prefill kernel
            against torch's paths (gather + causal flash for fresh prompts, gather + masked
            SDPA after a prefix); ``model.attention.PREFILL_KERNEL`` switches.
-  decode   16 x 1024, 1 x 1024, 1 x 4096: rotating over 16 layers' caches (the engine's
-           working set, beyond L3), the tiled kernel against the per-block one, where this
-           build still has the per-block one (``tokenmill_cpu::set_decode_tiles``).
+  decode   16 x 1024, 1 x 1024, 1 x 4096, 1 x 160: rotating over 16 layers' caches (the
+           engine's working set, beyond L3), the kernel at 1 thread against 2 threads
+           (``speedup``: how its split of work items scales).
 Engine (the 250M model, benchmarks/engine_core.py builds it):
   prefill  one 1024-token prompt in ``--chunk``-token chunks, wall time of its steps
   decode   16 streams at a 1024-token context: one step each way, alternating
@@ -91,6 +91,8 @@ def kernel_prefill(prefix: int, new: int, rounds: int) -> dict[str, float]:
 def kernel_decode(
     batch: int, context: int, rounds: int, kv_dtype: torch.dtype = torch.bfloat16
 ) -> dict[str, float]:
+    """The decode kernel at 1 and at 2 threads, alternating in this process (the thread
+    count is set before each pass over the 16 layers): how the 2-thread split scales."""
     width = -(-context // BLOCK)
     pool = batch * width + 1
     layers = [
@@ -104,20 +106,21 @@ def kernel_decode(
     lens = torch.full((batch,), context)
     q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
     scales = torch.ones(2)
+    before = torch.get_num_threads()
 
-    def run(tiles: bool) -> Callable[[], Any]:
+    def run(threads: int) -> Callable[[], Any]:
         def fn() -> Any:
-            torch.ops.tokenmill_cpu.set_decode_tiles(tiles)
+            torch.set_num_threads(threads)
             for k_cache, v_cache in layers:
                 kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, 0, scales)
 
         return fn
 
-    medians = interleave({"blocks": run(False), "tiles": run(True)}, rounds)
-    torch.ops.tokenmill_cpu.set_decode_tiles(True)
+    medians = interleave({"1 thread": run(1), "2 threads": run(2)}, rounds)
+    torch.set_num_threads(before)
     return {
         k: v / LAYERS if k.endswith("_ms") else v
-        for k, v in ratio(medians, "blocks", "tiles").items()
+        for k, v in ratio(medians, "1 thread", "2 threads").items()
     }
 
 
@@ -191,6 +194,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true", help="no kernel-alone prefill")
+    parser.add_argument("--skip-decode", action="store_true", help="no kernel-alone decode")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not kernels.available():
@@ -201,10 +205,10 @@ def main() -> None:
             f"prefix={p} new={n}": kernel_prefill(p, n, args.rounds)
             for p, n in ((0, 512), (512, 512), (0, 1024), (1024, 64), (0, 64))
         }
-    if has_decode_switch():
-        results["kernel decode (ms per layer)"] = {
+    if not args.skip_decode:
+        results["kernel decode, 1 vs 2 threads (ms per layer)"] = {
             f"B={b} ctx={c}": kernel_decode(b, c, args.rounds)
-            for b, c in ((16, 1024), (1, 1024), (1, 4096))
+            for b, c in ((16, 1024), (1, 1024), (1, 4096), (1, 160))
         } | {"B=16 ctx=1024 fp8_e4m3": kernel_decode(16, 1024, args.rounds, torch.float8_e4m3fn)}
     if not args.skip_engine:
         from engine_core import build_model

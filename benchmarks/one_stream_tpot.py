@@ -43,7 +43,7 @@ def child(args: argparse.Namespace) -> None:
             model=str(args.model_dir),
             dtype="bfloat16",
             kv_cache=kv,
-            max_num_seqs=1,
+            max_num_seqs=args.max_num_seqs,
             max_model_len=args.prompt_len + args.output_len + 8,
             num_threads=args.threads,
             quantization=None if quant == "bf16" else quant,
@@ -72,7 +72,7 @@ def child(args: argparse.Namespace) -> None:
 def run_case(src: str, case: str, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", "--case", case]
     command += ["--threads", str(args.threads), "--repeats", str(args.repeats)]
-    command += ["--model-dir", str(args.model_dir)]
+    command += ["--model-dir", str(args.model_dir), "--max-num-seqs", str(args.max_num_seqs)]
     src, _, extra = src.partition("?")  # "src?KEY=VALUE,KEY=VALUE": that tree with env set
     env = {**os.environ, "PYTHONPATH": src}
     env.update(kv.split("=", 1) for kv in extra.split(",") if kv)
@@ -93,6 +93,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=1,
+        help="the engine's max_num_seqs (a server's default is 32)",
+    )
     args = parser.parse_args()
     if args.child:
         child(args)

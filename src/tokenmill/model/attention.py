@@ -287,6 +287,26 @@ def _decode_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return kernels.supports(q, float32=True) and k_cache.dtype in _KERNEL_KV_DTYPES
 
 
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_scales(device: torch.device) -> torch.Tensor:
+    """[k_scale, v_scale] = [1, 1] for caches that are not fp8, made once per device (not
+    once per layer and step)."""
+    scales = _UNIT_SCALES.get(device)
+    if scales is None:
+        scales = _UNIT_SCALES[device] = torch.ones(2, dtype=torch.float32, device=device)
+    return scales
+
+
+def _decode_rows(group: AttentionGroup) -> slice | torch.Tensor:
+    """The decode group's rows of the token batch: a slice where they are consecutive
+    (``AttentionGroup.chunk_rows``, once per step), else the index."""
+    if group.segments is not None:
+        return group.chunk_rows()[1]
+    return group.token_index.view(-1)
+
+
 def _decode_kernel(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -299,7 +319,7 @@ def _decode_kernel(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """tokenmill CPU kernel: one query per row [B, Hq, D] over the blocks where they lie."""
-    scales = kv_scales if kv_scales is not None else q.new_ones(2, dtype=torch.float32)
+    scales = kv_scales if kv_scales is not None else _unit_scales(q.device)
     return kernels.paged_decode_attention(
         q.contiguous(),
         k_cache,
@@ -360,12 +380,28 @@ def paged_attention(
     """Attention of queries q [T, Hq, D] over the cached K/V; returns [T, Hq * D]."""
     num_tokens, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
-    out = q.new_empty(num_tokens, num_heads * head_dim)
     groups = list(meta.groups)
+    if len(groups) == 1 and groups[0].is_decode and _decode_kernel_applies(q, k_cache):
+        group = groups[0]
+        if _decode_rows(group) == slice(0, num_tokens):  # a decode-only step, rows in order
+            # The kernel's output is the step's: no gather of q, no scatter into out (one
+            # stream pays those per layer as much as a short context's attention itself).
+            return _decode_kernel(
+                q,
+                k_cache,
+                v_cache,
+                group.block_tables,
+                group.context_lens,
+                scale,
+                window,
+                kv_scales,
+                softcap,
+            )
+    out = q.new_empty(num_tokens, num_heads * head_dim)
     while groups:
         group = groups.pop(0)
         if group.is_decode and _decode_kernel_applies(q, k_cache):  # tokenmill CPU kernel
-            rows = group.token_index.view(-1)
+            rows = _decode_rows(group)
             out[rows] = _decode_kernel(
                 q[rows],
                 k_cache,

@@ -74,28 +74,16 @@ struct RopeKvArgs {
   const int64_t* dst_rows;  // [T] or null
 };
 
-// Decode attention: ops.cpp runs it as PrefillArgs' work items (one query row per sequence,
-// every KV head per item); attention_merge reads the split fields.
+// The merge after a split decode (ops.cpp's paged_decode_attention runs decode as
+// PrefillArgs' work items, one query row per sequence, every KV head per item): sequence b
+// combines the fp32 partial outputs [items, Hq, D] and (max, sum) [items, Hq, 2] of its
+// items [seq_items[b], seq_items[b+1]) into out [B, Hq * D].
 struct AttnArgs {
-  const void* q;            // [B, Hq, D], row stride ldq
-  const void* k_cache;      // [blocks, block_size, Hkv, D]
-  const void* v_cache;
-  const int64_t* block_tables;  // [B, ldbt]
-  const int64_t* context_lens;  // [B]
-  void* out;                // [B, Hq * D]
-  int64_t Hq, Hkv, D, block_size, ldq, ldbt;
-  int64_t window;           // 0: full attention (ops.cpp turns it into item ranges)
-  float scale, k_scale, v_scale;
-  float softcap;            // > 0: scores capped as softcap * tanh(scores / softcap)
-  int q_fmt, kv_fmt;
-  // Work items: item i attends sequence item_seq[i] over tokens [item_range[2i], item_range[2i+1]).
-  const int64_t* item_seq;
-  const int64_t* item_range;
-  // Split sequences: items leave fp32 partial outputs [items, Hq, D] and (max, sum)
-  // [items, Hq, 2] here, and the merge combines items [seq_items[b], seq_items[b+1]).
-  // Null: each item is its sequence's whole range and writes out directly.
-  float* partial;
-  float* partial_ml;
+  void* out;
+  int64_t Hq, D;
+  int q_fmt;
+  const float* partial;
+  const float* partial_ml;
   const int64_t* seq_items;
 };
 
@@ -120,7 +108,7 @@ struct PrefillArgs {
   int64_t rows_per_item, heads_per_item;
   // Null: each item sees all its rows' keys and writes out. Else (split decode) item i sees
   // keys [item_keys[2i], item_keys[2i+1]) only and leaves fp32 partial outputs [items, Hq,
-  // D] and (max, sum) [items, Hq, 2] for attention_merge, as AttnArgs' items do.
+  // D] and (max, sum) [items, Hq, 2] for attention_merge (AttnArgs).
   const int64_t* item_keys;
   float* partial;
   float* partial_ml;

@@ -472,30 +472,63 @@ at::Tensor rope_kv_write(const at::Tensor& positions, const at::Tensor& q, const
 // Tokens per split of a long context: enough work per item that the merge stays cheap.
 constexpr int64_t kMinSplitTokens = 256;
 
+// The fields decode and prefill attention share, after the checks they share (`op` names
+// the caller in the errors): q [rows, Hq, D] over the [blocks, block_size, Hkv, D] caches
+// through the long block tables and lengths, and kv_scales as floats. The caller keeps
+// those tensors alive and sets out, query_start and the work items.
+PrefillArgs paged_args(const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window,
+                       const at::Tensor& scales, double softcap) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), op, ": q [rows, Hq, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              op, ": K and V caches [blocks, block_size, Hkv, D], contiguous, one dtype");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0, op,
+              ": head shapes do not match the cache");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == lens.numel(), op,
+              ": one block table row per sequence");
+  TORCH_CHECK(scales.numel() == 2, op, ": kv_scales holds [k_scale, v_scale]");
+  PrefillArgs a{};
+  a.q = q.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.block_tables = block_tables.data_ptr<int64_t>();
+  a.context_lens = lens.data_ptr<int64_t>();
+  a.Hq = q.size(1);
+  a.Hkv = k_cache.size(2);
+  a.D = q.size(2);
+  a.block_size = k_cache.size(1);
+  a.ldq = q.stride(0);
+  a.ldbt = block_tables.size(1);
+  a.window = window;
+  a.scale = static_cast<float>(scale);
+  a.softcap = static_cast<float>(softcap);
+  a.k_scale = scales.data_ptr<float>()[0];
+  a.v_scale = scales.data_ptr<float>()[1];
+  a.q_fmt = act_fmt(q);
+  a.kv_fmt = fmt_of(k_cache);
+  return a;
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                                   int64_t window, const at::Tensor& kv_scales, double softcap) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "decode_attention: q [B, Hq, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "decode_attention: K and V caches [blocks, block_size, Hkv, D], contiguous, one dtype");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2), bs = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "decode_attention: head shapes do not match the cache");
   at::Tensor bt = block_tables.to(at::kLong).contiguous();
   at::Tensor cl = context_lens.to(at::kLong).contiguous();
-  TORCH_CHECK(bt.dim() == 2 && bt.size(0) == B && cl.numel() == B, "decode_attention: one block table row per query");
   at::Tensor sc = kv_scales.to(at::kFloat).contiguous();
-  TORCH_CHECK(sc.numel() == 2, "decode_attention: kv_scales holds [k_scale, v_scale]");
-  const int64_t* lens = cl.data_ptr<int64_t>();
+  PrefillArgs p = paged_args("decode_attention", q, k_cache, v_cache, bt, cl, scale, window, sc, softcap);
+  const int64_t B = q.size(0), Hq = p.Hq, D = p.D, bs = p.block_size;
+  TORCH_CHECK(cl.numel() == B, "decode_attention: one context length per query row");
+  const int64_t* lens = p.context_lens;
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= bt.size(1) * bs,
-                "decode_attention: context length ", lens[b], " outside the block table");
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= p.ldbt * bs, "decode_attention: context length ", lens[b],
+                " outside the block table");
   // Work items: whole sequences, or, when there are fewer sequences than ~4 per thread,
   // splits of the long ones (whole blocks, >= kMinSplitTokens each) merged afterwards.
   const int64_t threads = at::get_num_threads();
   const int64_t want = B >= 4 * threads ? 1 : (4 * threads + B - 1) / B;
-  std::vector<int64_t> item_seq, item_range, seq_items(B + 1, 0);
-  item_seq.reserve(B * want);
+  std::vector<int64_t> triples, item_range, seq_items(B + 1, 0), starts(B + 1);
+  triples.reserve(3 * B * want);
   item_range.reserve(2 * B * want);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
@@ -504,80 +537,36 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     const int64_t per = (L + splits - 1) / splits;
     const int64_t step = std::max<int64_t>(bs, (per + bs - 1) / bs * bs);  // whole blocks
     for (int64_t t = start / bs * bs; t < lens[b]; t += step) {
-      item_seq.push_back(b);
+      triples.insert(triples.end(), {b, 0, 0});  // one query row, every KV head
       item_range.push_back(std::max(t, start));
       item_range.push_back(std::min(t + step, lens[b]));
     }
-    seq_items[b + 1] = static_cast<int64_t>(item_seq.size());
+    seq_items[b + 1] = static_cast<int64_t>(triples.size()) / 3;
+    starts[b + 1] = b + 1;
   }
-  const int64_t items = static_cast<int64_t>(item_seq.size());
-  AttnArgs a{};
-  a.q = q.data_ptr();
-  a.k_cache = k_cache.data_ptr();
-  a.v_cache = v_cache.data_ptr();
-  a.block_tables = bt.data_ptr<int64_t>();
-  a.context_lens = lens;
-  a.Hq = Hq;
-  a.Hkv = Hkv;
-  a.D = D;
-  a.block_size = bs;
-  a.ldq = q.stride(0);
-  a.ldbt = bt.size(1);
-  a.window = window;
-  a.scale = static_cast<float>(scale);
-  a.softcap = static_cast<float>(softcap);
-  a.k_scale = sc.data_ptr<float>()[0];
-  a.v_scale = sc.data_ptr<float>()[1];
-  a.q_fmt = act_fmt(q);
-  a.kv_fmt = fmt_of(k_cache);
-  a.item_seq = item_seq.data();
-  a.item_range = item_range.data();
-  a.seq_items = seq_items.data();
+  const int64_t items = seq_items[B];
   at::Tensor out = at::empty({B, Hq * D}, q.options());
-  a.out = out.data_ptr();
   at::Tensor partial, partial_ml;
   if (items > B) {
     partial = at::empty({items, Hq, D}, q.options().dtype(at::kFloat));
     partial_ml = at::empty({items, Hq, 2}, q.options().dtype(at::kFloat));
-    a.partial = partial.data_ptr<float>();
-    a.partial_ml = partial_ml.data_ptr<float>();
+    p.partial = partial.data_ptr<float>();
+    p.partial_ml = partial_ml.data_ptr<float>();
   }
-  const KernelTable& k = kernels();
   // The prefill kernel with one query row per sequence and every KV head per item: keys
   // in tiles across blocks (one softmax update per tile), bf16 dot products on AVX-512.
-  std::vector<int64_t> starts(B + 1), triples;
-  for (int64_t b = 0; b <= B; ++b) starts[b] = b;
-  triples.reserve(3 * items);
-  for (int64_t i = 0; i < items; ++i) triples.insert(triples.end(), {item_seq[i], 0, 0});
-  PrefillArgs p{};
-  p.q = a.q;
-  p.k_cache = a.k_cache;
-  p.v_cache = a.v_cache;
-  p.block_tables = a.block_tables;
-  p.context_lens = lens;
   p.query_start = starts.data();
-  p.out = a.out;
-  p.Hq = Hq;
-  p.Hkv = Hkv;
-  p.D = D;
-  p.block_size = bs;
-  p.ldq = a.ldq;
-  p.ldbt = a.ldbt;
-  p.window = window;
-  p.scale = a.scale;
-  p.k_scale = a.k_scale;
-  p.v_scale = a.v_scale;
-  p.softcap = a.softcap;
-  p.q_fmt = a.q_fmt;
-  p.kv_fmt = a.kv_fmt;
+  p.out = out.data_ptr();
   p.items = triples.data();
   p.rows_per_item = 1;
-  p.heads_per_item = Hkv;
+  p.heads_per_item = p.Hkv;
   p.item_keys = item_range.data();
-  p.partial = a.partial;
-  p.partial_ml = a.partial_ml;
+  const KernelTable& k = kernels();
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) { k.prefill_attention(p, i0, i1); });
-  if (items > B) at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) { k.attention_merge(a, b0, b1); });
+  if (items > B) {
+    const AttnArgs m{p.out, Hq, D, p.q_fmt, p.partial, p.partial_ml, seq_items.data()};
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) { k.attention_merge(m, b0, b1); });
+  }
   return out;
 }
 
@@ -590,28 +579,21 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
                                    const at::Tensor& block_tables, const at::Tensor& context_lens,
                                    const at::Tensor& query_start, double scale, int64_t window,
                                    const at::Tensor& kv_scales, double softcap) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "prefill_attention: q [N, Hq, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "prefill_attention: K and V caches [blocks, block_size, Hkv, D], contiguous, one dtype");
-  const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2), bs = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "prefill_attention: head shapes do not match the cache");
   at::Tensor bt = block_tables.to(at::kLong).contiguous();
   at::Tensor cl = context_lens.to(at::kLong).contiguous();
   at::Tensor qs = query_start.to(at::kLong).contiguous();
-  const int64_t B = cl.numel();
-  TORCH_CHECK(bt.dim() == 2 && bt.size(0) == B && qs.numel() == B + 1,
-              "prefill_attention: one block table row and one query range per sequence");
   at::Tensor sc = kv_scales.to(at::kFloat).contiguous();
-  TORCH_CHECK(sc.numel() == 2, "prefill_attention: kv_scales holds [k_scale, v_scale]");
-  const int64_t *lens = cl.data_ptr<int64_t>(), *starts = qs.data_ptr<int64_t>();
+  PrefillArgs a = paged_args("prefill_attention", q, k_cache, v_cache, bt, cl, scale, window, sc, softcap);
+  const int64_t N = q.size(0), B = cl.numel(), bs = a.block_size;
+  TORCH_CHECK(qs.numel() == B + 1, "prefill_attention: one query range per sequence");
+  const int64_t *lens = a.context_lens, *starts = qs.data_ptr<int64_t>();
   TORCH_CHECK(starts[0] == 0 && starts[B] == N, "prefill_attention: query_start must run from 0 to ", N);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = starts[b + 1] - starts[b];
-    TORCH_CHECK(n >= 0 && n <= lens[b] && lens[b] <= bt.size(1) * bs, "prefill_attention: sequence ", b, " has ", n,
-                " queries for a context of ", lens[b], " in ", bt.size(1), " blocks");
+    TORCH_CHECK(n >= 0 && n <= lens[b] && lens[b] <= a.ldbt * bs, "prefill_attention: sequence ", b, " has ", n,
+                " queries for a context of ", lens[b], " in ", a.ldbt, " blocks");
   }
-  const int64_t G = Hq / Hkv, rows = prefill_rows_per_item(G);
+  const int64_t Hkv = a.Hkv, rows = prefill_rows_per_item(a.Hq / Hkv);
   std::vector<int64_t> items;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t tiles = (starts[b + 1] - starts[b] + rows - 1) / rows;
@@ -622,31 +604,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
         items.insert(items.end(), {b, h, tile * rows});
       }
   }
-  PrefillArgs a{};
-  a.q = q.data_ptr();
-  a.k_cache = k_cache.data_ptr();
-  a.v_cache = v_cache.data_ptr();
-  a.block_tables = bt.data_ptr<int64_t>();
-  a.context_lens = lens;
+  at::Tensor out = at::empty({N, a.Hq * a.D}, q.options());
   a.query_start = starts;
-  a.Hq = Hq;
-  a.Hkv = Hkv;
-  a.D = D;
-  a.block_size = bs;
-  a.ldq = q.stride(0);
-  a.ldbt = bt.size(1);
-  a.window = window;
-  a.scale = static_cast<float>(scale);
-  a.softcap = static_cast<float>(softcap);
-  a.k_scale = sc.data_ptr<float>()[0];
-  a.v_scale = sc.data_ptr<float>()[1];
-  a.q_fmt = act_fmt(q);
-  a.kv_fmt = fmt_of(k_cache);
+  a.out = out.data_ptr();
   a.items = items.data();
   a.rows_per_item = rows;
   a.heads_per_item = 1;
-  at::Tensor out = at::empty({N, Hq * D}, q.options());
-  a.out = out.data_ptr();
   const KernelTable& k = kernels();
   const int64_t count = static_cast<int64_t>(items.size()) / 3;
   at::parallel_for(0, count, 1, [&](int64_t i0, int64_t i1) { k.prefill_attention(a, i0, i1); });
