@@ -368,6 +368,13 @@ STEPS: list[Step] = [
         "tokenmill bf16, paged KV",
     ),
     Step(
+        "a-ref-bf16",
+        "A",
+        2.5,
+        dense_server_step(["--dtype", "bfloat16"], ["single", "many", "long"], ref=True),
+        "tokenmill bf16 paged at --ref (same run, right after a-tm-bf16: no regression)",
+    ),
+    Step(
         "a-tm-bf16-static",
         "A",
         3,
@@ -384,7 +391,7 @@ STEPS: list[Step] = [
         "A",
         1,
         dense_server_step(["--dtype", "bfloat16"], ["single"], max_num_seqs=4),
-        "tokenmill bf16 paged, latency config (--max-num-seqs 4: the streaming GEMV layout)",
+        "tokenmill bf16 paged, latency config (--max-num-seqs 4)",
     ),
     Step(
         "a-tm-bf16-static-lat",
@@ -415,13 +422,6 @@ STEPS: list[Step] = [
     Step("a-llama-f16", "A", 3, llama_step("f16", True), "llama.cpp f16"),
     Step("a-llama-q8_0", "A", 1.5, llama_step("q8_0", False), "llama.cpp Q8_0"),
     Step("a-llama-q4_0", "A", 1.5, llama_step("q4_0", False), "llama.cpp Q4_0"),
-    Step(
-        "a-ref-bf16",
-        "A",
-        2.5,
-        dense_server_step(["--dtype", "bfloat16"], ["single", "many", "long"], ref=True),
-        "tokenmill bf16 paged at --ref (same run: no regression)",
-    ),
     Step(
         "b-fallback",
         "B",
