@@ -111,6 +111,10 @@ def test_kv_dtype_and_quantization_bytes() -> None:
     assert sizing.projection_weight_bytes(40, 70, 2, "int4", 64, layout="amx") == (
         48 * 128 // 2 + 40 * 2 * 8 + 3 * 48 * 2 * 4
     )
+    for method, group in (("int8", 128), ("int4", 64)):  # VNNI reads the same tiles
+        assert sizing.projection_weight_bytes(
+            40, 70, 2, method, group, layout="vnni"
+        ) == sizing.projection_weight_bytes(40, 70, 2, method, group, layout="amx")
     cfg = ModelConfig.from_folder(demo_model_path())
     per_token = sizing.kv_bytes_per_token(cfg, 1)
     assert per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim

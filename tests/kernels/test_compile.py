@@ -60,6 +60,27 @@ def test_the_amx_ops_trace_too() -> None:
     torch.testing.assert_close(torch.compile(fn, fullgraph=True)(x), fn(x))
 
 
+def test_the_vnni_tile_ops_trace_too() -> None:
+    if kernels.active_isa() != "avx512_bf16":
+        pytest.skip("the VNNI tile ops need the avx512 table")
+    torch._dynamo.reset()
+    q = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
+    codes = torch.randint(0, 16, (40, 128))
+    block = amx_layout.block_channels
+    scales, sums = block(torch.rand(40)), block(q.int().sum(1, dtype=torch.int32))
+    g_scales, g_offsets = block(torch.rand(40, 1) * 0.02), block(torch.randn(40, 1) * 0.1)
+    g_sums = block(codes.sum(1, keepdim=True, dtype=torch.int32))
+    tiles8, tiles4 = amx_layout.pack_int8(q), amx_layout.pack_int4(codes)
+
+    def fn(x):
+        y = kernels.linear_int8_vnni(x, tiles8, scales, sums, None, 40)
+        y = torch.cat((y, y, y[:, :48]), dim=1)  # 128 wide: the int4 layer's input
+        return kernels.linear_int4_vnni(y, tiles4, g_scales, g_sums, g_offsets, 128, None, 40) * 2
+
+    x = torch.randn(5, 64).bfloat16()
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True)(x), fn(x))
+
+
 def _rope_write_attend(q, k, v, positions, cos, sin, k_cache, v_cache, slots, tables, lens):
     q = kernels.rope_kv_write(positions, q, k, v, cos, sin, k_cache, v_cache, slots, torch.ones(2))
     return kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 0, torch.ones(2))

@@ -419,6 +419,69 @@ def test_linear_int4_amx(amx, threads: int, m: int, n: int, k: int, group_size: 
     _close_to_fp32(got, want, 2e-2)
 
 
+@pytest.fixture
+def vnni(isa: str) -> str:
+    """The VNNI tile ops run on the avx512 table only; under avx2 they must refuse."""
+    return isa
+
+
+VNNI_SHAPES = [(1, 1, 32), (1, 37, 70), (2, 16, 64), (3, 5, 96), (5, 64, 33), (7, 100, 200)]
+VNNI_SHAPES += [(16, 130, 257), (17, 65, 130), (40, 33, 256), (64, 48, 128), (100, 80, 64)]
+"""Rows 1 (the GEMV), 2-6 (one row tile), 7+ (several, uneven); channels not whole 64-channel
+tiles or 16-channel blocks; inputs not whole 64-input chunks."""
+
+
+@pytest.mark.parametrize(("m", "n", "k"), VNNI_SHAPES)
+def test_linear_int8_vnni(vnni: str, threads: int, m: int, n: int, k: int) -> None:
+    from tokenmill.kernels import amx_layout
+
+    x = _randn(m, k, dtype=torch.bfloat16)
+    q = torch.randint(-127, 128, (n, k), generator=_gen(1), dtype=torch.int8)
+    scales = torch.rand(n, generator=_gen(2)) * 0.02 + 1e-3
+    bias = _randn(n, dtype=torch.bfloat16, seed=3)
+    row_sums = q.int().sum(1, dtype=torch.int32)
+    want = F.linear(x.float(), q.float() * scales[:, None], bias.float())
+    block = amx_layout.block_channels
+    args = (x, amx_layout.pack_int8(q), block(scales), block(row_sums), bias, n)
+    if vnni == "avx2":
+        with pytest.raises(RuntimeError, match="avx512 table"):
+            kernels.linear_int8_vnni(*args)
+        return
+    got = kernels.linear_int8_vnni(*args)
+    assert got.shape == (m, n)
+    # activations quantized per row to int8: about 0.4% of the row's largest value
+    _close_to_fp32(got, want, 2e-2)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), VNNI_SHAPES[1:] + [(2, 67, 640), (9, 20, 1000)])
+@pytest.mark.parametrize("group_size", [64, 128, 256])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_int4_vnni(
+    vnni: str, threads: int, m: int, n: int, k: int, group_size: int, with_bias: bool
+) -> None:
+    from tokenmill.kernels import amx_layout
+
+    k_pad = int4_layout.padded_in(k, group_size)
+    groups = k_pad // group_size
+    codes = torch.randint(0, 16, (n, k_pad), generator=_gen(1))
+    codes[:, k:] = 0
+    scales = torch.rand(n, groups, generator=_gen(2)) * 0.02 + 1e-3
+    offsets = -8 * scales + _randn(n, groups, seed=3) * 0.05
+    x = _randn(m, k, dtype=torch.bfloat16)
+    bias = _randn(n, dtype=torch.bfloat16, seed=4) if with_bias else None
+    w = codes.float().view(n, groups, group_size) * scales[..., None] + offsets[..., None]
+    want = F.linear(x.float(), w.view(n, k_pad)[:, :k], None if bias is None else bias.float())
+    block = amx_layout.block_channels
+    code_sums = block(codes.view(n, groups, group_size).sum(-1).int())
+    tiles = amx_layout.pack_int4(codes)
+    args = (x, tiles, block(scales), code_sums, block(offsets), group_size, bias, n)
+    if vnni == "avx2":
+        with pytest.raises(RuntimeError, match="avx512 table"):
+            kernels.linear_int4_vnni(*args)
+        return
+    _close_to_fp32(kernels.linear_int4_vnni(*args), want, 2e-2)
+
+
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, *KV_DTYPES[2:]]
 
 

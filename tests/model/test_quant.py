@@ -44,7 +44,7 @@ def test_int4_rounds_each_weight_within_half_a_step_of_its_group(group_size: int
     error = (linear.dequantize(torch.float32) - weight).abs().view(64, -1, group_size)
     # half a step, plus bf16 rounding of the scale and zero point
     assert (error <= step.unsqueeze(-1) * 0.5 + 0.02 * groups.abs().amax(-1, keepdim=True)).all()
-    stored = linear.amx_tiles if linear.kernel == "amx" else linear.packed
+    stored = linear.amx_tiles if linear.kernel in ("amx", "vnni") else linear.packed
     assert stored.numel() == 64 * 256 // 2  # two weights a byte, no second copy
 
 
@@ -85,11 +85,49 @@ def test_a_projection_stores_one_copy_in_its_kernels_layout(kernel_path: str, me
     if kernel_path == "torch":
         assert linear.kernel is None
         return
-    assert linear.kernel == ("amx" if kernels.amx_active() else "rows")
+    tiles = "amx" if kernels.amx_active() else "vnni"
+    assert linear.kernel == (tiles if kernels.active_isa() == "avx512_bf16" else "rows")
     int_bytes = sum(b.numel() for b in linear.buffers() if b.dtype in (torch.int8, torch.uint8))
     per_weight = 1 if method == "int8" else 0.5
-    padded = (-(-48 // 16) * 16 if linear.kernel == "amx" else 48) * 128
+    padded = (-(-48 // 16) * 16 if linear.kernel != "rows" else 48) * 128
     assert int_bytes == padded * per_weight
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def isa(request: pytest.FixtureRequest, kernel_path: str):
+    """Layers built (and run) on one kernel table; skipped where the CPU lacks it."""
+    if kernel_path == "torch":
+        pytest.skip("the kernel tables are tokenmill's")
+    before = kernels.active_isa()
+    try:
+        chosen = kernels.set_isa(request.param)
+    except RuntimeError:
+        pytest.skip(f"this CPU cannot run the {request.param} kernels")
+    yield chosen
+    kernels.set_isa("avx2" if before == "avx2" else "avx512" if before == "avx512_bf16" else "auto")
+
+
+@pytest.mark.parametrize("method,group_size", [("int8", 128), ("int4", 64), ("int4", 128)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 65, 130])
+def test_each_table_stores_its_layout_and_computes_the_weight(
+    isa: str, method: str, group_size: int, rows: int
+) -> None:
+    """AVX-512 without AMX stores AMX tiles for the VNNI kernels and serves every row count
+    with them; AVX2 stores rows. Both compute the stored weight, and a layer whose table was
+    switched after load (tests) still does, through dequantize + GEMM."""
+    weight, bias = _weight(100, 200), torch.randn(100)
+    linear = quantize_linear(weight.bfloat16(), bias.bfloat16(), method, group_size)
+    tiles = "amx" if kernels.amx_active() else "vnni"
+    assert linear.kernel == (tiles if isa == "avx512_bf16" else "rows")
+    x = torch.randn(rows, 200, generator=torch.Generator().manual_seed(1)).bfloat16()
+    want = F.linear(x.float(), linear.dequantize(torch.float32), bias.bfloat16().float())
+    scale = x.float().abs().amax() * weight.abs().amax() * 200**0.5
+    assert (linear(x).float() - want).abs().max() <= 2e-2 * scale
+    try:
+        kernels.set_isa("avx2" if isa == "avx512_bf16" else "avx512")
+    except RuntimeError:
+        return  # an AVX2-only CPU
+    assert (linear(x).float() - want).abs().max() <= 2e-2 * scale
 
 
 def test_unknown_method_names_the_flag() -> None:

@@ -31,7 +31,7 @@ ENV_ISA = "TOKENMILL_CPU_ISA"
 """auto (default), avx512 or avx2: which kernel table the extension selects at load."""
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("ops.cpp", "avx512.cpp", "avx2.cpp", "amx.cpp")
+SOURCES = ("ops.cpp", "avx512.cpp", "avx2.cpp", "amx.cpp", "vnni.cpp")
 HEADERS = ("kernels.h", "common.h", "prefill.h", "rope_kv.h", "vec_avx512.h", "vec_avx2.h")
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp")
 """-fopenmp: ATen's parallel_for is inlined into ops.cpp and runs on OpenMP there."""

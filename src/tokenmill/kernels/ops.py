@@ -80,6 +80,9 @@ def describe() -> str:
         return "tokenmill CPU kernels off: torch kernels for every op"
     if amx_active():
         amx = "AMX-INT8 tiles for int8/int4 projections"
+    elif _State.isa == "avx512_bf16":
+        granted = "AMX granted but switched off" if amx_permitted() else "AMX not granted"
+        amx = f"{granted}: AVX-512 VNNI on the AMX tile layout for int8/int4 projections"
     elif amx_permitted():
         amx = "AMX granted but switched off"
     else:
@@ -168,6 +171,38 @@ def linear_int4_amx(
     scales, offsets and int32 code sums per group blocked by ``amx_layout.block_channels``.
     Activations quantized per row (W8A8)."""
     return torch.ops.tokenmill_cpu.linear_int4_amx(
+        _rows(x), tiles, scales, code_sums, offsets, group_size, bias, out_features
+    )
+
+
+def linear_int8_vnni(
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    scales: torch.Tensor,
+    row_sums: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """``linear_int8_amx``'s tiles and arguments on AVX-512 VNNI dot products (CPUs without
+    AMX; the avx512 table must be active). Activations quantized per row (W8A8)."""
+    return torch.ops.tokenmill_cpu.linear_int8_vnni(
+        _rows(x), tiles, scales, row_sums, bias, out_features
+    )
+
+
+def linear_int4_vnni(
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    scales: torch.Tensor,
+    code_sums: torch.Tensor,
+    offsets: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """``linear_int4_amx``'s tiles and arguments on AVX-512 VNNI dot products (``code_sums``
+    is checked, not read: the activations are quantized signed). W8A8 per row."""
+    return torch.ops.tokenmill_cpu.linear_int4_vnni(
         _rows(x), tiles, scales, code_sums, offsets, group_size, bias, out_features
     )
 
@@ -280,7 +315,7 @@ def register_fakes() -> None:
     torch.library.register_fake(lib + "gemv_bf16")(
         lambda x, packed, out_features, bias: x.new_empty(x.shape[0], out_features)
     )
-    for name in ("linear_int8_amx", "linear_int4_amx"):
+    for name in ("linear_int8_amx", "linear_int4_amx", "linear_int8_vnni", "linear_int4_vnni"):
         torch.library.register_fake(lib + name)(
             lambda x, tiles, *rest: x.new_empty(x.shape[0], rest[-1])
         )

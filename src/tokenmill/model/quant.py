@@ -1,23 +1,26 @@
 """Quantization at load time: int8 per output channel, int4 group-wise.
 
 With tokenmill's CPU kernels (``tokenmill/kernels``) a projection stores its weights in the
-layout its kernel reads, once: AMX-INT8 tiles where the process may use AMX, else plain rows
-for the VNNI (AVX-512) or AVX2 kernels. On AVX-512 those kernels quantize activations per
-row to int8 (W8A8 dynamic, llama.cpp Q8_0's trade); the AVX2 kernels stay weight-only. The
-torch paths below remain for machines without the extension.
+layout its kernel reads, once: AMX-INT8 tiles (16 channels x 64 inputs in VNNI order,
+``kernels/amx_layout.py``) wherever the AVX-512 table runs, read by AMX where the process
+may use it and by AVX-512 VNNI dot products otherwise (``kernel`` ``amx`` or ``vnni``); plain
+rows for the AVX2 kernels (and int4 groups of 32). The AVX-512 kernels quantize activations
+per row to int8 (W8A8 dynamic, llama.cpp Q8_0's trade); the AVX2 kernels stay weight-only.
+The torch paths below remain for machines without the extension.
+
+The tile kernels beat oneDNN's bf16 GEMM at every row count measured (1-256 rows of the
+250M model's layers, ``benchmarks/int_gemm_ab.py``), so they serve every batch; the row
+kernels re-read each weight row per 4 activation rows and end every output with a
+horizontal sum, so above ``max_kernel_rows`` their projections dequantize and run the GEMM.
 
 Torch's kernels are (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``). Measured
 on this project's 2-core AVX-512/AMX machine (8 layers of the 250M model's shapes,
 docs/benchmarks.md): for one row they read int4 weights 2.5x faster than oneDNN reads
 prepacked bf16 and int8 about as fast; their cost then grows with the row count (they walk
 the weights again per few rows), while dequantizing the layer's weight into the activation
-dtype and running the GEMM costs the same at any row count. A projection takes the int
-kernel up to ``max_kernel_rows`` rows (the measured crossover: decode batches) and
-dequantizes above it (prefill chunks). Activations stay in the model dtype; the int kernels
-take bf16 inputs (their fp32 paths are 5x slower), so an fp32 model's activations are
-rounded to bf16 for that product only. No torch kernel (inductor's max-autotune template,
-``torch._int_mm``) beat oneDNN's prepacked bf16 GEMM at 16+ rows here: at decode batches of
-16 the quantized models are slower than bf16 and about as fast as fp32.
+dtype and running the GEMM costs the same at any row count. Activations stay in the model
+dtype; the int kernels take bf16 inputs (their fp32 paths are 5x slower), so an fp32
+model's activations are rounded to bf16 for that product only.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from tokenmill.kernels import amx_layout, int4_layout
 
 _INT4_LAYOUT_BLOCKS = (64, 32)
 """Output-channel block of torch's CPU int4 packing: 64 with AVX-512 kernels, 32 with AVX2."""
+
+_TILES = ("amx", "vnni")
+"""The kernels that read AMX tiles (``kernels/amx_layout.py``)."""
 
 
 def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -94,16 +100,16 @@ class Int8Linear(QuantizedLinear):
         qweight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)  # fp32: the dequantizing path keeps full scales
-        self.kernel = _kernel_for(weight, amx_ok=True)
-        """Which tokenmill kernel serves this projection: amx, rows, or None (torch's)."""
+        self.kernel = _kernel_for(weight, tiles_ok=True)
+        """Which tokenmill kernel serves this projection: amx, vnni, rows, or None (torch's)."""
         if self.kernel is not None:
             row_sums = qweight.sum(1, dtype=torch.int32)
-            if self.kernel == "amx":
+            if self.kernel in _TILES:
                 self.register_buffer("amx_tiles", amx_layout.pack_int8(qweight))
                 self.register_buffer("amx_scales", amx_layout.block_channels(scales))
                 self.register_buffer("amx_row_sums", amx_layout.block_channels(row_sums))
                 self.qweight = None  # the tiles are the only copy
-                self.max_kernel_rows = torch.iinfo(torch.int64).max  # AMX beats bf16 GEMMs
+                self.max_kernel_rows = torch.iinfo(torch.int64).max  # beats bf16 GEMMs
             else:
                 self.register_buffer("row_sums", row_sums)
             return
@@ -115,6 +121,15 @@ class Int8Linear(QuantizedLinear):
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "amx" and kernels.amx_active():
             return kernels.linear_int8_amx(
+                x.to(torch.bfloat16),
+                self.amx_tiles,
+                self.amx_scales,
+                self.amx_row_sums,
+                None,
+                self.out_features,
+            )
+        if self.kernel in _TILES and _vnni_runs(x):
+            return kernels.linear_int8_vnni(
                 x.to(torch.bfloat16),
                 self.amx_tiles,
                 self.amx_scales,
@@ -185,8 +200,8 @@ class Int4Linear(QuantizedLinear):
         low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
         scale = ((high - low) / 15.0).clamp(min=1e-8)
         q = torch.round((w - low) / scale).clamp(0, 15).to(torch.int32).view(self.padded_out, -1)
-        self.kernel = _kernel_for(weight, amx_ok=group_size % 64 == 0)
-        """Which tokenmill kernel serves this projection: amx, rows, or None (torch's)."""
+        self.kernel = _kernel_for(weight, tiles_ok=group_size % 64 == 0)
+        """Which tokenmill kernel serves this projection: amx, vnni, rows, or None (torch's)."""
         if self.kernel is not None:
             self._store_for_kernel(q, scale.view(self.padded_out, groups), low.view(-1, groups))
             return
@@ -218,7 +233,7 @@ class Int4Linear(QuantizedLinear):
         low = F.pad(low[:n], (0, groups - low.shape[1])).contiguous()
         self.register_buffer("kernel_scales", scale)
         self.register_buffer("kernel_offsets", low)
-        if self.kernel == "amx":
+        if self.kernel in _TILES:
             block = amx_layout.block_channels
             sums = codes.view(n, groups, gs).sum(-1, dtype=torch.int32)
             self.register_buffer("amx_tiles", amx_layout.pack_int4(codes))
@@ -232,7 +247,7 @@ class Int4Linear(QuantizedLinear):
 
     def _codes(self) -> torch.Tensor:
         """Codes [out, k_pad] from the kernel layout."""
-        if self.kernel == "amx":
+        if self.kernel in _TILES:
             tiles = self.amx_tiles
             both = torch.cat((tiles & 15, tiles >> 4), dim=-1)  # [nb, kc, 1024]
             both = both.view(*tiles.shape[:2], 16, 16, 4).permute(0, 3, 1, 2, 4)
@@ -264,6 +279,17 @@ class Int4Linear(QuantizedLinear):
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "amx" and kernels.amx_active():
             return kernels.linear_int4_amx(
+                x.to(torch.bfloat16),
+                self.amx_tiles,
+                self.amx_scales,
+                self.amx_code_sums,
+                self.amx_offsets,
+                self.group_size,
+                None,
+                self.out_features,
+            )
+        if self.kernel in _TILES and _vnni_runs(x):
+            return kernels.linear_int4_vnni(
                 x.to(torch.bfloat16),
                 self.amx_tiles,
                 self.amx_scales,
@@ -308,18 +334,28 @@ class Int4Linear(QuantizedLinear):
         return out[: self.out_features, : self.in_features]
 
 
-def _kernel_for(weight: torch.Tensor, amx_ok: bool) -> str | None:
-    """The tokenmill kernel layout a projection stores: amx, rows, or None for torch's."""
+def _kernel_for(weight: torch.Tensor, tiles_ok: bool) -> str | None:
+    """The tokenmill kernel a projection is stored for: amx or vnni (both read AMX tiles),
+    rows (the AVX2 table, or a shape the tiles do not take), or None for torch's."""
     if weight.device.type != "cpu" or not kernels.available():
         return None
-    return "amx" if amx_ok and kernels.amx_active() else "rows"
+    if not tiles_ok:
+        return "rows"
+    if kernels.amx_active():
+        return "amx"
+    return "vnni" if kernels.active_isa() == "avx512_bf16" else "rows"
+
+
+def _vnni_runs(x: torch.Tensor) -> bool:
+    """Whether the VNNI tile kernels serve ``x`` now (the avx512 table active)."""
+    return kernels.supports(x, float32=True) and kernels.active_isa() == "avx512_bf16"
 
 
 def kernel_layout(method: str, group_size: int) -> str:
-    """How a CPU projection quantized with ``method`` is stored in this process (torch, rows
-    or amx: ``sizing.QuantLayout``), for sizing memory as the engine will."""
-    amx_ok = method == "int8" or group_size % 64 == 0
-    return _kernel_for(torch.empty(0), amx_ok) or "torch"
+    """How a CPU projection quantized with ``method`` is stored in this process (torch, rows,
+    amx or vnni: ``sizing.QuantLayout``), for sizing memory as the engine will."""
+    tiles_ok = method == "int8" or group_size % 64 == 0
+    return _kernel_for(torch.empty(0), tiles_ok) or "torch"
 
 
 def quantize_linear(

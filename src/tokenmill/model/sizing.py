@@ -48,9 +48,11 @@ def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_bytes
 
 
-QuantLayout = Literal["torch", "rows", "amx"]
+QuantLayout = Literal["torch", "rows", "amx", "vnni"]
 """How ``model/quant.py`` stores a quantized projection: for torch's int kernels, as rows for
-tokenmill's VNNI/AVX2 kernels, or as AMX tiles (``quant.kernel_layout`` says which)."""
+tokenmill's AVX2 kernels, or as AMX tiles (read by AMX, ``amx``, or by AVX-512 VNNI,
+``vnni``: the same bytes; ``quant.kernel_layout`` says which)."""
+_TILES = ("amx", "vnni")
 
 
 def _up(value: int, step: int) -> int:
@@ -80,13 +82,13 @@ def projection_weight_bytes(
     n16 = _up(out_features, 16)
     if quantization == "int8" and layout == "rows":
         return weights + out_features * (4 + 4)
-    if quantization == "int8" and layout == "amx":
+    if quantization == "int8" and layout in _TILES:
         return n16 * _up(in_features, 64) + out_features * 4 + n16 * (4 + 4)
     if quantization == "int4" and layout != "torch":
         k_pad = _up(in_features, max(64, group_size))
         groups = k_pad // group_size
-        tiles = (n16 if layout == "amx" else out_features) * k_pad // 2
-        blocked = 3 * n16 * groups * 4 if layout == "amx" else 0
+        tiles = (n16 if layout in _TILES else out_features) * k_pad // 2
+        blocked = 3 * n16 * groups * 4 if layout in _TILES else 0
         return tiles + out_features * groups * (4 + 4) + blocked
     if quantization == "int8":
         return weights + out_features * (4 + KERNEL_SCALE_BYTES)

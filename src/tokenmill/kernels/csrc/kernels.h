@@ -169,4 +169,8 @@ struct AmxArgs {
 // Output channels [16 * begin, 16 * end); only call when amx_permitted() said so.
 void amx_gemm(const AmxArgs&, int64_t, int64_t);
 
+// The same tiles on AVX-512 VNNI (vnni.cpp), for CPUs without AMX: blocks [begin, end).
+// int8 reads a.xq as u8 (x + 128) like AMX; int4 reads it as signed int8.
+void vnni_gemm(const AmxArgs&, int64_t, int64_t);
+
 }  // namespace tokenmill

@@ -232,17 +232,23 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 }
 
 // AMX: weights in tiles [N/16, chunks, 16, 64] (int8) or [N/16, chunks, 512] (int4 nibbles).
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, AmxArgs a, const c10::optional<at::Tensor>& bias) {
+// ``vnni``: the same tiles through vnni_gemm on the AVX-512 table (no AMX needed).
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, AmxArgs a, const c10::optional<at::Tensor>& bias,
+                      bool vnni = false) {
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
-  TORCH_CHECK(amx_active(), "tokenmill_cpu: the AMX kernels are not active in this process");
+  if (vnni) {
+    TORCH_CHECK(active() == avx512_kernels(), "tokenmill_cpu: the VNNI kernels need the avx512 table");
+  } else {
+    TORCH_CHECK(amx_active(), "tokenmill_cpu: the AMX kernels are not active in this process");
+  }
   TORCH_CHECK(tiles.is_contiguous() && tiles.dim() >= 3 && tiles.size(0) * 16 >= a.N && tiles.size(1) * 64 >= x.size(1),
               "amx linear: weight tiles do not cover [", a.N, ", ", x.size(1), "]");
   const int64_t M = x.size(0);
   a.num_chunks = tiles.size(1);
   GemmArgs q{};
   at::Tensor xq, xs;
-  quantize_activations(x, q, /*is_unsigned=*/true, xq, xs, a.num_chunks * 64);
+  quantize_activations(x, q, /*is_unsigned=*/!(vnni && a.is_int4), xq, xs, a.num_chunks * 64);
   a.xq = q.xq;
   a.x_scale = q.x_scale;
   a.ldq = q.ldq;
@@ -259,14 +265,20 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, AmxArgs a, c
   a.ldy = a.N;
   if (M == 0) return y;
   const int64_t blocks = (a.N + 15) / 16;
+  if (vnni) {  // whole 4-block (64-channel) tiles per task
+    at::parallel_for(0, (blocks + 3) / 4, 1, [&](int64_t p0, int64_t p1) {
+      vnni_gemm(a, 4 * p0, std::min(blocks, 4 * p1));
+    });
+    return y;
+  }
   at::parallel_for(0, (blocks + 1) / 2, 4, [&](int64_t p0, int64_t p1) {
     amx_gemm(a, 2 * p0, std::min(blocks, 2 * p1));
   });
   return y;
 }
 
-at::Tensor linear_int8_amx(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
-                           const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, int64_t out_features) {
+at::Tensor int8_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, const at::Tensor& wsum,
+                      const c10::optional<at::Tensor>& bias, int64_t out_features, bool vnni) {
   TORCH_CHECK(tiles.scalar_type() == at::kChar && tiles.dim() == 4, "linear_int8_amx: int8 tiles [N/16, chunks, 16, 64]");
   const int64_t N = out_features;
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && wsum.scalar_type() == at::kInt &&
@@ -276,12 +288,12 @@ at::Tensor linear_int8_amx(const at::Tensor& x, const at::Tensor& tiles, const a
   a.N = N;
   a.scales = scales.data_ptr<float>();
   a.wsum = wsum.data_ptr<int32_t>();
-  return amx_linear(x, tiles, a, bias);
+  return amx_linear(x, tiles, a, bias, vnni);
 }
 
-at::Tensor linear_int4_amx(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
-                           const at::Tensor& code_sums, const at::Tensor& offsets, int64_t group_size,
-                           const c10::optional<at::Tensor>& bias, int64_t out_features) {
+at::Tensor int4_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                      const at::Tensor& code_sums, const at::Tensor& offsets, int64_t group_size,
+                      const c10::optional<at::Tensor>& bias, int64_t out_features, bool vnni) {
   TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.dim() == 3 && tiles.size(2) == 512,
               "linear_int4_amx: uint8 tiles [N/16, chunks, 512]");
   TORCH_CHECK(group_size % 64 == 0, "linear_int4_amx: group_size must be a multiple of 64");
@@ -306,7 +318,30 @@ at::Tensor linear_int4_amx(const at::Tensor& x, const at::Tensor& tiles, const a
   a.wsum = code_sums.data_ptr<int32_t>();
   a.offsets = offsets.data_ptr<float>();
   a.xsum = xsum.data_ptr<float>();
-  return amx_linear(x, tiles, a, bias);
+  return amx_linear(x, tiles, a, bias, vnni);
+}
+
+at::Tensor linear_int8_amx(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                           const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return int8_tiles(x, tiles, scales, wsum, bias, out_features, /*vnni=*/false);
+}
+
+at::Tensor linear_int4_amx(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                           const at::Tensor& code_sums, const at::Tensor& offsets, int64_t group_size,
+                           const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return int4_tiles(x, tiles, scales, code_sums, offsets, group_size, bias, out_features, /*vnni=*/false);
+}
+
+// The AMX tiles on AVX-512 VNNI (vnni.cpp): CPUs with VNNI and no AMX.
+at::Tensor linear_int8_vnni(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                            const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return int8_tiles(x, tiles, scales, wsum, bias, out_features, /*vnni=*/true);
+}
+
+at::Tensor linear_int4_vnni(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                            const at::Tensor& code_sums, const at::Tensor& offsets, int64_t group_size,
+                            const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return int4_tiles(x, tiles, scales, code_sums, offsets, group_size, bias, out_features, /*vnni=*/true);
 }
 
 std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor* residual,
@@ -642,6 +677,9 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, Tensor query_start, float scale, int window, Tensor kv_scales, "
         "float softcap=0.0) -> Tensor");
+  m.def("linear_int8_vnni(Tensor x, Tensor tiles, Tensor scales, Tensor wsum, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear_int4_vnni(Tensor x, Tensor tiles, Tensor scales, Tensor code_sums, Tensor offsets, int group_size, "
+        "Tensor? bias, int out_features) -> Tensor");
   m.impl("isa", &tokenmill::isa);
   m.impl("set_isa", &tokenmill::set_isa);
   m.impl("amx_permitted", &tokenmill::amx_permitted);
@@ -662,4 +700,6 @@ TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("paged_decode_attention", &tokenmill::paged_decode_attention);
   m.impl("rope_kv_write", &tokenmill::rope_kv_write);
   m.impl("paged_prefill_attention", &tokenmill::paged_prefill_attention);
+  m.impl("linear_int8_vnni", &tokenmill::linear_int8_vnni);
+  m.impl("linear_int4_vnni", &tokenmill::linear_int4_vnni);
 }
