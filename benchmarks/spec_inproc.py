@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from copy_workload import copy_share
 from spec_decode import WORKLOADS
 
 from tokenmill.core.sampling_params import SamplingParams
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"kv": args.kv, "workloads": {}}
     for workload in args.workloads:
         prompts = WORKLOADS[workload](args.num_requests)
-        configs = [c for c in args.configs if c != "ngram" or workload == "copy"]
+        configs = [c for c in args.configs if c != "ngram" or workload.startswith("copy")]
         for c in configs:  # warm-up
             one_request(engines[c], f"warm-{c}", prompts[0], 8)
         tpots: dict[str, list[float]] = {c: [] for c in configs}
@@ -107,6 +108,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         mism = [c for c in configs if outputs[c] != outputs[configs[0]]]
         med = {c: statistics.median(v) * 1e3 for c, v in tpots.items()}
         row: dict[str, Any] = {"tpot_ms_median": med, "identical": not mism}
+        tokenizer = engines[configs[0]].tokenizer
+        row["copy_share"] = statistics.fmean(
+            copy_share(tokenizer.encode(p), outputs[configs[0]][i]) for i, p in enumerate(prompts)
+        )
         if "plain" in med:
             row["ratio_to_plain"] = {c: med[c] / med["plain"] for c in med}
         for c in configs:
