@@ -64,6 +64,9 @@ def build_llm(config: str, args: argparse.Namespace) -> LLM:
         drafter.rows = None
     elif config == "draft_eager":  # the decode-row loop, never compiled
         drafter.rows.compiled = None
+        drafter.loops = {}
+    elif config == "draft_noloop":  # compiled rows, one call per draft forward
+        drafter.loops = {}
     return llm
 
 

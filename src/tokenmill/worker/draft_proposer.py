@@ -31,8 +31,12 @@ from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.model.base import CausalLM
 from tokenmill.sampling.sampler import Sampler
 from tokenmill.worker.compiled_step import CompiledDecodeStep
+from tokenmill.worker.draft_loop import CompiledDraftLoop
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.row_forward import RowForward
+
+_Row = tuple[Request, list[int], int, list[int], bool]
+"""A request in the row loop: (request, block table, next position, tokens to feed, proposes)."""
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
 
@@ -43,11 +47,20 @@ class DraftProposer:
     MAX_ROW_CATCH_UP = 4
     """The longest catch-up the row path takes (usually 1 or 2: the last verified tokens)."""
 
-    def __init__(self, runner: ModelRunner, rows: RowForward | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        rows: RowForward | None = None,
+        loops: dict[int, CompiledDraftLoop] | None = None,
+    ) -> None:
         self.runner = runner
         """The draft model's runner (its own KV tensors, no LoRA, no grammar)."""
         self.rows = rows
         """The tight decode-row loop; None: every forward goes through the runner."""
+        self.loops = loops or {}
+        """By number of forwards: chains of single-token forwards as one compiled call
+        (static: k, all of a step's drafting after a one-token catch-up, and k - 1, what
+        follows a longer one); empty: one call per forward."""
         self.num_forwards = 0
         """Draft forwards run (tests check that a step without proposals runs none)."""
         self.num_tokens = 0
@@ -61,13 +74,16 @@ class DraftProposer:
         block_size: int,
         device: torch.device,
         compiled: CompiledDecodeStep | None = None,
+        loops: dict[int, CompiledDraftLoop] | None = None,
     ) -> DraftProposer:
-        """``compiled``: the draft's compiled decode step (the rows run eagerly without)."""
+        """``compiled``: the draft's compiled decode step (the rows run eagerly without);
+        ``loops``: its compiled chains of single-token forwards, by length."""
         rows = None
         if RowForward.supports(model):
             scratch = kv_caches[0][0].shape[0] - 1  # allocate_kv_cache's extra block
             rows = RowForward(model, kv_caches, block_size, scratch, device, compiled)
-        return cls(ModelRunner(model, kv_caches, block_size, Sampler(device), device), rows)
+        runner = ModelRunner(model, kv_caches, block_size, Sampler(device), device)
+        return cls(runner, rows, loops if rows is not None else None)
 
     @torch.inference_mode()
     def propose(self, sched: SchedulerOutput) -> None:
@@ -133,8 +149,7 @@ class DraftProposer:
         that end a request's input."""
         bs = rows.block_size
         model = self.runner.model
-        # Per request: (request, its block table, next position, tokens to feed, drafts).
-        live = []
+        live: list[_Row] = []
         for request, view, catch_up in views:
             start = view.num_computed_tokens
             feed = view.token_slice(start, start + catch_up)
@@ -142,6 +157,9 @@ class DraftProposer:
             proposes = start + catch_up == view.num_tokens
             live.append((request, sched.block_tables[request.request_id], start, feed, proposes))
         drafts: dict[str, list[int]] = {r.request_id: [] for r, _, _ in views}
+        if self._loop_takes(live, drafts):  # a one-token catch-up: all in one call
+            self._run_loop(live, drafts)
+            live = []
         while live:
             ids: list[int] = []
             positions: list[int] = []
@@ -165,7 +183,7 @@ class DraftProposer:
                 else hidden[torch.tensor(ends, device=hidden.device)]
             )
             tokens = model.compute_logits(picked).argmax(dim=-1).tolist()
-            following = []
+            following: list[_Row] = []
             for (request, table, start, feed, proposes), token in zip(live, tokens, strict=True):
                 request.num_draft_computed_tokens = start + len(feed)
                 mine = drafts[request.request_id]
@@ -175,5 +193,39 @@ class DraftProposer:
                 if len(mine) < len(request.spec_token_ids):
                     following.append((request, table, start + len(feed), [token], True))
             live = following
+            if live and self._loop_takes(live, drafts):
+                self._run_loop(live, drafts)
+                live = []
         for request, _, _ in views:
             request.spec_token_ids = drafts[request.request_id]
+
+    def _loop_takes(self, live: list[_Row], drafts: dict[str, list[int]]) -> bool:
+        """Whether a compiled loop takes the rest: every live request feeds one token (a
+        one-token catch-up, or the last draft) and wants the same number of drafts, a loop
+        of that length exists, and the batch fits it."""
+        if not self.loops:
+            return False
+        request, *_ = live[0]
+        num = len(request.spec_token_ids) - len(drafts[request.request_id])
+        loop = self.loops.get(num)
+        if loop is None or len(live) > loop.max_batch:
+            return False
+        return all(
+            len(feed) == 1 and proposes and len(r.spec_token_ids) - len(drafts[r.request_id]) == num
+            for r, _, _, feed, proposes in live
+        )
+
+    def _run_loop(self, live: list[_Row], drafts: dict[str, list[int]]) -> None:
+        """The remaining drafts of every live request in one compiled call."""
+        request, *_ = live[0]
+        loop = self.loops[len(request.spec_token_ids) - len(drafts[request.request_id])]
+        self.num_forwards += loop.num_steps
+        self.num_tokens += loop.num_steps * len(live)
+        tokens = loop.run(
+            [feed[0] for *_, feed, _ in live],
+            [start for _, _, start, _, _ in live],
+            [table for _, table, *_ in live],
+        )
+        for (request, _, start, _, _), mine in zip(live, tokens, strict=True):
+            request.num_draft_computed_tokens = start + loop.num_steps
+            drafts[request.request_id].extend(mine)

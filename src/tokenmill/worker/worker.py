@@ -36,6 +36,7 @@ from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.model.tensor_parallel import TPShard, shard_config
 from tokenmill.sampling.sampler import Sampler
 from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
+from tokenmill.worker.draft_loop import CompiledDraftLoop
 from tokenmill.worker.draft_proposer import DraftProposer
 from tokenmill.worker.kv_cache import allocate_kv_cache, kv_budget_bytes, kv_bytes_per_token
 from tokenmill.worker.lora_manager import LoRAManager
@@ -315,9 +316,16 @@ class Worker:
             sum(k.nbytes + v.nbytes for k, v in caches) / 2**30,
         )
         compiled = self._compile_draft(model, caches) if kv.wants_compiled_decode else None
+        loops = {}
         if compiled is not None:
             info.compile_time_s += compiled.compile_time_s
-        return DraftProposer.build(model, caches, block_size, self.device, compiled)
+            k = spec.num_speculative_tokens
+            for num_steps in (k, k - 1):  # after a one-token catch-up; after a longer one
+                loop = self._compile_draft_loop(model, caches, num_steps)
+                if loop is not None:
+                    info.compile_time_s += loop.compile_time_s
+                    loops[num_steps] = loop
+        return DraftProposer.build(model, caches, block_size, self.device, compiled, loops)
 
     def _compile_draft(
         self, model: CausalLM, caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -356,6 +364,36 @@ class Worker:
             compiled.compile_time_s,
         )
         return compiled
+
+    def _compile_draft_loop(
+        self, model: CausalLM, caches: list[tuple[torch.Tensor, torch.Tensor]], num_steps: int
+    ) -> CompiledDraftLoop | None:
+        """``num_steps`` single-token draft forwards as one compiled call, for the batches
+        the policy gives the full k (up to half of ``disable_by_batch_size`` requests)."""
+        spec = self.config.speculative
+        assert spec is not None
+        num_blocks_and_scratch, block_size = caches[0][0].shape[:2]
+        if num_steps < 1 or num_steps >= block_size:
+            return None
+        requests = min(self.config.max_num_seqs, max(1, spec.max_batch_size // 2))
+        loop = CompiledDraftLoop(
+            model,
+            caches,
+            block_size,
+            max_blocks_per_seq=-(-self.max_model_len // block_size),
+            scratch_block=num_blocks_and_scratch - 1,
+            num_steps=num_steps,
+            buckets=default_buckets(requests, self.device),
+            device=self.device,
+        )
+        logger.info(
+            "speculative decoding: %d draft forwards compiled as one call for up to %d "
+            "requests in %.1fs",
+            num_steps,
+            loop.max_batch,
+            loop.compile_time_s,
+        )
+        return loop if loop.max_batch else None
 
     def _model_compiles(self, info: CacheInfo) -> bool:
         """False for models whose forward cannot be compiled with fixed shapes (MoE routing,
