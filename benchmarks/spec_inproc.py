@@ -67,6 +67,12 @@ def build_llm(config: str, args: argparse.Namespace) -> LLM:
         drafter.loops = {}
     elif config == "draft_noloop":  # compiled rows, one call per draft forward
         drafter.loops = {}
+    elif config == "draft_loop" and not drafter.loops:  # paged: compile the draft loops anyway
+        worker = llm.engine.executor.driver_worker  # type: ignore[attr-defined]
+        for n in (args.k, args.k - 1):
+            loop = worker._compile_draft_loop(drafter.runner.model, drafter.rows.kv_caches, n)
+            if loop is not None:
+                drafter.loops[n] = loop
     return llm
 
 

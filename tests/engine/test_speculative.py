@@ -525,12 +525,13 @@ def test_draft_model_costs_nothing_while_the_policy_keeps_it_off(make_model, kv_
     assert stats.spec_num_draft_model_tokens >= len(prompts[0]) + 6
 
 
-def test_static_draft_loop_proposes_what_per_forward_rows_propose(
-    make_model, reference_greedy, tmp_path
+@pytest.mark.parametrize("kv_cache", ["paged", "static"])
+def test_draft_loop_proposes_what_per_forward_rows_propose(
+    make_model, reference_greedy, tmp_path, kv_cache
 ) -> None:
-    """static: the draft's single-token forwards run as one compiled call per step (k after
-    a one-token catch-up, k - 1 after a longer one), proposing what one compiled call per
-    forward proposes: the same drafted and accepted counts, transformers' output."""
+    """The draft's single-token forwards run as one compiled call per step (k after a
+    one-token catch-up, k - 1 after a longer one), proposing what one call per forward
+    proposes: the same drafted and accepted counts, transformers' output."""
     from tokenmill.model.demo import build_truncated_draft
 
     folder = make_model("llama")
@@ -546,10 +547,11 @@ def test_static_draft_loop_proposes_what_per_forward_rows_propose(
             dtype="float32",
             max_model_len=128,
             max_num_seqs=2,
-            kv_cache="static",
+            kv_cache=kv_cache,
             speculative_config={"model": str(tmp_path / "draft"), "num_speculative_tokens": 3},
         )
         drafter = llm.engine.executor.driver_worker.drafter
+        assert (drafter.rows.compiled is not None) == (kv_cache == "static")
         loops = drafter.loops
         assert sorted(loops) == [2, 3] and all(loop.max_batch == 2 for loop in loops.values())
         if not use_loop:

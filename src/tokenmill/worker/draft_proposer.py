@@ -58,9 +58,9 @@ class DraftProposer:
         self.rows = rows
         """The tight decode-row loop; None: every forward goes through the runner."""
         self.loops = loops or {}
-        """By number of forwards: chains of single-token forwards as one compiled call
-        (static: k, all of a step's drafting after a one-token catch-up, and k - 1, what
-        follows a longer one); empty: one call per forward."""
+        """By number of forwards: chains of single-token forwards as one compiled call (k:
+        all of a step's drafting after a one-token catch-up; k - 1: what follows a longer
+        one); empty (``--enforce-eager``): one call per forward."""
         self.num_forwards = 0
         """Draft forwards run (tests check that a step without proposals runs none)."""
         self.num_tokens = 0

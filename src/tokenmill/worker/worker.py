@@ -315,10 +315,12 @@ class Worker:
             draft_config.num_params / 1e6,
             sum(k.nbytes + v.nbytes for k, v in caches) / 2**30,
         )
-        compiled = self._compile_draft(model, caches) if kv.wants_compiled_decode else None
-        loops = {}
-        if compiled is not None:
-            info.compile_time_s += compiled.compile_time_s
+        compiled = None
+        loops: dict[int, CompiledDraftLoop] = {}
+        if self._draft_compiles(model):
+            if kv.wants_compiled_decode:
+                compiled = self._compile_draft(model, caches)
+                info.compile_time_s += compiled.compile_time_s
             k = spec.num_speculative_tokens
             for num_steps in (k, k - 1):  # after a one-token catch-up; after a longer one
                 loop = self._compile_draft_loop(model, caches, num_steps)
@@ -327,26 +329,29 @@ class Worker:
                     loops[num_steps] = loop
         return DraftProposer.build(model, caches, block_size, self.device, compiled, loops)
 
+    def _draft_compiles(self, model: CausalLM) -> bool:
+        """Whether the draft's forwards may be compiled (not ``--enforce-eager``, a model
+        with decode metadata, one process)."""
+        return (
+            not self.config.enforce_eager
+            and model.supports_compiled_decode
+            and self._can_compile()
+            and self.world_size == 1
+        )
+
     def _compile_draft(
         self, model: CausalLM, caches: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> CompiledDecodeStep | None:
+    ) -> CompiledDecodeStep:
         """The draft's compiled decode step (static). Under ``static`` the target's decode
         step is compiled, so the draft's k eager forwards are what a speculative step
         costs most; compiled alone, one demo-draft forward took 450-560 us against 750-830
-        eagerly (one thread, loaded machine). Under ``paged`` the draft runs eagerly: the
-        same compile measured no faster per engine step there (within noise), and paged
-        starts without compiling. Buckets: powers of two up to two rows (a catch-up) per
+        eagerly (one thread, loaded machine). Under ``paged`` these rows (catch-ups) run
+        eagerly: the same compile measured no faster per engine step there (within noise);
+        the chained forwards after a catch-up are compiled under both (``CompiledDraftLoop``). Buckets: powers of two up to two rows (a catch-up) per
         request that may speculate (``disable_by_batch_size``); ``--enforce-eager`` keeps
         it eager."""
         cfg, spec = self.config, self.config.speculative
         assert spec is not None
-        if (
-            cfg.enforce_eager
-            or not model.supports_compiled_decode
-            or not self._can_compile()
-            or self.world_size != 1
-        ):
-            return None
         rows = 2 * min(cfg.max_num_seqs, spec.max_batch_size)
         num_blocks_and_scratch, block_size = caches[0][0].shape[:2]
         compiled = CompiledDecodeStep(
