@@ -69,10 +69,11 @@ def build_llm(config: str, args: argparse.Namespace) -> LLM:
         drafter.loops = {}
     elif config == "draft_loop" and not drafter.loops:  # paged: compile the draft loops anyway
         worker = llm.engine.executor.driver_worker  # type: ignore[attr-defined]
-        for n in (args.k, args.k - 1):
-            loop = worker._compile_draft_loop(drafter.runner.model, drafter.rows.kv_caches, n)
+        for rows in (1, 2):
+            model, caches = drafter.runner.model, drafter.rows.kv_caches
+            loop = worker._compile_draft_loop(model, caches, rows, args.k)
             if loop is not None:
-                drafter.loops[n] = loop
+                drafter.loops[rows, args.k] = loop
     return llm
 
 
@@ -129,6 +130,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row.setdefault("mean_accepted_length", {})[c] = (
                     1 + s.spec_num_accepted_tokens / s.spec_num_drafts
                 )
+        for c in configs:
+            drafter = engines[c].executor.driver_worker.drafter  # type: ignore[attr-defined]
+            if drafter is not None and drafter.loops:
+                row.setdefault("draft_loop_calls", {})[c] = {
+                    str(key): loop.num_calls for key, loop in drafter.loops.items()
+                }
         report["workloads"][workload] = row
         print(json.dumps({workload: row}), flush=True)
     return report

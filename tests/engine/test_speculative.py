@@ -529,9 +529,9 @@ def test_draft_model_costs_nothing_while_the_policy_keeps_it_off(make_model, kv_
 def test_draft_loop_proposes_what_per_forward_rows_propose(
     make_model, reference_greedy, tmp_path, kv_cache
 ) -> None:
-    """The draft's single-token forwards run as one compiled call per step (k after a
-    one-token catch-up, k - 1 after a longer one), proposing what one call per forward
-    proposes: the same drafted and accepted counts, transformers' output."""
+    """A step's draft forwards run as one compiled call (after a one- and a two-token
+    catch-up), proposing what one call per forward proposes: the same drafted and accepted
+    counts, transformers' output."""
     from tokenmill.model.demo import build_truncated_draft
 
     folder = make_model("llama")
@@ -553,11 +553,12 @@ def test_draft_loop_proposes_what_per_forward_rows_propose(
         drafter = llm.engine.executor.driver_worker.drafter
         assert (drafter.rows.compiled is not None) == (kv_cache == "static")
         loops = drafter.loops
-        assert sorted(loops) == [2, 3] and all(loop.max_batch == 2 for loop in loops.values())
+        assert sorted(loops) == [(1, 3), (2, 3)]
+        assert all(loop.max_batch == 2 for loop in loops.values())
         if not use_loop:
             drafter.loops = {}
         assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
         stats = llm.engine.stats
         runs.append((stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens))
-        assert (loops[3].num_calls > 0) == use_loop  # the common step: one call in all
+        assert (loops[1, 3].num_calls > 0) == use_loop  # after a rejection: one call
     assert runs[0] == runs[1] and runs[0][0] > 0

@@ -1,17 +1,18 @@
-"""CompiledDraftLoop: the draft model's k - 1 single-token forwards as one compiled graph.
+"""CompiledDraftLoop: all of a step's draft forwards as one compiled graph.
 
-After its catch-up forward, a draft proposes its remaining tokens one forward at a time,
-each fed the previous one's argmax. Run forward by forward, every one pays the host side
+A draft proposes its k tokens one forward at a time: the first reads its catch-up (the
+tokens it has not seen: one after a rejection, two when every draft was accepted), each
+later one the previous argmax. Run forward by forward, every one pays the host side
 of a step (rows laid out in Python, five input tensors built, the compiled call's guards,
 the head and argmax dispatched eagerly, a ``.tolist()`` to read the token back); on a
 one-layer draft of the demo's size that costs about as much as the layer itself. Here the
 whole chain (slot from the block table, decode attention, head, argmax, next position)
-is unrolled into one ``torch.compile`` graph per batch bucket: one call per engine step
-returns every remaining draft token.
+is unrolled into one ``torch.compile`` graph per batch bucket and catch-up length: one
+call per engine step returns every draft token.
 
 Exactness does not depend on it: the draft's tokens are proposals, and verification keeps
 only what the target would produce. Padding rows attend to, and write into, the scratch
-block (positions 0 .. steps - 1, below a block's size).
+block (positions 0 .. first_rows + steps - 2, below a block's size).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ LoopFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class CompiledDraftLoop:
-    """``num_steps`` greedy draft forwards of one row per request, compiled per bucket."""
+    """``num_steps`` greedy draft forwards, the first of ``first_rows`` rows per request
+    (its catch-up), the others of one, compiled per bucket."""
 
     def __init__(
         self,
@@ -43,16 +45,19 @@ class CompiledDraftLoop:
         num_steps: int,
         buckets: list[int],
         device: torch.device,
+        first_rows: int = 1,
     ) -> None:
-        if not 1 <= num_steps < block_size:
-            raise ValueError(f"num_steps must be in [1, {block_size}), got {num_steps}")
+        if num_steps < 1 or first_rows < 1 or first_rows + num_steps - 1 > block_size:
+            raise ValueError(f"{first_rows} + {num_steps} - 1 rows do not fit a block")
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_blocks = max_blocks_per_seq
         self.scratch_block = scratch_block
         self.num_steps = num_steps
-        """Forwards per call: the tokens proposed after the catch-up's (k - 1)."""
+        """Forwards per call: the drafts it proposes per request."""
+        self.first_rows = first_rows
+        """Rows per request in the first forward: the catch-up's length."""
         self.device = device
         self._fns: dict[int, LoopFn] = {}
         self.num_calls = 0
@@ -79,16 +84,20 @@ class CompiledDraftLoop:
     def _loop(
         self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor
     ) -> torch.Tensor:
-        """[num_steps, B] tokens: step i feeds step i - 1's argmax (step 0: ``input_ids``)."""
-        bs = self.block_size
+        """[num_steps, B] tokens: step 0 reads ``input_ids`` (``first_rows`` per request, in
+        request order), step i the argmax of step i - 1."""
+        bs, rows = self.block_size, self.first_rows
         out = []
         ids, pos = input_ids, positions
-        for _ in range(self.num_steps):
-            block = block_tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1)
+        tables = block_tables.repeat_interleave(rows, dim=0) if rows > 1 else block_tables
+        for step in range(self.num_steps):
+            block = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1)
             meta = self.model.attn_backend.build_decode_metadata(
-                block * bs + pos % bs, block_tables, pos + 1, is_graph_captured=False
+                block * bs + pos % bs, tables, pos + 1, is_graph_captured=False
             )
             hidden = self.model(ids, pos, self.kv_caches, meta)
+            if step == 0 and rows > 1:  # the catch-up: each request's last row proposes
+                hidden, pos, tables = hidden[rows - 1 :: rows], pos[rows - 1 :: rows], block_tables
             ids = self.model.compute_logits(hidden).argmax(dim=-1)
             out.append(ids)
             pos = pos + 1
@@ -104,10 +113,10 @@ class CompiledDraftLoop:
         return torch.compile(types.MethodType(private, self), dynamic=False, fullgraph=True)
 
     def _dummy_inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        device = self.device
+        device, rows = self.device, self.first_rows
         return (
-            torch.zeros(bucket, dtype=torch.long, device=device),
-            torch.zeros(bucket, dtype=torch.long, device=device),
+            torch.zeros(bucket * rows, dtype=torch.long, device=device),
+            torch.arange(rows, device=device).repeat(bucket),
             torch.full(
                 (bucket, self.max_blocks), self.scratch_block, dtype=torch.long, device=device
             ),
@@ -117,8 +126,10 @@ class CompiledDraftLoop:
     def run(
         self, input_ids: list[int], positions: list[int], block_tables: list[list[int]]
     ) -> list[list[int]]:
-        """Per request, the ``num_steps`` tokens that follow its input token."""
-        batch = len(input_ids)
+        """Per request, the ``num_steps`` tokens that follow its ``first_rows`` input tokens
+        (``input_ids`` and ``positions`` hold them request after request)."""
+        rows = self.first_rows
+        batch = len(block_tables)
         bucket = next(b for b in sorted(self._fns) if b >= batch)
         pad = bucket - batch
         width = self.max_blocks
@@ -127,9 +138,9 @@ class CompiledDraftLoop:
         device = self.device
         self.num_calls += 1
         tokens = self._fns[bucket](
-            torch.tensor(input_ids + [0] * pad, device=device),
-            torch.tensor(positions + [0] * pad, device=device),
+            torch.tensor(input_ids + [0] * (pad * rows), device=device),
+            torch.tensor(positions + list(range(rows)) * pad, device=device),
             torch.tensor(tables, device=device),
         )
-        rows: list[list[int]] = tokens[:, :batch].T.tolist()
-        return rows
+        drafts: list[list[int]] = tokens[:, :batch].T.tolist()
+        return drafts

@@ -51,16 +51,16 @@ class DraftProposer:
         self,
         runner: ModelRunner,
         rows: RowForward | None = None,
-        loops: dict[int, CompiledDraftLoop] | None = None,
+        loops: dict[tuple[int, int], CompiledDraftLoop] | None = None,
     ) -> None:
         self.runner = runner
         """The draft model's runner (its own KV tensors, no LoRA, no grammar)."""
         self.rows = rows
         """The tight decode-row loop; None: every forward goes through the runner."""
         self.loops = loops or {}
-        """By number of forwards: chains of single-token forwards as one compiled call (k:
-        all of a step's drafting after a one-token catch-up; k - 1: what follows a longer
-        one); empty (``--enforce-eager``): one call per forward."""
+        """By (catch-up length, drafts): a step's draft forwards as one compiled call (the
+        common catch-ups of one and two tokens, k drafts); empty (``--enforce-eager``):
+        one call per forward."""
         self.num_forwards = 0
         """Draft forwards run (tests check that a step without proposals runs none)."""
         self.num_tokens = 0
@@ -74,10 +74,10 @@ class DraftProposer:
         block_size: int,
         device: torch.device,
         compiled: CompiledDecodeStep | None = None,
-        loops: dict[int, CompiledDraftLoop] | None = None,
+        loops: dict[tuple[int, int], CompiledDraftLoop] | None = None,
     ) -> DraftProposer:
         """``compiled``: the draft's compiled decode step (the rows run eagerly without);
-        ``loops``: its compiled chains of single-token forwards, by length."""
+        ``loops``: its compiled chains of forwards, by (catch-up length, drafts)."""
         rows = None
         if RowForward.supports(model):
             scratch = kv_caches[0][0].shape[0] - 1  # allocate_kv_cache's extra block
@@ -157,8 +157,9 @@ class DraftProposer:
             proposes = start + catch_up == view.num_tokens
             live.append((request, sched.block_tables[request.request_id], start, feed, proposes))
         drafts: dict[str, list[int]] = {r.request_id: [] for r, _, _ in views}
-        if self._loop_takes(live, drafts):  # a one-token catch-up: all in one call
-            self._run_loop(live, drafts)
+        loop = self._loop_for(live)
+        if loop is not None:  # the usual step: all of its drafting in one call
+            self._run_loop(loop, live, drafts)
             live = []
         while live:
             ids: list[int] = []
@@ -193,39 +194,36 @@ class DraftProposer:
                 if len(mine) < len(request.spec_token_ids):
                     following.append((request, table, start + len(feed), [token], True))
             live = following
-            if live and self._loop_takes(live, drafts):
-                self._run_loop(live, drafts)
-                live = []
         for request, _, _ in views:
             request.spec_token_ids = drafts[request.request_id]
 
-    def _loop_takes(self, live: list[_Row], drafts: dict[str, list[int]]) -> bool:
-        """Whether a compiled loop takes the rest: every live request feeds one token (a
-        one-token catch-up, or the last draft) and wants the same number of drafts, a loop
-        of that length exists, and the batch fits it."""
+    def _loop_for(self, live: list[_Row]) -> CompiledDraftLoop | None:
+        """The compiled loop that takes the whole step: every request catches up on the
+        same number of tokens and wants the same number of drafts, and the batch fits."""
         if not self.loops:
-            return False
-        request, *_ = live[0]
-        num = len(request.spec_token_ids) - len(drafts[request.request_id])
-        loop = self.loops.get(num)
+            return None
+        request, _, _, feed, _ = live[0]
+        loop = self.loops.get((len(feed), len(request.spec_token_ids)))
         if loop is None or len(live) > loop.max_batch:
-            return False
-        return all(
-            len(feed) == 1 and proposes and len(r.spec_token_ids) - len(drafts[r.request_id]) == num
-            for r, _, _, feed, proposes in live
-        )
+            return None
+        shape = (loop.first_rows, loop.num_steps)
+        if all(
+            proposes and (len(f), len(r.spec_token_ids)) == shape for r, _, _, f, proposes in live
+        ):
+            return loop
+        return None
 
-    def _run_loop(self, live: list[_Row], drafts: dict[str, list[int]]) -> None:
-        """The remaining drafts of every live request in one compiled call."""
-        request, *_ = live[0]
-        loop = self.loops[len(request.spec_token_ids) - len(drafts[request.request_id])]
+    def _run_loop(
+        self, loop: CompiledDraftLoop, live: list[_Row], drafts: dict[str, list[int]]
+    ) -> None:
+        """Every live request's drafts in one compiled call."""
         self.num_forwards += loop.num_steps
-        self.num_tokens += loop.num_steps * len(live)
+        self.num_tokens += len(live) * (loop.first_rows + loop.num_steps - 1)
         tokens = loop.run(
-            [feed[0] for *_, feed, _ in live],
-            [start for _, _, start, _, _ in live],
+            [token for *_, feed, _ in live for token in feed],
+            [start + j for _, _, start, feed, _ in live for j in range(len(feed))],
             [table for _, table, *_ in live],
         )
-        for (request, _, start, _, _), mine in zip(live, tokens, strict=True):
-            request.num_draft_computed_tokens = start + loop.num_steps
+        for (request, _, start, feed, _), mine in zip(live, tokens, strict=True):
+            request.num_draft_computed_tokens = start + len(feed) + loop.num_steps - 1
             drafts[request.request_id].extend(mine)

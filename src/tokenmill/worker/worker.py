@@ -316,17 +316,17 @@ class Worker:
             sum(k.nbytes + v.nbytes for k, v in caches) / 2**30,
         )
         compiled = None
-        loops: dict[int, CompiledDraftLoop] = {}
+        loops: dict[tuple[int, int], CompiledDraftLoop] = {}
         if self._draft_compiles(model):
             if kv.wants_compiled_decode:
                 compiled = self._compile_draft(model, caches)
                 info.compile_time_s += compiled.compile_time_s
             k = spec.num_speculative_tokens
-            for num_steps in (k, k - 1):  # after a one-token catch-up; after a longer one
-                loop = self._compile_draft_loop(model, caches, num_steps)
+            for first_rows in (1, 2):  # a catch-up after a rejection; after a full acceptance
+                loop = self._compile_draft_loop(model, caches, first_rows, k)
                 if loop is not None:
                     info.compile_time_s += loop.compile_time_s
-                    loops[num_steps] = loop
+                    loops[first_rows, k] = loop
         return DraftProposer.build(model, caches, block_size, self.device, compiled, loops)
 
     def _draft_compiles(self, model: CausalLM) -> bool:
@@ -371,14 +371,19 @@ class Worker:
         return compiled
 
     def _compile_draft_loop(
-        self, model: CausalLM, caches: list[tuple[torch.Tensor, torch.Tensor]], num_steps: int
+        self,
+        model: CausalLM,
+        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        first_rows: int,
+        num_steps: int,
     ) -> CompiledDraftLoop | None:
-        """``num_steps`` single-token draft forwards as one compiled call, for the batches
-        the policy gives the full k (up to half of ``disable_by_batch_size`` requests)."""
+        """A step's ``num_steps`` draft forwards (the first over a ``first_rows``-token
+        catch-up) as one compiled call, for the batches the policy gives the full k (up to
+        half of ``disable_by_batch_size`` requests)."""
         spec = self.config.speculative
         assert spec is not None
         num_blocks_and_scratch, block_size = caches[0][0].shape[:2]
-        if num_steps < 1 or num_steps >= block_size:
+        if first_rows + num_steps - 1 > block_size:
             return None
         requests = min(self.config.max_num_seqs, max(1, spec.max_batch_size // 2))
         loop = CompiledDraftLoop(
@@ -390,11 +395,13 @@ class Worker:
             num_steps=num_steps,
             buckets=default_buckets(requests, self.device),
             device=self.device,
+            first_rows=first_rows,
         )
         logger.info(
-            "speculative decoding: %d draft forwards compiled as one call for up to %d "
-            "requests in %.1fs",
+            "speculative decoding: %d draft forwards after a %d-token catch-up compiled as "
+            "one call for up to %d requests in %.1fs",
             num_steps,
+            first_rows,
             loop.max_batch,
             loop.compile_time_s,
         )
