@@ -3,8 +3,9 @@
 Every engine is started as an OpenAI-compatible server and driven by the same streaming
 client, greedy, ``ignore_eos``, the same prompts:
 
-  copy  "Rewrite this text: <corpus lines>" prompts whose answers repeat the prompt (where
-        n-gram speculation, prompt lookup, has something to find)
+  copy  "Rewrite this text: <passage>" prompts whose answers repeat the prompt (where
+        n-gram speculation, prompt lookup, has something to find; ``copy_workload.py``
+        says how the passages make the demo's greedy answer repeat them)
   text  the corpus lines themselves, continued (where only a draft model can guess)
 
 Server configurations (each at 1 stream, requests one after another, and at 16 streams):
@@ -50,17 +51,10 @@ import httpx
 
 from tokenmill.model.demo import DEMO_CORPUS, demo_draft_path, demo_model_path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from copy_workload import copy_corpus_prompts, copy_prompts
+
 PEERS = Path(os.environ.get("PEERS_ROOT", Path.home() / ".cache" / "tokenmill-peers"))
-
-
-def copy_prompts(num: int, lines_per_prompt: int = 2) -> list[str]:
-    """ "Rewrite this text" prompts over consecutive corpus lines (wrapping around)."""
-    lines = DEMO_CORPUS.strip().splitlines()
-    prompts = []
-    for i in range(num):
-        passage = " ".join(lines[(i + j) % len(lines)] for j in range(lines_per_prompt))
-        prompts.append(f"Rewrite this text: {passage}\nRewritten: {passage.split('.')[0]}")
-    return prompts
 
 
 def text_prompts(num: int) -> list[str]:
@@ -69,7 +63,7 @@ def text_prompts(num: int) -> list[str]:
     return [lines[(7 * i) % len(lines)] for i in range(num)]
 
 
-WORKLOADS = {"copy": copy_prompts, "text": text_prompts}
+WORKLOADS = {"copy": copy_prompts, "text": text_prompts, "copy_corpus": copy_corpus_prompts}
 
 
 @dataclass
@@ -379,7 +373,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", default=["copy", "text"], choices=list(WORKLOADS))
     parser.add_argument(
         "--engines",
         nargs="+",
@@ -419,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     for server in servers(args, args.port):
-        wanted = [w for w in args.workloads if server.label != "ngram" or w == "copy"]
+        wanted = [w for w in args.workloads if server.label != "ngram" or w.startswith("copy")]
         log_path = args.out.with_name(
             f"{args.out.stem}-{server.engine.replace(' ', '_')}-{server.label}.log"
         )

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from copy_workload import copy_share
 from spec_decode import WORKLOADS
 
 from tokenmill.core.sampling_params import SamplingParams
@@ -63,6 +64,16 @@ def build_llm(config: str, args: argparse.Namespace) -> LLM:
         drafter.rows = None
     elif config == "draft_eager":  # the decode-row loop, never compiled
         drafter.rows.compiled = None
+        drafter.loops = {}
+    elif config == "draft_noloop":  # compiled rows, one call per draft forward
+        drafter.loops = {}
+    elif config == "draft_loop" and not drafter.loops:  # paged: compile the draft loops anyway
+        worker = llm.engine.executor.driver_worker  # type: ignore[attr-defined]
+        for rows in (1, 2):
+            model, caches = drafter.runner.model, drafter.rows.kv_caches
+            loop = worker._compile_draft_loop(model, caches, rows, args.k)
+            if loop is not None:
+                drafter.loops[rows, args.k] = loop
     return llm
 
 
@@ -92,7 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"kv": args.kv, "workloads": {}}
     for workload in args.workloads:
         prompts = WORKLOADS[workload](args.num_requests)
-        configs = [c for c in args.configs if c != "ngram" or workload == "copy"]
+        configs = [c for c in args.configs if c != "ngram" or workload.startswith("copy")]
         for c in configs:  # warm-up
             one_request(engines[c], f"warm-{c}", prompts[0], 8)
         tpots: dict[str, list[float]] = {c: [] for c in configs}
@@ -107,6 +118,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         mism = [c for c in configs if outputs[c] != outputs[configs[0]]]
         med = {c: statistics.median(v) * 1e3 for c, v in tpots.items()}
         row: dict[str, Any] = {"tpot_ms_median": med, "identical": not mism}
+        tokenizer = engines[configs[0]].tokenizer
+        row["copy_share"] = statistics.fmean(
+            copy_share(tokenizer.encode(p), outputs[configs[0]][i]) for i, p in enumerate(prompts)
+        )
         if "plain" in med:
             row["ratio_to_plain"] = {c: med[c] / med["plain"] for c in med}
         for c in configs:
@@ -115,6 +130,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row.setdefault("mean_accepted_length", {})[c] = (
                     1 + s.spec_num_accepted_tokens / s.spec_num_drafts
                 )
+        for c in configs:
+            drafter = engines[c].executor.driver_worker.drafter  # type: ignore[attr-defined]
+            if drafter is not None and drafter.loops:
+                row.setdefault("draft_loop_calls", {})[c] = {
+                    str(key): loop.num_calls for key, loop in drafter.loops.items()
+                }
         report["workloads"][workload] = row
         print(json.dumps({workload: row}), flush=True)
     return report

@@ -523,3 +523,42 @@ def test_draft_model_costs_nothing_while_the_policy_keeps_it_off(make_model, kv_
     assert forwards[-1] > 0 and stats.spec_num_accepted_tokens > 0
     assert stats.spec_num_draft_model_steps > 0
     assert stats.spec_num_draft_model_tokens >= len(prompts[0]) + 6
+
+
+@pytest.mark.parametrize("kv_cache", ["paged", "static"])
+def test_draft_loop_proposes_what_per_forward_rows_propose(
+    make_model, reference_greedy, tmp_path, kv_cache
+) -> None:
+    """A step's draft forwards run as one compiled call (after a one- and a two-token
+    catch-up), proposing what one call per forward proposes: the same drafted and accepted
+    counts, transformers' output."""
+    from tokenmill.model.demo import build_truncated_draft
+
+    folder = make_model("llama")
+    from tokenmill.tokenizer import Tokenizer
+
+    build_truncated_draft(folder, tmp_path / "draft", 1)
+    prompts = _copy_prompts(Tokenizer.from_pretrained(folder).vocab_size, 4, seed=22)
+    expected, _ = reference_greedy(folder, prompts, MAX_NEW)
+    runs = []
+    for use_loop in (True, False):
+        llm = LLM(
+            str(folder),
+            dtype="float32",
+            max_model_len=128,
+            max_num_seqs=2,
+            kv_cache=kv_cache,
+            speculative_config={"model": str(tmp_path / "draft"), "num_speculative_tokens": 3},
+        )
+        drafter = llm.engine.executor.driver_worker.drafter
+        assert (drafter.rows.compiled is not None) == (kv_cache == "static")
+        loops = drafter.loops
+        assert sorted(loops) == [(1, 3), (2, 3)]
+        assert all(loop.max_batch == 2 for loop in loops.values())
+        if not use_loop:
+            drafter.loops = {}
+        assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == expected
+        stats = llm.engine.stats
+        runs.append((stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens))
+        assert (loops[1, 3].num_calls > 0) == use_loop  # after a rejection: one call
+    assert runs[0] == runs[1] and runs[0][0] > 0

@@ -31,8 +31,12 @@ from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.model.base import CausalLM
 from tokenmill.sampling.sampler import Sampler
 from tokenmill.worker.compiled_step import CompiledDecodeStep
+from tokenmill.worker.draft_loop import CompiledDraftLoop
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.row_forward import RowForward
+
+_Row = tuple[Request, list[int], int, list[int], bool]
+"""A request in the row loop: (request, block table, next position, tokens to feed, proposes)."""
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
 
@@ -43,11 +47,20 @@ class DraftProposer:
     MAX_ROW_CATCH_UP = 4
     """The longest catch-up the row path takes (usually 1 or 2: the last verified tokens)."""
 
-    def __init__(self, runner: ModelRunner, rows: RowForward | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        rows: RowForward | None = None,
+        loops: dict[tuple[int, int], CompiledDraftLoop] | None = None,
+    ) -> None:
         self.runner = runner
         """The draft model's runner (its own KV tensors, no LoRA, no grammar)."""
         self.rows = rows
         """The tight decode-row loop; None: every forward goes through the runner."""
+        self.loops = loops or {}
+        """By (catch-up length, drafts): a step's draft forwards as one compiled call (the
+        common catch-ups of one and two tokens, k drafts); empty (``--enforce-eager``):
+        one call per forward."""
         self.num_forwards = 0
         """Draft forwards run (tests check that a step without proposals runs none)."""
         self.num_tokens = 0
@@ -61,13 +74,16 @@ class DraftProposer:
         block_size: int,
         device: torch.device,
         compiled: CompiledDecodeStep | None = None,
+        loops: dict[tuple[int, int], CompiledDraftLoop] | None = None,
     ) -> DraftProposer:
-        """``compiled``: the draft's compiled decode step (the rows run eagerly without)."""
+        """``compiled``: the draft's compiled decode step (the rows run eagerly without);
+        ``loops``: its compiled chains of forwards, by (catch-up length, drafts)."""
         rows = None
         if RowForward.supports(model):
             scratch = kv_caches[0][0].shape[0] - 1  # allocate_kv_cache's extra block
             rows = RowForward(model, kv_caches, block_size, scratch, device, compiled)
-        return cls(ModelRunner(model, kv_caches, block_size, Sampler(device), device), rows)
+        runner = ModelRunner(model, kv_caches, block_size, Sampler(device), device)
+        return cls(runner, rows, loops if rows is not None else None)
 
     @torch.inference_mode()
     def propose(self, sched: SchedulerOutput) -> None:
@@ -133,8 +149,7 @@ class DraftProposer:
         that end a request's input."""
         bs = rows.block_size
         model = self.runner.model
-        # Per request: (request, its block table, next position, tokens to feed, drafts).
-        live = []
+        live: list[_Row] = []
         for request, view, catch_up in views:
             start = view.num_computed_tokens
             feed = view.token_slice(start, start + catch_up)
@@ -142,6 +157,10 @@ class DraftProposer:
             proposes = start + catch_up == view.num_tokens
             live.append((request, sched.block_tables[request.request_id], start, feed, proposes))
         drafts: dict[str, list[int]] = {r.request_id: [] for r, _, _ in views}
+        loop = self._loop_for(live)
+        if loop is not None:  # the usual step: all of its drafting in one call
+            self._run_loop(loop, live, drafts)
+            live = []
         while live:
             ids: list[int] = []
             positions: list[int] = []
@@ -165,7 +184,7 @@ class DraftProposer:
                 else hidden[torch.tensor(ends, device=hidden.device)]
             )
             tokens = model.compute_logits(picked).argmax(dim=-1).tolist()
-            following = []
+            following: list[_Row] = []
             for (request, table, start, feed, proposes), token in zip(live, tokens, strict=True):
                 request.num_draft_computed_tokens = start + len(feed)
                 mine = drafts[request.request_id]
@@ -177,3 +196,34 @@ class DraftProposer:
             live = following
         for request, _, _ in views:
             request.spec_token_ids = drafts[request.request_id]
+
+    def _loop_for(self, live: list[_Row]) -> CompiledDraftLoop | None:
+        """The compiled loop that takes the whole step: every request catches up on the
+        same number of tokens and wants the same number of drafts, and the batch fits."""
+        if not self.loops:
+            return None
+        request, _, _, feed, _ = live[0]
+        loop = self.loops.get((len(feed), len(request.spec_token_ids)))
+        if loop is None or len(live) > loop.max_batch:
+            return None
+        shape = (loop.first_rows, loop.num_steps)
+        if all(
+            proposes and (len(f), len(r.spec_token_ids)) == shape for r, _, _, f, proposes in live
+        ):
+            return loop
+        return None
+
+    def _run_loop(
+        self, loop: CompiledDraftLoop, live: list[_Row], drafts: dict[str, list[int]]
+    ) -> None:
+        """Every live request's drafts in one compiled call."""
+        self.num_forwards += loop.num_steps
+        self.num_tokens += len(live) * (loop.first_rows + loop.num_steps - 1)
+        tokens = loop.run(
+            [token for *_, feed, _ in live for token in feed],
+            [start + j for _, _, start, feed, _ in live for j in range(len(feed))],
+            [table for _, table, *_ in live],
+        )
+        for (request, _, start, feed, _), mine in zip(live, tokens, strict=True):
+            request.num_draft_computed_tokens = start + len(feed) + loop.num_steps - 1
+            drafts[request.request_id].extend(mine)

@@ -36,6 +36,7 @@ from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.model.tensor_parallel import TPShard, shard_config
 from tokenmill.sampling.sampler import Sampler
 from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
+from tokenmill.worker.draft_loop import CompiledDraftLoop
 from tokenmill.worker.draft_proposer import DraftProposer
 from tokenmill.worker.kv_cache import allocate_kv_cache, kv_budget_bytes, kv_bytes_per_token
 from tokenmill.worker.lora_manager import LoRAManager
@@ -313,31 +314,43 @@ class Worker:
             draft_config.num_params / 1e6,
             sum(k.nbytes + v.nbytes for k, v in caches) / 2**30,
         )
-        compiled = self._compile_draft(model, caches) if kv.wants_compiled_decode else None
-        if compiled is not None:
-            info.compile_time_s += compiled.compile_time_s
-        return DraftProposer.build(model, caches, block_size, self.device, compiled)
+        compiled = None
+        loops: dict[tuple[int, int], CompiledDraftLoop] = {}
+        if self._draft_compiles(model):
+            if kv.wants_compiled_decode:
+                compiled = self._compile_draft(model, caches)
+                info.compile_time_s += compiled.compile_time_s
+            k = spec.num_speculative_tokens
+            for first_rows in (1, 2):  # a catch-up after a rejection; after a full acceptance
+                loop = self._compile_draft_loop(model, caches, first_rows, k)
+                if loop is not None:
+                    info.compile_time_s += loop.compile_time_s
+                    loops[first_rows, k] = loop
+        return DraftProposer.build(model, caches, block_size, self.device, compiled, loops)
+
+    def _draft_compiles(self, model: CausalLM) -> bool:
+        """Whether the draft's forwards may be compiled (not ``--enforce-eager``, a model
+        with decode metadata, one process)."""
+        return (
+            not self.config.enforce_eager
+            and model.supports_compiled_decode
+            and self._can_compile()
+            and self.world_size == 1
+        )
 
     def _compile_draft(
         self, model: CausalLM, caches: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> CompiledDecodeStep | None:
+    ) -> CompiledDecodeStep:
         """The draft's compiled decode step (static). Under ``static`` the target's decode
         step is compiled, so the draft's k eager forwards are what a speculative step
         costs most; compiled alone, one demo-draft forward took 450-560 us against 750-830
-        eagerly (one thread, loaded machine). Under ``paged`` the draft runs eagerly: the
-        same compile measured no faster per engine step there (within noise), and paged
-        starts without compiling. Buckets: powers of two up to two rows (a catch-up) per
+        eagerly (one thread, loaded machine). Under ``paged`` these rows (catch-ups) run
+        eagerly: the same compile measured no faster per engine step there (within noise);
+        the chained forwards after a catch-up are compiled under both (``CompiledDraftLoop``). Buckets: powers of two up to two rows (a catch-up) per
         request that may speculate (``disable_by_batch_size``); ``--enforce-eager`` keeps
         it eager."""
         cfg, spec = self.config, self.config.speculative
         assert spec is not None
-        if (
-            cfg.enforce_eager
-            or not model.supports_compiled_decode
-            or not self._can_compile()
-            or self.world_size != 1
-        ):
-            return None
         rows = 2 * min(cfg.max_num_seqs, spec.max_batch_size)
         num_blocks_and_scratch, block_size = caches[0][0].shape[:2]
         compiled = CompiledDecodeStep(
@@ -355,6 +368,43 @@ class Worker:
             compiled.compile_time_s,
         )
         return compiled
+
+    def _compile_draft_loop(
+        self,
+        model: CausalLM,
+        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        first_rows: int,
+        num_steps: int,
+    ) -> CompiledDraftLoop | None:
+        """A step's ``num_steps`` draft forwards (the first over a ``first_rows``-token
+        catch-up) as one compiled call, for the batches the policy gives the full k (up to
+        half of ``disable_by_batch_size`` requests)."""
+        spec = self.config.speculative
+        assert spec is not None
+        num_blocks_and_scratch, block_size = caches[0][0].shape[:2]
+        if first_rows + num_steps - 1 > block_size:
+            return None
+        requests = min(self.config.max_num_seqs, max(1, spec.max_batch_size // 2))
+        loop = CompiledDraftLoop(
+            model,
+            caches,
+            block_size,
+            max_blocks_per_seq=-(-self.max_model_len // block_size),
+            scratch_block=num_blocks_and_scratch - 1,
+            num_steps=num_steps,
+            buckets=default_buckets(requests, self.device),
+            device=self.device,
+            first_rows=first_rows,
+        )
+        logger.info(
+            "speculative decoding: %d draft forwards after a %d-token catch-up compiled as "
+            "one call for up to %d requests in %.1fs",
+            num_steps,
+            first_rows,
+            loop.max_batch,
+            loop.compile_time_s,
+        )
+        return loop if loop.max_batch else None
 
     def _model_compiles(self, info: CacheInfo) -> bool:
         """False for models whose forward cannot be compiled with fixed shapes (MoE routing,
