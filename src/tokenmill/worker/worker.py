@@ -346,7 +346,8 @@ class Worker:
         costs most; compiled alone, one demo-draft forward took 450-560 us against 750-830
         eagerly (one thread, loaded machine). Under ``paged`` these rows (catch-ups) run
         eagerly: the same compile measured no faster per engine step there (within noise);
-        the chained forwards after a catch-up are compiled under both (``CompiledDraftLoop``). Buckets: powers of two up to two rows (a catch-up) per
+        the chained forwards after a catch-up are compiled under both
+        (``CompiledDraftLoop``). Buckets: powers of two up to two rows (a catch-up) per
         request that may speculate (``disable_by_batch_size``); ``--enforce-eager`` keeps
         it eager."""
         cfg, spec = self.config, self.config.speculative
