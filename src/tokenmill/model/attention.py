@@ -381,38 +381,33 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     groups = list(meta.groups)
+
+    def decode(group: AttentionGroup, rows: slice | torch.Tensor) -> torch.Tensor:
+        """tokenmill's CPU decode kernel over the group's rows of q."""
+        return _decode_kernel(
+            q[rows],
+            k_cache,
+            v_cache,
+            group.block_tables,
+            group.context_lens,
+            scale,
+            window,
+            kv_scales,
+            softcap,
+        )
+
     if len(groups) == 1 and groups[0].is_decode and _decode_kernel_applies(q, k_cache):
-        group = groups[0]
-        if _decode_rows(group) == slice(0, num_tokens):  # a decode-only step, rows in order
+        rows = _decode_rows(groups[0])
+        if rows == slice(0, num_tokens):  # a decode-only step, rows in order
             # The kernel's output is the step's: no gather of q, no scatter into out (one
             # stream pays those per layer as much as a short context's attention itself).
-            return _decode_kernel(
-                q,
-                k_cache,
-                v_cache,
-                group.block_tables,
-                group.context_lens,
-                scale,
-                window,
-                kv_scales,
-                softcap,
-            )
+            return decode(groups[0], rows)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     while groups:
         group = groups.pop(0)
         if group.is_decode and _decode_kernel_applies(q, k_cache):  # tokenmill CPU kernel
             rows = _decode_rows(group)
-            out[rows] = _decode_kernel(
-                q[rows],
-                k_cache,
-                v_cache,
-                group.block_tables,
-                group.context_lens,
-                scale,
-                window,
-                kv_scales,
-                softcap,
-            )
+            out[rows] = decode(group, rows)
             continue
         if (
             PREFILL_KERNEL

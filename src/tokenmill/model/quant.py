@@ -25,6 +25,8 @@ model's activations are rounded to bf16 for that product only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,6 +39,8 @@ _INT4_LAYOUT_BLOCKS = (64, 32)
 """Output-channel block of torch's CPU int4 packing: 64 with AVX-512 kernels, 32 with AVX2."""
 
 _TILES = ("amx", "vnni")
+_Op = Callable[..., torch.Tensor]
+"""A tile-layout linear op (``kernels.linear_int8_amx`` and its siblings)."""
 """The kernels that read AMX tiles (``kernels/amx_layout.py``)."""
 
 
@@ -119,17 +123,9 @@ class Int8Linear(QuantizedLinear):
         self.has_gemv = self.in_features % 16 == 0
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "amx" and kernels.amx_active():
-            return kernels.linear_int8_amx(
-                x.to(torch.bfloat16),
-                self.amx_tiles,
-                self.amx_scales,
-                self.amx_row_sums,
-                None,
-                self.out_features,
-            )
-        if self.kernel in _TILES and _vnni_runs(x):
-            return kernels.linear_int8_vnni(
+        tile_op = _tile_op(self.kernel, x, kernels.linear_int8_amx, kernels.linear_int8_vnni)
+        if tile_op is not None:
+            return tile_op(
                 x.to(torch.bfloat16),
                 self.amx_tiles,
                 self.amx_scales,
@@ -277,19 +273,9 @@ class Int4Linear(QuantizedLinear):
         )
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "amx" and kernels.amx_active():
-            return kernels.linear_int4_amx(
-                x.to(torch.bfloat16),
-                self.amx_tiles,
-                self.amx_scales,
-                self.amx_code_sums,
-                self.amx_offsets,
-                self.group_size,
-                None,
-                self.out_features,
-            )
-        if self.kernel in _TILES and _vnni_runs(x):
-            return kernels.linear_int4_vnni(
+        tile_op = _tile_op(self.kernel, x, kernels.linear_int4_amx, kernels.linear_int4_vnni)
+        if tile_op is not None:
+            return tile_op(
                 x.to(torch.bfloat16),
                 self.amx_tiles,
                 self.amx_scales,
@@ -346,9 +332,14 @@ def _kernel_for(weight: torch.Tensor, tiles_ok: bool) -> str | None:
     return "vnni" if kernels.active_isa() == "avx512_bf16" else "rows"
 
 
-def _vnni_runs(x: torch.Tensor) -> bool:
-    """Whether the VNNI tile kernels serve ``x`` now (the avx512 table active)."""
-    return kernels.supports(x, float32=True) and kernels.active_isa() == "avx512_bf16"
+def _tile_op(kernel: str | None, x: torch.Tensor, amx_op: _Op, vnni_op: _Op) -> _Op | None:
+    """The op that reads the tile layout for ``x`` now: AMX where granted, else the VNNI
+    kernels while the avx512 table is active; None (another path) otherwise."""
+    if kernel == "amx" and kernels.amx_active():
+        return amx_op
+    if kernel in _TILES and kernels.supports(x, float32=True):
+        return vnni_op if kernels.active_isa() == "avx512_bf16" else None
+    return None
 
 
 def kernel_layout(method: str, group_size: int) -> str:
