@@ -11,7 +11,6 @@ head_dim 64, bf16, 16-token blocks scattered over the pool):
            (``speedup``: how its split of work items scales).
 Engine (the 250M model, benchmarks/engine_core.py builds it):
   prefill  one 1024-token prompt in ``--chunk``-token chunks, wall time of its steps
-  decode   16 streams at a 1024-token context: one step each way, alternating
 
     PYTHONPATH=src .venv/bin/python benchmarks/attention_ab.py --threads 1
 """
@@ -36,10 +35,6 @@ from tokenmill.model import attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 16, 4, 64, 16, 16
 DEFAULT_MODEL_DIR = Path.home() / ".cache/tokenmill/bench-llama-250m"
-
-
-def has_decode_switch() -> bool:
-    return hasattr(torch.ops.tokenmill_cpu, "set_decode_tiles")
 
 
 def interleave(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
@@ -129,14 +124,14 @@ def engine(model_dir: Path, threads: int, chunk: int, rounds: int) -> dict[str, 
     from tokenmill.core.sampling_params import SamplingParams
     from tokenmill.engine.llm_engine import LLMEngine
 
-    context, streams = 1024, 16
+    context = 1024
     eng = LLMEngine(
         EngineConfig.from_kwargs(
             model=str(model_dir),
             dtype="bfloat16",
             kv_cache="paged",
-            max_num_seqs=streams + 1,
-            max_model_len=context + 4 * rounds + 64,
+            max_num_seqs=1,
+            max_model_len=context + 64,
             max_num_batched_tokens=chunk,
             enable_prefix_caching=False,
             num_threads=threads,
@@ -163,26 +158,6 @@ def engine(model_dir: Path, threads: int, chunk: int, rounds: int) -> dict[str, 
         )
     }
     attention.PREFILL_KERNEL = True
-    if has_decode_switch():
-        params = SamplingParams(temperature=0.0, max_tokens=4 * rounds + 32, ignore_eos=True)
-        for i in range(streams):
-            prompt = [4 + (i * 7919 + t * 17) % 31000 for t in range(context)]
-            eng.add_request(f"d{i}", prompt, params)
-        while any(r.num_computed_tokens < context for r in eng.scheduler.running) or (
-            eng.scheduler.waiting
-        ):
-            eng.step()
-
-        def decode(tiles: bool) -> Callable[[], Any]:
-            def fn() -> Any:
-                torch.ops.tokenmill_cpu.set_decode_tiles(tiles)
-                eng.step()
-
-            return fn
-
-        medians = interleave({"blocks": decode(False), "tiles": decode(True)}, 2 * rounds)
-        torch.ops.tokenmill_cpu.set_decode_tiles(True)
-        out["decode step 16 x 1024"] = ratio(medians, "blocks", "tiles")
     return out
 
 
