@@ -34,3 +34,25 @@ def test_longrope_uses_short_factors_below_the_original_context_and_long_from_it
         want = torch.cat((freqs, freqs)).cos() * factor
         assert torch.allclose(ours.cos[position], want, atol=1e-6), position
     assert factor > 1.0  # 512 / 64 context extension scales the attention
+
+
+def test_gemma_offset_norm_matches_transformers_in_every_dtype() -> None:
+    """Gemma scales by ``1 + weight``: the CPU kernel (weight only) must not take it."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    from tokenmill.model.layers import RMSNorm
+
+    torch.manual_seed(0)
+    weight = torch.randn(96) * 0.5
+    theirs = GemmaRMSNorm(96, eps=1e-6)
+    theirs.weight.data.copy_(weight)
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = RMSNorm(96, 1e-6, offset=True).to(dtype)
+        ours.weight.data.copy_(weight.to(dtype))
+        x, residual = torch.randn(5, 96, dtype=dtype), torch.randn(5, 96, dtype=dtype)
+        out, summed = ours(x, residual)
+        assert torch.equal(summed, x + residual)
+        want = theirs.to(dtype)(x + residual)
+        assert torch.allclose(
+            out.float(), want.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-5
+        )

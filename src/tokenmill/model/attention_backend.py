@@ -290,7 +290,7 @@ def _fused_rope_applies(
     """Where the RoPE kernel runs (bf16 on CPU, every dim rotated), the fused op does too;
     an fp8 cache only once its scales are calibrated (from the first rotated K)."""
     return (
-        kernels.supports(q)
+        kernels.supports(q, float32=True)
         and rope.cos.device.type == "cpu"
         and not rope.is_partial
         and k_cache.device.type == "cpu"

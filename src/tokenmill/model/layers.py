@@ -1,6 +1,7 @@
 """Building blocks shared by every model family: RMSNorm, rotary embeddings, gated MLPs.
 
-They follow transformers' numerics (fp32 norm statistics, fp32 RoPE tables) so that
+They follow transformers' numerics (fp32 norm statistics, fp32 RoPE tables), in torch or in
+tokenmill's CPU kernels (bf16 and fp32 activations alike), so that
 greedy outputs match token for token in float32.
 """
 
@@ -174,7 +175,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if kernels.supports(x) and self.weight.dtype == x.dtype:  # tokenmill CPU kernel
+        # tokenmill's CPU kernel scales by ``weight``: Gemma's ``1 + weight`` stays in torch.
+        if not self.offset and kernels.supports(x, float32=True) and self.weight.dtype == x.dtype:
             return kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
@@ -183,7 +185,7 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused [gate | up] projection."""
-    if kernels.supports(gate_up):  # tokenmill CPU kernel
+    if kernels.supports(gate_up, float32=True):  # tokenmill CPU kernel
         return kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return nn.functional.silu(gate) * up
@@ -292,7 +294,11 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hkv, D] by their positions [T]."""
-        if kernels.supports(q) and self.cos.device.type == "cpu" and not self.is_partial:
+        if (
+            kernels.supports(q, float32=True)
+            and self.cos.device.type == "cpu"
+            and not self.is_partial
+        ):
             return kernels.rope(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
