@@ -14,6 +14,10 @@ Server configurations (each at 1 stream, requests one after another, and at 16 s
   llama.cpp          plain / ngram-simple / draft (``llama-server -md``), the same pair as GGUF
   vLLM CPU           plain / ngram (``--speculative-config``), if it starts
 
+Every server is started at once, each on its own port (idle, none costs CPU), and
+``--rounds`` rounds visit them in an order rotated per round; rows are the rounds' medians
+(each round's TPOT is in the JSON), so a noisy minute hits every configuration alike.
+
 Reported per row: output tok/s, mean TPOT (per request: (last - first token) / (tokens -
 1)), mean TTFT, and with speculation the acceptance rate (accepted / drafted tokens) and
 the mean accepted length (tokens per verifying step of a request: 1 + accepted / drafts),
@@ -77,6 +81,10 @@ class Server:
     """``tokenmill`` or ``vllm`` (/metrics prefixes), ``llamacpp`` (per-response timings)."""
     env: dict[str, str] = field(default_factory=dict)
     startup_s: float = 300.0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.cmd[self.cmd.index('--port') + 1]}"
 
 
 def servers(args: argparse.Namespace, port: int) -> list[Server]:
@@ -338,7 +346,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
     head = (
         f"| {args.model}, {args.num_requests} requests x {args.max_tokens} tokens, greedy, "
-        f"k={args.num_speculative_tokens} | workload | streams | output tok/s | TPOT mean ms | "
+        f"k={args.num_speculative_tokens}, medians of {args.rounds} rounds | workload | streams | output tok/s | TPOT mean ms | "
         "TTFT mean ms | acceptance | mean accepted length | drafted / accepted |\n"
         "|---|---|---|---|---|---|---|---|---|\n"
     )
@@ -398,7 +406,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="more flags for tokenmill serve (last on the line)",
     )
-    parser.add_argument("--port", type=int, default=18480)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="rounds over every server, all started at once; rows are the rounds' medians",
+    )
+    parser.add_argument("--port", type=int, default=18480, help="the first server's; then +1 each")
     parser.add_argument("--out", type=Path, default=Path("results/spec_decode.json"))
     args = parser.parse_args(argv)
     if args.model_dir is None:
@@ -408,46 +422,108 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def wanted_workloads(args: argparse.Namespace, server: Server) -> list[str]:
+    """n-gram only where prompt lookup has something to find (the copy workloads)."""
+    return [w for w in args.workloads if server.label != "ngram" or w.startswith("copy")]
+
+
+def median_rows(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (server, workload, streams): medians of the rounds' speeds, the rounds'
+    counters summed (so acceptance is over every round), and each round's TPOT beside."""
+    groups: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
+    for sample in samples:
+        key = (sample["engine"], sample["config"], sample["workload"], sample["streams"])
+        groups.setdefault(key, []).append(sample)
+    rows = []
+    for (engine, config, workload, streams), group in groups.items():
+        ok = [g for g in group if "error" not in g]
+        row: dict[str, Any] = {"engine": engine, "config": config, "workload": workload}
+        if not ok:
+            rows.append(row | {"streams": streams, "error": group[0]["error"]})
+            continue
+        row |= {"streams": streams, "rounds": len(ok), "num_requests": ok[0]["num_requests"]}
+        row["output_tokens"] = sum(g["output_tokens"] for g in ok)
+        for name in ("output_tok_s", "mean_tpot_ms", "mean_ttft_ms"):
+            values = [g[name] for g in ok if g[name] is not None]
+            row[name] = statistics.median(values) if values else None
+        row["tpot_ms_by_round"] = [g["mean_tpot_ms"] for g in ok]
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            values = [g[name] for g in ok if g[name] is not None]
+            row[name] = sum(values) if values else None
+        drafts, drafted, accepted = (
+            row["num_drafts"],
+            row["num_draft_tokens"],
+            row["num_accepted_tokens"],
+        )
+        row["acceptance_rate"] = accepted / drafted if drafted and accepted is not None else None
+        row["mean_accepted_length"] = (
+            1 + accepted / drafts if drafts and accepted is not None else None
+        )
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Start every server at once (each on its own port; an idle one costs no CPU), warm
+    them, then run ``--rounds`` rounds; in each, every (workload, streams) cell visits the
+    servers in an order rotated by one per round, so a noisy minute hits every
+    configuration alike. Rows are the rounds' medians."""
     args = parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    for server in servers(args, args.port):
-        wanted = [w for w in args.workloads if server.label != "ngram" or w.startswith("copy")]
-        log_path = args.out.with_name(
-            f"{args.out.stem}-{server.engine.replace(' ', '_')}-{server.label}.log"
-        )
-        process = start(server, log_path)
-        if isinstance(process, str):
-            rows.append({"engine": server.engine, "config": server.label, "error": process})
-            print(json.dumps(rows[-1]), flush=True)
-            continue
-        base_url = f"http://127.0.0.1:{args.port}"
-        try:
-            warm = copy_prompts(2)
-            measure(server, base_url, args.model, warm, min(8, args.max_tokens), 2)
-            for workload in wanted:
+    up: list[tuple[Server, subprocess.Popen[bytes], Path]] = []
+    samples: list[dict[str, Any]] = []
+    try:
+        for index, server in enumerate(servers(args, args.port)):
+            server.cmd[server.cmd.index("--port") + 1] = str(args.port + index)
+            log_path = args.out.with_name(
+                f"{args.out.stem}-{server.engine.replace(' ', '_')}-{server.label}.log"
+            )
+            process = start(server, log_path)
+            if isinstance(process, str):
+                rows.append({"engine": server.engine, "config": server.label, "error": process})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            measure(
+                server, server.base_url, args.model, copy_prompts(2), min(8, args.max_tokens), 2
+            )
+            up.append((server, process, log_path))
+        for round_index in range(args.rounds):
+            order = up[round_index % len(up) :] + up[: round_index % len(up)] if up else []
+            for workload in args.workloads:
                 prompts = WORKLOADS[workload](args.num_requests)
                 for streams in args.streams:
-                    row = {"engine": server.engine, "config": server.label, "workload": workload}
-                    try:
-                        row |= measure(
-                            server,
-                            base_url,
-                            args.model,
-                            prompts,
-                            args.max_tokens,
-                            streams,
-                            log_path if server.counters == "llamacpp" else None,
-                        )
-                    except httpx.HTTPError as exc:
-                        row["error"] = f"{type(exc).__name__}: {exc}"
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-        finally:
+                    for server, _, log_path in order:
+                        if workload not in wanted_workloads(args, server):
+                            continue
+                        sample: dict[str, Any] = {
+                            "engine": server.engine,
+                            "config": server.label,
+                            "workload": workload,
+                            "streams": streams,
+                            "round": round_index,
+                        }
+                        try:
+                            sample |= measure(
+                                server,
+                                server.base_url,
+                                args.model,
+                                prompts,
+                                args.max_tokens,
+                                streams,
+                                log_path if server.counters == "llamacpp" else None,
+                            )
+                        except httpx.HTTPError as exc:
+                            sample["error"] = f"{type(exc).__name__}: {exc}"
+                        samples.append(sample)
+                        print(json.dumps(sample), flush=True)
+        rows += median_rows(samples)
+    finally:
+        for _, process, _ in up:
             stop(process)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    args.out.write_text(json.dumps({"config": config, "rows": rows}, indent=2) + "\n")
+    out = {"config": config, "rows": rows, "samples": samples}
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
     table = markdown(rows, args)
     args.out.with_suffix(".md").write_text(table)
     print(table)
