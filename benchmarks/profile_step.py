@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import functools
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable, Iterator
@@ -163,7 +164,7 @@ def profile_case(
         engine = LLMEngine(
             EngineConfig.from_kwargs(
                 model=str(model_dir),
-                dtype="bfloat16",
+                dtype=os.environ.get("TM_PROFILE_DTYPE", "bfloat16"),
                 kv_cache="paged",
                 max_num_seqs=streams,
                 max_model_len=context + steps + 8,
@@ -173,7 +174,8 @@ def profile_case(
         )
         params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
         for i in range(streams):  # distinct prompts: no prefix-cache hits
-            prompt = [4 + (i * 7919 + t * 31) % 31000 for t in range(context)]
+            vocab = engine.model_config.vocab_size - 4
+            prompt = [4 + (i * 7919 + t * 31) % vocab for t in range(context)]
             engine.add_request(str(i), prompt, params)
         while engine.scheduler.waiting or any(
             r.num_computed_tokens < context for r in engine.scheduler.running

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -33,6 +34,7 @@ from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.model.demo import demo_draft_path
+from tokenmill.model.layers import GEMV_ENV
 
 
 def build(config: str, args: argparse.Namespace) -> LLMEngine:
@@ -40,6 +42,16 @@ def build(config: str, args: argparse.Namespace) -> LLMEngine:
 
 
 def build_llm(config: str, args: argparse.Namespace) -> LLM:
+    """``config`` is plain, ngram or draft (or a draft_* variant below); ``@onednn`` after it
+    loads the projections in oneDNN's layout instead of tokenmill's GEMV blocks (an A/B of
+    the GEMV kernels in one process)."""
+    config, _, layout = config.partition("@")
+    if layout == "onednn":
+        os.environ[GEMV_ENV] = "0"
+        try:
+            return build_llm(config, args)
+        finally:
+            del os.environ[GEMV_ENV]
     spec: dict[str, Any] | None = None
     if config == "ngram":
         spec = {
@@ -103,7 +115,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"kv": args.kv, "workloads": {}}
     for workload in args.workloads:
         prompts = WORKLOADS[workload](args.num_requests)
-        configs = [c for c in args.configs if c != "ngram" or workload.startswith("copy")]
+        configs = [
+            c for c in args.configs if not c.startswith("ngram") or workload.startswith("copy")
+        ]
         for c in configs:  # warm-up
             one_request(engines[c], f"warm-{c}", prompts[0], 8)
         tpots: dict[str, list[float]] = {c: [] for c in configs}

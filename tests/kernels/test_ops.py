@@ -85,6 +85,36 @@ def test_gemv_layout_round_trips_and_rejects_other_shapes() -> None:
         kernels.gemv_bf16(_randn(1, 100, dtype=torch.bfloat16), packed, 37, None)
 
 
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES + GEMV_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_f32(isa: str, threads: int, m: int, n: int, k: int, with_bias: bool) -> None:
+    """fp32 blocks: one line per input, every row tile, block tails and odd K."""
+    x, w = _randn(m, k), _randn(n, k, seed=1)
+    bias = _randn(n, seed=2) if with_bias else None
+    got = kernels.gemv_f32(x, gemv_layout.pack_f32(w), n, bias)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_gemv_f32_keeps_leading_dims_and_strided_rows(isa: str) -> None:
+    x = _randn(2, 3, 80)[..., :72]
+    w = _randn(40, 72, seed=1)
+    got = kernels.gemv_f32(x, gemv_layout.pack_f32(w), 40, None)
+    assert got.shape == (2, 3, 40)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_gemv_f32_layout_round_trips_and_rejects_other_shapes() -> None:
+    w = _randn(37, 70)
+    packed = gemv_layout.pack_f32(w)
+    assert packed.shape == (3, 70, 16)
+    assert torch.equal(gemv_layout.unpack_f32(packed, 37), w)
+    with pytest.raises(RuntimeError, match="gemv_f32"):  # packed for another K
+        kernels.gemv_f32(_randn(1, 100), packed, 37, None)
+    with pytest.raises(RuntimeError, match="float32"):  # bf16 rows
+        kernels.gemv_f32(_randn(1, 70, dtype=torch.bfloat16), packed, 37, None)
+
+
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES + [(1, 19, 300), (1, 40, 1024)])
 def test_linear_int8(isa: str, threads: int, m: int, n: int, k: int) -> None:
     x = _randn(m, k, dtype=torch.bfloat16)

@@ -50,14 +50,24 @@ class CountingBackend(ab.TorchSDPABackend):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.num_metadata = self.num_forward = 0
+        self._in_rope = False
 
     def build_metadata(self, batch: ab.StepBatch):
         self.num_metadata += 1
         return super().build_metadata(batch)
 
     def forward(self, layer, q, k, v, kv_cache, meta):
-        self.num_forward += 1
+        self.num_forward += not self._in_rope  # forward_rope's fallback counted there
         return super().forward(layer, q, k, v, kv_cache, meta)
+
+    def forward_rope(self, layer, positions, rope, q, k, v, kv_cache, meta):
+        """The entry the decoder calls (RoPE fused with the KV write on the CPU kernels)."""
+        self.num_forward += 1
+        self._in_rope = True
+        try:
+            return super().forward_rope(layer, positions, rope, q, k, v, kv_cache, meta)
+        finally:
+            self._in_rope = False
 
 
 def test_model_attends_through_its_backend_once_per_layer(make_model, monkeypatch) -> None:

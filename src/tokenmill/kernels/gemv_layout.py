@@ -6,6 +6,9 @@ A block is one contiguous stream, so a thread reads its range of blocks sequenti
 batch size; row-major weights are read several short rows at a time, which the hardware
 prefetcher follows badly (see avx512.cpp). Each row's x pair is broadcast against a line,
 so no horizontal sums are needed. N is padded to 16 and K to 2 with zeros.
+
+fp32 weights (``pack_f32``, read by ``kernels.gemv_f32``) are the same 16-channel blocks with
+one 64-byte line per input: [ceil(N/16), K, 16].
 """
 
 from __future__ import annotations
@@ -29,3 +32,17 @@ def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.T
     nb, kp = packed.shape[:2]
     w = packed.transpose(1, 2).reshape(nb * ROWS, kp * PAIR)
     return w[:out_features, :in_features]
+
+
+def pack_f32(weight: torch.Tensor) -> torch.Tensor:
+    """fp32 [ceil(N/16), K, 16] from a weight [N, K] (N padded to 16 with zeros)."""
+    n, k = weight.shape
+    nb = -(-n // ROWS)
+    w = F.pad(weight.to(torch.float32), (0, 0, 0, nb * ROWS - n))
+    return w.view(nb, ROWS, k).transpose(1, 2).contiguous()
+
+
+def unpack_f32(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The weight [N, K] back from ``pack_f32``."""
+    nb, k = packed.shape[:2]
+    return packed.transpose(1, 2).reshape(nb * ROWS, k)[:out_features]

@@ -95,6 +95,8 @@ def describe() -> str:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 2 and x.stride(1) == 1:  # the decoder's [tokens, hidden]: no reshape (~1 us)
+        return x
     flat = x.reshape(-1, x.shape[-1])
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
@@ -111,6 +113,15 @@ def gemv_bf16(
     """``x W^T + b`` for bf16 x [..., K] and W in ``kernels.gemv_layout``'s blocks."""
     y = torch.ops.tokenmill_cpu.gemv_bf16(_rows(x), packed, out_features, bias)
     return y.view(*x.shape[:-1], out_features)
+
+
+def gemv_f32(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x W^T + b`` for fp32 x [..., K] and W in ``gemv_layout.pack_f32``'s blocks."""
+    rows = _rows(x)
+    y = torch.ops.tokenmill_cpu.gemv_f32(rows, packed, out_features, bias)
+    return y if rows is x else y.view(*x.shape[:-1], out_features)
 
 
 def linear_int8(
@@ -213,15 +224,19 @@ def rms_norm(
     """(norm(x [+ residual]) * weight, x [+ residual]), shaped like x."""
     rows = _rows(x)
     if residual is None:
-        return torch.ops.tokenmill_cpu.rms_norm(rows, weight, eps).view(x.shape), x
+        out = torch.ops.tokenmill_cpu.rms_norm(rows, weight, eps)
+        return (out if rows is x else out.view(x.shape)), x
     out, summed = torch.ops.tokenmill_cpu.add_rms_norm(rows, _rows(residual), weight, eps)
+    if rows is x:  # a view costs ~2 us, as much as the kernel on one decode row
+        return out, summed
     return out.view(x.shape), summed.view(x.shape)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up on a fused [..., gate | up]."""
-    out = torch.ops.tokenmill_cpu.silu_and_mul(_rows(gate_up))
-    return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    rows = _rows(gate_up)
+    out = torch.ops.tokenmill_cpu.silu_and_mul(rows)
+    return out if rows is gate_up else out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
 def rope(
@@ -312,9 +327,10 @@ def register_fakes() -> None:
 
     for name in ("linear_bf16", "linear_int8", "linear_int4"):
         torch.library.register_fake(lib + name)(linear_fake)
-    torch.library.register_fake(lib + "gemv_bf16")(
-        lambda x, packed, out_features, bias: x.new_empty(x.shape[0], out_features)
-    )
+    for name in ("gemv_bf16", "gemv_f32"):
+        torch.library.register_fake(lib + name)(
+            lambda x, packed, out_features, bias: x.new_empty(x.shape[0], out_features)
+        )
     for name in ("linear_int8_amx", "linear_int4_amx", "linear_int8_vnni", "linear_int4_vnni"):
         torch.library.register_fake(lib + name)(
             lambda x, tiles, *rest: x.new_empty(x.shape[0], rest[-1])

@@ -287,7 +287,7 @@ class TorchSDPABackend(AttentionBackend):
 def _fused_rope_applies(
     layer: AttentionLayerState, rope: RotaryEmbedding, q: torch.Tensor, k_cache: torch.Tensor
 ) -> bool:
-    """Where the RoPE kernel runs (bf16 on CPU, every dim rotated), the fused op does too;
+    """Where the RoPE kernel runs (bf16 or fp32 on CPU, every dim rotated), the fused op does too;
     an fp8 cache only once its scales are calibrated (from the first rotated K)."""
     return (
         kernels.supports(q, float32=True)

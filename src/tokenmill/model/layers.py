@@ -37,16 +37,21 @@ def _onednn_linear_fake(x, packed, bias, out_features):
 
 
 GEMV_ENV = "TOKENMILL_BF16_GEMV"
-"""``0`` keeps bf16 projections in oneDNN's layout instead of tokenmill's GEMV blocks (A/B runs)."""
+"""``0`` keeps bf16 and fp32 projections in oneDNN's layout instead of tokenmill's GEMV blocks
+(A/B runs; the name predates the fp32 kernel)."""
 
 
 def gemv_layout_wanted() -> bool:
-    """Whether bf16 CPU projections should be packed for ``Linear.pack_for_gemv``.
+    """Whether bf16 and fp32 CPU projections should be packed for ``Linear.pack_for_gemv``.
 
     Yes unless ``TOKENMILL_BF16_GEMV=0``: measured against prepacked oneDNN on the 250M
     model's projections (one thread, interleaved), ``kernels.gemv_bf16`` is 1.3-1.8x faster
     at 1-8 rows, 1.0-1.3x at 16-64 and 0.97-1.28x at 512-2048 (prefill chunks), so one
-    layout serves every batch (see avx512.cpp)."""
+    layout serves every batch (see avx512.cpp). ``kernels.gemv_f32`` (one thread, weights
+    streamed from memory, the demo's and a 250M Llama's shapes): 1.5-2.4x at one row,
+    1.1-1.6x at 5, 0.98-1.08x at 64 and 0.91-1.0x at 512: decode and verification steps
+    gain far more than a prefill chunk loses, and a second copy of each weight would double
+    the memory."""
     return os.environ.get(GEMV_ENV) != "0"
 
 
@@ -58,8 +63,8 @@ class Linear(nn.Module):
     machine (measured: 81 vs 45 GFLOP/s at 32 rows, 2 threads). The plain weight is dropped
     once packed, so memory does not grow.
 
-    bf16 with the AVX-512 BF16 kernels is stored for ``kernels.gemv_bf16`` instead
-    (``pack_for_gemv``): 16-channel blocks that each thread reads as one sequential stream.
+    bf16 and fp32 with the AVX-512 kernels are stored for ``kernels.gemv_bf16`` /
+    ``gemv_f32`` instead (``pack_for_gemv``): 16-channel blocks that each thread reads as one sequential stream.
     Row-major and oneDNN-packed weights are read several short rows side by side, and at
     one row that left both at a fraction of a plain sequential read's bandwidth
     (``benchmarks/gemv_bandwidth.py``); the GEMV's register tiles keep up with oneDNN's
@@ -76,11 +81,13 @@ class Linear(nn.Module):
         )
         self.packed: torch.Tensor | None = None
         self.gemv: torch.Tensor | None = None
-        """The bf16 weight in ``kernels.gemv_layout``'s blocks (``pack_for_gemv``), or None."""
+        """The bf16 or fp32 weight in ``kernels.gemv_layout``'s blocks (``pack_for_gemv``)."""
         self.out_features = out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None:
+            if self.gemv.dtype == torch.float32:
+                return kernels.gemv_f32(x, self.gemv, self.out_features, self.bias)
             return kernels.gemv_bf16(x, self.gemv, self.out_features, self.bias)
         if self.packed is not None:
             if torch.compiler.is_compiling():  # inductor cannot lower a prepacked weight itself
@@ -92,21 +99,25 @@ class Linear(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
     def pack_for_gemv(self) -> bool:
-        """Store a bf16 CPU weight in the blocks tokenmill's bf16 GEMV streams; True if packed.
+        """Store a bf16 or fp32 CPU weight in the blocks tokenmill's GEMV streams; True if
+        packed.
 
-        Only with the AVX-512 BF16 kernels (the AVX2 kernel is there for correctness after an
+        Only with the AVX-512 kernels (the AVX2 kernels are there for correctness after an
         ISA switch, not measured as faster than oneDNN). The plain weight is dropped.
         """
         weight = self.weight
         if (
             weight is None
             or weight.device.type != "cpu"
-            or weight.dtype != torch.bfloat16
+            or weight.dtype not in (torch.bfloat16, torch.float32)
             or not kernels.available()
             or kernels.active_isa() != "avx512_bf16"
         ):
             return False
-        self.gemv = gemv_layout.pack(weight.data)
+        if weight.dtype == torch.float32:
+            self.gemv = gemv_layout.pack_f32(weight.data)
+        else:
+            self.gemv = gemv_layout.pack(weight.data)
         self.weight = None
         return True
 

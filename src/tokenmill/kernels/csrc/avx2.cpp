@@ -156,9 +156,34 @@ void gemv_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
   }
 }
 
+// fp32 GEMV over the fp32 blocks (avx512.cpp): per block and row, two 8-channel halves of
+// each 16-float line, x[k] broadcast.
+void gemv_f32(const GemmArgs& a, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* wb = static_cast<const float*>(a.w) + b * a.K * 16;
+    for (int64_t m = 0; m < a.M; ++m) {
+      const float* x = a.xf + m * a.ldx;
+      __m256 lo = Vec::zero(), hi = Vec::zero();
+      for (int64_t k = 0; k < a.K; ++k) {
+        const __m256 xv = Vec::set1(x[k]);
+        lo = Vec::fma(_mm256_loadu_ps(wb + k * 16), xv, lo);
+        hi = Vec::fma(_mm256_loadu_ps(wb + k * 16 + 8), xv, hi);
+      }
+      for (int half = 0; half < 2; ++half) {
+        const int64_t n = b * 16 + half * 8;
+        const int nr = (int)min64(8, a.N - n);
+        if (nr <= 0) break;
+        __m256 s = half ? hi : lo;
+        if (a.bias) s = _mm256_add_ps(s, Vec::load_f32(a.bias + n, nr));
+        Vec::store_f32(a.yf + m * a.ldy + n, s, nr);
+      }
+    }
+  }
+}
+
 const tokenmill::KernelTable kTable = {
     "avx2", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, rope_kernel,
-    attention_merge_kernel, nullptr, rope_kv_kernel, prefill_attention_kernel, gemv_bf16,
+    attention_merge_kernel, nullptr, rope_kv_kernel, prefill_attention_kernel, gemv_bf16, gemv_f32,
 };
 
 }  // namespace

@@ -445,83 +445,131 @@ inline __m512bh x_pair(const uint16_t* x, int64_t p, int64_t K) {
   return (__m512bh)_mm512_set1_epi32(v);
 }
 
-// Rows [m0, m0 + MR) x blocks [b, b + NR) over all of K.
+// The C chains of accumulators of output (m, n) summed, with the bias of channels [ch, ch + nr).
 template <int MR, int NR, int C>
-void gemv_tile(const GemmArgs& a, const uint16_t* w, int64_t kp, int64_t m0, int64_t b) {
-  __m512 acc[C][MR][NR];
-  for (int c = 0; c < C; ++c)
-    for (int m = 0; m < MR; ++m)
-      for (int n = 0; n < NR; ++n) acc[c][m][n] = _mm512_setzero_ps();
-  const uint16_t* wb = w + b * kp * 32;
-  const uint16_t* x = a.x + m0 * a.ldx;
-  const int64_t full = a.K / 2;  // pairs with both weights real
-  int64_t p = 0;
-  for (; p + C <= full; p += C)
-    for (int c = 0; c < C; ++c) {
-      __m512bh wv[NR];
-      for (int n = 0; n < NR; ++n) wv[n] = (__m512bh)_mm512_loadu_si512(wb + n * kp * 32 + (p + c) * 32);
-      for (int m = 0; m < MR; ++m) {
-        int32_t v;
-        std::memcpy(&v, x + m * a.ldx + 2 * (p + c), 4);
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(v);
-        for (int n = 0; n < NR; ++n) acc[c][m][n] = _mm512_dpbf16_ps(acc[c][m][n], xv, wv[n]);
+inline __m512 block_sum(const GemmArgs& a, __m512 (&acc)[C][MR][NR], int m, int n, int64_t ch, int nr) {
+  __m512 s = acc[0][m][n];
+  for (int c = 1; c < C; ++c) s = _mm512_add_ps(s, acc[c][m][n]);
+  if (a.bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(Vec::mask(nr), a.bias + ch));
+  return s;
+}
+
+// Rows [m0, m0 + MR) x blocks [b, b + NR) over all of K.
+struct Bf16Tile {
+  template <int MR, int NR, int C>
+  static void run(const GemmArgs& a, int64_t m0, int64_t b) {
+    const int64_t kp = (a.K + 1) / 2;
+    __m512 acc[C][MR][NR];
+    for (int c = 0; c < C; ++c)
+      for (int m = 0; m < MR; ++m)
+        for (int n = 0; n < NR; ++n) acc[c][m][n] = _mm512_setzero_ps();
+    const uint16_t* wb = static_cast<const uint16_t*>(a.w) + b * kp * 32;
+    const uint16_t* x = a.x + m0 * a.ldx;
+    const int64_t full = a.K / 2;  // pairs with both weights real
+    int64_t p = 0;
+    for (; p + C <= full; p += C)
+      for (int c = 0; c < C; ++c) {
+        __m512bh wv[NR];
+        for (int n = 0; n < NR; ++n) wv[n] = (__m512bh)_mm512_loadu_si512(wb + n * kp * 32 + (p + c) * 32);
+        for (int m = 0; m < MR; ++m) {
+          int32_t v;
+          std::memcpy(&v, x + m * a.ldx + 2 * (p + c), 4);
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(v);
+          for (int n = 0; n < NR; ++n) acc[c][m][n] = _mm512_dpbf16_ps(acc[c][m][n], xv, wv[n]);
+        }
+      }
+    for (; p < kp; ++p) {
+      for (int n = 0; n < NR; ++n) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wb + n * kp * 32 + p * 32);
+        for (int m = 0; m < MR; ++m) acc[0][m][n] = _mm512_dpbf16_ps(acc[0][m][n], x_pair(x + m * a.ldx, p, a.K), wv);
       }
     }
-  for (; p < kp; ++p) {
-    for (int n = 0; n < NR; ++n) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wb + n * kp * 32 + p * 32);
-      for (int m = 0; m < MR; ++m) acc[0][m][n] = _mm512_dpbf16_ps(acc[0][m][n], x_pair(x + m * a.ldx, p, a.K), wv);
-    }
+    for (int m = 0; m < MR; ++m)
+      for (int n = 0; n < NR; ++n) {
+        const int64_t ch = (b + n) * 16;
+        const int nr = (int)min64(16, a.N - ch);
+        _mm256_mask_storeu_epi16(a.y + (m0 + m) * a.ldy + ch, Vec::mask(nr),
+                                 (__m256i)_mm512_cvtneps_pbh(block_sum<MR, NR, C>(a, acc, m, n, ch, nr)));
+      }
   }
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) {
-      __m512 s = acc[0][m][n];
-      for (int c = 1; c < C; ++c) s = _mm512_add_ps(s, acc[c][m][n]);
-      const int64_t ch = (b + n) * 16;
-      const int nr = (int)min64(16, a.N - ch);
-      if (a.bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(Vec::mask(nr), a.bias + ch));
-      _mm256_mask_storeu_epi16(a.y + (m0 + m) * a.ldy + ch, Vec::mask(nr), (__m256i)_mm512_cvtneps_pbh(s));
-    }
-}
+};
+
+// fp32 weights as 16-channel blocks of K lines (one input each, 64 bytes): each row's x[k]
+// broadcast against line k, one FMA per 16 outputs, so a block is again one sequential stream.
+struct F32Tile {
+  template <int MR, int NR, int C>
+  static void run(const GemmArgs& a, int64_t m0, int64_t b) {
+    __m512 acc[C][MR][NR];
+    for (int c = 0; c < C; ++c)
+      for (int m = 0; m < MR; ++m)
+        for (int n = 0; n < NR; ++n) acc[c][m][n] = _mm512_setzero_ps();
+    const float* wb = static_cast<const float*>(a.w) + b * a.K * 16;
+    const float* x = a.xf + m0 * a.ldx;
+    int64_t k = 0;
+    for (; k + C <= a.K; k += C)
+      for (int c = 0; c < C; ++c) {
+        __m512 wv[NR];
+        for (int n = 0; n < NR; ++n) wv[n] = _mm512_loadu_ps(wb + n * a.K * 16 + (k + c) * 16);
+        for (int m = 0; m < MR; ++m) {
+          const __m512 xv = _mm512_set1_ps(x[m * a.ldx + k + c]);
+          for (int n = 0; n < NR; ++n) acc[c][m][n] = _mm512_fmadd_ps(xv, wv[n], acc[c][m][n]);
+        }
+      }
+    for (; k < a.K; ++k)
+      for (int n = 0; n < NR; ++n) {
+        const __m512 wv = _mm512_loadu_ps(wb + n * a.K * 16 + k * 16);
+        for (int m = 0; m < MR; ++m)
+          acc[0][m][n] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * a.ldx + k]), wv, acc[0][m][n]);
+      }
+    for (int m = 0; m < MR; ++m)
+      for (int n = 0; n < NR; ++n) {
+        const int64_t ch = (b + n) * 16;
+        const int nr = (int)min64(16, a.N - ch);
+        _mm512_mask_storeu_ps(a.yf + (m0 + m) * a.ldy + ch, Vec::mask(nr), block_sum<MR, NR, C>(a, acc, m, n, ch, nr));
+      }
+  }
+};
 
 // Tiles of up to 8 rows x 3 blocks (24 accumulators; fewer rows chain over alternating lines
 // so the dot product's latency is covered); a thread's blocks are taken three at a time, three
-// sequential streams, in 64-row chunks so x stays in L2 while the blocks pass. Measured
+// sequential streams, in 64-row chunks so x stays in L2 while the blocks pass. Measured (bf16)
 // against prepacked oneDNN at one thread (the 250M model's MLP shapes, interleaved, minimum
 // of 31 rounds on a loaded machine): 1.3-1.8x faster at 1-8 rows, 1.1-1.3x at 12-64 and
 // 0.9-1.05x at 256. One tile of all rows against one block (every line read from memory
 // once) was slower from 4 rows on: 0.64-0.83x at 16, with 16 broadcasts per line.
-template <int NR>
-void gemv_rows(const GemmArgs& a, const uint16_t* w, int64_t kp, int64_t m0, int mr, int64_t b) {
+template <class Tile, int NR>
+void gemv_rows(const GemmArgs& a, int64_t m0, int mr, int64_t b) {
   switch (mr) {
-    case 1: gemv_tile<1, NR, (NR == 1 ? 8 : 2)>(a, w, kp, m0, b); break;
-    case 2: gemv_tile<2, NR, (NR == 1 ? 4 : 1)>(a, w, kp, m0, b); break;
-    case 3: gemv_tile<3, NR, (NR == 1 ? 3 : 1)>(a, w, kp, m0, b); break;
-    case 4: gemv_tile<4, NR, (NR == 1 ? 2 : 1)>(a, w, kp, m0, b); break;
-    case 5: gemv_tile<5, NR, (NR == 1 ? 2 : 1)>(a, w, kp, m0, b); break;
-    case 6: gemv_tile<6, NR, (NR == 1 ? 2 : 1)>(a, w, kp, m0, b); break;
-    case 7: gemv_tile<7, NR, 1>(a, w, kp, m0, b); break;
-    default: gemv_tile<8, NR, 1>(a, w, kp, m0, b); break;
+    case 1: Tile::template run<1, NR, (NR == 1 ? 8 : 2)>(a, m0, b); break;
+    case 2: Tile::template run<2, NR, (NR == 1 ? 4 : 1)>(a, m0, b); break;
+    case 3: Tile::template run<3, NR, (NR == 1 ? 3 : 1)>(a, m0, b); break;
+    case 4: Tile::template run<4, NR, (NR == 1 ? 2 : 1)>(a, m0, b); break;
+    case 5: Tile::template run<5, NR, (NR == 1 ? 2 : 1)>(a, m0, b); break;
+    case 6: Tile::template run<6, NR, (NR == 1 ? 2 : 1)>(a, m0, b); break;
+    case 7: Tile::template run<7, NR, 1>(a, m0, b); break;
+    default: Tile::template run<8, NR, 1>(a, m0, b); break;
   }
 }
 
-void gemv_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
-  const int64_t kp = (a.K + 1) / 2;
-  const uint16_t* w = static_cast<const uint16_t*>(a.w);
+template <class Tile>
+void gemv_blocks(const GemmArgs& a, int64_t b0, int64_t b1) {
   constexpr int64_t kChunk = 64;
   for (int64_t c0 = 0; c0 < a.M; c0 += kChunk) {
     const int64_t c1 = min64(a.M, c0 + kChunk);
     int64_t b = b0;
     for (; b + 3 <= b1; b += 3)
-      for (int64_t m0 = c0; m0 < c1; m0 += 8) gemv_rows<3>(a, w, kp, m0, (int)min64(8, c1 - m0), b);
+      for (int64_t m0 = c0; m0 < c1; m0 += 8) gemv_rows<Tile, 3>(a, m0, (int)min64(8, c1 - m0), b);
     for (; b < b1; ++b)
-      for (int64_t m0 = c0; m0 < c1; m0 += 8) gemv_rows<1>(a, w, kp, m0, (int)min64(8, c1 - m0), b);
+      for (int64_t m0 = c0; m0 < c1; m0 += 8) gemv_rows<Tile, 1>(a, m0, (int)min64(8, c1 - m0), b);
   }
 }
 
+void gemv_bf16(const GemmArgs& a, int64_t b0, int64_t b1) { gemv_blocks<Bf16Tile>(a, b0, b1); }
+void gemv_f32(const GemmArgs& a, int64_t b0, int64_t b1) { gemv_blocks<F32Tile>(a, b0, b1); }
+
 const tokenmill::KernelTable kTable = {
     "avx512_bf16", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, rope_kernel,
-    attention_merge_kernel, quantize_rows, rope_kv_kernel, prefill_attention_kernel, gemv_bf16,
+    attention_merge_kernel, quantize_rows, rope_kv_kernel, prefill_attention_kernel, gemv_bf16, gemv_f32,
 };
 
 }  // namespace

@@ -29,7 +29,9 @@ struct GemmArgs {
   const int32_t* wsum;  // int8: [N] sums of each weight row (undoes the +128)
   uint16_t* y;          // [M, N] bf16, row stride ldy
   int64_t ldy;
-  int64_t N;            // gemv_bf16: output channels (the last 16-channel block may be padding)
+  int64_t N;            // gemv_bf16/f32: output channels (the last 16-channel block may be padding)
+  const float* xf;      // gemv_f32: [M, K] fp32 rows (stride ldx) and [M, N] fp32 out (stride ldy)
+  float* yf;
 };
 
 struct NormArgs {
@@ -133,6 +135,9 @@ struct KernelTable {
   // bf16 weights in kernels/gemv_layout.py's blocks (16 channels x 32 inputs, 1 KB each,
   // block after block): whole 16-channel blocks [begin, end), every row of a.x.
   void (*gemv_bf16)(const GemmArgs&, int64_t, int64_t);
+  // fp32 weights in kernels/gemv_layout.py's fp32 blocks (16 channels, one 64-byte line per
+  // input), fp32 rows a.xf into a.yf: whole blocks [begin, end), every row.
+  void (*gemv_f32)(const GemmArgs&, int64_t, int64_t);
 };
 
 // Query rows per prefill work item for ``group`` query heads per KV head: whole rows, at

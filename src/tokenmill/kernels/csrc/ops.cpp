@@ -167,6 +167,38 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, c
   return gemm(x, packed, a, N, bias, grain, kernels().gemv_bf16, blocks);
 }
 
+// fp32 weights packed by kernels/gemv_layout.py's pack_f32: [ceil(N/16), K, 16], fp32 rows in
+// and out (the same blocks-per-thread split as gemv_bf16).
+at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "gemv_f32: x must be float32");
+  const int64_t K = x.size(1), blocks = (N + 15) / 16;
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == blocks && packed.size(1) == K && packed.size(2) == 16,
+              "gemv_f32: weight must be float32 blocks [", blocks, ", ", K, ", 16] (kernels.gemv_layout)");
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  at::Tensor b;
+  GemmArgs a{};
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias has ", b.numel(), " elements, expected ", N);
+    a.bias = b.data_ptr<float>();
+  }
+  a.xf = x.data_ptr<float>();
+  a.ldx = x.stride(0);
+  a.M = x.size(0);
+  a.K = K;
+  a.N = N;
+  a.w = packed.data_ptr();
+  a.yf = y.data_ptr<float>();
+  a.ldy = N;
+  if (a.M == 0 || N == 0) return y;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * 64));  // ~64 KB a task
+  const auto fn = kernels().gemv_f32;
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { fn(a, b0, b1); });
+  return y;
+}
+
 // Tables with quantize_rows read int8 activations (W8A8): x is quantized per row first.
 void quantize_activations(const at::Tensor& x, GemmArgs& a, bool is_unsigned, at::Tensor& xq, at::Tensor& xs,
                           int64_t ldq = 0) {
@@ -664,6 +696,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
         "Tensor? bias, int out_features) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("gemv_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("gemv_f32(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor weight, Tensor scales, Tensor wsum, Tensor? bias) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor weight, Tensor scales, Tensor offsets, int group_size, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -689,6 +722,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("linear_bf16", &tokenmill::linear_bf16);
   m.impl("gemv_bf16", &tokenmill::gemv_bf16);
+  m.impl("gemv_f32", &tokenmill::gemv_f32);
   m.impl("linear_int8", &tokenmill::linear_int8);
   m.impl("linear_int4", &tokenmill::linear_int4);
   m.impl("linear_int8_amx", &tokenmill::linear_int8_amx);
