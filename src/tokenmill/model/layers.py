@@ -1,8 +1,8 @@
 """Building blocks shared by every model family: RMSNorm, rotary embeddings, gated MLPs.
 
 They follow transformers' numerics (fp32 norm statistics, fp32 RoPE tables), in torch or in
-tokenmill's CPU kernels (bf16 and fp32 activations alike), so that
-greedy outputs match token for token in float32.
+tokenmill's CPU kernels (bf16 and fp32 activations alike), so that greedy outputs match
+token for token in float32.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class Linear(nn.Module):
     once packed, so memory does not grow.
 
     bf16 and fp32 with the AVX-512 kernels are stored for ``kernels.gemv_bf16`` /
-    ``gemv_f32`` instead (``pack_for_gemv``): 16-channel blocks that each thread reads as one sequential stream.
+    ``gemv_f32`` instead (``pack_for_gemv``): 16-channel blocks that each thread reads as
+    one sequential stream.
     Row-major and oneDNN-packed weights are read several short rows side by side, and at
     one row that left both at a fraction of a plain sequential read's bandwidth
     (``benchmarks/gemv_bandwidth.py``); the GEMV's register tiles keep up with oneDNN's
