@@ -122,9 +122,10 @@ int64_t gemm_grain(int64_t K, int64_t bytes_per_weight_x2) {
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t N,
                 const c10::optional<at::Tensor>& bias, int64_t grain,
-                void (*fn)(const GemmArgs&, int64_t, int64_t), int64_t range = -1) {
+                void (*fn)(const GemmArgs&, int64_t, int64_t), int64_t range = -1, bool f32 = false) {
   check_rows(x, "x");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
+  TORCH_CHECK(x.scalar_type() == (f32 ? at::kFloat : at::kBFloat16), "tokenmill_cpu linear: x must be ",
+              f32 ? "float32" : "bfloat16");
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -132,12 +133,17 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t
     TORCH_CHECK(b.numel() == N, "bias has ", b.numel(), " elements, expected ", N);
     args.bias = b.data_ptr<float>();
   }
-  args.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  if (f32) {  // fp32 rows in and out (gemv_f32)
+    args.xf = x.data_ptr<float>();
+    args.yf = y.data_ptr<float>();
+  } else {
+    args.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    args.y = reinterpret_cast<uint16_t*>(y.data_ptr());
+  }
   args.ldx = x.stride(0);
   args.M = x.size(0);
   args.K = x.size(1);
   args.w = w.data_ptr();
-  args.y = reinterpret_cast<uint16_t*>(y.data_ptr());
   args.ldy = N;
   if (args.M == 0 || N == 0) return y;
   // The parallel dimension: output channels, or (range >= 0) the kernel's channel blocks.
@@ -171,32 +177,14 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, c
 // and out (the same blocks-per-thread split as gemv_bf16).
 at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
   check_rows(x, "x");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "gemv_f32: x must be float32");
   const int64_t K = x.size(1), blocks = (N + 15) / 16;
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(0) == blocks && packed.size(1) == K && packed.size(2) == 16,
               "gemv_f32: weight must be float32 blocks [", blocks, ", ", K, ", 16] (kernels.gemv_layout)");
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
-  at::Tensor b;
   GemmArgs a{};
-  if (bias.has_value() && bias->defined()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias has ", b.numel(), " elements, expected ", N);
-    a.bias = b.data_ptr<float>();
-  }
-  a.xf = x.data_ptr<float>();
-  a.ldx = x.stride(0);
-  a.M = x.size(0);
-  a.K = K;
   a.N = N;
-  a.w = packed.data_ptr();
-  a.yf = y.data_ptr<float>();
-  a.ldy = N;
-  if (a.M == 0 || N == 0) return y;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * 64));  // ~64 KB a task
-  const auto fn = kernels().gemv_f32;
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { fn(a, b0, b1); });
-  return y;
+  return gemm(x, packed, a, N, bias, grain, kernels().gemv_f32, blocks, /*f32=*/true);
 }
 
 // Tables with quantize_rows read int8 activations (W8A8): x is quantized per row first.
