@@ -51,9 +51,19 @@ def test_linear_bf16_keeps_leading_dims_and_strided_rows(isa: str) -> None:
     _close_to_fp32(got, F.linear(x.float(), w.float()), 1e-2)
 
 
-GEMV_SHAPES = [(4, 17, 1000), (9, 33, 64), (13, 20, 7), (24, 50, 33), (70, 47, 101), (129, 16, 64)]
-"""Every row count up to 16 has its own tile; more rows go 8 x 3 blocks in 64-row chunks, so
-these cover 8-row tails, 1- and 2-block tails, odd K and a chunk boundary."""
+GEMV_SHAPES = [
+    (4, 17, 1000),
+    (9, 33, 64),
+    (13, 20, 7),
+    (24, 50, 33),
+    (70, 47, 101),
+    (129, 16, 64),
+    (300, 20, 999),
+]
+"""AVX-512: every row count up to 16 has its own tile, more rows go 8 x 3 blocks in 64-row
+chunks. AVX2: tiles of up to 4 (bf16) or 6 (fp32) rows x 1 block, in chunks of ~128K fp32 x
+values (126-128 rows at K = 999). These cover every row tail, 1- and 2-block tails, odd K and
+chunk boundaries of both tables."""
 
 
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES + GEMV_SHAPES)

@@ -103,8 +103,8 @@ class Linear(nn.Module):
         """Store a bf16 or fp32 CPU weight in the blocks tokenmill's GEMV streams; True if
         packed.
 
-        Only with the AVX-512 kernels (the AVX2 kernels are there for correctness after an
-        ISA switch, not measured as faster than oneDNN). The plain weight is dropped.
+        With either kernel table (AVX-512 BF16 or AVX2, ``benchmarks/gemv_ab.py``); the plain
+        weight is dropped.
         """
         weight = self.weight
         if (
@@ -112,7 +112,6 @@ class Linear(nn.Module):
             or weight.device.type != "cpu"
             or weight.dtype not in (torch.bfloat16, torch.float32)
             or not kernels.available()
-            or kernels.active_isa() != "avx512_bf16"
         ):
             return False
         if weight.dtype == torch.float32:

@@ -117,9 +117,17 @@ void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
   gemm_tiles<kInt4>(a, n0, n1, Int4Weights{static_cast<const uint8_t*>(a.w), a.ldw, a.scales, a.num_groups, a.group_size});
 }
 
-// bf16 GEMV over kernels/gemv_layout.py's blocks (see avx512.cpp): per 16-channel block and
-// row, two halves of 8 channels; a line's 8 channels x 2 weights split into the even (k) and
-// odd (k + 1) weights as fp32, each multiplied by its broadcast x (no horizontal sums).
+// GEMV/GEMM over kernels/gemv_layout.py's 16-channel blocks (see avx512.cpp), as register
+// tiles of MR rows x one block: every row's x[k] is broadcast from memory against a line's
+// two 8-channel halves (no horizontal sums), C chains of accumulators covering the FMA
+// latency where MR rows alone do not. A block is one sequential stream of weights; a
+// thread runs each of its blocks over a chunk of rows before moving on, so a block is read
+// from memory once per chunk and stays in L2 while the chunk's tiles pass over it.
+//
+// bf16 lines hold 8 channels' (k, k + 1) pairs per half: the even weights are each 32-bit
+// lane shifted up, the odd ones the lane with its low half cleared; x is converted to fp32
+// once per chunk (a per-thread buffer) so each broadcast is a plain load.
+
 inline float bf16_to_f32(uint16_t v) {
   const uint32_t u = (uint32_t)v << 16;
   float f;
@@ -127,59 +135,145 @@ inline float bf16_to_f32(uint16_t v) {
   return f;
 }
 
-void gemv_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
-  const int64_t kp = (a.K + 1) / 2;
-  const uint16_t* w = static_cast<const uint16_t*>(a.w);
-  const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-  for (int64_t b = b0; b < b1; ++b) {
-    for (int64_t m = 0; m < a.M; ++m) {
-      const uint16_t* x = a.x + m * a.ldx;
-      for (int half = 0; half < 2; ++half) {
-        const int64_t n = b * 16 + half * 8;
-        const int nr = (int)min64(8, a.N - n);
-        if (nr <= 0) break;
-        __m256 acc0 = Vec::zero(), acc1 = Vec::zero();
-        const uint16_t* p = w + b * kp * 32 + half * 16;
-        for (int64_t i = 0; i < kp; ++i, p += 32) {
-          const __m256i v = _mm256_loadu_si256((const __m256i*)p);
-          const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-          const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-          const float x1 = 2 * i + 1 < a.K ? bf16_to_f32(x[2 * i + 1]) : 0.0f;
-          acc0 = Vec::fma(even, Vec::set1(bf16_to_f32(x[2 * i])), acc0);
-          acc1 = Vec::fma(odd, Vec::set1(x1), acc1);
-        }
-        __m256 s = _mm256_add_ps(acc0, acc1);
-        if (a.bias) s = _mm256_add_ps(s, Vec::load_f32(a.bias + n, nr));
-        Vec::store_bf16(a.y + m * a.ldy + n, s, nr);
-      }
+inline float* row_buffer(int64_t floats) {  // per thread, grown on demand, never freed
+  static thread_local float* buf = nullptr;
+  static thread_local int64_t cap = 0;
+  if (floats > cap) {
+    std::free(buf);
+    buf = static_cast<float*>(std::malloc((size_t)floats * sizeof(float)));
+    cap = floats;
+  }
+  return buf;
+}
+
+// Output (m, half h) of a tile: the sum of its C chains plus the bias, stored as STORE does.
+// A macro, not a function taking the accumulator array: GCC then keeps the array in
+// registers (with a reference to it, every FMA's result was also stored to the stack).
+#define TM_TILE_STORE(STORE, OUT)                                                     \
+  __m256 sums[MR][2];                                                                 \
+  _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m)                               \
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {                             \
+      sums[m][h] = acc[0][m][h];                                                      \
+      _Pragma("GCC unroll 8") for (int c = 1; c < C; ++c)                             \
+        sums[m][h] = _mm256_add_ps(sums[m][h], acc[c][m][h]);                          \
+    }                                                                                 \
+  for (int m = 0; m < MR; ++m)                                                        \
+    for (int h = 0; h < 2; ++h) {                                                     \
+      const int64_t ch = b * 16 + h * 8;                                              \
+      const int nr = (int)min64(8, a.N - ch);                                         \
+      if (nr <= 0) continue;                                                          \
+      __m256 s = sums[m][h];                                                          \
+      if (a.bias) s = _mm256_add_ps(s, Vec::load_f32(a.bias + ch, nr));               \
+      STORE(OUT + (m0 + m) * a.ldy + ch, s, nr);                                      \
     }
+
+// Rows [0, MR) of xf (fp32, stride ldxf, K padded to 2 with a zero) x block b, into y rows m0...
+struct Bf16Tile {
+  static constexpr int kMaxRows = 4;  // 8 accumulators + 4 weight vectors + 2 broadcasts
+  template <int MR, int C>
+  static void run(const GemmArgs& a, const float* xf, int64_t ldxf, int64_t m0, int64_t b) {
+    const int64_t kp = (a.K + 1) / 2;
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 acc[C][MR][2];
+    for (int c = 0; c < C; ++c)
+      for (int m = 0; m < MR; ++m) acc[c][m][0] = acc[c][m][1] = Vec::zero();
+    const uint16_t* wb = static_cast<const uint16_t*>(a.w) + b * kp * 32;
+    for (int64_t p = 0; p < kp; p += C)
+      for (int c = 0; c < C; ++c) {
+        const int64_t q = p + c;
+        if (q >= kp) break;  // the last lines, fewer than C
+        const __m256i v0 = _mm256_loadu_si256((const __m256i*)(wb + q * 32));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i*)(wb + q * 32 + 16));
+        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, high));
+        const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+        const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, high));
+        for (int m = 0; m < MR; ++m) {
+          const __m256 xe = _mm256_broadcast_ss(xf + m * ldxf + 2 * q);
+          const __m256 xo = _mm256_broadcast_ss(xf + m * ldxf + 2 * q + 1);
+          acc[c][m][0] = _mm256_fmadd_ps(e0, xe, acc[c][m][0]);
+          acc[c][m][1] = _mm256_fmadd_ps(e1, xe, acc[c][m][1]);
+          acc[c][m][0] = _mm256_fmadd_ps(o0, xo, acc[c][m][0]);
+          acc[c][m][1] = _mm256_fmadd_ps(o1, xo, acc[c][m][1]);
+        }
+      }
+    TM_TILE_STORE(Vec::store_bf16, a.y)
+  }
+};
+
+// fp32 lines: one input's 16 channels (two 8-channel halves), x[k] broadcast against both.
+struct F32Tile {
+  static constexpr int kMaxRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast
+  template <int MR, int C>
+  static void run(const GemmArgs& a, const float* xf, int64_t ldxf, int64_t m0, int64_t b) {
+    __m256 acc[C][MR][2];
+    for (int c = 0; c < C; ++c)
+      for (int m = 0; m < MR; ++m) acc[c][m][0] = acc[c][m][1] = Vec::zero();
+    const float* wb = static_cast<const float*>(a.w) + b * a.K * 16;
+    const int64_t K = a.K;
+    for (int64_t k0 = 0; k0 < K; k0 += C)
+      for (int c = 0; c < C; ++c) {
+        const int64_t k = k0 + c;
+        if (k >= K) break;  // the last inputs, fewer than C
+        const __m256 lo = _mm256_loadu_ps(wb + k * 16), hi = _mm256_loadu_ps(wb + k * 16 + 8);
+        for (int m = 0; m < MR; ++m) {
+          const __m256 xv = _mm256_broadcast_ss(xf + m * ldxf + k);
+          acc[c][m][0] = _mm256_fmadd_ps(lo, xv, acc[c][m][0]);
+          acc[c][m][1] = _mm256_fmadd_ps(hi, xv, acc[c][m][1]);
+        }
+      }
+    TM_TILE_STORE(Vec::store_f32, a.yf)
+  }
+};
+
+#undef TM_TILE_STORE
+
+// MR rows (at most Tile::kMaxRows) with enough chains for about 8 accumulators.
+template <class Tile>
+void gemv_rows(const GemmArgs& a, const float* xf, int64_t ldxf, int64_t m0, int mr, int64_t b) {
+  switch (mr) {
+    case 1: Tile::template run<1, 4>(a, xf, ldxf, m0, b); break;
+    case 2: Tile::template run<2, 2>(a, xf, ldxf, m0, b); break;
+    case 3: Tile::template run<3, 1>(a, xf, ldxf, m0, b); break;
+    case 4: Tile::template run<4, 1>(a, xf, ldxf, m0, b); break;
+    case 5: if constexpr (Tile::kMaxRows >= 5) Tile::template run<5, 1>(a, xf, ldxf, m0, b); break;
+    default: if constexpr (Tile::kMaxRows >= 6) Tile::template run<6, 1>(a, xf, ldxf, m0, b); break;
   }
 }
 
-// fp32 GEMV over the fp32 blocks (avx512.cpp): per block and row, two 8-channel halves of
-// each 16-float line, x[k] broadcast.
-void gemv_f32(const GemmArgs& a, int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; ++b) {
-    const float* wb = static_cast<const float*>(a.w) + b * a.K * 16;
-    for (int64_t m = 0; m < a.M; ++m) {
-      const float* x = a.xf + m * a.ldx;
-      __m256 lo = Vec::zero(), hi = Vec::zero();
-      for (int64_t k = 0; k < a.K; ++k) {
-        const __m256 xv = Vec::set1(x[k]);
-        lo = Vec::fma(_mm256_loadu_ps(wb + k * 16), xv, lo);
-        hi = Vec::fma(_mm256_loadu_ps(wb + k * 16 + 8), xv, hi);
+// Rows in chunks of ~512 KB of fp32 x (at least one tile), blocks [b0, b1) per chunk: a block
+// (K x 32 or 64 bytes) stays in L2 for the chunk's tiles while x streams from L2/L3, and the
+// weights are read from memory once per chunk (enough rows per read to keep the FMAs busy).
+template <class Tile, bool BF16_X>
+void gemv_blocks(const GemmArgs& a, int64_t b0, int64_t b1) {
+  constexpr int R = Tile::kMaxRows;
+  const int64_t kx = BF16_X ? (a.K + 1) / 2 * 2 : a.K;  // x row length as the lines read it
+  const int64_t rows = max64(R, 131072 / kx / R * R);
+  for (int64_t c0 = 0; c0 < a.M; c0 += rows) {
+    const int64_t c1 = min64(a.M, c0 + rows);
+    const float* xf = a.xf + c0 * a.ldx;
+    int64_t ldxf = a.ldx;
+    if constexpr (BF16_X) {
+      float* buf = row_buffer(rows * kx);
+      for (int64_t m = c0; m < c1; ++m) {
+        const uint16_t* src = a.x + m * a.ldx;
+        float* dst = buf + (m - c0) * kx;
+        int64_t k = 0;
+        for (; k + 8 <= a.K; k += 8) _mm256_storeu_ps(dst + k, Vec::load_bf16(src + k, 8));
+        for (; k < a.K; ++k) dst[k] = bf16_to_f32(src[k]);
+        if (kx > a.K) dst[a.K] = 0.0f;
       }
-      for (int half = 0; half < 2; ++half) {
-        const int64_t n = b * 16 + half * 8;
-        const int nr = (int)min64(8, a.N - n);
-        if (nr <= 0) break;
-        __m256 s = half ? hi : lo;
-        if (a.bias) s = _mm256_add_ps(s, Vec::load_f32(a.bias + n, nr));
-        Vec::store_f32(a.yf + m * a.ldy + n, s, nr);
-      }
+      xf = buf;
+      ldxf = kx;
     }
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t m = c0; m < c1; m += R)
+        gemv_rows<Tile>(a, xf + (m - c0) * ldxf, ldxf, m, (int)min64(R, c1 - m), b);
   }
 }
+
+void gemv_bf16(const GemmArgs& a, int64_t b0, int64_t b1) { gemv_blocks<Bf16Tile, true>(a, b0, b1); }
+void gemv_f32(const GemmArgs& a, int64_t b0, int64_t b1) { gemv_blocks<F32Tile, false>(a, b0, b1); }
 
 const tokenmill::KernelTable kTable = {
     "avx2", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, rope_kernel,
