@@ -1,7 +1,8 @@
 // AVX2 + FMA kernels: the same ops as avx512.cpp on 8-lane vectors, for CPUs without
-// AVX-512 BF16 (or when TOKENMILL_CPU_ISA=avx2 forces this path). Weights are converted
-// to fp32 in registers and multiplied with FMA, so products match the AVX-512 path's
-// bf16 dot products up to summation order.
+// AVX-512 BF16 (or when TOKENMILL_CPU_ISA=avx2 forces this path). bf16 weights are
+// converted to fp32 in registers and multiplied with FMA, so products match the AVX-512
+// path's bf16 dot products up to summation order; int8 and int4 (groups of 64+) take
+// activations quantized per row to int8 as on AVX-512 (W8A8), with vpmaddubsw for VNNI.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -19,16 +20,6 @@ using tokenmill::GemmArgs;
 struct Bf16Weights {
   const uint16_t* w; int64_t ldw, K;
   inline __m256 operator()(int64_t n, int64_t k) const { return Vec::load_bf16(w + n * ldw + k, (int)min64(8, K - k)); }
-};
-
-struct Int8Weights {
-  const int8_t* w; int64_t ldw, K;
-  inline __m256 operator()(int64_t n, int64_t k) const {
-    const int8_t* p = w + n * ldw + k;
-    int64_t buf = 0;
-    std::memcpy(&buf, p, (size_t)min64(8, K - k));
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(buf)));
-  }
 };
 
 struct Int4Weights {  // layout as in avx512.cpp
@@ -71,11 +62,10 @@ inline void tile_any(int mr, int nr, const GemmArgs& a, int64_t m0, int64_t n0, 
 #undef TM_CASE
 }
 
-enum Kind { kBf16, kInt8, kInt4 };
+enum Kind { kBf16, kInt4 };
 
 template <Kind KIND>
 inline float finish(const GemmArgs& a, int64_t m, int64_t n, float s) {
-  if constexpr (KIND == kInt8) s *= a.scales[n];
   if constexpr (KIND == kInt4) {
     const float* z = a.zeros + n * a.num_groups;
     const float* xs = a.xsum + m * a.num_groups;
@@ -105,15 +95,166 @@ void gemm_tiles(const GemmArgs& a, int64_t n0, int64_t n1, const WL& wl) {
   }
 }
 
+// ---- W8A8 without VNNI: activations quantized per row to int8 (quantize_rows, as on
+// AVX-512), products by vpmaddubsw (u8 x s8 into saturating s16 pairs) and vpmaddwd
+// (pairs into s32). For int8 weights the u8 side is |w| and the s8 side x with w's sign
+// (|pair| <= 2 * 127 * 127, no saturation), as llama.cpp's AVX2 Q8_0 dot product does;
+// int4 codes are u8 already (<= 15) against signed x.
+
+void quantize_rows(const GemmArgs& a, bool is_unsigned, int64_t r0, int64_t r1) {
+  const int64_t K = a.K;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m128i bias = _mm_set1_epi8(is_unsigned ? (char)0x80 : 0);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* x = a.x + r * a.ldx;
+    __m256 amax = Vec::zero();
+    for (int64_t k = 0; k < K; k += 8)
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, Vec::load_bf16(x + k, (int)min64(8, K - k))));
+    const float m = Vec::reduce_max(amax);
+    const float scale = m > 0.0f ? m / 127.0f : 1.0f;
+    a.x_scale[r] = scale;
+    const __m256 inv = Vec::set1(1.0f / scale);
+    uint8_t* out = a.xq + r * a.ldq;
+    for (int64_t k = 0; k < a.ldq; k += 8) {  // ldq: whole 64-byte chunks, zeros past K
+      const int n = (int)min64(8, K - k);
+      const __m256 v = n > 0 ? _mm256_mul_ps(Vec::load_bf16(x + k, n), inv) : Vec::zero();
+      const __m256i q = _mm256_cvtps_epi32(v);  // round to nearest even, |q| <= 127
+      const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      _mm_storel_epi64((__m128i*)(out + k), _mm_add_epi8(_mm_packs_epi16(q16, q16), bias));
+    }
+  }
+}
+
+inline int32_t reduce_add_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+// 32 weights of row wr from k (the last, shorter piece of a row through a zeroed buffer:
+// the activations past K are zero, and a row may end the tensor).
+inline __m256i load_w8(const int8_t* wr, int64_t k, int64_t K) {
+  if (k + 32 <= K) return _mm256_loadu_si256((const __m256i*)(wr + k));
+  alignas(32) int8_t buf[32] = {0};
+  std::memcpy(buf, wr + k, (size_t)(K - k));
+  return _mm256_load_si256((const __m256i*)buf);
+}
+
+// int8 weights [N, K] against x + 128 (u8, flipped back to s8 here): rows [m0, m0 + MR) x
+// channels [n0, n0 + NR), x_scale and the channel scales applied.
+template <int MR, int NR>
+inline void tile_w8a8(const GemmArgs& a, int64_t m0, int64_t n0, float out[4][2]) {
+  const int8_t* w = static_cast<const int8_t*>(a.w);
+  const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  __m256i acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < a.K; k += 32) {
+    __m256i wv[NR], aw[NR];
+    for (int r = 0; r < NR; ++r) {
+      wv[r] = load_w8(w + (n0 + r) * a.ldw, k, a.K);
+      aw[r] = _mm256_abs_epi8(wv[r]);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m256i xv = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(a.xq + (m0 + m) * a.ldq + k)), flip);
+      for (int r = 0; r < NR; ++r)
+        acc[m][r] = _mm256_add_epi32(
+            acc[m][r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xv, wv[r])), ones));
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) out[m][r] = (float)reduce_add_i32(acc[m][r]) * a.x_scale[m0 + m] * a.scales[n0 + r];
+}
+
+// int4 codes in avx512.cpp's layout (per 64-code chunk, 32 bytes: low nibbles the first 32
+// codes, high nibbles the next 32) against signed x: rows [m0, m0 + MR), channel n. Per
+// group, the int32 sums are scaled by the group's scale; the offsets come in the epilogue.
+template <int MR>
+inline void tile_w4a8(const GemmArgs& a, int64_t m0, int64_t n, float out[4][2]) {
+  const uint8_t* wr = static_cast<const uint8_t*>(a.w) + n * a.ldw;
+  const float* sc = a.scales + n * a.num_groups;
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const int64_t chunks = a.group_size / 64;
+  __m256 facc[MR];
+  for (int m = 0; m < MR; ++m) facc[m] = Vec::zero();
+  for (int64_t g = 0; g * a.group_size < a.K; ++g) {
+    __m256i acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t k = (g * chunks + c) * 64;
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(wr + k / 2));
+      const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      for (int m = 0; m < MR; ++m) {
+        const uint8_t* xr = a.xq + (m0 + m) * a.ldq + k;
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xr)),
+                                           _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xr + 32))));
+        acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(p, ones));  // |p| <= 4 * 15 * 127
+      }
+    }
+    const __m256 s = Vec::set1(sc[g]);
+    for (int m = 0; m < MR; ++m) facc[m] = Vec::fma(_mm256_cvtepi32_ps(acc[m]), s, facc[m]);
+  }
+  for (int m = 0; m < MR; ++m) out[m][0] = Vec::reduce_add(facc[m]) * a.x_scale[m0 + m];
+}
+
+// One row (the one-stream decode): each weight row read whole, in order, so a thread's
+// channels are one sequential stream; 4 rows x 2 channels tiles from 2 rows on.
+void gemm_w8a8_int8(const GemmArgs& a, int64_t n0, int64_t n1) {
+  float out[4][2];
+  const int nb = a.M == 1 ? 1 : 2;
+  for (int64_t n = n0; n < n1; n += nb) {
+    const int nr = (int)min64(nb, n1 - n);
+    for (int64_t m = 0; m < a.M; m += 4) {
+      const int mr = (int)min64(4, a.M - m);
+#define TM_CASE(M, N) case (M - 1) * 2 + (N - 1): tile_w8a8<M, N>(a, m, n, out); break;
+      switch ((mr - 1) * 2 + (nr - 1)) {
+        TM_CASE(1, 1) TM_CASE(1, 2) TM_CASE(2, 1) TM_CASE(2, 2)
+        TM_CASE(3, 1) TM_CASE(3, 2) TM_CASE(4, 1) TM_CASE(4, 2)
+      }
+#undef TM_CASE
+      for (int i = 0; i < mr; ++i)
+        for (int r = 0; r < nr; ++r) {
+          float v = out[i][r];
+          if (a.bias) v += a.bias[n + r];
+          a.y[(m + i) * a.ldy + n + r] = to_bf16(v);
+        }
+    }
+  }
+}
+
+void gemm_w4a8(const GemmArgs& a, int64_t n0, int64_t n1) {
+  float out[4][2];
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < a.M; m += 4) {
+      const int mr = (int)min64(4, a.M - m);
+      switch (mr) {
+        case 1: tile_w4a8<1>(a, m, n, out); break;
+        case 2: tile_w4a8<2>(a, m, n, out); break;
+        case 3: tile_w4a8<3>(a, m, n, out); break;
+        default: tile_w4a8<4>(a, m, n, out); break;
+      }
+      for (int i = 0; i < mr; ++i) {
+        float v = out[i][0];
+        const float* z = a.zeros + n * a.num_groups;
+        const float* xs = a.xsum + (m + i) * a.num_groups;
+        for (int64_t g = 0; g < a.num_groups; ++g) v += z[g] * xs[g];
+        if (a.bias) v += a.bias[n];
+        a.y[(m + i) * a.ldy + n] = to_bf16(v);
+      }
+    }
+}
+
 void gemm_bf16(const GemmArgs& a, int64_t n0, int64_t n1) {
   gemm_tiles<kBf16>(a, n0, n1, Bf16Weights{static_cast<const uint16_t*>(a.w), a.ldw, a.K});
 }
 
-void gemm_int8(const GemmArgs& a, int64_t n0, int64_t n1) {
-  gemm_tiles<kInt8>(a, n0, n1, Int8Weights{static_cast<const int8_t*>(a.w), a.ldw, a.K});
-}
+void gemm_int8(const GemmArgs& a, int64_t n0, int64_t n1) { gemm_w8a8_int8(a, n0, n1); }
 
+// Groups of 64+ come with quantized activations (ops.cpp); 32-code groups split a 64-code
+// chunk, so their weights are converted to fp32 in registers against bf16 x instead.
 void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
+  if (a.xq) { gemm_w4a8(a, n0, n1); return; }
   gemm_tiles<kInt4>(a, n0, n1, Int4Weights{static_cast<const uint8_t*>(a.w), a.ldw, a.scales, a.num_groups, a.group_size});
 }
 
@@ -277,7 +418,7 @@ void gemv_f32(const GemmArgs& a, int64_t b0, int64_t b1) { gemv_blocks<F32Tile, 
 
 const tokenmill::KernelTable kTable = {
     "avx2", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, rope_kernel,
-    attention_merge_kernel, nullptr, rope_kv_kernel, prefill_attention_kernel, gemv_bf16, gemv_f32,
+    attention_merge_kernel, quantize_rows, rope_kv_kernel, prefill_attention_kernel, gemv_bf16, gemv_f32,
 };
 
 }  // namespace
