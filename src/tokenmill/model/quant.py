@@ -4,12 +4,13 @@ With tokenmill's CPU kernels (``tokenmill/kernels``) a projection stores its wei
 layout its kernel reads, once: AMX-INT8 tiles (16 channels x 64 inputs in VNNI order,
 ``kernels/amx_layout.py``) wherever the AVX-512 table runs, read by AMX where the process
 may use it and by AVX-512 VNNI dot products otherwise (``kernel`` ``amx`` or ``vnni``); plain
-rows for the AVX2 kernels (and int4 groups of 32). The AVX-512 kernels quantize activations
-per row to int8 (W8A8 dynamic, llama.cpp Q8_0's trade); the AVX2 kernels stay weight-only.
-The torch paths below remain for machines without the extension.
+rows for the AVX2 kernels (and int4 groups of 32). Both tables quantize activations per row
+to int8 (W8A8 dynamic, llama.cpp Q8_0's trade), except for int4 groups of 32, which stay
+weight-only. The torch paths below remain for machines without the extension.
 
 The tile kernels beat oneDNN's bf16 GEMM at every row count measured (1-256 rows of the
-250M model's layers, ``benchmarks/int_gemm_ab.py``), so they serve every batch; the row
+250M model's layers, ``benchmarks/int_gemm_ab.py``), and so do the AVX2 W8A8 row kernels
+against dequantize + GEMM (``_w8a8_rows``), so they serve every batch; the weight-only row
 kernels re-read each weight row per 4 activation rows and end every output with a
 horizontal sum, so above ``max_kernel_rows`` their projections dequantize and run the GEMM.
 
@@ -116,6 +117,8 @@ class Int8Linear(QuantizedLinear):
                 self.max_kernel_rows = torch.iinfo(torch.int64).max  # beats bf16 GEMMs
             else:
                 self.register_buffer("row_sums", row_sums)
+                if _w8a8_rows():
+                    self.max_kernel_rows = torch.iinfo(torch.int64).max
             return
         self.register_buffer("kernel_scales", scales.to(kernel_dtype(weight.dtype)))
         # torch's int8 kernel crashes or miscomputes from 2 rows on when the input width is
@@ -239,6 +242,8 @@ class Int4Linear(QuantizedLinear):
             self.max_kernel_rows = torch.iinfo(torch.int64).max
         else:
             self.register_buffer("packed", int4_layout.pack(codes))
+            if _w8a8_rows() and gs % 64 == 0:
+                self.max_kernel_rows = torch.iinfo(torch.int64).max
         self.layout_block = None
 
     def _codes(self) -> torch.Tensor:
@@ -330,6 +335,14 @@ def _kernel_for(weight: torch.Tensor, tiles_ok: bool) -> str | None:
     if kernels.amx_active():
         return "amx"
     return "vnni" if kernels.active_isa() == "avx512_bf16" else "rows"
+
+
+def _w8a8_rows() -> bool:
+    """Whether the row-major int kernels quantize activations (the AVX2 table's W8A8, int4
+    in groups of 64+): then they beat dequantize + GEMM at every row count (measured on the
+    250M model's MLP shapes at 16-512 rows, 2 threads: 1.3-7x, fp32 and bf16 activations),
+    so they serve every batch like the tile kernels."""
+    return kernels.active_isa() == "avx2"
 
 
 def _tile_op(kernel: str | None, x: torch.Tensor, amx_op: _Op, vnni_op: _Op) -> _Op | None:
