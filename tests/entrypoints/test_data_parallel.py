@@ -157,6 +157,9 @@ def test_ray_refuses_flags_its_proxy_would_ignore_and_tp_shares_the_cores() -> N
     args = parser.parse_args(["serve", "demo", "-dp", "2", "--dp-health-timeout", "0"])
     with pytest.raises(ConfigError, match="--dp-health-timeout must be > 0"):
         check_data_parallel_args(args)
+    args = parser.parse_args(["serve", "demo", "--backend", "ray", "--ray-proxy-timeout", "0"])
+    with pytest.raises(ConfigError, match="--ray-proxy-timeout must be > 0"):
+        check_data_parallel_args(args)
     args = argparse.Namespace(
         data_parallel_size=2, tensor_parallel_size=2, num_threads=None, api_keys=[]
     )

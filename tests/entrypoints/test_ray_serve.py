@@ -116,3 +116,29 @@ def test_a_killed_replica_loses_no_request_and_is_replaced(ray_server: ServerHan
     while len(_engine_processes(ray_server)) < 2 or engines[0].is_running():
         assert time.monotonic() < deadline, "the killed replica was not replaced"
         time.sleep(0.5)
+
+
+def test_serve_controller_gets_the_proxy_timeout(ray_server: ServerHandle) -> None:
+    """``--ray-proxy-timeout`` (60 s by default) reaches Serve's controller, which reads Ray's
+    proxy check timeouts from its environment: at Ray's 5 s a starved proxy was killed."""
+    from tokenmill.entrypoints.data_parallel.ray_app import PROXY_TIMEOUT_VARS
+
+    controllers = []
+    for proc in psutil.Process(ray_server.process.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "ServeController" in " ".join(proc.cmdline()):
+                controllers.append(proc.environ())
+    assert controllers, "no Serve controller among the server's processes"
+    for env in controllers:
+        assert all(env.get(name) == "60.0" for name in PROXY_TIMEOUT_VARS), env
+
+
+def test_proxy_timeouts_leave_what_the_user_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenmill.entrypoints.data_parallel.ray_app import _proxy_timeouts
+
+    monkeypatch.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "7")
+    monkeypatch.delenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", raising=False)
+    assert _proxy_timeouts(30.0) == {
+        "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30.0",
+        "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "7",
+    }

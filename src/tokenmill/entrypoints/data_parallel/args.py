@@ -105,6 +105,15 @@ def add_data_parallel_args(
         "counts it as failed and replaces it",
     )
     group.add_argument(
+        "--ray-proxy-timeout",
+        type=float,
+        default=60.0,
+        help="with --backend ray: seconds Ray Serve's HTTP proxy may take to answer its ready "
+        "and health checks (RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S and "
+        "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S, 5 and 10 s in Ray; on a busy small machine "
+        "Ray killed the proxy after three late answers); those variables, when set, win",
+    )
+    group.add_argument(
         "--dp-metrics-push-interval",
         type=float,
         default=2.0,
@@ -132,6 +141,7 @@ def check_data_parallel_args(args: argparse.Namespace) -> None:
         "dp_max_restart_backoff",
         "dp_ready_timeout",
         "dp_metrics_push_interval",
+        "ray_proxy_timeout",
     ):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")

@@ -408,6 +408,18 @@ def _start_registry(push_s: float) -> None:
     ).remote()
 
 
+PROXY_TIMEOUT_VARS = (
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S",
+)
+"""Ray Serve's HTTP proxy check timeouts (``--ray-proxy-timeout``)."""
+
+
+def _proxy_timeouts(timeout_s: float) -> dict[str, str]:
+    """Ray's proxy timeout variables at ``timeout_s``, except those the user set already."""
+    return {name: os.environ.get(name, str(timeout_s)) for name in PROXY_TIMEOUT_VARS}
+
+
 def run_ray_serve(args: argparse.Namespace) -> int:
     """Start (or join ``RAY_ADDRESS``) Ray, deploy the application, serve until a signal."""
     try:
@@ -421,13 +433,18 @@ def run_ray_serve(args: argparse.Namespace) -> int:
         ) from None
     from tokenmill.entrypoints.openai.server import server_config_from_args
 
-    # Ray's workers import tokenmill as this process does (a source checkout on PYTHONPATH too).
+    # Ray's workers import tokenmill as this process does (a source checkout on PYTHONPATH too),
+    # and Serve's controller reads its proxy timeouts from the environment when it starts.
+    env_vars = _proxy_timeouts(args.ray_proxy_timeout)
+    os.environ.update(env_vars)  # a local cluster started by ray.init inherits them
     paths = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if paths:
+        env_vars["PYTHONPATH"] = os.pathsep.join(paths)
     ray.init(
         address=os.environ.get("RAY_ADDRESS"),
         include_dashboard=False,
         namespace="serve",
-        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}} if paths else None,
+        runtime_env={"env_vars": env_vars},
     )
     from tokenmill.entrypoints.cli import serve_model
     from tokenmill.entrypoints.engine_args import engine_config_from_args
