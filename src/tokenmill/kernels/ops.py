@@ -133,8 +133,8 @@ def linear_int8(
 ) -> torch.Tensor:
     """int8 weights [N, K] with fp32 per-channel scales [N] and int32 row sums [N]; x bf16.
 
-    On AVX-512 the activations are quantized per row to int8 (W8A8, VNNI dot products);
-    on AVX2 the weights are converted to fp32 in registers (weight-only).
+    The activations are quantized per row to int8 (W8A8): VNNI dot products on AVX-512,
+    ``vpmaddubsw`` on AVX2.
     """
     return torch.ops.tokenmill_cpu.linear_int8(_rows(x), qweight, scales, row_sums, bias)
 
@@ -148,8 +148,8 @@ def linear_int4(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """int4 codes in ``kernels.int4_layout``'s packing, ``w = q * scale + offset`` per group
-    (fp32 [N, groups] each); x bf16 [M, K]. With groups of 64+ channels on AVX-512 the
-    activations are quantized per row to int8 (VNNI); otherwise weight-only."""
+    (fp32 [N, groups] each); x bf16 [M, K]. With groups of 64+ channels the activations are
+    quantized per row to int8 (W8A8, both tables); groups of 32 are weight-only."""
     return torch.ops.tokenmill_cpu.linear_int4(_rows(x), packed, scales, offsets, group_size, bias)
 
 

@@ -63,9 +63,9 @@ class Linear(nn.Module):
     machine (measured: 81 vs 45 GFLOP/s at 32 rows, 2 threads). The plain weight is dropped
     once packed, so memory does not grow.
 
-    bf16 and fp32 with the AVX-512 kernels are stored for ``kernels.gemv_bf16`` /
-    ``gemv_f32`` instead (``pack_for_gemv``): 16-channel blocks that each thread reads as
-    one sequential stream.
+    bf16 and fp32 with tokenmill's kernels (AVX-512 or AVX2) are stored for
+    ``kernels.gemv_bf16`` / ``gemv_f32`` instead (``pack_for_gemv``): 16-channel blocks
+    that each thread reads as one sequential stream.
     Row-major and oneDNN-packed weights are read several short rows side by side, and at
     one row that left both at a fraction of a plain sequential read's bandwidth
     (``benchmarks/gemv_bandwidth.py``); the GEMV's register tiles keep up with oneDNN's

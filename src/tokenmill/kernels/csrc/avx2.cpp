@@ -183,6 +183,7 @@ inline void tile_w4a8(const GemmArgs& a, int64_t m0, int64_t n, float out[4][2])
     for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_si256();
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t k = (g * chunks + c) * 64;
+      if constexpr (MR == 1) _mm_prefetch((const char*)(wr + k / 2 + 2048), _MM_HINT_T0);  // as gemv_w8a8_int8
       const __m256i v = _mm256_loadu_si256((const __m256i*)(wr + k / 2));
       const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
       for (int m = 0; m < MR; ++m) {
@@ -198,13 +199,45 @@ inline void tile_w4a8(const GemmArgs& a, int64_t m0, int64_t n, float out[4][2])
   for (int m = 0; m < MR; ++m) out[m][0] = Vec::reduce_add(facc[m]) * a.x_scale[m0 + m];
 }
 
-// One row (the one-stream decode): each weight row read whole, in order, so a thread's
-// channels are one sequential stream; 4 rows x 2 channels tiles from 2 rows on.
+// One activation row (the one-stream decode): each weight row read whole, in order, so a
+// thread's channels are one sequential stream, 64 bytes a step into two accumulators, with
+// the line kAhead bytes ahead requested early (a prefetch never faults, past the end too):
+// measured 1.3-1.9x the bandwidth of one accumulator without it, at two threads.
+void gemv_w8a8_int8(const GemmArgs& a, int64_t n0, int64_t n1) {
+  constexpr int64_t kAhead = 2048;
+  const int8_t* w = static_cast<const int8_t*>(a.w);
+  const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  const float xs = a.x_scale[0];
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = w + n * a.ldw;
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+    int64_t k = 0;
+    for (; k + 64 <= a.K; k += 64) {
+      _mm_prefetch((const char*)(wr + k + kAhead), _MM_HINT_T0);
+      const __m256i w0 = _mm256_loadu_si256((const __m256i*)(wr + k));
+      const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wr + k + 32));
+      const __m256i x0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(a.xq + k)), flip);
+      const __m256i x1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(a.xq + k + 32)), flip);
+      acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(x0, w0)), ones));
+      acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(x1, w1)), ones));
+    }
+    for (; k < a.K; k += 32) {
+      const __m256i w0 = load_w8(wr, k, a.K);
+      const __m256i x0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(a.xq + k)), flip);
+      acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(x0, w0)), ones));
+    }
+    float v = (float)reduce_add_i32(_mm256_add_epi32(acc0, acc1)) * xs * a.scales[n];
+    if (a.bias) v += a.bias[n];
+    a.y[n] = to_bf16(v);
+  }
+}
+
+// Tiles of 4 activation rows x 2 channels.
 void gemm_w8a8_int8(const GemmArgs& a, int64_t n0, int64_t n1) {
+  if (a.M == 1) { gemv_w8a8_int8(a, n0, n1); return; }
   float out[4][2];
-  const int nb = a.M == 1 ? 1 : 2;
-  for (int64_t n = n0; n < n1; n += nb) {
-    const int nr = (int)min64(nb, n1 - n);
+  for (int64_t n = n0; n < n1; n += 2) {
+    const int nr = (int)min64(2, n1 - n);
     for (int64_t m = 0; m < a.M; m += 4) {
       const int mr = (int)min64(4, a.M - m);
 #define TM_CASE(M, N) case (M - 1) * 2 + (N - 1): tile_w8a8<M, N>(a, m, n, out); break;
