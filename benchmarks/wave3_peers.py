@@ -10,7 +10,7 @@ Steps (``--list`` prints them with their estimated minutes on a quiet 2-core mac
                      single = 6 x (128 -> 64) at 1 stream, many = 32 x (128 -> 64) at 16
                      streams, long = 16 x (1024 -> 64) at 8 streams; greedy, EOS ignored.
                      a-vllm-bf16, a-tm-bf16 (paged), a-tm-bf16-static, a-tm-bf16-lat and
-                     a-tm-bf16-static-lat (--max-num-seqs 4, single only), a-tm-int8, a-tm-int4
+                     a-tm-bf16-static-lat (--max-num-seqs 4, single only), a-tm-fp32, a-tm-int8, a-tm-int4
                      (--quantization, --dtype auto), a-llama-f16/q8_0/q4_0, a-ref-bf16 (with
                      --ref: the same tokenmill bf16 server from a worktree of an older commit)
   B (issue 18)       b-fallback: tokenmill bf16 --model-impl transformers on the 250M Llama
@@ -404,6 +404,13 @@ STEPS: list[Step] = [
             max_num_seqs=4,
         ),
         "tokenmill bf16 static, latency config (--max-num-seqs 4)",
+    ),
+    Step(
+        "a-tm-fp32",
+        "A",
+        2.5,
+        dense_server_step(["--dtype", "float32"], ["single", "many", "long"]),
+        "tokenmill fp32, paged KV (dtype auto's choice on CPUs without native bf16)",
     ),
     Step(
         "a-tm-int8",

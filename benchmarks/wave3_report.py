@@ -79,6 +79,7 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
         ("tokenmill bf16, --max-num-seqs 4", "a-tm-bf16-lat"),
         ("tokenmill bf16 static, --max-num-seqs 4", "a-tm-bf16-static-lat"),
         ("llama.cpp f16", "a-llama-f16"),
+        ("tokenmill fp32", "a-tm-fp32"),
         ("tokenmill int8 (dtype auto)", "a-tm-int8"),
         ("llama.cpp Q8_0", "a-llama-q8_0"),
         ("tokenmill int4 (dtype auto)", "a-tm-int4"),

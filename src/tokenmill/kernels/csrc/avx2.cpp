@@ -356,6 +356,7 @@ struct Bf16Tile {
       for (int c = 0; c < C; ++c) {
         const int64_t q = p + c;
         if (q >= kp) break;  // the last lines, fewer than C
+        if constexpr (MR == 1) _mm_prefetch((const char*)(wb + q * 32 + 1024), _MM_HINT_T0);  // 2 KB ahead
         const __m256i v0 = _mm256_loadu_si256((const __m256i*)(wb + q * 32));
         const __m256i v1 = _mm256_loadu_si256((const __m256i*)(wb + q * 32 + 16));
         const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
