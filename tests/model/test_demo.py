@@ -130,9 +130,11 @@ def test_engine_runs_the_demo_in_float32_unless_the_cpu_has_bf16(
     demo_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bf16 on disk for size; the config asks for float32, which a GPU and a CPU without
-    bf16 units keep; a CPU with them runs it as bf16 (vLLM's auto)."""
+    bf16 units (nor tokenmill's AVX2 kernels) keep; a CPU with them runs it as bf16 (vLLM's
+    auto)."""
     cfg = ModelConfig.from_folder(demo_dir)
     assert resolve_dtype("auto", cfg, torch.device("cuda")) == torch.float32
+    monkeypatch.setattr("tokenmill.model.loader._kernels_read_bf16", lambda info: False)
     for flags, want in (({"avx2"}, torch.float32), ({"amx_bf16"}, torch.bfloat16)):
         info = CPUInfo("AVX512", frozenset(flags), 2)
         monkeypatch.setattr("tokenmill.model.loader.cpu_info", lambda info=info: info)

@@ -114,18 +114,22 @@ def test_missing_config(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("flags", "want", "logged"),
+    ("flags", "avx2_kernels", "want", "logged"),
     [
-        ({"avx512_bf16"}, torch.bfloat16, "bfloat16, which this CPU computes natively"),
-        ({"amx_bf16"}, torch.bfloat16, "bfloat16, which this CPU computes natively"),
-        ({"avx2"}, torch.float32, "float32, as this CPU has no bf16 dot products"),
+        ({"avx512_bf16"}, False, torch.bfloat16, "bfloat16, which this CPU computes natively"),
+        ({"amx_bf16"}, False, torch.bfloat16, "bfloat16, which this CPU computes natively"),
+        ({"avx2"}, True, torch.bfloat16, "bfloat16, whose weights tokenmill's AVX2 kernels read"),
+        ({"avx2"}, False, torch.float32, "float32, as this CPU has no bf16 dot products"),
     ],
 )
-def test_dtype_auto_runs_bf16_only_where_the_cpu_has_bf16(
-    model_copy: Path, caplog, monkeypatch: pytest.MonkeyPatch, flags, want, logged
+def test_dtype_auto_runs_bf16_where_the_cpu_or_the_kernels_make_it_fast(
+    model_copy: Path, caplog, monkeypatch: pytest.MonkeyPatch, flags, avx2_kernels, want, logged
 ) -> None:
+    """bf16 with bf16 hardware, or on AVX2 where tokenmill's kernels read bf16 weights (and
+    compute in fp32); fp32 where neither (no compiler for the kernels, another CPU)."""
     info = CPUInfo("AVX512", frozenset(flags), 2)
     monkeypatch.setattr("tokenmill.model.loader.cpu_info", lambda: info)
+    monkeypatch.setattr("tokenmill.model.loader._kernels_read_bf16", lambda info: avx2_kernels)
     raw = json.loads((model_copy / "config.json").read_text())
     for declared in ("bfloat16", "float16"):
         cfg = ModelConfig.from_dict({**raw, "torch_dtype": declared})
@@ -147,6 +151,7 @@ def test_dtype_auto_runs_a_quantized_fp32_checkpoint_in_bf16_where_the_cpu_has_b
 ) -> None:
     info = CPUInfo("AVX512", frozenset(flags), 2)
     monkeypatch.setattr("tokenmill.model.loader.cpu_info", lambda: info)
+    monkeypatch.setattr("tokenmill.model.loader._kernels_read_bf16", lambda info: False)
     raw = json.loads((model_copy / "config.json").read_text())
     cfg = ModelConfig.from_dict({**raw, "torch_dtype": "float32"})
     with caplog.at_level("INFO"):

@@ -51,7 +51,9 @@ def gemv_layout_wanted() -> bool:
     streamed from memory, the demo's and a 250M Llama's shapes): 1.5-2.4x at one row,
     1.1-1.6x at 5, 0.98-1.08x at 64 and 0.91-1.0x at 512: decode and verification steps
     gain far more than a prefill chunk loses, and a second copy of each weight would double
-    the memory."""
+    the memory. On AVX2 (``benchmarks/gemv_ab.py``, 2 threads, AVX2-only EPYC,
+    ``results/gemv_ab_avx2.md``): fp32 1.06-1.66x oneDNN from 1 to 512 rows; bf16, which
+    oneDNN does not run there (``F.linear`` does), 1.4-1.7x at one row and 4-7.7x from 4."""
     return os.environ.get(GEMV_ENV) != "0"
 
 

@@ -22,7 +22,7 @@ from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.model.attention_backend import AttentionBackend, default_attention_backend
 from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.cpu import cpu_info
+from tokenmill.model.cpu import CPUInfo, cpu_info
 from tokenmill.model.layers import gemv_layout_wanted
 from tokenmill.model.quant import quantize_linear
 from tokenmill.model.registry import WeightSpec, expected_tensors, model_class, weight_layout
@@ -58,8 +58,12 @@ def resolve_dtype(
     ``auto`` keeps the checkpoint's precision on a GPU. On CPU it follows vLLM: where the
     CPU has bf16 dot products (AVX512-BF16 or AMX) every checkpoint runs as bf16, a float32
     one included (2.3x the fp32 throughput at 16 streams on a 250M model; ``--dtype
-    float32`` keeps fp32); where it has not, everything runs as fp32 (fp16 GEMMs have no
-    such units on CPU, measured 3x slower than bf16 at 128 rows).
+    float32`` keeps fp32). Where it has not but tokenmill's AVX2 kernels run, bf16 too:
+    their GEMV reads bf16 weights (half fp32's bytes) and multiplies in fp32 (served on an
+    AVX2-only EPYC, 250M Llama: one stream 1.6x fp32's speed, 16 streams 1.15x, long
+    prompts 1.15x; docs/benchmarks.md, seventh pass). Without the kernels everything runs
+    as fp32 (fp16 GEMMs have no such units on CPU, measured 3x slower than bf16 at 128 rows;
+    torch's bf16 GEMMs on AVX2 too).
     ``quantization`` needs no rule of its own: the int kernels take bf16 activations, which
     ``auto`` already picks wherever the CPU computes bf16 natively.
     """
@@ -75,10 +79,16 @@ def resolve_dtype(
         logger.info("dtype auto: %s, as the checkpoint declares", declared)
         return declared
     info = cpu_info()
-    if info.has_native_bf16:
+    if info.has_native_bf16 or (device.type == "cpu" and _kernels_read_bf16(info)):
+        why = (
+            "which this CPU computes natively"
+            if info.has_native_bf16
+            else "whose weights tokenmill's AVX2 kernels read at half float32's bytes"
+        )
         logger.info(
-            "dtype auto: checkpoint is %s; using bfloat16, which this CPU computes natively (%s)%s",
+            "dtype auto: checkpoint is %s; using bfloat16, %s (%s)%s",
             str(declared).removeprefix("torch."),
+            why,
             info.describe(),
             "; --dtype float32 keeps float32" if declared == torch.float32 else "",
         )
@@ -92,6 +102,12 @@ def resolve_dtype(
         info.describe(),
     )
     return torch.float32
+
+
+def _kernels_read_bf16(info: CPUInfo) -> bool:
+    """Whether tokenmill's CPU kernels serve bf16 projections here without bf16 hardware:
+    the AVX2 table (its GEMV converts bf16 weights to fp32 in registers)."""
+    return "avx2" in info.flags and kernels.available() and kernels.active_isa() == "avx2"
 
 
 def _checkpoint_files(folder: Path) -> list[Path]:
