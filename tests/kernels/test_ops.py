@@ -86,6 +86,23 @@ def test_gemv_bf16_keeps_leading_dims_and_strided_rows(isa: str) -> None:
     _close_to_fp32(got, F.linear(x.float(), w.float()), 1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_gemv_rows_do_not_depend_on_the_batch(isa: str, dtype: torch.dtype) -> None:
+    """On AVX2 each output sums its products in k order whatever the tile: a row alone gives
+    the bits it gives inside a batch (an embedding request alone equals the same input in a
+    batch). AVX-512 splits one row's sum over chains for latency, so it is not checked."""
+    if isa != "avx2":
+        pytest.skip("batch invariance is the AVX2 tiles' property")
+    x, w = _randn(11, 300, dtype=dtype), _randn(40, 300, dtype=dtype, seed=1)
+    if dtype == torch.float32:
+        packed, op = gemv_layout.pack_f32(w), kernels.gemv_f32
+    else:
+        packed, op = gemv_layout.pack(w), kernels.gemv_bf16
+    batch = op(x, packed, 40, None)
+    for i in range(11):
+        assert torch.equal(op(x[i : i + 1], packed, 40, None)[0], batch[i]), i
+
+
 def test_gemv_layout_round_trips_and_rejects_other_shapes() -> None:
     w = _randn(37, 70, dtype=torch.bfloat16)
     packed = gemv_layout.pack(w)

@@ -293,10 +293,15 @@ void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
 
 // GEMV/GEMM over kernels/gemv_layout.py's 16-channel blocks (see avx512.cpp), as register
 // tiles of MR rows x one block: every row's x[k] is broadcast from memory against a line's
-// two 8-channel halves (no horizontal sums), C chains of accumulators covering the FMA
-// latency where MR rows alone do not. A block is one sequential stream of weights; a
+// two 8-channel halves (no horizontal sums). A block is one sequential stream of weights; a
 // thread runs each of its blocks over a chunk of rows before moving on, so a block is read
 // from memory once per chunk and stays in L2 while the chunk's tiles pass over it.
+//
+// One accumulator per output and half, summed in k order whatever the row count, so a
+// row's result does not depend on the batch it came in (a sequence embedded alone equals
+// the same sequence in a batch, to the bit). One row is then bound by the FMA latency at
+// about 16 (fp32) or 8 (bf16) bytes of weights a cycle, above what one core streams from
+// memory; four or more rows keep both FMA units busy.
 //
 // bf16 lines hold 8 channels' (k, k + 1) pairs per half: the even weights are each 32-bit
 // lane shifted up, the odd ones the lane with its low half cleared; x is converted to fp32
@@ -320,22 +325,18 @@ inline float* row_buffer(int64_t floats) {  // per thread, grown on demand, neve
   return buf;
 }
 
-// Output (m, half h) of a tile: the sum of its C chains plus the bias, stored as STORE does.
-// A macro, not a function taking the accumulator array: GCC then keeps the array in
-// registers (with a reference to it, every FMA's result was also stored to the stack).
+// Output (m, half h) of a tile plus the bias, stored as STORE does. A macro copying the
+// accumulators out first: with the array read under the stores' control flow (or through
+// a reference), GCC stored every FMA's result to the stack inside the k loop.
 #define TM_TILE_STORE(STORE, OUT)                                                     \
   __m256 sums[MR][2];                                                                 \
-  _Pragma("GCC unroll 16") for (int m = 0; m < MR; ++m)                               \
-    _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {                             \
-      sums[m][h] = acc[0][m][h];                                                      \
-      _Pragma("GCC unroll 8") for (int c = 1; c < C; ++c)                             \
-        sums[m][h] = _mm256_add_ps(sums[m][h], acc[c][m][h]);                          \
-    }                                                                                 \
+  _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m)                                \
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) sums[m][h] = acc[m][h];       \
   for (int m = 0; m < MR; ++m)                                                        \
     for (int h = 0; h < 2; ++h) {                                                     \
       const int64_t ch = b * 16 + h * 8;                                              \
       const int nr = (int)min64(8, a.N - ch);                                         \
-      if (nr <= 0) continue;                                                          \
+      if (nr <= 0) continue; /* the padding half of the last block */                 \
       __m256 s = sums[m][h];                                                          \
       if (a.bias) s = _mm256_add_ps(s, Vec::load_f32(a.bias + ch, nr));               \
       STORE(OUT + (m0 + m) * a.ldy + ch, s, nr);                                      \
@@ -344,34 +345,30 @@ inline float* row_buffer(int64_t floats) {  // per thread, grown on demand, neve
 // Rows [0, MR) of xf (fp32, stride ldxf, K padded to 2 with a zero) x block b, into y rows m0...
 struct Bf16Tile {
   static constexpr int kMaxRows = 4;  // 8 accumulators + 4 weight vectors + 2 broadcasts
-  template <int MR, int C>
+  template <int MR>
   static void run(const GemmArgs& a, const float* xf, int64_t ldxf, int64_t m0, int64_t b) {
     const int64_t kp = (a.K + 1) / 2;
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-    __m256 acc[C][MR][2];
-    for (int c = 0; c < C; ++c)
-      for (int m = 0; m < MR; ++m) acc[c][m][0] = acc[c][m][1] = Vec::zero();
+    __m256 acc[MR][2];
+    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = Vec::zero();
     const uint16_t* wb = static_cast<const uint16_t*>(a.w) + b * kp * 32;
-    for (int64_t p = 0; p < kp; p += C)
-      for (int c = 0; c < C; ++c) {
-        const int64_t q = p + c;
-        if (q >= kp) break;  // the last lines, fewer than C
-        if constexpr (MR == 1) _mm_prefetch((const char*)(wb + q * 32 + 1024), _MM_HINT_T0);  // 2 KB ahead
-        const __m256i v0 = _mm256_loadu_si256((const __m256i*)(wb + q * 32));
-        const __m256i v1 = _mm256_loadu_si256((const __m256i*)(wb + q * 32 + 16));
-        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
-        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, high));
-        const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
-        const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, high));
-        for (int m = 0; m < MR; ++m) {
-          const __m256 xe = _mm256_broadcast_ss(xf + m * ldxf + 2 * q);
-          const __m256 xo = _mm256_broadcast_ss(xf + m * ldxf + 2 * q + 1);
-          acc[c][m][0] = _mm256_fmadd_ps(e0, xe, acc[c][m][0]);
-          acc[c][m][1] = _mm256_fmadd_ps(e1, xe, acc[c][m][1]);
-          acc[c][m][0] = _mm256_fmadd_ps(o0, xo, acc[c][m][0]);
-          acc[c][m][1] = _mm256_fmadd_ps(o1, xo, acc[c][m][1]);
-        }
+    for (int64_t q = 0; q < kp; ++q) {
+      if constexpr (MR == 1) _mm_prefetch((const char*)(wb + q * 32 + 1024), _MM_HINT_T0);  // 2 KB ahead
+      const __m256i v0 = _mm256_loadu_si256((const __m256i*)(wb + q * 32));
+      const __m256i v1 = _mm256_loadu_si256((const __m256i*)(wb + q * 32 + 16));
+      const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+      const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, high));
+      const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+      const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, high));
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xe = _mm256_broadcast_ss(xf + m * ldxf + 2 * q);
+        const __m256 xo = _mm256_broadcast_ss(xf + m * ldxf + 2 * q + 1);
+        acc[m][0] = _mm256_fmadd_ps(e0, xe, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(e1, xe, acc[m][1]);
+        acc[m][0] = _mm256_fmadd_ps(o0, xo, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(o1, xo, acc[m][1]);
       }
+    }
     TM_TILE_STORE(Vec::store_bf16, a.y)
   }
 };
@@ -379,40 +376,34 @@ struct Bf16Tile {
 // fp32 lines: one input's 16 channels (two 8-channel halves), x[k] broadcast against both.
 struct F32Tile {
   static constexpr int kMaxRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast
-  template <int MR, int C>
+  template <int MR>
   static void run(const GemmArgs& a, const float* xf, int64_t ldxf, int64_t m0, int64_t b) {
-    __m256 acc[C][MR][2];
-    for (int c = 0; c < C; ++c)
-      for (int m = 0; m < MR; ++m) acc[c][m][0] = acc[c][m][1] = Vec::zero();
+    __m256 acc[MR][2];
+    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = Vec::zero();
     const float* wb = static_cast<const float*>(a.w) + b * a.K * 16;
-    const int64_t K = a.K;
-    for (int64_t k0 = 0; k0 < K; k0 += C)
-      for (int c = 0; c < C; ++c) {
-        const int64_t k = k0 + c;
-        if (k >= K) break;  // the last inputs, fewer than C
-        const __m256 lo = _mm256_loadu_ps(wb + k * 16), hi = _mm256_loadu_ps(wb + k * 16 + 8);
-        for (int m = 0; m < MR; ++m) {
-          const __m256 xv = _mm256_broadcast_ss(xf + m * ldxf + k);
-          acc[c][m][0] = _mm256_fmadd_ps(lo, xv, acc[c][m][0]);
-          acc[c][m][1] = _mm256_fmadd_ps(hi, xv, acc[c][m][1]);
-        }
+    for (int64_t k = 0; k < a.K; ++k) {
+      const __m256 lo = _mm256_loadu_ps(wb + k * 16), hi = _mm256_loadu_ps(wb + k * 16 + 8);
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xv = _mm256_broadcast_ss(xf + m * ldxf + k);
+        acc[m][0] = _mm256_fmadd_ps(lo, xv, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(hi, xv, acc[m][1]);
       }
+    }
     TM_TILE_STORE(Vec::store_f32, a.yf)
   }
 };
 
 #undef TM_TILE_STORE
 
-// MR rows (at most Tile::kMaxRows) with enough chains for about 8 accumulators.
 template <class Tile>
 void gemv_rows(const GemmArgs& a, const float* xf, int64_t ldxf, int64_t m0, int mr, int64_t b) {
   switch (mr) {
-    case 1: Tile::template run<1, 4>(a, xf, ldxf, m0, b); break;
-    case 2: Tile::template run<2, 2>(a, xf, ldxf, m0, b); break;
-    case 3: Tile::template run<3, 1>(a, xf, ldxf, m0, b); break;
-    case 4: Tile::template run<4, 1>(a, xf, ldxf, m0, b); break;
-    case 5: if constexpr (Tile::kMaxRows >= 5) Tile::template run<5, 1>(a, xf, ldxf, m0, b); break;
-    default: if constexpr (Tile::kMaxRows >= 6) Tile::template run<6, 1>(a, xf, ldxf, m0, b); break;
+    case 1: Tile::template run<1>(a, xf, ldxf, m0, b); break;
+    case 2: Tile::template run<2>(a, xf, ldxf, m0, b); break;
+    case 3: Tile::template run<3>(a, xf, ldxf, m0, b); break;
+    case 4: Tile::template run<4>(a, xf, ldxf, m0, b); break;
+    case 5: if constexpr (Tile::kMaxRows >= 5) Tile::template run<5>(a, xf, ldxf, m0, b); break;
+    default: if constexpr (Tile::kMaxRows >= 6) Tile::template run<6>(a, xf, ldxf, m0, b); break;
   }
 }
 
