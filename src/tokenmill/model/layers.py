@@ -52,8 +52,8 @@ def gemv_layout_wanted() -> bool:
     1.1-1.6x at 5, 0.98-1.08x at 64 and 0.91-1.0x at 512: decode and verification steps
     gain far more than a prefill chunk loses, and a second copy of each weight would double
     the memory. On AVX2 (``benchmarks/gemv_ab.py``, 2 threads, AVX2-only EPYC,
-    ``results/gemv_ab_avx2.md``): fp32 1.06-1.66x oneDNN from 1 to 512 rows; bf16, which
-    oneDNN does not run there (``F.linear`` does), 1.4-1.7x at one row and 4-7.7x from 4."""
+    ``results/gemv_ab_avx2.md``): fp32 1.02-2.6x oneDNN from 1 to 512 rows; bf16, which
+    oneDNN does not run there (``F.linear`` does), 1.5-1.7x at one row and 4.9-7.8x from 4."""
     return os.environ.get(GEMV_ENV) != "0"
 
 
