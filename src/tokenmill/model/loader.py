@@ -65,7 +65,7 @@ def resolve_dtype(
     as fp32 (fp16 GEMMs have no such units on CPU, measured 3x slower than bf16 at 128 rows;
     torch's bf16 GEMMs on AVX2 too).
     ``quantization`` needs no rule of its own: the int kernels take bf16 activations, which
-    ``auto`` already picks wherever the CPU computes bf16 natively.
+    ``auto`` already picks wherever bf16 runs fast (natively, or on the AVX2 kernels).
     """
     if requested != "auto":
         dtype = TORCH_DTYPES[requested]
@@ -79,7 +79,7 @@ def resolve_dtype(
         logger.info("dtype auto: %s, as the checkpoint declares", declared)
         return declared
     info = cpu_info()
-    if info.has_native_bf16 or (device.type == "cpu" and _kernels_read_bf16(info)):
+    if info.has_native_bf16 or _kernels_read_bf16(info):
         why = (
             "which this CPU computes natively"
             if info.has_native_bf16
