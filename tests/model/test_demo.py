@@ -134,7 +134,7 @@ def test_engine_runs_the_demo_in_float32_unless_the_cpu_has_bf16(
     auto)."""
     cfg = ModelConfig.from_folder(demo_dir)
     assert resolve_dtype("auto", cfg, torch.device("cuda")) == torch.float32
-    monkeypatch.setattr("tokenmill.model.loader._kernels_read_bf16", lambda info: False)
+    monkeypatch.setattr("tokenmill.model.loader._kernels_read_bf16", lambda: False)
     for flags, want in (({"avx2"}, torch.float32), ({"amx_bf16"}, torch.bfloat16)):
         info = CPUInfo("AVX512", frozenset(flags), 2)
         monkeypatch.setattr("tokenmill.model.loader.cpu_info", lambda info=info: info)

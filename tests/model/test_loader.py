@@ -129,7 +129,7 @@ def test_dtype_auto_runs_bf16_where_the_cpu_or_the_kernels_make_it_fast(
     compute in fp32); fp32 where neither (no compiler for the kernels, another CPU)."""
     info = CPUInfo("AVX512", frozenset(flags), 2)
     monkeypatch.setattr("tokenmill.model.loader.cpu_info", lambda: info)
-    monkeypatch.setattr("tokenmill.model.loader._kernels_read_bf16", lambda info: avx2_kernels)
+    monkeypatch.setattr("tokenmill.model.loader._kernels_read_bf16", lambda: avx2_kernels)
     raw = json.loads((model_copy / "config.json").read_text())
     for declared in ("bfloat16", "float16"):
         cfg = ModelConfig.from_dict({**raw, "torch_dtype": declared})
@@ -151,7 +151,7 @@ def test_dtype_auto_runs_a_quantized_fp32_checkpoint_in_bf16_where_the_cpu_has_b
 ) -> None:
     info = CPUInfo("AVX512", frozenset(flags), 2)
     monkeypatch.setattr("tokenmill.model.loader.cpu_info", lambda: info)
-    monkeypatch.setattr("tokenmill.model.loader._kernels_read_bf16", lambda info: False)
+    monkeypatch.setattr("tokenmill.model.loader._kernels_read_bf16", lambda: False)
     raw = json.loads((model_copy / "config.json").read_text())
     cfg = ModelConfig.from_dict({**raw, "torch_dtype": "float32"})
     with caplog.at_level("INFO"):

@@ -22,7 +22,7 @@ from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.model.attention_backend import AttentionBackend, default_attention_backend
 from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.cpu import CPUInfo, cpu_info
+from tokenmill.model.cpu import cpu_info
 from tokenmill.model.layers import gemv_layout_wanted
 from tokenmill.model.quant import quantize_linear
 from tokenmill.model.registry import WeightSpec, expected_tensors, model_class, weight_layout
@@ -79,7 +79,7 @@ def resolve_dtype(
         logger.info("dtype auto: %s, as the checkpoint declares", declared)
         return declared
     info = cpu_info()
-    if info.has_native_bf16 or _kernels_read_bf16(info):
+    if info.has_native_bf16 or _kernels_read_bf16():
         why = (
             "which this CPU computes natively"
             if info.has_native_bf16
@@ -104,10 +104,11 @@ def resolve_dtype(
     return torch.float32
 
 
-def _kernels_read_bf16(info: CPUInfo) -> bool:
+def _kernels_read_bf16() -> bool:
     """Whether tokenmill's CPU kernels serve bf16 projections here without bf16 hardware:
-    the AVX2 table (its GEMV converts bf16 weights to fp32 in registers)."""
-    return "avx2" in info.flags and kernels.available() and kernels.active_isa() == "avx2"
+    the AVX2 table (its GEMV converts bf16 weights to fp32 in registers; ``active_isa`` is
+    ``none`` where the extension did not load)."""
+    return kernels.active_isa() == "avx2"
 
 
 def _checkpoint_files(folder: Path) -> list[Path]:

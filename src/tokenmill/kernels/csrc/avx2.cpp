@@ -62,7 +62,7 @@ inline void tile_any(int mr, int nr, const GemmArgs& a, int64_t m0, int64_t n0, 
 #undef TM_CASE
 }
 
-enum Kind { kBf16, kInt4 };
+enum Kind { kBf16, kInt4 };  // kBf16: the bias only (also int8, whose tiles apply the scales)
 
 template <Kind KIND>
 inline float finish(const GemmArgs& a, int64_t m, int64_t n, float s) {
@@ -81,14 +81,16 @@ inline uint16_t to_bf16(float f) {
   return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
-template <Kind KIND, class WL>
-void gemm_tiles(const GemmArgs& a, int64_t n0, int64_t n1, const WL& wl) {
+// Tiles of up to 4 rows x 2 channels; tile(mr, nr, m, n, out) leaves each output's sum in
+// out, finish<KIND> adds what the tile left out.
+template <Kind KIND, class TileFn>
+void gemm_tiles(const GemmArgs& a, int64_t n0, int64_t n1, const TileFn& tile) {
   float out[4][2];
   for (int64_t n = n0; n < n1; n += 2) {
     const int nr = (int)min64(2, n1 - n);
     for (int64_t m = 0; m < a.M; m += 4) {
       const int mr = (int)min64(4, a.M - m);
-      tile_any(mr, nr, a, m, n, wl, out);
+      tile(mr, nr, m, n, out);
       for (int i = 0; i < mr; ++i)
         for (int r = 0; r < nr; ++r) a.y[(m + i) * a.ldy + n + r] = to_bf16(finish<KIND>(a, m + i, n + r, out[i][r]));
     }
@@ -141,12 +143,23 @@ inline __m256i load_w8(const int8_t* wr, int64_t k, int64_t K) {
   return _mm256_load_si256((const __m256i*)buf);
 }
 
+// x + 128 (quantize_rows' unsigned int8 activations) back to signed int8.
+inline __m256i load_x_s8(const uint8_t* p) {
+  return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)p), _mm256_set1_epi8((char)0x80));
+}
+
+// acc + the products of 32 int8 weights w (aw = |w|) and activations x, summed in pairs of
+// pairs into 8 int32 lanes.
+inline __m256i dot_s8(__m256i acc, __m256i aw, __m256i w, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
 // int8 weights [N, K] against x + 128 (u8, flipped back to s8 here): rows [m0, m0 + MR) x
 // channels [n0, n0 + NR), x_scale and the channel scales applied.
 template <int MR, int NR>
 inline void tile_w8a8(const GemmArgs& a, int64_t m0, int64_t n0, float out[4][2]) {
   const int8_t* w = static_cast<const int8_t*>(a.w);
-  const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
   __m256i acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_si256();
@@ -157,10 +170,8 @@ inline void tile_w8a8(const GemmArgs& a, int64_t m0, int64_t n0, float out[4][2]
       aw[r] = _mm256_abs_epi8(wv[r]);
     }
     for (int m = 0; m < MR; ++m) {
-      const __m256i xv = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(a.xq + (m0 + m) * a.ldq + k)), flip);
-      for (int r = 0; r < NR; ++r)
-        acc[m][r] = _mm256_add_epi32(
-            acc[m][r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xv, wv[r])), ones));
+      const __m256i xv = load_x_s8(a.xq + (m0 + m) * a.ldq + k);
+      for (int r = 0; r < NR; ++r) acc[m][r] = dot_s8(acc[m][r], aw[r], wv[r], xv);
     }
   }
   for (int m = 0; m < MR; ++m)
@@ -183,7 +194,7 @@ inline void tile_w4a8(const GemmArgs& a, int64_t m0, int64_t n, float out[4][2])
     for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_si256();
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t k = (g * chunks + c) * 64;
-      if constexpr (MR == 1) _mm_prefetch((const char*)(wr + k / 2 + 2048), _MM_HINT_T0);  // as gemv_w8a8_int8
+      if constexpr (MR == 1) _mm_prefetch((const char*)(wr + k / 2 + 2048), _MM_HINT_T0);  // as gemv_w8a8_int8's
       const __m256i v = _mm256_loadu_si256((const __m256i*)(wr + k / 2));
       const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
       for (int m = 0; m < MR; ++m) {
@@ -206,7 +217,6 @@ inline void tile_w4a8(const GemmArgs& a, int64_t m0, int64_t n, float out[4][2])
 void gemv_w8a8_int8(const GemmArgs& a, int64_t n0, int64_t n1) {
   constexpr int64_t kAhead = 2048;
   const int8_t* w = static_cast<const int8_t*>(a.w);
-  const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
   const float xs = a.x_scale[0];
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* wr = w + n * a.ldw;
@@ -216,44 +226,29 @@ void gemv_w8a8_int8(const GemmArgs& a, int64_t n0, int64_t n1) {
       _mm_prefetch((const char*)(wr + k + kAhead), _MM_HINT_T0);
       const __m256i w0 = _mm256_loadu_si256((const __m256i*)(wr + k));
       const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wr + k + 32));
-      const __m256i x0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(a.xq + k)), flip);
-      const __m256i x1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(a.xq + k + 32)), flip);
-      acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(x0, w0)), ones));
-      acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(x1, w1)), ones));
+      acc0 = dot_s8(acc0, _mm256_abs_epi8(w0), w0, load_x_s8(a.xq + k));
+      acc1 = dot_s8(acc1, _mm256_abs_epi8(w1), w1, load_x_s8(a.xq + k + 32));
     }
     for (; k < a.K; k += 32) {
       const __m256i w0 = load_w8(wr, k, a.K);
-      const __m256i x0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(a.xq + k)), flip);
-      acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(x0, w0)), ones));
+      acc0 = dot_s8(acc0, _mm256_abs_epi8(w0), w0, load_x_s8(a.xq + k));
     }
-    float v = (float)reduce_add_i32(_mm256_add_epi32(acc0, acc1)) * xs * a.scales[n];
-    if (a.bias) v += a.bias[n];
-    a.y[n] = to_bf16(v);
+    const float v = (float)reduce_add_i32(_mm256_add_epi32(acc0, acc1)) * xs * a.scales[n];
+    a.y[n] = to_bf16(finish<kBf16>(a, 0, n, v));
   }
 }
 
-// Tiles of 4 activation rows x 2 channels.
-void gemm_w8a8_int8(const GemmArgs& a, int64_t n0, int64_t n1) {
+// Tiles of 4 activation rows x 2 channels (gemm_tiles) from 2 rows on.
+void gemm_int8(const GemmArgs& a, int64_t n0, int64_t n1) {
   if (a.M == 1) { gemv_w8a8_int8(a, n0, n1); return; }
-  float out[4][2];
-  for (int64_t n = n0; n < n1; n += 2) {
-    const int nr = (int)min64(2, n1 - n);
-    for (int64_t m = 0; m < a.M; m += 4) {
-      const int mr = (int)min64(4, a.M - m);
+  gemm_tiles<kBf16>(a, n0, n1, [&](int mr, int nr, int64_t m, int64_t n, float (&out)[4][2]) {
 #define TM_CASE(M, N) case (M - 1) * 2 + (N - 1): tile_w8a8<M, N>(a, m, n, out); break;
-      switch ((mr - 1) * 2 + (nr - 1)) {
-        TM_CASE(1, 1) TM_CASE(1, 2) TM_CASE(2, 1) TM_CASE(2, 2)
-        TM_CASE(3, 1) TM_CASE(3, 2) TM_CASE(4, 1) TM_CASE(4, 2)
-      }
-#undef TM_CASE
-      for (int i = 0; i < mr; ++i)
-        for (int r = 0; r < nr; ++r) {
-          float v = out[i][r];
-          if (a.bias) v += a.bias[n + r];
-          a.y[(m + i) * a.ldy + n + r] = to_bf16(v);
-        }
+    switch ((mr - 1) * 2 + (nr - 1)) {
+      TM_CASE(1, 1) TM_CASE(1, 2) TM_CASE(2, 1) TM_CASE(2, 2)
+      TM_CASE(3, 1) TM_CASE(3, 2) TM_CASE(4, 1) TM_CASE(4, 2)
     }
-  }
+#undef TM_CASE
+  });
 }
 
 void gemm_w4a8(const GemmArgs& a, int64_t n0, int64_t n1) {
@@ -267,28 +262,27 @@ void gemm_w4a8(const GemmArgs& a, int64_t n0, int64_t n1) {
         case 3: tile_w4a8<3>(a, m, n, out); break;
         default: tile_w4a8<4>(a, m, n, out); break;
       }
-      for (int i = 0; i < mr; ++i) {
-        float v = out[i][0];
-        const float* z = a.zeros + n * a.num_groups;
-        const float* xs = a.xsum + (m + i) * a.num_groups;
-        for (int64_t g = 0; g < a.num_groups; ++g) v += z[g] * xs[g];
-        if (a.bias) v += a.bias[n];
-        a.y[(m + i) * a.ldy + n] = to_bf16(v);
-      }
+      for (int i = 0; i < mr; ++i) a.y[(m + i) * a.ldy + n] = to_bf16(finish<kInt4>(a, m + i, n, out[i][0]));
     }
 }
 
-void gemm_bf16(const GemmArgs& a, int64_t n0, int64_t n1) {
-  gemm_tiles<kBf16>(a, n0, n1, Bf16Weights{static_cast<const uint16_t*>(a.w), a.ldw, a.K});
+// The float tiles (tile_any) over weights that WL converts to fp32 in registers.
+template <Kind KIND, class WL>
+void gemm_float_tiles(const GemmArgs& a, int64_t n0, int64_t n1, const WL& wl) {
+  gemm_tiles<KIND>(a, n0, n1, [&](int mr, int nr, int64_t m, int64_t n, float (&out)[4][2]) {
+    tile_any(mr, nr, a, m, n, wl, out);
+  });
 }
 
-void gemm_int8(const GemmArgs& a, int64_t n0, int64_t n1) { gemm_w8a8_int8(a, n0, n1); }
+void gemm_bf16(const GemmArgs& a, int64_t n0, int64_t n1) {
+  gemm_float_tiles<kBf16>(a, n0, n1, Bf16Weights{static_cast<const uint16_t*>(a.w), a.ldw, a.K});
+}
 
 // Groups of 64+ come with quantized activations (ops.cpp); 32-code groups split a 64-code
 // chunk, so their weights are converted to fp32 in registers against bf16 x instead.
 void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
   if (a.xq) { gemm_w4a8(a, n0, n1); return; }
-  gemm_tiles<kInt4>(a, n0, n1, Int4Weights{static_cast<const uint8_t*>(a.w), a.ldw, a.scales, a.num_groups, a.group_size});
+  gemm_float_tiles<kInt4>(a, n0, n1, Int4Weights{static_cast<const uint8_t*>(a.w), a.ldw, a.scales, a.num_groups, a.group_size});
 }
 
 // GEMV/GEMM over kernels/gemv_layout.py's 16-channel blocks (see avx512.cpp), as register
