@@ -7,152 +7,44 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernels.helpers import SHAPES, close_to_fp32, generator, randn
 from tokenmill import kernels
-from tokenmill.kernels import gemv_layout, int4_layout
+from tokenmill.kernels import int4_layout
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _gen(seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _randn(*shape: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*shape, generator=_gen(seed)).to(dtype)
-
-
-def _close_to_fp32(got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
-    """bf16 outputs against an fp32 reference: within rtol of the largest output."""
-    err = (got.float() - want).abs().max().item()
-    assert err <= rtol * want.abs().max().item() + 1e-6, (err, want.abs().max().item())
-
-
-SHAPES = [(1, 1, 32), (1, 37, 70), (3, 5, 96), (5, 64, 33), (16, 130, 257), (64, 48, 128)]
-"""(rows M, output channels N, input channels K): tails in every dimension."""
-
-
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_bf16(isa: str, threads: int, m: int, n: int, k: int, with_bias: bool) -> None:
-    x, w = _randn(m, k, dtype=torch.bfloat16), _randn(n, k, dtype=torch.bfloat16, seed=1)
-    bias = _randn(n, dtype=torch.bfloat16, seed=2) if with_bias else None
+    x, w = randn(m, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, seed=1)
+    bias = randn(n, dtype=torch.bfloat16, seed=2) if with_bias else None
     want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
     got = kernels.linear_bf16(x, w, bias)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-    _close_to_fp32(got, want, 1e-2)
+    close_to_fp32(got, want, 1e-2)
 
 
 def test_linear_bf16_keeps_leading_dims_and_strided_rows(isa: str) -> None:
-    x = _randn(2, 3, 80, dtype=torch.bfloat16)[..., :72]  # rows with a stride
-    w = _randn(40, 72, dtype=torch.bfloat16, seed=1)
+    x = randn(2, 3, 80, dtype=torch.bfloat16)[..., :72]  # rows with a stride
+    w = randn(40, 72, dtype=torch.bfloat16, seed=1)
     got = kernels.linear_bf16(x, w, None)
     assert got.shape == (2, 3, 40)
-    _close_to_fp32(got, F.linear(x.float(), w.float()), 1e-2)
-
-
-GEMV_SHAPES = [
-    (4, 17, 1000),
-    (9, 33, 64),
-    (13, 20, 7),
-    (24, 50, 33),
-    (70, 47, 101),
-    (129, 16, 64),
-    (300, 20, 999),
-]
-"""AVX-512: every row count up to 16 has its own tile, more rows go 8 x 3 blocks in 64-row
-chunks. AVX2: tiles of up to 4 (bf16) or 6 (fp32) rows x 1 block, in chunks of ~128K fp32 x
-values (126-128 rows at K = 999). These cover every row tail, 1- and 2-block tails, odd K and
-chunk boundaries of both tables."""
-
-
-@pytest.mark.parametrize(("m", "n", "k"), SHAPES + GEMV_SHAPES)
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_gemv_bf16(isa: str, threads: int, m: int, n: int, k: int, with_bias: bool) -> None:
-    """Each weight line is read once per row tile; odd K pads the last pair with zero."""
-    x, w = _randn(m, k, dtype=torch.bfloat16), _randn(n, k, dtype=torch.bfloat16, seed=1)
-    bias = _randn(n, dtype=torch.bfloat16, seed=2) if with_bias else None
-    want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
-    got = kernels.gemv_bf16(x, gemv_layout.pack(w), n, bias)
-    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-    _close_to_fp32(got, want, 1e-2)
-
-
-def test_gemv_bf16_keeps_leading_dims_and_strided_rows(isa: str) -> None:
-    x = _randn(2, 3, 80, dtype=torch.bfloat16)[..., :72]
-    w = _randn(40, 72, dtype=torch.bfloat16, seed=1)
-    got = kernels.gemv_bf16(x, gemv_layout.pack(w), 40, None)
-    assert got.shape == (2, 3, 40)
-    _close_to_fp32(got, F.linear(x.float(), w.float()), 1e-2)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_avx2_gemv_rows_do_not_depend_on_the_batch(isa: str, dtype: torch.dtype) -> None:
-    """On AVX2 each output sums its products in k order whatever the tile: a row alone gives
-    the bits it gives inside a batch (an embedding request alone equals the same input in a
-    batch). AVX-512 splits one row's sum over chains for latency, so it is not checked."""
-    if isa != "avx2":
-        pytest.skip("batch invariance is the AVX2 tiles' property")
-    x, w = _randn(11, 300, dtype=dtype), _randn(40, 300, dtype=dtype, seed=1)
-    if dtype == torch.float32:
-        packed, op = gemv_layout.pack_f32(w), kernels.gemv_f32
-    else:
-        packed, op = gemv_layout.pack(w), kernels.gemv_bf16
-    batch = op(x, packed, 40, None)
-    for i in range(11):
-        assert torch.equal(op(x[i : i + 1], packed, 40, None)[0], batch[i]), i
-
-
-def test_gemv_layout_round_trips_and_rejects_other_shapes() -> None:
-    w = _randn(37, 70, dtype=torch.bfloat16)
-    packed = gemv_layout.pack(w)
-    assert packed.shape == (3, 35, 16, 2)
-    assert torch.equal(gemv_layout.unpack(packed, 37, 70), w)
-    with pytest.raises(RuntimeError, match="gemv_bf16"):  # packed for another K
-        kernels.gemv_bf16(_randn(1, 100, dtype=torch.bfloat16), packed, 37, None)
-
-
-@pytest.mark.parametrize(("m", "n", "k"), SHAPES + GEMV_SHAPES)
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_gemv_f32(isa: str, threads: int, m: int, n: int, k: int, with_bias: bool) -> None:
-    """fp32 blocks: one line per input, every row tile, block tails and odd K."""
-    x, w = _randn(m, k), _randn(n, k, seed=1)
-    bias = _randn(n, seed=2) if with_bias else None
-    got = kernels.gemv_f32(x, gemv_layout.pack_f32(w), n, bias)
-    assert got.dtype == torch.float32 and got.shape == (m, n)
-    torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
-
-
-def test_gemv_f32_keeps_leading_dims_and_strided_rows(isa: str) -> None:
-    x = _randn(2, 3, 80)[..., :72]
-    w = _randn(40, 72, seed=1)
-    got = kernels.gemv_f32(x, gemv_layout.pack_f32(w), 40, None)
-    assert got.shape == (2, 3, 40)
-    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
-
-
-def test_gemv_f32_layout_round_trips_and_rejects_other_shapes() -> None:
-    w = _randn(37, 70)
-    packed = gemv_layout.pack_f32(w)
-    assert packed.shape == (3, 70, 16)
-    assert torch.equal(gemv_layout.unpack_f32(packed, 37), w)
-    with pytest.raises(RuntimeError, match="gemv_f32"):  # packed for another K
-        kernels.gemv_f32(_randn(1, 100), packed, 37, None)
-    with pytest.raises(RuntimeError, match="float32"):  # bf16 rows
-        kernels.gemv_f32(_randn(1, 70, dtype=torch.bfloat16), packed, 37, None)
+    close_to_fp32(got, F.linear(x.float(), w.float()), 1e-2)
 
 
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES + [(1, 19, 300), (1, 40, 1024)])
 def test_linear_int8(isa: str, threads: int, m: int, n: int, k: int) -> None:
-    x = _randn(m, k, dtype=torch.bfloat16)
-    q = torch.randint(-127, 128, (n, k), generator=_gen(1), dtype=torch.int8)
-    scales = torch.rand(n, generator=_gen(2)) * 0.02 + 1e-3
-    bias = _randn(n, dtype=torch.bfloat16, seed=3)
+    x = randn(m, k, dtype=torch.bfloat16)
+    q = torch.randint(-127, 128, (n, k), generator=generator(1), dtype=torch.int8)
+    scales = torch.rand(n, generator=generator(2)) * 0.02 + 1e-3
+    bias = randn(n, dtype=torch.bfloat16, seed=3)
     row_sums = q.int().sum(1, dtype=torch.int32)
     want = F.linear(x.float(), q.float() * scales[:, None], bias.float())
     got = kernels.linear_int8(x, q, scales, row_sums, bias)
     # both tables quantize activations per row to int8 (about 0.4% of the row's largest value)
-    _close_to_fp32(got, want, 2e-2)
+    close_to_fp32(got, want, 2e-2)
 
 
 @pytest.mark.parametrize(
@@ -173,18 +65,18 @@ def test_linear_int8(isa: str, threads: int, m: int, n: int, k: int) -> None:
 def test_linear_int4(isa: str, threads: int, m: int, n: int, k: int, group_size: int) -> None:
     k_pad = int4_layout.padded_in(k, group_size)
     groups = k_pad // group_size
-    codes = torch.randint(0, 16, (n, k_pad), generator=_gen(1))
-    scales = torch.rand(n, groups, generator=_gen(2)) * 0.02 + 1e-3
-    offsets = -8 * scales + _randn(n, groups, seed=3) * 0.05
-    x = _randn(m, k, dtype=torch.bfloat16)
+    codes = torch.randint(0, 16, (n, k_pad), generator=generator(1))
+    scales = torch.rand(n, groups, generator=generator(2)) * 0.02 + 1e-3
+    offsets = -8 * scales + randn(n, groups, seed=3) * 0.05
+    x = randn(m, k, dtype=torch.bfloat16)
     w = codes.float().view(n, groups, group_size) * scales[..., None] + offsets[..., None]
     want = F.linear(x.float(), w.view(n, k_pad)[:, :k])
     got = kernels.linear_int4(x, int4_layout.pack(codes), scales, offsets, group_size, None)
-    _close_to_fp32(got, want, 2e-2)
+    close_to_fp32(got, want, 2e-2)
 
 
 def test_int4_layout_round_trips() -> None:
-    codes = torch.randint(0, 16, (7, 192), generator=_gen(0))
+    codes = torch.randint(0, 16, (7, 192), generator=generator(0))
     assert torch.equal(int4_layout.unpack(int4_layout.pack(codes)).long(), codes)
 
 
@@ -199,10 +91,10 @@ def _tol(dtype: torch.dtype) -> dict[str, float]:
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(isa, threads, dtype, rows: int, dim: int, with_residual: bool) -> None:
     norm = RMSNorm(dim, 1e-6)
-    norm.weight.data = 1 + 0.1 * _randn(dim, seed=5)
+    norm.weight.data = 1 + 0.1 * randn(dim, seed=5)
     norm = norm.to(dtype)
-    x = _randn(rows, dim, dtype=dtype)
-    residual = _randn(rows, dim, dtype=dtype, seed=1) if with_residual else None
+    x = randn(rows, dim, dtype=dtype)
+    residual = randn(rows, dim, dtype=dtype, seed=1) if with_residual else None
     want, want_sum = norm(
         x, residual
     )  # the torch code (the layer calls the kernel only on request)
@@ -214,7 +106,7 @@ def test_rms_norm(isa, threads, dtype, rows: int, dim: int, with_residual: bool)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "dim"), [(1, 16), (3, 37), (64, 2816), (5, 1)])
 def test_silu_and_mul(isa, threads, dtype, rows: int, dim: int) -> None:
-    x = _randn(rows, 2 * dim, dtype=dtype) * 4
+    x = randn(rows, 2 * dim, dtype=dtype) * 4
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(kernels.silu_and_mul(x), F.silu(gate) * up, **_tol(dtype))
 
@@ -225,8 +117,8 @@ def test_silu_and_mul(isa, threads, dtype, rows: int, dim: int) -> None:
 )
 def test_rope(isa, threads, dtype, tokens: int, hq: int, hk: int, dim: int) -> None:
     rope = RotaryEmbedding(dim, 512, 10000.0, None)
-    positions = torch.randint(0, 512, (tokens,), generator=_gen(3))
-    qkv = _randn(tokens, (hq + 2 * hk) * dim, dtype=dtype)
+    positions = torch.randint(0, 512, (tokens,), generator=generator(3))
+    qkv = randn(tokens, (hq + 2 * hk) * dim, dtype=dtype)
     q, k, _ = qkv.split([hq * dim, hk * dim, hk * dim], dim=-1)
     q, k = q.reshape(tokens, hq, dim), k.reshape(tokens, hk, dim)  # views with a token stride
     want_q, want_k = rope(positions, q, k)
@@ -274,15 +166,15 @@ def _reference_attention(q, k_cache, v_cache, tables, lens, scale, window, kv_sc
 def test_paged_decode_attention(isa, threads, kv_dtype, q_dtype, hq, hkv, dim, block_size, window):
     lens = torch.tensor([1, 9, 37])
     num_blocks = 40
-    gen = _gen(7)
+    gen = generator(7)
     # Blocks scattered over the pool, in no order: the kernel reads them where they lie.
     order = torch.randperm(num_blocks, generator=gen)
     width = -(-int(lens.max()) // block_size)
     tables = order[: 3 * width].view(3, width)
     kv_scales = torch.tensor([0.5, 2.0]) if kv_dtype.itemsize == 1 else torch.ones(2)
-    k_cache = (_randn(num_blocks, block_size, hkv, dim, seed=1) / kv_scales[0]).to(kv_dtype)
-    v_cache = (_randn(num_blocks, block_size, hkv, dim, seed=2) / kv_scales[1]).to(kv_dtype)
-    q = _randn(3, hq, dim, dtype=q_dtype, seed=3)
+    k_cache = (randn(num_blocks, block_size, hkv, dim, seed=1) / kv_scales[0]).to(kv_dtype)
+    v_cache = (randn(num_blocks, block_size, hkv, dim, seed=2) / kv_scales[1]).to(kv_dtype)
+    q = randn(3, hq, dim, dtype=q_dtype, seed=3)
     scale = dim**-0.5
     want = _reference_attention(q, k_cache, v_cache, tables, lens, scale, window, kv_scales)
     got = kernels.paged_decode_attention(
@@ -301,11 +193,11 @@ def test_paged_decode_attention_long_contexts_split(isa, threads, kv_dtype, batc
     lens = torch.tensor([1037, 600, 5][:batch])
     width = -(-int(lens.max()) // block_size)
     num_blocks = batch * width + 3
-    tables = torch.randperm(num_blocks, generator=_gen(4))[: batch * width].view(batch, width)
+    tables = torch.randperm(num_blocks, generator=generator(4))[: batch * width].view(batch, width)
     kv_scales = torch.tensor([0.5, 2.0]) if kv_dtype.itemsize == 1 else torch.ones(2)
-    k_cache = (_randn(num_blocks, block_size, hkv, dim, seed=1) * 2 / kv_scales[0]).to(kv_dtype)
-    v_cache = (_randn(num_blocks, block_size, hkv, dim, seed=2) / kv_scales[1]).to(kv_dtype)
-    q = _randn(batch, hq, dim, dtype=torch.bfloat16, seed=3)
+    k_cache = (randn(num_blocks, block_size, hkv, dim, seed=1) * 2 / kv_scales[0]).to(kv_dtype)
+    v_cache = (randn(num_blocks, block_size, hkv, dim, seed=2) / kv_scales[1]).to(kv_dtype)
+    q = randn(batch, hq, dim, dtype=torch.bfloat16, seed=3)
     want = _reference_attention(
         q, k_cache, v_cache, tables, lens, 0.125, window, kv_scales, softcap
     )
@@ -319,8 +211,8 @@ def test_paged_decode_attention_softcap_fp32(isa) -> None:
     """fp32 with a cap: as close to the reference as fp32 allows (Gemma 2 parity runs it)."""
     lens = torch.tensor([3, 40])
     tables = torch.tensor([[0, 1, 2], [3, 4, 5]])
-    k_cache, v_cache = _randn(6, 16, 2, 32, seed=1) * 3, _randn(6, 16, 2, 32, seed=2)
-    q = _randn(2, 4, 32, seed=3) * 3
+    k_cache, v_cache = randn(6, 16, 2, 32, seed=1) * 3, randn(6, 16, 2, 32, seed=2)
+    q = randn(2, 4, 32, seed=3) * 3
     want = _reference_attention(q, k_cache, v_cache, tables, lens, 0.2, 0, torch.ones(2), 2.0)
     got = kernels.paged_decode_attention(
         q, k_cache, v_cache, tables, lens, 0.2, 0, torch.ones(2), 2.0
@@ -358,11 +250,11 @@ def _prefill_case(kv_dtype, q_dtype, hq, hkv, dim, block_size, chunks, seed=0):
     starts = torch.tensor([0] + [n for _, n in chunks]).cumsum(0)
     width = -(-int(lens.max()) // block_size)
     num_blocks = len(chunks) * width + 2
-    tables = torch.randperm(num_blocks, generator=_gen(seed))[: len(chunks) * width]
+    tables = torch.randperm(num_blocks, generator=generator(seed))[: len(chunks) * width]
     kv_scales = torch.tensor([0.5, 2.0]) if kv_dtype.itemsize == 1 else torch.ones(2)
-    k_cache = (_randn(num_blocks, block_size, hkv, dim, seed=1) / kv_scales[0]).to(kv_dtype)
-    v_cache = (_randn(num_blocks, block_size, hkv, dim, seed=2) / kv_scales[1]).to(kv_dtype)
-    q = _randn(int(starts[-1]), hq, dim, dtype=q_dtype, seed=3)
+    k_cache = (randn(num_blocks, block_size, hkv, dim, seed=1) / kv_scales[0]).to(kv_dtype)
+    v_cache = (randn(num_blocks, block_size, hkv, dim, seed=2) / kv_scales[1]).to(kv_dtype)
+    q = randn(int(starts[-1]), hq, dim, dtype=q_dtype, seed=3)
     return q, k_cache, v_cache, tables.view(len(chunks), width), lens, starts, kv_scales
 
 
@@ -437,10 +329,10 @@ def amx() -> None:
 def test_linear_int8_amx(amx, threads: int, m: int, n: int, k: int) -> None:
     from tokenmill.kernels import amx_layout
 
-    x = _randn(m, k, dtype=torch.bfloat16)
-    q = torch.randint(-127, 128, (n, k), generator=_gen(1), dtype=torch.int8)
-    scales = torch.rand(n, generator=_gen(2)) * 0.02 + 1e-3
-    bias = _randn(n, dtype=torch.bfloat16, seed=3)
+    x = randn(m, k, dtype=torch.bfloat16)
+    q = torch.randint(-127, 128, (n, k), generator=generator(1), dtype=torch.int8)
+    scales = torch.rand(n, generator=generator(2)) * 0.02 + 1e-3
+    bias = randn(n, dtype=torch.bfloat16, seed=3)
     row_sums = q.int().sum(1, dtype=torch.int32)
     want = F.linear(x.float(), q.float() * scales[:, None], bias.float())
     block = amx_layout.block_channels
@@ -448,7 +340,7 @@ def test_linear_int8_amx(amx, threads: int, m: int, n: int, k: int) -> None:
         x, amx_layout.pack_int8(q), block(scales), block(row_sums), bias, n
     )
     assert got.shape == (m, n)
-    _close_to_fp32(got, want, 2e-2)
+    close_to_fp32(got, want, 2e-2)
 
 
 @pytest.mark.parametrize(
@@ -460,11 +352,11 @@ def test_linear_int4_amx(amx, threads: int, m: int, n: int, k: int, group_size: 
 
     k_pad = int4_layout.padded_in(k, group_size)
     groups = k_pad // group_size
-    codes = torch.randint(0, 16, (n, k_pad), generator=_gen(1))
+    codes = torch.randint(0, 16, (n, k_pad), generator=generator(1))
     codes[:, k:] = 0
-    scales = torch.rand(n, groups, generator=_gen(2)) * 0.02 + 1e-3
-    offsets = -8 * scales + _randn(n, groups, seed=3) * 0.05
-    x = _randn(m, k, dtype=torch.bfloat16)
+    scales = torch.rand(n, groups, generator=generator(2)) * 0.02 + 1e-3
+    offsets = -8 * scales + randn(n, groups, seed=3) * 0.05
+    x = randn(m, k, dtype=torch.bfloat16)
     w = codes.float().view(n, groups, group_size) * scales[..., None] + offsets[..., None]
     want = F.linear(x.float(), w.view(n, k_pad)[:, :k])
     code_sums = codes.view(n, groups, group_size).sum(-1).int()
@@ -473,7 +365,7 @@ def test_linear_int4_amx(amx, threads: int, m: int, n: int, k: int, group_size: 
     got = kernels.linear_int4_amx(
         x, tiles, block(scales), block(code_sums), block(offsets), group_size, None, n
     )
-    _close_to_fp32(got, want, 2e-2)
+    close_to_fp32(got, want, 2e-2)
 
 
 @pytest.fixture
@@ -492,10 +384,10 @@ tiles or 16-channel blocks; inputs not whole 64-input chunks."""
 def test_linear_int8_vnni(vnni: str, threads: int, m: int, n: int, k: int) -> None:
     from tokenmill.kernels import amx_layout
 
-    x = _randn(m, k, dtype=torch.bfloat16)
-    q = torch.randint(-127, 128, (n, k), generator=_gen(1), dtype=torch.int8)
-    scales = torch.rand(n, generator=_gen(2)) * 0.02 + 1e-3
-    bias = _randn(n, dtype=torch.bfloat16, seed=3)
+    x = randn(m, k, dtype=torch.bfloat16)
+    q = torch.randint(-127, 128, (n, k), generator=generator(1), dtype=torch.int8)
+    scales = torch.rand(n, generator=generator(2)) * 0.02 + 1e-3
+    bias = randn(n, dtype=torch.bfloat16, seed=3)
     row_sums = q.int().sum(1, dtype=torch.int32)
     want = F.linear(x.float(), q.float() * scales[:, None], bias.float())
     block = amx_layout.block_channels
@@ -507,7 +399,7 @@ def test_linear_int8_vnni(vnni: str, threads: int, m: int, n: int, k: int) -> No
     got = kernels.linear_int8_vnni(*args)
     assert got.shape == (m, n)
     # activations quantized per row to int8: about 0.4% of the row's largest value
-    _close_to_fp32(got, want, 2e-2)
+    close_to_fp32(got, want, 2e-2)
 
 
 @pytest.mark.parametrize(("m", "n", "k"), VNNI_SHAPES[1:] + [(2, 67, 640), (9, 20, 1000)])
@@ -520,12 +412,12 @@ def test_linear_int4_vnni(
 
     k_pad = int4_layout.padded_in(k, group_size)
     groups = k_pad // group_size
-    codes = torch.randint(0, 16, (n, k_pad), generator=_gen(1))
+    codes = torch.randint(0, 16, (n, k_pad), generator=generator(1))
     codes[:, k:] = 0
-    scales = torch.rand(n, groups, generator=_gen(2)) * 0.02 + 1e-3
-    offsets = -8 * scales + _randn(n, groups, seed=3) * 0.05
-    x = _randn(m, k, dtype=torch.bfloat16)
-    bias = _randn(n, dtype=torch.bfloat16, seed=4) if with_bias else None
+    scales = torch.rand(n, groups, generator=generator(2)) * 0.02 + 1e-3
+    offsets = -8 * scales + randn(n, groups, seed=3) * 0.05
+    x = randn(m, k, dtype=torch.bfloat16)
+    bias = randn(n, dtype=torch.bfloat16, seed=4) if with_bias else None
     w = codes.float().view(n, groups, group_size) * scales[..., None] + offsets[..., None]
     want = F.linear(x.float(), w.view(n, k_pad)[:, :k], None if bias is None else bias.float())
     block = amx_layout.block_channels
@@ -536,7 +428,7 @@ def test_linear_int4_vnni(
         with pytest.raises(RuntimeError, match="avx512 table"):
             kernels.linear_int4_vnni(*args)
         return
-    _close_to_fp32(kernels.linear_int4_vnni(*args), want, 2e-2)
+    close_to_fp32(kernels.linear_int4_vnni(*args), want, 2e-2)
 
 
 CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, *KV_DTYPES[2:]]
@@ -554,16 +446,16 @@ def test_rope_kv_write(isa, threads, cache_dtype, dtype, tokens, hq, hk, dim, bl
     from tokenmill.model.attention import write_kv
 
     rope = RotaryEmbedding(dim, 512, 10000.0, None)
-    positions = torch.randint(0, 512, (tokens,), generator=_gen(3))
-    qkv = _randn(tokens, (hq + 2 * hk) * dim, dtype=dtype)
+    positions = torch.randint(0, 512, (tokens,), generator=generator(3))
+    qkv = randn(tokens, (hq + 2 * hk) * dim, dtype=dtype)
     q, k, v = qkv.split([hq * dim, hk * dim, hk * dim], dim=-1)  # views with a token stride
     q, k, v = (x.reshape(tokens, -1, dim) for x in (q, k, v))
     num_blocks = -(-2 * tokens // block_size) + 1
-    slots = torch.randperm(num_blocks * block_size, generator=_gen(4))[:tokens]  # scattered
+    slots = torch.randperm(num_blocks * block_size, generator=generator(4))[:tokens]  # scattered
     kv_scales = torch.tensor([0.02, 0.03]) if cache_dtype.itemsize == 1 else torch.ones(2)
     shape = (num_blocks, block_size, hk, dim)
-    want_k = _randn(*shape, seed=5).to(cache_dtype)
-    want_v = _randn(*shape, seed=6).to(cache_dtype)
+    want_k = randn(*shape, seed=5).to(cache_dtype)
+    want_v = randn(*shape, seed=6).to(cache_dtype)
     got_k, got_v = want_k.clone(), want_v.clone()
     want_q, rot_k = kernels.rope(positions, q, k, rope.cos, rope.sin)
     write_kv(want_k, want_v, rot_k, v, slots, kv_scales)
@@ -602,7 +494,7 @@ def test_rope_kv_write_rejects_a_slot_outside_the_cache() -> None:
 def test_partial_rope_keeps_the_torch_path(isa) -> None:
     """Partial rotary (Phi-4-mini style) is not the kernel's layout: the layer must not call it."""
     rope = RotaryEmbedding(32, 64, 10000.0, None, rotary_dim=16)
-    q = _randn(3, 2, 32, dtype=torch.bfloat16)
-    k = _randn(3, 1, 32, dtype=torch.bfloat16, seed=1)
+    q = randn(3, 2, 32, dtype=torch.bfloat16)
+    k = randn(3, 1, 32, dtype=torch.bfloat16, seed=1)
     got_q, got_k = rope(torch.tensor([0, 7, 63]), q, k)
     assert torch.equal(got_q[..., 16:], q[..., 16:]) and torch.equal(got_k[..., 16:], k[..., 16:])

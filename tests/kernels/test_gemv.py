@@ -1,0 +1,101 @@
+"""tokenmill's GEMV over ``kernels.gemv_layout``'s blocks (bf16 and fp32), on each kernel table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.kernels.helpers import SHAPES, close_to_fp32, randn
+from tokenmill import kernels
+from tokenmill.kernels import gemv_layout
+
+GEMV_SHAPES = [
+    (4, 17, 1000),
+    (9, 33, 64),
+    (13, 20, 7),
+    (24, 50, 33),
+    (70, 47, 101),
+    (129, 16, 64),
+    (300, 20, 999),
+]
+"""AVX-512: every row count up to 16 has its own tile, more rows go 8 x 3 blocks in 64-row
+chunks. AVX2: tiles of up to 4 (bf16) or 6 (fp32) rows x 1 block, in chunks of ~128K fp32 x
+values (126-128 rows at K = 999). These cover every row tail, 1- and 2-block tails, odd K and
+chunk boundaries of both tables."""
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES + GEMV_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_bf16(isa: str, threads: int, m: int, n: int, k: int, with_bias: bool) -> None:
+    """Each weight line is read once per row tile; odd K pads the last pair with zero."""
+    x, w = randn(m, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, seed=1)
+    bias = randn(n, dtype=torch.bfloat16, seed=2) if with_bias else None
+    want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    got = kernels.gemv_bf16(x, gemv_layout.pack(w), n, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    close_to_fp32(got, want, 1e-2)
+
+
+def test_gemv_bf16_keeps_leading_dims_and_strided_rows(isa: str) -> None:
+    x = randn(2, 3, 80, dtype=torch.bfloat16)[..., :72]
+    w = randn(40, 72, dtype=torch.bfloat16, seed=1)
+    got = kernels.gemv_bf16(x, gemv_layout.pack(w), 40, None)
+    assert got.shape == (2, 3, 40)
+    close_to_fp32(got, F.linear(x.float(), w.float()), 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_gemv_rows_do_not_depend_on_the_batch(isa: str, dtype: torch.dtype) -> None:
+    """On AVX2 each output sums its products in k order whatever the tile: a row alone gives
+    the bits it gives inside a batch (an embedding request alone equals the same input in a
+    batch). AVX-512 splits one row's sum over chains for latency, so it is not checked."""
+    if isa != "avx2":
+        pytest.skip("batch invariance is the AVX2 tiles' property")
+    x, w = randn(11, 300, dtype=dtype), randn(40, 300, dtype=dtype, seed=1)
+    if dtype == torch.float32:
+        packed, op = gemv_layout.pack_f32(w), kernels.gemv_f32
+    else:
+        packed, op = gemv_layout.pack(w), kernels.gemv_bf16
+    batch = op(x, packed, 40, None)
+    for i in range(11):
+        assert torch.equal(op(x[i : i + 1], packed, 40, None)[0], batch[i]), i
+
+
+def test_gemv_layout_round_trips_and_rejects_other_shapes() -> None:
+    w = randn(37, 70, dtype=torch.bfloat16)
+    packed = gemv_layout.pack(w)
+    assert packed.shape == (3, 35, 16, 2)
+    assert torch.equal(gemv_layout.unpack(packed, 37, 70), w)
+    with pytest.raises(RuntimeError, match="gemv_bf16"):  # packed for another K
+        kernels.gemv_bf16(randn(1, 100, dtype=torch.bfloat16), packed, 37, None)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES + GEMV_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_f32(isa: str, threads: int, m: int, n: int, k: int, with_bias: bool) -> None:
+    """fp32 blocks: one line per input, every row tile, block tails and odd K."""
+    x, w = randn(m, k), randn(n, k, seed=1)
+    bias = randn(n, seed=2) if with_bias else None
+    got = kernels.gemv_f32(x, gemv_layout.pack_f32(w), n, bias)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_gemv_f32_keeps_leading_dims_and_strided_rows(isa: str) -> None:
+    x = randn(2, 3, 80)[..., :72]
+    w = randn(40, 72, seed=1)
+    got = kernels.gemv_f32(x, gemv_layout.pack_f32(w), 40, None)
+    assert got.shape == (2, 3, 40)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_gemv_f32_layout_round_trips_and_rejects_other_shapes() -> None:
+    w = randn(37, 70)
+    packed = gemv_layout.pack_f32(w)
+    assert packed.shape == (3, 70, 16)
+    assert torch.equal(gemv_layout.unpack_f32(packed, 37), w)
+    with pytest.raises(RuntimeError, match="gemv_f32"):  # packed for another K
+        kernels.gemv_f32(randn(1, 100), packed, 37, None)
+    with pytest.raises(RuntimeError, match="float32"):  # bf16 rows
+        kernels.gemv_f32(randn(1, 70, dtype=torch.bfloat16), packed, 37, None)
