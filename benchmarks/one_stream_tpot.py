@@ -5,7 +5,8 @@ output tokens, greedy; TPOT is the median decode step after the first token. Eac
 in a fresh process from either tree (``--tree``, one ``src`` folder each), the trees
 alternating and their order swapped every round, so load drift hits both alike; the report
 is per-case medians and each tree's ratio to the first. Greedy tokens of every tree must be
-identical (printed if not).
+identical (printed if not). A case is ``precision:strategy``: bf16/int8/int4 and paged,
+static or paged-compiled (paged with its decode step compiled, ``--compile-batch-sizes 1``).
 
     PYTHONPATH=src .venv/bin/python benchmarks/one_stream_tpot.py \\
         --tree /tmp/base/src --tree src --cases bf16:paged,int4:paged --rounds 3 --threads 1
@@ -38,16 +39,17 @@ def child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     quant, kv = args.case.split(":")
+    compiled = kv in ("static", "paged-compiled")  # paged-compiled: paged, its decode compiled
     engine = LLMEngine(
         EngineConfig.from_kwargs(
             model=str(args.model_dir),
             dtype="bfloat16",
-            kv_cache=kv,
+            kv_cache=kv.removesuffix("-compiled"),
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.prompt_len + args.output_len + 8,
             num_threads=args.threads,
             quantization=None if quant == "bf16" else quant,
-            compile_batch_sizes=(1,) if kv == "static" else None,
+            compile_batch_sizes=(1,) if compiled else None,
         )
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

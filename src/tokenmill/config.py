@@ -91,7 +91,7 @@ class EngineConfig:
     enforce_eager: bool = False
     """Disable torch.compile and CUDA graph capture (static strategy)."""
     compile_batch_sizes: tuple[int, ...] | None = None
-    """Decode batch sizes compiled by the static strategy, e.g. 1,2,4,8; default: powers of two up to max_num_seqs."""
+    """Decode batch sizes to compile, e.g. 1,2,4,8. static: default powers of two up to max_num_seqs; paged compiles its decode-only steps only when given (one compile per size at start-up; inductor's cache makes later starts warm)."""
     num_threads: int | None = None
     """CPU compute threads for torch; default: one per physical core (logged at start-up)."""
     enable_lora: bool = False

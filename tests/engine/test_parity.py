@@ -117,3 +117,27 @@ def test_static_kv_matches_transformers(
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert (llm.engine.runner.num_compiled_steps > 0) == compiled
     assert (llm.engine.stats.compile_time_s > 0) == compiled
+
+
+def test_paged_kv_with_compile_batch_sizes_compiles_its_decode_steps(
+    make_model, reference_greedy
+) -> None:
+    """paged + --compile-batch-sizes: decode-only steps take the compiled step (issue 20's
+    lowest-latency path without static's slots), over real block tables of 8-token blocks
+    and shared prefixes, and the tokens equal transformers'."""
+    folder = make_model("llama")
+    shared = [4 + (i * 37) % 490 for i in range(20)]  # two and a half blocks
+    prompts = [shared + p for p in random_prompts(500, 4, seed=6)]
+    expected, _ = reference_greedy(folder, prompts, MAX_NEW)
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=2,
+        block_size=8,
+        compile_batch_sizes=(2,),
+    )
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.runner.num_compiled_steps > 0
+    assert llm.engine.kv_manager.stats.num_hit_tokens > 0

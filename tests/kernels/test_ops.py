@@ -185,12 +185,23 @@ def test_paged_decode_attention(isa, threads, kv_dtype, q_dtype, hq, hkv, dim, b
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2])
-@pytest.mark.parametrize(("batch", "window", "softcap"), [(1, 0, 0.0), (2, 700, 0.0), (3, 0, 5.0)])
-def test_paged_decode_attention_long_contexts_split(isa, threads, kv_dtype, batch, window, softcap):
+@pytest.mark.parametrize(
+    ("lengths", "window", "softcap"),
+    [
+        ([1037], 0, 0.0),
+        ([600], 0, 0.0),  # two splits: with 2 threads, one KV head per item, then merged
+        ([1037, 600], 700, 0.0),
+        ([1037, 600, 5], 0, 5.0),
+    ],
+)
+def test_paged_decode_attention_long_contexts_split(
+    isa, threads, kv_dtype, lengths, window, softcap
+):
     """Long contexts with few sequences are split across items (whole blocks, merged by
     log-sum-exp); Gemma 2's softcap is applied before the softmax; lengths end mid-block."""
     hq, hkv, dim, block_size = 8, 2, 64, 16
-    lens = torch.tensor([1037, 600, 5][:batch])
+    lens = torch.tensor(lengths)
+    batch = len(lengths)
     width = -(-int(lens.max()) // block_size)
     num_blocks = batch * width + 3
     tables = torch.randperm(num_blocks, generator=generator(4))[: batch * width].view(batch, width)

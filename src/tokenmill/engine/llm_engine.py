@@ -134,7 +134,7 @@ class LLMEngine:
                 KVCacheSpec(
                     self.kv_manager.num_blocks,
                     self.kv_manager.block_size,
-                    self.kv_manager.wants_compiled_decode,
+                    self.kv_manager.wants_compiled_decode or config.compile_batch_sizes is not None,
                 ),
             ),
             result_type=CacheInfo,
@@ -142,7 +142,10 @@ class LLMEngine:
         self.kv_cache_bytes = cache.kv_cache_bytes
         if cache.eager_reason is not None:
             logger.info(
-                "static: %s runs the decode step eagerly (%s)", mc.architecture, cache.eager_reason
+                "%s: %s runs the decode step eagerly (%s)",
+                config.kv_cache,
+                mc.architecture,
+                cache.eager_reason,
             )
         self.startup.kv_allocation_s = time.monotonic() - kv_start - cache.compile_time_s
         self.plan_builder = StepPlanBuilder(in_process=self.executor.is_in_process)

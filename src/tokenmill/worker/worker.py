@@ -117,7 +117,7 @@ class KVCacheSpec(msgspec.Struct):
     num_blocks: int
     block_size: int
     wants_compiled_decode: bool
-    """The KV strategy decodes through the compiled step (static)."""
+    """Decode-only steps go through the compiled step (static; paged with --compile-batch-sizes)."""
 
 
 class CacheInfo(msgspec.Struct):

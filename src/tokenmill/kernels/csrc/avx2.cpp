@@ -143,10 +143,8 @@ inline __m256i load_w8(const int8_t* wr, int64_t k, int64_t K) {
   return _mm256_load_si256((const __m256i*)buf);
 }
 
-// x + 128 (quantize_rows' unsigned int8 activations) back to signed int8.
-inline __m256i load_x_s8(const uint8_t* p) {
-  return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)p), _mm256_set1_epi8((char)0x80));
-}
+// 32 activations, quantized as signed int8 (the table's int8_x_unsigned is false).
+inline __m256i load_x_s8(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
 
 // acc + the products of 32 int8 weights w (aw = |w|) and activations x, summed in pairs of
 // pairs into 8 int32 lanes.
@@ -155,7 +153,7 @@ inline __m256i dot_s8(__m256i acc, __m256i aw, __m256i w, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
-// int8 weights [N, K] against x + 128 (u8, flipped back to s8 here): rows [m0, m0 + MR) x
+// int8 weights [N, K] against int8 x: rows [m0, m0 + MR) x
 // channels [n0, n0 + NR), x_scale and the channel scales applied.
 template <int MR, int NR>
 inline void tile_w8a8(const GemmArgs& a, int64_t m0, int64_t n0, float out[4][2]) {
@@ -438,6 +436,7 @@ void gemv_f32(const GemmArgs& a, int64_t b0, int64_t b1) { gemv_blocks<F32Tile, 
 const tokenmill::KernelTable kTable = {
     "avx2", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, rope_kernel,
     attention_merge_kernel, quantize_rows, rope_kv_kernel, prefill_attention_kernel, gemv_bf16, gemv_f32,
+    /*int8_x_unsigned=*/false,
 };
 
 }  // namespace

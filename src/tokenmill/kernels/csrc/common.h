@@ -230,7 +230,7 @@ template <int QF>
 void merge_impl(const tokenmill::AttnArgs& a, int64_t b0, int64_t b1) {
   const int64_t Hq = a.Hq, D = a.D;
   for (int64_t b = b0; b < b1; ++b) {
-    const int64_t s0 = a.seq_items[b], s1 = a.seq_items[b + 1];
+    const int64_t s0 = a.seq_slots[b], s1 = a.seq_slots[b + 1];
     for (int64_t hq = 0; hq < Hq; ++hq) {
       float m = -3.0e38f;
       for (int64_t s = s0; s < s1; ++s) m = m > a.partial_ml[2 * (s * Hq + hq)] ? m : a.partial_ml[2 * (s * Hq + hq)];

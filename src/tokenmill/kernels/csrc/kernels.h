@@ -77,16 +77,16 @@ struct RopeKvArgs {
 };
 
 // The merge after a split decode (ops.cpp's paged_decode_attention runs decode as
-// PrefillArgs' work items, one query row per sequence, every KV head per item): sequence b
-// combines the fp32 partial outputs [items, Hq, D] and (max, sum) [items, Hq, 2] of its
-// items [seq_items[b], seq_items[b+1]) into out [B, Hq * D].
+// PrefillArgs' work items, one query row per sequence per item): sequence b combines the
+// fp32 partial outputs [slots, Hq, D] and (max, sum) [slots, Hq, 2] of its key ranges'
+// slots [seq_slots[b], seq_slots[b+1]) into out [B, Hq * D].
 struct AttnArgs {
   void* out;
   int64_t Hq, D;
   int q_fmt;
   const float* partial;
   const float* partial_ml;
-  const int64_t* seq_items;
+  const int64_t* seq_slots;
 };
 
 // Prefill attention: each sequence's queries are its last positions (a prompt chunk, after
@@ -109,9 +109,11 @@ struct PrefillArgs {
   const int64_t* items;
   int64_t rows_per_item, heads_per_item;
   // Null: each item sees all its rows' keys and writes out. Else (split decode) item i sees
-  // keys [item_keys[2i], item_keys[2i+1]) only and leaves fp32 partial outputs [items, Hq,
-  // D] and (max, sum) [items, Hq, 2] for attention_merge (AttnArgs).
+  // keys [item_keys[2i], item_keys[2i+1]) only and leaves its heads' fp32 partial outputs in
+  // slot item_slot[i] of [slots, Hq, D] and (max, sum) [slots, Hq, 2] for attention_merge
+  // (AttnArgs; a sequence's slots are consecutive, each written for every head).
   const int64_t* item_keys;
+  const int64_t* item_slot;
   float* partial;
   float* partial_ml;
 };
@@ -138,6 +140,9 @@ struct KernelTable {
   // fp32 weights in kernels/gemv_layout.py's fp32 blocks (16 channels, one 64-byte line per
   // input), fp32 rows a.xf into a.yf: whole blocks [begin, end), every row.
   void (*gemv_f32)(const GemmArgs&, int64_t, int64_t);
+  // Whether gemm_int8 reads x + 128 (u8, VNNI's u8 x s8 with the weight sums' correction)
+  // rather than x as s8 (AVX2's sign trick, which would only flip it back).
+  bool int8_x_unsigned;
 };
 
 // Query rows per prefill work item for ``group`` query heads per KV head: whole rows, at

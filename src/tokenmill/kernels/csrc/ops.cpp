@@ -220,7 +220,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
   at::Tensor xq, xs;
-  quantize_activations(x, a, /*is_unsigned=*/true, xq, xs);
+  quantize_activations(x, a, kernels().int8_x_unsigned, xq, xs);
   return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 2), kernels().gemm_int8);
 }
 
@@ -598,46 +598,54 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                 " outside the block table");
   // Work items: whole sequences, or, when there are fewer sequences than ~4 per thread,
   // splits of the long ones (whole blocks, >= kMinSplitTokens each) merged afterwards.
+  // Still fewer than 2 items per thread (one short sequence: one stream's decode), each
+  // (sequence, split) goes one KV head per item, so every thread has work.
   const int64_t threads = at::get_num_threads();
   const int64_t want = B >= 4 * threads ? 1 : (4 * threads + B - 1) / B;
-  std::vector<int64_t> triples, item_range, seq_items(B + 1, 0), starts(B + 1);
-  triples.reserve(3 * B * want);
-  item_range.reserve(2 * B * want);
+  std::vector<int64_t> ranges, seq_slots(B + 1, 0), starts(B + 1);  // ranges: [lo, hi) per slot
+  ranges.reserve(2 * B * want);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
     const int64_t L = lens[b] - start;
     const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(want, L / kMinSplitTokens));
     const int64_t per = (L + splits - 1) / splits;
     const int64_t step = std::max<int64_t>(bs, (per + bs - 1) / bs * bs);  // whole blocks
-    for (int64_t t = start / bs * bs; t < lens[b]; t += step) {
-      triples.insert(triples.end(), {b, 0, 0});  // one query row, every KV head
-      item_range.push_back(std::max(t, start));
-      item_range.push_back(std::min(t + step, lens[b]));
-    }
-    seq_items[b + 1] = static_cast<int64_t>(triples.size()) / 3;
+    for (int64_t t = start / bs * bs; t < lens[b]; t += step) ranges.insert(ranges.end(), {std::max(t, start), std::min(t + step, lens[b])});
+    seq_slots[b + 1] = static_cast<int64_t>(ranges.size()) / 2;
     starts[b + 1] = b + 1;
   }
-  const int64_t items = seq_items[B];
+  const int64_t slots = seq_slots[B];
+  const int64_t heads_per_item = slots < 2 * threads ? 1 : p.Hkv;
+  std::vector<int64_t> triples, item_range, item_slot;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = seq_slots[b]; s < seq_slots[b + 1]; ++s)
+      for (int64_t h = 0; h < p.Hkv; h += heads_per_item) {
+        triples.insert(triples.end(), {b, h, 0});  // one query row, heads [h, h + heads_per_item)
+        item_range.insert(item_range.end(), {ranges[2 * s], ranges[2 * s + 1]});
+        item_slot.push_back(s);
+      }
+  const int64_t items = static_cast<int64_t>(item_slot.size());
   at::Tensor out = at::empty({B, Hq * D}, q.options());
   at::Tensor partial, partial_ml;
-  if (items > B) {
-    partial = at::empty({items, Hq, D}, q.options().dtype(at::kFloat));
-    partial_ml = at::empty({items, Hq, 2}, q.options().dtype(at::kFloat));
+  if (slots > B) {
+    partial = at::empty({slots, Hq, D}, q.options().dtype(at::kFloat));
+    partial_ml = at::empty({slots, Hq, 2}, q.options().dtype(at::kFloat));
     p.partial = partial.data_ptr<float>();
     p.partial_ml = partial_ml.data_ptr<float>();
   }
-  // The prefill kernel with one query row per sequence and every KV head per item: keys
-  // in tiles across blocks (one softmax update per tile), bf16 dot products on AVX-512.
+  // The prefill kernel with one query row per sequence per item: keys in tiles across
+  // blocks (one softmax update per tile), bf16 dot products on AVX-512.
   p.query_start = starts.data();
   p.out = out.data_ptr();
   p.items = triples.data();
   p.rows_per_item = 1;
-  p.heads_per_item = p.Hkv;
+  p.heads_per_item = heads_per_item;
   p.item_keys = item_range.data();
+  p.item_slot = item_slot.data();
   const KernelTable& k = kernels();
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) { k.prefill_attention(p, i0, i1); });
-  if (items > B) {
-    const AttnArgs m{p.out, Hq, D, p.q_fmt, p.partial, p.partial_ml, seq_items.data()};
+  if (slots > B) {
+    const AttnArgs m{p.out, Hq, D, p.q_fmt, p.partial, p.partial_ml, seq_slots.data()};
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) { k.attention_merge(m, b0, b1); });
   }
   return out;

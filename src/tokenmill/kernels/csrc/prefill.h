@@ -326,14 +326,15 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
         // A whole range sees at least each row's own key; a split's share may see none
         // (sum 0: its weight in the merge is 0).
         const Vec::R vi = Vec::set1(sm[m] > 0 ? a.v_scale / sm[m] : 0.0f);
+        const int64_t slot = a.partial ? a.item_slot[idx] : 0;
         for (int64_t j = 0; j < D; j += Vec::W) {
           const Vec::R o = Vec::mul(Vec::load_f32(acc + m * dp + j, Vec::W), vi);
-          if (a.partial) Vec::store_f32(a.partial + (idx * Hq + hq) * D + j, o, chunk(D, j));
+          if (a.partial) Vec::store_f32(a.partial + (slot * Hq + hq) * D + j, o, chunk(D, j));
           else st<QF>(a.out, (row * Hq + hq) * D + j, o, chunk(D, j));
         }
         if (a.partial) {
-          a.partial_ml[2 * (idx * Hq + hq)] = mx[m];
-          a.partial_ml[2 * (idx * Hq + hq) + 1] = sm[m];
+          a.partial_ml[2 * (slot * Hq + hq)] = mx[m];
+          a.partial_ml[2 * (slot * Hq + hq) + 1] = sm[m];
         }
       }
   }
