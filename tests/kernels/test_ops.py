@@ -61,7 +61,7 @@ def test_linear_int8(isa: str, threads: int, m: int, n: int, k: int) -> None:
         (3, 130, 384),
     ],
 )
-@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("group_size", [32, 64, 128, 512])
 def test_linear_int4(isa: str, threads: int, m: int, n: int, k: int, group_size: int) -> None:
     k_pad = int4_layout.padded_in(k, group_size)
     groups = k_pad // group_size
@@ -73,6 +73,26 @@ def test_linear_int4(isa: str, threads: int, m: int, n: int, k: int, group_size:
     want = F.linear(x.float(), w.view(n, k_pad)[:, :k])
     got = kernels.linear_int4(x, int4_layout.pack(codes), scales, offsets, group_size, None)
     close_to_fp32(got, want, 2e-2)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("group_size", [128, 256, 512])
+def test_linear_int4_extreme_codes_and_activations_do_not_overflow(
+    isa: str, m: int, group_size: int
+) -> None:
+    """Every code 15 against activations at +-max: the AVX2 kernels sum code x activation
+    pairs in int16 over up to 4 chunks of 64 before widening (|sum| <= 30480 < 32767)."""
+    n, k = 6, 1024
+    groups = k // group_size
+    codes = torch.full((n, k), 15)
+    scales = torch.full((n, groups), 0.01)
+    offsets = torch.full((n, groups), -0.05)
+    x = torch.ones(m, k, dtype=torch.bfloat16)
+    x[1::2] = -1  # odd rows at the negative extreme
+    w = codes.float().view(n, groups, group_size) * scales[..., None] + offsets[..., None]
+    want = F.linear(x.float(), w.view(n, k))
+    got = kernels.linear_int4(x, int4_layout.pack(codes), scales, offsets, group_size, None)
+    close_to_fp32(got, want, 1e-2)
 
 
 def test_int4_layout_round_trips() -> None:

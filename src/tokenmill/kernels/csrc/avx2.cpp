@@ -177,7 +177,8 @@ inline void tile_w8a8(const GemmArgs& a, int64_t m0, int64_t n0, float out[4][2]
 }
 
 // int4 codes in avx512.cpp's layout (per 64-code chunk, 32 bytes: low nibbles the first 32
-// codes, high nibbles the next 32) against signed x: rows [m0, m0 + MR), channel n. Per
+// codes, high nibbles the next 32) against signed x: rows [m0, m0 + MR), channel n (from 2
+// rows on; a one-row batch is gemv_w4a8_rows). Per
 // group, the int32 sums are scaled by the group's scale; the offsets come in the epilogue.
 template <int MR>
 inline void tile_w4a8(const GemmArgs& a, int64_t m0, int64_t n, float out[4][2]) {
@@ -190,17 +191,21 @@ inline void tile_w4a8(const GemmArgs& a, int64_t m0, int64_t n, float out[4][2])
   for (int64_t g = 0; g * a.group_size < a.K; ++g) {
     __m256i acc[MR];
     for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_si256();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t k = (g * chunks + c) * 64;
-      if constexpr (MR == 1) _mm_prefetch((const char*)(wr + k / 2 + 2048), _MM_HINT_T0);  // as gemv_w8a8_int8's
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(wr + k / 2));
-      const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      for (int m = 0; m < MR; ++m) {
-        const uint8_t* xr = a.xq + (m0 + m) * a.ldq + k;
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xr)),
-                                           _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xr + 32))));
-        acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(p, ones));  // |p| <= 4 * 15 * 127
+    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {  // int16 sums over <= 4 chunks, as gemv_w4a8_rows
+      __m256i p16[MR];
+      for (int m = 0; m < MR; ++m) p16[m] = _mm256_setzero_si256();
+      for (int64_t c = c0; c < min64(chunks, c0 + 4); ++c) {
+        const int64_t k = (g * chunks + c) * 64;
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(wr + k / 2));
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        for (int m = 0; m < MR; ++m) {
+          const uint8_t* xr = a.xq + (m0 + m) * a.ldq + k;
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xr)),
+                                             _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xr + 32))));
+          p16[m] = _mm256_add_epi16(p16[m], p);
+        }
       }
+      for (int m = 0; m < MR; ++m) acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(p16[m], ones));
     }
     const __m256 s = Vec::set1(sc[g]);
     for (int m = 0; m < MR; ++m) facc[m] = Vec::fma(_mm256_cvtepi32_ps(acc[m]), s, facc[m]);
@@ -249,7 +254,54 @@ void gemm_int8(const GemmArgs& a, int64_t n0, int64_t n1) {
   });
 }
 
+// One activation row (the one-stream decode) over int4 codes: two channels a step, so each
+// x load serves both and their chains interleave. The code x activation pairs are summed in
+// int16 over up to 4 chunks (|sum| <= 4 * 2 * 2 * 15 * 127 = 30480) before one vpmaddwd
+// widens them, and each group's int32 sum is scaled once.
+template <int NR>
+inline void gemv_w4a8_rows(const GemmArgs& a, int64_t n) {
+  constexpr int64_t kAhead = 1024;
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const int64_t chunks = a.group_size / 64, groups = (a.K + a.group_size - 1) / a.group_size;
+  const uint8_t* w[NR];
+  const float* sc[NR];
+  __m256 f[NR];
+  for (int r = 0; r < NR; ++r) {
+    w[r] = static_cast<const uint8_t*>(a.w) + (n + r) * a.ldw;
+    sc[r] = a.scales + (n + r) * a.num_groups;
+    f[r] = Vec::zero();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i i32[NR];
+    for (int r = 0; r < NR; ++r) i32[r] = _mm256_setzero_si256();
+    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+      __m256i i16[NR];
+      for (int r = 0; r < NR; ++r) i16[r] = _mm256_setzero_si256();
+      for (int64_t c = c0; c < min64(chunks, c0 + 4); ++c) {
+        const int64_t k = (g * chunks + c) * 64;
+        const __m256i xl = _mm256_loadu_si256((const __m256i*)(a.xq + k));
+        const __m256i xh = _mm256_loadu_si256((const __m256i*)(a.xq + k + 32));
+        for (int r = 0; r < NR; ++r) {
+          _mm_prefetch((const char*)(w[r] + k / 2 + kAhead), _MM_HINT_T0);
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(w[r] + k / 2));
+          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          i16[r] = _mm256_add_epi16(i16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+        }
+      }
+      for (int r = 0; r < NR; ++r) i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(i16[r], ones));
+    }
+    for (int r = 0; r < NR; ++r) f[r] = Vec::fma(_mm256_cvtepi32_ps(i32[r]), Vec::set1(sc[r][g]), f[r]);
+  }
+  for (int r = 0; r < NR; ++r) a.y[n + r] = to_bf16(finish<kInt4>(a, 0, n + r, Vec::reduce_add(f[r]) * a.x_scale[0]));
+}
+
 void gemm_w4a8(const GemmArgs& a, int64_t n0, int64_t n1) {
+  if (a.M == 1) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) gemv_w4a8_rows<2>(a, n);
+    if (n < n1) gemv_w4a8_rows<1>(a, n);
+    return;
+  }
   float out[4][2];
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t m = 0; m < a.M; m += 4) {
