@@ -95,6 +95,31 @@ def test_linear_int4_extreme_codes_and_activations_do_not_overflow(
     close_to_fp32(got, want, 1e-2)
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_avx2_int_rows_do_not_depend_on_the_batch(isa: str, method: str) -> None:
+    """The AVX2 W8A8 kernels give a row alone (the one-row GEMVs) the bits it gets inside a
+    batch (the 4-row tiles): integer sums are exact, and the epilogues sum in one order."""
+    if isa != "avx2":
+        pytest.skip("the AVX2 W8A8 row kernels' property")
+    n, k, group_size = 37, 640, 128
+    x = randn(11, k, dtype=torch.bfloat16)
+    bias = randn(n, seed=4)
+    if method == "int8":
+        w = torch.randint(-127, 128, (n, k), generator=generator(1), dtype=torch.int8)
+        scales = torch.rand(n, generator=generator(2)) * 0.01 + 1e-3
+        sums = w.sum(1, dtype=torch.int32)
+        run = lambda rows: kernels.linear_int8(rows, w, scales, sums, bias)  # noqa: E731
+    else:
+        codes = torch.randint(0, 16, (n, k), generator=generator(1))
+        scales = torch.rand(n, k // group_size, generator=generator(2)) * 0.02 + 1e-3
+        offsets = randn(n, k // group_size, seed=3) * 0.05
+        packed = int4_layout.pack(codes)
+        run = lambda rows: kernels.linear_int4(rows, packed, scales, offsets, group_size, bias)  # noqa: E731
+    batch = run(x)
+    for i in range(11):
+        assert torch.equal(run(x[i : i + 1])[0], batch[i]), i
+
+
 def test_int4_layout_round_trips() -> None:
     codes = torch.randint(0, 16, (7, 192), generator=generator(0))
     assert torch.equal(int4_layout.unpack(int4_layout.pack(codes)).long(), codes)

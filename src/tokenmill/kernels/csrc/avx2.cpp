@@ -97,6 +97,17 @@ void gemm_tiles(const GemmArgs& a, int64_t n0, int64_t n1, const TileFn& tile) {
   }
 }
 
+inline float* row_buffer(int64_t floats) {  // per thread, grown on demand, never freed
+  static thread_local float* buf = nullptr;
+  static thread_local int64_t cap = 0;
+  if (floats > cap) {
+    std::free(buf);
+    buf = static_cast<float*>(std::malloc((size_t)floats * sizeof(float)));
+    cap = floats;
+  }
+  return buf;
+}
+
 // ---- W8A8 without VNNI: activations quantized per row to int8 (quantize_rows, as on
 // AVX-512), products by vpmaddubsw (u8 x s8 into saturating s16 pairs) and vpmaddwd
 // (pairs into s32). For int8 weights the u8 side is |w| and the s8 side x with w's sign
@@ -176,12 +187,33 @@ inline void tile_w8a8(const GemmArgs& a, int64_t m0, int64_t n0, float out[4][2]
     for (int r = 0; r < NR; ++r) out[m][r] = (float)reduce_add_i32(acc[m][r]) * a.x_scale[m0 + m] * a.scales[n0 + r];
 }
 
+// The horizontal sums of four accumulators at once, lane i for f_i (hadd pairs, then the
+// two halves): each lane's order is the same whichever the other three are, so one row
+// sums alike alone (gemv_w4a8_rows) and in a 4-row tile.
+inline __m128 hsum4(__m256 f0, __m256 f1, __m256 f2, __m256 f3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(f0, f1), _mm256_hadd_ps(f2, f3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// int4's epilogue for ROWS (1 or 4) rows in lanes: sums * x scale + bias, then each group's
+// offset times the rows' x sums over it (xs[g * ld], lanes the rows), in that order.
+template <int ROWS>
+inline __m128 int4_epilogue(__m128 sums, __m128 xscale, float bias, const float* z, const float* xs, int64_t G,
+                            int64_t ld) {
+  __m128 v = _mm_fmadd_ps(sums, xscale, _mm_set1_ps(bias));
+  for (int64_t g = 0; g < G; ++g) {
+    const __m128 x = ROWS == 1 ? _mm_load_ss(xs + g * ld) : _mm_loadu_ps(xs + g * ld);
+    v = _mm_fmadd_ps(_mm_set1_ps(z[g]), x, v);
+  }
+  return v;
+}
+
 // int4 codes in avx512.cpp's layout (per 64-code chunk, 32 bytes: low nibbles the first 32
 // codes, high nibbles the next 32) against signed x: rows [m0, m0 + MR), channel n (from 2
 // rows on; a one-row batch is gemv_w4a8_rows). Per
 // group, the int32 sums are scaled by the group's scale; the offsets come in the epilogue.
 template <int MR>
-inline void tile_w4a8(const GemmArgs& a, int64_t m0, int64_t n, float out[4][2]) {
+inline __m128 tile_w4a8(const GemmArgs& a, int64_t m0, int64_t n) {
   const uint8_t* wr = static_cast<const uint8_t*>(a.w) + n * a.ldw;
   const float* sc = a.scales + n * a.num_groups;
   const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -210,7 +242,9 @@ inline void tile_w4a8(const GemmArgs& a, int64_t m0, int64_t n, float out[4][2])
     const __m256 s = Vec::set1(sc[g]);
     for (int m = 0; m < MR; ++m) facc[m] = Vec::fma(_mm256_cvtepi32_ps(acc[m]), s, facc[m]);
   }
-  for (int m = 0; m < MR; ++m) out[m][0] = Vec::reduce_add(facc[m]) * a.x_scale[m0 + m];
+  __m256 f[4];
+  for (int m = 0; m < 4; ++m) f[m] = m < MR ? facc[m] : Vec::zero();
+  return hsum4(f[0], f[1], f[2], f[3]);
 }
 
 // One activation row (the one-stream decode): each weight row read whole, in order, so a
@@ -292,7 +326,13 @@ inline void gemv_w4a8_rows(const GemmArgs& a, int64_t n) {
     }
     for (int r = 0; r < NR; ++r) f[r] = Vec::fma(_mm256_cvtepi32_ps(i32[r]), Vec::set1(sc[r][g]), f[r]);
   }
-  for (int r = 0; r < NR; ++r) a.y[n + r] = to_bf16(finish<kInt4>(a, 0, n + r, Vec::reduce_add(f[r]) * a.x_scale[0]));
+  const __m256 zero = Vec::zero();
+  for (int r = 0; r < NR; ++r) {
+    const __m128 v = int4_epilogue<1>(hsum4(f[r], zero, zero, zero), _mm_set_ss(a.x_scale[0]),
+                                      a.bias ? a.bias[n + r] : 0.0f, a.zeros + (n + r) * a.num_groups, a.xsum,
+                                      a.num_groups, 1);
+    a.y[n + r] = to_bf16(_mm_cvtss_f32(v));
+  }
 }
 
 void gemm_w4a8(const GemmArgs& a, int64_t n0, int64_t n1) {
@@ -302,18 +342,32 @@ void gemm_w4a8(const GemmArgs& a, int64_t n0, int64_t n1) {
     if (n < n1) gemv_w4a8_rows<1>(a, n);
     return;
   }
-  float out[4][2];
-  for (int64_t n = n0; n < n1; ++n)
+  // Epilogue per 4-row tile in vectors: the rows' x scales and, per group, their x sums
+  // side by side (this thread's transposed copy), so the offsets' share is one FMA a group.
+  const int64_t G = a.num_groups, mp = (a.M + 3) / 4 * 4;
+  float* xs_t = row_buffer(mp * (G + 1));
+  float* xscale = xs_t + mp * G;
+  for (int64_t m = 0; m < mp; ++m) {
+    for (int64_t g = 0; g < G; ++g) xs_t[g * mp + m] = m < a.M ? a.xsum[m * G + g] : 0.0f;
+    xscale[m] = m < a.M ? a.x_scale[m] : 0.0f;
+  }
+  alignas(16) float out[4];
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* z = a.zeros + n * G;
+    const float bias = a.bias ? a.bias[n] : 0.0f;
     for (int64_t m = 0; m < a.M; m += 4) {
       const int mr = (int)min64(4, a.M - m);
+      __m128 v;
       switch (mr) {
-        case 1: tile_w4a8<1>(a, m, n, out); break;
-        case 2: tile_w4a8<2>(a, m, n, out); break;
-        case 3: tile_w4a8<3>(a, m, n, out); break;
-        default: tile_w4a8<4>(a, m, n, out); break;
+        case 1: v = tile_w4a8<1>(a, m, n); break;
+        case 2: v = tile_w4a8<2>(a, m, n); break;
+        case 3: v = tile_w4a8<3>(a, m, n); break;
+        default: v = tile_w4a8<4>(a, m, n); break;
       }
-      for (int i = 0; i < mr; ++i) a.y[(m + i) * a.ldy + n] = to_bf16(finish<kInt4>(a, m + i, n, out[i][0]));
+      _mm_store_ps(out, int4_epilogue<4>(v, _mm_loadu_ps(xscale + m), bias, z, xs_t + m, G, mp));
+      for (int i = 0; i < mr; ++i) a.y[(m + i) * a.ldy + n] = to_bf16(out[i]);
     }
+  }
 }
 
 // The float tiles (tile_any) over weights that WL converts to fp32 in registers.
@@ -358,16 +412,6 @@ inline float bf16_to_f32(uint16_t v) {
   return f;
 }
 
-inline float* row_buffer(int64_t floats) {  // per thread, grown on demand, never freed
-  static thread_local float* buf = nullptr;
-  static thread_local int64_t cap = 0;
-  if (floats > cap) {
-    std::free(buf);
-    buf = static_cast<float*>(std::malloc((size_t)floats * sizeof(float)));
-    cap = floats;
-  }
-  return buf;
-}
 
 // Output (m, half h) of a tile plus the bias, stored as STORE does. A macro copying the
 // accumulators out first: with the array read under the stores' control flow (or through
