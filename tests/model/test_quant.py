@@ -123,6 +123,10 @@ def test_each_table_stores_its_layout_and_computes_the_weight(
     want = F.linear(x.float(), linear.dequantize(torch.float32), bias.bfloat16().float())
     scale = x.float().abs().amax() * weight.abs().amax() * 200**0.5
     assert (linear(x).float() - want).abs().max() <= 2e-2 * scale
+    # bf16 [rows, in] goes straight to the op, bias and all; [1, rows, in] takes the general path
+    assert linear._fast is not None
+    general = linear(x[None])[0].float()
+    assert (linear(x).float() - general).abs().max() <= 1e-2 * scale
     try:
         kernels.set_isa("avx2" if isa == "avx512_bf16" else "avx512")
     except RuntimeError:

@@ -40,9 +40,13 @@ _INT4_LAYOUT_BLOCKS = (64, 32)
 """Output-channel block of torch's CPU int4 packing: 64 with AVX-512 kernels, 32 with AVX2."""
 
 _TILES = ("amx", "vnni")
-_Op = Callable[..., torch.Tensor]
-"""A tile-layout linear op (``kernels.linear_int8_amx`` and its siblings)."""
 """The kernels that read AMX tiles (``kernels/amx_layout.py``)."""
+_Op = Callable[..., torch.Tensor]
+"""A linear op of tokenmill's kernels (``kernels.linear_int8_amx`` and its siblings)."""
+_EVERY_BATCH = torch.iinfo(torch.int64).max
+"""``max_kernel_rows`` of a projection whose int kernel serves every batch size."""
+_BF16_ROWS = torch.empty(0, 1, dtype=torch.bfloat16)
+"""A bf16 CPU activation, for asking ``_tile_op`` which op reads the tiles now."""
 
 
 def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -62,8 +66,35 @@ class QuantizedLinear(nn.Module):
         self.has_gemv = True
         """Whether the int kernel may serve small batches (else dequantize + GEMM always)."""
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._fast: tuple[_Op, tuple[object, ...], str] | None = None
+        """(op, its arguments after x, the ISA they were taken for): the whole forward of a
+        projection whose kernel serves every batch, for the decoder's bf16 [tokens, hidden]
+        rows. One stream calls ~65 projections a step; the general path (module buffer
+        lookups, dispatch checks, reshape, casts, a separate bias add) cost ~15 us each."""
+
+    def _fast_path(self) -> tuple[_Op, tuple[object, ...]] | None:
+        """The op and arguments ``forward`` may call directly, or None."""
+        return None
+
+    def _refresh_fast_path(self) -> None:
+        fast = self._fast_path() if self.max_kernel_rows == _EVERY_BATCH else None
+        self._fast = None if fast is None else (*fast, kernels.active_isa())
+
+    def _apply(self, fn: Callable[..., torch.Tensor], recurse: bool = True) -> QuantizedLinear:
+        result = super()._apply(fn, recurse)
+        self._refresh_fast_path()  # the buffers may be new tensors now
+        return result
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fast = self._fast
+        if (
+            fast is not None
+            and x.dtype == torch.bfloat16
+            and x.dim() == 2
+            and x.stride(1) == 1
+            and fast[2] == kernels.active_isa()  # tests switch the ISA after load
+        ):
+            return fast[0](x, *fast[1])
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] <= self.max_kernel_rows and self.has_gemv:
             y = self._gemv(flat).to(x.dtype)
@@ -114,16 +145,28 @@ class Int8Linear(QuantizedLinear):
                 self.register_buffer("amx_scales", amx_layout.block_channels(scales))
                 self.register_buffer("amx_row_sums", amx_layout.block_channels(row_sums))
                 self.qweight = None  # the tiles are the only copy
-                self.max_kernel_rows = torch.iinfo(torch.int64).max  # beats bf16 GEMMs
+                self.max_kernel_rows = _EVERY_BATCH  # beats bf16 GEMMs
             else:
                 self.register_buffer("row_sums", row_sums)
                 if _w8a8_rows():
-                    self.max_kernel_rows = torch.iinfo(torch.int64).max
+                    self.max_kernel_rows = _EVERY_BATCH
+            self._refresh_fast_path()
             return
         self.register_buffer("kernel_scales", scales.to(kernel_dtype(weight.dtype)))
         # torch's int8 kernel crashes or miscomputes from 2 rows on when the input width is
         # not a multiple of 16 (seen at 40 and 72 in torch 2.13); such a shape skips it.
         self.has_gemv = self.in_features % 16 == 0
+
+    def _fast_path(self) -> tuple[_Op, tuple[object, ...]] | None:
+        tile_op = _tile_op(
+            self.kernel, _BF16_ROWS, kernels.linear_int8_amx, kernels.linear_int8_vnni
+        )
+        if tile_op is not None:
+            args = (self.amx_tiles, self.amx_scales, self.amx_row_sums, self.bias)
+            return tile_op, (*args, self.out_features)
+        if self.kernel == "rows" and kernels.available():
+            return kernels.linear_int8, (self.qweight, self.scales, self.row_sums, self.bias)
+        return None
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         tile_op = _tile_op(self.kernel, x, kernels.linear_int8_amx, kernels.linear_int8_vnni)
@@ -203,6 +246,7 @@ class Int4Linear(QuantizedLinear):
         """Which tokenmill kernel serves this projection: amx, vnni, rows, or None (torch's)."""
         if self.kernel is not None:
             self._store_for_kernel(q, scale.view(self.padded_out, groups), low.view(-1, groups))
+            self._refresh_fast_path()
             return
         # torch's convention: w = (q - 8) * scale + zero, so zero = low + 8 * scale.
         zero = low + 8 * scale
@@ -220,7 +264,7 @@ class Int4Linear(QuantizedLinear):
         """The packing's channel block, or None if it is not one we can read: then the int4
         kernel serves every batch size (slower for large ones, still correct)."""
         if self.layout_block is None:
-            self.max_kernel_rows = torch.iinfo(torch.int64).max
+            self.max_kernel_rows = _EVERY_BATCH
 
     def _store_for_kernel(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> None:
         """Codes, scales and offsets (``w = q * scale + low``) in the kernel's layout only."""
@@ -239,12 +283,25 @@ class Int4Linear(QuantizedLinear):
             self.register_buffer("amx_scales", block(scale))
             self.register_buffer("amx_offsets", block(low))
             self.register_buffer("amx_code_sums", block(sums))
-            self.max_kernel_rows = torch.iinfo(torch.int64).max
+            self.max_kernel_rows = _EVERY_BATCH
         else:
             self.register_buffer("packed", int4_layout.pack(codes))
             if _w8a8_rows() and gs % 64 == 0:
-                self.max_kernel_rows = torch.iinfo(torch.int64).max
+                self.max_kernel_rows = _EVERY_BATCH
         self.layout_block = None
+
+    def _fast_path(self) -> tuple[_Op, tuple[object, ...]] | None:
+        tile_op = _tile_op(
+            self.kernel, _BF16_ROWS, kernels.linear_int4_amx, kernels.linear_int4_vnni
+        )
+        gs, n = self.group_size, self.out_features
+        if tile_op is not None:
+            tiles = (self.amx_tiles, self.amx_scales, self.amx_code_sums, self.amx_offsets)
+            return tile_op, (*tiles, gs, self.bias, n)
+        if self.kernel == "rows" and kernels.available():
+            rows = (self.packed, self.kernel_scales, self.kernel_offsets)
+            return kernels.linear_int4, (*rows, gs, self.bias)
+        return None
 
     def _codes(self) -> torch.Tensor:
         """Codes [out, k_pad] from the kernel layout."""
