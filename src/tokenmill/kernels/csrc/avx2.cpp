@@ -212,12 +212,12 @@ inline __m128 int4_epilogue(__m128 sums, __m128 xscale, float bias, const float*
 // codes, high nibbles the next 32) against signed x: rows [m0, m0 + MR), channel n (from 2
 // rows on; a one-row batch is gemv_w4a8_rows). Per
 // group, the int32 sums are scaled by the group's scale; the offsets come in the epilogue.
-template <int MR>
+template <int MR, int CH>
 inline __m128 tile_w4a8(const GemmArgs& a, int64_t m0, int64_t n) {
   const uint8_t* wr = static_cast<const uint8_t*>(a.w) + n * a.ldw;
   const float* sc = a.scales + n * a.num_groups;
   const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  const int64_t chunks = a.group_size / 64;
+  const int64_t chunks = CH > 0 ? CH : a.group_size / 64;  // CH: known at compile time (unrolled)
   __m256 facc[MR];
   for (int m = 0; m < MR; ++m) facc[m] = Vec::zero();
   for (int64_t g = 0; g * a.group_size < a.K; ++g) {
@@ -292,11 +292,11 @@ void gemm_int8(const GemmArgs& a, int64_t n0, int64_t n1) {
 // x load serves both and their chains interleave. The code x activation pairs are summed in
 // int16 over up to 4 chunks (|sum| <= 4 * 2 * 2 * 15 * 127 = 30480) before one vpmaddwd
 // widens them, and each group's int32 sum is scaled once.
-template <int NR>
+template <int NR, int CH>
 inline void gemv_w4a8_rows(const GemmArgs& a, int64_t n) {
   constexpr int64_t kAhead = 1024;
   const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  const int64_t chunks = a.group_size / 64, groups = (a.K + a.group_size - 1) / a.group_size;
+  const int64_t chunks = CH > 0 ? CH : a.group_size / 64, groups = (a.K + a.group_size - 1) / a.group_size;
   const uint8_t* w[NR];
   const float* sc[NR];
   __m256 f[NR];
@@ -316,7 +316,7 @@ inline void gemv_w4a8_rows(const GemmArgs& a, int64_t n) {
         const __m256i xl = _mm256_loadu_si256((const __m256i*)(a.xq + k));
         const __m256i xh = _mm256_loadu_si256((const __m256i*)(a.xq + k + 32));
         for (int r = 0; r < NR; ++r) {
-          _mm_prefetch((const char*)(w[r] + k / 2 + kAhead), _MM_HINT_T0);
+          if (c % 2 == 0) _mm_prefetch((const char*)(w[r] + k / 2 + kAhead), _MM_HINT_T0);  // a line a 2 chunks
           const __m256i v = _mm256_loadu_si256((const __m256i*)(w[r] + k / 2));
           const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
           i16[r] = _mm256_add_epi16(i16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
@@ -335,11 +335,15 @@ inline void gemv_w4a8_rows(const GemmArgs& a, int64_t n) {
   }
 }
 
-void gemm_w4a8(const GemmArgs& a, int64_t n0, int64_t n1) {
+// CH: 64-code chunks per group, fixed for the common group sizes (64, 128, 256) so the
+// chunk loops unroll (with a runtime count, each group of 128 paid more for its loop's
+// entry and exit than for its two chunks); 0 for any other.
+template <int CH>
+void gemm_w4a8_ch(const GemmArgs& a, int64_t n0, int64_t n1) {
   if (a.M == 1) {
     int64_t n = n0;
-    for (; n + 2 <= n1; n += 2) gemv_w4a8_rows<2>(a, n);
-    if (n < n1) gemv_w4a8_rows<1>(a, n);
+    for (; n + 2 <= n1; n += 2) gemv_w4a8_rows<2, CH>(a, n);
+    if (n < n1) gemv_w4a8_rows<1, CH>(a, n);
     return;
   }
   // Epilogue per 4-row tile in vectors: the rows' x scales and, per group, their x sums
@@ -359,14 +363,23 @@ void gemm_w4a8(const GemmArgs& a, int64_t n0, int64_t n1) {
       const int mr = (int)min64(4, a.M - m);
       __m128 v;
       switch (mr) {
-        case 1: v = tile_w4a8<1>(a, m, n); break;
-        case 2: v = tile_w4a8<2>(a, m, n); break;
-        case 3: v = tile_w4a8<3>(a, m, n); break;
-        default: v = tile_w4a8<4>(a, m, n); break;
+        case 1: v = tile_w4a8<1, CH>(a, m, n); break;
+        case 2: v = tile_w4a8<2, CH>(a, m, n); break;
+        case 3: v = tile_w4a8<3, CH>(a, m, n); break;
+        default: v = tile_w4a8<4, CH>(a, m, n); break;
       }
       _mm_store_ps(out, int4_epilogue<4>(v, _mm_loadu_ps(xscale + m), bias, z, xs_t + m, G, mp));
       for (int i = 0; i < mr; ++i) a.y[(m + i) * a.ldy + n] = to_bf16(out[i]);
     }
+  }
+}
+
+void gemm_w4a8(const GemmArgs& a, int64_t n0, int64_t n1) {
+  switch (a.group_size) {
+    case 64: gemm_w4a8_ch<1>(a, n0, n1); break;
+    case 128: gemm_w4a8_ch<2>(a, n0, n1); break;
+    case 256: gemm_w4a8_ch<4>(a, n0, n1); break;
+    default: gemm_w4a8_ch<0>(a, n0, n1); break;
   }
 }
 
