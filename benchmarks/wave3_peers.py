@@ -11,7 +11,8 @@ Steps (``--list`` prints them with their estimated minutes on a quiet 2-core mac
                      streams, long = 16 x (1024 -> 64) at 8 streams; greedy, EOS ignored.
                      a-vllm-bf16, a-tm-bf16 (paged), a-tm-bf16-static, a-tm-bf16-lat and
                      a-tm-bf16-static-lat (--max-num-seqs 4, single only), a-tm-fp32, a-tm-int8, a-tm-int4
-                     (--quantization, --dtype auto), a-llama-f16/q8_0/q4_0, a-ref-bf16 (with
+                     (--quantization, --dtype auto), a-tm-{bf16,int8,int4}-compiled (paged with
+                     --compile-batch-sizes 1, single only), a-llama-f16/q8_0/q4_0, a-ref-bf16 (with
                      --ref: the same tokenmill bf16 server from a worktree of an older commit)
   B (issue 18)       b-fallback: tokenmill bf16 --model-impl transformers on the 250M Llama
                      (single, many; against a-tm-bf16); b-moe-offline: moe.py in bf16,
@@ -47,18 +48,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (
-    CACHE,
-    PEERS_ROOT,
-    REPO,
-    Server,
-    bench_serve,
-    peers_dir,
-    source_env,
-    tokenmill_command,
-)
+from _common import CACHE, PEERS_ROOT, REPO, source_env
 from wave3_plan import FULL_WORKLOADS, THREADS, TINY_WORKLOADS, Context, Step, git, load
 from wave3_report import render_report
+from wave3_servers import llama_serve, serve_and_bench, tokenmill_serve, vllm_serve
 
 HERE = Path(__file__).resolve().parent
 
@@ -73,134 +66,6 @@ LLAMA_TINY_SHAPE: dict[str, Any] = (
         max_position_embeddings=2048,
     )
 )
-
-
-# ---------------------------------------------------------------- servers
-
-
-def tokenmill_serve(
-    ctx: Context, model: Path, flags: list[str], max_model_len: int, max_num_seqs: int = 32
-) -> list[str]:
-    return tokenmill_command(
-        "serve",
-        str(model),
-        "--port",
-        str(ctx.args.port),
-        "--max-model-len",
-        str(max_model_len),
-        "--max-num-seqs",
-        str(max_num_seqs),
-        "--kv-cache-memory",
-        "1GiB",
-        "--num-threads",
-        str(THREADS),
-        "--disable-access-log",
-        *flags,
-    )
-
-
-def vllm_serve(ctx: Context, model: Path, max_model_len: int) -> list[str]:
-    """``vllm-cpu.sh serve``: bf16, every core computing (VLLM_CPU_OMP_THREADS_BIND=0-N and
-    VLLM_CPU_NUM_OF_RESERVED_CPU=0: by default vLLM keeps one core for its front end and
-    computes on the rest), 16 sequences, 1 GiB KV."""
-    return [
-        "env",
-        f"MAX_MODEL_LEN={max_model_len}",
-        "MAX_NUM_SEQS=16",
-        "bash",
-        str(peers_dir() / "vllm-cpu.sh"),
-        "serve",
-        str(model),
-        str(ctx.args.port),
-    ]
-
-
-def llama_serve(ctx: Context, gguf: Path, slots: int) -> list[str]:
-    """``build-llamacpp.sh serve``'s flags (16384 tokens of KV in all); ``slots`` parallel
-    sequences share them, so the long workload runs with 8 slots of 2048 tokens."""
-    return [
-        str(ctx.args.llama_server),
-        "-m",
-        str(gguf),
-        "--port",
-        str(ctx.args.port),
-        "-t",
-        str(THREADS),
-        "-np",
-        str(slots),
-        "-c",
-        "16384",
-        "-cb",
-    ]
-
-
-def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    keys = (
-        "completed",
-        "failed",
-        "duration_s",
-        "output_throughput",
-        "mean_ttft_ms",
-        "median_ttft_ms",
-        "p99_ttft_ms",
-        "mean_tpot_ms",
-        "median_tpot_ms",
-        "p99_tpot_ms",
-        "mean_itl_ms",
-    )
-    summary = {k: result[k] for k in keys if k in result}
-    config = (result.get("server_metrics") or {}).get("engine_config")
-    if config:
-        summary["engine_config"] = config
-    return summary
-
-
-def serve_and_bench(
-    ctx: Context,
-    name: str,
-    command: list[str],
-    workloads: list[str],
-    *,
-    tokenizer: Path,
-    env: dict[str, str] | None = None,
-    ready_timeout_s: float = 900,
-) -> dict[str, Any]:
-    """Start one server, run ``workloads`` through it in turn, stop it."""
-    log = ctx.out / "logs" / f"{name}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, Any] = {}
-    result: dict[str, Any] = {"command": shlex.join(command), "runs": runs}
-    server = Server(
-        command, ctx.base_url, log=log, env=env, ready_timeout_s=ready_timeout_s, poll_rss=True
-    )
-    with server:
-        result["ready_s"] = round(server.ready_s, 1)
-        print(f"  ready in {server.ready_s:.0f} s", flush=True)
-        assert server.rss is not None
-        server.rss.mark()
-        for wl_name in workloads:
-            wl = ctx.workloads[wl_name]
-            start = time.monotonic()
-            raw = bench_serve(
-                ctx.base_url,
-                ctx.out / "raw" / f"{name}-{wl_name}.json",
-                num_prompts=wl.num_prompts,
-                concurrency=wl.concurrency,
-                input_len=wl.input_len,
-                output_len=wl.output_len,
-                tokenizer=tokenizer,
-                num_warmups=2,
-            )
-            runs[wl_name] = {"workload": wl.describe(), **summarize(raw)}
-            print(
-                f"  {wl_name:7s} {wl.describe():28s} {raw['output_throughput']:7.1f} tok/s  "
-                f"TTFT {raw['mean_ttft_ms']:7.0f} ms  TPOT {raw['mean_tpot_ms']:6.1f} ms  "
-                f"({time.monotonic() - start:.0f} s)",
-                flush=True,
-            )
-        result["peak_rss_gib"] = round(server.rss.peak / 2**30, 3)
-        result["peak_rss_serving_gib"] = round(server.rss.peak_since_mark / 2**30, 3)
-    return result
 
 
 # ---------------------------------------------------------------- steps
@@ -425,6 +290,20 @@ STEPS: list[Step] = [
         2.5,
         dense_server_step(["--quantization", "int4"], ["single", "many", "long"]),
         "tokenmill --quantization int4 (dtype auto)",
+    ),
+    *(
+        Step(
+            f"a-tm-{name}-compiled",
+            "A",
+            1.5,
+            dense_server_step([*flags, "--compile-batch-sizes", "1"], ["single"], max_num_seqs=4),
+            f"tokenmill {name} paged, its one-row decode step compiled (--compile-batch-sizes 1)",
+        )
+        for name, flags in (
+            ("bf16", ["--dtype", "bfloat16"]),
+            ("int8", ["--quantization", "int8"]),
+            ("int4", ["--quantization", "int4"]),
+        )
     ),
     Step("a-llama-f16", "A", 3, llama_step("f16", True), "llama.cpp f16"),
     Step("a-llama-q8_0", "A", 1.5, llama_step("q8_0", False), "llama.cpp Q8_0"),

@@ -78,18 +78,21 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
         ("tokenmill bf16 static", "a-tm-bf16-static"),
         ("tokenmill bf16, --max-num-seqs 4", "a-tm-bf16-lat"),
         ("tokenmill bf16 static, --max-num-seqs 4", "a-tm-bf16-static-lat"),
+        ("tokenmill bf16, --compile-batch-sizes 1", "a-tm-bf16-compiled"),
         ("llama.cpp f16", "a-llama-f16"),
         ("tokenmill fp32", "a-tm-fp32"),
         ("tokenmill int8 (dtype auto)", "a-tm-int8"),
+        ("tokenmill int8, --compile-batch-sizes 1", "a-tm-int8-compiled"),
         ("llama.cpp Q8_0", "a-llama-q8_0"),
         ("tokenmill int4 (dtype auto)", "a-tm-int4"),
+        ("tokenmill int4, --compile-batch-sizes 1", "a-tm-int4-compiled"),
         ("llama.cpp Q4_0", "a-llama-q4_0"),
         (f"tokenmill bf16 at {(load(ctx, 'a-ref-bf16') or {}).get('ref')}", "a-ref-bf16"),
     ]
     for label, name in rows:
         d = load(ctx, name)
-        if d is None and name in ("a-ref-bf16", "a-tm-bf16-lat", "a-tm-bf16-static-lat"):
-            continue
+        if d is None and (name.endswith(("-lat", "-compiled")) or name == "a-ref-bf16"):
+            continue  # optional rows
         if d is not None and "error" in d:
             lines.append(f"| {label} | failed: {d['error'][:80]} | | | | | | |")
             continue
@@ -106,6 +109,7 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
     static = load(ctx, "a-tm-bf16-static")
     lat, static_lat = load(ctx, "a-tm-bf16-lat"), load(ctx, "a-tm-bf16-static-lat")
     int8, int4 = load(ctx, "a-tm-int8"), load(ctx, "a-tm-int4")
+    compiled = {p: load(ctx, f"a-tm-{p}-compiled") for p in ("bf16", "int8", "int4")}
     f16, q8, q4 = load(ctx, "a-llama-f16"), load(ctx, "a-llama-q8_0"), load(ctx, "a-llama-q4_0")
 
     def m(d: dict[str, Any] | None, run: str, key: str) -> float | None:
@@ -140,8 +144,11 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
         ("bf16 vs llama.cpp f16", bf16, f16),
         ("bf16 --max-num-seqs 4 vs llama.cpp f16", lat, f16),
         ("bf16 static --max-num-seqs 4 vs llama.cpp f16", static_lat, f16),
+        ("bf16 --compile-batch-sizes 1 vs llama.cpp f16", compiled["bf16"], f16),
         ("int8 vs llama.cpp Q8_0", int8, q8),
+        ("int8 --compile-batch-sizes 1 vs llama.cpp Q8_0", compiled["int8"], q8),
         ("int4 vs llama.cpp Q4_0", int4, q4),
+        ("int4 --compile-batch-sizes 1 vs llama.cpp Q4_0", compiled["int4"], q4),
     ):
         a, b = m(ours, "single", "mean_tpot_ms"), m(theirs, "single", "mean_tpot_ms")
         lines.append(
