@@ -610,7 +610,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(want, L / kMinSplitTokens));
     const int64_t per = (L + splits - 1) / splits;
     const int64_t step = std::max<int64_t>(bs, (per + bs - 1) / bs * bs);  // whole blocks
-    for (int64_t t = start / bs * bs; t < lens[b]; t += step) ranges.insert(ranges.end(), {std::max(t, start), std::min(t + step, lens[b])});
+    for (int64_t t = start / bs * bs; t < lens[b]; t += step)
+      ranges.insert(ranges.end(), {std::max(t, start), std::min(t + step, lens[b])});
     seq_slots[b + 1] = static_cast<int64_t>(ranges.size()) / 2;
     starts[b + 1] = b + 1;
   }
