@@ -316,7 +316,7 @@ inline void gemv_w4a8_rows(const GemmArgs& a, int64_t n) {
         const __m256i xl = _mm256_loadu_si256((const __m256i*)(a.xq + k));
         const __m256i xh = _mm256_loadu_si256((const __m256i*)(a.xq + k + 32));
         for (int r = 0; r < NR; ++r) {
-          if (c % 2 == 0) _mm_prefetch((const char*)(w[r] + k / 2 + kAhead), _MM_HINT_T0);  // a line a 2 chunks
+          if (c % 2 == 0) _mm_prefetch((const char*)(w[r] + k / 2 + kAhead), _MM_HINT_T0);  // one line per 2 chunks
           const __m256i v = _mm256_loadu_si256((const __m256i*)(w[r] + k / 2));
           const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
           i16[r] = _mm256_add_epi16(i16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
