@@ -59,6 +59,8 @@ class QuantizedLinear(nn.Module):
 
     max_kernel_rows = 0
     """Rows up to which the int kernel beats dequantize + GEMM."""
+    kernel: str | None
+    """Which tokenmill kernel serves this projection: amx, vnni, rows, or None (torch's)."""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -72,12 +74,19 @@ class QuantizedLinear(nn.Module):
         rows. One stream calls ~65 projections a step; the general path (module buffer
         lookups, dispatch checks, reshape, casts, a separate bias add) cost ~15 us each."""
 
-    def _fast_path(self) -> tuple[_Op, tuple[object, ...]] | None:
-        """The op and arguments ``forward`` may call directly, or None."""
+    def _kernel_call(
+        self, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[_Op, tuple[object, ...]] | None:
+        """tokenmill's op for activations like ``x`` now, and its arguments after x (with
+        ``bias``), or None where no tokenmill kernel takes them."""
         return None
 
     def _refresh_fast_path(self) -> None:
-        fast = self._fast_path() if self.max_kernel_rows == _EVERY_BATCH else None
+        fast = (
+            self._kernel_call(_BF16_ROWS, self.bias)
+            if self.max_kernel_rows == _EVERY_BATCH
+            else None
+        )
         self._fast = None if fast is None else (*fast, kernels.active_isa())
 
     def _apply(self, fn: Callable[..., torch.Tensor], recurse: bool = True) -> QuantizedLinear:
@@ -105,6 +114,15 @@ class QuantizedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        call = self._kernel_call(x, None)
+        if call is not None:
+            return call[0](x.to(torch.bfloat16), *call[1])
+        if self.kernel is not None:  # the ISA was switched after load (tests): stay correct
+            return F.linear(x, self.dequantize(x.dtype))
+        return self._torch_gemv(x)
+
+    def _torch_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """torch's int kernel, for layers stored in its packing (no tokenmill kernels)."""
         raise NotImplementedError
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -137,7 +155,6 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)  # fp32: the dequantizing path keeps full scales
         self.kernel = _kernel_for(weight, tiles_ok=True)
-        """Which tokenmill kernel serves this projection: amx, vnni, rows, or None (torch's)."""
         if self.kernel is not None:
             row_sums = qweight.sum(1, dtype=torch.int32)
             if self.kernel in _TILES:
@@ -157,34 +174,18 @@ class Int8Linear(QuantizedLinear):
         # not a multiple of 16 (seen at 40 and 72 in torch 2.13); such a shape skips it.
         self.has_gemv = self.in_features % 16 == 0
 
-    def _fast_path(self) -> tuple[_Op, tuple[object, ...]] | None:
-        tile_op = _tile_op(
-            self.kernel, _BF16_ROWS, kernels.linear_int8_amx, kernels.linear_int8_vnni
-        )
-        if tile_op is not None:
-            args = (self.amx_tiles, self.amx_scales, self.amx_row_sums, self.bias)
-            return tile_op, (*args, self.out_features)
-        if self.kernel == "rows" and kernels.available():
-            return kernels.linear_int8, (self.qweight, self.scales, self.row_sums, self.bias)
-        return None
-
-    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+    def _kernel_call(
+        self, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[_Op, tuple[object, ...]] | None:
         tile_op = _tile_op(self.kernel, x, kernels.linear_int8_amx, kernels.linear_int8_vnni)
         if tile_op is not None:
-            return tile_op(
-                x.to(torch.bfloat16),
-                self.amx_tiles,
-                self.amx_scales,
-                self.amx_row_sums,
-                None,
-                self.out_features,
-            )
+            tiles = (self.amx_tiles, self.amx_scales, self.amx_row_sums)
+            return tile_op, (*tiles, bias, self.out_features)
         if self.kernel == "rows" and kernels.supports(x, float32=True):
-            return kernels.linear_int8(
-                x.to(torch.bfloat16), self.int_weight(), self.scales, self.row_sums, None
-            )
-        if self.kernel is not None:  # the ISA was switched after load (tests): stay correct
-            return F.linear(x, self.dequantize(x.dtype))
+            return kernels.linear_int8, (self.int_weight(), self.scales, self.row_sums, bias)
+        return None
+
+    def _torch_gemv(self, x: torch.Tensor) -> torch.Tensor:
         scales = self.kernel_scales
         return torch._weight_int8pack_mm(x.to(scales.dtype), self.int_weight(), scales)
 
@@ -243,7 +244,6 @@ class Int4Linear(QuantizedLinear):
         scale = ((high - low) / 15.0).clamp(min=1e-8)
         q = torch.round((w - low) / scale).clamp(0, 15).to(torch.int32).view(self.padded_out, -1)
         self.kernel = _kernel_for(weight, tiles_ok=group_size % 64 == 0)
-        """Which tokenmill kernel serves this projection: amx, vnni, rows, or None (torch's)."""
         if self.kernel is not None:
             self._store_for_kernel(q, scale.view(self.padded_out, groups), low.view(-1, groups))
             self._refresh_fast_path()
@@ -290,17 +290,17 @@ class Int4Linear(QuantizedLinear):
                 self.max_kernel_rows = _EVERY_BATCH
         self.layout_block = None
 
-    def _fast_path(self) -> tuple[_Op, tuple[object, ...]] | None:
-        tile_op = _tile_op(
-            self.kernel, _BF16_ROWS, kernels.linear_int4_amx, kernels.linear_int4_vnni
-        )
+    def _kernel_call(
+        self, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[_Op, tuple[object, ...]] | None:
+        tile_op = _tile_op(self.kernel, x, kernels.linear_int4_amx, kernels.linear_int4_vnni)
         gs, n = self.group_size, self.out_features
         if tile_op is not None:
             tiles = (self.amx_tiles, self.amx_scales, self.amx_code_sums, self.amx_offsets)
-            return tile_op, (*tiles, gs, self.bias, n)
-        if self.kernel == "rows" and kernels.available():
+            return tile_op, (*tiles, gs, bias, n)
+        if self.kernel == "rows" and kernels.supports(x, float32=True):
             rows = (self.packed, self.kernel_scales, self.kernel_offsets)
-            return kernels.linear_int4, (*rows, gs, self.bias)
+            return kernels.linear_int4, (*rows, gs, bias)
         return None
 
     def _codes(self) -> torch.Tensor:
@@ -334,30 +334,7 @@ class Int4Linear(QuantizedLinear):
             else x
         )
 
-    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        tile_op = _tile_op(self.kernel, x, kernels.linear_int4_amx, kernels.linear_int4_vnni)
-        if tile_op is not None:
-            return tile_op(
-                x.to(torch.bfloat16),
-                self.amx_tiles,
-                self.amx_scales,
-                self.amx_code_sums,
-                self.amx_offsets,
-                self.group_size,
-                None,
-                self.out_features,
-            )
-        if self.kernel == "rows" and kernels.supports(x, float32=True):
-            return kernels.linear_int4(
-                x.to(torch.bfloat16),
-                self.packed,
-                self.kernel_scales,
-                self.kernel_offsets,
-                self.group_size,
-                None,
-            )
-        if self.kernel is not None:  # the ISA was switched after load (tests): stay correct
-            return F.linear(x, self.dequantize(x.dtype))
+    def _torch_gemv(self, x: torch.Tensor) -> torch.Tensor:
         y = torch._weight_int4pack_mm_for_cpu(
             self._pad(x).to(self.scales_and_zeros.dtype),
             self.packed,
