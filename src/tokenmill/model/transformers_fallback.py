@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "tokenmill"
 """The name tokenmill's attention is registered under in Transformers' AttentionInterface."""
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Layer types whose cache is a per-sequence recurrent state, not K/V. Transformers 5.25
+# dropped the classes' ``_is_stateful`` flag and names Mamba's layers "linear_attention"
+# (older configs: "mamba"), so both signs are read.
+STATEFUL_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding"})
 """``config.layer_types`` values the block-table KV cache can hold."""
 UNSUPPORTED_ATTENTION_KWARGS = ("s_aux", "sinks", "position_bias", "alibi")
 """Attention inputs tokenmill's backends do not implement (attention sinks, ALiBi biases)."""
@@ -314,14 +318,14 @@ def _check_structure(folder: Path, hf_config: Any) -> Any:
             f"config.json's model_type {hf_config.model_type!r} is Transformers' "
             f"{cls.__name__}, not the architecture it names",
         )
-    if getattr(cls, "_is_stateful", False):
+    layer_types = set(getattr(hf_config, "layer_types", None) or ())
+    if getattr(cls, "_is_stateful", False) or layer_types & STATEFUL_LAYER_TYPES:
         raise _refuse(
             folder,
             arch,
             "it has recurrent or state-space layers, whose per-sequence state is not K/V "
             "that tokenmill's block-table cache can hold",
         )
-    layer_types = set(getattr(hf_config, "layer_types", None) or ())
     if layer_types - set(SUPPORTED_LAYER_TYPES):
         raise _refuse(
             folder,
