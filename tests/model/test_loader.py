@@ -228,3 +228,33 @@ def test_bf16_projections_take_the_gemv_layout_unless_told_not_to(
     onednn, packed = _bf16_logits(folder)
     assert not any(packed)
     assert (gemv - onednn).abs().max() <= 2e-2 * onednn.abs().max()
+
+
+def _anon_rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc/self/status")
+def test_quantizing_at_load_leaves_only_the_weights_resident(make_model) -> None:
+    """The fp32 copies freed while quantizing go back to the OS: without the loader's heap
+    trim this load kept ~7x its int8 weights resident (glibc keeps freed holes)."""
+    from tokenmill.model.host_memory import trim_freed_heap
+
+    folder = make_model(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
+    if not trim_freed_heap():
+        pytest.skip("no glibc malloc_trim here")
+    before = _anon_rss_bytes()
+    model = load_model(folder, torch.bfloat16, torch.device("cpu"), 256, quantization="int8")
+    grown = _anon_rss_bytes() - before
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert grown < 1.5 * held + 8 * 2**20, (grown / 2**20, held / 2**20)

@@ -23,6 +23,7 @@ from tokenmill.model.attention_backend import AttentionBackend, default_attentio
 from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info
+from tokenmill.model.host_memory import trim_freed_heap
 from tokenmill.model.layers import gemv_layout_wanted
 from tokenmill.model.quant import quantize_linear
 from tokenmill.model.registry import WeightSpec, expected_tensors, model_class, weight_layout
@@ -430,4 +431,5 @@ def load_model(
         )
     if device.type == "cpu":
         logger.info("%s", kernels.describe())
+    trim_freed_heap()  # the checkpoint-dtype copies freed while converting stay resident otherwise
     return model

@@ -31,6 +31,7 @@ from tokenmill.model.attention import FP8_DTYPES
 from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info, default_num_threads
+from tokenmill.model.host_memory import trim_freed_heap
 from tokenmill.model.layers import Linear, gemv_layout_wanted
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.model.tensor_parallel import TPShard, shard_config
@@ -279,6 +280,7 @@ class Worker:
         spec_config = cfg.speculative
         if spec_config is not None and spec_config.method == "draft_model":
             self.drafter = self._load_draft(spec, info)
+        trim_freed_heap()  # what compiling and warming up freed
         return info
 
     def _load_draft(self, kv: KVCacheSpec, info: CacheInfo) -> DraftProposer:
