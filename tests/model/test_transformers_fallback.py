@@ -302,15 +302,19 @@ def test_attention_sinks_are_refused_by_the_probe(tmp_path: Path, tokenizer_dir:
         LLM(str(tmp_path), dtype="float32", max_model_len=128)
 
 
-def test_native_models_never_import_transformers(make_model) -> None:
-    """A native family runs without Transformers in the process (it is the fallback's only)."""
+def test_native_models_never_import_transformers_or_torch_compile(make_model) -> None:
+    """A native family runs without Transformers in the process (it is the fallback's only),
+    and an engine that compiles nothing never imports TorchDynamo: it costs seconds of
+    every start (llguidance.torch's import once did it)."""
     folder = make_model("llama")
     code = (
         "import sys\n"
         "from tokenmill import LLM, SamplingParams\n"
         f"llm = LLM({str(folder)!r}, dtype='float32', max_model_len=64)\n"
-        "llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)\n"
+        "grammar = SamplingParams(max_tokens=2, structured_outputs={'choice': ['yes', 'no']})\n"
+        "llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(max_tokens=2), grammar], use_tqdm=False)\n"
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+        "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 

@@ -16,7 +16,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch as llg_torch
 import torch
 
 from tokenmill.core.request import Request
@@ -85,7 +84,11 @@ class GrammarMasks:
         matchers = [(self._synced(r), i) for i, r in rows]
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        llg_torch.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+        # llguidance.torch's wrapper of this call decorates a helper with torch.compile, so
+        # importing it loads TorchDynamo and Inductor: ~3.7 s of every engine start.
+        self._executor.unsafe_compute_mask_ptr(
+            matchers, bitmask.data_ptr(), words * 4, len(requests)
+        )
         for (matcher, i), (_, request) in zip(matchers, rows, strict=True):
             if matcher.is_error():  # out of fuel, or a replay failed: let it end cleanly
                 logger.warning(
@@ -119,7 +122,8 @@ class GrammarMasks:
         for j in range(num_valid + 1):
             if matcher.is_stopped():
                 break  # the grammar ended at the previous token: nothing after it is kept
-            llg_torch.fill_next_token_bitmask(matcher, bitmask, j)
+            row = bitmask[j]
+            matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
             if j < num_valid:
                 if not matcher.consume_token(drafts[j]):
                     break

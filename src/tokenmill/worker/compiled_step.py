@@ -32,11 +32,14 @@ DecodeFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ]
 
-_COMPILE_ERRORS = (
-    torch._dynamo.exc.TorchDynamoException,
-    torch._dynamo.exc.FailOnRecompileLimitHit,
-)
-"""What a compiled call raises when dynamo or inductor, not the model, failed."""
+
+def _compile_errors() -> tuple[type[Exception], ...]:
+    """What a compiled call raises when dynamo or inductor, not the model, failed. Read when
+    needed: touching ``torch._dynamo`` imports it (~1.7 s), and most engines never compile."""
+    return (
+        torch._dynamo.exc.TorchDynamoException,
+        torch._dynamo.exc.FailOnRecompileLimitHit,
+    )
 
 
 def _inductor_cache_counts() -> tuple[int, int]:
@@ -215,7 +218,7 @@ class CompiledDecodeStep:
         ]
         try:
             return self._fns[bucket](*args)[:batch]
-        except _COMPILE_ERRORS as exc:  # e.g. a guard failed and recompiling failed
+        except _compile_errors() as exc:  # e.g. a guard failed and recompiling failed
             self._fall_back_to_eager(bucket, exc, "could not recompile")
             with torch.inference_mode():  # the same padded forward, so the same hidden states
                 return self._forward(*args)[:batch]
