@@ -2,12 +2,16 @@
 
 Sizing turns the user's memory budget into a block count. The tensors are zero-filled:
 attention masks padding and stale slots, and zeros (unlike uninitialised memory) can never
-be NaN, which would leak through a masked softmax as 0 * NaN.
+be NaN, which would leak through a masked softmax as 0 * NaN. On the CPU they live in
+anonymous memory maps, which the OS hands out as zero pages when first touched: the pool
+costs resident memory as blocks are used, not all at start-up (``torch.zeros`` wrote every
+byte of it, seconds of start-up and the whole pool resident for a server that never fills it).
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 
 import psutil
 import torch
@@ -49,12 +53,22 @@ def allocate_kv_cache(
     """
     shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
     return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for _ in range(cfg.num_layers)
+        (zeroed(shape, dtype, device), zeroed(shape, dtype, device)) for _ in range(cfg.num_layers)
     ]
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on the CPU backed by an anonymous map, so untouched pages stay free."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    for size in shape:
+        nbytes *= size
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor keeps the map alive; it is unmapped when the tensor is freed.
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def copy_kv_blocks(
