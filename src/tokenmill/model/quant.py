@@ -130,6 +130,46 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
 
+_QUANTIZE_ROWS = 256
+"""Output channels quantized at a time: the fp32 temporaries stay ~1 MB instead of several
+copies of the whole weight, which the C allocator then kept resident after loading."""
+
+
+def _int8_channels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes and fp32 scales, one per output channel (symmetric, absmax / 127)."""
+    qweight = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty(weight.shape[0])
+    for lo in range(0, weight.shape[0], _QUANTIZE_ROWS):
+        w = weight[lo : lo + _QUANTIZE_ROWS].float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        qweight[lo : lo + _QUANTIZE_ROWS] = torch.round(w / scale[:, None]).clamp(-127, 127)
+        scales[lo : lo + _QUANTIZE_ROWS] = scale
+    return qweight, scales
+
+
+def _int4_groups(
+    weight: torch.Tensor, padded_out: int, padded_in: int, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes 0..15 (int32 [padded_out, padded_in]), and each group's scale and low end
+    ([padded_out, groups, 1]): asymmetric, (high - low) / 15. Padding is zeros."""
+    out_features, in_features = weight.shape
+    groups = padded_in // group_size
+    q = torch.zeros(padded_out, padded_in, dtype=torch.int32)
+    scale = torch.empty(padded_out, groups, 1)
+    low = torch.empty(padded_out, groups, 1)
+    for lo in range(0, padded_out, _QUANTIZE_ROWS):
+        hi = min(lo + _QUANTIZE_ROWS, padded_out)
+        w = torch.zeros(hi - lo, padded_in)
+        if lo < out_features:
+            w[: min(hi, out_features) - lo, :in_features] = weight[lo:hi].float()
+        w = w.view(hi - lo, groups, group_size)
+        w_low, w_high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+        w_scale = ((w_high - w_low) / 15.0).clamp(min=1e-8)
+        q[lo:hi] = torch.round((w - w_low) / w_scale).clamp(0, 15).view(hi - lo, -1)
+        scale[lo:hi], low[lo:hi] = w_scale, w_low
+    return q, scale, low
+
+
 class Int8Linear(QuantizedLinear):
     """int8 weights with one scale per output channel (symmetric, absmax / 127)."""
 
@@ -149,9 +189,7 @@ class Int8Linear(QuantizedLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight.shape[1], weight.shape[0], bias)
-        w = weight.float()
-        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-        qweight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        qweight, scales = _int8_channels(weight)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)  # fp32: the dequantizing path keeps full scales
         self.kernel = _kernel_for(weight, tiles_ok=True)
@@ -236,13 +274,8 @@ class Int4Linear(QuantizedLinear):
         self.group_size = group_size
         self.padded_in = -(-in_features // group_size) * group_size
         self.padded_out = -(-out_features // 64) * 64
-        w = torch.zeros(self.padded_out, self.padded_in)
-        w[:out_features, :in_features] = weight.float()
         groups = self.padded_in // group_size
-        w = w.view(self.padded_out, groups, group_size)
-        low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
-        scale = ((high - low) / 15.0).clamp(min=1e-8)
-        q = torch.round((w - low) / scale).clamp(0, 15).to(torch.int32).view(self.padded_out, -1)
+        q, scale, low = _int4_groups(weight, self.padded_out, self.padded_in, group_size)
         self.kernel = _kernel_for(weight, tiles_ok=group_size % 64 == 0)
         if self.kernel is not None:
             self._store_for_kernel(q, scale.view(self.padded_out, groups), low.view(-1, groups))
