@@ -132,9 +132,12 @@ def wait_ready(
     base_url: str,
     proc: subprocess.Popen[bytes],
     timeout_s: float = 600,
-    path: str = "/v1/models",
+    path: str = "/health",
 ) -> None:
-    """Poll ``base_url + path`` until it answers 200; fail early if the server exits."""
+    """Poll ``base_url + path`` until it answers 200; fail early if the server exits.
+
+    ``/health``, not ``/v1/models``: tokenmill answers HTTP (and lists its model) while the
+    model still loads, and says 503 on ``/health`` until it is ready, as llama.cpp does."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -162,7 +165,7 @@ class Server:
         *,
         log: Path | None = None,
         env: dict[str, str] | None = None,
-        ready_path: str = "/v1/models",
+        ready_path: str = "/health",
         ready_timeout_s: float = 600,
         stop_timeout_s: float = 60,
         poll_rss: bool = False,
