@@ -41,9 +41,25 @@ def test_the_switch_turns_the_kernels_off_without_a_warning() -> None:
 
 
 def test_a_failed_build_warns_once_and_torch_kernels_run(tmp_path: Path) -> None:
-    result, stderr = _probe(TOKENMILL_CACHE=str(tmp_path), CXX=str(tmp_path / "no-such-c++"))
+    """The next process reads the recorded failure instead of building again, until the
+    compiler changes; no scratch folder is left behind."""
+    missing = str(tmp_path / "no-such-c++")
+    result, stderr = _probe(TOKENMILL_CACHE=str(tmp_path), CXX=missing)
     assert result == "RESULT False none False (3, 64)"
     assert stderr.count("tokenmill CPU kernels unavailable") == 1, stderr
+    assert "failed before" not in stderr
+    kernels = tmp_path / "kernels"
+    assert [p.suffix for p in kernels.iterdir()] == [".failed"], list(kernels.iterdir())
+
+    result, stderr = _probe(TOKENMILL_CACHE=str(tmp_path), CXX=missing)
+    assert result == "RESULT False none False (3, 64)"
+    assert stderr.count("tokenmill CPU kernels unavailable (their build failed before") == 1
+    assert "delete" in stderr and ".failed" in stderr, stderr
+
+    result, stderr = _probe(TOKENMILL_CACHE=str(tmp_path), CXX=missing + "-2")  # retried
+    assert stderr.count("tokenmill CPU kernels unavailable") == 1
+    assert "failed before" not in stderr, stderr
+    assert [p.suffix for p in kernels.iterdir()] == [".failed"], list(kernels.iterdir())
 
 
 def test_the_environment_forces_the_avx2_kernels() -> None:

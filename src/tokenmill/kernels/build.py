@@ -4,13 +4,16 @@ The sources in ``csrc/`` are compiled on first use with ``torch.utils.cpp_extens
 ``$TOKENMILL_CACHE/kernels/<key>`` (default ``~/.cache/tokenmill``), where the key hashes the
 sources, the compiler flags, torch's version and the Python ABI; later processes load the
 cached library directly. Where there is no compiler (or ninja), the CPU is not x86-64, or
-the build fails, one warning says so and every op keeps its torch implementation.
+the build fails, one warning says so and every op keeps its torch implementation. A failed
+build leaves ``<key>.failed`` beside it, so later processes do not spend the same minute
+failing again; it is retried once the compiler or ninja changes, or the file is deleted.
 ``TOKENMILL_CPU_KERNELS=0`` turns the kernels off; ``TOKENMILL_CPU_ISA=avx2`` forces the
 AVX2 kernels on an AVX-512 machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -63,11 +66,7 @@ def _compile(name: str, folder: Path) -> Path:
     from torch.utils import cpp_extension
 
     folder.mkdir(parents=True, exist_ok=True)
-    # ninja may be installed in this interpreter's environment without being on PATH.
-    bin_dir = str(Path(sys.executable).parent)
-    path = os.environ.get("PATH", "")
-    if bin_dir not in path.split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + path
+    _with_venv_bin()
     cpp_extension.load(
         name=name,
         sources=[str(CSRC / s) for s in SOURCES],
@@ -78,6 +77,26 @@ def _compile(name: str, folder: Path) -> Path:
         verbose=False,
     )
     return folder / f"{name}.so"
+
+
+def _with_venv_bin() -> None:
+    """ninja may be installed in this interpreter's environment without being on PATH."""
+    bin_dir = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if bin_dir not in path.split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + path
+
+
+def toolchain() -> str:
+    """The compiler and ninja a build would use (path and mtime): a failed build is retried
+    when this changes."""
+    _with_venv_bin()
+    parts = []
+    for tool in (os.environ.get("CXX", "c++"), "ninja"):
+        found = shutil.which(tool)
+        stamp = int(os.stat(found).st_mtime) if found else 0
+        parts.append(f"{tool}={found}@{stamp}")
+    return " ".join(parts)
 
 
 @functools.cache
@@ -97,6 +116,19 @@ def load() -> bool:
     name = f"tokenmill_cpu_{key}"
     folder = cache_root() / "kernels" / key
     library = folder / f"{name}.so"
+    failed = folder.with_name(f"{key}.failed")
+    tools = toolchain()
+    if not library.is_file() and failed.is_file():
+        recorded = failed.read_text(errors="replace").split("\n", 1)
+        if recorded[0] == tools:
+            logger.warning(
+                "tokenmill CPU kernels unavailable (their build failed before: %s; delete %s "
+                "to retry); using torch kernels",
+                recorded[1].strip()[:300] if len(recorded) > 1 else "no reason recorded",
+                failed,
+            )
+            return False
+    scratch = folder.with_name(f"{key}.build-{os.getpid()}")
     try:
         if library.is_file():
             torch.ops.load_library(str(library))
@@ -104,19 +136,21 @@ def load() -> bool:
             logger.info("building tokenmill CPU kernels into %s (once)", folder)
             # Built (and loaded) aside, then moved in whole: a process starting meanwhile
             # never loads a half-written library.
-            scratch = folder.with_name(f"{key}.build-{os.getpid()}")
             built = _compile(name, scratch)
             folder.mkdir(parents=True, exist_ok=True)
             os.replace(built, library)
-            shutil.rmtree(scratch, ignore_errors=True)
+            failed.unlink(missing_ok=True)
     except Exception as exc:  # no compiler, no ninja, a compile error: torch kernels still run
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        logger.warning(
-            "tokenmill CPU kernels unavailable (%s: %s); using torch kernels",
-            type(exc).__name__,
-            first[:300],
-        )
+        reason = f"{type(exc).__name__}: {first[:300]}"
+        logger.warning("tokenmill CPU kernels unavailable (%s); using torch kernels", reason)
+        if not library.is_file():
+            with contextlib.suppress(OSError):
+                failed.parent.mkdir(parents=True, exist_ok=True)
+                failed.write_text(f"{tools}\n{reason}\n")
         return False
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     if torch.ops.tokenmill_cpu.isa() == "none":
         logger.warning("tokenmill CPU kernels need AVX2 or AVX-512 BF16; using torch kernels")
         return False
