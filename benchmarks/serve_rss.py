@@ -1,0 +1,72 @@
+"""Peak RSS of one tokenmill server, per workload phase.
+
+Starts ``tokenmill serve`` on the 250M benchmark Llama (1 GiB of KV, 32 sequences, 2
+threads, plus any flags given), polls the RSS of its process tree every 0.2 s from its
+start, and runs three workloads through it with ``tokenmill bench serve``: single = 3 x
+(128 -> 32) at 1 stream, many = 32 x (128 -> 64) at 16, long = 16 x (1024 -> 64) at 8.
+Prints the RSS once ready (after the load) and each phase's peak.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/serve_rss.py --quantization int8
+    PYTHONPATH=/tmp/base/src .venv/bin/python benchmarks/serve_rss.py   # another tree
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Server, bench_serve, tokenmill_command
+
+MODEL = Path.home() / ".cache" / "tokenmill" / "bench-llama-250m"
+PORT = 8655
+PHASES = [("single", 3, 1, 128, 32), ("many", 32, 16, 128, 64), ("long", 16, 8, 1024, 64)]
+GIB = 2**30
+
+
+def main() -> None:
+    command = tokenmill_command(
+        "serve",
+        str(MODEL),
+        "--port",
+        str(PORT),
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "32",
+        "--kv-cache-memory",
+        "1GiB",
+        "--num-threads",
+        "2",
+        "--disable-access-log",
+        *sys.argv[1:],
+    )
+    url = f"http://127.0.0.1:{PORT}"
+    out = Path(tempfile.mkdtemp(prefix="serve-rss-"))
+    with Server(command, url, log=out / "server.log", poll_rss=True) as server:
+        assert server.rss is not None
+        print(f"ready in {server.ready_s:.1f} s: RSS {server.rss.rss() / GIB:.3f} GiB", flush=True)
+        for name, prompts, streams, input_len, output_len in PHASES:
+            server.rss.mark()
+            result = bench_serve(
+                url,
+                out / f"{name}.json",
+                num_prompts=prompts,
+                concurrency=streams,
+                input_len=input_len,
+                output_len=output_len,
+                tokenizer=MODEL,
+            )
+            time.sleep(0.5)
+            print(
+                f"{name}: peak {server.rss.peak_since_mark / GIB:.3f} GiB, "
+                f"{result['output_throughput']:.1f} tok/s",
+                flush=True,
+            )
+        print(f"peak over the whole run (load included): {server.rss.peak / GIB:.3f} GiB")
+
+
+if __name__ == "__main__":
+    main()
