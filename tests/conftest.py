@@ -292,3 +292,12 @@ def peft_greedy(
             )
             outs.append(res[0, len(prompt) :].tolist())
     return outs
+
+
+def anon_rss_bytes() -> int:
+    """This process's resident anonymous memory (RssAnon), for memory-behaviour tests."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")

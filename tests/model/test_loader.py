@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.conftest import anon_rss_bytes
 from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.errors import ModelLoadError
@@ -230,14 +231,6 @@ def test_bf16_projections_take_the_gemv_layout_unless_told_not_to(
     assert (gemv - onednn).abs().max() <= 2e-2 * onednn.abs().max()
 
 
-def _anon_rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no RssAnon in /proc/self/status")
-
-
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc/self/status")
 def test_quantizing_at_load_leaves_only_the_weights_resident(make_model) -> None:
     """The fp32 copies freed while quantizing go back to the OS: without the loader's heap
@@ -253,8 +246,8 @@ def test_quantizing_at_load_leaves_only_the_weights_resident(make_model) -> None
     )
     if not trim_freed_heap():
         pytest.skip("no glibc malloc_trim here")
-    before = _anon_rss_bytes()
+    before = anon_rss_bytes()
     model = load_model(folder, torch.bfloat16, torch.device("cpu"), 256, quantization="int8")
-    grown = _anon_rss_bytes() - before
+    grown = anon_rss_bytes() - before
     held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     assert grown < 1.5 * held + 8 * 2**20, (grown / 2**20, held / 2**20)
