@@ -6,7 +6,7 @@ once its mmap threshold has risen past them, and a freed hole in the middle of t
 stays resident: the 250M benchmark Llama quantized to int8 held 1.23 GB after loading
 against 0.51 GB after ``malloc_trim(0)``. One trim after the load, and one after start-up's
 warm-up and compilation, returns that, so peak RSS is the weights as stored plus what
-serving touches. It takes a few milliseconds; elsewhere than glibc it does nothing.
+serving touches. A trim takes ~20 ms on that heap; elsewhere than glibc it does nothing.
 """
 
 from __future__ import annotations

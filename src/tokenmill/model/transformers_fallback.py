@@ -51,11 +51,11 @@ logger = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "tokenmill"
 """The name tokenmill's attention is registered under in Transformers' AttentionInterface."""
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-# Layer types whose cache is a per-sequence recurrent state, not K/V. Transformers 5.25
-# dropped the classes' ``_is_stateful`` flag and names Mamba's layers "linear_attention"
-# (older configs: "mamba"), so both signs are read.
-STATEFUL_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding"})
 """``config.layer_types`` values the block-table KV cache can hold."""
+STATEFUL_LAYER_TYPES = frozenset({"linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding"})
+"""Layer types whose cache is a per-sequence recurrent state, not K/V. Transformers 5.25
+dropped the classes' ``_is_stateful`` flag and names Mamba's layers "linear_attention"
+(older configs: "mamba"), so both signs are read."""
 UNSUPPORTED_ATTENTION_KWARGS = ("s_aux", "sinks", "position_bias", "alibi")
 """Attention inputs tokenmill's backends do not implement (attention sinks, ALiBi biases)."""
 FEATURES = (

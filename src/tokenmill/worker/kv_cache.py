@@ -59,7 +59,7 @@ def allocate_kv_cache(
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor; on the CPU backed by an anonymous map, so untouched pages stay free."""
-    if device.type != "cpu":
+    if device.type != "cpu" or not hasattr(mmap, "MAP_ANONYMOUS"):  # (Windows has none)
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = torch.empty((), dtype=dtype).element_size()
     for size in shape:
