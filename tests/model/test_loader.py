@@ -233,8 +233,9 @@ def test_bf16_projections_take_the_gemv_layout_unless_told_not_to(
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc/self/status")
 def test_quantizing_at_load_leaves_only_the_weights_resident(make_model) -> None:
-    """The fp32 copies freed while quantizing go back to the OS: without the loader's heap
-    trim this load kept ~7x its int8 weights resident (glibc keeps freed holes)."""
+    """The source copies freed while quantizing go back to the OS: without the loader's
+    heap trim this test fails (glibc keeps freed holes resident; before quantizing in row
+    blocks too, this load kept ~7x its int8 weights)."""
     from tokenmill.model.host_memory import trim_freed_heap
 
     folder = make_model(
