@@ -117,8 +117,10 @@ def load() -> bool:
     folder = cache_root() / "kernels" / key
     library = folder / f"{name}.so"
     failed = folder.with_name(f"{key}.failed")
-    tools = toolchain()
-    if not library.is_file() and failed.is_file():
+    cached = library.is_file()
+    # Only a build depends on the toolchain (and looking it up puts the venv on PATH).
+    tools = "" if cached else toolchain()
+    if not cached and failed.is_file():
         recorded = failed.read_text(errors="replace").split("\n", 1)
         if recorded[0] == tools:
             logger.warning(
@@ -130,7 +132,7 @@ def load() -> bool:
             return False
     scratch = folder.with_name(f"{key}.build-{os.getpid()}")
     try:
-        if library.is_file():
+        if cached:
             torch.ops.load_library(str(library))
         else:
             logger.info("building tokenmill CPU kernels into %s (once)", folder)
@@ -144,7 +146,7 @@ def load() -> bool:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         reason = f"{type(exc).__name__}: {first[:300]}"
         logger.warning("tokenmill CPU kernels unavailable (%s); using torch kernels", reason)
-        if not library.is_file():
+        if not cached and not library.is_file():  # (another process may have built it)
             with contextlib.suppress(OSError):
                 failed.parent.mkdir(parents=True, exist_ok=True)
                 failed.write_text(f"{tools}\n{reason}\n")
