@@ -11,6 +11,7 @@ byte of it, seconds of start-up and the whole pool resident for a server that ne
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 
 import psutil
@@ -61,9 +62,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """A zero tensor; on the CPU backed by an anonymous map, so untouched pages stay free."""
     if device.type != "cpu" or not hasattr(mmap, "MAP_ANONYMOUS"):  # (Windows has none)
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = torch.empty((), dtype=dtype).element_size()
-    for size in shape:
-        nbytes *= size
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     # The tensor keeps the map alive; it is unmapped when the tensor is freed.
