@@ -1,7 +1,7 @@
 """Peak RSS of one tokenmill server, per workload phase.
 
-Starts ``tokenmill serve`` on the 250M benchmark Llama (1 GiB of KV, 32 sequences, 2
-threads, plus any flags given), polls the RSS of its process tree every 0.2 s from its
+Starts ``wave3_servers.tokenmill_serve``'s server on the 250M benchmark Llama (1 GiB of
+KV, 32 sequences, every core, plus any flags given), polls the RSS of its process tree every 0.2 s from its
 start, and runs three workloads through it with ``tokenmill bench serve``: single = 3 x
 (128 -> 32) at 1 stream, many = 32 x (128 -> 64) at 16, long = 16 x (1024 -> 64) at 8.
 Prints the RSS once ready (after the load) and each phase's peak.
@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Server, bench_serve, tokenmill_command
+from _common import Server, bench_serve
+from wave3_servers import tokenmill_serve
 
 MODEL = Path.home() / ".cache" / "tokenmill" / "bench-llama-250m"
 PORT = 8655
@@ -27,22 +28,7 @@ GIB = 2**30
 
 
 def main() -> None:
-    command = tokenmill_command(
-        "serve",
-        str(MODEL),
-        "--port",
-        str(PORT),
-        "--max-model-len",
-        "2048",
-        "--max-num-seqs",
-        "32",
-        "--kv-cache-memory",
-        "1GiB",
-        "--num-threads",
-        "2",
-        "--disable-access-log",
-        *sys.argv[1:],
-    )
+    command = tokenmill_serve(PORT, MODEL, sys.argv[1:], max_model_len=2048)
     url = f"http://127.0.0.1:{PORT}"
     out = Path(tempfile.mkdtemp(prefix="serve-rss-"))
     with Server(command, url, log=out / "server.log", poll_rss=True) as server:

@@ -136,7 +136,7 @@ def dense_server_step(
 ) -> Callable[[Context], dict[str, Any]]:
     def run(ctx: Context) -> dict[str, Any]:
         name = ctx.current
-        command = tokenmill_serve(ctx, ctx.dense, flags, max_model_len, max_num_seqs)
+        command = tokenmill_serve(ctx.args.port, ctx.dense, flags, max_model_len, max_num_seqs)
         if ref:  # the older tree's tokenmill, with this interpreter and its packages
             command = ["env", f"PYTHONPATH={ctx.ref_src}", *command]
         result = serve_and_bench(ctx, name, command, workloads, tokenizer=ctx.dense)
@@ -205,7 +205,7 @@ def step_moe_offline(ctx: Context) -> dict[str, Any]:
 
 
 def step_moe_tm(ctx: Context) -> dict[str, Any]:
-    command = tokenmill_serve(ctx, ctx.moe, ["--dtype", "bfloat16"], 1024)
+    command = tokenmill_serve(ctx.args.port, ctx.moe, ["--dtype", "bfloat16"], 1024)
     return serve_and_bench(ctx, "b-moe-tm", command, ["moe1", "moe16"], tokenizer=ctx.moe)
 
 

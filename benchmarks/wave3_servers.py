@@ -15,13 +15,14 @@ from wave3_plan import THREADS, Context
 
 
 def tokenmill_serve(
-    ctx: Context, model: Path, flags: list[str], max_model_len: int, max_num_seqs: int = 32
+    port: int, model: Path, flags: list[str], max_model_len: int, max_num_seqs: int = 32
 ) -> list[str]:
+    """The wave3 tokenmill server: 1 GiB of KV, every core (``serve_rss.py`` runs it too)."""
     return tokenmill_command(
         "serve",
         str(model),
         "--port",
-        str(ctx.args.port),
+        str(port),
         "--max-model-len",
         str(max_model_len),
         "--max-num-seqs",
