@@ -318,6 +318,41 @@ def paged_prefill_attention(
     )
 
 
+def decode_layers(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    tensors: list[torch.Tensor | None],
+    ints: list[int],
+    floats: list[float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step through a stack of pre-norm decoder layers, as ``model.fused_decode``
+    encodes them (``tensors``, ``ints``, ``floats``); one query row per sequence of x
+    [B, hidden]. Returns (x, residual) after the last layer, before the final norm."""
+    out: tuple[torch.Tensor, torch.Tensor] = torch.ops.tokenmill_cpu.decode_layers(
+        x,
+        None,
+        positions,
+        cos,
+        sin,
+        slot_mapping,
+        block_tables,
+        context_lens,
+        k_caches,
+        v_caches,
+        tensors,
+        ints,
+        floats,
+    )
+    return out
+
+
 def register_fakes() -> None:
     """Shape functions for torch.compile; called once the library is loaded."""
     lib = "tokenmill_cpu::"
@@ -352,6 +387,9 @@ def register_fakes() -> None:
         lambda q, kc, vc, bt, cl, scale, window, sc, softcap=0.0: q.new_empty(
             q.shape[0], q.shape[1] * q.shape[2]
         )
+    )
+    torch.library.register_fake(lib + "decode_layers")(
+        lambda x, residual, *rest: (torch.empty_like(x), torch.empty_like(x))
     )
     torch.library.register_fake(lib + "paged_prefill_attention")(
         lambda q, kc, vc, bt, cl, qs, scale, window, sc, softcap=0.0: q.new_empty(

@@ -307,6 +307,17 @@ def _decode_rows(group: AttentionGroup) -> slice | torch.Tensor:
     return group.token_index.view(-1)
 
 
+def decode_only_group(meta: object, num_tokens: int) -> AttentionGroup | None:
+    """The step's one decode group when every row of it decodes, in order, on tokenmill's
+    kernel (what ``paged_attention`` attends without a gather), else None."""
+    if not isinstance(meta, AttentionMetadata) or len(meta.groups) != 1:
+        return None
+    group = meta.groups[0]
+    if not group.is_decode or _decode_rows(group) != slice(0, num_tokens):
+        return None
+    return group
+
+
 def _decode_kernel(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -11,12 +11,18 @@ the model's attention backend. A step with LoRA rows passes its ``LoRAStepState`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from tokenmill import kernels
+from tokenmill.model import fused_decode
+from tokenmill.model.attention import AttentionMetadata, decode_only_group
 from tokenmill.model.attention_backend import (
     AttentionBackend,
     StepMetadata,
+    TorchSDPABackend,
     default_attention_backend,
 )
 from tokenmill.model.base import CausalLM
@@ -203,6 +209,32 @@ class DecoderModel(CausalLM):
         """Sliding layers' RoPE when their base differs (Gemma 3); else they share ``rope``."""
         if local_rope is None and cfg.local_rope_theta is not None:
             self.local_rope = build_rope(cfg, max_positions, local=True)
+        self._fused: dict[tuple[str, torch.dtype], fused_decode.FusedLayers | None] = {}
+        """The layers encoded for ``fused_decode`` per (ISA, activation dtype); None: they
+        cannot be. Built at the first decode step, dropped when the tensors move."""
+
+    def _apply(self, fn: Callable[..., torch.Tensor], recurse: bool = True) -> DecoderModel:
+        self._fused = {}  # the encoded tensors may be stale now
+        return super()._apply(fn, recurse)
+
+    def _fused_layers(
+        self, x: torch.Tensor, k_cache: torch.Tensor
+    ) -> fused_decode.FusedLayers | None:
+        """The encoded layers if this decode step can run them in one call, else None."""
+        if (
+            self.local_rope is not None
+            or self.rope.is_partial
+            or self.rope.cos.device.type != "cpu"
+            or type(self.attn_backend) is not TorchSDPABackend  # a subclass attends its own way
+            or not fused_decode.enabled()
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        key = (kernels.active_isa(), x.dtype)
+        if key not in self._fused:
+            self._fused[key] = fused_decode.encode(self.layers, x.dtype)
+        fused = self._fused[key]
+        return fused if fused is not None and fused.applies(x, k_cache) else None
 
     def _layer_rope(self, layer: nn.Module) -> RotaryEmbedding:
         if self.local_rope is not None and isinstance(layer, DecoderLayer) and layer.attn.window:
@@ -221,6 +253,23 @@ class DecoderModel(CausalLM):
         x = nn.functional.embedding(input_ids, self.embed)
         if self.config.embed_scale is not None:
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        group = decode_only_group(meta, len(input_ids)) if lora is None else None
+        fused = None if group is None else self._fused_layers(x, kv_caches[0][0])
+        if fused is not None and group is not None:
+            assert isinstance(meta, AttentionMetadata)
+            out, summed = fused_decode.run(
+                fused,
+                x,
+                positions,
+                self.rope.cos,
+                self.rope.sin,
+                meta.slot_mapping,
+                group.block_tables,
+                group.context_lens,
+                kv_caches,
+            )
+            x, _ = self.norm(out, summed)
+            return x
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             rope = self._layer_rope(layer)

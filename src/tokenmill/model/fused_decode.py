@@ -1,0 +1,184 @@
+"""A decode step's decoder layers in one call to tokenmill's CPU kernels (``decode_layers``).
+
+One stream's step runs ~130 kernel calls through Python: module calls, the dispatch
+checks of each site, q/k/v views and the dispatcher itself, between kernels that often
+take a few microseconds (measured with torch.profiler on the 250M Llama, int8, 2 threads:
+~3 ms of an 18 ms step outside the kernels). ``decode_layers`` makes the same calls from
+C++, in the same order on the same tensors, so its outputs are bit-identical to the
+layer-by-layer path; this module encodes the layers for it and says when it applies:
+plain pre-norm layers (Llama, Mistral, Qwen2 and the like) whose every projection has a
+tokenmill kernel for the activation dtype, on CPU, with no LoRA, no tensor-parallel hooks,
+no q/k norm, and one RoPE table for all layers. Anything else runs layer by layer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill import kernels
+from tokenmill.model.layers import Linear, RMSNorm, silu_and_mul
+from tokenmill.model.quant import QuantizedLinear
+
+ENV_SWITCH = "TOKENMILL_FUSED_DECODE"
+"""``0`` runs decode steps layer by layer (A/B runs)."""
+
+GEMV_BF16, GEMV_F32, INT8_ROWS, INT4_ROWS, INT8_AMX, INT4_AMX, INT8_VNNI, INT4_VNNI = range(8)
+"""Projection kinds, as ops.cpp's ``LinearKind``."""
+LINEAR_TENSORS, LINEAR_INTS = 5, 2
+"""Tensor and int slots per projection (ops.cpp's ``kLinearTensors`` and ``kLinearInts``)."""
+
+_OP_KINDS = {
+    kernels.linear_int8: INT8_ROWS,
+    kernels.linear_int4: INT4_ROWS,
+    kernels.linear_int8_amx: INT8_AMX,
+    kernels.linear_int4_amx: INT4_AMX,
+    kernels.linear_int8_vnni: INT8_VNNI,
+    kernels.linear_int4_vnni: INT4_VNNI,
+}
+
+
+@dataclass(frozen=True)
+class FusedLayers:
+    """The encoded layers, for one ISA and one activation dtype."""
+
+    isa: str
+    dtype: torch.dtype
+    tensors: list[torch.Tensor | None]
+    ints: list[int]
+    floats: list[float]
+    calibrated: list[nn.Module]
+    """The attention layers, whose fp8 KV scales must be calibrated (by a prefill) first."""
+
+    def applies(self, x: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether these encoded layers run x now (tests switch the ISA after load)."""
+        if (
+            x.dtype != self.dtype
+            or x.device.type != "cpu"
+            or k_cache.device.type != "cpu"
+            or self.isa != kernels.active_isa()
+        ):
+            return False
+        if k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return all(a.kv_scales_calibrated for a in self.calibrated)
+        return k_cache.dtype in (torch.float32, torch.bfloat16)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH) != "0"
+
+
+def _linear(module: nn.Module) -> tuple[int, list[torch.Tensor | None], list[int]] | None:
+    """(kind, tensor slots, int slots) of a projection the C++ op can call, else None."""
+    if type(module) is Linear:  # exactly: a subclass may change the forward
+        gemv = module.gemv
+        if gemv is None:
+            return None
+        kind = GEMV_F32 if gemv.dtype == torch.float32 else GEMV_BF16
+        return kind, [gemv, module.bias], [module.out_features]
+    if isinstance(module, QuantizedLinear):
+        fast = module._fast
+        if fast is None or fast[2] != kernels.active_isa() or fast[0] not in _OP_KINDS:
+            return None
+        args = fast[1]
+        tensors = [a for a in args if a is None or isinstance(a, torch.Tensor)]
+        ints = [a for a in args if isinstance(a, int)]
+        return _OP_KINDS[fast[0]], tensors, ints
+    return None
+
+
+def _is_plain_norm(norm: nn.Module | None, dtype: torch.dtype) -> bool:
+    return (
+        type(norm) is RMSNorm
+        and not norm.offset
+        and norm.weight.dtype == dtype
+        and norm.weight.device.type == "cpu"
+    )
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
+def encode(layers: nn.ModuleList, dtype: torch.dtype) -> FusedLayers | None:
+    """The layers encoded for ``decode_layers`` with ``dtype`` activations, or None where any
+    layer needs the Python path."""
+    from tokenmill.model.decoder import MLP, Attention, DecoderLayer
+
+    if not kernels.available() or dtype not in (torch.bfloat16, torch.float32):
+        return None
+    tensors: list[torch.Tensor | None] = []
+    ints: list[int] = []
+    floats: list[float] = []
+    attentions: list[nn.Module] = []
+    for layer in layers:
+        if type(layer) is not DecoderLayer or _has_hooks(layer) or layer.placement != "pre":
+            return None
+        attn, mlp = layer.attn, layer.mlp
+        if (
+            type(attn) is not Attention
+            or type(mlp) is not MLP
+            or attn.q_norm is not None
+            or attn.k_norm is not None
+            or mlp.act_and_mul is not silu_and_mul
+            or layer.pre_mlp_norm is not None
+            or layer.post_mlp_norm is not None
+            or not _is_plain_norm(layer.input_norm, dtype)
+            or not _is_plain_norm(layer.post_attn_norm, dtype)
+        ):
+            return None
+        projections = [_linear(m) for m in (attn.qkv, attn.o, mlp.gate_up, mlp.down)]
+        if any(p is None for p in projections):
+            return None
+        assert layer.input_norm is not None
+        tensors += [layer.input_norm.weight, layer.post_attn_norm.weight, attn.kv_scales]
+        ints += [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.window or 0]
+        floats += [
+            layer.input_norm.eps,
+            layer.post_attn_norm.eps,
+            attn.scale,
+            attn.logit_softcap or 0.0,
+        ]
+        for spec in projections:
+            assert spec is not None
+            kind, slots, values = spec
+            if (kind == GEMV_F32) != (dtype == torch.float32):
+                return None  # the int kernels and gemv_bf16 take bf16 rows only
+            if len(slots) > LINEAR_TENSORS or len(values) > LINEAR_INTS:
+                return None
+            tensors += slots + [None] * (LINEAR_TENSORS - len(slots))
+            ints += [kind, *values] + [0] * (LINEAR_INTS - len(values))
+        attentions.append(attn)
+    return FusedLayers(kernels.active_isa(), dtype, tensors, ints, floats, attentions)
+
+
+def run(
+    fused: FusedLayers,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    rope_cos: torch.Tensor,
+    rope_sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer over a decode-only batch x [T, hidden]; returns (x, residual) for the
+    final norm."""
+    return kernels.decode_layers(
+        x,
+        positions,
+        rope_cos,
+        rope_sin,
+        slot_mapping,
+        block_tables,
+        context_lens,
+        [k for k, _ in kv_caches],
+        [v for _, v in kv_caches],
+        fused.tensors,
+        fused.ints,
+        fused.floats,
+    )

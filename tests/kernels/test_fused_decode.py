@@ -1,0 +1,119 @@
+"""Decode steps through ``decode_layers`` (model/fused_decode.py) give exactly what the
+layer-by-layer path gives: same tokens, same logprobs to the bit, for every projection kind
+and KV dtype it takes, on each kernel table; layers it cannot encode run layer by layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.sampling_params import SamplingParams
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.model import fused_decode
+
+PROMPTS = [[5 + (7 * i + 3 * j) % 90 for j in range(n)] for i, n in enumerate((3, 17, 40))]
+"""Three sequences decoding together, at different context lengths (past Mistral's window
+of 24 by the end)."""
+
+
+def _generate(engine: LLMEngine, tag: str) -> dict[str, tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"{tag}{i}", prompt, params)
+    done: dict[str, tuple[list[int], list[float]]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                assert c.logprobs is not None
+                chosen = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
+                done[out.request_id[len(tag) :]] = (list(c.token_ids), chosen)
+    return done
+
+
+def _fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls = [0]
+    run = fused_decode.run
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(fused_decode, "run", counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype", "engine_kwargs"),
+    [
+        ("llama", "bfloat16", {}),
+        ("llama", "float32", {}),
+        ("llama", "bfloat16", {"quantization": "int8"}),
+        ("llama", "bfloat16", {"quantization": "int4", "quantization_group_size": 64}),
+        ("qwen2", "bfloat16", {"quantization": "int8", "kv_cache_dtype": "fp8"}),
+        ("llama_bias", "float32", {"kv_cache_dtype": "fp8_e5m2"}),
+        ("mistral", "bfloat16", {}),
+    ],
+)
+def test_fused_decode_steps_equal_layer_by_layer(
+    isa: str,
+    make_model,
+    monkeypatch: pytest.MonkeyPatch,
+    family: str,
+    dtype: str,
+    engine_kwargs: dict,
+) -> None:
+    calls = _fused_calls(monkeypatch)
+    config = EngineConfig(
+        model=str(make_model(family)),
+        dtype=dtype,
+        max_model_len=128,
+        enable_prefix_caching=False,  # both runs prefill alike
+        **engine_kwargs,
+    )
+    engine = LLMEngine(config)
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "0")
+    layered = _generate(engine, "layered")
+    assert calls[0] == 0
+    monkeypatch.setenv(fused_decode.ENV_SWITCH, "1")
+    fused = _generate(engine, "fused")
+    assert calls[0] >= 11  # every decode step after the three prompts' prefill
+    assert fused == layered
+
+
+@pytest.mark.parametrize(
+    ("family", "engine_kwargs"),
+    [
+        ("qwen3", {}),  # per-head q/k norm
+        # weight-only int4 (groups of 32) dequantizes above a few rows: no fixed kernel call
+        ("llama", {"quantization": "int4", "quantization_group_size": 32}),
+    ],
+)
+def test_layers_it_cannot_encode_run_layer_by_layer(
+    make_model, monkeypatch, family: str, engine_kwargs: dict
+) -> None:
+    calls = _fused_calls(monkeypatch)
+    config = EngineConfig(model=str(make_model(family)), dtype="bfloat16", **engine_kwargs)
+    engine = LLMEngine(config)
+    assert len(_generate(engine, "r")) == len(PROMPTS)
+    assert calls[0] == 0
+    assert fused_decode.encode(engine.executor.driver_worker.model.layers, torch.bfloat16) is None
+
+
+def test_a_switched_isa_reencodes_the_projections(make_model, monkeypatch) -> None:
+    """The encoding is per kernel table: a process that switches tables (as these tests do)
+    never calls one table's kernels with the other's weight layout."""
+    from tokenmill import kernels
+
+    engine = LLMEngine(EngineConfig(model=str(make_model("llama")), dtype="bfloat16"))
+    model = engine.executor.driver_worker.model
+    _generate(engine, "a")
+    assert list(model._fused) == [(kernels.active_isa(), torch.bfloat16)]
+    fused = model._fused[(kernels.active_isa(), torch.bfloat16)]
+    assert fused is not None and fused.applies(torch.empty(1, 64, dtype=torch.bfloat16), _cache())
+    assert not fused.applies(torch.empty(1, 64), _cache())  # another activation dtype
+
+
+def _cache() -> torch.Tensor:
+    return torch.empty(1, 16, 2, 16, dtype=torch.bfloat16)
