@@ -9,6 +9,7 @@ import math
 import pytest
 
 from tokenmill.bench.cli import _comma_list, _offline_engine_kwargs, register
+from tokenmill.bench.server_metrics import DEFAULT_INTERVAL_S
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,6 +53,9 @@ def test_serve_flags_and_defaults() -> None:
     assert args.goodput == ["ttft:500", "tpot:50"] and args.ignore_eos and callable(args.func)
     default = _parser().parse_args(["bench", "serve"])
     assert default.request_rate == math.inf and default.dataset == "random" and default.seed == 0
+    # Each /metrics poll costs the target CPU time (server_metrics' docstring): the CLI's
+    # default interval is the library's, not the 0.5 s that added 12% to one-stream TPOT.
+    assert default.metrics_interval_s == DEFAULT_INTERVAL_S >= 5.0
 
 
 def test_offline_compare_and_verify_parsers() -> None:

@@ -94,7 +94,12 @@ def _add_serve_target_args(parser: argparse.ArgumentParser, with_base_url: bool)
         "--no-server-metrics", action="store_true", help="do not poll the target's /metrics"
     )
     load.add_argument(
-        "--metrics-interval-s", type=float, default=0.5, help="seconds between /metrics polls"
+        "--metrics-interval-s",
+        type=float,
+        default=5.0,
+        help="seconds between /metrics polls during the run; each poll costs the target CPU "
+        "time (at 0.5 s, +12%% one-stream TPOT on 2 cores); counter deltas are exact at any "
+        "interval",
     )
     load.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 

@@ -30,7 +30,7 @@ from tokenmill.bench.arrivals import build_arrival_offsets_s
 from tokenmill.bench.client import ENDPOINTS, RequestOptions, auth_headers, send_request
 from tokenmill.bench.datasets import BenchRequest, build_warmup_requests
 from tokenmill.bench.metrics import LATENCY_METRICS, STATS, RequestRecord, summarize_rounds
-from tokenmill.bench.server_metrics import MetricsScraper
+from tokenmill.bench.server_metrics import DEFAULT_INTERVAL_S, MetricsScraper
 from tokenmill.bench.tokenization import TokenizerLike
 
 try:
@@ -81,8 +81,8 @@ class ServeConfig:
     """``ttft``/``tpot``/``e2el`` limits for goodput."""
     scrape_metrics: bool = True
     """Poll the target's ``/metrics`` for server-side figures."""
-    metrics_interval_s: float = 0.5
-    """Seconds between ``/metrics`` polls during the run."""
+    metrics_interval_s: float = DEFAULT_INTERVAL_S
+    """Seconds between ``/metrics`` polls during the run (each costs the target CPU time)."""
     show_progress: bool = True
     """Show a tqdm bar while requests complete."""
     label: str | None = None
