@@ -9,6 +9,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -113,6 +114,25 @@ void check_rows(const at::Tensor& x, const char* name) {
               ": expected a 2-d CPU tensor with contiguous rows");
 }
 
+// [0, range) in chunks that ATen's threads claim one at a time, not in one fixed share
+// each: a thread that loses its core for a while (the server's event loop, another
+// process) leaves its chunks to the others instead of holding up the whole op. Outputs do
+// not depend on which thread computes which chunk. A range of one chunk runs inline.
+template <class F>
+void parallel_chunks(int64_t range, int64_t chunk, const F& fn) {
+  const int64_t tasks = std::min<int64_t>(at::get_num_threads(), (range + chunk - 1) / chunk);
+  if (tasks <= 1 || at::in_parallel_region()) {
+    if (range > 0) fn(int64_t{0}, range);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    for (int64_t s = next.fetch_add(chunk, std::memory_order_relaxed); s < range;
+         s = next.fetch_add(chunk, std::memory_order_relaxed))
+      fn(s, std::min(range, s + chunk));
+  });
+}
+
 int64_t rows_grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, width)); }
 
 // Output channels per task: whole 16-channel blocks, and no task under ~64 KB of weights.
@@ -148,7 +168,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t
   args.ldy = N;
   if (args.M == 0 || N == 0) return y;
   // The parallel dimension: output channels, or (range >= 0) the kernel's channel blocks.
-  at::parallel_for(0, range < 0 ? N : range, grain, [&](int64_t n0, int64_t n1) { fn(args, n0, n1); });
+  parallel_chunks(range < 0 ? N : range, grain, [&](int64_t n0, int64_t n1) { fn(args, n0, n1); });
   return y;
 }
 
