@@ -215,6 +215,47 @@ def step_moe_vllm(ctx: Context) -> dict[str, Any]:
     )
 
 
+PAIR_ROUNDS = 3
+PAIRS = (
+    ("bf16", ["--dtype", "bfloat16"], "f16"),
+    ("int8", ["--quantization", "int8"], "q8_0"),
+    ("int4", ["--quantization", "int4"], "q4_0"),
+)
+"""a-pairs: tokenmill's precision, its flags, and llama.cpp's quantization beside it."""
+
+
+def step_pairs(ctx: Context) -> dict[str, Any]:
+    """One stream, tokenmill and llama.cpp at the same precision back to back, PAIR_ROUNDS
+    rounds: this machine's bandwidth drifts by up to 2x within minutes, so one pair of
+    numbers a few minutes apart can say either; the ratio within each pair, over rounds, says
+    which is faster."""
+    rounds: list[dict[str, Any]] = []
+    for r in range(PAIR_ROUNDS):
+        row: dict[str, Any] = {}
+        for name, flags, quant in PAIRS:
+            gguf = PEERS_ROOT / "gguf" / f"{ctx.gguf_name}-{quant}.gguf"
+            if not gguf.is_file():
+                raise RuntimeError(f"{gguf} is missing: run the prepare step")
+            command = tokenmill_serve(ctx.args.port, ctx.dense, flags, 2048)
+            ours = serve_and_bench(
+                ctx, f"a-pairs-{r}-tm-{name}", command, ["single"], tokenizer=ctx.dense
+            )
+            theirs = serve_and_bench(
+                ctx,
+                f"a-pairs-{r}-llama-{quant}",
+                llama_serve(ctx, gguf, 16),
+                ["single"],
+                tokenizer=ctx.dense,
+            )
+            row[name] = {
+                "tokenmill_tpot_ms": ours["runs"]["single"]["mean_tpot_ms"],
+                "llama_tpot_ms": theirs["runs"]["single"]["mean_tpot_ms"],
+                "llama_quant": quant,
+            }
+        rounds.append(row)
+    return {"rounds": rounds, "tokenmill_flags": {n: f for n, f, _ in PAIRS}}
+
+
 def step_report(ctx: Context) -> dict[str, Any]:
     text = render_report(ctx, STEPS)
     (ctx.out / "report.md").write_text(text)
@@ -308,6 +349,13 @@ STEPS: list[Step] = [
     Step("a-llama-f16", "A", 3, llama_step("f16", True), "llama.cpp f16"),
     Step("a-llama-q8_0", "A", 1.5, llama_step("q8_0", False), "llama.cpp Q8_0"),
     Step("a-llama-q4_0", "A", 1.5, llama_step("q4_0", False), "llama.cpp Q4_0"),
+    Step(
+        "a-pairs",
+        "A",
+        10,
+        step_pairs,
+        "one stream, tokenmill and llama.cpp alternating per precision, 3 rounds",
+    ),
     Step(
         "b-fallback",
         "B",

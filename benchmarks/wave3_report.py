@@ -6,6 +6,7 @@ step JSON files under the run's ``--out-dir``.
 from __future__ import annotations
 
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -163,6 +164,32 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
     lines.append(
         f"| 1-stream TPOT static vs paged (ms) | {fmt(a)} | {fmt(b)} (paged) | {inv(a, b)} |"
     )
+
+    pairs = load(ctx, "a-pairs")
+    if pairs is not None and "rounds" in pairs:
+        lines += [
+            "",
+            "**One stream, interleaved** (`a-pairs`: per round, tokenmill then llama.cpp at the "
+            "same precision, one server at a time; TPOT mean ms, ratio llama.cpp / tokenmill, "
+            "> 1.00x favours tokenmill):",
+            "",
+            "| precision | "
+            + " | ".join(f"round {i + 1}" for i in range(len(pairs["rounds"])))
+            + " | median ratio |",
+            "|---|" + "---|" * (len(pairs["rounds"]) + 1),
+        ]
+        for name in pairs["rounds"][0]:
+            cells, ratios = [], []
+            for row in pairs["rounds"]:
+                ours, theirs = row[name]["tokenmill_tpot_ms"], row[name]["llama_tpot_ms"]
+                ratios.append(theirs / ours)
+                cells.append(f"{ours:.1f} / {theirs:.1f} ({theirs / ours:.2f}x)")
+            quant = pairs["rounds"][0][name]["llama_quant"]
+            lines.append(
+                f"| {name} vs {quant} | "
+                + " | ".join(cells)
+                + f" | **{statistics.median(ratios):.2f}x** |"
+            )
 
     ref = load(ctx, "a-ref-bf16")
     lines += ["", "### Issue 18", ""]

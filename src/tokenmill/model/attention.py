@@ -407,12 +407,11 @@ def paged_attention(
             softcap,
         )
 
-    if len(groups) == 1 and groups[0].is_decode and _decode_kernel_applies(q, k_cache):
-        rows = _decode_rows(groups[0])
-        if rows == slice(0, num_tokens):  # a decode-only step, rows in order
-            # The kernel's output is the step's: no gather of q, no scatter into out (one
-            # stream pays those per layer as much as a short context's attention itself).
-            return decode(groups[0], rows)
+    only = decode_only_group(meta, num_tokens)
+    if only is not None and _decode_kernel_applies(q, k_cache):
+        # The kernel's output is the step's: no gather of q, no scatter into out (one
+        # stream pays those per layer as much as a short context's attention itself).
+        return decode(only, slice(0, num_tokens))
     out = q.new_empty(num_tokens, num_heads * head_dim)
     while groups:
         group = groups.pop(0)
