@@ -50,7 +50,7 @@ class FusedLayers:
     tensors: list[torch.Tensor | None]
     ints: list[int]
     floats: list[float]
-    calibrated: list[nn.Module]
+    attentions: list[nn.Module]
     """The attention layers, whose fp8 KV scales must be calibrated (by a prefill) first."""
 
     def applies(self, x: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -63,7 +63,7 @@ class FusedLayers:
         ):
             return False
         if k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            return all(a.kv_scales_calibrated for a in self.calibrated)
+            return all(a.kv_scales_calibrated for a in self.attentions)
         return k_cache.dtype in (torch.float32, torch.bfloat16)
 
 
