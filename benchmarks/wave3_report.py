@@ -37,14 +37,16 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
     wl = ctx.workloads
     n = wl["many"].concurrency
     prep = load(ctx, "prepare") or {}
+    missing = "not recorded (no prepare step in this folder)"
+    kernels_loaded = (prep.get("kernels") or {}).get("loaded")
     lines = [
         f"Run of `benchmarks/wave3_peers.py` in {ctx.out} — report written "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         f"**Machine**: {cpu_model()}, {THREADS} logical CPUs, flags `{' '.join(cpu_flags())}`; "
-        f"torch {torch_version()}, vLLM {prep.get('vllm_version', '?')}, llama.cpp "
-        f"{' '.join(prep.get('llama_cpp_version', ['?']))}; tokenmill at {git('rev-parse', '--short', 'HEAD')}"
-        f"; tokenmill kernels loaded: {(prep.get('kernels') or {}).get('loaded')}.",
+        f"torch {torch_version()}, vLLM {prep.get('vllm_version', missing)}, llama.cpp "
+        f"{' '.join(prep.get('llama_cpp_version', [missing]))}; tokenmill at {git('rev-parse', '--short', 'HEAD')}"
+        f"; tokenmill kernels loaded: {missing if kernels_loaded is None else kernels_loaded}.",
         "",
         "**Steps** (start → end UTC, wall s):",
         "",
