@@ -101,9 +101,11 @@ def test_layers_it_cannot_encode_run_layer_by_layer(
     assert fused_decode.encode(engine.executor.driver_worker.model.layers, torch.bfloat16) is None
 
 
-def test_a_switched_isa_reencodes_the_projections(make_model, monkeypatch) -> None:
-    """The encoding is per kernel table: a process that switches tables (as these tests do)
-    never calls one table's kernels with the other's weight layout."""
+def test_an_encoding_serves_only_its_kernel_table_and_activation_dtype(make_model) -> None:
+    """Encoded per (ISA, dtype): a process that switches tables (as these tests do) never
+    calls one table's kernels with the other's weight layout."""
+    import dataclasses
+
     from tokenmill import kernels
 
     engine = LLMEngine(EngineConfig(model=str(make_model("llama")), dtype="bfloat16"))
@@ -111,8 +113,11 @@ def test_a_switched_isa_reencodes_the_projections(make_model, monkeypatch) -> No
     _generate(engine, "a")
     assert list(model._fused) == [(kernels.active_isa(), torch.bfloat16)]
     fused = model._fused[(kernels.active_isa(), torch.bfloat16)]
-    assert fused is not None and fused.applies(torch.empty(1, 64, dtype=torch.bfloat16), _cache())
-    assert not fused.applies(torch.empty(1, 64), _cache())  # another activation dtype
+    row = torch.empty(1, 64, dtype=torch.bfloat16)
+    assert fused is not None and fused.applies(row, _cache())
+    assert not fused.applies(row.float(), _cache())  # another activation dtype
+    assert not dataclasses.replace(fused, isa="another table").applies(row, _cache())
+    assert not fused.applies(row, _cache().half())  # a KV dtype the kernels do not read
 
 
 def _cache() -> torch.Tensor:

@@ -718,13 +718,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   return out;
 }
 
-
 // ---- one decode step through a stack of pre-norm decoder layers ----------------------
 // The same ops as the Python layers call, in the same order on the same tensors (so the
 // outputs are bit-identical), called from here: one stream's step made ~130 calls through
 // Python and the dispatcher, with module and view overheads in between, ~15% of its time.
 
-// A projection's kernel and arguments, as model/decoder.py's fused_decode_spec encodes them:
+// A projection's kernel and arguments, as model/fused_decode.py's encode lays them out:
 // kind, then kLinearTensors tensor slots (unused ones None) and kLinearInts int slots.
 enum LinearKind : int64_t {
   kGemvBf16 = 0, kGemvF32 = 1, kInt8Rows = 2, kInt4Rows = 3, kInt8Amx = 4, kInt4Amx = 5, kInt8Vnni = 6,
