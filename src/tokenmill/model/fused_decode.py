@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from tokenmill import kernels
+from tokenmill.model.attention import FP8_DTYPES, _decode_kernel_applies
 from tokenmill.model.layers import Linear, RMSNorm, silu_and_mul
 from tokenmill.model.quant import QuantizedLinear
 
@@ -57,14 +58,15 @@ class FusedLayers:
         """Whether these encoded layers run x now (tests switch the ISA after load)."""
         if (
             x.dtype != self.dtype
-            or x.device.type != "cpu"
             or k_cache.device.type != "cpu"
             or self.isa != kernels.active_isa()
+            or not _decode_kernel_applies(x, k_cache)  # the layered path's own test
         ):
             return False
-        if k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            return all(a.kv_scales_calibrated for a in self.attentions)
-        return k_cache.dtype in (torch.float32, torch.bfloat16)
+        # As the layered path's RoPE + KV write: an fp8 cache once its scales are calibrated.
+        return k_cache.dtype not in FP8_DTYPES or all(
+            a.kv_scales_calibrated for a in self.attentions
+        )
 
 
 def enabled() -> bool:
