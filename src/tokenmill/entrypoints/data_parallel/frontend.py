@@ -216,7 +216,9 @@ class FrontEnd:
         return await self._send(request, body, self.pool.hashes(token_ids))
 
     async def _send(self, request: Request, body: bytes, hashes: list[bytes]) -> Response:
-        headers = forwarded_headers(request.headers.items())
+        headers = forwarded_headers(
+            request.headers.items(), request.scope.get("state", {}).get("api_key_id")
+        )
         url = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         deadline = time.monotonic() + self.retry_timeout_s
         refused: set[int] = set()
@@ -323,7 +325,9 @@ class FrontEnd:
         What was loaded is remembered and replayed on a replica that restarts."""
         path = request.url.path
         body = await request.body()
-        headers = forwarded_headers(request.headers.items())
+        headers = forwarded_headers(
+            request.headers.items(), request.scope.get("state", {}).get("api_key_id")
+        )
         ready = [r for r in self.supervisor.replicas if r.is_ready]
         if not ready:
             return error_response(503, "no replica is ready; retry later", code="no_replica_ready")

@@ -15,6 +15,7 @@ from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from tokenmill.entrypoints.openai.auth import KEY_ID_HEADER
 from tokenmill.entrypoints.openai.errors import APIError, error_body_bytes
 from tokenmill.entrypoints.openai.state import ServerConfig
 from tokenmill.entrypoints.openai.streaming import SSE_DONE, named_event
@@ -33,6 +34,7 @@ HOP_BY_HOP = frozenset(
         "content-length",
         "authorization",  # checked by the front end; replicas have no keys
         "x-api-key",
+        KEY_ID_HEADER,  # only the front end may say which key a request came with
     }
 )
 REPLICA_HEADER = "x-tokenmill-replica"
@@ -60,9 +62,16 @@ def refusal_response(refusal: APIError) -> Response:
     )
 
 
-def forwarded_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
-    """A request's headers as the replica gets them (no hop-by-hop ones, no key)."""
-    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
+def forwarded_headers(
+    headers: Iterable[tuple[str, str]], api_key_id: int | None = None
+) -> list[tuple[str, str]]:
+    """A request's headers as the replica gets them: no hop-by-hop ones and no key, but
+    which key authenticated it (``api_key_id``), so per-key state such as stored
+    responses stays the key's own on the replica too."""
+    out = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
+    if api_key_id is not None:
+        out.append((KEY_ID_HEADER, str(api_key_id)))
+    return out
 
 
 def response_headers(headers: Iterable[tuple[str, str]], replica: str) -> dict[str, str]:

@@ -324,7 +324,9 @@ def build_application(args: argparse.Namespace) -> Any:
 
             path = request.url.path
             body = await request.body()  # within the limit: BodyLimitMiddleware refused the rest
-            headers = forwarded_headers(request.headers.items())
+            headers = forwarded_headers(
+                request.headers.items(), request.scope.get("state", {}).get("api_key_id")
+            )
             url = path + (f"?{request.url.query}" if request.url.query else "")
             # A replica whose engine is gone answers ReplicaUnavailable before anything
             # started: the request goes again (Ray's router picks anew; the dead replica

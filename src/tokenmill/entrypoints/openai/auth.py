@@ -5,6 +5,12 @@ is deny-by-default on the decoded path the router itself matches, so trailing sl
 double slashes, percent-encoding, unknown routes and OPTIONS all need the key too. Only
 ``/health`` and ``/metrics`` (exact paths, GET and HEAD) can be opened, by an operator flag.
 Keys are compared in constant time, against every configured key without stopping early.
+
+The key that matched is recorded as ``api_key_id`` (its index) for what is kept per key:
+stored responses, quotas. A server with no keys of its own (a data-parallel replica, whose
+front end authenticated the request on a private socket) takes that index from the front
+end's ``X-Tokenmill-Api-Key-Id`` header instead; the front end drops any such header a
+client sent, and a keyed server never reads it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tokenmill.entrypoints.openai.middleware import header_value, send_error
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+KEY_ID_HEADER = "x-tokenmill-api-key-id"
+"""The authenticated key's index, as a data-parallel front end tells its replicas."""
 
 
 def _digest(value: bytes) -> bytes:
@@ -59,7 +67,13 @@ class APIKeyAuthMiddleware:
         return match
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self._key_digests:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if not self._key_digests:
+            forwarded = header_value(scope, KEY_ID_HEADER.encode())
+            if len(forwarded) == 1 and forwarded[0].isdigit():
+                scope.setdefault("state", {})["api_key_id"] = int(forwarded[0])
             await self.app(scope, receive, send)
             return
         if scope["method"] in ("GET", "HEAD") and scope["path"] in self._open_paths:

@@ -7,7 +7,7 @@ means: ``instructions`` is the system turn (never carried into the next response
 does), input items become user/assistant turns, ``function_call`` items an assistant turn's
 ``tool_calls`` and ``function_call_output`` items tool turns; ``text.format`` is chat's
 ``response_format`` and ``max_output_tokens`` its ``max_tokens``. ``ResponseStore`` keeps the
-last ``--max-stored-responses`` stored responses (least recently used evicted) with their
+last ``--max-stored-responses`` stored responses of each API key (least recently used evicted) with their
 conversation, in memory: a restart forgets them.
 """
 
@@ -224,32 +224,48 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """The last ``max_entries`` stored responses, least recently used evicted first."""
+    """Stored responses, each visible only to the API key that stored it.
+
+    Entries live in one namespace per key (``owner``: the index of the key that
+    authenticated the request, or None when the server has no keys), so another key can
+    neither read, continue, delete nor overwrite them: to it they do not exist. Each key
+    keeps its last ``max_entries`` responses, least recently used evicted first, so one
+    key's traffic cannot evict another key's conversations.
+    """
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._owners: dict[int | None, OrderedDict[str, StoredResponse]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        with self._lock:
+            return sum(len(entries) for entries in self._owners.values())
 
-    def put(self, response_id: str, entry: StoredResponse) -> None:
+    def put(self, owner: int | None, response_id: str, entry: StoredResponse) -> None:
         if self.max_entries == 0:
             return
         with self._lock:
-            self._entries[response_id] = entry
-            self._entries.move_to_end(response_id)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+            entries = self._owners.setdefault(owner, OrderedDict())
+            entries[response_id] = entry
+            entries.move_to_end(response_id)
+            while len(entries) > self.max_entries:
+                entries.popitem(last=False)
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, owner: int | None, response_id: str) -> StoredResponse | None:
         with self._lock:
-            entry = self._entries.get(response_id)
-            if entry is not None:
-                self._entries.move_to_end(response_id)
+            entries = self._owners.get(owner)
+            entry = entries.get(response_id) if entries is not None else None
+            if entry is not None and entries is not None:
+                entries.move_to_end(response_id)
             return entry
 
-    def delete(self, response_id: str) -> bool:
+    def contains(self, owner: int | None, response_id: str) -> bool:
+        """Whether ``owner`` has a response stored under this id (does not touch its recency)."""
         with self._lock:
-            return self._entries.pop(response_id, None) is not None
+            return response_id in self._owners.get(owner, {})
+
+    def delete(self, owner: int | None, response_id: str) -> bool:
+        with self._lock:
+            entries = self._owners.get(owner)
+            return entries is not None and entries.pop(response_id, None) is not None

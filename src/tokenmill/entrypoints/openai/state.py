@@ -158,7 +158,7 @@ class ServerConfig:
     disable_access_log_for_endpoints: str | None = None
     """Comma-separated paths (e.g. /health,/metrics) with no access-log line."""
     max_stored_responses: int = 1000
-    """Responses kept in memory for previous_response_id and GET /v1/responses/{id} (least recently used evicted; 0: none kept; a restart forgets them)."""
+    """Responses kept in memory per API key for previous_response_id and GET /v1/responses/{id} (least recently used evicted; 0: none kept; a restart forgets them). Each key sees only its own."""
     max_beam_search_queue_len: int = 64
     """Beam search requests admitted beyond --max-beam-search-requests (those running); more get 429. Beam requests hold no place of --max-num-seqs + --max-queue-len, so a flood of them never refuses a standard request."""
     max_num_seqs: int = 256

@@ -11,6 +11,11 @@ A stream sends the Responses events (``response.created``, ``response.in_progres
 or ``response.incomplete`` when ``max_output_tokens`` ran out), each with its
 ``sequence_number``. With ``store`` (the default) the response and its conversation are kept
 for ``previous_response_id`` and ``GET``, within ``--max-stored-responses``.
+
+A stored response belongs to the API key that created it: reads, continuations and deletes
+by another key get the same 404 as an id that was never stored, and a client-chosen id
+(``X-Request-Id``) names a response in its own key's space only. Reusing the id of one of
+the key's own stored responses is refused (409) rather than overwriting it.
 """
 
 from __future__ import annotations
@@ -47,6 +52,12 @@ logger = logging.getLogger(__name__)
 router = APIRouter()
 
 
+def _owner(request: Request) -> int | None:
+    """The API key (its index in ``--api-key``) the request authenticated with; None without keys."""
+    owner: int | None = request.scope.get("state", {}).get("api_key_id")
+    return owner
+
+
 def _not_found(response_id: str, param: str | None = None) -> APIError:
     return APIError(
         404, f"Response with id '{response_id}' not found.", param=param, code="response_not_found"
@@ -56,8 +67,9 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
 class _Translation:
     """Maps the body onto chat's, keeping the parsed body and the conversation so far."""
 
-    def __init__(self, store: ResponseStore) -> None:
+    def __init__(self, store: ResponseStore, owner: int | None) -> None:
         self.store = store
+        self.owner = owner
         self.body: ResponsesRequest | None = None
         self.conversation: list[dict[str, Any]] = []
 
@@ -66,7 +78,7 @@ class _Translation:
         body.check()
         previous: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
-            entry = self.store.get(body.previous_response_id)
+            entry = self.store.get(self.owner, body.previous_response_id)
             if entry is None:
                 raise _not_found(body.previous_response_id, "previous_response_id")
             previous = [dict(m) for m in entry.conversation]
@@ -312,16 +324,30 @@ def _store(
     assert body is not None
     if body.store:
         conversation = [*translation.conversation, output.conversation_turn()]
-        store.put(response["id"], StoredResponse(response, conversation))
+        store.put(translation.owner, response["id"], StoredResponse(response, conversation))
+
+
+def _check_new_id(store: ResponseStore, owner: int | None, request_id: str) -> None:
+    """Refuse a client-chosen id that already names one of this key's stored responses."""
+    if store.contains(owner, request_id):
+        raise APIError(
+            409,
+            f"A stored response with id '{request_id}' already exists; send another "
+            "X-Request-Id, or delete that response first.",
+            param="X-Request-Id",
+            code="response_id_in_use",
+        )
 
 
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     state = get_state(request)
-    translation = _Translation(state.response_store)
+    translation = _Translation(state.response_store, _owner(request))
     req = await parse_request(request, ChatCompletionRequest, "resp", translate=translation)
     body = translation.body
     assert body is not None
+    if body.store:
+        _check_new_id(state.response_store, translation.owner, req.request_id)
     started = await start_chat_run(req)
     if body.stream:
         events = _stream(req, body, started, translation, state.response_store)
@@ -377,7 +403,7 @@ async def _stream(
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(request: Request, response_id: str) -> JSONResponse:
-    entry = get_state(request).response_store.get(response_id)
+    entry = get_state(request).response_store.get(_owner(request), response_id)
     if entry is None:
         raise _not_found(response_id)
     return JSONResponse(entry.response)
@@ -385,6 +411,6 @@ async def retrieve_response(request: Request, response_id: str) -> JSONResponse:
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(request: Request, response_id: str) -> JSONResponse:
-    if not get_state(request).response_store.delete(response_id):
+    if not get_state(request).response_store.delete(_owner(request), response_id):
         raise _not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
