@@ -214,3 +214,37 @@ def test_docs_vllm_compat_md_is_generated_and_up_to_date() -> None:
         "`PYTHONPATH=src python -m tokenmill.entrypoints.vllm_compat > docs/vllm_compat.md`"
     )
     assert "| `--tensor-parallel-size`, `-tp` | implemented |" in text
+
+
+def test_flags_of_earlier_vllm_releases_warn_when_harmless(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A command line from an older vLLM still starts: dropped flags that cannot change what
+    is served are accepted with one deprecation warning each."""
+    args = build_parser().parse_args(["serve", "--disable-log-requests", "--swap-space", "4"])
+    with caplog.at_level(logging.WARNING):
+        warnings = check_vllm_compat_args(args)
+    assert len(warnings) == 2
+    assert warnings[0].startswith("--disable-log-requests was removed from vLLM and is ignored")
+    assert "--enable-log-requests" in warnings[0]
+    assert warnings[1].startswith("--swap-space was removed from vLLM and is ignored")
+    assert [r.getMessage() for r in caplog.records] == warnings
+
+
+def test_flags_of_earlier_vllm_releases_that_were_replaced_name_the_replacement(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["serve", "--speculative-model", "x", "--num-speculative-tokens", "3"]) == 2
+    [err] = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith("tokenmill: error: --speculative-model was removed from vLLM: use ")
+    assert "--speculative-config" in err
+    with pytest.raises(ConfigError, match="--hf-overrides"):
+        check_vllm_compat_args(build_parser().parse_args(["serve", "--rope-theta", "1e6"]))
+
+
+def test_removed_flags_are_not_vllm_0_32_flags() -> None:
+    """The table names only flags vLLM 0.32 lacks (its own are judged by their status)."""
+    from tokenmill.entrypoints.vllm_removed_flags import REMOVED_FLAGS
+
+    current = {f.flag for f in vllm_flags()} | {a for f in vllm_flags() for a in f.aliases}
+    assert not current & {gone.flag for gone in REMOVED_FLAGS}

@@ -322,8 +322,11 @@ def test_no_chat_template_is_a_clear_error(tmp_path: Path, byte_level_dir: Path)
     folder = write_variant(byte_level_dir, tmp_path / "none", chat_template=None)
     tok = Tokenizer.from_pretrained(folder)
     assert not tok.has_chat_template
-    with pytest.raises(InvalidRequestError, match="has no chat template"):
+    with pytest.raises(InvalidRequestError, match="has no chat template") as info:
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    # It says what to do about it: the flag, the request field, or the completions route.
+    assert "--chat-template" in str(info.value) and "/v1/completions" in str(info.value)
+    assert str(folder) not in str(info.value)  # no server paths in a client's error
 
 
 def test_broken_template_syntax_is_invalid_request(byte_level_tokenizer: Tokenizer) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Literal
 
+from tokenmill.entrypoints.vllm_removed_flags import REMOVED_FLAGS
 from tokenmill.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -455,6 +456,21 @@ def add_vllm_compat_args(parser: argparse.ArgumentParser, groups: VLLMGroups) ->
         if flag.kind not in ("flag", "bool"):
             kwargs["metavar"] = flag.flag.removeprefix("--").replace("-", "_").upper()
         (groups(flag.flag) or parser).add_argument(*names, **kwargs)
+    removed = parser.add_argument_group("flags of earlier vLLM releases")
+    for gone in REMOVED_FLAGS:
+        if gone.flag in parser._option_string_actions:
+            continue
+        what = "ignored with a warning" if gone.fate == "harmless" else "refused"
+        extra: dict[str, Any] = {"action": "store_true"}
+        if gone.kind == "value":
+            extra = {"action": "store", "metavar": "VALUE"}
+        removed.add_argument(
+            gone.flag,
+            dest=gone.dest,
+            default=argparse.SUPPRESS,
+            help=f"removed from vLLM, {what} here: {gone.note}",
+            **extra,
+        )
 
 
 def _shown(default: Any) -> str:
@@ -508,6 +524,13 @@ def check_vllm_compat_args(
             warnings.append(message)
         elif not _is_vllm_default(given, flag.default):
             raise ConfigError(f"{flag.flag} is not supported: {note}")
+    for gone in REMOVED_FLAGS:
+        if not hasattr(args, gone.dest):
+            continue
+        if gone.fate == "replaced":
+            raise ConfigError(gone.message())
+        warn(gone.message())
+        warnings.append(gone.message())
     return warnings
 
 
@@ -540,6 +563,20 @@ def compat_table_markdown() -> str:
             lines += ["", f"## {group}", "", "| flag | status | note |", "|---|---|---|"]
         names = ", ".join(f"`{n}`" for n in (flag.flag, *flag.aliases))
         lines.append(f"| {names} | {flag.status} | {flag.note.replace('|', '/')} |")
+    lines += [
+        "",
+        "## Flags of earlier vLLM releases",
+        "",
+        f"Dropped by vLLM before {vllm_version()}, still found in deployment scripts: a "
+        "harmless one is accepted with a deprecation warning, a replaced one stops the "
+        "start-up naming its replacement.",
+        "",
+        "| flag | here | why, or the replacement |",
+        "|---|---|---|",
+    ]
+    for gone in REMOVED_FLAGS:
+        fate = "ignored, warns" if gone.fate == "harmless" else "refused"
+        lines.append(f"| `{gone.flag}` | {fate} | {gone.note.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,7 @@ the decoder cannot honour is refused here, naming the file, the field and what w
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,7 +187,7 @@ class ModelConfig:
         ``resolve_model_impl``); Transformers is imported only for the fallback."""
         path = Path(folder) / "config.json"
         if not path.is_file():
-            raise ModelLoadError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
+            raise ModelLoadError(not_a_model_folder(Path(folder)))
         try:
             raw = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
@@ -320,3 +321,38 @@ def _sliding_windows(
         first = int(raw.get("max_window_layers", num_layers))
         return tuple(int(window) if i >= first else None for i in range(num_layers))
     return (int(window),) * num_layers
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+GGUF_MAGIC = b"GGUF"
+
+
+def not_a_model_folder(folder: Path) -> str:
+    """Why ``folder`` is not a model folder, telling apart the usual mistakes: a path that
+    does not exist, a Hub id (nothing is downloaded), a GGUF file, and a folder without
+    ``config.json``, so the one-line start-up error says what to do about each."""
+    if not folder.exists():
+        if _HUB_ID.fullmatch(str(folder)):
+            return (
+                f"{folder}: no such local folder. This looks like a Hugging Face Hub id, and "
+                "tokenmill does not download models: fetch the folder first (for example "
+                f"`huggingface-cli download {folder} --local-dir ./{folder.name}` where the Hub "
+                "is reachable), then serve that folder"
+            )
+        return f"{folder}: no such file or folder"
+    if folder.is_file():
+        with open(folder, "rb") as f:
+            is_gguf = f.read(4) == GGUF_MAGIC
+        if is_gguf:
+            return (
+                f"{folder} is a GGUF file, and this build serves Hugging Face folders "
+                "(config.json with safetensors weights)"
+            )
+        return f"{folder} is a file; give a model folder (config.json with safetensors weights)"
+    ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+    if ggufs:
+        return (
+            f"{folder}: no config.json; the folder holds GGUF files ({', '.join(ggufs[:5])}), "
+            "not a Hugging Face model"
+        )
+    return f"{folder}: no config.json (is this a Hugging Face model folder?)"

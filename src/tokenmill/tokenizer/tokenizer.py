@@ -271,8 +271,10 @@ class Tokenizer:
             return self.chat_templates.get(chat_template, chat_template)
         if not self.chat_templates:
             raise InvalidRequestError(
-                f"the model {self.name_or_path!r} has no chat template, so chat requests are not "
-                "supported; use the completions endpoint or pass a chat template",
+                "the model has no chat template (a base model?), so it cannot format chat "
+                "messages: start the server with --chat-template (a Jinja template file or "
+                "string, as in vLLM), send a `chat_template` with the request, or use "
+                "/v1/completions with a plain prompt",
                 param="messages",
             )
         if has_tools and "tool_use" in self.chat_templates:
