@@ -109,3 +109,45 @@ def test_the_server_never_listens_and_debug_shows_the_traceback(tmp_path: Path) 
     )
     assert debug.returncode == 1
     assert "Traceback" in debug.stderr and "Uvicorn running" not in debug.stderr
+
+
+_NO_TOOLS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_auto_tool_choice_warns_when_the_template_never_renders_tools(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tokenmill.config import EngineConfig
+    from tokenmill.entrypoints.startup_checks import warn_if_tools_unrendered
+
+    folder = _copy(
+        tmp_path,
+        _edit_json("tokenizer_config.json", lambda c: c.update(chat_template=_NO_TOOLS_TEMPLATE)),
+    )
+    config = EngineConfig(model=str(folder))
+    with caplog.at_level("WARNING"):
+        message = warn_if_tools_unrendered(config, None, "hermes")
+    assert message is not None and "never renders the request's `tools`" in message
+    assert "--chat-template" in message and message in caplog.text
+    # The demo model's own template renders them; so does a tool-aware --chat-template.
+    assert warn_if_tools_unrendered(EngineConfig(model=str(DEMO)), None, "hermes") is None
+    demo_template = json.loads((DEMO / "tokenizer_config.json").read_text())["chat_template"]
+    assert warn_if_tools_unrendered(config, demo_template, "hermes") is None
+
+
+def test_serve_logs_the_tool_template_warning_at_start_up(tmp_path: Path) -> None:
+    folder = _copy(
+        tmp_path,
+        _edit_json("tokenizer_config.json", lambda c: c.update(chat_template=_NO_TOOLS_TEMPLATE)),
+    )
+    # A missing LoRA adapter stops the start right after the checks: no engine is loaded.
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", str(folder),
+         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+         "--port", str(free_port()), "--enable-lora", "--lora-modules", f"bad={tmp_path}/none"],
+        capture_output=True, text=True, cwd=REPO_ROOT, timeout=300,
+    )  # fmt: skip
+    assert "never renders the request's `tools`" in proc.stderr + proc.stdout

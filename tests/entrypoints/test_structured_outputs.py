@@ -306,6 +306,25 @@ def test_forced_tool_calls_validate_and_stream_the_same(
     assert streamed == [{"name": c.function.name, "arguments": c.function.arguments} for c in calls]
 
 
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_a_call_cut_off_by_max_tokens_is_never_returned(
+    oai: openai.OpenAI, tool_choice: Any
+) -> None:
+    """max_tokens ends the forced call mid-arguments: the answer has finish_reason
+    "length" and no tool call, whole or streamed, rather than arguments that do not parse."""
+    kwargs: dict[str, Any] = {
+        "model": "demo", "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice,
+        "max_tokens": 6, "temperature": 0,
+    }  # fmt: skip
+    choice = oai.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length"
+    assert not choice.message.tool_calls
+    streamed, reason = _streamed_calls(oai, **kwargs)
+    assert reason == "length" and streamed == []
+
+
 def test_auto_tool_choice_answers_with_content_or_valid_calls(oai: openai.OpenAI) -> None:
     result = oai.chat.completions.create(
         model="demo", messages=MESSAGES, tools=TOOLS, max_tokens=30, temperature=0

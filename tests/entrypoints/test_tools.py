@@ -128,3 +128,31 @@ def test_partial_text_never_reports_a_partial_name() -> None:
     assert parsed.calls == []
     parsed = parse_tool_output("Hello <tool_", ToolMode("auto", parser="hermes"))
     assert parsed.content == "Hello " and not parsed.calls
+
+
+@pytest.mark.parametrize(
+    ("mode", "text"),
+    [
+        (ToolMode("required"), '[{"name":"add","parameters":{"a":1'),
+        (ToolMode("required"), '[{"name":"add","parameters":'),
+        (ToolMode("named", function_name="add"), '{"a": [1, 2'),
+        (ToolMode("auto", parser="hermes"), 'Sure. <tool_call>{"name": "add", "arguments": {"a"'),
+    ],
+)
+def test_a_cut_off_call_is_left_out_whole_and_streamed(mode: ToolMode, text: str) -> None:
+    _, calls = tool_calls_message(text, mode)
+    assert calls == []
+    streamer = ToolCallStreamer(mode)
+    sent = []
+    for i in range(len(text)):
+        _, deltas = streamer.feed(text[i], i == len(text) - 1)
+        sent += deltas
+    assert sent == []
+
+
+def test_the_whole_calls_before_a_cut_off_one_are_kept() -> None:
+    text = '[{"name":"add","parameters":{"a":1}},{"name":"get_weather","parameters":{"ci'
+    _, calls = tool_calls_message(text, ToolMode("required"))
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("add", '{"a":1}')
+    ]

@@ -67,6 +67,59 @@ def check_chat_templates(tokenizer: Tokenizer) -> None:
             ) from None
 
 
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe_tool_name",
+        "description": "A tool the start-up check offers the template.",
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+    },
+}
+
+
+def template_renders_tools(tokenizer: Tokenizer, chat_template: str | None = None) -> bool:
+    """Whether the chat template puts the request's ``tools`` into the prompt.
+
+    Rendered with and without a probe tool: a template that ignores ``tools`` renders the
+    same prompt both ways, so a model served with it never learns a tool exists, and
+    ``--enable-auto-tool-choice`` can never produce a call. Rendering (rather than reading
+    the source for ``tools``) also catches templates that mention tools but never emit them.
+    """
+    try:
+        bare = tokenizer.apply_chat_template(
+            PROBE_CONVERSATION, chat_template=chat_template, time_budget_s=PROBE_RENDER_TIMEOUT_S
+        )
+        offered = tokenizer.apply_chat_template(
+            PROBE_CONVERSATION,
+            chat_template=chat_template,
+            time_budget_s=PROBE_RENDER_TIMEOUT_S,
+            tools=[PROBE_TOOL],
+        )
+    except InvalidRequestError:
+        return False
+    return offered != bare and "probe_tool_name" in offered
+
+
+def warn_if_tools_unrendered(
+    engine_config: EngineConfig, chat_template: str | None, tool_call_parser: str | None
+) -> str | None:
+    """For ``--enable-auto-tool-choice``: one warning when the template drops ``tools``."""
+    path = resolve_model_path(engine_config.model)
+    tokenizer_path = (
+        resolve_model_path(engine_config.tokenizer) if engine_config.tokenizer else path
+    )
+    tokenizer = Tokenizer.from_pretrained(tokenizer_path)
+    if template_renders_tools(tokenizer, chat_template):
+        return None
+    message = (
+        f"--enable-auto-tool-choice with --tool-call-parser {tool_call_parser}: the chat "
+        "template never renders the request's `tools`, so the model is not told about them "
+        "and will not call them; pass a tool-aware template with --chat-template"
+    )
+    logger.warning(message)
+    return message
+
+
 @contextlib.contextmanager
 def _quiet(logger_name: str) -> Iterator[None]:
     """Hold back a logger's info lines (the engine logs the same decision when it loads)."""

@@ -59,7 +59,7 @@ from tokenmill.entrypoints.openai.routes import RoutesMiddleware, build_route_ta
 from tokenmill.entrypoints.openai.state import ServerConfig, ServerState
 from tokenmill.entrypoints.openai.stats_log import log_stats_periodically
 from tokenmill.entrypoints.openai.tokenization import RequestTokenizer
-from tokenmill.entrypoints.startup_checks import check_before_serving
+from tokenmill.entrypoints.startup_checks import check_before_serving, warn_if_tools_unrendered
 from tokenmill.errors import ConfigError, InvalidRequestError
 from tokenmill.metrics import ServerMetrics
 from tokenmill.metrics.ops import ResponseCountMiddleware, install_ops_metrics
@@ -429,6 +429,10 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the engine failed to load or died."""
     config = server_config_from_args(args, engine_config)
     check_before_serving(engine_config)  # all before listening: a failure is one line, exit 1
+    if config.enable_auto_tool_choice:
+        warn_if_tools_unrendered(
+            engine_config, resolve_chat_template(config.chat_template), config.tool_call_parser
+        )
     check_lora_modules(config, engine_config)
     engine = AsyncLLMEngine(engine_config)
     app = build_app(engine, config, engine_config)

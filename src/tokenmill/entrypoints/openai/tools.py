@@ -8,8 +8,11 @@ write what it likes and a ``--tool-call-parser`` reads calls from it: ``hermes``
 (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``) or ``llama3_json`` (a bare
 ``{"name": ..., "parameters": ...}`` object, several separated by ``;``).
 
-Arguments are always the raw text the model wrote for them (a prefix of it while
-streaming), so the streamed deltas concatenate to exactly the non-streamed arguments.
+Arguments are always the raw text the model wrote for them, so the streamed deltas
+concatenate to exactly the non-streamed arguments. A call is only ever returned whole: its
+arguments parse as JSON. One cut off by ``max_tokens`` (``finish_reason: "length"``) is
+left out of the message, and a stream sends each call once it is complete, so a client never
+holds a call whose arguments do not parse.
 """
 
 from __future__ import annotations
@@ -313,6 +316,17 @@ def _parse_llama3_json(text: str) -> ParsedOutput:
     return ParsedOutput("", _call_list(text, i, ("parameters", "arguments"), None), True)
 
 
+def is_whole_call(call: ParsedCall) -> bool:
+    """Whether the call can be returned: complete, and its arguments parse as JSON."""
+    if not call.is_complete:
+        return False
+    try:
+        json.loads(call.arguments)
+    except ValueError:
+        return False
+    return True
+
+
 def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -322,13 +336,20 @@ def tool_calls_message(text: str, mode: ToolMode) -> tuple[str | None, list[dict
     parsed = parse_tool_output(text, mode)
     if not parsed.calls:
         return text, []
+    whole = []
+    for call in parsed.calls:
+        if not is_whole_call(call):
+            break  # cut off: it and anything after it are not returned
+        whole.append(call)
+    if not whole:
+        return parsed.content or None, []
     calls = [
         {
             "id": new_tool_call_id(),
             "type": "function",
             "function": {"name": call.name, "arguments": call.arguments},
         }
-        for call in parsed.calls
+        for call in whole
     ]
     return parsed.content or None, calls
 
@@ -358,6 +379,8 @@ class ToolCallStreamer:
             self.num_content_sent = len(content)
         deltas: list[dict[str, Any]] = []
         for index, call in enumerate(parsed.calls):
+            if index >= len(self.ids) and not is_whole_call(call):
+                break  # sent once whole, so a cut-off call never reaches the client
             if index == len(self.ids):
                 self.ids.append(new_tool_call_id())
                 self.num_args_sent.append(0)
