@@ -214,7 +214,37 @@ def test_serve_num_rounds_measures_each_round_with_prompts_of_its_own(
     assert result["num_rounds"] == 2 and result["completed"] == 6
     assert [r["completed"] for r in result["rounds"]] == [3, 3]
     assert [r["round"] for r in result["requests"]] == [0, 0, 0, 1, 1, 1]
-    prompts = [tuple(body["prompt"]) for body in fake_server.behavior.bodies[1:]]  # after the probe
+    after_warmup = 1 + result["num_warmups"]  # the probe, then the warm-ups
+    prompts = [tuple(body["prompt"]) for body in fake_server.behavior.bodies[after_warmup:]]
     assert len(prompts) == 6 and not set(prompts[:3]) & set(
         prompts[3:]
     )  # no prompt is measured twice
+
+
+def test_bench_keeps_client_library_lines_out_of_its_output(
+    fake_server, capsys, monkeypatch
+) -> None:
+    """A whole `tokenmill bench serve` run through the CLI's entry point prints no httpx
+    lines, though the root logger is at INFO as the CLI sets it."""
+    import logging
+
+    from tokenmill.bench.cli import CLIENT_LIBRARY_LOGGERS
+    from tokenmill.entrypoints.cli import main
+
+    for name in CLIENT_LIBRARY_LOGGERS:  # restored after the test
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
+    fake_server.behavior.ttft_delay_s = fake_server.behavior.itl_delay_s = 0.0
+    root = logging.getLogger()
+    handler = logging.StreamHandler()  # as basicConfig would: lines go to stderr
+    root.addHandler(handler)
+    monkeypatch.setattr(root, "level", logging.INFO)
+    try:
+        code = main(
+            ["bench", "serve", "--base-url", fake_server.base_url, "--num-prompts", "4",
+             "--input-len", "4", "--output-len", "2", "--vocab-size", "50", "--no-progress"]
+        )  # fmt: skip
+    finally:
+        root.removeHandler(handler)
+    captured = capsys.readouterr()
+    assert code == 0 and "Serving Benchmark Result" in captured.out
+    assert "HTTP Request" not in captured.out + captured.err

@@ -352,3 +352,18 @@ def test_plots_of_one_point_per_target_say_so_and_start_at_zero() -> None:
         )
     sweep = build_throughput_figure(build_comparison(_sweeps())).axes[0]
     assert "against load" in sweep.get_title() and sweep.get_ylim()[0] == 0 and not sweep.patches
+
+
+def test_a_cold_run_gets_no_verdict_unless_allowed() -> None:
+    """A result measured without warm-ups timed start-up costs: compare names it and picks
+    nothing, unless told to accept cold runs (then it warns)."""
+    named = _sweeps()
+    warm = build_comparison(named, sla=parse_sla("ttft_p95_ms=1000"))
+    assert warm.pick == "fast"
+    cold_named = [(n, {**r, "num_warmups": 0 if n == "fast" else 4}) for n, r in named]
+    cold = build_comparison(cold_named, sla=parse_sla("ttft_p95_ms=1000"))
+    assert cold.pick is None
+    assert cold.verdict.startswith("No verdict: fast measured a cold server")
+    allowed = build_comparison(cold_named, sla=parse_sla("ttft_p95_ms=1000"), allow_cold=True)
+    assert allowed.pick == "fast"
+    assert any("cold server" in w for w in allowed.warnings)

@@ -53,8 +53,9 @@ def test_timings_match_the_servers_known_delays(fake_server) -> None:
     assert result["total_output_tokens"] == 30 and result["total_input_tokens"] == 48
     # max_concurrency is honoured: the server never saw more than 2 in flight.
     assert b.peak_in_flight == 2
-    # The probe is not counted: 7 requests reached the server, 6 were measured.
-    assert b.num_requests == 7
+    # The probe and the warm-ups (one per concurrent request) are not counted.
+    assert result["num_warmups"] == 2
+    assert b.num_requests == 1 + 2 + 6
 
 
 def test_result_has_every_field_and_server_figures(fake_server, tmp_path: Path) -> None:
@@ -260,7 +261,21 @@ def test_library_log_lines_stay_out_of_the_measurement(
 
     requests = build_random_requests(8, 4, 2, vocab_size=10, seed=3)
     with caplog.at_level(logging.INFO):
-        run_serve_benchmark(_config(fake_server), requests)
+        run_serve_benchmark(_config(fake_server, num_warmups=0), requests)
     http_lines = [r for r in caplog.records if r.name == "httpx"]
     assert len(http_lines) < len(requests)  # the probe's, not one per measured request
     assert logging.getLogger("httpx").level == logging.NOTSET
+
+
+def test_warm_ups_by_default_one_per_concurrent_request(fake_server) -> None:
+    """Without --num-warmups every concurrent slot is warmed once before measuring, and the
+    result records how many; 0 is a cold run, recorded as such."""
+    b = fake_server.behavior
+    b.ttft_delay_s = b.itl_delay_s = 0.0
+    requests = build_random_requests(6, input_len=6, output_len=2, vocab_size=50, seed=5)
+    result = run_serve_benchmark(_config(fake_server, max_concurrency=4), requests)
+    assert result["num_warmups"] == 4
+    assert len(b.bodies) == 1 + 4 + 6  # the probe, the warm-ups, the measured requests
+    b.bodies.clear()
+    cold = run_serve_benchmark(_config(fake_server, max_concurrency=4, num_warmups=0), requests)
+    assert cold["num_warmups"] == 0 and len(b.bodies) == 1 + 6

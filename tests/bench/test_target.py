@@ -96,7 +96,8 @@ def test_bench_serve_random_without_a_tokenizer_asks_the_server(
     assert f"prompts are tokenized by {fake_server.base_url}/tokenize" in capsys.readouterr().err
     result = json.loads(out.read_text())
     assert result["completed"] == 3 and result["workload"]["tokenizer"] == "server /tokenize"
-    measured = [body["messages"][0]["content"] for body in b.bodies[1:]]  # after the probe
+    after_warmup = 1 + result["num_warmups"]  # the probe, then the warm-ups
+    measured = [body["messages"][0]["content"] for body in b.bodies[after_warmup:]]
     assert len(measured) == 3 and all(len(p) == 6 for p in measured)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,11 @@ def _add_serve_target_args(parser: argparse.ArgumentParser, with_base_url: bool)
     )
     load.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
     load.add_argument(
-        "--num-warmups", type=int, default=0, help="uncounted requests after the probe"
+        "--num-warmups",
+        type=int,
+        default=None,
+        help="uncounted requests after the probe (default: one per concurrent request, "
+        "2 to 16); 0 measures a cold server, which bench compare will not pick a winner from",
     )
     load.add_argument(
         "--num-rounds",
@@ -274,7 +279,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     named = _named_results_from_files(args.results or [])
     if args.target:
         named += _run_targets(args, out_dir)
-    comparison = build_comparison(named, baseline=args.baseline, sla=sla)
+    comparison = build_comparison(
+        named, baseline=args.baseline, sla=sla, allow_cold=args.allow_cold
+    )
     print(format_comparison(comparison))
     files = write_report(comparison, out_dir)
     _log(f"[bench compare] wrote {files['html']} and {len(files) - 1} plots in {out_dir}")
@@ -359,10 +366,26 @@ DEFAULT_MIN_TOP1 = 0.9
 
 
 # ---- registration ----------------------------------------------------------------------
+CLIENT_LIBRARY_LOGGERS = ("httpx", "httpcore", "urllib3", "openai", "anthropic")
+"""Libraries that log a line per HTTP request at INFO: a benchmark's thousands of requests
+would bury its report."""
+
+
+def quiet_client_libraries() -> None:
+    """Keep the HTTP client libraries' INFO lines out of the benchmark's output (warnings stay)."""
+    if logging.getLogger().getEffectiveLevel() <= logging.DEBUG:
+        return  # --log-level debug asked for everything
+    for name in CLIENT_LIBRARY_LOGGERS:
+        library = logging.getLogger(name)
+        if library.getEffectiveLevel() < logging.WARNING:
+            library.setLevel(logging.WARNING)
+
+
 def _guard(func: Any) -> Any:
     """Turn expected user errors into a one-line message and exit code 2."""
 
     def run(args: argparse.Namespace) -> int:
+        quiet_client_libraries()
         try:
             return func(args)
         except (
@@ -474,6 +497,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     compare.add_argument("--sla", help="latency limits, e.g. ttft_p95_ms=800,tpot_p95_ms=50")
     compare.add_argument(
         "--output-dir", default="bench-report", help="where report.html and the PNGs go"
+    )
+    compare.add_argument(
+        "--allow-cold",
+        action="store_true",
+        help="call a winner even from results measured without warm-ups (--num-warmups 0)",
     )
     _add_serve_target_args(compare, with_base_url=False)
     _add_workload_args(compare, num_prompts=100)

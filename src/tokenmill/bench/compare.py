@@ -316,11 +316,14 @@ def build_comparison(
     named_results: list[tuple[str, dict[str, Any]]],
     baseline: str | None = None,
     sla: dict[str, float] | None = None,
+    allow_cold: bool = False,
 ) -> Comparison:
     """Group results by target name into sweeps and judge them.
 
     Several results under one name form that target's sweep (e.g. concurrency 1, 4, 16);
-    the baseline defaults to the first target.
+    the baseline defaults to the first target. A result measured without warm-ups
+    (``num_warmups`` 0) timed a cold server's first requests: unless ``allow_cold``, the
+    verdict names it and picks nothing.
     """
     if not named_results:
         raise ValueError("nothing to compare: give result files or --target endpoints")
@@ -351,9 +354,28 @@ def build_comparison(
                 target.sla_misses[i] = misses
         targets.append(target)
     verdict, pick = _verdict(targets, baseline, sla, load_kind)
-    return Comparison(
-        targets, baseline, sla, load_kind, verdict, pick, workload_warnings(named_results)
-    )
+    warnings = workload_warnings(named_results)
+    cold = cold_targets(named_results)
+    if cold and not allow_cold:
+        verdict = (
+            f"No verdict: {', '.join(cold)} measured a cold server (--num-warmups 0), whose "
+            "first requests pay one-off start-up costs (kernel builds, allocator growth, pages "
+            "touched for the first time), so the figures would decide on those. Re-run with "
+            "warm-ups (the default), or pass --allow-cold."
+        )
+        pick = None
+    elif cold:
+        warnings.append(f"{', '.join(cold)} measured a cold server (--num-warmups 0)")
+    return Comparison(targets, baseline, sla, load_kind, verdict, pick, warnings)
+
+
+def cold_targets(named_results: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Targets with a result that recorded no warm-ups (files that do not say are not judged)."""
+    cold: list[str] = []
+    for name, result in named_results:
+        if result.get("num_warmups") == 0 and name not in cold:
+            cold.append(name)
+    return cold
 
 
 @dataclass(frozen=True)

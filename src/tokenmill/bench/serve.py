@@ -63,8 +63,9 @@ class ServeConfig:
     """Gamma shape of inter-arrival gaps; 1 is Poisson."""
     max_concurrency: int | None = None
     """Cap on requests in flight; None for no cap."""
-    num_warmups: int = 0
-    """Uncounted requests sent after the probe, before measuring (own prompts, measured shapes)."""
+    num_warmups: int | None = None
+    """Uncounted requests sent after the probe, before measuring (own prompts, measured shapes).
+    None: ``default_num_warmups`` of the run's concurrency; 0 measures a cold server."""
     prompt_format: str = "auto"
     """``auto``, ``ids`` or ``text`` (completions only; chat always sends text)."""
     temperature: float = 0.0
@@ -99,7 +100,7 @@ class ServeConfig:
             raise ValueError(f"prompt_format must be one of {', '.join(PROMPT_FORMATS)}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
-        if self.num_warmups < 0:
+        if self.num_warmups is not None and self.num_warmups < 0:
             raise ValueError("num_warmups must be >= 0")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
@@ -300,9 +301,8 @@ async def arun_serve_benchmark(
     limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         model = await _resolve_model(client, config)
-        probe, *warmups = build_warmup_requests(
-            requests, 1 + config.num_warmups, config.seed, tokenizer
-        )
+        num_warmups = resolved_num_warmups(config, len(requests))
+        probe, *warmups = build_warmup_requests(requests, 1 + num_warmups, config.seed, tokenizer)
         options = await _probe(
             client, config, _initial_options(config, model, requests), probe, requests, tokenizer
         )
@@ -326,7 +326,9 @@ async def arun_serve_benchmark(
             ]
         finally:
             await scraper.stop()
-    return build_result(config, options, rounds, scraper.report(), workload)
+    result = build_result(config, options, rounds, scraper.report(), workload)
+    result["num_warmups"] = num_warmups
+    return result
 
 
 def run_serve_benchmark(
@@ -338,6 +340,24 @@ def run_serve_benchmark(
 ) -> dict[str, Any]:
     """Blocking wrapper of ``arun_serve_benchmark`` for the CLI and comparisons."""
     return asyncio.run(arun_serve_benchmark(config, requests, tokenizer, workload, later_rounds))
+
+
+MAX_DEFAULT_WARMUPS = 16
+
+
+def default_num_warmups(concurrency: int) -> int:
+    """Warm-ups when none are asked for: one per concurrent slot (2 at least, 16 at most), so
+    every batch size the run will see has been through the server once before measuring.
+    A cold first request pays for kernel builds, allocator growth and first-touch pages, and
+    on a small machine that alone can move P95 TTFT by several times."""
+    return max(2, min(concurrency, MAX_DEFAULT_WARMUPS))
+
+
+def resolved_num_warmups(config: ServeConfig, num_requests: int) -> int:
+    """The warm-ups this run sends: as given, else ``default_num_warmups``."""
+    if config.num_warmups is not None:
+        return config.num_warmups
+    return default_num_warmups(config.max_concurrency or num_requests)
 
 
 def build_result(
