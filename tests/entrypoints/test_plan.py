@@ -134,7 +134,9 @@ def test_gpu_budget_formula_the_engine_and_planner_share() -> None:
     assert sizing.kv_budget_from_memory(0.5, 80 * gib, 64 * gib, 0.9) == 32 * gib  # of free
     assert sizing.kv_budget_from_memory(4 * gib, 80 * gib, 64 * gib, 0.9) == 4 * gib
     assert sizing.kv_budget_from_memory(None, 8 * gib, 0, 0.9) == 0
-    plan = build_plan(PlanInputs("demo", 256, 4, dtype="float32", memory_bytes=80 * gib))
+    plan = build_plan(
+        PlanInputs("demo", 256, 4, dtype="float32", memory_bytes=80 * gib, device="cuda")
+    )
     weights = plan.weight_bytes
     assert plan.kv_budget_bytes == int(72 * gib) - weights - gib
 
@@ -172,3 +174,44 @@ def test_weight_bytes_of_new_families_are_what_the_engine_holds(
         }
     want = sizing.weight_bytes(cfg, dtype, 128, quantization, group_size, **layouts)
     assert engine_weight_bytes(engine) == want
+
+
+def test_by_default_the_plan_is_for_this_machine_and_what_serve_runs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No --memory: this machine's memory (a CPU here: no nvidia-smi), the dtype serve's
+    --dtype auto picks on it, and the CPU KV budget the engine computes; stdout is the table."""
+    import psutil
+
+    from tokenmill.entrypoints import plan as plan_module
+    from tokenmill.model.loader import resolve_dtype
+
+    monkeypatch.setattr(plan_module, "_gpu_memory_bytes", lambda: None)
+    monkeypatch.setattr(plan_module, "_cgroup_memory_limit", lambda: None)
+    plan = build_plan(PlanInputs("demo", 256, 4))
+    assert plan.device == "cpu" and "available memory" in plan.memory_source
+    assert abs(plan.memory_bytes - psutil.virtual_memory().available) < 2**30
+    served = resolve_dtype("auto", ModelConfig.from_folder(demo_model_path()), torch.device("cpu"))
+    assert plan.dtype == str(served).removeprefix("torch.")
+    free = plan.memory_bytes - plan.weight_bytes
+    assert plan.kv_budget_bytes == sizing.cpu_kv_budget(None, free) <= 4 * 2**30
+    assert main(["plan", "--max-model-len", "256", "--concurrency", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("model            demo (" + plan.dtype)
+    assert out[1].startswith("memory ") and "on cpu: this machine's available memory" in out[1]
+    assert all(len(line) > 17 and line[:17].rstrip() for line in out)  # table rows only
+
+
+def test_a_cgroup_limit_below_available_memory_is_the_plans_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tokenmill.entrypoints import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "_gpu_memory_bytes", lambda: None)
+    monkeypatch.setattr(plan_module, "_cgroup_memory_limit", lambda: 3 * 2**30)
+    machine = plan_module.this_machine()
+    assert (machine.device, machine.memory_bytes) == ("cpu", 3 * 2**30)
+    assert "cgroup" in machine.source
+    monkeypatch.setattr(plan_module, "_gpu_memory_bytes", lambda: 80 * 2**30)
+    assert plan_module.this_machine().device == "cuda"
+    assert plan_module.this_machine("cpu").device == "cpu"

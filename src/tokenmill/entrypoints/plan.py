@@ -7,6 +7,10 @@ the same formula the engine applies on a GPU after loading the weights, and the 
 the KV strategy's own ``for_budget`` (``core/kv``). It reads only ``config.json``: no
 weights are loaded and torch is not imported.
 
+By default it answers for the machine it runs on: a GPU's memory where ``nvidia-smi`` reports
+one, else this machine's available memory (within a cgroup's limit), and the dtype ``serve``
+would pick there (``model/cpu_dtype.py`` on a CPU; the checkpoint's on a GPU).
+
 Paged KV holds what requests actually use, so the planner shows the expected pool (every
 request at ``--mean-seq-len`` tokens) next to the worst case (every request at
 ``--max-model-len``); static KV reserves the worst case up front.
@@ -16,17 +20,70 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from tokenmill.core.kv import STRATEGIES, KVSizing, build_kv_manager
 from tokenmill.entrypoints.config_args import parse_memory
 from tokenmill.errors import ConfigError
 from tokenmill.model import sizing
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.cpu_dtype import cpu_auto_dtype, cpu_flags
 
-DEFAULT_MEMORY = "80GiB"
+
+@dataclass(frozen=True)
+class Machine:
+    """Where the plan is for: the device and its memory, and where that figure came from."""
+
+    device: str
+    memory_bytes: int
+    source: str
+
+
+def _cgroup_memory_limit() -> int | None:
+    """The cgroup (v2, else v1) memory limit of this process, if it has one."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:
+            return int(text)
+    return None
+
+
+def _gpu_memory_bytes() -> int | None:
+    """The first GPU's total memory from ``nvidia-smi`` (None without one); no torch import."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout  # fmt: skip
+        return int(out.split()[0]) * 2**20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def this_machine(device: str = "auto") -> Machine:
+    """The device ``serve`` would use here and its memory."""
+    gpu = _gpu_memory_bytes() if device in ("auto", "cuda") else None
+    if gpu is not None:
+        return Machine("cuda", gpu, "this machine's GPU (nvidia-smi)")
+    if device == "cuda":
+        raise ConfigError("--device cuda: no GPU found (nvidia-smi); give --memory")
+    available = psutil.virtual_memory().available
+    limit = _cgroup_memory_limit()
+    if limit is not None and limit < available:
+        return Machine("cpu", limit, "this process's cgroup memory limit")
+    return Machine("cpu", available, f"this machine's available memory ({os.cpu_count()} CPUs)")
 
 
 @dataclass(frozen=True)
@@ -42,7 +99,10 @@ class PlanInputs:
     quantization_group_size: int = sizing.INT4_GROUP_SIZE
     kv_cache: str = "paged"
     block_size: int = 16
-    memory_bytes: int = int(parse_memory(DEFAULT_MEMORY))
+    memory_bytes: int | None = None
+    """Device memory; None: this machine's (``this_machine``)."""
+    device: str = "auto"
+    """``cpu``, ``cuda``, or ``auto``: a GPU where one is found, else the CPU."""
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: float | None = None
     mean_seq_len: int | None = None
@@ -57,6 +117,9 @@ class CapacityPlan:
     dtype: str
     kv_cache_dtype: str
     kv_cache: str
+    device: str
+    memory_bytes: int
+    memory_source: str
     weight_bytes: int
     kv_bytes_per_token: int
     kv_budget_bytes: int
@@ -86,6 +149,7 @@ class CapacityPlan:
         c, n = self.concurrency, self.max_model_len
         out = [
             f"model            {self.model} ({self.dtype}, KV {self.kv_cache_dtype}, {self.kv_cache} KV)",
+            f"memory           {format_bytes(self.memory_bytes)} on {self.device}: {self.memory_source}",
             f"weights          {format_bytes(self.weight_bytes)} ({self.weight_bytes} bytes)",
             f"KV per token     {self.kv_bytes_per_token} bytes",
             f"KV budget        {format_bytes(self.kv_budget_bytes)}",
@@ -130,18 +194,30 @@ def _resolve_model(model: str) -> Path:
     return Path(model)
 
 
-def resolve_model_dtype(dtype: str, cfg: ModelConfig) -> str:
-    """``auto`` follows the checkpoint's torch_dtype (as the engine does on a GPU)."""
+def resolve_model_dtype(dtype: str, cfg: ModelConfig, device: str = "cuda") -> str:
+    """``auto`` as ``serve`` resolves it: the checkpoint's torch_dtype on a GPU, the CPU rule
+    (``model/cpu_dtype.py``) on a CPU, where the AVX2 kernels are taken to run wherever the
+    CPU has AVX2 (they build on first use)."""
     if dtype != "auto":
         return dtype
     declared = str(cfg.torch_dtype).removeprefix("torch.")
-    return declared if declared in sizing.DTYPE_BYTES else "float32"
+    declared = declared if declared in sizing.DTYPE_BYTES else "float32"
+    if device == "cpu":
+        flags = cpu_flags()
+        return cpu_auto_dtype(declared, flags, "avx2" in flags)[0]
+    return declared
 
 
 def build_plan(inputs: PlanInputs) -> CapacityPlan:
     """Size the model, its KV and the pool with the engine's own code."""
     cfg = ModelConfig.from_folder(_resolve_model(inputs.model))
-    dtype = resolve_model_dtype(inputs.dtype, cfg)
+    if inputs.memory_bytes is None:
+        machine = this_machine(inputs.device)
+    else:
+        device = "cuda" if inputs.device == "auto" else inputs.device
+        machine = Machine(device, inputs.memory_bytes, "--memory")
+    memory_bytes = machine.memory_bytes
+    dtype = resolve_model_dtype(inputs.dtype, cfg, machine.device)
     kv_dtype = dtype if inputs.kv_cache_dtype == "auto" else inputs.kv_cache_dtype
     layout = head_layout = "torch"
     if inputs.quantization is not None:  # stored as this machine's CPU kernels read them
@@ -161,10 +237,13 @@ def build_plan(inputs: PlanInputs) -> CapacityPlan:
     per_token = sizing.kv_bytes_per_token(
         cfg, sizing.kv_cache_dtype_bytes(inputs.kv_cache_dtype, dtype)
     )
-    free = max(0, inputs.memory_bytes - weights)
-    budget = sizing.kv_budget_from_memory(
-        inputs.kv_cache_memory, inputs.memory_bytes, free, inputs.gpu_memory_utilization
-    )
+    free = max(0, memory_bytes - weights)
+    if machine.device == "cpu":  # what the engine computes once the weights are loaded
+        budget = sizing.cpu_kv_budget(inputs.kv_cache_memory, free)
+    else:
+        budget = sizing.kv_budget_from_memory(
+            inputs.kv_cache_memory, memory_bytes, free, inputs.gpu_memory_utilization
+        )
     c, n, bs = inputs.concurrency, inputs.max_model_len, inputs.block_size
     mean = inputs.mean_seq_len or max(1, n // 2)
     blocks_per_seq = -(-n // bs)
@@ -186,6 +265,9 @@ def build_plan(inputs: PlanInputs) -> CapacityPlan:
         dtype=dtype,
         kv_cache_dtype=kv_dtype,
         kv_cache=inputs.kv_cache,
+        device=machine.device,
+        memory_bytes=memory_bytes,
+        memory_source=machine.source,
         weight_bytes=weights,
         kv_bytes_per_token=per_token,
         kv_budget_bytes=budget,
@@ -220,7 +302,7 @@ def add_plan_parser(sub: Any) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights dtype; auto follows the checkpoint",
+        help="weights dtype; auto: what serve picks on this device (docs: the CPU dtype rule)",
     )
     plan.add_argument(
         "--kv-cache-dtype",
@@ -245,8 +327,16 @@ def add_plan_parser(sub: Any) -> None:
     plan.add_argument(
         "--memory",
         type=parse_memory,
-        default=parse_memory(DEFAULT_MEMORY),
-        help=f"device memory, e.g. 80GiB or 24GiB (default: {DEFAULT_MEMORY})",
+        default=None,
+        help="device memory, e.g. 80GiB or 24GiB (default: this machine's: a GPU's total where "
+        "nvidia-smi finds one, else the available memory within any cgroup limit)",
+    )
+    plan.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="the device planned for (auto: a GPU where one is found, else the CPU); "
+        "with --memory and auto, a GPU",
     )
     plan.add_argument(
         "--gpu-memory-utilization",
@@ -275,7 +365,7 @@ def run_plan(args: argparse.Namespace) -> int:
     for name in ("max_model_len", "concurrency", "block_size"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.memory < 2**20:
+    if args.memory is not None and args.memory < 2**20:
         raise ConfigError("--memory must be a size, e.g. 80GiB")
     result = build_plan(
         PlanInputs(
@@ -288,7 +378,8 @@ def run_plan(args: argparse.Namespace) -> int:
             quantization_group_size=args.quantization_group_size,
             kv_cache=args.kv_cache,
             block_size=args.block_size,
-            memory_bytes=int(args.memory),
+            memory_bytes=None if args.memory is None else int(args.memory),
+            device=args.device,
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_memory=args.kv_cache_memory,
             mean_seq_len=args.mean_seq_len,

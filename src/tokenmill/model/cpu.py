@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from tokenmill.model.cpu_dtype import REPORTED_FLAGS, cpu_flags, has_native_bf16
+
 
 @dataclass(frozen=True)
 class CPUInfo:
@@ -30,7 +32,7 @@ class CPUInfo:
     @property
     def has_native_bf16(self) -> bool:
         """bf16 dot products in hardware (AVX512-BF16 or AMX), so bf16 GEMMs beat fp32 ones."""
-        return bool(self.flags & {"avx512_bf16", "amx_bf16"})
+        return has_native_bf16(self.flags)
 
     @property
     def has_native_fp16(self) -> bool:
@@ -38,33 +40,8 @@ class CPUInfo:
         return "amx_fp16" in self.flags
 
     def describe(self) -> str:
-        shown = sorted(self.flags & _REPORTED_FLAGS)
+        shown = sorted(self.flags & REPORTED_FLAGS)
         return f"{self.isa} ({' '.join(shown) or 'no bf16/amx/vnni'}), {self.num_physical_cores} physical cores"
-
-
-_REPORTED_FLAGS = frozenset(
-    {
-        "avx2",
-        "avx512f",
-        "avx512_bf16",
-        "avx512_fp16",
-        "avx512_vnni",
-        "amx_bf16",
-        "amx_fp16",
-        "amx_int8",
-    }
-)
-
-
-def _cpuinfo_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split()) & _REPORTED_FLAGS
-    return frozenset()
 
 
 def _physical_cores() -> int:
@@ -93,7 +70,7 @@ def cpu_info() -> CPUInfo:
     """This machine's CPU features (read once)."""
     return CPUInfo(
         isa=torch.backends.cpu.get_cpu_capability(),
-        flags=_cpuinfo_flags(),
+        flags=cpu_flags(),
         num_physical_cores=_physical_cores(),
     )
 

@@ -23,6 +23,7 @@ from tokenmill.model.attention_backend import AttentionBackend, default_attentio
 from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info
+from tokenmill.model.cpu_dtype import cpu_auto_dtype
 from tokenmill.model.host_memory import trim_freed_heap
 from tokenmill.model.layers import gemv_layout_wanted
 from tokenmill.model.quant import quantize_linear
@@ -56,15 +57,10 @@ def resolve_dtype(
 ) -> torch.dtype:
     """The dtype weights and activations run in; ``auto`` is explained in the log.
 
-    ``auto`` keeps the checkpoint's precision on a GPU. On CPU it follows vLLM: where the
-    CPU has bf16 dot products (AVX512-BF16 or AMX) every checkpoint runs as bf16, a float32
-    one included (2.3x the fp32 throughput at 16 streams on a 250M model; ``--dtype
-    float32`` keeps fp32). Where it has not but tokenmill's AVX2 kernels run, bf16 too:
-    their GEMV reads bf16 weights (half fp32's bytes) and multiplies in fp32 (served on an
-    AVX2-only EPYC, 250M Llama: one stream 1.6x fp32's speed, 16 streams 1.15x, long
-    prompts 1.15x; docs/benchmarks.md, seventh pass). Without the kernels everything runs
-    as fp32 (fp16 GEMMs have no such units on CPU, measured 3x slower than bf16 at 128 rows;
-    torch's bf16 GEMMs on AVX2 too).
+    ``auto`` keeps the checkpoint's precision on a GPU; on a CPU it follows the one rule in
+    ``model/cpu_dtype.py`` (bf16 where the CPU computes it natively or the AVX2 kernels read
+    it: 1.6x fp32's one-stream speed on an AVX2-only EPYC, 250M Llama; else fp32: fp16 GEMMs
+    have no such units on CPU, measured 3x slower than bf16 at 128 rows).
     ``quantization`` needs no rule of its own: the int kernels take bf16 activations, which
     ``auto`` already picks wherever bf16 runs fast (natively, or on the AVX2 kernels).
     """
@@ -80,29 +76,18 @@ def resolve_dtype(
         logger.info("dtype auto: %s, as the checkpoint declares", declared)
         return declared
     info = cpu_info()
-    if info.has_native_bf16 or _kernels_read_bf16():
-        why = (
-            "which this CPU computes natively"
-            if info.has_native_bf16
-            else "whose weights tokenmill's AVX2 kernels read at half float32's bytes"
-        )
-        logger.info(
-            "dtype auto: checkpoint is %s; using bfloat16, %s (%s)%s",
-            str(declared).removeprefix("torch."),
-            why,
-            info.describe(),
-            "; --dtype float32 keeps float32" if declared == torch.float32 else "",
-        )
-        return torch.bfloat16
-    if declared == torch.float32:
-        logger.info("dtype auto: float32, as the checkpoint declares")
-        return declared
+    declared_name = str(declared).removeprefix("torch.")
+    name, why = cpu_auto_dtype(declared_name, info.flags, _kernels_read_bf16())
+    keeps = name != "float32" and declared_name == "float32"
     logger.info(
-        "dtype auto: checkpoint is %s; using float32, as this CPU has no bf16 dot products (%s)",
-        declared,
+        "dtype auto: checkpoint is %s; using %s, %s (%s)%s",
+        declared_name,
+        name,
+        why,
         info.describe(),
+        "; --dtype float32 keeps float32" if keeps else "",
     )
-    return torch.float32
+    return TORCH_DTYPES[name]
 
 
 def _kernels_read_bf16() -> bool:

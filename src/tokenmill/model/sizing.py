@@ -161,6 +161,24 @@ def kv_budget_from_memory(
     return max(0, int(total_bytes * gpu_memory_utilization) - used - ACTIVATION_HEADROOM_BYTES)
 
 
+CPU_DEFAULT_KV_BUDGET_BYTES = 4 * 1024**3
+CPU_DEFAULT_KV_SHARE = 0.25
+
+
+def cpu_kv_budget(kv_cache_memory: float | None, available_bytes: int) -> int:
+    """The KV budget on a CPU, after the weights are loaded.
+
+    An explicit size is taken as is, a fraction is of available memory; by default a quarter
+    of available memory, at most ``CPU_DEFAULT_KV_BUDGET_BYTES`` (the pool is mapped lazily,
+    so pages a load never touches cost nothing, but the budget caps what it may touch).
+    """
+    if kv_cache_memory is not None and kv_cache_memory > 1:
+        return int(kv_cache_memory)
+    if kv_cache_memory is not None:
+        return int(available_bytes * kv_cache_memory)
+    return int(min(CPU_DEFAULT_KV_BUDGET_BYTES, CPU_DEFAULT_KV_SHARE * available_bytes))
+
+
 def lora_slot_bytes(cfg: ModelConfig, num_slots: int, max_rank: int, element_bytes: int) -> int:
     """What the LoRA slots (``--max-loras`` of ``--max-lora-rank``) take on the device: per
     layer and fused projection, A ``[slots, in, slices x rank]`` and one B

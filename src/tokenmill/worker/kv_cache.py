@@ -22,8 +22,6 @@ from tokenmill.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-_GIB = 1024**3
-
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of K and V for one token across all layers (``model/sizing.py``, as the planner)."""
@@ -37,12 +35,7 @@ def kv_budget_bytes(
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return sizing.kv_budget_from_memory(kv_cache_memory, total, free, gpu_memory_utilization)
-    available = psutil.virtual_memory().available
-    if kv_cache_memory is not None and kv_cache_memory > 1:
-        return int(kv_cache_memory)
-    if kv_cache_memory is not None:
-        return int(available * kv_cache_memory)
-    return int(min(4 * _GIB, 0.25 * available))
+    return sizing.cpu_kv_budget(kv_cache_memory, psutil.virtual_memory().available)
 
 
 def allocate_kv_cache(
