@@ -93,7 +93,7 @@ class EngineConfig:
     compile_batch_sizes: tuple[int, ...] | None = None
     """Decode batch sizes to compile, e.g. 1,2,4,8. static: default powers of two up to max_num_seqs; paged compiles its decode-only steps only when given (one compile per size at start-up; inductor's cache makes later starts warm)."""
     num_threads: int | None = None
-    """CPU compute threads for torch; default: one per physical core (logged at start-up)."""
+    """CPU compute threads; default: one per physical core of the CPUs this process may use, at most its cgroup CPU quota (logged at start-up with the reason)."""
     enable_lora: bool = False
     """Serve LoRA adapters on top of the model (reserves --max-loras device slots at start-up)."""
     max_loras: int = 1

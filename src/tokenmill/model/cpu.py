@@ -10,12 +10,12 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import psutil
 import torch
 
 from tokenmill.model.cpu_dtype import REPORTED_FLAGS, cpu_flags, has_native_bf16
+from tokenmill.model.thread_policy import physical_cores
 
 
 @dataclass(frozen=True)
@@ -47,22 +47,9 @@ class CPUInfo:
 def _physical_cores() -> int:
     """Distinct (package, core) pairs among the CPUs this process may use."""
     try:
-        cpus = sorted(os.sched_getaffinity(0))
+        return physical_cores(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    cores = set()
-    for cpu in cpus:
-        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-        try:
-            cores.add(
-                (
-                    (topo / "physical_package_id").read_text().strip(),
-                    (topo / "core_id").read_text().strip(),
-                )
-            )
-        except OSError:
-            cores.add(("?", str(cpu)))
-    return max(1, len(cores))
 
 
 @functools.cache
@@ -73,14 +60,3 @@ def cpu_info() -> CPUInfo:
         flags=cpu_flags(),
         num_physical_cores=_physical_cores(),
     )
-
-
-def default_num_threads() -> int:
-    """One compute thread per physical core.
-
-    Measured on 2 cores (the 250M benchmark model, ``bench serve``): 246 tok/s at 16 streams
-    with 2 threads against 142 with 1, and 17.4 against 26.1 ms/token for one stream. A
-    hyper-thread sibling adds no GEMM throughput and makes every parallel region wait for
-    the slower sibling, so siblings are not counted.
-    """
-    return cpu_info().num_physical_cores

@@ -27,14 +27,16 @@ from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.speculative import max_verify_rows
 from tokenmill.errors import ConfigError
 from tokenmill.lora_request import LoRARequest
+from tokenmill.model import thread_policy
 from tokenmill.model.attention import FP8_DTYPES
 from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.cpu import cpu_info, default_num_threads
+from tokenmill.model.cpu import cpu_info
 from tokenmill.model.host_memory import trim_freed_heap
 from tokenmill.model.layers import Linear, gemv_layout_wanted
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.model.tensor_parallel import TPShard, shard_config
+from tokenmill.model.thread_policy import default_thread_decision
 from tokenmill.sampling.sampler import Sampler
 from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
 from tokenmill.worker.draft_loop import CompiledDraftLoop
@@ -145,18 +147,18 @@ class Worker:
         self.model_path = resolve_model_path(config.model)
         self.model_config = mc = load_model_config(config, self.model_path)
         self.device = resolve_device(config.device)
-        self.num_threads = config.num_threads or max(1, default_num_threads() // world_size)
+        threads = default_thread_decision(config.num_threads)
+        self.num_threads = config.num_threads or max(1, threads.num_threads // world_size)
         if self.device.type == "cpu":
             torch.set_num_threads(self.num_threads)
             if rank == 0:
                 logger.info(
-                    "CPU: %s; %d compute threads%s (%s)",
+                    "CPU: %s; %d compute threads%s (%s); %s",
                     cpu_info().describe(),
                     self.num_threads,
                     f" per rank x {world_size} ranks" if world_size > 1 else "",
-                    "--num-threads"
-                    if config.num_threads
-                    else "one per physical core; --num-threads overrides",
+                    "; ".join(threads.reasons),
+                    thread_policy.WAIT_POLICY_NOTE or "OpenMP wait policy: the runtime's own",
                 )
         self.dtype = resolve_dtype(config.dtype, mc, self.device, config.quantization)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)

@@ -114,7 +114,7 @@ void check_rows(const at::Tensor& x, const char* name) {
               ": expected a 2-d CPU tensor with contiguous rows");
 }
 
-// [0, range) in chunks that ATen's threads claim one at a time, not in one fixed share
+// Every op splits [0, range) in chunks that ATen's threads claim one at a time, not in one fixed share
 // each: a thread that loses its core for a while (the server's event loop, another
 // process) leaves its chunks to the others instead of holding up the whole op. Outputs do
 // not depend on which thread computes which chunk. A range of one chunk runs inline.
@@ -222,7 +222,7 @@ void quantize_activations(const at::Tensor& x, GemmArgs& a, bool is_unsigned, at
   a.K = x.size(1);
   a.xq = xq.data_ptr<uint8_t>();
   a.x_scale = xs.data_ptr<float>();
-  at::parallel_for(0, M, rows_grain(x.size(1)), [&](int64_t r0, int64_t r1) { k.quantize_rows(a, is_unsigned, r0, r1); });
+  parallel_chunks(M, rows_grain(x.size(1)), [&](int64_t r0, int64_t r1) { k.quantize_rows(a, is_unsigned, r0, r1); });
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
@@ -263,7 +263,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   at::Tensor xsum = at::empty({M, G}, x.options().dtype(at::kFloat));
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
   float* xs_out = xsum.data_ptr<float>();
-  at::parallel_for(0, M, rows_grain(K), [&](int64_t r0, int64_t r1) {
+  parallel_chunks(M, rows_grain(K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t g = 0; g < G; ++g) {
         float s = 0.0f;
@@ -324,12 +324,12 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, AmxArgs a, c
   if (M == 0) return y;
   const int64_t blocks = (a.N + 15) / 16;
   if (vnni) {  // whole 4-block (64-channel) tiles per task
-    at::parallel_for(0, (blocks + 3) / 4, 1, [&](int64_t p0, int64_t p1) {
+    parallel_chunks((blocks + 3) / 4, 1, [&](int64_t p0, int64_t p1) {
       vnni_gemm(a, 4 * p0, std::min(blocks, 4 * p1));
     });
     return y;
   }
-  at::parallel_for(0, (blocks + 1) / 2, 4, [&](int64_t p0, int64_t p1) {
+  parallel_chunks((blocks + 1) / 2, 4, [&](int64_t p0, int64_t p1) {
     amx_gemm(a, 2 * p0, std::min(blocks, 2 * p1));
   });
   return y;
@@ -428,7 +428,7 @@ std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor* r
     a.residual_out = res_out.data_ptr();
   }
   const KernelTable& k = kernels();
-  at::parallel_for(0, R, rows_grain(D), [&](int64_t r0, int64_t r1) { k.rms_norm(a, r0, r1); });
+  parallel_chunks(R, rows_grain(D), [&](int64_t r0, int64_t r1) { k.rms_norm(a, r0, r1); });
   return {out, res_out};
 }
 
@@ -452,7 +452,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   at::Tensor out = at::empty({x.size(0), a.D}, x.options());
   a.out = out.data_ptr();
   const KernelTable& k = kernels();
-  at::parallel_for(0, x.size(0), rows_grain(a.D), [&](int64_t r0, int64_t r1) { k.silu_mul(a, r0, r1); });
+  parallel_chunks(x.size(0), rows_grain(a.D), [&](int64_t r0, int64_t r1) { k.silu_mul(a, r0, r1); });
   return out;
 }
 
@@ -494,7 +494,7 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& positions, const at::T
   a.q_out = qo.data_ptr();
   a.k_out = ko.data_ptr();
   const KernelTable& kt = kernels();
-  at::parallel_for(0, T, rows_grain((a.Hq + a.Hk) * D), [&](int64_t t0, int64_t t1) { kt.rope(a, t0, t1); });
+  parallel_chunks(T, rows_grain((a.Hq + a.Hk) * D), [&](int64_t t0, int64_t t1) { kt.rope(a, t0, t1); });
   return {qo, ko};
 }
 
@@ -553,7 +553,7 @@ at::Tensor rope_kv_write(const at::Tensor& positions, const at::Tensor& q, const
     a.k_dst = k_rot.data_ptr();
   }
   const KernelTable& kt = kernels();
-  at::parallel_for(0, T, rows_grain((r.Hq + 2 * Hk) * D), [&](int64_t t0, int64_t t1) { kt.rope_kv(a, t0, t1); });
+  parallel_chunks(T, rows_grain((r.Hq + 2 * Hk) * D), [&](int64_t t0, int64_t t1) { kt.rope_kv(a, t0, t1); });
   if (!in_place) {
     store_kv(k_cache, k_rot, slots, sc.select(0, 0));
     store_kv(v_cache, v, slots, sc.select(0, 1));
@@ -664,10 +664,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.item_keys = item_range.data();
   p.item_slot = item_slot.data();
   const KernelTable& k = kernels();
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) { k.prefill_attention(p, i0, i1); });
+  parallel_chunks(items, 1, [&](int64_t i0, int64_t i1) { k.prefill_attention(p, i0, i1); });
   if (slots > B) {
     const AttnArgs m{p.out, Hq, D, p.q_fmt, p.partial, p.partial_ml, seq_slots.data()};
-    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) { k.attention_merge(m, b0, b1); });
+    parallel_chunks(B, 1, [&](int64_t b0, int64_t b1) { k.attention_merge(m, b0, b1); });
   }
   return out;
 }
@@ -714,7 +714,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   a.heads_per_item = 1;
   const KernelTable& k = kernels();
   const int64_t count = static_cast<int64_t>(items.size()) / 3;
-  at::parallel_for(0, count, 1, [&](int64_t i0, int64_t i1) { k.prefill_attention(a, i0, i1); });
+  parallel_chunks(count, 1, [&](int64_t i0, int64_t i1) { k.prefill_attention(a, i0, i1); });
   return out;
 }
 
