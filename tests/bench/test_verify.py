@@ -37,3 +37,33 @@ def test_length_mismatch_diverges_at_the_shorter_end() -> None:
     assert report.prompts[0].first_divergence == 2 and report.max_logprob_diff is None
     with pytest.raises(ValueError):
         compare_generations([Generation([1], [None])], [])
+
+
+def test_verify_by_default_checks_what_serve_runs_and_shows_text(capsys) -> None:
+    """No --dtype: tokenmill runs in the dtype `serve` picks here; a reduced precision is judged
+    by teacher-forced agreement and KL (exact greedy text only reported), with text shown."""
+    from tokenmill.bench.verify import served_dtype
+    from tokenmill.entrypoints.cli import main
+
+    served = served_dtype("demo")
+    code = main(["verify", "--max-tokens", "8", "--num-prompts", "2"])
+    captured = capsys.readouterr()
+    if served == "float32":
+        assert "exact match:" in captured.out
+    else:
+        assert f"tokenmill (dtype={served}" in captured.out and "top-1 agreement" in captured.out
+        assert "exact greedy text:" in captured.out and "reported, not judged" in captured.out
+        assert "first prompt, tokenmill:" in captured.out
+        assert f"--dtype auto is {served}" in captured.err
+    assert code == 0
+
+
+def test_offline_and_verify_default_to_serves_dtype() -> None:
+    import argparse
+
+    from tokenmill.bench.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    assert parser.parse_args(["verify"]).dtype == "auto"
+    assert parser.parse_args(["bench", "offline", "--model", "demo"]).dtype == "auto"

@@ -42,10 +42,30 @@ def test_every_native_family_is_servable(make_model, capsys, family: str) -> Non
 
 
 def test_parity_reports_agreement_with_transformers(make_model, capsys) -> None:
-    code, report = _check(capsys, str(make_model("gemma2")), "--parity", "--parity-tokens", "6")
+    folder = str(make_model("gemma2"))
+    code, report = _check(capsys, folder, "--parity", "--parity-tokens", "6", "--dtype", "float32")
     assert code == 0
+    assert report["parity"]["dtype"] == "float32"
     assert report["parity"]["num_identical"] == report["parity"]["num_prompts"] == 3
     assert report["parity"]["first_divergence"] == [None, None, None]
+
+
+def test_parity_checks_the_dtype_serve_runs(make_model, capsys) -> None:
+    """Without --dtype, parity runs what `serve` would (bf16 wherever the CPU computes it or
+    the AVX2 kernels read it), judged by teacher-forced agreement where it is not float32."""
+    from tokenmill.bench.verify import served_dtype
+
+    folder = str(make_model("llama"))
+    served = served_dtype(folder)
+    code, report = _check(capsys, folder, "--parity", "--parity-tokens", "6")
+    assert report["parity"]["dtype"] == served
+    if served == "float32":
+        assert "num_identical" in report["parity"]
+    else:
+        assert report["parity"]["top1_agreement"] >= 0.9 and code == 0
+        assert report["parity"]["mean_kl"] >= 0 and "exact_match_rate" in report["parity"]
+    main(["check", folder, "--parity", "--parity-tokens", "6"])
+    assert f"parity ({served})" in capsys.readouterr().out
 
 
 def test_demo_model_text_report(capsys) -> None:
@@ -162,7 +182,9 @@ def test_fallback_model_is_servable_through_transformers(
     from tests.fallback_models import build_fallback_model
 
     folder = build_fallback_model(tmp_path / "neox", tokenizer_dir, "gpt_neox")
-    code, report = _check(capsys, str(folder), "--parity", "--parity-tokens", "6")
+    code, report = _check(
+        capsys, str(folder), "--parity", "--parity-tokens", "6", "--dtype", "float32"
+    )
     assert code == 0, report
     assert report["servable"] and report["implementation"] == "transformers"
     assert "Transformers fallback" in report["reason"]

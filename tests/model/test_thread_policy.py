@@ -34,7 +34,9 @@ def _write(path: Path, text: str) -> None:
         ({}, None),
     ],
 )
-def test_cgroup_cpu_quota_v2_and_v1(tmp_path: Path, files: dict[str, str], quota: float | None) -> None:
+def test_cgroup_cpu_quota_v2_and_v1(
+    tmp_path: Path, files: dict[str, str], quota: float | None
+) -> None:
     for name, text in files.items():
         _write(tmp_path / name, text)
     assert cgroup_cpu_quota(tmp_path) == quota

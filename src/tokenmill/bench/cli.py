@@ -182,6 +182,11 @@ def cmd_offline(args: argparse.Namespace) -> int:
     from tokenmill.bench.offline import OfflineConfig, format_offline_table, run_offline_benchmark
     from tokenmill.bench.serve import save_result
 
+    if args.dtype == "auto":
+        from tokenmill.bench.verify import served_dtype
+
+        args.dtype = served_dtype(args.model, "auto", args.device)
+        _log(f"[bench offline] --dtype auto is {args.dtype} here, as `serve` would run it")
     config = OfflineConfig(
         model=args.model,
         backends=_comma_list(args.backends),
@@ -302,13 +307,23 @@ def _read_prompt_texts(path: str | None) -> list[str] | None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """``tokenmill verify``."""
-    from tokenmill.bench.verify import format_verify_report, run_verify, save_verify_report
-
-    if args.quantization or args.kv_cache_dtype:
-        return _verify_precision(args)
-    min_match = (
-        args.min_match if args.min_match is not None else (1.0 if args.dtype == "float32" else 0.8)
+    from tokenmill.bench.tokenization import load_tokenizer
+    from tokenmill.bench.verify import (
+        format_verify_report,
+        run_verify,
+        save_verify_report,
+        served_dtype,
     )
+
+    if args.dtype == "auto" and args.server_url:
+        args.dtype = "float32"  # the reference; the server runs whatever it was started with
+    elif args.dtype == "auto":
+        args.dtype = served_dtype(args.model or "demo", "auto", args.device)
+        _log(f"[verify] tokenmill runs as `serve` would here: --dtype auto is {args.dtype}")
+    if args.quantization or args.kv_cache_dtype or args.dtype != "float32":
+        # Reduced precision is judged on distributions: exact greedy text is no fair test.
+        return _verify_precision(args)
+    min_match = args.min_match if args.min_match is not None else 1.0
     # A --model given names the served model too (vLLM serves a folder under its path);
     # without one the reference runs demo and the server is asked what it serves.
     served_model = args.served_model_name or args.model
@@ -325,7 +340,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         min_match=min_match,
         engine_kwargs=_parse_key_values(args.engine_arg, "--engine-arg"),
     )
-    print(format_verify_report(report))
+    tokenizer = load_tokenizer(args.model or "demo")
+    print(format_verify_report(report, decode=lambda ids: str(tokenizer.decode(ids))))
     if args.save_result:
         save_verify_report(report, args.save_result)
     return 0 if report.passed else 1
@@ -445,9 +461,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     offline.add_argument(
         "--dtype",
-        default="float32",
-        choices=("float32", "bfloat16", "float16"),
-        help="weights dtype of every backend",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights dtype of every backend (auto: what `serve` runs here; the CPU dtype rule)",
     )
     offline.add_argument("--device", default="auto", help="cpu, cuda or auto")
     offline.add_argument(
@@ -520,9 +536,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     verify.add_argument("--prompts-file", help='JSONL of prompts (strings or {"prompt": ...})')
     verify.add_argument(
         "--dtype",
-        default="float32",
-        choices=("float32", "bfloat16", "float16"),
-        help="weights dtype of both sides",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="tokenmill's weights dtype (auto: what `serve` runs here; see the CPU dtype rule). "
+        "float32 is checked token for token against transformers; a reduced precision by "
+        "teacher-forced top-1 agreement and KL against float32 transformers",
     )
     verify.add_argument("--device", default="cpu", help="torch device of both sides (cpu or cuda)")
     verify.add_argument(
@@ -547,8 +565,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     verify.add_argument(
         "--min-match",
         type=float,
-        help="required exact-match rate (default 1.0 for float32, else 0.8); with "
-        f"--quantization/--kv-cache-dtype, the required top-1 agreement (default {DEFAULT_MIN_TOP1})",
+        help="float32: the required exact-match rate (default 1.0); a reduced precision "
+        f"(dtype, --quantization, --kv-cache-dtype): the required top-1 agreement (default {DEFAULT_MIN_TOP1})",
     )
     verify.add_argument(
         "--engine-arg",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -303,8 +304,26 @@ def run_verify(
     return compare_generations(reference, candidate, min_match)
 
 
-def format_verify_report(report: VerifyReport) -> str:
-    """The terminal summary: one line per mismatch and the overall verdict."""
+def served_dtype(model: str, requested: str = "auto", device: str = "cpu") -> str:
+    """The dtype ``tokenmill serve`` runs ``model`` in with ``--dtype requested`` on this
+    device (``auto``: the rule in ``model/cpu_dtype.py`` on a CPU), so that verify, check and
+    bench offline test what serve runs."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    from tokenmill.engine.llm_engine import resolve_model_path
+    from tokenmill.model.config import ModelConfig
+    from tokenmill.model.loader import resolve_dtype
+
+    cfg = ModelConfig.from_folder(resolve_model_path(model), "auto")  # native or fallback
+    return str(resolve_dtype("auto", cfg, torch.device(device))).removeprefix("torch.")
+
+
+def format_verify_report(
+    report: VerifyReport, decode: Callable[[list[int]], str] | None = None
+) -> str:
+    """The terminal summary: one line per mismatch (with text, given ``decode``) and the verdict."""
     lines = [
         f"exact match: {report.match_rate * 100:.1f}% of {report.num_prompts} prompts "
         f"(required {report.min_match * 100:.1f}%)"
@@ -327,6 +346,14 @@ def format_verify_report(report: VerifyReport) -> str:
             lines.append(
                 f"  prompt {v.index}: diverges at token {pos} (transformers {ref}, tokenmill {got})"
             )
+            if decode is not None and pos is not None:
+                ids_ref = [t for t in v.reference_tokens if isinstance(t, int)]
+                ids_got = [t for t in v.tokenmill_tokens if isinstance(t, int)]
+                if len(ids_ref) == len(v.reference_tokens) and len(ids_got) == len(
+                    v.tokenmill_tokens
+                ):
+                    lines.append(f"    transformers: {decode(ids_ref)!r}")
+                    lines.append(f"    tokenmill:    {decode(ids_got)!r}")
     lines.append("PASS" if report.passed else "FAIL")
     return "\n".join(lines)
 
@@ -351,6 +378,13 @@ class PrecisionReport:
     """Mean KL(reference || candidate) of the next-token distribution, in nats."""
     max_kl: float
     min_top1: float
+    exact_match_rate: float | None = None
+    """Share of prompts whose free-running greedy text equals fp32's: reported, never judged
+    (any reduced precision drifts somewhere in a long continuation, llama.cpp's f16 too)."""
+    sample_reference_text: str = ""
+    """The first prompt's fp32 greedy continuation, decoded."""
+    sample_candidate_text: str = ""
+    """tokenmill's free-running greedy continuation of the same prompt, decoded."""
 
     @property
     def passed(self) -> bool:
@@ -423,7 +457,17 @@ def run_precision_check(
     config = {k: v for k, v in engine.config.__dict__.items() if k in _PRECISION_FIELDS}
     del engine
     first = [len(p) - 1 for p in prompts]
-    return compare_distributions(reference, candidate, first, config, min_top1)
+    report = compare_distributions(reference, candidate, first, config, min_top1)
+    free_running = run_tokenmill_greedy(model, prompts, max_tokens, device=device, **engine_kwargs)
+    same = [
+        list(c.token_ids) == list(g.token_ids)
+        for c, g in zip(continuations, free_running, strict=True)
+    ]
+    report.exact_match_rate = sum(same) / len(same) if same else None
+    if continuations:
+        report.sample_reference_text = str(tokenizer.decode(list(continuations[0].token_ids)))
+        report.sample_candidate_text = str(tokenizer.decode(list(free_running[0].token_ids)))
+    return report
 
 
 _PRECISION_FIELDS = ("dtype", "quantization", "quantization_group_size", "kv_cache_dtype")
@@ -437,6 +481,16 @@ def format_precision_report(report: PrecisionReport) -> str:
             f"  positions:       {report.num_positions}",
             f"  top-1 agreement: {report.top1_agreement * 100:.2f}% (required {report.min_top1 * 100:.1f}%)",
             f"  mean KL:         {report.mean_kl:.5f} nats (max {report.max_kl:.4f})",
+            *(
+                [
+                    f"  exact greedy text: {report.exact_match_rate * 100:.1f}% of prompts "
+                    "(reported, not judged: reduced precision drifts in long free-running text)",
+                    f"  first prompt, transformers fp32: {report.sample_reference_text!r}",
+                    f"  first prompt, tokenmill:         {report.sample_candidate_text!r}",
+                ]
+                if report.exact_match_rate is not None
+                else []
+            ),
             "PASS" if report.passed else "FAIL",
         ]
     )

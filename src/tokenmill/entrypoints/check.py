@@ -96,9 +96,18 @@ class CheckReport:
             out.append(f"  {name:<22} {token}")
         for name, value in self.features.items():
             out.append(f"  {name:<22} {value}")
-        if self.parity is not None:
+        if self.parity is not None and "top1_agreement" in self.parity:
+            p = self.parity
             out.append(
-                f"  {'parity':<22} {self.parity['num_identical']}/{self.parity['num_prompts']} "
+                f"  {'parity (' + p['dtype'] + ')':<22} top-1 agreement "
+                f"{p['top1_agreement'] * 100:.1f}% (required {p['min_top1'] * 100:.0f}%), mean KL "
+                f"{p['mean_kl']:.4f} against transformers float32, teacher-forced "
+                f"({'pass' if p['passed'] else 'FAIL'})"
+            )
+        elif self.parity is not None:
+            out.append(
+                f"  {'parity (' + self.parity['dtype'] + ')':<22} "
+                f"{self.parity['num_identical']}/{self.parity['num_prompts']} "
                 f"prompts identical over {self.parity['max_tokens']} greedy tokens "
                 f"({'pass' if self.parity['passed'] else 'FAIL'})"
             )
@@ -187,7 +196,8 @@ def build_check(
     parity: bool = False,
     parity_prompts: int = 3,
     parity_tokens: int = 16,
-    parity_min_agreement: float = 1.0,
+    parity_min_agreement: float | None = None,
+    parity_dtype: str = "auto",
 ) -> CheckReport:
     """Inspect ``model`` (a folder, or ``demo``) the way the engine would load it."""
     from tokenmill.model import sizing
@@ -200,7 +210,7 @@ def build_check(
 
         folder = demo_model_path()
     report = CheckReport(model=model, servable=False)
-    parity_args = (parity, parity_prompts, parity_tokens, parity_min_agreement)
+    parity_args = (parity, parity_prompts, parity_tokens, parity_min_agreement, parity_dtype)
     config_path = folder / "config.json"
     try:
         raw = json.loads(config_path.read_text())
@@ -267,22 +277,54 @@ def build_check(
     return report
 
 
+REDUCED_PRECISION_MIN_TOP1 = 0.9
+"""--parity's default required top-1 agreement where serve runs a reduced precision."""
+
+
 def _maybe_parity(
-    folder: Path, report: CheckReport, vocab: int, parity_args: tuple[bool, int, int, float]
+    folder: Path, report: CheckReport, vocab: int, parity_args: tuple[Any, ...]
 ) -> None:
-    """With ``--parity``: the greedy comparison decides whether the model is servable."""
-    parity, num_prompts, num_tokens, min_agreement = parity_args
+    """With ``--parity``: the comparison decides whether the model is servable.
+
+    It checks the dtype ``serve`` would run (``--dtype auto`` resolved as serve does): in
+    float32 token for token against transformers; in a reduced precision by teacher-forced
+    top-1 agreement and KL against float32 transformers (``bench/verify.py``), since exact
+    greedy text is no fair test of any reduced precision.
+    """
+    parity, num_prompts, num_tokens, min_agreement, dtype = parity_args
     if not parity:
         return
+    from tokenmill.bench.verify import run_precision_check, served_dtype
+
+    dtype = served_dtype(str(folder), dtype)
+    if dtype != "float32":
+        precision = run_precision_check(
+            str(folder),
+            {"dtype": dtype, "model_impl": "auto"},
+            max_tokens=num_tokens,
+            num_prompts=num_prompts,
+            min_top1=REDUCED_PRECISION_MIN_TOP1 if min_agreement is None else min_agreement,
+        )
+        report.parity = {"dtype": dtype, **precision.to_dict()}
+        report.servable = precision.passed
+        if not precision.passed:
+            report.reason = f"{dtype} next-token choices differ from transformers float32's"
+        return
+    min_agreement = 1.0 if min_agreement is None else min_agreement
     result = _run_parity(folder, num_prompts, num_tokens, min_agreement, vocab)
-    report.parity = {**asdict(result), "agreement": result.agreement, "passed": result.passed}
+    report.parity = {
+        "dtype": dtype,
+        **asdict(result),
+        "agreement": result.agreement,
+        "passed": result.passed,
+    }
     report.servable = result.passed
     if not result.passed:
         report.reason = "greedy outputs differ from transformers"
 
 
 def _check_fallback(
-    folder: Path, report: CheckReport, cfg: Any, parity_args: tuple[bool, int, int, float]
+    folder: Path, report: CheckReport, cfg: Any, parity_args: tuple[Any, ...]
 ) -> CheckReport:
     """A model only the Transformers fallback runs: its facts and the fallback's features.
 
@@ -338,7 +380,14 @@ def add_check_parser(sub: Any) -> None:
     check.add_argument(
         "--parity",
         action="store_true",
-        help="also run a short greedy comparison against transformers (float32, loads both)",
+        help="also compare against transformers (loads both), in the dtype serve runs: "
+        "float32 token for token, a reduced precision by teacher-forced top-1 agreement and KL",
+    )
+    check.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="--parity: the dtype checked (auto: what serve runs here; the CPU dtype rule)",
     )
     check.add_argument("--parity-prompts", type=int, default=3, help="--parity: prompts to compare")
     check.add_argument(
@@ -347,8 +396,9 @@ def add_check_parser(sub: Any) -> None:
     check.add_argument(
         "--parity-min-agreement",
         type=float,
-        default=1.0,
-        help="--parity: share of prompts that must match token for token",
+        default=None,
+        help="--parity: float32, the share of prompts that must match token for token "
+        "(default 1.0); a reduced precision, the required top-1 agreement (default 0.9)",
     )
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.set_defaults(func=run_check)
@@ -361,7 +411,7 @@ def run_check(args: argparse.Namespace) -> int:
     for name in ("parity_prompts", "parity_tokens"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-    if not 0.0 <= args.parity_min_agreement <= 1.0:
+    if args.parity_min_agreement is not None and not 0.0 <= args.parity_min_agreement <= 1.0:
         raise ConfigError("--parity-min-agreement must be between 0 and 1")
     report = build_check(
         args.model,
@@ -369,6 +419,7 @@ def run_check(args: argparse.Namespace) -> int:
         parity_prompts=args.parity_prompts,
         parity_tokens=args.parity_tokens,
         parity_min_agreement=args.parity_min_agreement,
+        parity_dtype=args.dtype,
     )
     if args.json:
         print(json.dumps(asdict(report), indent=2))
