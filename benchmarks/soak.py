@@ -1,11 +1,14 @@
-"""Soak: thousands of mixed requests against a real server, watching its RSS (issue 17).
+"""Soak: thousands of mixed requests against a real server, watching its RSS.
 
 Starts ``tokenmill serve`` (the demo model by default), sends ``--num-requests`` requests
 from a fixed mix at ``--concurrency``: completions and chat (plain and streamed), n=2,
 stop strings, logprobs and prompt logprobs, beam search, structured outputs (a few shared
 JSON schemas and a unique regex each time, so the grammar cache fills), bad requests (400)
 and clients that leave mid-stream. The server's RSS is sampled every ``--sample-every``
-requests; the verdict compares the RSS at the end with the RSS halfway (flat: within 5%).
+requests, with the KV pool's resident bytes from ``/metrics``
+(``tokenmill:kv_cache_resident_bytes``): the pool's mapping fills lazily up to its size, so
+RSS minus that figure is what the rest of the server holds. The verdicts compare the end
+with halfway (flat: within 5%), for RSS and for RSS less the pool.
 
     .venv/bin/python benchmarks/soak.py --out results/soak.json
 """
@@ -115,7 +118,7 @@ async def _soak(base_url: str, pid: int, args: argparse.Namespace) -> dict[str, 
     process = psutil.Process(pid)
     plan = [_request(rng, i) for i in range(args.num_requests)]
     statuses: dict[str, dict[int, int]] = {}
-    samples: list[tuple[int, float]] = [(0, process.memory_info().rss / 2**20)]
+    samples: list[tuple[int, float, float]] = []
     next_index = 0
     num_done = 0
     lock = asyncio.Lock()
@@ -136,25 +139,44 @@ async def _soak(base_url: str, pid: int, args: argparse.Namespace) -> dict[str, 
             by_status[status] = by_status.get(status, 0) + 1
             num_done += 1
             if num_done % args.sample_every == 0:
-                samples.append((num_done, process.memory_info().rss / 2**20))
-                print(f"{num_done} requests: RSS {samples[-1][1]:.0f} MiB", flush=True)
+                await sample(client, num_done)
+
+    async def sample(client: httpx.AsyncClient, done: int) -> None:
+        rss = process.memory_info().rss / 2**20
+        text = (await client.get("/metrics")).text
+        kv = next(
+            (
+                float(line.rsplit(" ", 1)[1]) / 2**20
+                for line in text.splitlines()
+                if line.startswith("tokenmill:kv_cache_resident_bytes")
+            ),
+            0.0,
+        )
+        samples.append((done, rss, kv))
+        print(f"{done} requests: RSS {rss:.0f} MiB, KV pool resident {kv:.0f} MiB", flush=True)
 
     limits = httpx.Limits(max_connections=args.concurrency * 2)
     async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
+        await sample(client, 0)
         start = time.monotonic()
         await asyncio.gather(*(worker(client) for _ in range(args.concurrency)))
         elapsed = time.monotonic() - start
     half = min(samples, key=lambda s: abs(s[0] - args.num_requests // 2))
     end = samples[-1]
     growth = (end[1] - half[1]) / half[1]
+    rest_growth = ((end[1] - end[2]) - (half[1] - half[2])) / (half[1] - half[2])
     return {
         "num_requests": args.num_requests,
         "seconds": round(elapsed, 1),
-        "rss_mib": [[n, round(mib, 1)] for n, mib in samples],
+        "rss_mib": [[n, round(mib, 1), round(kv, 1)] for n, mib, kv in samples],
         "rss_half_mib": round(half[1], 1),
         "rss_end_mib": round(end[1], 1),
+        "kv_resident_half_mib": round(half[2], 1),
+        "kv_resident_end_mib": round(end[2], 1),
         "second_half_growth": round(growth, 4),
         "is_flat": abs(growth) <= 0.05,
+        "second_half_growth_without_kv_pool": round(rest_growth, 4),
+        "is_flat_without_kv_pool": abs(rest_growth) <= 0.05,
         "statuses": statuses,
         "no_5xx": all(s < 500 for by in statuses.values() for s in by),
     }

@@ -28,6 +28,9 @@ class EngineStats:
     """Start-up time spent compiling / capturing the decode step (static strategy)."""
     kv_capacity_tokens: int = 0
     """Token slots in the KV pool, allocated at start-up (gauge)."""
+    kv_cache_resident_bytes: int = 0
+    """Bytes of the KV pool resident in memory now, summed over ranks (gauge): its mapping
+    fills as blocks are first used, so this grows up to the pool's size and then stays."""
     kv_reserved_tokens: int = 0
     """Token slots committed to live requests after the latest step (gauge)."""
     kv_used_tokens: int = 0

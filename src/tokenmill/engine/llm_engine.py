@@ -567,6 +567,7 @@ class LLMEngine:
     @property
     def stats(self) -> EngineStats:
         """Counters plus gauges read now; a copy, safe to hand to another thread."""
+        worker_stats = self.executor.collective_rpc("debug_stats")
         return replace(
             self._counters,
             spec_accepted_per_pos=list(self._counters.spec_accepted_per_pos),
@@ -577,7 +578,6 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_query_tokens=self.kv_manager.stats.num_query_tokens,
             num_prefix_hit_tokens=self.kv_manager.stats.num_hit_tokens,
-            moe_tokens_per_expert=self.executor.collective_rpc("debug_stats")[0].get(
-                "moe_tokens_per_expert", []
-            ),
+            moe_tokens_per_expert=worker_stats[0].get("moe_tokens_per_expert", []),
+            kv_cache_resident_bytes=sum(s.get("kv_cache_resident_bytes", 0) for s in worker_stats),
         )

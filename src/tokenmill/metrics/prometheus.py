@@ -324,6 +324,12 @@ class _EngineStatsCollector(Collector):
             "Tokens the KV pool holds, allocated at start-up (grows with a smaller --kv-cache-dtype).",
             stats.kv_capacity_tokens,
         )
+        yield gauge(
+            "kv_cache_resident_bytes",
+            "Bytes of the KV pool resident in memory (pages touched at least once; on a CPU the "
+            "pool fills lazily up to its size, so RSS grows with it until then).",
+            stats.kv_cache_resident_bytes,
+        )
         if stats.precision:  # vLLM's cache_config_info idea: configuration as labels, value 1
             names = sorted(stats.precision)
             info = GaugeMetricFamily(

@@ -10,6 +10,9 @@ byte of it, seconds of start-up and the whole pool resident for a server that ne
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import logging
 import math
 import mmap
@@ -61,6 +64,40 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     # The tensor keeps the map alive; it is unmapped when the tensor is freed.
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def resident_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of these CPU tensors' memory that are resident now (pages touched at least once),
+    measured with ``mincore``; the KV pool's mapping fills lazily as blocks are first used,
+    so this is what the pool costs in RSS, up to its size. Tensors not on the CPU, or where
+    ``mincore`` is unavailable, count in full."""
+    total = 0
+    libc = _libc()
+    page = mmap.PAGESIZE
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        address = tensor.data_ptr()
+        if libc is None or tensor.device.type != "cpu" or nbytes == 0 or address % page:
+            total += nbytes
+            continue
+        num_pages = -(-nbytes // page)
+        vec = (ctypes.c_ubyte * num_pages)()
+        if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vec) != 0:
+            total += nbytes
+            continue
+        total += sum(1 for v in bytes(vec) if v & 1) * page
+    return total
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.mincore.restype = ctypes.c_int
+        return libc
+    except (OSError, AttributeError):
+        return None
 
 
 def copy_kv_blocks(

@@ -41,7 +41,12 @@ from tokenmill.sampling.sampler import Sampler
 from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
 from tokenmill.worker.draft_loop import CompiledDraftLoop
 from tokenmill.worker.draft_proposer import DraftProposer
-from tokenmill.worker.kv_cache import allocate_kv_cache, kv_budget_bytes, kv_bytes_per_token
+from tokenmill.worker.kv_cache import (
+    allocate_kv_cache,
+    kv_budget_bytes,
+    kv_bytes_per_token,
+    resident_bytes,
+)
 from tokenmill.worker.lora_manager import LoRAManager
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.request_state import RequestStates
@@ -472,8 +477,12 @@ class Worker:
         return out if self.rank == 0 else None
 
     def debug_stats(self) -> dict[str, Any]:
-        """The model's own counters (MoE tokens per expert)."""
-        return self.model.debug_stats()
+        """The model's own counters (MoE tokens per expert) and the KV pool's resident bytes."""
+        stats: dict[str, Any] = dict(self.model.debug_stats())
+        if self._runner is not None:
+            caches = [t for pair in self._runner.kv_caches for t in pair]
+            stats["kv_cache_resident_bytes"] = resident_bytes(caches)
+        return stats
 
     def _compile_grammar(self, params: SamplingParams) -> object:
         """A grammar that did not cross the process boundary, compiled here (cached)."""
