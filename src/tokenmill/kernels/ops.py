@@ -107,11 +107,28 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+def linear_bf16_f32out(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``linear_bf16`` with fp32 sums returned unrounded (a tied LM head's logits)."""
+    y = torch.ops.tokenmill_cpu.linear_bf16_f32out(_rows(x), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
 def gemv_bf16(
     x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``x W^T + b`` for bf16 x [..., K] and W in ``kernels.gemv_layout``'s blocks."""
     y = torch.ops.tokenmill_cpu.gemv_bf16(_rows(x), packed, out_features, bias)
+    return y.view(*x.shape[:-1], out_features)
+
+
+def gemv_bf16_f32out(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``gemv_bf16`` with its fp32 sums returned unrounded: an LM head's logits, where bf16
+    output would make close candidates tie (then greedy picks the lower token id)."""
+    y = torch.ops.tokenmill_cpu.gemv_bf16_f32out(_rows(x), packed, out_features, bias)
     return y.view(*x.shape[:-1], out_features)
 
 
@@ -366,6 +383,14 @@ def register_fakes() -> None:
         torch.library.register_fake(lib + name)(
             lambda x, packed, out_features, bias: x.new_empty(x.shape[0], out_features)
         )
+    torch.library.register_fake(lib + "linear_bf16_f32out")(
+        lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    )
+    torch.library.register_fake(lib + "gemv_bf16_f32out")(
+        lambda x, packed, out_features, bias: x.new_empty(
+            x.shape[0], out_features, dtype=torch.float32
+        )
+    )
     for name in ("linear_int8_amx", "linear_int4_amx", "linear_int8_vnni", "linear_int4_vnni"):
         torch.library.register_fake(lib + name)(
             lambda x, tiles, *rest: x.new_empty(x.shape[0], rest[-1])

@@ -279,7 +279,11 @@ class DecoderModel(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that need them (soft-capped where the model says)."""
-        logits = self.lm_head(hidden).float()
+        head = self.lm_head
+        if isinstance(head, Linear):
+            logits = head.forward_float32(hidden)
+        else:  # a quantized or adapted head
+            logits = head(hidden).float()
         cap = self.config.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap

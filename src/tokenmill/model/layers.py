@@ -87,6 +87,24 @@ class Linear(nn.Module):
         """The bf16 or fp32 weight in ``kernels.gemv_layout``'s blocks (``pack_for_gemv``)."""
         self.out_features = out_features
 
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` in float32: a bf16 GEMV keeps its fp32 sums instead of rounding them
+        (an LM head's logits, where rounding turns close candidates into ties)."""
+        if self.gemv is not None and self.gemv.dtype == torch.bfloat16:
+            return kernels.gemv_bf16_f32out(x, self.gemv, self.out_features, self.bias)
+        weight = self.weight
+        if (
+            self.gemv is None
+            and self.packed is None
+            and weight is not None
+            and x.dtype == torch.bfloat16
+            and kernels.supports(x)
+            and weight.dtype == torch.bfloat16
+            and weight.is_contiguous()
+        ):  # a tied head: the embedding's rows, read in place
+            return kernels.linear_bf16_f32out(x, weight, self.bias)
+        return self(x).float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None:
             if self.gemv.dtype == torch.float32:

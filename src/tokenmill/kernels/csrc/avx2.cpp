@@ -92,7 +92,13 @@ void gemm_tiles(const GemmArgs& a, int64_t n0, int64_t n1, const TileFn& tile) {
       const int mr = (int)min64(4, a.M - m);
       tile(mr, nr, m, n, out);
       for (int i = 0; i < mr; ++i)
-        for (int r = 0; r < nr; ++r) a.y[(m + i) * a.ldy + n + r] = to_bf16(finish<KIND>(a, m + i, n + r, out[i][r]));
+        for (int r = 0; r < nr; ++r) {
+          const float v = finish<KIND>(a, m + i, n + r, out[i][r]);
+          if (a.yf)  // fp32 out (logits): no rounding to bf16
+            a.yf[(m + i) * a.ldy + n + r] = v;
+          else
+            a.y[(m + i) * a.ldy + n + r] = to_bf16(v);
+        }
     }
   }
 }
@@ -472,7 +478,11 @@ struct Bf16Tile {
         acc[m][1] = _mm256_fmadd_ps(o1, xo, acc[m][1]);
       }
     }
-    TM_TILE_STORE(Vec::store_bf16, a.y)
+    if (a.yf) {  // fp32 out (logits): no rounding to bf16
+      TM_TILE_STORE(Vec::store_f32, a.yf)
+    } else {
+      TM_TILE_STORE(Vec::store_bf16, a.y)
+    }
   }
 };
 

@@ -119,7 +119,13 @@ void gemm_tiles(const GemmArgs& a, int64_t n0, int64_t n1, const WL& wl) {
       const int mr = (int)min64(4, a.M - m);
       tile_any(mr, nr, a, m, n, wl, out);
       for (int i = 0; i < mr; ++i)
-        for (int r = 0; r < nr; ++r) a.y[(m + i) * a.ldy + n + r] = to_bf16(finish<KIND>(a, m + i, n + r, out[i][r]));
+        for (int r = 0; r < nr; ++r) {
+          const float v = finish<KIND>(a, m + i, n + r, out[i][r]);
+          if (a.yf)  // fp32 out (logits): no rounding to bf16
+            a.yf[(m + i) * a.ldy + n + r] = v;
+          else
+            a.y[(m + i) * a.ldy + n + r] = to_bf16(v);
+        }
     }
   }
 }
@@ -488,8 +494,11 @@ struct Bf16Tile {
       for (int n = 0; n < NR; ++n) {
         const int64_t ch = (b + n) * 16;
         const int nr = (int)min64(16, a.N - ch);
-        _mm256_mask_storeu_epi16(a.y + (m0 + m) * a.ldy + ch, Vec::mask(nr),
-                                 (__m256i)_mm512_cvtneps_pbh(block_sum<MR, NR, C>(a, acc, m, n, ch, nr)));
+        const __m512 sum = block_sum<MR, NR, C>(a, acc, m, n, ch, nr);
+        if (a.yf)  // fp32 out (logits): no rounding to bf16
+          _mm512_mask_storeu_ps(a.yf + (m0 + m) * a.ldy + ch, Vec::mask(nr), sum);
+        else
+          _mm256_mask_storeu_epi16(a.y + (m0 + m) * a.ldy + ch, Vec::mask(nr), (__m256i)_mm512_cvtneps_pbh(sum));
       }
   }
 };

@@ -143,11 +143,12 @@ int64_t gemm_grain(int64_t K, int64_t bytes_per_weight_x2) {
 
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t N,
                 const c10::optional<at::Tensor>& bias, int64_t grain,
-                void (*fn)(const GemmArgs&, int64_t, int64_t), int64_t range = -1, bool f32 = false) {
+                void (*fn)(const GemmArgs&, int64_t, int64_t), int64_t range = -1, bool f32 = false,
+                bool f32_out = false) {
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == (f32 ? at::kFloat : at::kBFloat16), "tokenmill_cpu linear: x must be ",
               f32 ? "float32" : "bfloat16");
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(f32 || f32_out ? at::kFloat : at::kBFloat16));
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->to(at::kFloat).contiguous();
@@ -156,6 +157,9 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t
   }
   if (f32) {  // fp32 rows in and out (gemv_f32)
     args.xf = x.data_ptr<float>();
+    args.yf = y.data_ptr<float>();
+  } else if (f32_out) {  // bf16 rows in, fp32 out (gemv_bf16_f32out: logits)
+    args.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
     args.yf = y.data_ptr<float>();
   } else {
     args.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
@@ -180,8 +184,21 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::opti
   return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 4), kernels().gemm_bf16);
 }
 
-// bf16 weights packed by kernels/gemv_layout.py: [ceil(N/16), ceil(K/2), 16, 2].
-at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
+// linear_bf16 with its fp32 sums returned unrounded (a tied LM head's logits, read from the
+// embedding's row-major bf16 rows without a packed copy).
+at::Tensor linear_bf16_f32out(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  check_rows(w, "weight");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) == x.size(1), "linear_bf16: weight must be bfloat16 [N, K]");
+  GemmArgs a{};
+  a.ldw = w.stride(0);
+  return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 4), kernels().gemm_bf16, -1, false, true);
+}
+
+// bf16 weights packed by kernels/gemv_layout.py: [ceil(N/16), ceil(K/2), 16, 2]; bf16 out, or
+// (f32_out) the fp32 sums unrounded: an LM head's logits, where bf16's 8 bits of mantissa turn
+// close candidates into ties that greedy decoding then breaks by token id.
+at::Tensor gemv_bf16_out(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
+                         bool f32_out) {
   check_rows(x, "x");
   const int64_t K = x.size(1), blocks = (N + 15) / 16, kp = (K + 1) / 2;
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 4 &&
@@ -191,7 +208,16 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, c
   a.N = N;
   // Tasks of whole blocks, ~64 KB of weights or more: each thread streams one contiguous range.
   const int64_t grain = std::max<int64_t>(1, 65536 / (kp * 64));
-  return gemm(x, packed, a, N, bias, grain, kernels().gemv_bf16, blocks);
+  return gemm(x, packed, a, N, bias, grain, kernels().gemv_bf16, blocks, /*f32=*/false, f32_out);
+}
+
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
+  return gemv_bf16_out(x, packed, N, bias, false);
+}
+
+at::Tensor gemv_bf16_f32out(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                            const c10::optional<at::Tensor>& bias) {
+  return gemv_bf16_out(x, packed, N, bias, true);
 }
 
 // fp32 weights packed by kernels/gemv_layout.py's pack_f32: [ceil(N/16), K, 16], fp32 rows in
@@ -829,6 +855,8 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
         "Tensor? bias, int out_features) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("gemv_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("gemv_bf16_f32out(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("linear_bf16_f32out(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("gemv_f32(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor weight, Tensor scales, Tensor wsum, Tensor? bias) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor weight, Tensor scales, Tensor offsets, int group_size, Tensor? bias) -> Tensor");
@@ -858,6 +886,8 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("linear_bf16", &tokenmill::linear_bf16);
   m.impl("gemv_bf16", &tokenmill::gemv_bf16);
+  m.impl("gemv_bf16_f32out", &tokenmill::gemv_bf16_f32out);
+  m.impl("linear_bf16_f32out", &tokenmill::linear_bf16_f32out);
   m.impl("gemv_f32", &tokenmill::gemv_f32);
   m.impl("linear_int8", &tokenmill::linear_int8);
   m.impl("linear_int4", &tokenmill::linear_int4);
