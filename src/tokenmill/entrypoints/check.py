@@ -203,12 +203,9 @@ def build_check(
     from tokenmill.model import sizing
     from tokenmill.model.config import ModelConfig
     from tokenmill.model.registry import ARCHITECTURES, lookup
+    from tokenmill.model.source import resolve_model_path
 
-    folder = Path(model)
-    if model == "demo":
-        from tokenmill.model.demo import demo_model_path
-
-        folder = demo_model_path()
+    folder = resolve_model_path(model)
     report = CheckReport(model=model, servable=False)
     parity_args = (parity, parity_prompts, parity_tokens, parity_min_agreement, parity_dtype)
     config_path = folder / "config.json"

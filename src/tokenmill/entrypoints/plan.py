@@ -35,6 +35,7 @@ from tokenmill.errors import ConfigError
 from tokenmill.model import sizing
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu_dtype import cpu_auto_dtype, cpu_flags
+from tokenmill.model.source import resolve_model_path
 
 
 @dataclass(frozen=True)
@@ -187,11 +188,7 @@ def format_bytes(num_bytes: int) -> str:
 
 
 def _resolve_model(model: str) -> Path:
-    if model == "demo":
-        from tokenmill.model.demo import demo_model_path
-
-        return demo_model_path()
-    return Path(model)
+    return resolve_model_path(model)
 
 
 def resolve_model_dtype(dtype: str, cfg: ModelConfig, device: str = "cuda") -> str:

@@ -344,15 +344,12 @@ def not_a_model_folder(folder: Path) -> str:
         with open(folder, "rb") as f:
             is_gguf = f.read(4) == GGUF_MAGIC
         if is_gguf:
-            return (
-                f"{folder} is a GGUF file, and this build serves Hugging Face folders "
-                "(config.json with safetensors weights)"
-            )
+            return f"{folder} is a GGUF file that could not be opened as a model"
         return f"{folder} is a file; give a model folder (config.json with safetensors weights)"
     ggufs = sorted(p.name for p in folder.glob("*.gguf"))
     if ggufs:
         return (
-            f"{folder}: no config.json; the folder holds GGUF files ({', '.join(ggufs[:5])}), "
-            "not a Hugging Face model"
+            f"{folder}: no config.json; the folder holds GGUF files ({', '.join(ggufs[:5])}): "
+            f"give one of them (e.g. {folder / ggufs[0]})"
         )
     return f"{folder}: no config.json (is this a Hugging Face model folder?)"

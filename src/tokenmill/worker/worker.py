@@ -35,6 +35,7 @@ from tokenmill.model.cpu import cpu_info
 from tokenmill.model.host_memory import trim_freed_heap
 from tokenmill.model.layers import Linear, gemv_layout_wanted
 from tokenmill.model.loader import load_model, resolve_dtype
+from tokenmill.model.source import resolve_model_path
 from tokenmill.model.tensor_parallel import TPShard, shard_config
 from tokenmill.model.thread_policy import default_thread_decision
 from tokenmill.sampling.sampler import Sampler
@@ -62,20 +63,6 @@ KV_CACHE_DTYPES: dict[str, torch.dtype] = {
 }
 KV_CACHE_DTYPE_NAMES = {dtype: name for name, dtype in KV_CACHE_DTYPES.items()}
 KV_CACHE_DTYPES["fp8"] = torch.float8_e4m3fn  # vLLM's alias
-
-
-def resolve_model_path(model: str) -> Path:
-    """``demo`` means the built-in demo model; ``demo-draft`` its draft for speculative
-    decoding (built from it on first use)."""
-    if model == "demo":
-        from tokenmill.model.demo import demo_model_path
-
-        return demo_model_path()
-    if model == "demo-draft":
-        from tokenmill.model.demo import demo_draft_path
-
-        return demo_draft_path()
-    return Path(model)
 
 
 def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:

