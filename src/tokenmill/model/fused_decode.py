@@ -13,19 +13,18 @@ no q/k norm, and one RoPE table for all layers. Anything else runs layer by laye
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from tokenmill import kernels
+from tokenmill import envs, kernels
 from tokenmill.model.attention import FP8_DTYPES, _decode_kernel_applies
 from tokenmill.model.layers import Linear, RMSNorm, silu_and_mul
 from tokenmill.model.quant import QuantizedLinear
 
-ENV_SWITCH = "TOKENMILL_FUSED_DECODE"
-"""``0`` runs decode steps layer by layer (A/B runs)."""
+ENV_SWITCH = envs.FUSED_DECODE
+"""``0`` runs decode steps layer by layer (A/B runs; ``--no-fused-decode`` at start-up)."""
 
 GEMV_BF16, GEMV_F32, INT8_ROWS, INT4_ROWS, INT8_AMX, INT4_AMX, INT8_VNNI, INT4_VNNI = range(8)
 """Projection kinds, as ops.cpp's ``LinearKind``."""
@@ -70,7 +69,8 @@ class FusedLayers:
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH) != "0"
+    """Whether the environment leaves the fused step on (read at every step)."""
+    return not envs.is_off(ENV_SWITCH)
 
 
 def _linear(module: nn.Module) -> tuple[int, list[torch.Tensor | None], list[int]] | None:
@@ -108,33 +108,70 @@ def _has_hooks(module: nn.Module) -> bool:
 def encode(layers: nn.ModuleList, dtype: torch.dtype) -> FusedLayers | None:
     """The layers encoded for ``decode_layers`` with ``dtype`` activations, or None where any
     layer needs the Python path."""
+    encoded = _encode(layers, dtype)
+    return encoded if isinstance(encoded, FusedLayers) else None
+
+
+def refusal(layers: nn.ModuleList, dtype: torch.dtype) -> str | None:
+    """Why ``encode`` refuses these layers (the first layer feature it cannot call), or None."""
+    encoded = _encode(layers, dtype)
+    return encoded if isinstance(encoded, str) else None
+
+
+def _layer_refusal(layer: nn.Module, dtype: torch.dtype) -> str | None:
+    """The first feature of one layer that ``decode_layers`` does not run, or None."""
     from tokenmill.model.decoder import MLP, Attention, DecoderLayer
 
-    if not kernels.available() or dtype not in (torch.bfloat16, torch.float32):
-        return None
+    if type(layer) is not DecoderLayer:
+        return f"a {type(layer).__name__} layer"
+    if _has_hooks(layer):
+        return "forward hooks (tensor parallelism)"
+    if layer.placement != "pre":
+        return f"{layer.placement}-norm placement"
+    attn, mlp = layer.attn, layer.mlp
+    checks = (
+        (type(attn) is not Attention, f"attention {type(attn).__name__}"),
+        (type(mlp) is not MLP, f"MLP {type(mlp).__name__}"),
+        (attn.q_norm is not None or attn.k_norm is not None, "per-head q/k norm"),
+        (mlp.act_and_mul is not silu_and_mul, "an activation other than SiLU"),
+        (
+            layer.pre_mlp_norm is not None or layer.post_mlp_norm is not None,
+            "norms around the MLP (sandwich norms)",
+        ),
+        (
+            not _is_plain_norm(layer.input_norm, dtype)
+            or not _is_plain_norm(layer.post_attn_norm, dtype),
+            "an RMSNorm with a weight offset or another dtype",
+        ),
+    )
+    return next((reason for failed, reason in checks if failed), None)
+
+
+def _encode(layers: nn.ModuleList, dtype: torch.dtype) -> FusedLayers | str:
+    """The encoded layers, or why they cannot be encoded."""
+    if not kernels.available():
+        return "tokenmill's CPU kernels are off or unavailable"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"{dtype} activations"
     tensors: list[torch.Tensor | None] = []
     ints: list[int] = []
     floats: list[float] = []
     attentions: list[nn.Module] = []
-    for layer in layers:
-        if type(layer) is not DecoderLayer or _has_hooks(layer) or layer.placement != "pre":
-            return None
+    for i, layer in enumerate(layers):
+        reason = _layer_refusal(layer, dtype)
+        if reason is not None:
+            return f"layer {i}: {reason}"
+        from tokenmill.model.decoder import MLP, Attention, DecoderLayer
+
+        assert isinstance(layer, DecoderLayer)
         attn, mlp = layer.attn, layer.mlp
-        if (
-            type(attn) is not Attention
-            or type(mlp) is not MLP
-            or attn.q_norm is not None
-            or attn.k_norm is not None
-            or mlp.act_and_mul is not silu_and_mul
-            or layer.pre_mlp_norm is not None
-            or layer.post_mlp_norm is not None
-            or not _is_plain_norm(layer.input_norm, dtype)
-            or not _is_plain_norm(layer.post_attn_norm, dtype)
-        ):
-            return None
-        projections = [_linear(m) for m in (attn.qkv, attn.o, mlp.gate_up, mlp.down)]
-        if any(p is None for p in projections):
-            return None
+        assert isinstance(attn, Attention) and isinstance(mlp, MLP)
+        names = ("qkv", "o", "gate_up", "down")
+        modules = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
+        projections = [_linear(m) for m in modules]
+        for name, module, spec in zip(names, modules, projections, strict=True):
+            if spec is None:
+                return f"layer {i}: projection {name} ({type(module).__name__}) has no fixed kernel call"
         assert layer.input_norm is not None
         tensors += [layer.input_norm.weight, layer.post_attn_norm.weight, attn.kv_scales]
         ints += [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.window or 0]
@@ -144,13 +181,14 @@ def encode(layers: nn.ModuleList, dtype: torch.dtype) -> FusedLayers | None:
             attn.scale,
             attn.logit_softcap or 0.0,
         ]
-        for spec in projections:
+        for name, spec in zip(names, projections, strict=True):
             assert spec is not None
             kind, slots, values = spec
             if (kind == GEMV_F32) != (dtype == torch.float32):
-                return None  # the int kernels and gemv_bf16 take bf16 rows only
+                # the int kernels and gemv_bf16 take bf16 rows only
+                return f"layer {i}: projection {name} takes no {dtype} rows"
             if len(slots) > LINEAR_TENSORS or len(values) > LINEAR_INTS:
-                return None
+                return f"layer {i}: projection {name} has more arguments than decode_layers takes"
             tensors += slots + [None] * (LINEAR_TENSORS - len(slots))
             ints += [kind, *values] + [0] * (LINEAR_INTS - len(values))
         attentions.append(attn)
