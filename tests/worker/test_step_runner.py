@@ -141,3 +141,20 @@ def test_no_fused_decode_runs_layer_by_layer(
     assert "fused: --no-fused-decode" in _start_up_line(caplog)
     assert _generate(layered) == expected
     assert calls[0] == 0
+
+
+def test_the_fused_step_encodes_each_layer_by_name(make_model) -> None:
+    """The flat lists ``decode_layers`` takes are the named layers' slots, in layer order."""
+    llm = LLM(str(make_model("mistral")), dtype="bfloat16", max_model_len=64)
+    model = llm.engine.executor.driver_worker.model
+    fused = fused_decode.encode(model.layers, torch.bfloat16)
+    assert fused is not None and len(fused.layers) == len(model.layers)
+    cfg = llm.engine.model_config
+    first = fused.layers[0]
+    assert (first.num_heads, first.num_kv_heads) == (cfg.num_heads, cfg.num_kv_heads)
+    assert first.window == model.layers[0].attn.window > 0  # Mistral's sliding window
+    assert first.qkv.kind == fused_decode.GEMV_BF16 and first.down.ints == [cfg.hidden_size]
+    slots = [layer.slots() for layer in fused.layers]
+    assert fused.ints == [i for _, ints, _ in slots for i in ints]
+    assert fused.floats == [f for _, _, floats in slots for f in floats]
+    assert [id(t) for t in fused.tensors] == [id(t) for ts, _, _ in slots for t in ts]
