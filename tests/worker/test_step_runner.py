@@ -108,6 +108,7 @@ def test_an_unknown_backend_is_refused_naming_the_choices(make_model) -> None:
     [
         ("qwen3", "fused: layer 0: per-head q/k norm"),
         ("gemma3", "fused: sliding layers have a RoPE of their own"),
+        ("mixtral", "fused: layer 0: MLP SparseMoE"),
     ],
 )
 def test_the_start_up_line_names_the_layer_feature_that_keeps_fused_out(

@@ -187,22 +187,21 @@ def _layer_refusal(layer: nn.Module, dtype: torch.dtype) -> str | None:
     if layer.placement != "pre":
         return f"{layer.placement}-norm placement"
     attn, mlp = layer.attn, layer.mlp
-    checks = (
-        (type(attn) is not Attention, f"attention {type(attn).__name__}"),
-        (type(mlp) is not MLP, f"MLP {type(mlp).__name__}"),
-        (attn.q_norm is not None or attn.k_norm is not None, "per-head q/k norm"),
-        (mlp.act_and_mul is not silu_and_mul, "an activation other than SiLU"),
-        (
-            layer.pre_mlp_norm is not None or layer.post_mlp_norm is not None,
-            "norms around the MLP (sandwich norms)",
-        ),
-        (
-            not _is_plain_norm(layer.input_norm, dtype)
-            or not _is_plain_norm(layer.post_attn_norm, dtype),
-            "an RMSNorm with a weight offset or another dtype",
-        ),
-    )
-    return next((reason for failed, reason in checks if failed), None)
+    if type(attn) is not Attention:
+        return f"attention {type(attn).__name__}"
+    if type(mlp) is not MLP:
+        return f"MLP {type(mlp).__name__}"
+    if attn.q_norm is not None or attn.k_norm is not None:
+        return "per-head q/k norm"
+    if mlp.act_and_mul is not silu_and_mul:
+        return "an activation other than SiLU"
+    if layer.pre_mlp_norm is not None or layer.post_mlp_norm is not None:
+        return "norms around the MLP (sandwich norms)"
+    if not _is_plain_norm(layer.input_norm, dtype) or not _is_plain_norm(
+        layer.post_attn_norm, dtype
+    ):
+        return "an RMSNorm with a weight offset or another dtype"
+    return None
 
 
 def _encode(layers: nn.ModuleList, dtype: torch.dtype) -> FusedLayers | str:
