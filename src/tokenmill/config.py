@@ -92,6 +92,10 @@ class EngineConfig:
     """Disable torch.compile and CUDA graph capture (static strategy)."""
     compile_batch_sizes: tuple[int, ...] | None = None
     """Decode batch sizes to compile, e.g. 1,2,4,8. static: default powers of two up to max_num_seqs; paged compiles its decode-only steps only when given (one compile per size at start-up; inductor's cache makes later starts warm)."""
+    attention_backend: str | None = None
+    """Attention backend (``model/attention_backend.py``'s ``BACKENDS``: torch_sdpa, which runs tokenmill's CPU kernels where they apply); default: the first that serves the device."""
+    fused_decode: bool = True
+    """Run a decode-only step's decoder layers in one CPU-kernel call where every layer allows it (the fused step runner; the start-up log names the layer feature that keeps it out). Off: layer by layer. TOKENMILL_FUSED_DECODE=0 overrides."""
     num_threads: int | None = None
     """CPU compute threads; default: one per physical core of the CPUs this process may use, at most its cgroup CPU quota (logged at start-up with the reason)."""
     enable_lora: bool = False

@@ -139,12 +139,11 @@ def test_refused_flags_pass_with_vllms_default_and_stop_the_start_otherwise(
 
 
 def test_an_ignored_flag_logs_one_warning_naming_it(caplog: pytest.LogCaptureFixture) -> None:
-    args = build_parser().parse_args(["serve", "--attention-backend", "FLASH_ATTN"])
+    args = build_parser().parse_args(["serve", "--mamba-backend", "triton"])
     with caplog.at_level(logging.WARNING):
         check_vllm_compat_args(args)
     assert [r.getMessage() for r in caplog.records] == [
-        "--attention-backend is ignored: selects a CUDA/ROCm kernel; tokenmill has one PyTorch "
-        "kernel set per device"
+        "--mamba-backend is ignored: no Mamba/SSM model family is supported; nothing to act on"
     ]
 
 

@@ -63,7 +63,8 @@ def vllm_server(demo_cache: str, server_log_dir: Path, tmp_path_factory) -> Iter
         "--allowed-origins", '["http://example.com"]',
         "--allow-credentials",
         "--root-path", "/proxy",
-        "--attention-backend", "FLASH_ATTN",
+        "--attention-backend", "torch_sdpa",
+        "--mamba-backend", "triton",
         "--log-stats-interval", "0.5",
     )  # fmt: skip
     yield handle
@@ -94,7 +95,8 @@ def test_serves_and_logs_what_it_ignores_and_accepts(
     out = client.completions.create(model="demo", prompt="Hello there, world", max_tokens=2)
     assert out.usage is not None and out.usage.completion_tokens >= 1
     log = _wait_for_log(vllm_server, "Generated response")
-    assert "--attention-backend is ignored: selects a CUDA/ROCm kernel" in log
+    assert "--mamba-backend is ignored: no Mamba/SSM model family is supported" in log
+    assert "attention backend torch_sdpa" in log
     assert "--trust-remote-code: accepted, but no code from the model folder is run" in log
     assert "Received request cmpl-" in log and "prompt: 'Hello there,'" in log  # --max-log-len 12
     assert "Generated response cmpl-" in log

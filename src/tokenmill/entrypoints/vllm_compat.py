@@ -330,6 +330,10 @@ _FLAGS: dict[str, tuple[Status, str]] = {
         "CUDA graph and inductor settings; tokenmill has --enforce-eager and --compile-batch-sizes",
     ),
     "--attention-config": ("ignored", _CUDA_KERNEL),
+    "--attention-backend": (
+        "implemented",
+        "tokenmill's backends: torch_sdpa (with its CPU kernels)",
+    ),
     "--engram-config": ("refused", "not built"),
     "--reasoning-config": ("refused", "use --reasoning-parser"),
     "--kernel-config": ("ignored", _CUDA_KERNEL),

@@ -26,11 +26,13 @@ from pathlib import Path
 
 import torch
 
+from tokenmill import envs
+
 logger = logging.getLogger(__name__)
 
-ENV_SWITCH = "TOKENMILL_CPU_KERNELS"
+ENV_SWITCH = envs.CPU_KERNELS
 """Set to 0 to run every op on torch's kernels."""
-ENV_ISA = "TOKENMILL_CPU_ISA"
+ENV_ISA = envs.CPU_ISA
 """auto (default), avx512 or avx2: which kernel table the extension selects at load."""
 
 CSRC = Path(__file__).with_name("csrc")
@@ -42,7 +44,7 @@ LDFLAGS = ("-fopenmp",)
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
+    return envs.cache_root()
 
 
 def build_key() -> str:
@@ -58,7 +60,7 @@ def build_key() -> str:
 
 
 def is_switched_on() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+    return not envs.is_off(ENV_SWITCH)
 
 
 def _compile(name: str, folder: Path) -> Path:

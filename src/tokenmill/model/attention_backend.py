@@ -19,9 +19,19 @@ the references):
 Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` K and V tensors per layer
 (``worker/kv_cache.py``), read through block tables whatever the KV strategy (paged or
 static), so a backend never knows the strategy. Per-layer facts (scale, sliding window,
-soft-cap, fp8 KV scales) come from the ``layer`` argument (``AttentionLayerState``). Nothing
-here assumes a CPU: a CUDA backend (FlashInfer, Triton paged attention) is one more class
-registered in ``BACKENDS``.
+soft-cap, fp8 KV scales) come from the ``layer`` argument (``AttentionLayerState``).
+
+A backend also declares what the code around it may do: ``refusal(device)`` says why it
+cannot serve a device (None: it can), ``runs_decoder_layers`` whether a decode step may run
+the decoder layers in one kernel call that attends the way this backend does (the fused step
+runner), and ``init_capture`` is called once before the decode step is compiled or
+graph-captured, for the fixed-size buffers a GPU backend keeps. The model asks its backend;
+it never checks the backend's type.
+
+Backends are chosen once, at load, by ``select_attention_backend`` (``--attention-backend``,
+default: the first in ``BACKENDS`` that serves the device). Nothing here assumes a CPU: a
+CUDA backend (FlashInfer, Triton paged attention) is one class decorated with
+``register_attention_backend``.
 """
 
 from __future__ import annotations
@@ -94,9 +104,35 @@ class AttentionBackend(ABC):
     """One attention implementation over the block-table KV cache (see the module docstring)."""
 
     name: ClassVar[str]
+    runs_decoder_layers: ClassVar[bool] = False
+    """Whether a decode step may skip ``forward`` and run every decoder layer in one kernel
+    call (``model/fused_decode.py``) whose attention is this backend's. A subclass that
+    overrides ``forward`` or ``forward_rope`` attends its own way, so it does not inherit a
+    True here: it declares it in its own body if the fused kernel still attends as it does."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        own = vars(cls)
+        if ("forward" in own or "forward_rope" in own) and "runs_decoder_layers" not in own:
+            cls.runs_decoder_layers = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    def describe(self) -> str:
+        """How the start-up log names this backend."""
+        return f"{self.name} on {self.device}"
+
+    @classmethod
+    def refusal(cls, device: torch.device) -> str | None:
+        """Why this backend cannot serve ``device``; None when it can."""
+        return None
+
+    def init_capture(self, max_batch: int, max_blocks_per_seq: int) -> None:
+        """Called once before the decode step is compiled or graph-captured, with its largest
+        batch and block-table width: a backend allocates its fixed-size buffers here (a CUDA
+        graph replays their addresses). Nothing to do for backends that keep none."""
+        return None
 
     @abstractmethod
     def build_metadata(self, batch: StepBatch) -> StepMetadata:
@@ -154,6 +190,17 @@ class TorchSDPABackend(AttentionBackend):
     """
 
     name = "torch_sdpa"
+    runs_decoder_layers = True  # decode_layers attends with the same CPU kernel as forward_rope
+
+    def describe(self) -> str:
+        if self.device.type != "cpu":
+            return super().describe()
+        kernels_in_use = (
+            f"tokenmill CPU kernels {kernels.active_isa()}"
+            if kernels.available()
+            else "torch kernels only"
+        )
+        return f"{super().describe()} ({kernels_in_use})"
 
     def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -313,10 +360,41 @@ def _segments(group: BatchGroup) -> list[tuple[int, int, int]] | None:
     return out
 
 
-BACKENDS: dict[str, type[AttentionBackend]] = {TorchSDPABackend.name: TorchSDPABackend}
-"""Attention backends by name."""
+BACKENDS: dict[str, type[AttentionBackend]] = {}
+"""Attention backends by name, in order of preference (``auto`` takes the first that serves
+the device)."""
+
+
+def register_attention_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    """Add a backend under its ``name`` (a class decorator): the one step a new backend needs."""
+    if cls.name in BACKENDS and BACKENDS[cls.name] is not cls:
+        raise ValueError(f"attention backend {cls.name!r} is registered already")
+    BACKENDS[cls.name] = cls
+    return cls
+
+
+register_attention_backend(TorchSDPABackend)
+
+
+def select_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
+    """The backend called ``name`` for ``device`` (None or ``auto``: the first registered one
+    that serves it); raises ValueError naming the choices or the reason it cannot."""
+    if name is None or name == "auto":
+        for cls in BACKENDS.values():
+            if cls.refusal(device) is None:
+                return cls(device)
+        raise ValueError(f"no attention backend serves {device}")
+    chosen = BACKENDS.get(name)
+    if chosen is None:
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}"
+        )
+    reason = chosen.refusal(device)
+    if reason is not None:
+        raise ValueError(f"attention backend {name!r} cannot serve {device}: {reason}")
+    return chosen(device)
 
 
 def default_attention_backend(device: torch.device) -> AttentionBackend:
-    """The backend for ``device``: plain torch SDPA everywhere today."""
-    return TorchSDPABackend(device)
+    """The backend ``auto`` selects for ``device``."""
+    return select_attention_backend(None, device)

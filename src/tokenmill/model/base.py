@@ -25,6 +25,15 @@ class CausalLM(nn.Module):
     eager_reason: str = "its forward has data-dependent shapes: expert routing"
     """Why the forward runs eagerly when ``supports_compiled_decode`` is False (logged)."""
 
+    runs_fused_decode: bool = False
+    """Whether decode-only steps run the decoder layers in one kernel call; the step runner
+    chosen at start-up sets it (``worker/step_runner.py``), after ``fused_decode_refusal``."""
+
+    def fused_decode_refusal(self, dtype: torch.dtype) -> str | None:
+        """Why this model's decode steps cannot run as one kernel call with ``dtype``
+        activations (logged at start-up); None when they can."""
+        return f"{type(self).__name__} has no fused decode step"
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -22,7 +22,6 @@ from tokenmill.model.attention import AttentionMetadata, decode_only_group
 from tokenmill.model.attention_backend import (
     AttentionBackend,
     StepMetadata,
-    TorchSDPABackend,
     default_attention_backend,
 )
 from tokenmill.model.base import CausalLM
@@ -209,6 +208,9 @@ class DecoderModel(CausalLM):
         """Sliding layers' RoPE when their base differs (Gemma 3); else they share ``rope``."""
         if local_rope is None and cfg.local_rope_theta is not None:
             self.local_rope = build_rope(cfg, max_positions, local=True)
+        self.runs_fused_decode = True
+        """Until a step runner chooses (``worker/step_runner.py``): wherever the encoded layers
+        apply (each step still checks the ISA, dtypes and fp8 scales they were encoded for)."""
         self._fused: dict[tuple[str, torch.dtype], fused_decode.FusedLayers | None] = {}
         """The layers encoded for ``fused_decode`` per (ISA, activation dtype); None: they
         cannot be. Built at the first decode step, dropped when the tensors move."""
@@ -217,15 +219,23 @@ class DecoderModel(CausalLM):
         self._fused = {}  # the encoded tensors may be stale now
         return super()._apply(fn, recurse)
 
+    def fused_decode_refusal(self, dtype: torch.dtype) -> str | None:
+        if not self.attn_backend.runs_decoder_layers:
+            return f"attention backend {self.attn_backend.name} attends its own way"
+        if self.local_rope is not None:
+            return "sliding layers have a RoPE of their own"
+        if self.rope.is_partial:
+            return "partial RoPE"
+        if self.rope.cos.device.type != "cpu":
+            return f"the model is on {self.rope.cos.device.type}"
+        return fused_decode.refusal(self.layers, dtype)
+
     def _fused_layers(
         self, x: torch.Tensor, k_cache: torch.Tensor
     ) -> fused_decode.FusedLayers | None:
         """The encoded layers if this decode step can run them in one call, else None."""
         if (
-            self.local_rope is not None
-            or self.rope.is_partial
-            or self.rope.cos.device.type != "cpu"
-            or type(self.attn_backend) is not TorchSDPABackend  # a subclass attends its own way
+            not self.runs_fused_decode
             or not fused_decode.enabled()
             or torch.compiler.is_compiling()
         ):

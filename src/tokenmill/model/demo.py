@@ -234,14 +234,15 @@ def demo_draft_path() -> Path:
     untrained stand-in built on first use under ``$TOKENMILL_CACHE`` (the demo's first
     ``DEMO_DRAFT_LAYERS`` layers, embeddings, final norm and LM head), with a warning."""
     import logging
-    import os
+
+    from tokenmill import envs
 
     if all((DEMO_DRAFT_DIR / name).is_file() for name in DEMO_MODEL_FILES):
         return DEMO_DRAFT_DIR
     logging.getLogger(__name__).warning(
         "%s missing: demo-draft falls back to an untrained truncation of the demo", DEMO_DRAFT_DIR
     )
-    cache = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
+    cache = envs.cache_root()
     folder = cache / f"demo-draft-{DEMO_DRAFT_LAYERS}"
     if not (folder / "model.safetensors").is_file():
         build_truncated_draft(demo_model_path(), folder, DEMO_DRAFT_LAYERS)

@@ -8,13 +8,12 @@ token for token in float32.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
 from torch import nn
 
-from tokenmill import kernels
+from tokenmill import envs, kernels
 from tokenmill.kernels import gemv_layout
 from tokenmill.model.opaque_op import opaque_op, register_fake
 
@@ -36,7 +35,7 @@ def _onednn_linear_fake(x, packed, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-GEMV_ENV = "TOKENMILL_BF16_GEMV"
+GEMV_ENV = envs.BF16_GEMV
 """``0`` keeps bf16 and fp32 projections in oneDNN's layout instead of tokenmill's GEMV blocks
 (A/B runs; the name predates the fp32 kernel)."""
 
@@ -54,7 +53,7 @@ def gemv_layout_wanted() -> bool:
     the memory. On AVX2 (``benchmarks/gemv_ab.py``, 2 threads, AVX2-only EPYC,
     ``results/gemv_ab_avx2.md``): fp32 1.02-2.6x oneDNN from 1 to 512 rows; bf16, which
     oneDNN does not run there (``F.linear`` does), 1.5-1.7x at one row and 4.9-7.8x from 4."""
-    return os.environ.get(GEMV_ENV) != "0"
+    return not envs.is_off(GEMV_ENV)
 
 
 class Linear(nn.Module):

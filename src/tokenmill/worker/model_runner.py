@@ -41,10 +41,10 @@ from tokenmill.outputs import PositionLogprobs
 from tokenmill.sampling.sampler import Sampler, top_logprobs
 from tokenmill.sampling.speculative import verify
 from tokenmill.structured.bitmask import GrammarMasks
-from tokenmill.worker.compiled_step import CompiledDecodeStep
 from tokenmill.worker.kv_cache import copy_kv_blocks
 from tokenmill.worker.lora_manager import LoRAManager
 from tokenmill.worker.row_forward import RowForward
+from tokenmill.worker.step_runner import CompiledRunner, EagerRunner, StepRunner
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +98,17 @@ class ModelRunner:
         block_size: int,
         sampler: Sampler,
         device: torch.device,
-        compiled_decode: CompiledDecodeStep | None = None,
+        step_runners: list[StepRunner] | None = None,
         lora: LoRAManager | None = None,
     ) -> None:
-        self.compiled_decode = compiled_decode
+        self.step_runners = step_runners or [EagerRunner()]
+        """The runners chosen at start-up (``worker/step_runner.py``), in the order a step
+        is offered to them; default: the model's forward as it stands."""
+        self.compiled_decode = next(
+            (r.step for r in self.step_runners if isinstance(r, CompiledRunner)), None
+        )
+        """The compiled decode step, when a compiled runner was chosen (``prepare_inputs``
+        lays decode-only steps out for it)."""
         self.lora = lora
         """Adapter slots, when LoRA is enabled."""
         self.num_compiled_steps = 0
@@ -119,7 +126,7 @@ class ModelRunner:
         self._logged_spec_eager = False
         self.rows: RowForward | None = None
         """Eager decode rows for verification steps without a compiled step (paged)."""
-        if compiled_decode is None and RowForward.supports(model):
+        if self.compiled_decode is None and RowForward.supports(model):
             scratch = kv_caches[0][0].shape[0] - 1 if kv_caches else 0
             self.rows = RowForward(model, kv_caches, block_size, scratch, device)
         self.num_row_verify_steps = 0
@@ -236,18 +243,12 @@ class ModelRunner:
         )
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states of the step: the compiled decode step where the inputs allow it."""
-        if inputs.decode_rows is not None:
-            if self.compiled_decode is not None:
-                self.num_compiled_steps += 1
-                self.num_compiled_verify_steps += bool(inputs.spec_rows)
-                return self.compiled_decode.run(*inputs.decode_rows)
-            assert self.rows is not None
-            self.num_row_verify_steps += 1
-            return self.rows.run(*inputs.decode_rows)
-        return self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.lora
-        )
+        """Hidden states of the step, from the first runner that takes it."""
+        for runner in self.step_runners:
+            hidden = runner.forward(self, inputs)
+            if hidden is not None:
+                return hidden
+        raise RuntimeError("no step runner took the step")  # the last one takes every step
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepOutput:

@@ -29,6 +29,7 @@ from tokenmill.errors import ConfigError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.model import thread_policy
 from tokenmill.model.attention import FP8_DTYPES
+from tokenmill.model.attention_backend import select_attention_backend
 from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info
@@ -51,6 +52,7 @@ from tokenmill.worker.kv_cache import (
 from tokenmill.worker.lora_manager import LoRAManager
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.request_state import RequestStates
+from tokenmill.worker.step_runner import CompiledRunner, RunnerContext, choose_step_runners
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +179,12 @@ class Worker:
 
     def _load_model(self, mc: ModelConfig) -> CausalLM:
         cfg = self.config
+        backend = None
+        if cfg.attention_backend is not None:  # else the loader's default: auto
+            try:
+                backend = select_attention_backend(cfg.attention_backend, self.device)
+            except ValueError as exc:
+                raise ConfigError(f"--attention-backend: {exc}") from None
         return load_model(
             self.model_path,
             self.dtype,
@@ -186,6 +194,7 @@ class Worker:
             quantization=cfg.quantization,
             group_size=cfg.quantization_group_size,
             tensor_parallel=self.shard,
+            attn_backend=backend,
         )
 
     # ---- start-up ------------------------------------------------------------------
@@ -221,30 +230,32 @@ class Worker:
             * spec.block_size
             * kv_bytes_per_token(self.kv_config, self.kv_dtype),
         )
-        compiled = None
-        if (
-            spec.wants_compiled_decode
-            and not cfg.is_pooling  # pooling never decodes
-            and not cfg.enforce_eager
-            and self._can_compile()
-            and self._model_compiles(info)
-            and self.world_size == 1  # the collectives run eagerly (no compiled all-reduce yet)
-        ):
-            compiled = CompiledDecodeStep(
-                self.model,
-                caches,
-                spec.block_size,
-                max_blocks_per_seq=-(-self.max_model_len // spec.block_size),
-                scratch_block=spec.num_blocks,
-                buckets=_with_verify_bucket(
-                    cfg,
-                    list(cfg.compile_batch_sizes or default_buckets(cfg.max_num_seqs, self.device)),
-                ),
-                device=self.device,
+        ctx = RunnerContext(
+            config=cfg,
+            model=self.model,
+            kv_caches=caches,
+            block_size=spec.block_size,
+            num_blocks=spec.num_blocks,
+            max_model_len=self.max_model_len,
+            device=self.device,
+            dtype=self.dtype,
+            compile_buckets=_with_verify_bucket(
+                cfg, list(cfg.compile_batch_sizes or default_buckets(cfg.max_num_seqs, self.device))
+            ),
+            compile_refusal=self._compile_refusal(spec, info),
+        )
+        choice = choose_step_runners(ctx)
+        if self.rank == 0:
+            logger.info(
+                "step runner: %s; attention backend %s",
+                choice.describe(),
+                self.model.attn_backend.describe(),
             )
-            info.compile_time_s = compiled.compile_time_s
-            info.compile_s_by_bucket = dict(compiled.compile_s_by_bucket)
-            info.compile_cache_by_bucket = dict(compiled.cache_by_bucket)
+        for runner in choice.runners:
+            if isinstance(runner, CompiledRunner):
+                info.compile_time_s = runner.step.compile_time_s
+                info.compile_s_by_bucket = dict(runner.step.compile_s_by_bucket)
+                info.compile_cache_by_bucket = dict(runner.step.cache_by_bucket)
         lora = None
         if cfg.enable_lora:
             lora = LoRAManager(
@@ -268,7 +279,7 @@ class Worker:
             spec.block_size,
             Sampler(self.device, cfg.seed),
             self.device,
-            compiled,
+            choice.runners,
             lora,
         )
         spec_config = cfg.speculative
@@ -408,6 +419,23 @@ class Worker:
             loop.compile_time_s,
         )
         return loop if loop.max_batch else None
+
+    def _compile_refusal(self, spec: KVCacheSpec, info: CacheInfo) -> str | None:
+        """Why this rank's decode step is not compiled; None when it is."""
+        cfg = self.config
+        if not spec.wants_compiled_decode:
+            return "the paged KV strategy without --compile-batch-sizes"
+        if cfg.is_pooling:
+            return "a pooling model never decodes"
+        if cfg.enforce_eager:
+            return "--enforce-eager"
+        if not self._can_compile():
+            return "this kernel table compiles these dtypes wrongly"
+        if not self._model_compiles(info):
+            return self.model.eager_reason
+        if self.world_size != 1:
+            return "tensor parallelism (the collectives run eagerly)"
+        return None
 
     def _model_compiles(self, info: CacheInfo) -> bool:
         """False for models whose forward cannot be compiled with fixed shapes (MoE routing,

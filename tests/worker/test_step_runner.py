@@ -1,0 +1,161 @@
+"""Step runners and attention backends are chosen once at start-up, from registries: a new
+one is a class and a registration, with no engine or model code touched; the start-up line
+names the choice and why a faster runner was refused."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tokenmill.core.sampling_params import SamplingParams
+from tokenmill.entrypoints.llm import LLM
+from tokenmill.errors import ConfigError
+from tokenmill.model import attention_backend as ab
+from tokenmill.model import fused_decode
+from tokenmill.worker import step_runner as sr
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13]]
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+def _start_up_line(caplog: pytest.LogCaptureFixture) -> str:
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step runner:")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+class ToyRunner(sr.StepRunner):
+    """Counts the steps it is offered and takes the decode-only ones, eagerly."""
+
+    name = "toy"
+    takes_every_step = False
+    offered = 0
+    taken = 0
+
+    @classmethod
+    def refusal(cls, ctx: sr.RunnerContext) -> str | None:
+        return None if ctx.model.config.num_layers > 0 else "no layers"
+
+    def forward(self, runner, inputs) -> torch.Tensor | None:
+        ToyRunner.offered += 1
+        if inputs.meta is None or inputs.input_ids is None or len(inputs.sample_rows) < 1:
+            return None
+        if len(inputs.input_ids) != len(inputs.sample_rows):  # a prefill chunk: pass it on
+            return None
+        ToyRunner.taken += 1
+        return runner.model(
+            inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, inputs.lora
+        )
+
+
+def test_a_registered_runner_is_chosen_first_and_takes_its_steps(
+    make_model, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = str(make_model("llama"))
+    expected = _generate(LLM(folder, dtype="float32", max_model_len=64))
+    monkeypatch.setattr(sr, "STEP_RUNNERS", list(sr.STEP_RUNNERS))
+    sr.register_step_runner(ToyRunner, before=sr.CompiledRunner)
+    with caplog.at_level(logging.INFO):
+        llm = LLM(folder, dtype="float32", max_model_len=64)
+    assert _start_up_line(caplog).startswith("step runner: toy, then fused")
+    assert _generate(llm) == expected
+    assert ToyRunner.taken >= 3 and ToyRunner.offered > ToyRunner.taken  # prefill passed on
+
+
+class ToyBackend(ab.TorchSDPABackend):
+    """SDPA, counting the layers it attends: a backend with an attention of its own."""
+
+    name = "toy_sdpa"
+    num_forward = 0
+
+    def forward_rope(self, layer, positions, rope, q, k, v, kv_cache, meta):
+        ToyBackend.num_forward += 1
+        return super().forward_rope(layer, positions, rope, q, k, v, kv_cache, meta)
+
+
+def test_a_registered_backend_is_selected_by_name_and_keeps_the_fused_runner_out(
+    make_model, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(ab, "BACKENDS", dict(ab.BACKENDS))
+    ab.register_attention_backend(ToyBackend)
+    folder = str(make_model("llama"))
+    expected = _generate(LLM(folder, dtype="float32", max_model_len=64))
+    with caplog.at_level(logging.INFO):
+        llm = LLM(folder, dtype="float32", max_model_len=64, attention_backend="toy_sdpa")
+    line = _start_up_line(caplog)
+    assert "fused: attention backend toy_sdpa attends its own way" in line
+    assert "attention backend toy_sdpa on cpu" in line
+    before = ToyBackend.num_forward
+    assert _generate(llm) == expected
+    attended = ToyBackend.num_forward - before  # every layer of every step, decodes too
+    num_layers = llm.engine.model_config.num_layers
+    assert attended >= 4 * num_layers and attended % num_layers == 0
+
+
+def test_an_unknown_backend_is_refused_naming_the_choices(make_model) -> None:
+    with pytest.raises(ConfigError, match=r"unknown attention backend 'FLASH_ATTN'.*torch_sdpa"):
+        LLM(str(make_model("llama")), dtype="float32", attention_backend="FLASH_ATTN")
+
+
+@pytest.mark.parametrize(
+    ("family", "reason"),
+    [
+        ("qwen3", "fused: layer 0: per-head q/k norm"),
+        ("gemma3", "fused: sliding layers have a RoPE of their own"),
+        ("mixtral", "fused: layer 0: MLP SparseMoE"),
+    ],
+)
+def test_the_start_up_line_names_the_layer_feature_that_keeps_fused_out(
+    make_model, caplog: pytest.LogCaptureFixture, family: str, reason: str
+) -> None:
+    with caplog.at_level(logging.INFO):
+        LLM(str(make_model(family)), dtype="bfloat16", max_model_len=64)
+    line = _start_up_line(caplog)
+    assert line.startswith("step runner: eager (refused compiled: ") and reason in line
+
+
+def test_no_fused_decode_runs_layer_by_layer(
+    make_model, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = [0]
+    run = fused_decode.run
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(fused_decode, "run", counted)
+    folder = str(make_model("llama"))
+    fused = LLM(folder, dtype="bfloat16", max_model_len=64)
+    expected = _generate(fused)
+    assert calls[0] > 0
+    calls[0] = 0
+    with caplog.at_level(logging.INFO):
+        layered = LLM(folder, dtype="bfloat16", max_model_len=64, fused_decode=False)
+    assert _start_up_line(caplog).startswith("step runner: eager (refused compiled: ")
+    assert "fused: --no-fused-decode" in _start_up_line(caplog)
+    assert _generate(layered) == expected
+    assert calls[0] == 0
+
+
+def test_the_fused_step_encodes_each_layer_by_name(make_model) -> None:
+    """The flat lists ``decode_layers`` takes are the named layers' slots, in layer order."""
+    llm = LLM(str(make_model("mistral")), dtype="bfloat16", max_model_len=64)
+    model = llm.engine.executor.driver_worker.model
+    fused = fused_decode.encode(model.layers, torch.bfloat16)
+    assert fused is not None and len(fused.layers) == len(model.layers)
+    cfg = llm.engine.model_config
+    first = fused.layers[0]
+    assert (first.num_heads, first.num_kv_heads) == (cfg.num_heads, cfg.num_kv_heads)
+    assert first.window == model.layers[0].attn.window > 0  # Mistral's sliding window
+    assert first.qkv.kind == fused_decode.GEMV_BF16 and first.down.ints == [cfg.hidden_size]
+    slots = [layer.slots() for layer in fused.layers]
+    assert fused.ints == [i for _, ints, _ in slots for i in ints]
+    assert fused.floats == [f for _, _, floats in slots for f in floats]
+    assert [id(t) for t in fused.tensors] == [id(t) for ts, _, _ in slots for t in ts]
