@@ -329,7 +329,7 @@ class Search:
             rerun_ok = all(self._measure_once(s, n, r) for r in extra)
             if rerun_ok and self._spread(s, last_only=True) <= self.settings.max_spread:
                 for r in range(self.settings.num_rounds):  # keep the steadier, later rounds
-                    s.runs[f"{n}/superseded-{r}"] = s.runs.pop(f"{n}/{r}")
+                    s.runs[f"superseded/{n}/{r}"] = s.runs.pop(f"{n}/{r}")
             elif rerun_ok:
                 s.status = "unstable"
                 s.reason = f"goodput spread {self._spread(s):.0%} over rounds, re-run too"
