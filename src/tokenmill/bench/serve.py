@@ -89,6 +89,8 @@ class ServeConfig:
     """Name of this target in reports; defaults to the model name."""
     extra_body: dict[str, Any] = field(default_factory=dict)
     """Extra JSON fields for every request body."""
+    arrival_offsets_s: tuple[float, ...] | None = None
+    """Recorded send times (seconds after the first) that replace the drawn schedule, one per request."""
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -217,9 +219,11 @@ async def _measure(
     tokenizer: TokenizerLike | None,
 ) -> tuple[list[RequestRecord], float]:
     """Release requests on schedule under the concurrency cap; return records and duration."""
-    offsets_s = build_arrival_offsets_s(
+    offsets_s = list(config.arrival_offsets_s or ()) or build_arrival_offsets_s(
         len(requests), config.request_rate, config.burstiness, config.seed
     )
+    if len(offsets_s) != len(requests):
+        raise BenchmarkError(f"{len(offsets_s)} arrival times for {len(requests)} requests")
     semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     with quiet_library_loggers():
         return await _measure_quietly(
