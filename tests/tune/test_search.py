@@ -162,7 +162,7 @@ def test_wide_spread_is_rerun_then_marked_unstable() -> None:
 
 def test_steady_rerun_replaces_the_noisy_rounds() -> None:
     measure = Recorded({"default": [1.0, 1.01, 1.0], INT8.key: [1.0, 2.0, 1.5, 1.9, 1.9, 1.9]})
-    search, decision = run_search([DEFAULT, INT8], measure)
+    _, decision = run_search([DEFAULT, INT8], measure)
     assert decision["winner"] == INT8.key
     assert decision["goodput_rounds"] == [1.9, 1.9, 1.9]
 

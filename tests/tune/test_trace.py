@@ -42,7 +42,9 @@ def test_mooncake_trace_keeps_lengths_hashes_and_arrival_times(tmp_path) -> None
 def test_prompt_and_messages_lines(tmp_path) -> None:
     lines = [
         json.dumps({"timestamp": 0, "prompt": "hello there world", "output_length": 4}),
-        json.dumps({"timestamp": 5, "messages": [{"role": "user", "content": "hi"}], "output_length": 2}),
+        json.dumps(
+            {"timestamp": 5, "messages": [{"role": "user", "content": "hi"}], "output_length": 2}
+        ),
     ]
     trace = load_jsonl_trace(_write_lines(tmp_path / "p.jsonl", lines))
     assert trace.requests[0].prompt == "hello there world"
@@ -59,7 +61,10 @@ def test_prompt_and_messages_lines(tmp_path) -> None:
         ('{"timestamp": 1, "input_length": -3, "output_length": 2}', "'input_length'"),
         ('{"timestamp": 1, "output_length": 2}', "needs 'input_length'"),
         ('{"timestamp": 1, "input_length": 3, "output_length": 0}', "'output_length' must be >= 1"),
-        ('{"timestamp": 1, "input_length": 3, "output_length": 2, "hash_ids": ["a"]}', "'hash_ids'"),
+        (
+            '{"timestamp": 1, "input_length": 3, "output_length": 2, "hash_ids": ["a"]}',
+            "'hash_ids'",
+        ),
         ("[1, 2]", "expected a JSON object"),
     ],
 )
@@ -71,7 +76,12 @@ def test_bad_line_is_refused_with_its_number(tmp_path, line: str, message: str) 
 
 def test_sharegpt_file_gets_drawn_arrivals(tmp_path) -> None:
     data = [
-        {"conversations": [{"from": "human", "value": "a" * 40}, {"from": "gpt", "value": "b" * 80}]},
+        {
+            "conversations": [
+                {"from": "human", "value": "a" * 40},
+                {"from": "gpt", "value": "b" * 80},
+            ]
+        },
         {"conversations": [{"from": "human", "value": "only one turn"}]},
         {"conversations": [{"from": "human", "value": "c" * 8}, {"from": "gpt", "value": "d" * 8}]},
     ]
@@ -114,7 +124,7 @@ def test_shared_hash_ids_become_shared_prompt_prefixes_but_not_across_rounds(tmp
     assert first.prompt_len == 600 and short.prompt_len == 30
     n = HASH_BLOCK_TOKENS
     assert first.prompt_token_ids[:n] == second.prompt_token_ids[:n]  # block 0 shared
-    assert first.prompt_token_ids[n:] != second.prompt_token_ids[n : 600]
+    assert first.prompt_token_ids[n:] != second.prompt_token_ids[n:600]
     other_round = build_bench_requests(trace, vocab, round_index=1)[0]
     assert other_round.prompt_token_ids[:n] != first.prompt_token_ids[:n]
 

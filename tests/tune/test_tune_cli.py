@@ -29,7 +29,9 @@ def _record(tmp_path, *flags: str) -> list[dict]:
         client = server.openai()
         usages = []
         for i, prompt in enumerate(PROMPTS):
-            out = client.completions.create(model="demo", prompt=prompt, max_tokens=3 + i, temperature=0)
+            out = client.completions.create(
+                model="demo", prompt=prompt, max_tokens=3 + i, temperature=0
+            )
             usages.append(out.usage)
         stream = client.chat.completions.create(
             model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True,
@@ -77,7 +79,9 @@ def test_record_trace_writes_shapes_not_prompts_and_tune_replays_it(tmp_path) ->
     # a second run resumes: nothing is measured again
     before = {c["key"]: c["runs"] for c in result["candidates"]}
     assert main(argv) == 0
-    after = {c["key"]: c["runs"] for c in json.loads((out / "result.json").read_text())["candidates"]}
+    after = {
+        c["key"]: c["runs"] for c in json.loads((out / "result.json").read_text())["candidates"]
+    }
     assert after == before
 
 
@@ -91,6 +95,17 @@ def test_record_trace_prompts_only_when_asked(tmp_path) -> None:
 def test_tune_refuses_a_bad_trace_with_its_line_number(tmp_path, capsys) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"timestamp": 0, "input_length": 3, "output_length": 2}\n{"timestamp": 1}\n')
-    code = main(["tune", "demo", "--workload", str(path), "--sla", "ttft_p95_ms=800", "--output-dir", str(tmp_path / "o")])
+    code = main(
+        [
+            "tune",
+            "demo",
+            "--workload",
+            str(path),
+            "--sla",
+            "ttft_p95_ms=800",
+            "--output-dir",
+            str(tmp_path / "o"),
+        ]
+    )
     assert code == 2
     assert "bad.jsonl:2" in capsys.readouterr().err

@@ -57,13 +57,23 @@ def add_tune_parser(sub: Any) -> None:
         "dropped before anything runs (default: this machine's available memory)",
     )
     p.add_argument("--budget-s", type=float, default=1800.0, help="wall seconds for the search")
-    p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help="where outputs go; resumes from it")
-    p.add_argument("--time-scale", type=float, default=1.0, help="stretch arrival times (2: twice as slow)")
-    p.add_argument("--min-match", type=float, default=0.9, help="top-1 agreement a reduced precision needs")
+    p.add_argument(
+        "--output-dir", default=DEFAULT_OUTPUT_DIR, help="where outputs go; resumes from it"
+    )
+    p.add_argument(
+        "--time-scale", type=float, default=1.0, help="stretch arrival times (2: twice as slow)"
+    )
+    p.add_argument(
+        "--min-match", type=float, default=0.9, help="top-1 agreement a reduced precision needs"
+    )
     p.add_argument("--num-rounds", type=int, default=3, help="full replays per finalist (>= 3)")
     p.add_argument("--num-finalists", type=int, default=3, help="candidates replayed in full")
-    p.add_argument("--first-sample", type=int, default=32, help="requests in the cheapest halving rung")
-    p.add_argument("--eta", type=int, default=3, help="halving rate: keep 1/eta, replay eta times more")
+    p.add_argument(
+        "--first-sample", type=int, default=32, help="requests in the cheapest halving rung"
+    )
+    p.add_argument(
+        "--eta", type=int, default=3, help="halving rate: keep 1/eta, replay eta times more"
+    )
     p.add_argument(
         "--options",
         default=None,
@@ -73,11 +83,21 @@ def add_tune_parser(sub: Any) -> None:
     )
     p.add_argument("--max-candidates", type=int, default=40, help="most candidates to consider")
     p.add_argument("--draft-model", default=None, help="also try speculation with this draft model")
-    p.add_argument("--verify-prompts", type=int, default=4, help="prompts for the correctness check")
-    p.add_argument("--verify-tokens", type=int, default=32, help="tokens per correctness-check prompt")
-    p.add_argument("--num-requests", type=int, default=200, help="requests taken from a ShareGPT file")
-    p.add_argument("--request-rate", type=float, default=2.0, help="arrival rate given to a ShareGPT file")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: the trace's longest request")
+    p.add_argument(
+        "--verify-prompts", type=int, default=4, help="prompts for the correctness check"
+    )
+    p.add_argument(
+        "--verify-tokens", type=int, default=32, help="tokens per correctness-check prompt"
+    )
+    p.add_argument(
+        "--num-requests", type=int, default=200, help="requests taken from a ShareGPT file"
+    )
+    p.add_argument(
+        "--request-rate", type=float, default=2.0, help="arrival rate given to a ShareGPT file"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="default: the trace's longest request"
+    )
     p.add_argument(
         "--compare",
         nargs="+",
@@ -89,7 +109,9 @@ def add_tune_parser(sub: Any) -> None:
     p.set_defaults(func=run_tune)
 
 
-def _plan_fn(model: str, max_model_len: int, num_requests: int, memory_bytes: int, mean_len: int) -> Any:
+def _plan_fn(
+    model: str, max_model_len: int, num_requests: int, memory_bytes: int, mean_len: int
+) -> Any:
     from tokenmill.entrypoints.plan import PlanInputs, build_plan
 
     def plan(candidate: Any) -> tuple[bool, int | None, str]:
@@ -129,12 +151,14 @@ def _vocab(model: str) -> np.ndarray:
     return np.array([i for i in range(size) if i not in special])
 
 
-def _compare(urls: list[str], trace: Any, sla: dict[str, float], vocab: np.ndarray, time_scale: float) -> list[dict[str, Any]]:
+def _compare(
+    urls: list[str], trace: Any, sla: dict[str, float], vocab: np.ndarray, time_scale: float
+) -> list[dict[str, Any]]:
     from tokenmill.bench.serve import ServeConfig, quiet_library_loggers, run_serve_benchmark
     from tokenmill.bench.sla import check_sla
     from tokenmill.tune.runner import FIGURE_KEYS, build_bench_requests, goodput_slos
 
-    out = []
+    out: list[dict[str, Any]] = []
     for url in urls:
         config = ServeConfig(
             base_url=url,
@@ -149,7 +173,7 @@ def _compare(urls: list[str], trace: Any, sla: dict[str, float], vocab: np.ndarr
         except Exception as exc:  # one endpoint down does not lose the tune
             out.append({"url": url, "error": f"{type(exc).__name__}: {exc}"})
             continue
-        figures = {k: result.get(k) for k in FIGURE_KEYS}
+        figures: dict[str, Any] = {k: result.get(k) for k in FIGURE_KEYS}
         out.append({"url": url, **figures, "meets_sla": not check_sla(figures, sla)})
     return out
 
@@ -192,7 +216,9 @@ def run_tune(args: argparse.Namespace) -> int:
         wanted = {o.strip() for o in args.options.split(",") if o.strip()}
         unknown = wanted - set(space.values) - {"data_parallel_size", "num_threads"}
         if unknown:
-            raise ConfigError(f"--options: unknown or unavailable here: {', '.join(sorted(unknown))}")
+            raise ConfigError(
+                f"--options: unknown or unavailable here: {', '.join(sorted(unknown))}"
+            )
         space.values.update({k: v for k, v in space.values.items() if k in wanted})
         for key in list(space.values):
             if key not in wanted:
@@ -220,7 +246,9 @@ def run_tune(args: argparse.Namespace) -> int:
             raise ConfigError(str(exc)) from None
         print(f"resuming from {result_path}: {taken} measurements kept")
     texts = [r.prompt for r in trace.requests if r.prompt][: args.verify_prompts] or None
-    runner = TraceRunner(args.model, trace, sla, _vocab(args.model), out_dir, base_args, args.time_scale)
+    runner = TraceRunner(
+        args.model, trace, sla, _vocab(args.model), out_dir, base_args, args.time_scale
+    )
     bar = tqdm(total=round(args.budget_s), unit="s", disable=args.no_progress, desc="tune")
     started = time.monotonic() - state.elapsed_s
 
@@ -252,7 +280,9 @@ def run_tune(args: argparse.Namespace) -> int:
     return _write_outputs(args.model, state, base_args, decision, out_dir)
 
 
-def _write_outputs(model: str, state: Any, base_args: list[str], decision: dict[str, Any], out_dir: Path) -> int:
+def _write_outputs(
+    model: str, state: Any, base_args: list[str], decision: dict[str, Any], out_dir: Path
+) -> int:
     from tokenmill.tune.report import write_report
 
     winner = state.candidates.get(decision.get("winner") or "")
@@ -273,5 +303,8 @@ def _write_outputs(model: str, state: Any, base_args: list[str], decision: dict[
         if decision.get("tie_note"):
             print(decision["tie_note"])
         print(command)
-    print(f"wrote {out_dir / 'result.json'}, {report}" + (f", {out_dir / 'config.yaml'}" if winner else ""))
+    print(
+        f"wrote {out_dir / 'result.json'}, {report}"
+        + (f", {out_dir / 'config.yaml'}" if winner else "")
+    )
     return 0 if winner is not None and decision.get("meets_sla") else 1

@@ -59,7 +59,9 @@ def goodput_slos(sla: dict[str, float]) -> dict[str, float]:
 
 
 def _block_tokens(hash_id: int, salt: int, vocab: np.ndarray) -> np.ndarray:
-    seed = int.from_bytes(hashlib.blake2b(f"{hash_id}/{salt}".encode(), digest_size=8).digest(), "little")
+    seed = int.from_bytes(
+        hashlib.blake2b(f"{hash_id}/{salt}".encode(), digest_size=8).digest(), "little"
+    )
     return np.random.default_rng(seed).choice(vocab, HASH_BLOCK_TOKENS)
 
 
@@ -131,13 +133,17 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("wb")
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.process = subprocess.Popen(
+            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env
+        )
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 tail = self.log_path.read_text(errors="replace")[-800:]
                 self.stop()
-                raise ServerStartError(f"server exited with {self.process.returncode}: {tail.strip()}")
+                raise ServerStartError(
+                    f"server exited with {self.process.returncode}: {tail.strip()}"
+                )
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
                     return self
@@ -188,7 +194,9 @@ class TraceRunner:
             return self._server
         self.close()
         name = candidate.key.replace("/", "_").replace(",", "+").replace(":", "-")
-        server = ServerProcess(self.model, self.serve_args(candidate), self.out_dir / "logs" / f"{name[:120]}.log")
+        server = ServerProcess(
+            self.model, self.serve_args(candidate), self.out_dir / "logs" / f"{name[:120]}.log"
+        )
         self._server = server.start()
         self._server_key = candidate.key
         return server
@@ -236,7 +244,13 @@ def verify_precision(
     from tokenmill.bench.verify import run_precision_check
 
     kwargs = {**(base_kwargs or {})}
-    kwargs.update({k: v for k, v in candidate.options.items() if k in REDUCED_PRECISION_KEYS and v is not None})
+    kwargs.update(
+        {
+            k: v
+            for k, v in candidate.options.items()
+            if k in REDUCED_PRECISION_KEYS and v is not None
+        }
+    )
     try:
         report = run_precision_check(
             model, kwargs, max_tokens=max_tokens, texts=texts, num_prompts=num_prompts, min_top1=0.0

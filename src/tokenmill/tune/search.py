@@ -304,7 +304,9 @@ class Search:
             if len(alive) <= self.settings.num_finalists:
                 break
             alive = [s for s in alive if self._measure_once(s, size, 0)]
-            ranked = sorted(alive, key=lambda s: score_of(s.rung_figures(size), self.sla), reverse=True)
+            ranked = sorted(
+                alive, key=lambda s: score_of(s.rung_figures(size), self.sla), reverse=True
+            )
             keep = max(self.settings.num_finalists, math.ceil(len(ranked) / self.settings.eta))
             for s in ranked[keep:]:
                 s.status = "eliminated"
@@ -347,7 +349,10 @@ class Search:
         """The largest request count every contender was measured at (full trace first)."""
         sizes = [self.num_trace_requests, *reversed(self.rungs())]
         for n in sizes:
-            if any(s.rung_figures(n) and s.status in ("finalist", "unstable") for s in self.state.candidates.values()):
+            if any(
+                s.rung_figures(n) and s.status in ("finalist", "unstable")
+                for s in self.state.candidates.values()
+            ):
                 return n
         for n in sizes:
             if any(s.rung_figures(n) for s in self.state.candidates.values()):
@@ -363,7 +368,8 @@ class Search:
         contenders = [
             s
             for s in self.state.candidates.values()
-            if s.rung_figures(n) and s.status in ("pending", "finalist", "unstable", "eliminated")
+            if s.rung_figures(n)
+            and s.status in ("pending", "finalist", "unstable", "eliminated")
             and (n != self.num_trace_requests or s.status != "eliminated")
         ]
         stable = [s for s in contenders if s.status != "unstable"] or contenders

@@ -205,13 +205,13 @@ def load_sharegpt_trace(
         raise TraceError(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from None
     if not isinstance(data, list):
         raise TraceError(f"{path}: expected a JSON list of conversations")
-    pairs = []
+    pairs: list[tuple[str, str]] = []
     for index, entry in enumerate(data):
         turns = entry.get("conversations") if isinstance(entry, dict) else None
         if not isinstance(turns, list):
             raise TraceError(f"{path}: entry {index} has no 'conversations' list")
         texts = [t.get("value") for t in turns if isinstance(t, dict)]
-        if len(texts) >= 2 and all(isinstance(t, str) for t in texts[:2]):
+        if len(texts) >= 2 and isinstance(texts[0], str) and isinstance(texts[1], str):
             pairs.append((texts[0], texts[1]))
         if len(pairs) >= num_requests:
             break
@@ -274,14 +274,14 @@ def build_synthetic_trace(spec: str) -> Trace:
         if num_prefixes > 0:
             hash_ids = (int(rng.integers(0, num_prefixes)),)
         requests.append(
-            TraceRequest(t * 1000, input_length, int(rng.integers(out_range[0], out_range[1] + 1)), hash_ids)
+            TraceRequest(
+                t * 1000, input_length, int(rng.integers(out_range[0], out_range[1] + 1)), hash_ids
+            )
         )
     return Trace(tuple(requests), spec, {"format": "synthetic"})
 
 
-def load_trace(
-    spec: str, *, num_requests: int = 1000, rate: float = 1.0, seed: int = 0
-) -> Trace:
+def load_trace(spec: str, *, num_requests: int = 1000, rate: float = 1.0, seed: int = 0) -> Trace:
     """Any workload the CLI takes: ``random:...``, a ShareGPT ``.json``, or a JSONL trace."""
     if spec.startswith("random:") or spec == "random":
         return build_synthetic_trace(spec)

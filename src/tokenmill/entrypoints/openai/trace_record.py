@@ -46,7 +46,9 @@ class TraceRecorder:
             previous = digest
         return out
 
-    def record(self, arrival_s: float, generation: dict[str, Any], body: dict[str, Any] | None) -> None:
+    def record(
+        self, arrival_s: float, generation: dict[str, Any], body: dict[str, Any] | None
+    ) -> None:
         with self._lock:
             if self._t0_s is None:
                 self._t0_s = arrival_s
@@ -100,4 +102,6 @@ class TraceRecordMiddleware:
                         body = json.loads(b"".join(chunks))
                     except ValueError:
                         body = None
-                self.recorder.record(arrival_s, generation, body if isinstance(body, dict) else None)
+                self.recorder.record(
+                    arrival_s, generation, body if isinstance(body, dict) else None
+                )
