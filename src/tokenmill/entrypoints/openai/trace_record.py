@@ -85,7 +85,7 @@ class TraceRecordMiddleware:
         arrival_s = time.time()
         chunks: list[bytes] = []
 
-        async def receive_and_keep(message: Message = None) -> Message:  # type: ignore[assignment]
+        async def receive_and_keep() -> Message:
             message = await receive()
             if self.recorder.with_prompts and message["type"] == "http.request":
                 chunks.append(message.get("body", b""))
