@@ -23,6 +23,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     name: frozenset(deps)
     for name, deps in {
         "entrypoints": {
+            "tune",
             "bench",
             "metrics",
             "engine",
@@ -33,6 +34,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "tokenizer",
             "core",
         },
+        "tune": {"bench", "core"},
         "bench": {"engine", "config", "model", "tokenizer", "core"},
         "metrics": {"core"},
         "engine": {
@@ -59,7 +61,11 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 """Package -> the tokenmill packages it may import besides itself and the leaves."""
 
-THIRD_PARTY_FORBIDDEN = {"core": ("torch", "llguidance"), "tokenizer": ("torch",)}
+THIRD_PARTY_FORBIDDEN = {
+    "core": ("torch", "llguidance"),
+    "tokenizer": ("torch",),
+    "tune": ("torch",),
+}
 """core/ is torch-free (the scheduler and KV managers run without it); so is the tokenizer."""
 
 

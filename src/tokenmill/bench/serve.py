@@ -30,6 +30,7 @@ from tokenmill.bench.arrivals import build_arrival_offsets_s
 from tokenmill.bench.client import ENDPOINTS, RequestOptions, auth_headers, send_request
 from tokenmill.bench.datasets import BenchRequest, build_warmup_requests
 from tokenmill.bench.metrics import LATENCY_METRICS, STATS, RequestRecord, summarize_rounds
+from tokenmill.bench.server_clock import clock_disagreements
 from tokenmill.bench.server_metrics import DEFAULT_INTERVAL_S, MetricsScraper
 from tokenmill.bench.tokenization import TokenizerLike
 
@@ -90,6 +91,8 @@ class ServeConfig:
     """Name of this target in reports; defaults to the model name."""
     extra_body: dict[str, Any] = field(default_factory=dict)
     """Extra JSON fields for every request body."""
+    arrival_offsets_s: tuple[float, ...] | None = None
+    """Recorded send times (seconds after the first) that replace the drawn schedule, one per request."""
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -218,9 +221,11 @@ async def _measure(
     tokenizer: TokenizerLike | None,
 ) -> tuple[list[RequestRecord], float]:
     """Release requests on schedule under the concurrency cap; return records and duration."""
-    offsets_s = build_arrival_offsets_s(
+    offsets_s = list(config.arrival_offsets_s or ()) or build_arrival_offsets_s(
         len(requests), config.request_rate, config.burstiness, config.seed
     )
+    if len(offsets_s) != len(requests):
+        raise BenchmarkError(f"{len(offsets_s)} arrival times for {len(requests)} requests")
     semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     with quiet_library_loggers():
         return await _measure_quietly(
@@ -296,6 +301,7 @@ async def arun_serve_benchmark(
     """
     if not requests or not all(later_rounds):
         raise BenchmarkError("no requests to send")
+    cpu_before_s = time.process_time()
     limit = config.max_concurrency or len(requests)
     timeout = httpx.Timeout(config.request_timeout_s, connect=min(30.0, config.request_timeout_s))
     limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
@@ -328,6 +334,8 @@ async def arun_serve_benchmark(
             await scraper.stop()
     result = build_result(config, options, rounds, scraper.report(), workload)
     result["num_warmups"] = num_warmups
+    result["client_cpu_s"] = time.process_time() - cpu_before_s
+    result["clock_disagreements"] = clock_disagreements(result, result["server_metrics"])
     return result
 
 
@@ -474,6 +482,15 @@ def format_summary(result: dict[str, Any]) -> str:
         row("Prefix cache hit rate (%):", None if hit_rate is None else hit_rate * 100)
         rss = server.get("peak_resident_memory_bytes")
         row("Peak server RSS (MiB):", None if rss is None else rss / 2**20)
+        for key in (
+            "server_mean_ttft_ms",
+            "server_p95_ttft_ms",
+            "server_mean_tpot_ms",
+            "server_p95_tpot_ms",
+        ):
+            if server.get(key) is not None:
+                stat, metric = key.split("_")[1:3]
+                row(f"Server-clock {stat} {metric.upper()} (ms):", server[key])
         if server.get("spec_mean_accepted_length") is not None:
             rate = server.get("spec_acceptance_rate")
             row("Spec decode acceptance rate (%):", None if rate is None else rate * 100)
@@ -487,6 +504,10 @@ def format_summary(result: dict[str, Any]) -> str:
             row("  model load (s):", startup.get("model_load_s"))
             row("  KV allocation (s):", startup.get("kv_allocation_s"))
             row("  compile (s):", startup.get("compile_s"))
+    if result.get("client_cpu_s") is not None:
+        row("Benchmark client CPU time (s):", result["client_cpu_s"])
+    for note in result.get("clock_disagreements") or ():
+        lines.append(f"Client and server clocks disagree: {note}")
     if result.get("failure_reasons"):
         lines.append("{s:{c}^{n}}".format(s=" Failures ", n=width, c="-"))
         for reason, count in result["failure_reasons"].items():

@@ -26,6 +26,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.bench import MissingExtraError
+from tokenmill.bench.server_clock import server_clock_figures
 
 try:
     import httpx
@@ -263,6 +264,10 @@ class MetricsScraper:
     """What a tokenmill target runs (``read_engine_config``)."""
     startup: dict[str, Any] | None = None
     """The target's start-up costs, from the first scrape that has them."""
+    first_text: str | None = None
+    """The first scrape's exposition (histograms are read as deltas from it)."""
+    last_text: str | None = None
+    """The latest scrape's exposition."""
     _task: asyncio.Task[None] | None = None
 
     async def scrape(self) -> dict[str, float | None] | None:
@@ -274,6 +279,8 @@ class MetricsScraper:
         if response.status_code != 200:
             return None
         figures = read_figures(parse_prometheus_text(response.text))
+        self.first_text = self.first_text or response.text
+        self.last_text = response.text
         self.engine_config = self.engine_config or read_engine_config(response.text)
         if self.startup is None:
             self.startup = read_startup_costs(response.text)
@@ -329,4 +336,5 @@ class MetricsScraper:
             "engine_config": self.engine_config,
             "startup": self.startup,
             **spec_decode_figures(self.before, self.after),
+            **server_clock_figures(self.first_text, self.last_text),
         }

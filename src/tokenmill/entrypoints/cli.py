@@ -264,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_check_parser(sub)
 
+    from tokenmill.entrypoints.tune import add_tune_parser
+
+    add_tune_parser(sub)
+
     try:
         from tokenmill.bench.cli import register as register_bench
     except ImportError:

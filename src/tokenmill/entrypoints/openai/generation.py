@@ -138,6 +138,7 @@ class GenerationRun:
             "completion_tokens": self.num_completion_tokens,
             "ttft_s": ttft,
             "lora": self.lora_name,
+            "prompt_token_ids": self.prompts[0].prompt_token_ids if self.prompts else None,
         }
 
     # ---- outputs ---------------------------------------------------------------------------

@@ -213,6 +213,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig, engine_config: Engin
             app.add_middleware(RoutesMiddleware, table=routes)
 
     add_gates(app, config, inside_auth, track_load=config.enable_server_load_tracking)
+    if config.record_trace:
+        from tokenmill.entrypoints.openai.trace_record import TraceRecorder, TraceRecordMiddleware
+
+        app.add_middleware(
+            TraceRecordMiddleware,
+            recorder=TraceRecorder(config.record_trace, config.record_trace_prompts),
+        )
     app.add_middleware(
         AccessLogMiddleware,
         skip_paths=frozenset(

@@ -157,6 +157,10 @@ class ServerConfig:
     """Log level of uvicorn's own loggers."""
     disable_access_log_for_endpoints: str | None = None
     """Comma-separated paths (e.g. /health,/metrics) with no access-log line."""
+    record_trace: str | None = None
+    """Append each served completion/chat request's shape (arrival ms, token counts, prefix-block hashes) to this JSONL file, in the Mooncake trace format that `tokenmill tune --workload` replays."""
+    record_trace_prompts: bool = False
+    """With --record-trace, also write each request's prompt text or messages (off: the trace holds no user content)."""
     max_stored_responses: int = 1000
     """Responses kept in memory per API key for previous_response_id and GET /v1/responses/{id} (least recently used evicted; 0: none kept; a restart forgets them). Each key sees only its own."""
     max_beam_search_queue_len: int = 64

@@ -1,0 +1,115 @@
+"""Does ``tokenmill tune`` pick different configurations for different traffic, and are they right?
+
+On SmolLM2-135M-Instruct: writes the interactive and batch traces (``tune_traces.py``),
+tunes each with its own SLA, then serves each winner and the default configuration and
+replays the trace once more (a fresh measurement, not the search's): the winner should meet
+its SLA and beat the default's goodput on its own trace. Prints one table and writes
+``summary.json``; the search time of each tune is in it.
+
+    python benchmarks/tune_decision.py --out-dir /tmp/tune-bench [--budget-s 1800]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tokenmill.bench.sla import check_sla, parse_sla
+from tokenmill.tune.candidates import Candidate
+from tokenmill.tune.runner import TraceRunner
+from tokenmill.tune.trace import load_trace
+
+MODEL = str(Path.home() / ".cache/tokenmill-real/smollm2-135m-instruct")
+SLAS = {
+    "interactive": "ttft_p95_ms=500,tpot_p95_ms=80",
+    "batch": "ttft_p95_ms=30000,tpot_p95_ms=400",
+}
+
+
+def _candidate_of(args: list[str]) -> list[str]:
+    """The winner's flags after ``--max-model-len N`` (the base both servers get)."""
+    return args[2:] if args[:1] == ["--max-model-len"] else args
+
+
+def _remeasure(
+    model: str, trace_path: Path, sla: dict[str, float], flags: list[str], out_dir: Path
+) -> dict:
+    from tokenmill.bench.tokenization import load_tokenizer, vocab_size_of
+
+    trace = load_trace(str(trace_path))
+    longest = max(r.input_length + r.output_length for r in trace.requests)
+    vocab = np.arange(vocab_size_of(load_tokenizer(model)) or 1000)
+    runner = TraceRunner(model, trace, sla, vocab, out_dir, ["--max-model-len", str(longest)])
+    runner.serve_args = lambda _c: ["--max-model-len", str(longest), *flags]  # type: ignore[method-assign]
+    try:
+        return runner(Candidate(), len(trace.requests), 7)  # a round the search never ran
+    finally:
+        runner.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--budget-s", type=float, default=3600.0)
+    parser.add_argument("--num-requests", type=int, default=300)
+    args = parser.parse_args()
+    traces = args.out_dir / "traces"
+    subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("tune_traces.py")), "--out-dir", str(traces),
+         "--num-requests", str(args.num_requests)],
+        check=True,
+    )  # fmt: skip
+    summary = {}
+    for name, sla_text in SLAS.items():
+        out = args.out_dir / name
+        started = time.monotonic()
+        subprocess.run(
+            [sys.executable, "-m", "tokenmill.entrypoints.cli", "tune", args.model,
+             "--workload", str(traces / f"{name}.jsonl"), "--sla", sla_text,
+             "--budget-s", str(args.budget_s), "--output-dir", str(out)],
+            check=False,
+        )  # fmt: skip
+        search_s = time.monotonic() - started
+        result = json.loads((out / "result.json").read_text())
+        winner_args = _candidate_of(result["decision"].get("serve_args") or [])
+        sla = parse_sla(sla_text)
+        chosen = _remeasure(
+            args.model, traces / f"{name}.jsonl", sla, winner_args, out / "remeasure-winner"
+        )
+        default = _remeasure(
+            args.model, traces / f"{name}.jsonl", sla, [], out / "remeasure-default"
+        )
+        summary[name] = {
+            "sla": sla,
+            "winner": result["decision"].get("winner"),
+            "command": shlex.join(["tokenmill", "serve", args.model, *winner_args]),
+            "search_s": round(search_s, 1),
+            "stopped_by_budget": result["decision"].get("stopped_by_budget"),
+            "winner_remeasured": chosen,
+            "winner_meets_sla": not check_sla(chosen, sla),
+            "default_remeasured": default,
+            "goodput_gain": (chosen.get("request_goodput") or 0)
+            / max(1e-9, default.get("request_goodput") or 0),
+        }
+    (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"{'trace':12} {'winner':45} {'meets':6} {'goodput':>8} {'default':>8} {'search s':>9}")
+    for name, s in summary.items():
+        print(
+            f"{name:12} {str(s['winner'])[:45]:45} {s['winner_meets_sla']!s:6} "
+            f"{s['winner_remeasured'].get('request_goodput') or 0:8.3f} "
+            f"{s['default_remeasured'].get('request_goodput') or 0:8.3f} {s['search_s']:9.0f}"
+        )
+    winners = {s["winner"] for s in summary.values()}
+    print("different configurations:", len(winners) == len(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The two workloads of the tune benchmark, written as Mooncake-format JSONL traces.
+
+``interactive``: short chat-sized prompts, Poisson arrivals, short answers (tight TTFT).
+``batch``: long prompts sharing a few document prefixes (``hash_ids``), arriving in bursts,
+long answers (loose latency). Seeded, so every run tunes on the same traffic.
+
+    python benchmarks/tune_traces.py --out-dir /tmp/tune-traces [--num-requests 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from tokenmill.tune.trace import Trace, TraceRequest, write_jsonl_trace
+
+
+def interactive_trace(num_requests: int, rate: float = 3.0, seed: int = 1) -> Trace:
+    """Short prompts (16-128 tokens), Poisson arrivals at ``rate``/s, 16-64 output tokens."""
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(1 / rate, num_requests))
+    t -= t[0]
+    requests = tuple(
+        TraceRequest(float(ts * 1000), int(rng.integers(16, 129)), int(rng.integers(16, 65)))
+        for ts in t
+    )
+    return Trace(requests, "interactive", {"rate": rate})
+
+
+def batch_trace(
+    num_requests: int, burst_size: int = 25, burst_gap_s: float = 20.0, seed: int = 2
+) -> Trace:
+    """Bursts of ``burst_size`` requests every ``burst_gap_s``: 512-1536-token prompts over
+    four shared 512-token document prefixes, 64-256 output tokens."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for i in range(num_requests):
+        burst, within = divmod(i, burst_size)
+        ts_ms = burst * burst_gap_s * 1000 + within * float(rng.uniform(0, 40))
+        doc = int(rng.integers(0, 4))
+        input_length = int(rng.integers(512, 1537))
+        requests.append(TraceRequest(ts_ms, input_length, int(rng.integers(64, 257)), (doc,)))
+    requests.sort(key=lambda r: r.timestamp_ms)
+    return Trace(tuple(requests), "batch", {"burst_size": burst_size})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--num-requests", type=int, default=300)
+    args = parser.parse_args()
+    for name, trace in (
+        ("interactive", interactive_trace(args.num_requests)),
+        ("batch", batch_trace(args.num_requests)),
+    ):
+        path = write_jsonl_trace(trace, args.out_dir / f"{name}.jsonl")
+        print(f"{path}: {trace.describe()}")
+
+
+if __name__ == "__main__":
+    main()

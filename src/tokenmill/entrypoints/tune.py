@@ -1,0 +1,310 @@
+"""``tokenmill tune``: the CLI of the tuner, and the parts of it that need the entrypoints.
+
+Sizing comes from ``plan`` (which lives here, beside the other commands), so this module
+builds the search's ``plan`` callable and hands it, the runner and the correctness gate to
+``tune.search``; it writes the outputs: the serve command line, the ``--config`` YAML,
+``result.json`` and ``report.html``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokenmill.entrypoints.config_args import parse_memory
+from tokenmill.errors import ConfigError
+
+DEFAULT_OUTPUT_DIR = "tune-out"
+
+
+def add_tune_parser(sub: Any) -> None:
+    """Register ``tokenmill tune`` on the top-level subcommands."""
+    p = sub.add_parser(
+        "tune",
+        help="pick a serving configuration on a recorded workload, within an SLA",
+        description="Replays a workload trace against candidate configurations (KV strategy, "
+        "precision, batching, prefix caching, speculation, threads, replicas), rejects "
+        "reduced precisions that fail a correctness check against float32 transformers, and "
+        "prints the serve command of the configuration with the best goodput within the SLA. "
+        "Writes result.json, report.html (with charts), the command and a --config YAML to "
+        "--output-dir; running it again with the same --output-dir resumes.",
+    )
+    p.add_argument("model", help="Hugging Face model folder, or 'demo'")
+    p.add_argument(
+        "--workload",
+        required=True,
+        help="a JSONL trace (Mooncake format: timestamp ms, input_length, output_length, "
+        "hash_ids; or prompt/messages per line), a ShareGPT .json, or a synthetic profile "
+        "'random:n=200,in=32-256,out=16-128,rate=4,burstiness=1,prefix=0'",
+    )
+    p.add_argument(
+        "--sla",
+        required=True,
+        help="latency bounds, e.g. ttft_p95_ms=800,tpot_p95_ms=60 (metrics ttft, tpot, itl, e2el)",
+    )
+    p.add_argument(
+        "--memory",
+        type=parse_memory,
+        default=None,
+        help="memory the deployment may use, e.g. 20GiB; candidates that cannot fit are "
+        "dropped before anything runs (default: this machine's available memory)",
+    )
+    p.add_argument("--budget-s", type=float, default=1800.0, help="wall seconds for the search")
+    p.add_argument(
+        "--output-dir", default=DEFAULT_OUTPUT_DIR, help="where outputs go; resumes from it"
+    )
+    p.add_argument(
+        "--time-scale", type=float, default=1.0, help="stretch arrival times (2: twice as slow)"
+    )
+    p.add_argument(
+        "--min-match", type=float, default=0.9, help="top-1 agreement a reduced precision needs"
+    )
+    p.add_argument("--num-rounds", type=int, default=3, help="full replays per finalist (>= 3)")
+    p.add_argument("--num-finalists", type=int, default=3, help="candidates replayed in full")
+    p.add_argument(
+        "--first-sample", type=int, default=32, help="requests in the cheapest halving rung"
+    )
+    p.add_argument(
+        "--eta", type=int, default=3, help="halving rate: keep 1/eta, replay eta times more"
+    )
+    p.add_argument(
+        "--options",
+        default=None,
+        help="comma list of the options to vary (default: all): kv_cache, dtype, quantization, "
+        "kv_cache_dtype, block_size, max_num_seqs, max_num_batched_tokens, "
+        "enable_prefix_caching, speculative_config, num_threads, data_parallel_size",
+    )
+    p.add_argument("--max-candidates", type=int, default=40, help="most candidates to consider")
+    p.add_argument("--draft-model", default=None, help="also try speculation with this draft model")
+    p.add_argument(
+        "--verify-prompts", type=int, default=4, help="prompts for the correctness check"
+    )
+    p.add_argument(
+        "--verify-tokens", type=int, default=32, help="tokens per correctness-check prompt"
+    )
+    p.add_argument(
+        "--num-requests", type=int, default=200, help="requests taken from a ShareGPT file"
+    )
+    p.add_argument(
+        "--request-rate", type=float, default=2.0, help="arrival rate given to a ShareGPT file"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="default: the trace's longest request"
+    )
+    p.add_argument(
+        "--compare",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="also replay the trace against these OpenAI-compatible endpoints",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_tune)
+
+
+def _plan_fn(
+    model: str, max_model_len: int, num_requests: int, memory_bytes: int, mean_len: int
+) -> Any:
+    from tokenmill.entrypoints.plan import PlanInputs, build_plan
+
+    def plan(candidate: Any) -> tuple[bool, int | None, str]:
+        o = candidate.options
+        try:
+            result = build_plan(
+                PlanInputs(
+                    model=model,
+                    max_model_len=max_model_len,
+                    concurrency=max(1, min(o["max_num_seqs"], num_requests)),
+                    dtype=o["dtype"],
+                    kv_cache_dtype=o["kv_cache_dtype"],
+                    quantization=o["quantization"],
+                    kv_cache=o["kv_cache"],
+                    block_size=o["block_size"],
+                    memory_bytes=memory_bytes // max(1, o["data_parallel_size"]),
+                    gpu_memory_utilization=1.0,
+                    mean_seq_len=mean_len,
+                )
+            )
+        except (ConfigError, ValueError) as exc:
+            return False, None, str(exc)
+        need = (result.weight_bytes + result.expected_bytes) * o["data_parallel_size"]
+        fits = result.fits if o["kv_cache"] == "static" else result.fits_expected
+        why = result.error or f"needs {need} bytes of {memory_bytes}"
+        return fits, need, why
+
+    return plan
+
+
+def _vocab(model: str) -> np.ndarray:
+    from tokenmill.bench.tokenization import load_tokenizer, special_ids_of, vocab_size_of
+
+    tokenizer = load_tokenizer(model)
+    size = vocab_size_of(tokenizer) or 1000
+    special = special_ids_of(tokenizer)
+    return np.array([i for i in range(size) if i not in special])
+
+
+def _compare(
+    urls: list[str], trace: Any, sla: dict[str, float], vocab: np.ndarray, time_scale: float
+) -> list[dict[str, Any]]:
+    from tokenmill.bench.serve import ServeConfig, quiet_library_loggers, run_serve_benchmark
+    from tokenmill.bench.sla import check_sla
+    from tokenmill.tune.runner import FIGURE_KEYS, build_bench_requests, goodput_slos
+
+    out: list[dict[str, Any]] = []
+    for url in urls:
+        config = ServeConfig(
+            base_url=url,
+            arrival_offsets_s=tuple(trace.arrival_offsets_s(time_scale)),
+            goodput_slos_ms=goodput_slos(sla),
+            ignore_eos=True,
+            show_progress=False,
+        )
+        try:
+            with quiet_library_loggers():
+                result = run_serve_benchmark(config, build_bench_requests(trace, vocab, 0))
+        except Exception as exc:  # one endpoint down does not lose the tune
+            out.append({"url": url, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        figures: dict[str, Any] = {k: result.get(k) for k in FIGURE_KEYS}
+        out.append({"url": url, **figures, "meets_sla": not check_sla(figures, sla)})
+    return out
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    import psutil
+    from tqdm.auto import tqdm
+
+    from tokenmill.bench.sla import parse_sla
+    from tokenmill.tune.candidates import default_space
+    from tokenmill.tune.runner import TraceRunner, verify_precision
+    from tokenmill.tune.search import Search, SearchSettings, TuneState
+    from tokenmill.tune.trace import TraceError, load_trace
+
+    try:
+        sla = parse_sla(args.sla)
+        trace = load_trace(args.workload, num_requests=args.num_requests, rate=args.request_rate)
+        settings = SearchSettings(
+            budget_s=args.budget_s,
+            first_sample=args.first_sample,
+            eta=args.eta,
+            num_finalists=args.num_finalists,
+            num_rounds=args.num_rounds,
+            min_match=args.min_match,
+        )
+    except (TraceError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    if not sla:
+        raise ConfigError("--sla needs at least one bound, e.g. ttft_p95_ms=800")
+    if args.time_scale <= 0:
+        raise ConfigError("--time-scale must be > 0")
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    memory = int(args.memory or psutil.virtual_memory().available)
+    longest = max(r.input_length + r.output_length for r in trace.requests)
+    max_model_len = args.max_model_len or longest
+    mean_len = int(np.mean([r.input_length + r.output_length for r in trace.requests]))
+    space = default_space(os.cpu_count() or 1, draft_model=args.draft_model)
+    if args.options:
+        wanted = {o.strip() for o in args.options.split(",") if o.strip()}
+        unknown = wanted - set(space.values) - {"data_parallel_size", "num_threads"}
+        if unknown:
+            raise ConfigError(
+                f"--options: unknown or unavailable here: {', '.join(sorted(unknown))}"
+            )
+        space.values.update({k: v for k, v in space.values.items() if k in wanted})
+        for key in list(space.values):
+            if key not in wanted:
+                del space.values[key]
+    candidates = space.candidates()[: args.max_candidates]
+    base_args = ["--max-model-len", str(max_model_len)]
+    meta = {
+        "model": args.model,
+        "workload": args.workload,
+        "sla": sla,
+        "time_scale": args.time_scale,
+        "budget_s": args.budget_s,
+        "memory_bytes": memory,
+        "num_trace_requests": len(trace.requests),
+        "workload_summary": trace.describe(),
+        "base_args": base_args,
+        "client_cpu_count": os.cpu_count(),
+    }
+    state = TuneState.new(candidates, meta)
+    result_path = out_dir / "result.json"
+    if result_path.exists():
+        try:
+            taken = state.absorb(result_path)
+        except (ValueError, json.JSONDecodeError) as exc:
+            raise ConfigError(str(exc)) from None
+        print(f"resuming from {result_path}: {taken} measurements kept")
+    texts = [r.prompt for r in trace.requests if r.prompt][: args.verify_prompts] or None
+    runner = TraceRunner(
+        args.model, trace, sla, _vocab(args.model), out_dir, base_args, args.time_scale
+    )
+    bar = tqdm(total=round(args.budget_s), unit="s", disable=args.no_progress, desc="tune")
+    started = time.monotonic() - state.elapsed_s
+
+    def progress(what: str, left_s: float) -> None:
+        bar.n = min(bar.total, round(time.monotonic() - started))
+        bar.set_description(what[:60])
+        bar.set_postfix_str(f"{left_s:.0f}s left")
+
+    search = Search(
+        state,
+        sla,
+        settings,
+        len(trace.requests),
+        _plan_fn(args.model, max_model_len, len(trace.requests), memory, mean_len),
+        lambda c: verify_precision(args.model, c, texts, args.verify_tokens, args.verify_prompts),
+        runner,
+        time.monotonic,
+        save=lambda s: s.save(result_path),
+        progress=progress,
+    )
+    try:
+        decision = search.run()
+    finally:
+        runner.close()
+        bar.close()
+    if args.compare:
+        state.meta["compare"] = _compare(args.compare, trace, sla, runner.vocab, args.time_scale)
+        state.save(result_path)
+    return _write_outputs(args.model, state, base_args, decision, out_dir)
+
+
+def _write_outputs(
+    model: str, state: Any, base_args: list[str], decision: dict[str, Any], out_dir: Path
+) -> int:
+    from tokenmill.tune.report import write_report
+
+    winner = state.candidates.get(decision.get("winner") or "")
+    if winner is None:
+        command, config_yaml = "", ""
+        print(f"tokenmill tune: no decision: {decision.get('reason')}")
+    else:
+        args = [*base_args, *winner.candidate.serve_args()]
+        command = shlex.join(["tokenmill", "serve", model, *args])
+        extra = {"max-model-len": int(base_args[1])}
+        config_yaml = winner.candidate.config_yaml(model, extra)
+        (out_dir / "serve_command.txt").write_text(command + "\n", encoding="utf-8")
+        (out_dir / "config.yaml").write_text(config_yaml, encoding="utf-8")
+    report = write_report(state.to_json(), out_dir, command, config_yaml)
+    if winner is not None:
+        verdict = "meets the SLA" if decision.get("meets_sla") else "misses the SLA (closest)"
+        print(f"chosen: {winner.candidate.key} ({verdict})")
+        if decision.get("tie_note"):
+            print(decision["tie_note"])
+        print(command)
+    print(
+        f"wrote {out_dir / 'result.json'}, {report}"
+        + (f", {out_dir / 'config.yaml'}" if winner else "")
+    )
+    return 0 if winner is not None and decision.get("meets_sla") else 1

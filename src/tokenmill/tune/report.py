@@ -1,0 +1,203 @@
+"""The tune report: ``report.html`` with PNG charts, read from ``result.json``'s data.
+
+Charts: goodput against P95 TTFT, P95 TPOT and memory (the Pareto front marked: no other
+candidate has more goodput at lower latency or memory), and each finalist's goodput over
+its rounds, so a reader sees which differences are inside the noise.
+"""
+
+from __future__ import annotations
+
+import html
+import statistics
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from tokenmill.tune.search import GOODPUT_KEY
+
+
+def _point(entry: dict[str, Any]) -> dict[str, float] | None:
+    """Mean figures of a candidate's largest replay (what it was judged on)."""
+    runs = {k: v for k, v in (entry.get("runs") or {}).items() if not k.startswith("superseded")}
+    if not runs:
+        return None
+    largest = max(int(k.split("/")[0]) for k in runs)
+    figures = [v for k, v in runs.items() if int(k.split("/")[0]) == largest]
+
+    def mean(key: str) -> float:
+        values = [float(f[key]) for f in figures if isinstance(f.get(key), (int, float))]
+        return statistics.fmean(values) if values else float("nan")
+
+    memory = entry.get("memory_bytes") or mean("peak_resident_memory_bytes")
+    return {
+        "goodput": mean(GOODPUT_KEY),
+        "ttft": mean("p95_ttft_ms"),
+        "tpot": mean("p95_tpot_ms"),
+        "memory_mib": float(memory) / 2**20 if memory == memory else float("nan"),
+        "num_requests": float(largest),
+    }
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of points no other point dominates (lower cost x, higher goodput y)."""
+    front = []
+    for i, (x, y) in enumerate(points):
+        if not any((x2 <= x and y2 >= y) and (x2, y2) != (x, y) for x2, y2 in points):
+            front.append(i)
+    return front
+
+
+def _scatter(
+    entries: list[tuple[str, dict[str, float], str]],
+    key: str,
+    label: str,
+    path: Path,
+    limit: float | None,
+) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    points = [(p[key], p["goodput"]) for _, p, _ in entries]
+    front = set(pareto_front(points))
+    for i, (name, p, status) in enumerate(entries):
+        color = {"winner": "tab:green", "tied": "tab:olive"}.get(status, "tab:blue")
+        ax.scatter(
+            p[key],
+            p["goodput"],
+            color=color,
+            marker="*" if status == "winner" else "o",
+            s=80 if i in front else 30,
+        )
+        if i in front or status == "winner":
+            ax.annotate(name[:40], (p[key], p["goodput"]), fontsize=6)
+    front_pts = sorted(points[i] for i in front)
+    if len(front_pts) > 1:
+        ax.plot(*zip(*front_pts, strict=True), color="tab:red", linewidth=1, label="Pareto front")
+        ax.legend(fontsize=7)
+    if limit is not None:
+        ax.axvline(limit, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel(label)
+    ax.set_ylabel("goodput (req/s within the SLA)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _spread_chart(finalists: list[tuple[str, list[float]]], path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 0.5 + 0.5 * max(1, len(finalists))))
+    for i, (_, values) in enumerate(finalists):
+        ax.plot([min(values), max(values)], [i, i], color="tab:blue")
+        ax.scatter(values, [i] * len(values), color="tab:blue", s=15)
+    ax.set_yticks(range(len(finalists)), [n[:40] for n, _ in finalists], fontsize=7)
+    ax.set_xlabel("goodput per round (req/s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_charts(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    """The PNG charts for ``result`` (those with data) in ``out_dir``."""
+    entries = []
+    for e in result.get("candidates", []):
+        p = _point(e)
+        if p is not None:
+            entries.append((e["key"], p, e.get("status", "")))
+    sla = result.get("sla") or {}
+    charts: dict[str, Path] = {}
+    if not entries:
+        return charts
+    charts["goodput_vs_ttft"] = _scatter(
+        entries, "ttft", "P95 TTFT (ms)", out_dir / "goodput_vs_ttft.png", sla.get("p95_ttft_ms")
+    )
+    charts["goodput_vs_tpot"] = _scatter(
+        entries, "tpot", "P95 TPOT (ms)", out_dir / "goodput_vs_tpot.png", sla.get("p95_tpot_ms")
+    )
+    with_memory = [e for e in entries if e[1]["memory_mib"] == e[1]["memory_mib"]]
+    if with_memory:
+        charts["goodput_vs_memory"] = _scatter(
+            with_memory,
+            "memory_mib",
+            "memory (MiB, planned)",
+            out_dir / "goodput_vs_memory.png",
+            None,
+        )
+    finalists = []
+    for e in result.get("candidates", []):
+        runs = e.get("runs") or {}
+        full = [
+            float(v.get(GOODPUT_KEY) or 0)
+            for k, v in runs.items()
+            if k.startswith(f"{result.get('num_trace_requests')}/")
+        ]
+        if len(full) >= 2:
+            finalists.append((e["key"], full))
+    if finalists:
+        charts["finalists_spread"] = _spread_chart(finalists, out_dir / "finalists_spread.png")
+    return charts
+
+
+def _esc(value: Any) -> str:
+    return html.escape("" if value is None else str(value))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return _esc(value)
+
+
+def render_html(
+    result: dict[str, Any], charts: dict[str, Path], command: str, config_yaml: str
+) -> str:
+    """The report page: the decision and why, the command, every candidate, the charts."""
+    d = result.get("decision") or {}
+    rows = []
+    for e in result.get("candidates", []):
+        p = _point(e) or {}
+        rows.append(
+            "<tr>" + "".join(
+                f"<td>{x}</td>"
+                for x in (
+                    _esc(e["key"]), _esc(e["status"]), _fmt(p.get("goodput")), _fmt(p.get("ttft")),
+                    _fmt(p.get("tpot")), _fmt(p.get("memory_mib")),
+                    _fmt((e.get("gate") or {}).get("top1_agreement")), _esc(e.get("reason")),
+                )
+            ) + "</tr>"
+        )  # fmt: skip
+    workload = result.get("workload_summary") or {}
+    compare = result.get("compare") or []
+    compare_rows = "".join(
+        f"<tr><td>{_esc(c.get('url'))}</td><td>{_fmt(c.get('request_goodput'))}</td><td>{_fmt(c.get('p95_ttft_ms'))}</td>"
+        f"<td>{_fmt(c.get('p95_tpot_ms'))}</td><td>{_esc(c.get('error') or ('meets' if c.get('meets_sla') else 'misses'))}</td></tr>"
+        for c in compare
+    )
+    images = "".join(
+        f'<h3>{_esc(name)}</h3><img src="{_esc(path.name)}">' for name, path in charts.items()
+    )
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>tokenmill tune: {_esc(result.get("model"))}</title>
+<style>body{{font-family:sans-serif;max-width:1100px;margin:auto}}td,th{{border:1px solid #ccc;padding:3px;font-size:12px}}table{{border-collapse:collapse}}pre{{background:#f4f4f4;padding:8px}}</style></head><body>
+<h1>tokenmill tune: {_esc(result.get("model"))}</h1>
+<p>Workload {_esc(workload.get("source"))}: {_esc(workload.get("num_requests"))} requests over {_esc(workload.get("duration_s"))} s
+(time scale {_esc(result.get("time_scale"))}); SLA {_esc(result.get("sla"))}; search took {_fmt(result.get("elapsed_s"))} s of a {_fmt(result.get("budget_s"))} s budget{" (stopped by the budget)" if d.get("stopped_by_budget") else ""}.</p>
+<h2>Decision</h2>
+<p><b>{_esc(d.get("winner"))}</b> {"meets the SLA" if d.get("meets_sla") else _esc(d.get("reason"))}; goodput per round {_esc(d.get("goodput_rounds"))} on {_esc(d.get("measured_on_requests"))} requests.</p>
+<p>{_esc(d.get("tie_note") or "No other candidate was inside its measured spread.")}</p>
+<pre>{_esc(command)}</pre><pre>{_esc(config_yaml)}</pre>
+<p>Client CPU time is recorded per replay (<code>client_cpu_s</code> in result.json): on a small machine the load generator competes with the server for cores.</p>
+<h2>Candidates</h2><table><tr><th>candidate</th><th>status</th><th>goodput</th><th>P95 TTFT ms</th><th>P95 TPOT ms</th><th>memory MiB</th><th>top-1 agreement</th><th>why</th></tr>{"".join(rows)}</table>
+{f"<h2>Other endpoints, same trace</h2><table><tr><th>endpoint</th><th>goodput</th><th>P95 TTFT ms</th><th>P95 TPOT ms</th><th>SLA</th></tr>{compare_rows}</table>" if compare else ""}
+<h2>Charts</h2>{images}
+</body></html>
+"""
+
+
+def write_report(result: dict[str, Any], out_dir: Path, command: str, config_yaml: str) -> Path:
+    """Charts and ``report.html`` in ``out_dir``; returns the HTML's path."""
+    charts = write_charts(result, out_dir)
+    path = out_dir / "report.html"
+    path.write_text(render_html(result, charts, command, config_yaml), encoding="utf-8")
+    return path

@@ -1,0 +1,430 @@
+"""The decision: prune, gate, successive halving, finalists' rounds, ties. Pure logic.
+
+Nothing here starts a server or imports torch: measuring, verifying and sizing are
+callables handed in, so the same code decides on live runs and on recorded measurements
+(the tests replay those). Every measurement lands in the ``TuneState`` before the next
+one starts; a state loaded from an interrupted run answers the measurements it holds, so
+a resumed search runs nothing twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenmill.bench.sla import check_sla
+from tokenmill.tune.candidates import Candidate
+
+STATE_FORMAT_VERSION = 1
+
+GOODPUT_KEY = "request_goodput"
+"""Requests per second that met every latency bound of the SLA."""
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """How hard to look: sample sizes, halving rate, rounds, thresholds, the budget."""
+
+    budget_s: float = 1800.0
+    """Wall seconds for the whole search; at the end, the best so far wins."""
+    first_sample: int = 32
+    """Requests in the first, cheapest rung of successive halving."""
+    eta: int = 3
+    """Each rung keeps a 1/eta of the candidates and replays eta times more requests."""
+    num_finalists: int = 3
+    """Candidates replayed on the full trace for ``num_rounds`` rounds."""
+    num_rounds: int = 3
+    """Full replays per finalist (ties are judged on their spread: at least 3)."""
+    max_spread: float = 0.10
+    """A finalist whose rounds' goodput spreads more than this (relative) is re-run once, then marked unstable."""
+    min_match: float = 0.9
+    """Teacher-forced top-1 agreement a reduced precision needs against float32."""
+
+    def __post_init__(self) -> None:
+        if self.num_rounds < 3:
+            raise ValueError("num_rounds must be >= 3 (ties are judged on the spread)")
+        if self.eta < 2 or self.first_sample < 1 or self.num_finalists < 1:
+            raise ValueError("eta must be >= 2, first_sample and num_finalists >= 1")
+
+
+@dataclass
+class CandidateState:
+    """Everything known about one candidate; what ``result.json`` lists."""
+
+    candidate: Candidate
+    status: str = "pending"
+    """pending, pruned, rejected, failed, eliminated, finalist, unstable, tied, winner."""
+    reason: str = ""
+    """Why it was pruned, rejected, failed or lost."""
+    memory_bytes: int | None = None
+    """Planned memory (weights plus KV) from ``plan``."""
+    gate: dict[str, Any] | None = None
+    """The correctness check's figures, for reduced precisions."""
+    runs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """``"<num_requests>/<round>"`` -> that replay's figures."""
+
+    def rung_figures(self, num_requests: int) -> list[dict[str, Any]]:
+        """Figures of every round replayed with ``num_requests`` requests."""
+        prefix = f"{num_requests}/"
+        return [v for k, v in sorted(self.runs.items()) if k.startswith(prefix)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.candidate.key,
+            "settings": self.candidate.options,
+            "non_default": dict(self.candidate.settings),
+            "serve_args": self.candidate.serve_args(),
+            "status": self.status,
+            "reason": self.reason,
+            "memory_bytes": self.memory_bytes,
+            "gate": self.gate,
+            "runs": self.runs,
+        }
+
+
+def score_of(figures: list[dict[str, Any]], sla: dict[str, float]) -> tuple[int, float, float]:
+    """Sort key (higher is better): meets the SLA in every round, mean goodput, mean throughput."""
+    if not figures:
+        return (0, -math.inf, -math.inf)
+    meets = all(not check_sla(f, sla) for f in figures)
+    goodput = statistics.fmean(float(f.get(GOODPUT_KEY) or 0.0) for f in figures)
+    throughput = statistics.fmean(float(f.get("output_throughput") or 0.0) for f in figures)
+    return (int(meets), goodput, throughput)
+
+
+def relative_spread(values: list[float]) -> float:
+    """(max - min) / mean; 0 for fewer than two values or a zero mean."""
+    if len(values) < 2:
+        return 0.0
+    mean = statistics.fmean(values)
+    return (max(values) - min(values)) / mean if mean > 0 else 0.0
+
+
+def is_tie(a: list[float], b: list[float]) -> bool:
+    """Two candidates' round values overlap: the difference is inside the measured spread."""
+    return bool(a and b) and min(a) <= max(b) and min(b) <= max(a)
+
+
+def simplicity_key(state: CandidateState) -> tuple[int, int]:
+    """Tie-break: fewer non-default flags first, then less memory."""
+    return (state.candidate.num_non_default, state.memory_bytes or 0)
+
+
+@dataclass
+class TuneState:
+    """The search's record: every candidate's state plus the run's settings; saved as JSON."""
+
+    candidates: dict[str, CandidateState]
+    meta: dict[str, Any] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+    """Search seconds spent before this process (resume adds to it)."""
+    decision: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def new(cls, candidates: list[Candidate], meta: dict[str, Any]) -> TuneState:
+        return cls({c.key: CandidateState(c) for c in candidates}, dict(meta))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": STATE_FORMAT_VERSION,
+            "kind": "tune",
+            **self.meta,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "decision": self.decision,
+            "candidates": [s.to_json() for s in self.candidates.values()],
+        }
+
+    def save(self, path: str | Path) -> Path:
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
+        tmp.replace(out)
+        return out
+
+    def absorb(self, path: str | Path, same: tuple[str, ...] = ("model", "workload", "sla")) -> int:
+        """Take the gate results and measurements of a previous run of the same search.
+
+        Only a run with the same model, workload and SLA is taken (its numbers would mean
+        something else otherwise); returns how many measurements were taken over.
+        """
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        if data.get("kind") != "tune" or any(data.get(k) != self.meta.get(k) for k in same):
+            raise ValueError(
+                f"{path} is from another search (model, workload or SLA differ); "
+                "use another --output-dir"
+            )
+        taken = 0
+        for entry in data.get("candidates", []):
+            state = self.candidates.get(entry.get("key"))
+            if state is None:
+                continue
+            state.runs.update(entry.get("runs") or {})
+            state.gate = entry.get("gate") or state.gate
+            if entry.get("status") == "failed":
+                state.status, state.reason = "failed", entry.get("reason", "")
+            taken += len(entry.get("runs") or {})
+        self.elapsed_s = float(data.get("elapsed_s") or 0.0)
+        return taken
+
+
+PlanFn = Callable[[Candidate], tuple[bool, int | None, str]]
+"""candidate -> (fits, planned bytes, why not)."""
+GateFn = Callable[[Candidate], dict[str, Any]]
+"""candidate -> {"top1_agreement": .., "mean_kl": .., ...} of its precision against float32."""
+MeasureFn = Callable[[Candidate, int, int], dict[str, Any]]
+"""(candidate, num_requests, round) -> the replay's summary figures; raises on failure."""
+ProgressFn = Callable[[str, float], None]
+"""(what runs now, seconds left in the budget) -> None."""
+
+
+class BudgetExhausted(Exception):
+    """Raised inside the search when the budget is spent; the best so far is decided."""
+
+
+@dataclass
+class Search:
+    """One tuning run over ``state`` with the callables that touch the world."""
+
+    state: TuneState
+    sla: dict[str, float]
+    settings: SearchSettings
+    num_trace_requests: int
+    plan: PlanFn
+    gate: GateFn
+    measure: MeasureFn
+    clock: Callable[[], float]
+    save: Callable[[TuneState], Any] = lambda state: None
+    progress: ProgressFn = lambda what, left_s: None
+    _start_s: float = 0.0
+
+    # ---- the budget ---------------------------------------------------------------------
+    def elapsed_s(self) -> float:
+        return self.state.elapsed_s + (self.clock() - self._start_s)
+
+    def left_s(self) -> float:
+        return self.settings.budget_s - self.elapsed_s()
+
+    def _checkpoint(self, what: str) -> None:
+        self.progress(what, max(0.0, self.left_s()))
+        if self.left_s() <= 0:
+            raise BudgetExhausted(what)
+
+    def _save(self) -> None:
+        self.save(self.state)
+
+    # ---- the steps ----------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Search and decide; returns the decision (also kept in ``state.decision``)."""
+        self._start_s = self.clock()
+        stopped_by_budget = False
+        try:
+            self.prune()
+            self.check_correctness()
+            finalists = self.halve()
+            self.replay_finalists(finalists)
+        except BudgetExhausted as exc:
+            stopped_by_budget = True
+            self.state.meta["stopped_by_budget_at"] = str(exc)
+        decision = self.decide(stopped_by_budget)
+        self.state.elapsed_s = self.elapsed_s()
+        self._start_s = self.clock()
+        self.state.decision = decision
+        self._save()
+        return decision
+
+    def alive(self) -> list[CandidateState]:
+        return [s for s in self.state.candidates.values() if s.status in ("pending", "finalist")]
+
+    def prune(self) -> None:
+        """Drop, before anything runs, what ``plan`` says cannot fit the memory."""
+        for s in self.state.candidates.values():
+            fits, num_bytes, why = self.plan(s.candidate)
+            s.memory_bytes = num_bytes
+            if not fits:
+                s.status, s.reason = "pruned", f"does not fit the memory: {why}"
+        self._save()
+
+    def check_correctness(self) -> None:
+        """Verify each reduced precision once; reject candidates below ``min_match``."""
+        by_precision: dict[tuple[Any, ...], dict[str, Any]] = {}
+        for s in self.alive():
+            if not s.candidate.is_reduced_precision:
+                continue
+            pkey = s.candidate.precision_key
+            if s.gate is None:
+                if pkey not in by_precision:
+                    self._checkpoint(f"verify {dict(pkey)}")
+                    by_precision[pkey] = self.gate(s.candidate)
+                s.gate = by_precision[pkey]
+            else:
+                by_precision.setdefault(pkey, s.gate)
+            agreement = s.gate.get("top1_agreement")
+            if s.gate.get("error"):
+                s.status, s.reason = "rejected", f"correctness check failed: {s.gate['error']}"
+            elif agreement is None or agreement < self.settings.min_match:
+                s.status = "rejected"
+                s.reason = (
+                    f"top-1 agreement {agreement:.3f} < --min-match {self.settings.min_match:g} "
+                    f"(mean KL {s.gate.get('mean_kl', float('nan')):.4f})"
+                )
+            self._save()
+
+    def _measure_once(self, s: CandidateState, num_requests: int, round_index: int) -> bool:
+        key = f"{num_requests}/{round_index}"
+        if key in s.runs:
+            return True
+        self._checkpoint(f"{s.candidate.key}: {num_requests} requests, round {round_index + 1}")
+        try:
+            s.runs[key] = self.measure(s.candidate, num_requests, round_index)
+        except Exception as exc:  # a candidate that cannot serve loses, the search goes on
+            s.status, s.reason = "failed", f"{type(exc).__name__}: {exc}"
+            self._save()
+            return False
+        self._save()
+        return True
+
+    def rungs(self) -> list[int]:
+        """Request counts of the halving rungs, cheapest first, ending below the full trace."""
+        sizes, n = [], self.settings.first_sample
+        while n < self.num_trace_requests:
+            sizes.append(n)
+            n *= self.settings.eta
+        return sizes
+
+    def halve(self) -> list[CandidateState]:
+        """Successive halving on samples of the trace until ``num_finalists`` remain."""
+        alive = [s for s in self.alive() if s.status == "pending"]
+        for size in self.rungs():
+            if len(alive) <= self.settings.num_finalists:
+                break
+            alive = [s for s in alive if self._measure_once(s, size, 0)]
+            ranked = sorted(
+                alive, key=lambda s: score_of(s.rung_figures(size), self.sla), reverse=True
+            )
+            keep = max(self.settings.num_finalists, math.ceil(len(ranked) / self.settings.eta))
+            for s in ranked[keep:]:
+                s.status = "eliminated"
+                s.reason = f"ranked below the best {keep} on a {size}-request sample"
+            alive = ranked[:keep]
+            self._save()
+        for s in alive:
+            s.status = "finalist"
+        return alive
+
+    def replay_finalists(self, finalists: list[CandidateState]) -> None:
+        """Full replays, ``num_rounds`` each; a spread over ``max_spread`` gets one more set."""
+        n = self.num_trace_requests
+        for s in finalists:
+            for r in range(self.settings.num_rounds):
+                if not self._measure_once(s, n, r):
+                    break
+        for s in finalists:
+            if s.status != "finalist" or self._spread(s) <= self.settings.max_spread:
+                continue
+            extra = range(self.settings.num_rounds, 2 * self.settings.num_rounds)
+            rerun_ok = all(self._measure_once(s, n, r) for r in extra)
+            if rerun_ok and self._spread(s, last_only=True) <= self.settings.max_spread:
+                for r in range(self.settings.num_rounds):  # keep the steadier, later rounds
+                    s.runs[f"superseded/{n}/{r}"] = s.runs.pop(f"{n}/{r}")
+            elif rerun_ok:
+                s.status = "unstable"
+                s.reason = f"goodput spread {self._spread(s):.0%} over rounds, re-run too"
+
+    def _goodputs(self, s: CandidateState, n: int | None = None) -> list[float]:
+        figures = s.rung_figures(n or self.num_trace_requests)
+        return [float(f.get(GOODPUT_KEY) or 0.0) for f in figures]
+
+    def _spread(self, s: CandidateState, last_only: bool = False) -> float:
+        values = self._goodputs(s)
+        return relative_spread(values[-self.settings.num_rounds :] if last_only else values)
+
+    # ---- the decision -------------------------------------------------------------------
+    def _best_rung(self) -> int | None:
+        """The largest request count every contender was measured at (full trace first)."""
+        sizes = [self.num_trace_requests, *reversed(self.rungs())]
+        for n in sizes:
+            if any(
+                s.rung_figures(n) and s.status in ("finalist", "unstable")
+                for s in self.state.candidates.values()
+            ):
+                return n
+        for n in sizes:
+            if any(s.rung_figures(n) for s in self.state.candidates.values()):
+                return n
+        return None
+
+    def decide(self, stopped_by_budget: bool) -> dict[str, Any]:
+        """The winner, the candidates tied with it, and why; the tie goes to the simpler one."""
+        n = self._best_rung()
+        base = {"stopped_by_budget": stopped_by_budget, "sla": self.sla}
+        if n is None:
+            return {**base, "winner": None, "reason": "nothing was measured within the budget"}
+        contenders = [
+            s
+            for s in self.state.candidates.values()
+            if s.rung_figures(n)
+            and s.status in ("pending", "finalist", "unstable", "eliminated")
+            and (n != self.num_trace_requests or s.status != "eliminated")
+        ]
+        stable = [s for s in contenders if s.status != "unstable"] or contenders
+        best = max(stable, key=lambda s: score_of(s.rung_figures(n), self.sla))
+        best_goodputs = self._goodputs(best, n)
+        meets = bool(score_of(best.rung_figures(n), self.sla)[0])
+        tied = [
+            s
+            for s in stable
+            if s is not best
+            and score_of(s.rung_figures(n), self.sla)[0] == int(meets)
+            and is_tie(self._goodputs(s, n), best_goodputs)
+        ]
+        winner = min([best, *tied], key=simplicity_key)
+        for s in contenders:
+            if s.status in ("pending", "finalist"):
+                s.status = "lost"
+                s.reason = s.reason or self._loss_reason(s, winner, n)
+        for s in tied:
+            if s is not winner:
+                s.status = "tied"
+                s.reason = f"tied with {winner.candidate.key} within the measured spread; the simpler/cheaper one wins"
+        if best is not winner:
+            best.status = "tied"
+            best.reason = (
+                f"highest mean goodput but inside {winner.candidate.key}'s spread; "
+                "the tie goes to the configuration with fewer flags and less memory"
+            )
+        winner.status, winner.reason = "winner", ""
+        note = ""
+        if tied:
+            names = ", ".join(s.candidate.key for s in [best, *tied] if s is not winner)
+            note = (
+                f"tied with {names} (their goodput ranges over rounds overlap); chose "
+                f"{winner.candidate.key}: {winner.candidate.num_non_default} non-default flags"
+                + (f", {winner.memory_bytes} bytes" if winner.memory_bytes else "")
+            )
+        return {
+            **base,
+            "winner": winner.candidate.key,
+            "meets_sla": meets,
+            "measured_on_requests": n,
+            "goodput_rounds": self._goodputs(winner, n),
+            "tied_with": [s.candidate.key for s in [best, *tied] if s is not winner],
+            "tie_note": note,
+            "serve_args": winner.candidate.serve_args(),
+            "reason": "" if meets else "no candidate met the SLA; this one came closest",
+        }
+
+    def _loss_reason(self, s: CandidateState, winner: CandidateState, n: int) -> str:
+        misses = [m for f in s.rung_figures(n) for m in check_sla(f, self.sla)]
+        if misses:
+            return "misses the SLA: " + "; ".join(sorted(set(misses))[:3])
+        mine, theirs = self._goodputs(s, n), self._goodputs(winner, n)
+        return (
+            f"lower goodput ({statistics.fmean(mine):.3g} vs {statistics.fmean(theirs):.3g} req/s), "
+            "outside the winner's spread"
+        )

@@ -1,0 +1,232 @@
+"""The decision logic on synthetic measurements: pruning, the gate, halving, ties, resume."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tokenmill.tune.candidates import Candidate
+from tokenmill.tune.search import Search, SearchSettings, TuneState, is_tie, relative_spread
+
+SLA = {"p95_ttft_ms": 800.0, "p95_tpot_ms": 60.0}
+DEFAULT = Candidate()
+INT8 = Candidate.of(quantization="int8")
+INT4 = Candidate.of(quantization="int4")
+STATIC = Candidate.of(kv_cache="static")
+SEQS = Candidate.of(max_num_seqs=4)
+BIG = Candidate.of(max_num_seqs=32, kv_cache="static")
+
+
+def figures(goodput: float, ttft: float = 100.0, tpot: float = 20.0) -> dict[str, Any]:
+    return {
+        "request_goodput": goodput,
+        "output_throughput": goodput * 10,
+        "p95_ttft_ms": ttft,
+        "p95_tpot_ms": tpot,
+        "failed": 0,
+    }
+
+
+class Recorded:
+    """Measurements looked up from a table: candidate key -> goodput per round (or a fixed one)."""
+
+    def __init__(self, table: dict[str, Any]) -> None:
+        self.table = table
+        self.calls: list[tuple[str, int, int]] = []
+
+    def __call__(self, c: Candidate, n: int, r: int) -> dict[str, Any]:
+        self.calls.append((c.key, n, r))
+        value = self.table[c.key]
+        if isinstance(value, Exception):
+            raise value
+        if callable(value):
+            return value(n, r)
+        if isinstance(value, list):
+            return figures(value[r % len(value)])
+        return figures(value)
+
+
+def run_search(
+    candidates: list[Candidate],
+    measure: Recorded,
+    *,
+    memory: dict[str, int] | None = None,
+    gate: dict[str, float] | None = None,
+    state: TuneState | None = None,
+    budget_s: float = 1e9,
+    clock_step_s: float = 0.0,
+    num_requests: int = 100,
+) -> tuple[Search, dict[str, Any]]:
+    memory = memory or {}
+    gate = gate or {}
+    ticks = [0.0]
+
+    def clock() -> float:
+        ticks[0] += clock_step_s
+        return ticks[0]
+
+    def plan(c: Candidate) -> tuple[bool, int | None, str]:
+        need = memory.get(c.key, 1000)
+        return need <= 5000, need, f"needs {need} bytes"
+
+    def verify(c: Candidate) -> dict[str, Any]:
+        return {"top1_agreement": gate.get(c.key, 1.0), "mean_kl": 0.01}
+
+    search = Search(
+        state or TuneState.new(candidates, {"model": "m", "workload": "w", "sla": SLA}),
+        SLA,
+        SearchSettings(budget_s=budget_s, first_sample=10, eta=3, num_finalists=2),
+        num_requests,
+        plan,
+        verify,
+        measure,
+        clock,
+    )
+    return search, search.run()
+
+
+def statuses(search: Search) -> dict[str, str]:
+    return {k: s.status for k, s in search.state.candidates.items()}
+
+
+def test_plan_prunes_before_anything_runs() -> None:
+    measure = Recorded({"default": 1.0, INT8.key: 2.0, BIG.key: 9.0})
+    search, decision = run_search([DEFAULT, INT8, BIG], measure, memory={BIG.key: 10_000})
+    assert statuses(search)[BIG.key] == "pruned"
+    assert "does not fit" in search.state.candidates[BIG.key].reason
+    assert all(key != BIG.key for key, _, _ in measure.calls)
+    assert decision["winner"] == INT8.key
+
+
+def test_correctness_gate_rejects_below_min_match_whatever_its_speed() -> None:
+    measure = Recorded({"default": 1.0, INT8.key: 1.5, INT4.key: 5.0})
+    search, decision = run_search([DEFAULT, INT8, INT4], measure, gate={INT4.key: 0.7})
+    assert statuses(search)[INT4.key] == "rejected"
+    assert "0.700 < --min-match 0.9" in search.state.candidates[INT4.key].reason
+    assert all(key != INT4.key for key, _, _ in measure.calls)
+    assert decision["winner"] == INT8.key
+    assert search.state.candidates["default"].gate is None  # full precision needs no gate
+
+
+def test_halving_measures_every_candidate_cheaply_and_only_finalists_fully() -> None:
+    cands = [DEFAULT, INT8, INT4, STATIC, SEQS, BIG]
+    table = {c.key: float(i + 1) for i, c in enumerate(cands)}
+    measure = Recorded(table)
+    search, decision = run_search(cands, measure)
+    first = {key for key, n, _ in measure.calls if n == 10}
+    assert first == set(table)
+    full = {key for key, n, _ in measure.calls if n == 100}
+    assert full == {SEQS.key, BIG.key}
+    assert sum(1 for key, n, _ in measure.calls if n == 100 and key == BIG.key) == 3
+    assert decision["winner"] == BIG.key
+    assert statuses(search)[DEFAULT.key] == "eliminated"
+
+
+def test_sla_beats_goodput() -> None:
+    measure = Recorded({"default": 1.0, INT8.key: lambda n, r: figures(9.0, ttft=2000.0)})
+    search, decision = run_search([DEFAULT, INT8], measure)
+    assert decision["winner"] == "default"
+    assert "misses the SLA" in search.state.candidates[INT8.key].reason
+
+
+def test_overlapping_rounds_are_a_tie_won_by_the_simpler_config() -> None:
+    measure = Recorded({"default": [1.00, 1.04, 0.98], INT8.key: [1.02, 1.05, 1.01]})
+    search, decision = run_search([DEFAULT, INT8], measure)
+    assert decision["winner"] == "default"
+    assert decision["tied_with"] == [INT8.key]
+    assert "non-default flags" in decision["tie_note"]
+    assert statuses(search)[INT8.key] == "tied"
+
+
+def test_tie_between_equally_simple_configs_goes_to_less_memory() -> None:
+    measure = Recorded({INT8.key: [1.02, 1.05, 1.01], INT4.key: [1.0, 1.04, 1.03]})
+    _, decision = run_search([INT8, INT4], measure, memory={INT8.key: 3000, INT4.key: 2000})
+    assert decision["winner"] == INT4.key
+
+
+def test_clear_difference_is_not_a_tie() -> None:
+    measure = Recorded({"default": [1.0, 1.02, 0.99], INT8.key: [1.5, 1.52, 1.49]})
+    search, decision = run_search([DEFAULT, INT8], measure)
+    assert decision["winner"] == INT8.key and decision["tied_with"] == []
+    assert "outside the winner's spread" in search.state.candidates["default"].reason
+
+
+def test_wide_spread_is_rerun_then_marked_unstable() -> None:
+    measure = Recorded({"default": [1.0, 1.01, 1.0], INT8.key: [1.0, 2.0, 1.5]})
+    search, decision = run_search([DEFAULT, INT8], measure)
+    assert sum(1 for key, n, _ in measure.calls if key == INT8.key and n == 100) == 6
+    assert statuses(search)[INT8.key] == "unstable"
+    assert decision["winner"] == "default"
+
+
+def test_steady_rerun_replaces_the_noisy_rounds() -> None:
+    measure = Recorded({"default": [1.0, 1.01, 1.0], INT8.key: [1.0, 2.0, 1.5, 1.9, 1.9, 1.9]})
+    _, decision = run_search([DEFAULT, INT8], measure)
+    assert decision["winner"] == INT8.key
+    assert decision["goodput_rounds"] == [1.9, 1.9, 1.9]
+
+
+def test_failing_candidate_loses_alone() -> None:
+    measure = Recorded({"default": 1.0, INT8.key: RuntimeError("server did not start")})
+    search, decision = run_search([DEFAULT, INT8], measure)
+    assert statuses(search)[INT8.key] == "failed"
+    assert "server did not start" in search.state.candidates[INT8.key].reason
+    assert decision["winner"] == "default"
+
+
+def test_budget_stops_with_the_best_so_far() -> None:
+    cands = [DEFAULT, INT8, INT4, STATIC, SEQS, BIG]
+    measure = Recorded({c.key: float(i + 1) for i, c in enumerate(cands)})
+    # every clock reading advances 1 s: the budget ends inside the first rung
+    _, decision = run_search(cands, measure, budget_s=8, clock_step_s=1.0)
+    assert decision["stopped_by_budget"] is True
+    assert decision["winner"] is not None
+    assert all(n == 10 for _, n, _ in measure.calls)
+
+
+def test_resume_runs_nothing_measured_twice(tmp_path) -> None:
+    cands = [DEFAULT, INT8, INT4, STATIC]
+    table = {c.key: float(i + 1) for i, c in enumerate(cands)}
+    first = Recorded(table)
+    search, _ = run_search(cands, first, budget_s=14, clock_step_s=1.0)
+    assert search.state.decision["stopped_by_budget"]
+    path = search.state.save(tmp_path / "result.json")
+    done = {(k, n, r) for k, n, r in first.calls}
+    assert done
+    state = TuneState.new(cands, {"model": "m", "workload": "w", "sla": SLA})
+    assert state.absorb(path) == len(done)
+    second = Recorded(table)
+    _, decision = run_search(cands, second, state=state)
+    assert not done & set(second.calls)
+    assert decision["winner"] == STATIC.key
+
+
+def test_resume_refuses_another_search(tmp_path) -> None:
+    search, _ = run_search([DEFAULT], Recorded({"default": 1.0}))
+    path = search.state.save(tmp_path / "result.json")
+    other = TuneState.new([DEFAULT], {"model": "m", "workload": "other", "sla": SLA})
+    with pytest.raises(ValueError, match="another search"):
+        other.absorb(path)
+
+
+def test_spread_and_overlap_helpers() -> None:
+    assert relative_spread([1.0, 1.1]) == pytest.approx(0.0952, abs=1e-3)
+    assert is_tie([1.0, 1.2], [1.1, 1.3]) and not is_tie([1.0, 1.05], [1.1, 1.2])
+
+
+def test_candidate_renders_as_flags_and_yaml() -> None:
+    c = Candidate.of(
+        quantization="int8",
+        enable_prefix_caching=False,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        max_num_seqs=256,
+    )
+    assert c.num_non_default == 3  # max_num_seqs=256 is the default
+    args = c.serve_args()
+    assert args[:3] == ["--no-enable-prefix-caching", "--quantization", "int8"]
+    assert '{"method":"ngram","num_speculative_tokens":3}' in args
+    text = c.config_yaml("demo")
+    assert "quantization: int8" in text and "enable-prefix-caching: false" in text
+    with pytest.raises(ValueError, match="unknown tuning option"):
+        Candidate.of(nonsense=1)

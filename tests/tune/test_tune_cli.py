@@ -1,0 +1,111 @@
+"""``serve --record-trace`` and ``tokenmill tune`` end to end on the demo model.
+
+A real server records real traffic; a tiny tune replays that recording against two real
+candidates and writes the command, the YAML, the JSON and the HTML. Nothing asserts a
+timing: the SLA is loose enough for any machine, and the decision logic itself is tested on
+recorded figures in test_search.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tests.entrypoints.conftest import start_server
+from tokenmill.entrypoints.cli import main
+from tokenmill.tune.trace import load_trace
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["the cat sat on the mat " * 3, "a b c d", "the cat sat on the mat " * 3, "hello world"]
+
+
+def _record(tmp_path, *flags: str) -> list[dict]:
+    path = tmp_path / "recorded.jsonl"
+    server = start_server(tmp_path, "--record-trace", str(path), *flags, api_key=None)
+    try:
+        client = server.openai()
+        usages = []
+        for i, prompt in enumerate(PROMPTS):
+            out = client.completions.create(
+                model="demo", prompt=prompt, max_tokens=3 + i, temperature=0
+            )
+            usages.append(out.usage)
+        stream = client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        list(stream)
+    finally:
+        server.process.terminate()
+        server.process.wait(timeout=60)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["input_length"] for x in lines[:4]] == [u.prompt_tokens for u in usages]
+    assert [x["output_length"] for x in lines[:4]] == [u.completion_tokens for u in usages]
+    return lines
+
+
+def test_record_trace_writes_shapes_not_prompts_and_tune_replays_it(tmp_path) -> None:
+    lines = _record(tmp_path)
+    assert len(lines) == 5
+    assert not any("prompt" in x or "messages" in x for x in lines)
+    assert lines[0]["hash_ids"] == lines[2]["hash_ids"] != lines[1]["hash_ids"]
+    assert [x["timestamp"] for x in lines] == sorted(x["timestamp"] for x in lines)
+
+    out = tmp_path / "tune"
+    argv = [
+        "tune", "demo", "--workload", str(tmp_path / "recorded.jsonl"),
+        "--sla", "ttft_p95_ms=600000,tpot_p95_ms=600000",
+        "--options", "max_num_seqs", "--max-candidates", "2", "--num-finalists", "2",
+        "--budget-s", "900", "--output-dir", str(out), "--no-progress", "--time-scale", "0.5",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["num_trace_requests"] == 5
+    winner = result["decision"]["winner"]
+    assert winner in {"default", "max_num_seqs=4"} and result["decision"]["meets_sla"]
+    statuses = {c["key"]: c["status"] for c in result["candidates"]}
+    assert statuses[winner] == "winner"
+    assert all(len(c["runs"]) >= 3 for c in result["candidates"])  # full rounds for finalists
+    command = (out / "serve_command.txt").read_text()
+    assert command.startswith("tokenmill serve demo --max-model-len")
+    assert yaml.safe_load((out / "config.yaml").read_text())["model"] == "demo"
+    html = (out / "report.html").read_text()
+    assert winner in html and "goodput_vs_ttft.png" in html
+    assert (out / "goodput_vs_ttft.png").stat().st_size > 0
+
+    # a second run resumes: nothing is measured again
+    before = {c["key"]: c["runs"] for c in result["candidates"]}
+    assert main(argv) == 0
+    after = {
+        c["key"]: c["runs"] for c in json.loads((out / "result.json").read_text())["candidates"]
+    }
+    assert after == before
+
+
+def test_record_trace_prompts_only_when_asked(tmp_path) -> None:
+    lines = _record(tmp_path, "--record-trace-prompts")
+    assert lines[1]["prompt"] == "a b c d"
+    assert lines[4]["messages"] == [{"role": "user", "content": "hi"}]
+    assert load_trace(str(tmp_path / "recorded.jsonl")).requests[1].prompt == "a b c d"
+
+
+def test_tune_refuses_a_bad_trace_with_its_line_number(tmp_path, capsys) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 3, "output_length": 2}\n{"timestamp": 1}\n')
+    code = main(
+        [
+            "tune",
+            "demo",
+            "--workload",
+            str(path),
+            "--sla",
+            "ttft_p95_ms=800",
+            "--output-dir",
+            str(tmp_path / "o"),
+        ]
+    )
+    assert code == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
