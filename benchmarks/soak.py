@@ -1,4 +1,4 @@
-"""Soak: thousands of mixed requests against a real server, watching its RSS (issue 17).
+"""Soak: thousands of mixed requests against a real server, watching its RSS.
 
 Starts ``tokenmill serve`` (the demo model by default), sends ``--num-requests`` requests
 from a fixed mix at ``--concurrency``: completions and chat (plain and streamed), n=2,

@@ -62,7 +62,7 @@ def resolve_dtype(
     float32`` keeps fp32). Where it has not but tokenmill's AVX2 kernels run, bf16 too:
     their GEMV reads bf16 weights (half fp32's bytes) and multiplies in fp32 (served on an
     AVX2-only EPYC, 250M Llama: one stream 1.6x fp32's speed, 16 streams 1.15x, long
-    prompts 1.15x; docs/benchmarks.md, seventh pass). Without the kernels everything runs
+    prompts 1.15x; docs/benchmarks.md). Without the kernels everything runs
     as fp32 (fp16 GEMMs have no such units on CPU, measured 3x slower than bf16 at 128 rows;
     torch's bf16 GEMMs on AVX2 too).
     ``quantization`` needs no rule of its own: the int kernels take bf16 activations, which

@@ -1,7 +1,7 @@
-"""What a wave-3 peers run is made of: its workloads, its steps and the context they share.
+"""What a peers run is made of: its workloads, its steps and the context they share.
 
-Kept apart from ``wave3_peers.py`` (the servers, the steps and the runner) so that
-``wave3_report.py`` can read a run without importing the runner.
+Kept apart from ``peers_run.py`` (the servers, the steps and the runner) so that
+``peers_report.py`` can read a run without importing the runner.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The markdown report of a wave-3 peers run: tables with side-by-side ratios, the commands,
+"""The markdown report of a peers run: tables with side-by-side ratios, the commands,
 the machine (CPU model and flags, torch, vLLM, llama.cpp) and the steps' times, read from the
 step JSON files under the run's ``--out-dir``.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from wave3_plan import THREADS, Context, Step, git, load
+from peers_plan import THREADS, Context, Step, git, load
 
 
 def metric(data: dict[str, Any] | None, run: str, key: str) -> float | None:
@@ -40,7 +40,7 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
     missing = "not recorded (no prepare step in this folder)"
     kernels_loaded = (prep.get("kernels") or {}).get("loaded")
     lines = [
-        f"Run of `benchmarks/wave3_peers.py` in {ctx.out} — report written "
+        f"Run of `benchmarks/peers_run.py` in {ctx.out} — report written "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         f"**Machine**: {cpu_model()}, {THREADS} logical CPUs, flags `{' '.join(cpu_flags())}`; "
@@ -63,7 +63,7 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
             )
     walls = [d["_wall_s"] for st in steps if (d := load(ctx, st.name)) and "_wall_s" in d]
     lines.append(f"- steps' wall time in all: {sum(walls) / 60:.1f} min")
-    lines += ["", "### Issue 20: the 250M Llama, every server on the same cores", ""]
+    lines += ["", "### The 250M Llama, every server on the same cores", ""]
     lines.append(
         f"single = {wl['single'].describe()}, many = {wl['many'].describe()}, long = "
         f"{wl['long'].describe()}; greedy, EOS ignored, `tokenmill bench serve` (2 warm-up "
@@ -194,7 +194,7 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
             )
 
     ref = load(ctx, "a-ref-bf16")
-    lines += ["", "### Issue 18", ""]
+    lines += ["", "### Fallback and mixture of experts", ""]
     if ref is not None:
         lines += [
             f"**No regression on the dense 250M** (same run: tokenmill bf16 paged at HEAD against "

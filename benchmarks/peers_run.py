@@ -1,4 +1,4 @@
-"""Issues 18 and 20 in one prepared, resumable run: tokenmill against vLLM's CPU backend,
+"""Peers and fallback in one prepared, resumable run: tokenmill against vLLM's CPU backend,
 llama.cpp and Transformers, every server on the same cores, one server at a time.
 
 Steps (``--list`` prints them with their estimated minutes on a quiet 2-core machine):
@@ -6,7 +6,7 @@ Steps (``--list`` prints them with their estimated minutes on a quiet 2-core mac
   prepare            build the 250M benchmark Llama (engine_core.py's, seeded) and the ~360M
                      random Mixtral (moe.py --shape full), convert the Llama to GGUF
                      (gguf_convert.py), compile tokenmill's CPU kernels, check out --ref
-  A (issue 20)       the 250M Llama through each server with ``tokenmill bench serve``:
+  A (peers)          the 250M Llama through each server with ``tokenmill bench serve``:
                      single = 6 x (128 -> 64) at 1 stream, many = 32 x (128 -> 64) at 16
                      streams, long = 16 x (1024 -> 64) at 8 streams; greedy, EOS ignored.
                      a-vllm-bf16, a-tm-bf16 (paged), a-tm-bf16-static, a-tm-bf16-lat and
@@ -14,7 +14,7 @@ Steps (``--list`` prints them with their estimated minutes on a quiet 2-core mac
                      (--quantization, --dtype auto), a-tm-{bf16,int8,int4}-compiled (paged with
                      --compile-batch-sizes 1, single only), a-llama-f16/q8_0/q4_0, a-ref-bf16 (with
                      --ref: the same tokenmill bf16 server from a worktree of an older commit)
-  B (issue 18)       b-fallback: tokenmill bf16 --model-impl transformers on the 250M Llama
+  B (fallback)       b-fallback: tokenmill bf16 --model-impl transformers on the 250M Llama
                      (single, many; against a-tm-bf16); b-moe-offline: moe.py in bf16,
                      tokenmill (with the share of step time in routing and expert dispatch,
                      timed inside the engine's steps) and Transformers generate, at 1 and 16
@@ -27,10 +27,10 @@ tail, and the run goes on); ``--skip-done`` skips steps whose JSON has no error,
 that stopped resumes where it was. Peak RSS is the server's process tree (summed RSS: vLLM's
 engine runs in a child process), over its whole life and while measured.
 
-    .venv/bin/python benchmarks/wave3_peers.py --ref 9abb3a3^ --skip-done   # everything
-    .venv/bin/python benchmarks/wave3_peers.py --only A --skip-done         # issue 20 only
-    .venv/bin/python benchmarks/wave3_peers.py --only report                # tables again
-    .venv/bin/python benchmarks/wave3_peers.py --tiny --out-dir results/wave3-smoke  # smoke
+    .venv/bin/python benchmarks/peers_run.py --ref 9abb3a3^ --skip-done   # everything
+    .venv/bin/python benchmarks/peers_run.py --only A --skip-done         # peers only
+    .venv/bin/python benchmarks/peers_run.py --only report                # tables again
+    .venv/bin/python benchmarks/peers_run.py --tiny --out-dir results/peers-smoke  # smoke
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import CACHE, PEERS_ROOT, REPO, source_env
-from wave3_plan import FULL_WORKLOADS, THREADS, TINY_WORKLOADS, Context, Step, git, load
-from wave3_report import render_report
-from wave3_servers import llama_serve, serve_and_bench, tokenmill_serve, vllm_serve
+from peers_plan import FULL_WORKLOADS, THREADS, TINY_WORKLOADS, Context, Step, git, load
+from peers_report import render_report
+from peers_servers import llama_serve, serve_and_bench, tokenmill_serve, vllm_serve
 
 HERE = Path(__file__).resolve().parent
 
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out-dir", type=Path, default=REPO / "results" / "wave3")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "results" / "peers")
     parser.add_argument("--only", help="comma list of steps or groups (prepare, A, B, report)")
     parser.add_argument("--skip", help="comma list of steps or groups to leave out")
     parser.add_argument("--skip-done", action="store_true", help="skip steps with a result")

@@ -1,4 +1,4 @@
-"""The servers of ``wave3_peers.py``'s steps: each one's command line, and one server's
+"""The servers of ``peers_run.py``'s steps: each one's command line, and one server's
 start, workloads (``tokenmill bench serve``, 2 warm-up requests) and stop, with its peak RSS."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Server, bench_serve, peers_dir, tokenmill_command
-from wave3_plan import THREADS, Context
+from peers_plan import THREADS, Context
 
 
 def tokenmill_serve(
     port: int, model: Path, flags: list[str], max_model_len: int, max_num_seqs: int = 32
 ) -> list[str]:
-    """The wave3 tokenmill server: 1 GiB of KV, every core (``serve_rss.py`` runs it too)."""
+    """The peers runs' tokenmill server: 1 GiB of KV, every core (``serve_rss.py`` runs it too)."""
     return tokenmill_command(
         "serve",
         str(model),

