@@ -1,4 +1,4 @@
-"""API overhead benchmark (issue 22): what Responses and Messages cost per request beyond chat
+"""API overhead benchmark: what Responses and Messages cost per request beyond chat
 completions, and /v1/embeddings throughput at batch 1 and 32.
 
   overhead    one in-process ``tokenmill serve demo``; the same one-turn conversation, greedy,

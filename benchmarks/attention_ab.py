@@ -1,4 +1,4 @@
-"""Attention kernels A/B (issue 20): the paged prefill and decode kernels against the paths
+"""Attention kernels A/B: the paged prefill and decode kernels against the paths
 they replace, interleaved in one process so that load drift hits both alike.
 
 Kernel alone (one layer of the 250M benchmark Llama's shape: 16 q heads, 4 KV heads,

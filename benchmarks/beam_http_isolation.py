@@ -1,6 +1,6 @@
 """Beam isolation over HTTP: standard requests' 429s and TTFT with and without a beam flood.
 
-Issue 17's workload: a real ``tokenmill serve`` with ``--max-num-seqs 16 --max-queue-len
+Workload: a real ``tokenmill serve`` with ``--max-num-seqs 16 --max-queue-len
 16``; phase ``idle`` sends 16 concurrent streamed standard requests alone; phase ``flood``
 first puts 30 beam search requests in flight (n=4, best_of=8, 400 tokens), waits until
 they are admitted, then sends the same 16 standard requests. Before the fix, 13 of the 16

@@ -1,6 +1,6 @@
 """Beam-queue isolation: standard requests' TTFT with the beam search queue idle vs saturated.
 
-Issue 13: beam search runs from its own queue with its own concurrency quota
+Beam search runs from its own queue with its own concurrency quota
 (``--max-beam-search-requests``), so a saturated beam queue must not move the standard
 requests' TTFT beyond the shared-compute effect (beams that do run share the batch).
 

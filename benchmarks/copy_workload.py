@@ -1,4 +1,4 @@
-"""The ``copy`` workload of the speculative decoding benchmarks (issue 21): rewrite prompts
+"""The ``copy`` workload of the speculative decoding benchmarks: rewrite prompts
 whose greedy answers do repeat the prompt.
 
 The issue asks for "prompts whose answers repeat parts of the prompt, e.g. 'rewrite this
@@ -34,7 +34,7 @@ def corpus_passages(num: int, lines_per_prompt: int = LINES_PER_PROMPT) -> list[
 
 
 def copy_corpus_prompts(num: int) -> list[str]:
-    """The first pass's rewrite prompts over corpus lines (the demo rarely copies them)."""
+    """The original rewrite prompts over corpus lines (the demo rarely copies them)."""
     prompts = []
     for passage in corpus_passages(num):
         prompts.append(f"Rewrite this text: {passage}\nRewritten: {passage.split('.')[0]}")

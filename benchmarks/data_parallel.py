@@ -1,6 +1,6 @@
 """Data parallelism: 2 replicas behind the front end, prefix-aware routing against the others.
 
-Workload (issue 19): ``bench serve --dataset prefix`` (a few shared system prompts, each
+Workload: ``bench serve --dataset prefix`` (a few shared system prompts, each
 followed by a unique suffix, interleaved) against ``tokenmill serve -dp 2`` once per
 ``--dp-routing`` policy, each on a fresh server. Reported per policy: the replicas' prefix
 cache hit rate over the run (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``, summed

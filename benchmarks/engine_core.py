@@ -1,6 +1,6 @@
 """Engine-core benchmark: tokenmill against transformers ``generate``, side by side in one run.
 
-Workloads (issue "engine core"), on a ~250M-parameter Llama with random fp32 weights:
+Workloads, on a ~250M-parameter Llama with random fp32 weights:
   fixed   32 requests, 128 prompt -> 64 output tokens (EOS ignored), all at once
   mixed   32 requests, prompts U[16, 256], outputs U[16, 128]
   single  1 request, 128 -> 64

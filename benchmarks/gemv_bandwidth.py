@@ -1,6 +1,6 @@
 """One-row projections of the 250M benchmark Llama in GB/s of the weight bytes each kernel reads.
 
-Issue 20's one-stream TPOT is weight-bandwidth bound: each decode step reads every weight
+One-stream TPOT is weight-bandwidth bound: each decode step reads every weight
 once. Per projection shape at M = 1 this prints how fast each path reads what it stores:
 bf16 on oneDNN (prepacked), ``kernels.linear_bf16`` (row-major) and ``kernels.gemv_bf16``
 (``kernels.gemv_layout`` blocks), and the int8 / int4 projections (model/quant.py) as

@@ -1,9 +1,9 @@
-"""Grammar compiles vs another stream's inter-token gaps (issue 17), in-process.
+"""Grammar compiles vs another stream's inter-token gaps, in-process.
 
 One unconstrained stream runs on the ``AsyncLLMEngine`` (the server's engine thread) while
 ``--num-compiles`` distinct ~155 KB JSON schemas compile on a thread pool of
 ``--pool-sizes`` workers, as the server compiles them (``--max-concurrent-grammar-compiles``,
-threads at nice 19; before issue 17 the pool had 2 threads at normal priority:
+threads at nice 19; the old pool had 2 threads at normal priority:
 ``--pool-sizes 2 --no-low-priority``). The gaps between the stream's tokens are recorded
 while compiles are in flight, and once with no compile at all. llguidance holds the GIL
 little while it builds a grammar, but a compile is seconds of CPU that the engine's step
@@ -142,7 +142,7 @@ def main() -> None:
         "--low-priority",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="compile threads at nice 19, as the server's (--no-low-priority: as before issue 17)",
+        help="compile threads at nice 19, as the server's (--no-low-priority: as the old pool)",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

@@ -1,6 +1,6 @@
 """int8 / int4 projections against bf16 at M rows, per 250M-model layer shape, interleaved.
 
-Issue 20 asks quantized decode at 16 streams to be at least as fast as bf16. Per M this
+The goal: quantized decode at 16 streams to be at least as fast as bf16. Per M this
 times one decoder layer's four projections (qkv, o, gate_up, down) on each path, summed:
 
 - ``bf16``: oneDNN on the prepacked weight (the engine's bf16 path above 4 rows) and, up to

@@ -1,6 +1,6 @@
 """16-stream decode of the 250M benchmark Llama: int8 / int4 against bf16, in one process.
 
-Issue 20's target: with ``--quantization int8`` and ``int4`` (bf16 activations) throughput at
+The target: with ``--quantization int8`` and ``int4`` (bf16 activations) throughput at
 16 streams at least bf16's. One in-process engine per configuration (paged KV, bf16), all
 loaded side by side; each round gives every engine the same 16 requests (a 128-token prompt,
 64 output tokens, greedy, EOS ignored) at once, the engines alternating and their order

@@ -1,6 +1,6 @@
 """Multi-LoRA benchmark: what serving adapters costs against the base model, in one process.
 
-Workload (issue 12): 16 concurrent streams of 128 -> 64 tokens (EOS ignored) on the ~250M
+Workload: 16 concurrent streams of 128 -> 64 tokens (EOS ignored) on the ~250M
 benchmark Llama of ``engine_core.py``, three ways, interleaved round by round on one engine:
   base   every request on the base model
   one    every request on one adapter

@@ -1,6 +1,6 @@
 """MoE benchmark: output tok/s of a random Mixtral (8 experts, top-2) and where a step goes.
 
-Workload (issue 18): greedy decoding, EOS ignored, 1 and 16 concurrent streams of
+Workload: greedy decoding, EOS ignored, 1 and 16 concurrent streams of
 ``--prompt-len`` -> ``--max-tokens`` tokens, in one process. The share of step time spent in
 routing (router matmul, softmax, top-k) and in expert dispatch (sort by expert, one gate/up
 and one down matmul per active expert, scatter back) is measured by timing
@@ -170,7 +170,7 @@ def main() -> None:
         "--model",
         type=Path,
         default=None,
-        help="an existing MoE folder to run (e.g. wave3_peers.py's); default: built from "
+        help="an existing MoE folder to run (e.g. peers_run.py's); default: built from "
         "--shape as --model-dir-SHAPE",
     )
     parser.add_argument("--prompt-len", type=int, default=128)

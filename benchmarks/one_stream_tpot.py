@@ -1,4 +1,4 @@
-"""One-stream TPOT of the 250M benchmark Llama (issue 20's llama.cpp row), A/B across source trees.
+"""One-stream TPOT of the 250M benchmark Llama, A/B across source trees.
 
 The in-process engine (``LLMEngine.step``) decodes one request, a 128-token prompt and 64
 output tokens, greedy; TPOT is the median decode step after the first token. Each case runs

@@ -1,4 +1,4 @@
-"""Per-op profile of one decode step of the 250M benchmark Llama (issue 20's "before and after").
+"""Per-op profile of one decode step of the 250M benchmark Llama.
 
 torch.profiler over a few decode steps of the real engine (``LLMEngine.step``: scheduling,
 input prep, the model, sampling), at 1 and 16 streams and short (128) and long (1024)

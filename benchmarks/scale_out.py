@@ -1,4 +1,4 @@
-"""Scale-out costs, measured in one run (issue "scale-out"):
+"""Scale-out costs, measured in one run:
 
 executor   the in-process executor (plan diff + worker mirror) against calling the runner
            directly as the engine did before the Worker split, same engine, same process,

@@ -1,6 +1,6 @@
 """Peak RSS of one tokenmill server, per workload phase.
 
-Starts ``wave3_servers.tokenmill_serve``'s server on the 250M benchmark Llama (1 GiB of
+Starts ``peers_servers.tokenmill_serve``'s server on the 250M benchmark Llama (1 GiB of
 KV, 32 sequences, every core, plus any flags given), polls the RSS of its process tree every 0.2 s from its
 start, and runs three workloads through it with ``tokenmill bench serve``: single = 3 x
 (128 -> 32) at 1 stream, many = 32 x (128 -> 64) at 16, long = 16 x (1024 -> 64) at 8.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Server, bench_serve
-from wave3_servers import tokenmill_serve
+from peers_servers import tokenmill_serve
 
 MODEL = Path.home() / ".cache" / "tokenmill" / "bench-llama-250m"
 PORT = 8655

@@ -1,4 +1,4 @@
-"""Speculative decoding benchmark (issue 21): tokenmill, llama.cpp and vLLM CPU in one run.
+"""Speculative decoding benchmark: tokenmill, llama.cpp and vLLM CPU in one run.
 
 Every engine is started as an OpenAI-compatible server and driven by the same streaming
 client, greedy, ``ignore_eos``, the same prompts:

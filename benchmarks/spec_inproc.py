@@ -1,4 +1,4 @@
-"""One-stream speculative decoding TPOT in one process (issue 21): plain vs ngram vs draft.
+"""One-stream speculative decoding TPOT in one process: plain vs ngram vs draft.
 
 The server benchmark (``spec_decode.py``) starts a server per configuration, so on a loaded
 machine its rows are minutes apart. This one builds the three engines (demo model, greedy,

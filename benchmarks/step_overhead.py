@@ -1,4 +1,4 @@
-"""Per-step engine overhead (issues 20, 21): this tree against another ref, interleaved.
+"""Per-step engine overhead: this tree against another ref, interleaved.
 
 On the demo model (3.8M parameters) a decode step is nearly all engine and per-op Python
 cost, so its TPOT measures the overhead itself. Each case runs in a fresh process from

@@ -1,4 +1,4 @@
-"""Structured-outputs benchmark (issue 11): grammar compile time, per-step mask cost, and
+"""Structured-outputs benchmark: grammar compile time, per-step mask cost, and
 serving throughput of a JSON-schema workload against the same workload unconstrained.
 
   compile  GrammarCompiler on the demo tokenizer: cold (new compiler) and cached compile of

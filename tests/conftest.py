@@ -35,7 +35,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 DENSE_FAMILIES = ["llama_bias", "olmo2", "phi3", "gemma2", "gemma3"]
-"""Wave-3 dense families (registry entries on the shared decoder)."""
+"""Dense families (registry entries on the shared decoder)."""
 MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
 

@@ -246,7 +246,7 @@ def _with_rounds(result: dict, throughputs: list[float]) -> dict:
 
 
 def test_single_runs_within_noise_are_a_tie_and_are_not_coloured(tmp_path: Path) -> None:
-    # Issue 9: 2758 vs 2744 tok/s, one run each, was called a win; 3-6% apart were coloured.
+    # 2758 vs 2744 tok/s, one run each, was called a win; 3-6% apart were coloured.
     a = make_result("a", 16, 100, 20, 2758)
     b = make_result("b", 16, 100, 20, 2744)
     comparison = build_comparison([("a", a), ("b", b)])

@@ -71,7 +71,7 @@ def test_only_the_top_width_candidates_may_finish() -> None:
 def test_extreme_finite_length_penalties_rank_instead_of_overflowing(
     length_penalty: float,
 ) -> None:
-    """``gen_len ** 1000`` overflowed a Python float and killed the engine (issue 17)."""
+    """``gen_len ** 1000`` overflowed a Python float and killed the engine."""
     search = BeamSearch(
         width=2, max_tokens=4, stop_token_ids=frozenset({STOP}), length_penalty=length_penalty
     )

@@ -234,7 +234,7 @@ def test_beam_search_requests_wait_in_their_own_queue(make_model) -> None:
 
 
 def test_running_beams_take_no_standard_place_in_the_batch(make_model) -> None:
-    """Issue 17: beams filled --max-num-seqs, so standard requests waited for a whole
+    """Beams filled --max-num-seqs, so standard requests waited for a whole
     search. Beams are counted apart: standard requests start in the next step."""
     llm = LLM(str(make_model("llama")), dtype="float32", max_model_len=128, max_num_seqs=2)
     engine = llm.engine

@@ -1,5 +1,5 @@
 """The engine's error boundary: what raises while sampling or post-processing one request
-fails that request alone; the batch it ran in and the engine go on (issue 17)."""
+fails that request alone; the batch it ran in and the engine go on."""
 
 from __future__ import annotations
 

@@ -122,7 +122,7 @@ def test_static_kv_matches_transformers(
 def test_paged_kv_with_compile_batch_sizes_compiles_its_decode_steps(
     make_model, reference_greedy
 ) -> None:
-    """paged + --compile-batch-sizes: decode-only steps take the compiled step (issue 20's
+    """paged + --compile-batch-sizes: decode-only steps take the compiled step (the
     lowest-latency path without static's slots), over real block tables of 8-token blocks
     and shared prefixes, and the tokens equal transformers'."""
     folder = make_model("llama")

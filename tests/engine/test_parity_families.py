@@ -1,4 +1,4 @@
-"""Greedy fp32 parity with transformers for the wave-3 families: dense and mixture of experts.
+"""Greedy fp32 parity with transformers for the dense and mixture-of-experts families.
 
 Each family is a registry entry on the shared decoder (``model/registry.py``); the tiny
 random fixtures (tests/conftest.py) exercise what distinguishes it: biases (Llama),

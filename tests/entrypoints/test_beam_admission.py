@@ -1,5 +1,5 @@
 """Beam search requests have their own HTTP admission bound: a beam flood never makes a
-standard request get 429, nor wait for a beam search's place in the batch (issue 17)."""
+standard request get 429, nor wait for a beam search's place in the batch."""
 
 from __future__ import annotations
 

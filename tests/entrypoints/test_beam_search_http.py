@@ -76,7 +76,7 @@ def test_beam_search_refusals_are_400(http: httpx.Client) -> None:
 def test_extreme_finite_length_penalties_neither_kill_the_engine_nor_fail(
     server: ServerHandle,
 ) -> None:
-    """Issue 17: ``length_penalty`` 1000 raised OverflowError in the step; /health went 503."""
+    """``length_penalty`` 1000 raised OverflowError in the step; /health went 503."""
     with server.http() as http:
         for penalty in (1000, -1000, 1e308):
             body = {"prompt": "The", "max_tokens": 20, "n": 2, "length_penalty": penalty, **BEAM}

@@ -171,7 +171,7 @@ def test_response_format_text_is_accepted(client: openai.OpenAI) -> None:
             "messages.0.content",
         ),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
-        (  # issue 17: a result must answer a call an earlier assistant message made
+        (  # a result must answer a call an earlier assistant message made
             {
                 "messages": [
                     {"role": "user", "content": "hi"},
@@ -180,7 +180,7 @@ def test_response_format_text_is_accepted(client: openai.OpenAI) -> None:
             },
             "messages.1.tool_call_id",
         ),
-        (  # issue 17: duplicate function names make calls and named tool_choice ambiguous
+        (  # duplicate function names make calls and named tool_choice ambiguous
             {
                 "tools": [
                     {"type": "function", "function": {"name": "f", "parameters": {}}},

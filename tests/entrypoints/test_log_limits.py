@@ -1,5 +1,5 @@
 """Bounded logs: repeated identical errors are summarised, and running out of file
-descriptors makes accept() back off instead of logging ~10,000 lines a second (issue 17)."""
+descriptors makes accept() back off instead of logging ~10,000 lines a second."""
 
 from __future__ import annotations
 

@@ -275,7 +275,7 @@ def _rewrite_weights(folder: Path, dest: Path, change) -> Path:  # type: ignore[
 def test_adapters_with_non_finite_weights_are_refused(
     tmp_path, make_model, make_adapter, value: float
 ) -> None:
-    """Issue 17: a NaN adapter was accepted and poisoned other tenants' rows. 1e6 is finite
+    """A NaN adapter was accepted and poisoned other tenants' rows. 1e6 is finite
     in float32 but overflows float16 once scaled."""
     from tokenmill.model.config import ModelConfig
     from tokenmill.model.lora import LoRAError, load_lora_adapter
