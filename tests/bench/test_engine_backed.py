@@ -17,7 +17,7 @@ from tokenmill.bench.datasets import build_random_requests
 from tokenmill.bench.offline import OfflineConfig
 from tokenmill.bench.offline_backends import TokenmillBackend
 from tokenmill.bench.tokenization import load_tokenizer
-from tokenmill.bench.verify import run_verify
+from tokenmill.bench.verify import run_verify, served_dtype
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,8 @@ def test_offline_compare_gives_a_row_per_backend(make_model, tmp_path: Path, cap
         assert (
             rows[label]["load_s"] > 0 and rows[label]["compile_time_s"] == 0.0
         )  # enforce_eager: nothing compiled
-        assert rows[label]["precision"]["dtype"] == "float32"
+        # --dtype auto: what `serve` would run here (the dtype rule), not float32 by fiat.
+        assert rows[label]["precision"]["dtype"] == served_dtype("demo")
         assert rows[label]["precision"]["quantization"] == "none"
         startup = rows[label]["startup"]
         assert rows[label]["compile_cache"] == "none" and startup["model_load_s"] > 0
@@ -157,8 +158,11 @@ def test_verify_fails_when_the_engine_diverges_on_purpose(make_model, capsys) ->
             "3",
             "--engine-arg",
             "rope_theta_override=1.0",
+            "--dtype",
+            "float32",  # token-for-token: the check this test breaks on purpose
         ]
     )
     assert args.func(args) == 1
     printed = capsys.readouterr().out
     assert "diverges at token" in printed and printed.rstrip().endswith("FAIL")
+    assert "    transformers: '" in printed and "    tokenmill:    '" in printed  # the text
