@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 from tqdm import tqdm
 
@@ -14,20 +14,13 @@ from tokenmill.core.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.engine import batch
 from tokenmill.engine.input_processor import CheckedParams
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.entrypoints.prompt_inputs import Prompt, PromptInput, parse_prompts
 from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolingParams
 
-Prompt = str | list[int]
-
-
-def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """One prompt (text, or token ids) or a sequence of them, as a list."""
-    if isinstance(prompts, str) or (
-        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-    ):
-        return [cast(Prompt, prompts)]
-    return list(cast(Sequence[Prompt], prompts))
+Prompts = PromptInput | Sequence[PromptInput]
+"""vLLM's prompt forms (see ``prompt_inputs``): one prompt or a sequence of them."""
 
 
 class LLM:
@@ -46,40 +39,44 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: Prompts,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt (text or token ids); outputs come back in input order.
+        """Complete every prompt (any of vLLM's forms); outputs come back in input order.
 
         ``lora_request`` runs every prompt with one adapter, or each with its own (None: the
         base model); the engine needs ``enable_lora=True``.
         """
-        prompts = _prompt_list(prompts)
+        prompt_list = parse_prompts(prompts, "LLM.generate")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
             params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+            if len(params) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(prompt_list)} prompts but {len(params)} sampling params"
+                )
         if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras: list[LoRARequest | None] = [lora_request] * len(prompts)
+            loras: list[LoRARequest | None] = [lora_request] * len(prompt_list)
         else:
             loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
-        ids = [str(next(self._ids)) for _ in prompts]
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"got {len(prompt_list)} prompts but {len(loras)} LoRA requests")
+        ids = [str(next(self._ids)) for _ in prompt_list]
         bar = self._bar(len(ids), use_tqdm)
         try:
-            return batch.generate(self.engine, ids, prompts, params, priority, loras, bar.update)
+            return batch.generate(
+                self.engine, ids, prompt_list, params, priority, loras, bar.update
+            )
         finally:
             bar.close()
 
     def beam_search(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: Prompts,
         params: BeamSearchParams,
         use_tqdm: bool | None = None,
     ) -> list[BeamSearchOutput]:
@@ -105,32 +102,47 @@ class LLM:
 
     def embed(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: Prompts,
         pooling_params: PoolingParams | None = None,
         use_tqdm: bool | None = None,
     ) -> list[list[float]]:
         """One embedding per prompt (vLLM's ``LLM.embed``; needs ``runner="pooling"``), pooled as
         the checkpoint declares unless ``pooling_params`` says otherwise."""
+        return [out.pooled or [] for out in self._pool(prompts, pooling_params, use_tqdm, "embed")]
+
+    def encode(
+        self,
+        prompts: Prompts,
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """The finished pooling request of each prompt (vLLM's ``LLM.encode``; needs
+        ``runner="pooling"``): its ``pooled`` vector with the prompt's token ids."""
+        return self._pool(prompts, pooling_params, use_tqdm, "encode")
+
+    def _pool(
+        self,
+        prompts: Prompts,
+        pooling_params: PoolingParams | None,
+        use_tqdm: bool | None,
+        api: str,
+    ) -> list[RequestOutput]:
         config = self.engine.pooler_config
         if config is None:
-            raise ValueError('LLM.embed needs an engine built with runner="pooling"')
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
+            raise ValueError(f'LLM.{api} needs an engine built with runner="pooling"')
+        prompt_list = parse_prompts(prompts, f"LLM.{api}")
         processor = self.engine.input_processor
         params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         checked = CheckedParams(params, 0, pooling=pooling_params or config.params())
-        ids = [str(next(self._ids)) for _ in prompts]
+        ids = [str(next(self._ids)) for _ in prompt_list]
         # Every input is checked before any is queued: a bad one leaves nothing running.
         processed = [
             processor.process_prompt(rid, prompt, checked)
-            for rid, prompt in zip(ids, prompts, strict=True)
+            for rid, prompt in zip(ids, prompt_list, strict=True)
         ]
         for request in processed:
             self.engine.add_processed(request)
-        outputs = self._run(ids, use_tqdm)
-        return [out.pooled or [] for out in outputs]
+        return self._run(ids, use_tqdm)
 
     def chat(
         self,

@@ -1,0 +1,96 @@
+"""vLLM's prompt forms in ``LLM.generate``, ``LLM.embed`` and ``LLM.encode``.
+
+Each accepted form gives the tokens of the equivalent plain call; each refused form raises,
+naming what was given, before the engine sees any request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tokenmill.core.sampling_params import SamplingParams
+from tokenmill.entrypoints.llm import LLM
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(demo_cache: str) -> LLM:
+    return LLM("demo", dtype="float32", max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def embedder(make_model) -> LLM:
+    return LLM(str(make_model("qwen3")), dtype="float32", max_model_len=64, runner="pooling")
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+def test_every_vllm_prompt_form_gives_the_tokens_of_the_plain_call(llm: LLM) -> None:
+    text = "The sea is"
+    ids = llm.tokenizer.encode(text)
+    plain = _tokens(llm.generate(text, GREEDY))
+    assert _tokens(llm.generate([text], GREEDY)) == plain
+    assert _tokens(llm.generate({"prompt": text}, GREEDY)) == plain
+    assert _tokens(llm.generate([{"prompt": text}], GREEDY)) == plain
+    assert _tokens(llm.generate({"prompt_token_ids": ids}, GREEDY)) == plain
+    assert _tokens(llm.generate([{"prompt_token_ids": ids}], GREEDY)) == plain
+    assert _tokens(llm.generate(ids, GREEDY)) == plain
+    assert _tokens(llm.generate([ids], GREEDY)) == plain
+    mixed = llm.generate([text, {"prompt": text}, {"prompt_token_ids": ids}, ids], GREEDY)
+    assert _tokens(mixed) == plain * 4
+    out = llm.generate({"prompt_token_ids": ids}, GREEDY)[0]
+    assert out.prompt_token_ids == ids
+
+
+REFUSED: list[tuple[Any, type[Exception], str]] = [
+    ({"prompt": "hi", "extra": 1}, ValueError, "unknown keys ['extra']"),
+    ({"promt": "hi"}, ValueError, "unknown keys ['promt']"),
+    ({"prompt": "hi", "multi_modal_data": {"image": None}}, ValueError, "'multi_modal_data'"),
+    ([{"prompt_token_ids": [1, 2]}, 3], TypeError, "mixing token ids"),
+    ([1, 2, "three"], TypeError, "mixing token ids"),
+    ({"prompt": ["hi"]}, TypeError, "'prompt' must be a string, got list"),
+    ({"prompt_token_ids": "1 2 3"}, TypeError, "must be a list of ints (token ids), got '1 2 3'"),
+    ({"prompt": "hi", "prompt_token_ids": [1]}, ValueError, "exactly one of"),
+    ({}, ValueError, "exactly one of"),
+    (42, TypeError, "got int"),
+    ([b"bytes"], TypeError, "prompt 0 is a bytes"),
+    ([{"prompt_token_ids": [1, True]}], TypeError, "must be a list of ints"),
+]
+
+
+@pytest.mark.parametrize(("prompts", "error", "words"), REFUSED)
+def test_other_forms_raise_naming_them_before_any_request(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch, prompts: Any, error: type[Exception], words: str
+) -> None:
+    seen: list[str] = []
+    monkeypatch.setattr(llm.engine, "add_request", lambda *a, **k: seen.append("add"))
+    with pytest.raises(error) as info:
+        llm.generate(prompts, GREEDY)
+    assert words in str(info.value) and "LLM.generate" in str(info.value)
+    assert seen == [] and not llm.engine.has_unfinished_requests()
+
+
+def test_embed_and_encode_take_the_same_forms(
+    embedder: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = embedder.tokenizer.encode("hello there")
+    plain = embedder.embed("hello there")
+    assert embedder.embed({"prompt": "hello there"}) == plain
+    assert embedder.embed([{"prompt_token_ids": ids}]) == plain
+    assert embedder.embed(ids) == plain
+    encoded = embedder.encode([{"prompt_token_ids": ids}, "hello there"])
+    assert [out.pooled for out in encoded] == plain * 2
+    assert encoded[0].prompt_token_ids == ids
+    seen: list[str] = []
+    monkeypatch.setattr(embedder.engine, "add_processed", lambda *a, **k: seen.append("add"))
+    for api in (embedder.embed, embedder.encode):
+        with pytest.raises(ValueError, match="multi_modal_data"):
+            api({"prompt": "hi", "multi_modal_data": {}})
+        with pytest.raises(TypeError, match="mixing token ids"):
+            api([{"prompt": "hi"}, 5])
+    assert seen == [] and not embedder.engine.has_unfinished_requests()
