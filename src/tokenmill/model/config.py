@@ -17,6 +17,7 @@ from typing import Any
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.registry import ArchSpec, lookup, resolve_model_impl, weight_layout
+from tokenmill.model.source import is_gguf_file
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 """RoPE scaling types the rotary embedding implements."""
@@ -324,7 +325,6 @@ def _sliding_windows(
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
-GGUF_MAGIC = b"GGUF"
 
 
 def not_a_model_folder(folder: Path) -> str:
@@ -341,9 +341,7 @@ def not_a_model_folder(folder: Path) -> str:
             )
         return f"{folder}: no such file or folder"
     if folder.is_file():
-        with open(folder, "rb") as f:
-            is_gguf = f.read(4) == GGUF_MAGIC
-        if is_gguf:
+        if is_gguf_file(folder):
             return f"{folder} is a GGUF file that could not be opened as a model"
         return f"{folder} is a file; give a model folder (config.json with safetensors weights)"
     ggufs = sorted(p.name for p in folder.glob("*.gguf"))

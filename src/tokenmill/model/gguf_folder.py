@@ -27,13 +27,10 @@ import shutil
 import time
 from pathlib import Path
 
+from tokenmill import envs
 from tokenmill.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill")) / "gguf"
 
 
 def _key(path: Path) -> str:
@@ -44,7 +41,7 @@ def _key(path: Path) -> str:
 
 def gguf_folder(path: Path) -> Path:
     """The Hugging Face folder for GGUF file ``path`` (converted on first use)."""
-    folder = _cache_root() / _key(path)
+    folder = envs.cache_root() / "gguf" / _key(path)
     if (folder / "config.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
