@@ -78,6 +78,8 @@ class EngineConfig:
     """Context length limit (4096, 32k, 32K); default (or auto): the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
+    prefix_cache_fills_pool: bool = False
+    """Take never-used KV blocks before evicting cached prefixes, so the prefix cache can grow to the whole --kv-cache-memory (more hits for multi-turn traffic, but resident memory then climbs to the pool's size over hours). Off: a freed block is reused before a never-used one is touched, so resident memory follows the live working set."""
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps of --max-num-batched-tokens; off: a prompt is prefilled in one step (the step budget grows to --max-model-len)."""
     scheduling_policy: SchedulingPolicy = "fcfs"

@@ -231,6 +231,7 @@ class LLMEngine:
                 enable_prefix_caching=cfg.enable_prefix_caching,
                 budget_bytes=min(budget for _, budget in infos),
                 bytes_per_token=max(per_token for per_token, _ in infos),
+                prefix_cache_fills_pool=cfg.prefix_cache_fills_pool,
             ),
         )
 

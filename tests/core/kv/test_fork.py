@@ -59,7 +59,8 @@ def _check_invariants(kv: PagedKVManager, live: dict[str, Request], memory: _Mem
         holders.update(kv.block_table(rid))
     for block in kv.pool.blocks:
         assert block.ref_count == holders[block.block_id], block
-        assert (block.block_id in kv.pool.free_queue) == (block.ref_count == 0)
+        free = block.block_id in kv.pool.free_queue or block.block_id in kv.pool.fresh
+        assert free == (block.ref_count == 0)
     for r in live.values():
         assert memory.read(r) == r.token_slice(0, r.num_computed_tokens), r.request_id
 

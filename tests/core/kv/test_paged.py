@@ -32,9 +32,8 @@ def check_invariants(kv: PagedKVManager, live: dict[str, Request]) -> None:
             refs[b] += 1
     for block in pool.blocks:
         assert block.ref_count == refs[block.block_id], "ref count disagrees with block tables"
-        assert (block.ref_count == 0) == (block.block_id in pool.free_queue), (
-            "free queue out of sync"
-        )
+        listed = (block.block_id in pool.free_queue) + (block.block_id in pool.fresh)
+        assert listed == (block.ref_count == 0), "free queue out of sync"
         if block.block_hash is not None:
             assert pool.cached[block.block_hash] == block.block_id
     for block_hash, block_id in pool.cached.items():
@@ -118,12 +117,23 @@ ops = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops, st.integers(3, 24), st.booleans())
-def test_random_operations_keep_invariants(operations, num_blocks: int, caching: bool) -> None:
-    """start / append / fork (a sibling with the same salt) / free / evict, in any order."""
-    kv = PagedKVManager(num_blocks=num_blocks, block_size=BS, enable_prefix_caching=caching)
+@given(ops, st.integers(3, 24), st.booleans(), st.booleans())
+def test_random_operations_keep_invariants(
+    operations, num_blocks: int, caching: bool, fills_pool: bool
+) -> None:
+    """start / append / fork (a sibling with the same salt) / free / evict, in any order.
+
+    By default the blocks ever touched never exceed the most blocks live at once: resident
+    memory follows the working set, not the traffic's length."""
+    kv = PagedKVManager(
+        num_blocks=num_blocks,
+        block_size=BS,
+        enable_prefix_caching=caching,
+        cache_fills_pool=fills_pool,
+    )
     live: dict[str, Request] = {}
     counter = 0
+    peak = 0
     for op, slot, tokens in operations:
         rid = f"r{slot}"
         if op == "start" and rid not in live:
@@ -159,9 +169,37 @@ def test_random_operations_keep_invariants(operations, num_blocks: int, caching:
             counter += 1
             if kv.allocate(filler, BS):
                 filler.num_computed_tokens = BS
+                peak = max(peak, kv.pool.num_blocks - kv.pool.num_free_blocks)
                 kv.free(filler)
         check_invariants(kv, live)
+        peak = max(peak, kv.pool.num_blocks - kv.pool.num_free_blocks)
+        if not fills_pool:
+            assert kv.pool.num_touched_blocks <= peak, (
+                "a fresh block taken while freed ones were free"
+            )
     for req in list(live.values()):
         kv.free(req)
     assert kv.pool.num_free_blocks == num_blocks, "blocks leaked"
     assert all(b.ref_count == 0 for b in kv.pool.blocks)
+
+
+def test_freed_blocks_are_reused_before_fresh_ones() -> None:
+    """A long run of one-at-a-time requests touches one request's blocks, not the pool."""
+    kv = PagedKVManager(num_blocks=64, block_size=BS)
+    for i in range(40):
+        req = _req(f"r{i}", [1000 + i] * 9)  # 3 blocks, 2 of them cached when freed
+        _start(kv, req)
+        kv.free(req)
+    assert kv.pool.num_touched_blocks == 3
+
+
+def test_prefix_cache_may_fill_the_pool_when_asked() -> None:
+    """With cache_fills_pool, cached prefixes outlive fresh blocks: 40 distinct prompts all
+    stay cached in a 64-block pool (and the pool's touched part grows with them)."""
+    kv = PagedKVManager(num_blocks=200, block_size=BS, cache_fills_pool=True)
+    for i in range(40):
+        req = _req(f"r{i}", [1000 + i] * 9)
+        _start(kv, req)
+        kv.free(req)
+    assert kv.pool.num_touched_blocks == 81
+    assert _start(kv, _req("again", [1000] * 9)) == 8  # the first prompt's blocks survived

@@ -35,6 +35,8 @@ class KVSizing:
     """Memory the KV pool may take."""
     bytes_per_token: int
     """K and V of one token over all layers, in the cache's dtype."""
+    prefix_cache_fills_pool: bool = False
+    """Whether cached prefixes outrank never-used blocks (``BlockPool``)."""
 
     @property
     def blocks_per_seq(self) -> int:

@@ -49,20 +49,48 @@ def hash_block(parent: BlockHash | None, salt: str | None, token_ids: tuple[int,
 
 
 class BlockPool:
-    """Owns every block: the free queue (LRU order), ref counts and the hash table."""
+    """Owns every block: the free queue (LRU order), ref counts and the hash table.
 
-    def __init__(self, num_blocks: int) -> None:
+    Blocks never used yet sit apart from the free queue (``fresh``): on a CPU the pool is
+    allocated lazily, so a block's pages become resident the first time a request writes
+    it. By default a freed block, cached or not, is reused before a fresh one is touched,
+    so resident memory follows the peak live working set and then stays flat (a 3x longer
+    soak ended where its midpoint was). With ``cache_fills_pool`` cached blocks are evicted
+    only once every fresh block is used: the prefix cache may then fill the whole pool
+    (``--prefix-cache-fills-pool``), which is vLLM's order, and resident memory climbs to
+    the pool's size as traffic goes by.
+    """
+
+    def __init__(self, num_blocks: int, cache_fills_pool: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
+        self.cache_fills_pool = cache_fills_pool
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Head is evicted first. Uncached blocks go to the head, cached ones to the tail.
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict()
+        self.fresh: list[int] = list(range(num_blocks - 1, -1, -1))
+        """Never-used blocks, popped from the end (lowest id first)."""
         self.cached: dict[BlockHash, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_queue) + len(self.fresh)
+
+    @property
+    def num_touched_blocks(self) -> int:
+        """Blocks written at least once: what the pool holds resident on a CPU."""
+        return self.num_blocks - len(self.fresh)
+
+    def _next_free(self) -> int:
+        if not self.free_queue:
+            return self.fresh.pop()
+        if self.fresh and self.cache_fills_pool:
+            head = next(iter(self.free_queue))
+            if self.blocks[head].block_hash is not None:  # keep the cached prefix
+                return self.fresh.pop()
+        block_id, _ = self.free_queue.popitem(last=False)
+        return block_id
 
     def get_cached(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> Block | None:
         """The cached block for this hash, if its tokens really match."""
@@ -80,13 +108,12 @@ class BlockPool:
             block.ref_count += 1
 
     def allocate(self, num_blocks: int) -> list[Block]:
-        """Pop blocks from the head of the free queue, evicting their cached identity."""
-        if num_blocks > len(self.free_queue):
-            raise RuntimeError(f"asked for {num_blocks} blocks, {len(self.free_queue)} free")
+        """Take free blocks (``_next_free``'s order), evicting their cached identity."""
+        if num_blocks > self.num_free_blocks:
+            raise RuntimeError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(num_blocks):
-            block_id, _ = self.free_queue.popitem(last=False)
-            block = self.blocks[block_id]
+            block = self.blocks[self._next_free()]
             self._uncache(block)
             block.ref_count = 1
             out.append(block)
@@ -136,12 +163,16 @@ class PagedKVManager(KVCacheManager):
     supports_fork: ClassVar[bool] = True
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        cache_fills_pool: bool = False,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, cache_fills_pool)
         self.stats = KVCacheStats()
         self._blocks: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
@@ -165,7 +196,12 @@ class PagedKVManager(KVCacheManager):
                 num_blocks * sizing.block_size,
                 sizing.max_model_len,
             )
-        return cls(num_blocks, sizing.block_size, sizing.enable_prefix_caching)
+        return cls(
+            num_blocks,
+            sizing.block_size,
+            sizing.enable_prefix_caching,
+            sizing.prefix_cache_fills_pool,
+        )
 
     # ---- hashing -------------------------------------------------------------------
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
