@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +25,10 @@ from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info
 from tokenmill.model.cpu_dtype import cpu_auto_dtype
+from tokenmill.model.gguf_weights import GROUP_SIZE, GGUFCheckpoint
 from tokenmill.model.host_memory import trim_freed_heap
 from tokenmill.model.layers import gemv_layout_wanted
-from tokenmill.model.quant import quantize_linear
+from tokenmill.model.quant import Int4Linear, Int8Linear, QuantizedLinear, quantize_linear
 from tokenmill.model.registry import WeightSpec, expected_tensors, model_class, weight_layout
 from tokenmill.model.tensor_parallel import (
     TPShard,
@@ -228,12 +230,17 @@ class _Checkpoint:
         self.entries.pop(name, None)
 
 
-def check_checkpoint(folder: Path, cfg: ModelConfig) -> _Checkpoint:
+def check_checkpoint(folder: Path, cfg: ModelConfig) -> _Checkpoint | GGUFCheckpoint:
     """Open the checkpoint and check its headers against the registry's layout: files, tensor
     names, dtypes, shapes and data offsets (so a truncated file is found), reading no tensor
     data, so it is cheap enough to run before the server listens. Errors name the file and the tensor (missing, unexpected or misshapen) and say what the
-    architecture expects.
+    architecture expects. A folder converted from a GGUF file is read from that file
+    (``model/gguf_weights.py``).
     """
+    expected = expected_tensors(cfg)
+    gguf = GGUFCheckpoint.open(folder, cfg, expected)
+    if gguf is not None:
+        return gguf  # its names come from the registry's layout, so none is missing
     ckpt = _Checkpoint(_checkpoint_files(folder))
     if "model.embed_tokens.weight" not in ckpt.entries and "embed_tokens.weight" in ckpt.entries:
         # A base-model save (no LM head prefix), as embedding checkpoints such as
@@ -242,7 +249,6 @@ def check_checkpoint(folder: Path, cfg: ModelConfig) -> _Checkpoint:
             name if name == "lm_head.weight" else f"model.{name}": entry
             for name, entry in ckpt.entries.items()
         }
-    expected = expected_tensors(cfg)
     if cfg.tie_word_embeddings:
         ckpt.discard("lm_head.weight")  # some tied checkpoints still store it
     missing = sorted(set(expected) - set(ckpt.entries))
@@ -287,6 +293,7 @@ def load_model(
     prepack: bool = True,
     attn_backend: AttentionBackend | None = None,
     tensor_parallel: TPShard | None = None,
+    gguf_blocks: bool = True,
 ) -> CausalLM:
     """Build the registered model for ``folder`` and fill it with the checkpoint's weights.
 
@@ -301,7 +308,9 @@ def load_model(
     ``tensor_parallel``, the modules are built at one rank's sizes, only that rank's slice of
     each tensor is read (``model/tensor_parallel.py``) and the collectives are installed.
     bf16 projections on CPU go in tokenmill's GEMV layout (``layers.gemv_layout_wanted``),
-    other dtypes in oneDNN's.
+    other dtypes in oneDNN's. A GGUF file's quantized projections run on the int kernels
+    as they are (``gguf_blocks``, unless ``quantization`` asks for tokenmill's own) or are
+    dequantized into ``dtype`` (``--dtype float32``): ``model/gguf_weights.py``.
     """
     folder = Path(folder)
     cfg = cfg or ModelConfig.from_folder(folder)
@@ -319,6 +328,16 @@ def load_model(
             f"--quantization {quantization}: the int8/int4 kernels are CPU-only; use --device cpu"
         )
     pack = prepack and device.type == "cpu"  # False keeps plain weights to inspect
+    gguf = ckpt if isinstance(ckpt, GGUFCheckpoint) else None
+    native = (
+        gguf is not None
+        and gguf_blocks
+        and quantization is None
+        and tensor_parallel is None
+        and device.type == "cpu"
+    )
+    built: dict[tuple[int, str], Callable[[torch.Tensor | None], QuantizedLinear]] = {}
+    """Projections whose GGUF blocks are taken as they are: (id of parent, name) -> maker."""
     gemv = gemv_layout_wanted()
     num_packed = num_gemv = num_quantized = 0
 
@@ -338,6 +357,35 @@ def load_model(
     with torch.device("meta"):
         model = model_class(cfg)(built_cfg, max_positions, rope, backend, local_rope)
     model.config = cfg
+
+    def put_blocks(spec: WeightSpec) -> bool:
+        """Keep a projection's GGUF blocks for the int kernels (built with its bias in
+        ``convert``); False when they are float and take the plain path."""
+        assert gguf is not None
+        kinds = {gguf.kind(n) for n in spec.sources}
+        if "float" in kinds:
+            return False
+        parent, name = _resolve(model, spec.target.rsplit(".", 1)[0])
+        shape = (
+            sum(gguf.entries[n].shape[0] for n in spec.sources),
+            gguf.entries[spec.sources[0]].shape[1],
+        )
+        like = torch.empty((), dtype=dtype).expand(shape)  # shape, dtype and device only
+        if kinds == {"int4"} and shape[1] % GROUP_SIZE == 0:
+            parts = [gguf.int4_groups(n) for n in spec.sources]
+            groups = tuple(torch.cat(p) for p in zip(*parts, strict=True))
+
+            def make(bias: torch.Tensor | None) -> QuantizedLinear:
+                return Int4Linear(like, bias, GROUP_SIZE, groups)  # type: ignore[arg-type]
+
+        else:  # some source has more than 4 bits: int8 for the fused projection
+            weight = torch.cat([gguf.float_rows(n) for n in spec.sources])
+
+            def make(bias: torch.Tensor | None) -> QuantizedLinear:
+                return Int8Linear(weight, bias)
+
+        built[(id(parent), name)] = make
+        return True
 
     def put(module: nn.Module, attr: str, spec: WeightSpec) -> None:
         """Read ``spec``'s sources (fused along dim 0 when several) straight into one parameter."""
@@ -364,7 +412,11 @@ def load_model(
         """Quantize (``method``) or prepack one projection."""
         nonlocal num_packed, num_gemv, num_quantized
         linear = getattr(parent, name)
-        if method is not None and linear.weight is not None:
+        make = built.pop((id(parent), name), None)
+        if make is not None:
+            setattr(parent, name, make(None if linear.bias is None else linear.bias.data))
+            num_quantized += 1
+        elif method is not None and linear.weight is not None:
             bias = None if linear.bias is None else linear.bias.data
             setattr(parent, name, quantize_linear(linear.weight.data, bias, method, group_size))
             num_quantized += 1
@@ -380,7 +432,8 @@ def load_model(
     """Projections read but not converted yet: converted once their bias is read too."""
     for index, spec in enumerate(layout):
         module, attr = _resolve(model, spec.target)
-        put(module, attr, spec)
+        if not (native and spec.kind in ("projection", "expert") and put_blocks(spec)):
+            put(module, attr, spec)
         if spec.kind != "plain":
             parent, name = _resolve(model, spec.target.rsplit(".", 1)[0])
             method = head_method if spec.kind == "lm_head" else quantization
@@ -404,7 +457,10 @@ def load_model(
     if tensor_parallel is not None:
         parallelize(model, cfg, tensor_parallel)
     model.eval()
-    if num_quantized:
+    if gguf is not None:
+        gguf.log_placements()
+        gguf.close()
+    if num_quantized and not native:
         logger.info(
             "quantized %d projections to %s (%s)", num_quantized, quantization, cpu_info().isa
         )

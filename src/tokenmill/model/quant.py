@@ -170,6 +170,26 @@ def _int4_groups(
     return q, scale, low
 
 
+def _pad_groups(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    low: torch.Tensor,
+    padded_out: int,
+    padded_in: int,
+    group_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Given codes and group parameters in ``_int4_groups``' shapes and padding."""
+    out_features, in_features = codes.shape
+    groups = padded_in // group_size
+    q = torch.zeros(padded_out, padded_in, dtype=torch.int32)
+    q[:out_features, :in_features] = codes
+    padded_scale = torch.zeros(padded_out, groups, 1)
+    padded_low = torch.zeros(padded_out, groups, 1)
+    padded_scale[:out_features, : scale.shape[1], 0] = scale
+    padded_low[:out_features, : low.shape[1], 0] = low
+    return q, padded_scale, padded_low
+
+
 class Int8Linear(QuantizedLinear):
     """int8 weights with one scale per output channel (symmetric, absmax / 127)."""
 
@@ -268,17 +288,31 @@ class Int4Linear(QuantizedLinear):
     amx_offsets: torch.Tensor
     amx_code_sums: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group_size: int,
+        groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """``groups``: codes [out, in] and each group's scale and offset [out, in / group_size]
+        already quantized (a GGUF file's blocks); ``weight`` then only gives the shape,
+        dtype and device."""
         out_features, in_features = weight.shape
         super().__init__(in_features, out_features, bias)
         self.group_size = group_size
         self.padded_in = -(-in_features // group_size) * group_size
         self.padded_out = -(-out_features // 64) * 64
-        groups = self.padded_in // group_size
-        q, scale, low = _int4_groups(weight, self.padded_out, self.padded_in, group_size)
+        groups_per_row = self.padded_in // group_size
+        if groups is None:
+            q, scale, low = _int4_groups(weight, self.padded_out, self.padded_in, group_size)
+        else:
+            q, scale, low = _pad_groups(*groups, self.padded_out, self.padded_in, group_size)
         self.kernel = _kernel_for(weight, tiles_ok=group_size % 64 == 0)
         if self.kernel is not None:
-            self._store_for_kernel(q, scale.view(self.padded_out, groups), low.view(-1, groups))
+            self._store_for_kernel(
+                q, scale.view(self.padded_out, groups_per_row), low.view(-1, groups_per_row)
+            )
             self._refresh_fast_path()
             return
         # torch's convention: w = (q - 8) * scale + zero, so zero = low + 8 * scale.
@@ -286,12 +320,12 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
         self.register_buffer(
             "scales_and_zeros",
-            torch.stack([scale.view(-1, groups), zero.view(-1, groups)], -1)
+            torch.stack([scale.view(-1, groups_per_row), zero.view(-1, groups_per_row)], -1)
             .transpose(0, 1)
             .contiguous()
             .to(kernel_dtype(weight.dtype)),
         )
-        self.register_buffer("offsets", (zero - 8 * scale).view(self.padded_out, groups))
+        self.register_buffer("offsets", (zero - 8 * scale).view(self.padded_out, groups_per_row))
         """zero - 8 * scale per group in fp32: dequantizing is then one multiply-add."""
         self.layout_block = next((b for b in _INT4_LAYOUT_BLOCKS if self._unpacks_to(b, q)), None)
         """The packing's channel block, or None if it is not one we can read: then the int4

@@ -195,6 +195,7 @@ class Worker:
             group_size=cfg.quantization_group_size,
             tensor_parallel=self.shard,
             attn_backend=backend,
+            gguf_blocks=cfg.dtype == "auto",
         )
 
     # ---- start-up ------------------------------------------------------------------

@@ -1,0 +1,284 @@
+"""A GGUF file's tensors read in place, and its quantized blocks run on tokenmill's int kernels.
+
+``model/gguf_folder.py`` turns a GGUF file into a folder with the config and tokenizer the
+rest of tokenmill reads; the weights are read from the file itself, through the ``gguf``
+package's reader (a memory map; never a parser of our own), under the Hugging Face names
+the model registry expects (``gguf.get_tensor_name_map``, as transformers and vLLM map
+them) and with llama.cpp's conversion undone as transformers undoes it (Q/K rows of the
+``llama`` architecture un-permuted, Gemma's norms stored as ``1 + weight`` shifted back).
+
+How each tensor type runs (docs/gguf.md has the table and the precision each one loses):
+
+- ``Q4_0``, ``Q4_1``, ``Q4_K``: every 32 weights share one scale and one offset
+  (``w = q * scale + offset``, ``q`` in 0..15), which is exactly tokenmill's asymmetric int4
+  layout in groups of 32 (``model/quant.Int4Linear``): the codes and fp32 scales are taken
+  from the blocks as they are, nothing is rounded again.
+- ``Q8_0``, ``Q5_0``, ``Q5_1``, ``Q5_K``, ``Q6_K``: more than 4 bits a weight, and a scale per
+  16 or 32 weights; tokenmill's int8 kernels take one scale per output channel, so the
+  projection is requantized to int8 per channel (one projection dequantized at a time).
+- ``F32``, ``F16``, ``BF16``, and embeddings of any type: read into the model dtype (the
+  embedding is looked up by row; a tied LM head reads the same rows).
+
+``--dtype float32`` or ``bfloat16`` (or ``--quantization``) dequantizes every tensor into that
+dtype instead, as the reference does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenmill.errors import ModelLoadError
+from tokenmill.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+"""Types whose blocks are tokenmill's int4 groups of 32 exactly."""
+INT8_TYPES = frozenset({"Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"})
+"""Types requantized to int8 per output channel."""
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+SUPPORTED_TYPES = INT4_TYPES | INT8_TYPES | FLOAT_TYPES
+GROUP_SIZE = 32
+"""Weights per scale of the int4 types (a K-quant's sub-block)."""
+
+_ARCH_OF_MODEL_TYPE = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+_PERMUTED_QK = frozenset({"llama"})
+"""Architectures whose Q/K rows llama.cpp's converter interleaves for its RoPE."""
+_SHIFTED_NORMS = frozenset({"gemma2", "gemma3"})
+"""Architectures whose RMSNorm weights llama.cpp stores as ``1 + weight``."""
+_SOURCE_FILE = "gguf_source.json"
+"""What ``gguf_folder`` writes beside the config: the GGUF file the folder came from."""
+
+
+@dataclass(frozen=True)
+class GGUFEntry:
+    """One tensor of the file under its Hugging Face name."""
+
+    path: Path
+    shape: tuple[int, ...]
+    """Hugging Face order ([out, in] for a projection)."""
+    gguf_name: str
+    qtype: str
+    """The GGUF type's name: F32, Q4_K, ..."""
+    tensor: Any
+    """gguf's ``ReaderTensor``: its ``data`` maps the file."""
+
+
+def source_file(folder: Path) -> Path | None:
+    """The GGUF file a converted folder came from, if it is one and the file is still there."""
+    marker = folder / _SOURCE_FILE
+    if not marker.is_file():
+        return None
+    try:
+        path = Path(json.loads(marker.read_text())["gguf_file"])
+    except (OSError, ValueError, KeyError):
+        return None
+    return path if path.is_file() else None
+
+
+def _reverse_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of each head's rotary halves in Q/K rows. Rows are
+    output channels, so the same reordering applies to codes and per-row scales."""
+    per_head = rows.shape[0] // num_heads // 2
+    w = rows.reshape(num_heads, per_head, 2, *rows.shape[1:])
+    return np.ascontiguousarray(w.swapaxes(2, 1).reshape(rows.shape))
+
+
+class GGUFCheckpoint:
+    """A GGUF file's tensors under Hugging Face names; the loader's view of a checkpoint.
+
+    ``read_into`` and ``read_rows`` dequantize (gguf's own dequantizers) into any dtype;
+    ``int4_groups`` and ``float_rows`` give a projection's quantized form for the int kernels.
+    """
+
+    def __init__(self, path: Path, reader: Any, arch: str, names: dict[str, str], cfg: ModelConfig):
+        self.path = path
+        self.arch = arch
+        self._reader = reader
+        self._num_heads = int(cfg.num_heads)
+        self._num_kv_heads = int(cfg.num_kv_heads)
+        tensors = {t.name: t for t in reader.tensors}
+        self.entries: dict[str, GGUFEntry] = {}
+        for hf_name, gguf_name in names.items():
+            t = tensors[gguf_name]
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            self.entries[hf_name] = GGUFEntry(path, shape, gguf_name, t.tensor_type.name, t)
+        self.placements: Counter[tuple[str, str]] = Counter()
+        """(GGUF type, where it runs) -> tensors, for the start-up log."""
+
+    @classmethod
+    def open(
+        cls, folder: Path, cfg: ModelConfig, expected: dict[str, tuple[int, ...]]
+    ) -> GGUFCheckpoint | None:
+        """The checkpoint for a folder converted from a GGUF file, or None when the folder is
+        not one (or some tensor the model needs has no GGUF name: then the folder's float
+        copy serves)."""
+        path = source_file(folder)
+        if path is None:
+            return None
+        from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+
+        try:
+            reader = GGUFReader(path)
+        except Exception as exc:  # the reader's own errors: one line naming the file
+            raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from None
+        field = reader.fields.get("general.architecture")
+        arch = str(field.contents()) if field is not None else ""
+        arch = _ARCH_OF_MODEL_TYPE.get(arch, arch)
+        arch_id = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
+        if arch_id is None:
+            return None
+        name_map = get_tensor_name_map(arch_id, int(cfg.num_layers))
+        present = {t.name for t in reader.tensors}
+        names: dict[str, str] = {}
+        for hf_name in expected:
+            base, _, suffix = hf_name.rpartition(".")
+            gguf_base = name_map.get_name(base)
+            gguf_name = f"{gguf_base}.{suffix}"
+            if gguf_base is None or gguf_name not in present:
+                logger.info(
+                    "%s: %s has no GGUF tensor of its own (%s); reading the converted folder",
+                    path.name,
+                    hf_name,
+                    gguf_name if gguf_base else "unmapped",
+                )
+                return None
+            names[hf_name] = gguf_name
+        ckpt = cls(path, reader, arch, names, cfg)
+        for hf_name, entry in ckpt.entries.items():
+            if entry.shape != expected[hf_name]:
+                raise ModelLoadError(
+                    f"{path}: tensor {entry.gguf_name} has shape {list(entry.shape)}, "
+                    f"expected {list(expected[hf_name])} for {hf_name}"
+                )
+            if entry.qtype not in SUPPORTED_TYPES:
+                raise ModelLoadError(
+                    f"{path}: tensor {entry.gguf_name} has type {entry.qtype}, which tokenmill "
+                    f"does not run (supported: {', '.join(sorted(SUPPORTED_TYPES))})"
+                )
+        return ckpt
+
+    # ---- the loader's checkpoint interface ------------------------------------------
+    def discard(self, name: str) -> None:
+        self.entries.pop(name, None)
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Fill ``out`` with tensor ``name`` dequantized (and converted to ``out``'s dtype)."""
+        entry = self.entries[name]
+        out.copy_(torch.from_numpy(self._float(entry)).view(out.shape))
+        self.placements[(entry.qtype, str(out.dtype).removeprefix("torch."))] += 1
+
+    def read_rows(self, name: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [start, stop) of tensor ``name`` in ``dtype`` (tensor-parallel shards)."""
+        return torch.from_numpy(self._float(self.entries[name])[start:stop]).to(dtype)
+
+    # ---- quantized forms ----------------------------------------------------------------
+    def kind(self, name: str) -> str:
+        """``int4``, ``int8`` or ``float``: the kernels tensor ``name`` runs on as it is."""
+        qtype = self.entries[name].qtype
+        return "int4" if qtype in INT4_TYPES else "int8" if qtype in INT8_TYPES else "float"
+
+    def int4_groups(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Codes (uint8 0..15, [out, in]) and fp32 scales and offsets ([out, in / 32]), so
+        that ``w = code * scale + offset``: the blocks' own values, nothing requantized."""
+        entry = self.entries[name]
+        out_features, in_features = entry.shape
+        codes, scale, low = _int4_blocks(entry.qtype, _blocks(entry))
+        codes = codes.reshape(out_features, in_features)
+        scale = scale.reshape(out_features, in_features // GROUP_SIZE)
+        low = low.reshape(out_features, in_features // GROUP_SIZE)
+        codes, scale, low = (self._transform_rows(entry, a) for a in (codes, scale, low))
+        self.placements[(entry.qtype, "int4 g32 (exact)")] += 1
+        return torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(low)
+
+    def float_rows(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` dequantized to fp32, for requantizing to int8 per channel."""
+        entry = self.entries[name]
+        self.placements[(entry.qtype, "int8 per channel (requantized)")] += 1
+        return torch.from_numpy(self._float(entry))
+
+    def log_placements(self) -> None:
+        """One line: each GGUF type, how many tensors and where they run."""
+        parts = [
+            f"{qtype} x{n} -> {where}" for (qtype, where), n in sorted(self.placements.items())
+        ]
+        logger.info("GGUF %s (%s): %s", self.path.name, self.arch, "; ".join(parts))
+
+    def close(self) -> None:
+        """Drop the file's memory map (its pages would count towards RSS while it is open)."""
+        self._reader = None
+        self.entries.clear()
+
+    # ---- internals ----------------------------------------------------------------------
+    def _float(self, entry: GGUFEntry) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        try:
+            data = np.asarray(dequantize(entry.tensor.data, entry.tensor.tensor_type), np.float32)
+            data = data.reshape(entry.shape)
+        except (ValueError, NotImplementedError) as exc:
+            raise ModelLoadError(
+                f"{entry.path}: tensor {entry.gguf_name} ({entry.qtype}) cannot be read: {exc}"
+            ) from None
+        data = self._transform_rows(entry, data)
+        if self.arch in _SHIFTED_NORMS and entry.gguf_name.endswith("norm.weight"):
+            data = data - 1.0
+        if not data.flags.writeable or not data.flags.c_contiguous:  # a view of the file
+            data = np.array(data, order="C")
+        return data
+
+    def _transform_rows(self, entry: GGUFEntry, rows: np.ndarray) -> np.ndarray:
+        if self.arch in _PERMUTED_QK:
+            if ".attn_q." in entry.gguf_name:
+                return _reverse_permute(rows, self._num_heads)
+            if ".attn_k." in entry.gguf_name:
+                return _reverse_permute(rows, self._num_kv_heads)
+        return rows
+
+
+def _blocks(entry: GGUFEntry) -> np.ndarray:
+    """The tensor's raw blocks, [n_blocks, bytes per block]."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    _, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[entry.qtype]]
+    data = np.asarray(entry.tensor.data)
+    if data.size % type_size:
+        raise ModelLoadError(f"{entry.path}: tensor {entry.gguf_name} is truncated")
+    return data.reshape(-1, type_size)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """4-bit codes of packed bytes ``qs`` [n, k * width]: per run of ``width`` bytes, the low
+    nibbles then the high nibbles (ggml's order in Q4_0, Q4_1 and Q4_K)."""
+    runs = qs.reshape(qs.shape[0], -1, 1, width) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    return (runs & np.uint8(15)).reshape(qs.shape[0], -1)
+
+
+def _int4_blocks(qtype: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes [n, values], scale [n, groups], offset [n, groups]) of ``qtype`` blocks."""
+    if qtype == "Q4_0":  # d (f16), 16 bytes of codes; w = d * (q - 8)
+        d = _f16(blocks[:, :2])
+        return _nibbles(blocks[:, 2:], 16), d, -8.0 * d
+    if qtype == "Q4_1":  # d, m (f16), 16 bytes of codes; w = d * q + m
+        return _nibbles(blocks[:, 4:], 16), _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    if qtype == "Q4_K":  # d, dmin (f16), 12 bytes of 6-bit scales/mins, 128 bytes of codes
+        from gguf.quants import Q4_K
+
+        d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+        sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+        scale = d * sc.astype(np.float32)
+        low = -(dmin * m.astype(np.float32))
+        return _nibbles(blocks[:, 16:], 32), scale, low
+    raise ValueError(f"{qtype} is not an int4 type")
