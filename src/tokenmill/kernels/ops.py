@@ -166,7 +166,8 @@ def linear_int4(
 ) -> torch.Tensor:
     """int4 codes in ``kernels.int4_layout``'s packing, ``w = q * scale + offset`` per group
     (fp32 [N, groups] each); x bf16 [M, K]. With groups of 64+ channels the activations are
-    quantized per row to int8 (W8A8, both tables); groups of 32 are weight-only."""
+    quantized per row to int8 (W8A8, both tables), and with groups of 32 on the AVX2 table
+    (a GGUF file's Q4 blocks); the AVX-512 table keeps groups of 32 weight-only."""
     return torch.ops.tokenmill_cpu.linear_int4(_rows(x), packed, scales, offsets, group_size, bias)
 
 

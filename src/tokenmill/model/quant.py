@@ -353,7 +353,7 @@ class Int4Linear(QuantizedLinear):
             self.max_kernel_rows = _EVERY_BATCH
         else:
             self.register_buffer("packed", int4_layout.pack(codes))
-            if _w8a8_rows() and gs % 64 == 0:
+            if _w8a8_rows() and gs % 32 == 0:  # the AVX2 table quantizes x for groups of 32 too
                 self.max_kernel_rows = _EVERY_BATCH
         self.layout_block = None
 
@@ -440,7 +440,7 @@ def _kernel_for(weight: torch.Tensor, tiles_ok: bool) -> str | None:
 
 def _w8a8_rows() -> bool:
     """Whether the row-major int kernels quantize activations (the AVX2 table's W8A8, int4
-    in groups of 64+): then they beat dequantize + GEMM at every row count (measured on the
+    in groups of 32+): then they beat dequantize + GEMM at every row count (measured on the
     250M model's MLP shapes at 16-512 rows, 2 threads: 1.3-7x, fp32 and bf16 activations),
     so they serve every batch like the tile kernels."""
     return kernels.active_isa() == "avx2"

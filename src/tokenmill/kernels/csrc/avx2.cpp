@@ -1,7 +1,7 @@
 // AVX2 + FMA kernels: the same ops as avx512.cpp on 8-lane vectors, for CPUs without
 // AVX-512 BF16 (or when TOKENMILL_CPU_ISA=avx2 forces this path). bf16 weights are
 // converted to fp32 in registers and multiplied with FMA, so products match the AVX-512
-// path's bf16 dot products up to summation order; int8 and int4 (groups of 64+) take
+// path's bf16 dot products up to summation order; int8 and int4 (groups of 32+) take
 // activations quantized per row to int8 as on AVX-512 (W8A8), with vpmaddubsw for VNNI.
 #include <cstdint>
 #include <cstdlib>
@@ -294,6 +294,39 @@ void gemm_int8(const GemmArgs& a, int64_t n0, int64_t n1) {
   });
 }
 
+// Groups of 32 (GGUF's Q4_0, Q4_1, Q4_K blocks): each 64-code chunk holds two groups, its low
+// nibbles and its high nibbles, so each half's int32 sums are kept apart and scaled by its own
+// group's scale; rows [m0, m0 + MR), channel n, lanes the rows (a one-row decode too).
+template <int MR>
+inline __m128 tile_w4a8_g32(const GemmArgs& a, int64_t m0, int64_t n) {
+  constexpr int64_t kAhead = 1024;
+  const uint8_t* wr = static_cast<const uint8_t*>(a.w) + n * a.ldw;
+  const float* sc = a.scales + n * a.num_groups;
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const int64_t chunks = a.ldw * 2 / 64;  // the packing's whole 64-code chunks
+  __m256 facc[MR];
+  for (int m = 0; m < MR; ++m) facc[m] = Vec::zero();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t k = c * 64;
+    if (c % 2 == 0) _mm_prefetch((const char*)(wr + k / 2 + kAhead), _MM_HINT_T0);
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(wr + k / 2));
+    const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    const __m256 s_lo = Vec::set1(sc[2 * c]);
+    const __m256 s_hi = 2 * c + 1 < a.num_groups ? Vec::set1(sc[2 * c + 1]) : Vec::zero();
+    for (int m = 0; m < MR; ++m) {
+      const uint8_t* xr = a.xq + (m0 + m) * a.ldq + k;
+      const __m256i p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xr)), ones);
+      const __m256i p_hi =
+          _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xr + 32))), ones);
+      facc[m] = Vec::fma(_mm256_cvtepi32_ps(p_lo), s_lo, facc[m]);
+      facc[m] = Vec::fma(_mm256_cvtepi32_ps(p_hi), s_hi, facc[m]);
+    }
+  }
+  __m256 f[4];
+  for (int m = 0; m < 4; ++m) f[m] = m < MR ? facc[m] : Vec::zero();
+  return hsum4(f[0], f[1], f[2], f[3]);
+}
+
 // One activation row (the one-stream decode) over int4 codes, NR channels a step (each x
 // load serves them all). The code x activation pairs are summed in int16 over up to 4
 // chunks (|sum| <= 4 * 2 * 2 * 15 * 127 = 30480) before one vpmaddwd widens them, and each
@@ -348,10 +381,20 @@ inline void gemv_w4a8_rows(const GemmArgs& a, int64_t n) {
 // CH: 64-code chunks per group, fixed for the common group sizes (64, 128, 256) so the
 // chunk loops unroll (with a runtime count, each group of 128 paid more for its loop's
 // entry and exit than for its two chunks); 0 for any other.
+// CH -1: groups of 32 (tile_w4a8_g32).
 template <int CH>
 void gemm_w4a8_ch(const GemmArgs& a, int64_t n0, int64_t n1) {
   if (a.M == 1) {
-    for (int64_t n = n0; n < n1; ++n) gemv_w4a8_rows<1, CH>(a, n);
+    if constexpr (CH < 0) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const __m128 v = int4_epilogue<1>(tile_w4a8_g32<1>(a, 0, n), _mm_set_ss(a.x_scale[0]),
+                                          a.bias ? a.bias[n] : 0.0f, a.zeros + n * a.num_groups, a.xsum,
+                                          a.num_groups, 1);
+        a.y[n] = to_bf16(_mm_cvtss_f32(v));
+      }
+    } else {
+      for (int64_t n = n0; n < n1; ++n) gemv_w4a8_rows<1, CH>(a, n);
+    }
     return;
   }
   // Epilogue per 4-row tile in vectors: the rows' x scales and, per group, their x sums
@@ -370,11 +413,20 @@ void gemm_w4a8_ch(const GemmArgs& a, int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < a.M; m += 4) {
       const int mr = (int)min64(4, a.M - m);
       __m128 v;
-      switch (mr) {
-        case 1: v = tile_w4a8<1, CH>(a, m, n); break;
-        case 2: v = tile_w4a8<2, CH>(a, m, n); break;
-        case 3: v = tile_w4a8<3, CH>(a, m, n); break;
-        default: v = tile_w4a8<4, CH>(a, m, n); break;
+      if constexpr (CH < 0) {
+        switch (mr) {
+          case 1: v = tile_w4a8_g32<1>(a, m, n); break;
+          case 2: v = tile_w4a8_g32<2>(a, m, n); break;
+          case 3: v = tile_w4a8_g32<3>(a, m, n); break;
+          default: v = tile_w4a8_g32<4>(a, m, n); break;
+        }
+      } else {
+        switch (mr) {
+          case 1: v = tile_w4a8<1, CH>(a, m, n); break;
+          case 2: v = tile_w4a8<2, CH>(a, m, n); break;
+          case 3: v = tile_w4a8<3, CH>(a, m, n); break;
+          default: v = tile_w4a8<4, CH>(a, m, n); break;
+        }
       }
       _mm_store_ps(out, int4_epilogue<4>(v, _mm_loadu_ps(xscale + m), bias, z, xs_t + m, G, mp));
       for (int i = 0; i < mr; ++i) a.y[(m + i) * a.ldy + n] = to_bf16(out[i]);
@@ -384,6 +436,7 @@ void gemm_w4a8_ch(const GemmArgs& a, int64_t n0, int64_t n1) {
 
 void gemm_w4a8(const GemmArgs& a, int64_t n0, int64_t n1) {
   switch (a.group_size) {
+    case 32: gemm_w4a8_ch<-1>(a, n0, n1); break;
     case 64: gemm_w4a8_ch<1>(a, n0, n1); break;
     case 128: gemm_w4a8_ch<2>(a, n0, n1); break;
     case 256: gemm_w4a8_ch<4>(a, n0, n1); break;
@@ -403,8 +456,8 @@ void gemm_bf16(const GemmArgs& a, int64_t n0, int64_t n1) {
   gemm_float_tiles<kBf16>(a, n0, n1, Bf16Weights{static_cast<const uint16_t*>(a.w), a.ldw, a.K});
 }
 
-// Groups of 64+ come with quantized activations (ops.cpp); 32-code groups split a 64-code
-// chunk, so their weights are converted to fp32 in registers against bf16 x instead.
+// Every group size comes with quantized activations here (ops.cpp; groups of 32 split each
+// 64-code chunk in two: tile_w4a8_g32); the fp32 tiles remain for a table that sends none.
 void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
   if (a.xq) { gemm_w4a8(a, n0, n1); return; }
   gemm_float_tiles<kInt4>(a, n0, n1, Int4Weights{static_cast<const uint8_t*>(a.w), a.ldw, a.scales, a.num_groups, a.group_size});
@@ -557,7 +610,7 @@ void gemv_f32(const GemmArgs& a, int64_t b0, int64_t b1) { gemv_blocks<F32Tile, 
 const tokenmill::KernelTable kTable = {
     "avx2", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, rope_kernel,
     attention_merge_kernel, quantize_rows, rope_kv_kernel, prefill_attention_kernel, gemv_bf16, gemv_f32,
-    /*int8_x_unsigned=*/false,
+    /*int8_x_unsigned=*/false, /*int4_w8a8_g32=*/true,
 };
 
 }  // namespace

@@ -143,6 +143,9 @@ struct KernelTable {
   // Whether gemm_int8 reads x + 128 (u8, VNNI's u8 x s8 with the weight sums' correction)
   // rather than x as s8 (AVX2's sign trick, which would only flip it back).
   bool int8_x_unsigned;
+  // Whether gemm_int4 takes quantized activations (a.xq) for groups of 32 too, not only 64+
+  // (a GGUF file's Q4_0 / Q4_1 / Q4_K blocks are groups of 32).
+  bool int4_w8a8_g32;
 };
 
 // Query rows per prefill work item for ``group`` query heads per KV head: whole rows, at

@@ -311,7 +311,8 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   a.num_groups = G;
   at::Tensor xq, xs;
   // Codes padded to whole groups: the quantized rows too, so a kernel may read whole blocks.
-  if (group_size % 64 == 0) quantize_activations(x, a, /*is_unsigned=*/false, xq, xs, w.size(1) * 2);
+  if (group_size % 64 == 0 || (group_size == 32 && kernels().int4_w8a8_g32))
+    quantize_activations(x, a, /*is_unsigned=*/false, xq, xs, w.size(1) * 2);
   return gemm(x, w, a, N, bias, gemm_grain(K, 1), kernels().gemm_int4);
 }
 
