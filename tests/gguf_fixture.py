@@ -115,11 +115,9 @@ def _pack_q6_k(blocks: np.ndarray) -> np.ndarray:
     low = (q & 0x0F).reshape(n, 2, 2, 64)  # element c*128 + h*64 + p
     ql = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(n, 128)
     high = (q >> 4).reshape(n, 2, 4, 32)  # element c*128 + s*32 + l
-    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6))
+    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
     qh = qh.reshape(n, 64)
-    return np.concatenate(
-        [ql, qh, sc.view(np.uint8), _f16(d).view(np.uint8).reshape(n, 2)], axis=1
-    )
+    return np.concatenate([ql, qh, sc.view(np.uint8), _f16(d).view(np.uint8).reshape(n, 2)], axis=1)
 
 
 def quantize(w: np.ndarray, qtype: str) -> np.ndarray:
@@ -246,9 +244,7 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:
     by_id = sorted(vocab.items(), key=lambda kv: kv[1])
     assert [i for _, i in by_id] == list(range(len(by_id))), "token ids must be dense"
     tokens = [t for t, _ in by_id]
-    types = [
-        gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens
-    ]
+    types = [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
