@@ -288,8 +288,11 @@ def write_gguf(
             writer.add_tensor(name, w)
         elif kind == "F16":
             writer.add_tensor(name, w.astype(np.float16))
-        else:
+        elif kind in QTYPES:
             writer.add_tensor(name, quantize(w, kind), raw_dtype=T[kind])
+        else:  # a type tokenmill does not read: zero blocks of the right size
+            raw = np.zeros(gguf.quant_shape_to_byte_shape(w.shape, T[kind]), np.uint8)
+            writer.add_tensor(name, raw, raw_dtype=T[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
