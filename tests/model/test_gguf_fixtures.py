@@ -132,3 +132,52 @@ def test_fp32_greedy_parity_with_transformers_gguf_load(gguf_file, family, qtype
         for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     ]
     assert got == _hf_gguf_greedy(path, prompts, 8)
+
+
+TEXTS = [
+    "hello world",
+    "The model reads 12345 tokens, then stops.",
+    "naïve café — 東京 🙂",
+    "  leading\tand   trailing  \n\n spaces ",
+    "<|im_start|>user\nhi<|im_end|>\n</s>",
+]
+
+
+@pytest.fixture(scope="module")
+def served(gguf_file, tmp_path_factory):
+    """tokenmill's tokenizer for a GGUF file and transformers' GGUF tokenizer for it."""
+    import transformers
+
+    from tokenmill.model.source import resolve_model_path
+    from tokenmill.tokenizer import Tokenizer
+
+    _, path = gguf_file("qwen2", "F32")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TOKENMILL_CACHE", str(tmp_path_factory.getbasetemp() / "tm-cache"))
+        ours = Tokenizer.from_pretrained(resolve_model_path(str(path)))
+    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return ours, ref
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_ids_match_transformers_gguf_tokenizer(served, text: str) -> None:
+    ours, ref = served
+    assert ours.encode(text) == ref(text)["input_ids"]
+    assert (
+        ours.encode(text, add_special_tokens=False)
+        == ref(text, add_special_tokens=False)["input_ids"]
+    )
+
+
+def test_chat_template_from_the_file_renders_chatml(served) -> None:
+    ours, ref = served
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+    ]
+    text = ours.apply_chat_template(conversation, add_generation_prompt=True)
+    assert text == (
+        "<s><|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert text == ref.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
