@@ -56,7 +56,9 @@ def resolve_model_path(model: str) -> Path:
         return demo_draft_path()
     path = packaged_gguf(model) if model in SHORT_NAMES else Path(model)
     if is_gguf_file(path):
+        from tokenmill.model.gguf_checks import check_gguf_file
         from tokenmill.model.gguf_folder import gguf_folder
 
+        check_gguf_file(path)  # one line at start-up, before any conversion
         return gguf_folder(path)
     return path

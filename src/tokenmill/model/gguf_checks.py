@@ -1,0 +1,153 @@
+"""Refuse a GGUF file tokenmill cannot serve, in one line, before any conversion starts.
+
+A GGUF file that is cut short, holds a tensor type or an architecture tokenmill has no code
+for, or whose tensors disagree with its own metadata otherwise fails deep inside a loader,
+minutes in, with a traceback about numpy reshapes. ``check_gguf_file`` reads only the header
+(with ``gguf.GGUFReader``, the reader transformers and vLLM use; the format is never parsed
+by hand here) and compares sizes and shapes, so start-up stops at once with one line naming
+the file and the problem. Nothing is dequantized. No torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tokenmill.errors import ModelLoadError
+
+SUPPORTED_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
+"""Tensor types whose blocks tokenmill reads."""
+
+SUPPORTED_ARCHITECTURES = (
+    "gemma2",
+    "gemma3",
+    "llama",  # also Mistral and Mixtral, which llama.cpp writes as llama
+    "mistral",
+    "mixtral",
+    "olmo2",
+    "phi3",
+    "qwen2",
+    "qwen2moe",
+    "qwen3",
+    "qwen3moe",
+)
+"""``general.architecture`` values with a model family in tokenmill's registry."""
+
+
+def _fail(path: Path, problem: str) -> ModelLoadError:
+    return ModelLoadError(f"{path}: {' '.join(problem.split())}")
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def check_gguf_file(path: Path) -> None:
+    """Raise ``ModelLoadError`` (one line) if ``path`` is not a GGUF file tokenmill can serve.
+
+    Checks, in order: the header reads; ``general.architecture`` is supported; every tensor's
+    type is supported and its data lies inside the file; the embedding and each block's
+    attention and MLP projections have the shapes the metadata implies.
+    """
+    try:
+        from gguf import GGUFReader
+    except ImportError as exc:
+        raise _fail(path, f"reading a GGUF file needs the gguf package: {exc}") from None
+    path = Path(path)
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # the reader trips on a bad header or a short file alike
+        with open(path, "rb") as f:
+            gguf_magic = f.read(4) == b"GGUF"
+        detail = (str(exc).splitlines() or [type(exc).__name__])[0]
+        what = "is truncated or corrupt" if gguf_magic else "is not a GGUF file"
+        raise _fail(path, f"{what} (the GGUF reader says: {detail})") from None
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise _fail(
+            path,
+            f"architecture {arch!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}",
+        )
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind not in SUPPORTED_TYPES:
+            raise _fail(
+                path,
+                f"tensor {tensor.name!r} has type {kind}, which is not supported; "
+                f"supported: {', '.join(SUPPORTED_TYPES)}",
+            )
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size or tensor.data.nbytes < int(tensor.n_bytes):
+            raise _fail(
+                path,
+                f"is truncated: tensor {tensor.name!r} needs bytes up to {end} "
+                f"but the file has {size}",
+            )
+    _check_shapes(path, reader, arch)
+
+
+def _check_shapes(path: Path, reader: Any, arch: str) -> None:
+    """The embedding and every block's projections against the metadata's widths."""
+
+    def meta(key: str) -> Any:
+        return _field(reader, f"{arch}.{key}")
+
+    n_embd, n_head, n_ff = (
+        meta("embedding_length"),
+        meta("attention.head_count"),
+        meta("feed_forward_length"),
+    )
+    if not isinstance(n_embd, int) or not isinstance(n_head, int) or n_head <= 0:
+        raise _fail(path, f"{arch}.embedding_length or {arch}.attention.head_count is missing")
+    n_kv = meta("attention.head_count_kv")
+    n_kv = n_kv if isinstance(n_kv, int) else n_head
+    k_len = meta("attention.key_length") or n_embd // n_head
+    v_len = meta("attention.value_length") or k_len
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = meta("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    want: dict[str, list[int]] = {
+        "attn_q": [n_head * k_len, n_embd],
+        "attn_k": [n_kv * k_len, n_embd],
+        "attn_v": [n_kv * v_len, n_embd],
+        "attn_output": [n_embd, n_head * v_len],
+    }
+    if isinstance(n_ff, int):  # an array (per-layer widths) is not checked
+        want.update(
+            ffn_gate=[n_ff, n_embd],
+            ffn_up=[n_ff, n_embd],
+            ffn_down=[n_embd, n_ff],
+        )
+    explain = (
+        f"embedding_length {n_embd}, head_count {n_head}, head_count_kv {n_kv}, "
+        f"key_length {k_len}, value_length {v_len}, feed_forward_length {n_ff}"
+    )
+    for tensor in reader.tensors:
+        shape = [int(n) for n in reversed(tensor.shape)]  # ggml lists the row width first
+        parts = tensor.name.split(".")
+        if tensor.name == "token_embd.weight":
+            need = [vocab if isinstance(vocab, int) else shape[0], n_embd]
+            why = f"a vocabulary of {need[0]} and embedding_length {n_embd}"
+        elif len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in want:
+            need, why = want[parts[2]], explain
+        else:
+            continue
+        if shape != need:
+            raise _fail(
+                path,
+                f"tensor {tensor.name!r} has shape {shape} but {why} ({arch} metadata) need {need}",
+            )
