@@ -37,6 +37,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The engine's tokenizer, under vLLM's ``LLM.get_tokenizer()`` name."""
+        return self.engine.tokenizer
+
     def generate(
         self,
         prompts: Prompts,
