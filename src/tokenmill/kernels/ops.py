@@ -156,6 +156,18 @@ def linear_int8(
     return torch.ops.tokenmill_cpu.linear_int8(_rows(x), qweight, scales, row_sums, bias)
 
 
+def linear_int8_f32out(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    row_sums: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``linear_int8`` with fp32 outputs: an int8 LM head's logits, not rounded to bf16
+    (rounding makes close candidates ties and changed SmolLM2's greedy answers)."""
+    return torch.ops.tokenmill_cpu.linear_int8_f32out(_rows(x), qweight, scales, row_sums, bias)
+
+
 def linear_int4(
     x: torch.Tensor,
     packed: torch.Tensor,

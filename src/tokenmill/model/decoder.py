@@ -28,6 +28,7 @@ from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.layers import ACT_AND_MUL, Linear, RMSNorm, RotaryEmbedding
 from tokenmill.model.lora import LoRAStepState
+from tokenmill.model.quant import Int8Linear
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -197,7 +198,8 @@ class DecoderModel(CausalLM):
         self.config = cfg
         self.attn_backend = attn_backend or default_attention_backend(torch.device("cpu"))
         self.supports_compiled_decode = not cfg.is_moe  # routing is data-dependent
-        self.embed = _param(cfg.vocab_size, cfg.hidden_size)
+        self.embed: nn.Parameter | None = _param(cfg.vocab_size, cfg.hidden_size)
+        """None when a tied head was quantized: its int8 rows are the table (``Int8Linear.embedding``)."""
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, self.attn_backend) for i in range(cfg.num_layers)
         )
@@ -260,7 +262,11 @@ class DecoderModel(CausalLM):
         lora: LoRAStepState | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for a flat batch of tokens."""
-        x = nn.functional.embedding(input_ids, self.embed)
+        if self.embed is not None:
+            x = nn.functional.embedding(input_ids, self.embed)
+        else:
+            assert isinstance(self.lm_head, Int8Linear)
+            x = self.lm_head.embedding(input_ids)
         if self.config.embed_scale is not None:
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         group = decode_only_group(meta, len(input_ids)) if lora is None else None
@@ -290,9 +296,10 @@ class DecoderModel(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that need them (soft-capped where the model says)."""
         head = self.lm_head
-        if isinstance(head, Linear):
-            logits = head.forward_float32(hidden)
-        else:  # a quantized or adapted head
+        forward_float32 = getattr(head, "forward_float32", None)
+        if forward_float32 is not None:  # a float or quantized head: fp32 sums kept
+            logits = forward_float32(hidden)
+        else:  # an adapted head (LoRA)
             logits = head(hidden).float()
         cap = self.config.final_logit_softcap
         if cap:

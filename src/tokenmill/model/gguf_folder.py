@@ -43,7 +43,10 @@ def gguf_folder(path: Path) -> Path:
     """The Hugging Face folder for GGUF file ``path`` (converted on first use)."""
     folder = envs.cache_root() / "gguf" / _key(path)
     if (folder / "config.json").is_file():
-        return folder
+        return folder  # checked when it was converted: the key is the file's size and mtime
+    from tokenmill.model.gguf_checks import check_gguf_file
+
+    check_gguf_file(path)  # one line at start-up, before any conversion (a few seconds)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f".{folder.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -113,6 +113,11 @@ class QuantizedLinear(nn.Module):
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` with float32 outputs (an LM head's logits). Here the kernel's own
+        outputs, widened; the int8 row layout overrides it with an op that never rounds."""
+        return self(x).float()
+
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         call = self._kernel_call(x, None)
         if call is not None:
@@ -207,12 +212,16 @@ class Int8Linear(QuantizedLinear):
     amx_scales: torch.Tensor
     amx_row_sums: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, tiles_ok: bool = True
+    ) -> None:
+        """``tiles_ok=False`` keeps the row layout on every ISA: its kernel also writes fp32
+        outputs (``forward_float32``, an LM head's logits)."""
         super().__init__(weight.shape[1], weight.shape[0], bias)
         qweight, scales = _int8_channels(weight)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)  # fp32: the dequantizing path keeps full scales
-        self.kernel = _kernel_for(weight, tiles_ok=True)
+        self.kernel = _kernel_for(weight, tiles_ok=tiles_ok)
         if self.kernel is not None:
             row_sums = qweight.sum(1, dtype=torch.int32)
             if self.kernel in _TILES:
@@ -242,6 +251,24 @@ class Int8Linear(QuantizedLinear):
         if self.kernel == "rows" and kernels.supports(x, float32=True):
             return kernels.linear_int8, (self.int_weight(), self.scales, self.row_sums, bias)
         return None
+
+    lookup_dtype: torch.dtype = torch.bfloat16
+    """The dtype ``embedding`` returns rows in (a tied head's model dtype)."""
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight, dequantized: a tied LM head is also the embedding
+        table, so the model keeps no second copy of it."""
+        rows = self.int_weight()[ids].float() * self.scales[ids].unsqueeze(-1)
+        return rows.to(self.lookup_dtype)
+
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.kernel == "rows" and kernels.supports(flat, float32=True):
+            y = kernels.linear_int8_f32out(
+                flat.to(torch.bfloat16), self.int_weight(), self.scales, self.row_sums, self.bias
+            )
+            return y.view(*x.shape[:-1], self.out_features)
+        return super().forward_float32(x)
 
     def _torch_gemv(self, x: torch.Tensor) -> torch.Tensor:
         scales = self.kernel_scales

@@ -35,6 +35,17 @@ def packaged_gguf(name: str) -> Path:
     raise ModelLoadError(f"the {distribution!r} package has no {filename}")
 
 
+def default_model() -> str:
+    """What ``serve`` runs when no model is named: SmolLM2-135M-Instruct (``smollm2``) where
+    its package is installed (``make setup`` installs it), so a first answer makes sense;
+    else the built-in 3.8M ``demo``, which only the tests need."""
+    try:
+        importlib.metadata.distribution(SHORT_NAMES["smollm2"][0])
+    except importlib.metadata.PackageNotFoundError:
+        return "demo"
+    return "smollm2"
+
+
 def is_gguf_file(path: Path) -> bool:
     """A file that starts with GGUF's magic bytes."""
     try:
@@ -56,9 +67,7 @@ def resolve_model_path(model: str) -> Path:
         return demo_draft_path()
     path = packaged_gguf(model) if model in SHORT_NAMES else Path(model)
     if is_gguf_file(path):
-        from tokenmill.model.gguf_checks import check_gguf_file
         from tokenmill.model.gguf_folder import gguf_folder
 
-        check_gguf_file(path)  # one line at start-up, before any conversion
         return gguf_folder(path)
     return path

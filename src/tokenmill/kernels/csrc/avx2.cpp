@@ -277,7 +277,10 @@ void gemv_w8a8_int8(const GemmArgs& a, int64_t n0, int64_t n1) {
       acc0 = dot_s8(acc0, _mm256_abs_epi8(w0), w0, load_x_s8(a.xq + k));
     }
     const float v = (float)reduce_add_i32(_mm256_add_epi32(acc0, acc1)) * xs * a.scales[n];
-    a.y[n] = to_bf16(finish<kBf16>(a, 0, n, v));
+    if (a.yf)  // fp32 out (logits of an int8 head)
+      a.yf[n] = finish<kBf16>(a, 0, n, v);
+    else
+      a.y[n] = to_bf16(finish<kBf16>(a, 0, n, v));
   }
 }
 

@@ -350,7 +350,10 @@ void gemm_w8a8(const GemmArgs& a, int64_t n0, int64_t n1) {
             for (int64_t g = 0; g < a.num_groups; ++g) v += z[g] * xs[g];
           }
           if (a.bias) v += a.bias[n + r];
-          a.y[(m + i) * a.ldy + n + r] = to_bf16(v);
+          if (a.yf)  // fp32 out (logits of an int8 head)
+            a.yf[(m + i) * a.ldy + n + r] = v;
+          else
+            a.y[(m + i) * a.ldy + n + r] = to_bf16(v);
         }
     }
   }
@@ -379,7 +382,10 @@ void gemv_int8_seq(const GemmArgs& a, int64_t n0, int64_t n1) {
     const int32_t dot = _mm512_reduce_add_epi32(_mm512_add_epi32(acc0, acc1)) - 128 * a.wsum[n];
     float v = (float)dot * xs * a.scales[n];
     if (a.bias) v += a.bias[n];
-    a.y[n] = to_bf16(v);
+    if (a.yf)
+      a.yf[n] = v;
+    else
+      a.y[n] = to_bf16(v);
   }
 }
 

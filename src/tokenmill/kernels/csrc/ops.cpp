@@ -251,8 +251,9 @@ void quantize_activations(const at::Tensor& x, GemmArgs& a, bool is_unsigned, at
   parallel_chunks(M, rows_grain(x.size(1)), [&](int64_t r0, int64_t r1) { k.quantize_rows(a, is_unsigned, r0, r1); });
 }
 
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
-                       const at::Tensor& wsum, const c10::optional<at::Tensor>& bias) {
+namespace {
+at::Tensor linear_int8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                            const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, bool f32_out) {
   check_rows(w, "weight");
   TORCH_CHECK(w.scalar_type() == at::kChar && w.size(1) == x.size(1), "linear_int8: weight must be int8 [N, K]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == w.size(0),
@@ -267,7 +268,19 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
   at::Tensor xq, xs;
   quantize_activations(x, a, kernels().int8_x_unsigned, xq, xs);
-  return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 2), kernels().gemm_int8);
+  return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 2), kernels().gemm_int8, -1, false, f32_out);
+}
+}  // namespace
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const at::Tensor& wsum, const c10::optional<at::Tensor>& bias) {
+  return linear_int8_rows(x, w, scales, wsum, bias, false);
+}
+
+// The same product with fp32 outputs: an int8 LM head's logits, unrounded.
+at::Tensor linear_int8_f32out(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                              const at::Tensor& wsum, const c10::optional<at::Tensor>& bias) {
+  return linear_int8_rows(x, w, scales, wsum, bias, true);
 }
 
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
@@ -860,6 +873,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("linear_bf16_f32out(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("gemv_f32(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor weight, Tensor scales, Tensor wsum, Tensor? bias) -> Tensor");
+  m.def("linear_int8_f32out(Tensor x, Tensor weight, Tensor scales, Tensor wsum, Tensor? bias) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor weight, Tensor scales, Tensor offsets, int group_size, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
@@ -891,6 +905,7 @@ TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("linear_bf16_f32out", &tokenmill::linear_bf16_f32out);
   m.impl("gemv_f32", &tokenmill::gemv_f32);
   m.impl("linear_int8", &tokenmill::linear_int8);
+  m.impl("linear_int8_f32out", &tokenmill::linear_int8_f32out);
   m.impl("linear_int4", &tokenmill::linear_int4);
   m.impl("linear_int8_amx", &tokenmill::linear_int8_amx);
   m.impl("linear_int4_amx", &tokenmill::linear_int4_amx);
