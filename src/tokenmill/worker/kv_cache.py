@@ -85,7 +85,8 @@ def resident_bytes(tensors: list[torch.Tensor]) -> int:
         if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vec) != 0:
             total += nbytes
             continue
-        total += sum(1 for v in bytes(vec) if v & 1) * page
+        # one byte a page, bit 0 = resident (the other bits are reserved, 0): counted in C
+        total += bytes(vec).count(1) * page
     return total
 
 

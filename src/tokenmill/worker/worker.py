@@ -56,6 +56,11 @@ from tokenmill.worker.step_runner import CompiledRunner, RunnerContext, choose_s
 
 logger = logging.getLogger(__name__)
 
+_RESIDENT_EVERY_S = 1.0
+"""How often ``debug_stats`` measures the KV pool's resident bytes (``mincore`` over the
+whole pool): the engine publishes stats after every step, and measuring a 4 GiB pool each
+time cost tens of ms a token (a one-stream decode step is ~10 ms)."""
+
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -165,6 +170,8 @@ class Worker:
         self._grammar_compiler: Any = None
         self._lora_ids_in_use: set[int] = set()
         self._runner: ModelRunner | None = None
+        self._resident = 0
+        self._resident_at = -_RESIDENT_EVERY_S
         self.drafter: DraftProposer | None = None
         """The draft model (speculative method draft_model); None otherwise."""
 
@@ -496,8 +503,12 @@ class Worker:
         """The model's own counters (MoE tokens per expert) and the KV pool's resident bytes."""
         stats: dict[str, Any] = dict(self.model.debug_stats())
         if self._runner is not None:
-            caches = [t for pair in self._runner.kv_caches for t in pair]
-            stats["kv_cache_resident_bytes"] = resident_bytes(caches)
+            now = time.monotonic()
+            if now - self._resident_at >= _RESIDENT_EVERY_S:
+                caches = [t for pair in self._runner.kv_caches for t in pair]
+                self._resident = resident_bytes(caches)
+                self._resident_at = now
+            stats["kv_cache_resident_bytes"] = self._resident
         return stats
 
     def _compile_grammar(self, params: SamplingParams) -> object:
