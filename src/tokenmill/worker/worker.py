@@ -56,7 +56,7 @@ from tokenmill.worker.step_runner import CompiledRunner, RunnerContext, choose_s
 
 logger = logging.getLogger(__name__)
 
-_RESIDENT_EVERY_S = 1.0
+RESIDENT_EVERY_S = 1.0
 """How often ``debug_stats`` measures the KV pool's resident bytes (``mincore`` over the
 whole pool): the engine publishes stats after every step, and measuring a 4 GiB pool each
 time cost tens of ms a token (a one-stream decode step is ~10 ms)."""
@@ -171,7 +171,9 @@ class Worker:
         self._lora_ids_in_use: set[int] = set()
         self._runner: ModelRunner | None = None
         self._resident = 0
-        self._resident_at = -_RESIDENT_EVERY_S
+        self._resident_at = -float("inf")
+        self.resident_every_s = RESIDENT_EVERY_S
+        """Seconds between two measurements of the pool's resident bytes (0: every call)."""
         self.drafter: DraftProposer | None = None
         """The draft model (speculative method draft_model); None otherwise."""
 
@@ -504,7 +506,7 @@ class Worker:
         stats: dict[str, Any] = dict(self.model.debug_stats())
         if self._runner is not None:
             now = time.monotonic()
-            if now - self._resident_at >= _RESIDENT_EVERY_S:
+            if now - self._resident_at >= self.resident_every_s:
                 caches = [t for pair in self._runner.kv_caches for t in pair]
                 self._resident = resident_bytes(caches)
                 self._resident_at = now
