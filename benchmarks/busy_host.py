@@ -76,8 +76,11 @@ def server_commands(args: argparse.Namespace, port: int) -> dict[str, list[str]]
     return commands
 
 
-def measure(args: argparse.Namespace, name: str, base_url: str, tag: str) -> dict[str, Any]:
-    """One stream, then ``--streams`` streams; the headline figures of each."""
+def measure(
+    args: argparse.Namespace, name: str, base_url: str, tag: str, tokenizer: Path | None = None
+) -> dict[str, Any]:
+    """One stream, then ``--streams`` streams; the headline figures of each (prompts from
+    ``tokenizer``, by default ``--model``)."""
     figures: dict[str, Any] = {}
     for label, prompts, streams in (
         ("one_stream", args.one_stream_prompts, 1),
@@ -90,7 +93,7 @@ def measure(args: argparse.Namespace, name: str, base_url: str, tag: str) -> dic
             concurrency=streams,
             input_len=args.input_len,
             output_len=args.output_len,
-            tokenizer=args.model,
+            tokenizer=tokenizer or args.model,
             num_warmups=2,
         )
         figures[label] = {

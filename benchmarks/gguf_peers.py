@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PEERS_ROOT, Server, bench_serve, free_port, tokenmill_command
-from busy_host import cpu_isa
+from _common import PEERS_ROOT, Server, free_port, tokenmill_command
+from busy_host import cpu_isa, measure
 
 from tokenmill.model.source import resolve_model_path
 
@@ -78,26 +78,7 @@ def main() -> None:
             log.parent.mkdir(parents=True, exist_ok=True)
             figures: dict[str, Any] = {"command": command}
             with Server(command, base_url, log=log, ready_timeout_s=900, poll_rss=True) as server:
-                for label, prompts, streams in (
-                    ("one_stream", args.one_stream_prompts, 1),
-                    ("streams", args.streams * 2, args.streams),
-                ):
-                    raw = bench_serve(
-                        base_url,
-                        args.out / "raw" / f"{gguf.stem}-{name}-{label}.json",
-                        num_prompts=prompts,
-                        concurrency=streams,
-                        input_len=args.input_len,
-                        output_len=args.output_len,
-                        tokenizer=tokenizer,
-                        num_warmups=2,
-                    )
-                    figures[label] = {
-                        "mean_tpot_ms": round(raw["mean_tpot_ms"], 2),
-                        "output_throughput": round(raw["output_throughput"], 1),
-                        "mean_ttft_ms": round(raw["mean_ttft_ms"], 1),
-                    }
-                    print(f"  {label:10s} {figures[label]}", flush=True)
+                figures.update(measure(args, f"{gguf.stem}-{name}", base_url, "quiet", tokenizer))
                 assert server.rss is not None
                 figures["peak_rss_mib"] = round(server.rss.stop() / 2**20)
             per_file[name] = figures
