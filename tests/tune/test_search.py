@@ -202,6 +202,22 @@ def test_resume_runs_nothing_measured_twice(tmp_path) -> None:
     assert decision["winner"] == STATIC.key
 
 
+def test_resume_after_a_steady_rerun_runs_nothing_again(tmp_path) -> None:
+    """A finalist re-run for its spread keeps the later rounds and renames the first ones;
+    a resumed search must see that, not measure the first rounds a second time."""
+    table = {"default": [1.0, 1.01, 1.0], INT8.key: [1.0, 2.0, 1.5, 1.9, 1.9, 1.9]}
+    first = Recorded(table)
+    search, _ = run_search([DEFAULT, INT8], first)
+    assert any(k.startswith("superseded/") for k in search.state.candidates[INT8.key].runs)
+    path = search.state.save(tmp_path / "result.json")
+    state = TuneState.new([DEFAULT, INT8], {"model": "m", "workload": "w", "sla": SLA})
+    state.absorb(path)
+    second = Recorded(table)
+    _, decision = run_search([DEFAULT, INT8], second, state=state)
+    assert second.calls == []
+    assert decision["winner"] == INT8.key and decision["goodput_rounds"] == [1.9, 1.9, 1.9]
+
+
 def test_resume_refuses_another_search(tmp_path) -> None:
     search, _ = run_search([DEFAULT], Recorded({"default": 1.0}))
     path = search.state.save(tmp_path / "result.json")

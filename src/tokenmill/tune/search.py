@@ -320,11 +320,14 @@ class Search:
     def replay_finalists(self, finalists: list[CandidateState]) -> None:
         """Full replays, ``num_rounds`` each; a spread over ``max_spread`` gets one more set."""
         n = self.num_trace_requests
-        for s in finalists:
+        # A resumed search whose finalist was re-run already holds its steadier rounds, the
+        # first ones renamed "superseded": measuring "n/0" again would run it twice.
+        fresh = [s for s in finalists if not any(k.startswith(f"superseded/{n}/") for k in s.runs)]
+        for s in fresh:
             for r in range(self.settings.num_rounds):
                 if not self._measure_once(s, n, r):
                     break
-        for s in finalists:
+        for s in fresh:
             if s.status != "finalist" or self._spread(s) <= self.settings.max_spread:
                 continue
             extra = range(self.settings.num_rounds, 2 * self.settings.num_rounds)
