@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.model import gguf_checks
 from tokenmill.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,9 @@ INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 INT8_TYPES = frozenset({"Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"})
 """Types requantized to int8 per output channel."""
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
-SUPPORTED_TYPES = INT4_TYPES | INT8_TYPES | FLOAT_TYPES
+SUPPORTED_TYPES = frozenset(gguf_checks.SUPPORTED_TYPES)
+"""What ``gguf_checks`` lets through; each runs as one of the three kinds above."""
+assert SUPPORTED_TYPES == INT4_TYPES | INT8_TYPES | FLOAT_TYPES
 GROUP_SIZE = 32
 """Weights per scale of the int4 types (a K-quant's sub-block)."""
 
