@@ -319,6 +319,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         args.dtype = "float32"  # the reference; the server runs whatever it was started with
     elif args.dtype == "auto":
         args.dtype = served_dtype(args.model or "demo", "auto", args.device)
+        args.engine_dtype = "auto"  # a GGUF file's blocks then run as in `serve`
         _log(f"[verify] tokenmill runs as `serve` would here: --dtype auto is {args.dtype}")
     if args.quantization or args.kv_cache_dtype or args.dtype != "float32":
         # Reduced precision is judged on distributions: exact greedy text is no fair test.
@@ -358,7 +359,7 @@ def _verify_precision(args: argparse.Namespace) -> int:
     from tokenmill.bench.verify import format_precision_report, run_precision_check
 
     engine_kwargs = {
-        "dtype": args.dtype,
+        "dtype": getattr(args, "engine_dtype", args.dtype),  # the resolved one is in the report
         "quantization": args.quantization,
         "quantization_group_size": args.quantization_group_size,
         "kv_cache_dtype": args.kv_cache_dtype or "auto",

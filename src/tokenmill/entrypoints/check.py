@@ -293,11 +293,13 @@ def _maybe_parity(
         return
     from tokenmill.bench.verify import run_precision_check, served_dtype
 
-    dtype = served_dtype(str(folder), dtype)
+    requested, dtype = dtype, served_dtype(str(folder), dtype)
     if dtype != "float32":
         precision = run_precision_check(
             str(folder),
-            {"dtype": dtype, "model_impl": "auto"},
+            # the engine gets the request itself: with ``auto`` a GGUF file's blocks run on the
+            # int kernels, as in `serve`; an explicit dtype dequantizes them
+            {"dtype": requested, "model_impl": "auto"},
             max_tokens=num_tokens,
             num_prompts=num_prompts,
             min_top1=REDUCED_PRECISION_MIN_TOP1 if min_agreement is None else min_agreement,

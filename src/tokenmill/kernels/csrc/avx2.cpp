@@ -299,7 +299,8 @@ void gemm_int8(const GemmArgs& a, int64_t n0, int64_t n1) {
 
 // Groups of 32 (GGUF's Q4_0, Q4_1, Q4_K blocks): each 64-code chunk holds two groups, its low
 // nibbles and its high nibbles, so each half's int32 sums are kept apart and scaled by its own
-// group's scale; rows [m0, m0 + MR), channel n, lanes the rows (a one-row decode too).
+// group's weight scale times the row's activation scale for that group (x is quantized per
+// group of 32 here, ops.cpp); rows [m0, m0 + MR), channel n, lanes the rows (one row too).
 template <int MR>
 inline __m128 tile_w4a8_g32(const GemmArgs& a, int64_t m0, int64_t n) {
   constexpr int64_t kAhead = 1024;
@@ -314,9 +315,11 @@ inline __m128 tile_w4a8_g32(const GemmArgs& a, int64_t m0, int64_t n) {
     if (c % 2 == 0) _mm_prefetch((const char*)(wr + k / 2 + kAhead), _MM_HINT_T0);
     const __m256i v = _mm256_loadu_si256((const __m256i*)(wr + k / 2));
     const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    const __m256 s_lo = Vec::set1(sc[2 * c]);
-    const __m256 s_hi = 2 * c + 1 < a.num_groups ? Vec::set1(sc[2 * c + 1]) : Vec::zero();
+    const bool has_hi = 2 * c + 1 < a.num_groups;
     for (int m = 0; m < MR; ++m) {
+      const float* xg = a.x_group_scale + (m0 + m) * a.num_groups;  // this row's group scales
+      const __m256 s_lo = Vec::set1(sc[2 * c] * xg[2 * c]);
+      const __m256 s_hi = has_hi ? Vec::set1(sc[2 * c + 1] * xg[2 * c + 1]) : Vec::zero();
       const uint8_t* xr = a.xq + (m0 + m) * a.ldq + k;
       const __m256i p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xr)), ones);
       const __m256i p_hi =

@@ -26,6 +26,9 @@ struct GemmArgs {
   uint8_t* xq;
   int64_t ldq;
   float* x_scale;       // [M]
+  // int4 groups of 32 on a table with int4_w8a8_g32: x quantized per row and group of 32,
+  // each group its own scale ([M, G]; x_scale is then 1), as llama.cpp's Q8 blocks are.
+  const float* x_group_scale;
   const int32_t* wsum;  // int8: [N] sums of each weight row (undoes the +128)
   uint16_t* y;          // [M, N] bf16, row stride ldy
   int64_t ldy;
