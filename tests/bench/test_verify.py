@@ -67,3 +67,15 @@ def test_offline_and_verify_default_to_serves_dtype() -> None:
     register(parser.add_subparsers())
     assert parser.parse_args(["verify"]).dtype == "auto"
     assert parser.parse_args(["bench", "offline", "--model", "demo"]).dtype == "auto"
+
+
+def test_served_dtype_takes_the_auto_device() -> None:
+    """bench offline's default ``--device auto`` resolves as the engine resolves it (it was
+    handed to torch.device as is and failed)."""
+    import torch
+
+    from tokenmill.bench.verify import served_dtype
+
+    on_auto = served_dtype("demo", "auto", "auto")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert on_auto == served_dtype("demo", "auto", expected)

@@ -182,16 +182,18 @@ def cmd_offline(args: argparse.Namespace) -> int:
     from tokenmill.bench.offline import OfflineConfig, format_offline_table, run_offline_benchmark
     from tokenmill.bench.serve import save_result
 
+    engine_dtype = None
     if args.dtype == "auto":
         from tokenmill.bench.verify import served_dtype
 
-        args.dtype = served_dtype(args.model, "auto", args.device)
+        args.dtype, engine_dtype = served_dtype(args.model, "auto", args.device), "auto"
         _log(f"[bench offline] --dtype auto is {args.dtype} here, as `serve` would run it")
     config = OfflineConfig(
         model=args.model,
         backends=_comma_list(args.backends),
         kv_caches=_comma_list(args.kv_cache),
         dtype=args.dtype,
+        engine_dtype=engine_dtype,
         device=args.device,
         batch_size=args.batch_size,
         ignore_eos=args.ignore_eos,

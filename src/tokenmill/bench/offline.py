@@ -61,6 +61,10 @@ class OfflineConfig:
     """tokenmill's KV strategies (``paged``, ``static``): one tokenmill row, and LLM instance, each."""
     dtype: str = "float32"
     """Weights dtype for every backend."""
+    engine_dtype: str | None = None
+    """What tokenmill's engine is given instead, when set: ``auto`` where the user asked for
+    it (``dtype`` is then what auto resolves to), so a GGUF file's blocks run as ``serve``
+    runs them rather than dequantized to ``dtype``."""
     device: str = "auto"
     """``cpu``, ``cuda`` or ``auto``."""
     batch_size: int = 8

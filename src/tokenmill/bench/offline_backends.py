@@ -98,7 +98,7 @@ class TokenmillBackend:
         self.engine = LLMEngine(
             EngineConfig.from_kwargs(
                 model=config.model,
-                dtype=config.dtype,
+                dtype=config.engine_dtype or config.dtype,
                 kv_cache=kv_cache,
                 device=config.device,
                 **config.engine_kwargs,
