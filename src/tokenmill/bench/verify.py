@@ -310,14 +310,16 @@ def served_dtype(model: str, requested: str = "auto", device: str = "cpu") -> st
     bench offline test what serve runs."""
     if requested != "auto":
         return requested
+    import torch
+
     from tokenmill.engine.llm_engine import resolve_model_path
     from tokenmill.model.config import ModelConfig
     from tokenmill.model.loader import resolve_dtype
-    from tokenmill.worker.worker import resolve_device
 
     cfg = ModelConfig.from_folder(resolve_model_path(model), "auto")  # native or fallback
-    # ``auto`` (bench offline's default device) as the engine resolves it
-    return str(resolve_dtype("auto", cfg, resolve_device(device))).removeprefix("torch.")
+    if device == "auto":  # bench offline's default, as the engine's worker resolves it
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return str(resolve_dtype("auto", cfg, torch.device(device))).removeprefix("torch.")
 
 
 def format_verify_report(

@@ -183,7 +183,8 @@ def _pad_groups(
     padded_in: int,
     group_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Given codes and group parameters in ``_int4_groups``' shapes and padding."""
+    """Codes and group parameters quantized already (a GGUF file's), in ``_int4_groups``' shapes
+    and padding."""
     out_features, in_features = codes.shape
     groups = padded_in // group_size
     q = torch.zeros(padded_out, padded_in, dtype=torch.int32)
