@@ -190,7 +190,10 @@ class GGUFCheckpoint:
 
     def read_rows(self, name: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows [start, stop) of tensor ``name`` in ``dtype`` (tensor-parallel shards)."""
-        return torch.from_numpy(self._float(self.entries[name])[start:stop]).to(dtype)
+        entry = self.entries[name]
+        if len(entry.shape) != 2 or self._permuted(entry):  # rows reordered across the tensor
+            return torch.from_numpy(self._float(entry)[start:stop]).to(dtype)
+        return torch.from_numpy(self._float(entry, start, stop)).to(dtype)  # only these rows
 
     # ---- quantized forms ----------------------------------------------------------------
     def kind(self, name: str) -> str:
