@@ -120,22 +120,22 @@ _NO_TOOLS_TEMPLATE = (
 def test_auto_tool_choice_warns_when_the_template_never_renders_tools(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from tokenmill.config import EngineConfig
     from tokenmill.entrypoints.startup_checks import warn_if_tools_unrendered
+    from tokenmill.tokenizer.tokenizer import Tokenizer
 
     folder = _copy(
         tmp_path,
         _edit_json("tokenizer_config.json", lambda c: c.update(chat_template=_NO_TOOLS_TEMPLATE)),
     )
-    config = EngineConfig(model=str(folder))
+    tokenizer = Tokenizer.from_pretrained(folder)
     with caplog.at_level("WARNING"):
-        message = warn_if_tools_unrendered(config, None, "hermes")
+        message = warn_if_tools_unrendered(tokenizer, None, "hermes")
     assert message is not None and "never renders the request's `tools`" in message
     assert "--chat-template" in message and message in caplog.text
     # The demo model's own template renders them; so does a tool-aware --chat-template.
-    assert warn_if_tools_unrendered(EngineConfig(model=str(DEMO)), None, "hermes") is None
+    assert warn_if_tools_unrendered(Tokenizer.from_pretrained(DEMO), None, "hermes") is None
     demo_template = json.loads((DEMO / "tokenizer_config.json").read_text())["chat_template"]
-    assert warn_if_tools_unrendered(config, demo_template, "hermes") is None
+    assert warn_if_tools_unrendered(tokenizer, demo_template, "hermes") is None
 
 
 def test_serve_logs_the_tool_template_warning_at_start_up(tmp_path: Path) -> None:

@@ -7,8 +7,10 @@ a worker that dies is named in the error instead of leaving the engine waiting.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 import signal
 
 import pytest
@@ -102,3 +104,33 @@ def test_a_killed_worker_is_named_and_never_hangs(folder) -> None:
             executor.check_health()
     finally:
         llm.engine.shutdown()
+
+
+def test_a_grammar_stops_on_a_generation_config_eos_under_mp(folder, tmp_path) -> None:
+    """The EOS ids are resolved once (config, tokenizer, generation_config.json) and worker
+    processes use that one set: a chat model's generation_config.json adds its end-of-turn
+    token, and a grammar must be allowed to stop on it in a worker process exactly as in the
+    engine's process (the workers used to leave generation_config.json out)."""
+    model = tmp_path / "model"
+    shutil.copytree(folder, model)
+    end_of_turn = 3  # <|im_end|>: EOS only through generation_config.json
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, end_of_turn]}))
+    kwargs = dict(dtype="float32", max_model_len=128, enforce_eager=True)
+    params = SamplingParams(  # the grammar may end after any letter; end-of-turn is favoured
+        temperature=0.0,
+        max_tokens=16,
+        logit_bias={end_of_turn: 50.0},
+        structured_outputs=StructuredOutputsParams(regex="[a-z]+"),
+    )
+    prompts = _prompts(3, seed=5)
+    local = LLM(str(model), **kwargs)
+    want = local.generate(prompts, params, use_tqdm=False)
+    remote = LLM(str(model), distributed_executor_backend="mp", **kwargs)
+    try:
+        got = remote.generate(prompts, params, use_tqdm=False)
+    finally:
+        remote.engine.shutdown()
+    assert [c.token_ids[-1] for o in want for c in o.outputs] == [end_of_turn] * 3
+    assert [(c.text, c.token_ids, c.finish_reason) for o in got for c in o.outputs] == [
+        (c.text, c.token_ids, c.finish_reason) for o in want for c in o.outputs
+    ]

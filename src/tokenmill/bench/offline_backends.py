@@ -70,7 +70,7 @@ def load_transformers_model(model: str, dtype: str, device: torch.device | str) 
     """``AutoModelForCausalLM`` of a local model folder (or ``demo``) in ``dtype``, on ``device``, in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    from tokenmill.engine.llm_engine import resolve_model_path
+    from tokenmill.model.source import resolve_model_path
 
     if dtype not in TORCH_DTYPES:
         raise ValueError(

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
+from tokenmill.model.source import resolve_model_path
+
 
 class TokenizerLike(Protocol):
     """Anything with ``encode(text)`` and ``decode(ids)``; the return types may vary."""
@@ -84,8 +86,6 @@ def load_tokenizer(name_or_path: str | Path) -> TokenizerLike:
     tokenmill server would give them; a bare ``tokenizer.json`` uses the ``tokenizers``
     library; ``transformers`` is the last resort for folders with only slow files.
     """
-    from tokenmill.engine.llm_engine import resolve_model_path  # lazy: it imports the whole engine
-
     path = resolve_model_path(str(name_or_path))
     if path.is_file() and path.suffix == ".json":
         from tokenizers import Tokenizer as BackendTokenizer

@@ -312,9 +312,9 @@ def served_dtype(model: str, requested: str = "auto", device: str = "cpu") -> st
         return requested
     import torch
 
-    from tokenmill.engine.llm_engine import resolve_model_path
     from tokenmill.model.config import ModelConfig
     from tokenmill.model.loader import resolve_dtype
+    from tokenmill.model.source import resolve_model_path
 
     cfg = ModelConfig.from_folder(resolve_model_path(model), "auto")  # native or fallback
     if device == "auto":  # bench offline's default, as the engine's worker resolves it

@@ -149,6 +149,40 @@ def params_from_wire(wire: dict[str, Any] | SamplingParams) -> SamplingParams:
     return SamplingParams(**values)
 
 
+# ---- start-up: what a worker resolved and what the engine decided --------------------
+class WorkerInfo(msgspec.Struct):
+    """What a worker resolved at start-up (the engine's resolved config is built from it)."""
+
+    device: str
+    dtype: str
+    kv_cache_dtype: str
+    num_threads: int
+    max_model_len: int
+    model_load_s: float
+
+
+class KVCacheSpec(msgspec.Struct):
+    """What the engine's KV manager decided: the worker allocates exactly this."""
+
+    num_blocks: int
+    block_size: int
+    wants_compiled_decode: bool
+    """Decode-only steps go through the compiled step (static; paged with --compile-batch-sizes)."""
+
+
+class CacheInfo(msgspec.Struct):
+    """What allocating the cache, compiling and loading the draft cost on this worker."""
+
+    kv_allocation_s: float
+    kv_cache_bytes: int
+    compile_time_s: float = 0.0
+    compile_s_by_bucket: dict[int, float] = {}
+    compile_cache_by_bucket: dict[int, str] = {}
+    eager_reason: str | None = None
+    """Why the static strategy's decode step runs eagerly (the model's forward cannot be
+    compiled with fixed shapes); the engine logs it."""
+
+
 def pooling_to_wire(pooling: PoolingParams | None) -> dict[str, Any] | None:
     return None if pooling is None else dataclasses.asdict(pooling)
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv import KVCacheManager, KVSizing, build_kv_manager
-from tokenmill.core.messages import StepOutput, VerifiedTokens
+from tokenmill.core.messages import CacheInfo, KVCacheSpec, StepOutput, VerifiedTokens, WorkerInfo
 from tokenmill.core.ngram_index import NgramProposer
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sampling_params import SamplingParams
@@ -23,47 +24,38 @@ from tokenmill.core.stats import EngineStats, StartupCosts
 from tokenmill.engine.beam_search import BeamLimits, BeamSearchCoordinator
 from tokenmill.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.startup import generation_eos_ids, initial_stats, log_ready
+from tokenmill.engine.startup import initial_stats, log_ready
 from tokenmill.engine.step_plan import StepPlanBuilder
 from tokenmill.errors import ConfigError, InvalidRequestError, RequestFailedError
 from tokenmill.executor import Executor, build_executor, check_tensor_parallel
 from tokenmill.lora_request import LoRARequest
+from tokenmill.model.dtypes import KV_CACHE_DTYPES, resolve_device
 from tokenmill.model.registry import resolve_model_impl
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolerConfig
+from tokenmill.resolved_model import ResolvedModel, resolve_model
 from tokenmill.structured.grammar import GrammarCompiler
-from tokenmill.tokenizer.tokenizer import Tokenizer
-from tokenmill.worker.model_runner import ModelRunner
-from tokenmill.worker.worker import (  # re-exported: entry points resolve paths through here
-    KV_CACHE_DTYPES,
-    CacheInfo,
-    KVCacheSpec,
-    WorkerInfo,
-    load_model_config,
-    resolve_device,
-    resolve_kv_cache_dtype,
-    resolve_model_path,
-)
+
+if TYPE_CHECKING:
+    from tokenmill.executor import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "KV_CACHE_DTYPES",
-    "LLMEngine",
-    "resolve_device",
-    "resolve_kv_cache_dtype",
-    "resolve_model_path",
-]
+__all__ = ["LLMEngine"]
 
 
 class LLMEngine:
     """Loads a model and serves many requests at once with continuous batching."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel | None = None) -> None:
+        """``resolved``: the model as the caller already resolved it (a server resolves it
+        for its start-up checks); else it is resolved here."""
         start = time.monotonic()
         self.config = config
-        self.model_path = resolve_model_path(config.model)
-        self.model_config = mc = load_model_config(config, self.model_path)
+        self.resolved = resolved = resolved or resolve_model(config)
+        """The model's folder, config, tokenizer and EOS ids: the workers get this same one."""
+        self.model_path = resolved.model_path
+        self.model_config = mc = resolved.model_config
         _, impl_reason = resolve_model_impl(mc.architecture, config.model_impl)
         logger.info("model implementation: %s (%s)", mc.model_impl, impl_reason)
         if mc.model_impl == "transformers":
@@ -87,11 +79,9 @@ class LLMEngine:
             raise ConfigError(
                 "--speculative-config: a pooling runner generates nothing to speculate on"
             )
-        self.tokenizer = Tokenizer.from_pretrained(
-            resolve_model_path(config.tokenizer) if config.tokenizer else self.model_path
-        )
+        self.tokenizer = resolved.tokenizer
         check_tensor_parallel(config, mc)
-        self.executor: Executor = build_executor(config)
+        self.executor: Executor = build_executor(config, resolved)
         """How the engine reaches its workers (the only way it does)."""
         info: WorkerInfo = self.executor.collective_rpc("describe", result_type=WorkerInfo)[0]
         self.config = config = replace(
@@ -107,10 +97,7 @@ class LLMEngine:
         self.dtype = KV_CACHE_DTYPES[info.dtype]
         self.kv_dtype = KV_CACHE_DTYPES[info.kv_cache_dtype]
         self.max_model_len: int = info.max_model_len
-        eos = set(mc.eos_token_ids) | generation_eos_ids(self.model_path)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        self.eos_token_ids = resolved.eos_token_ids
         self.pooler_config: PoolerConfig | None = None
         """How pooling requests pool (``--runner pooling``): what the checkpoint declares."""
         if config.is_pooling:
@@ -246,11 +233,7 @@ class LLMEngine:
     @property
     def runner(self) -> ModelRunner:
         """The in-process worker's runner (tests and scoring reach the model through it)."""
-        worker = getattr(self.executor, "driver_worker", None)
-        if worker is None:
-            raise RuntimeError("the model runs in worker processes: no runner in the engine")
-        runner: ModelRunner = worker.runner
-        return runner
+        return self.executor.runner
 
     def _calibrate_kv_scales(self) -> None:
         """Set every layer's fp8 KV scales from one fixed prompt, before any request.

@@ -1,4 +1,4 @@
-"""What the engine reports once it is built: EOS ids, its first counters, the ready lines.
+"""What the engine reports once it is built: its first counters and the ready lines.
 
 Kept apart from ``llm_engine.py`` so the step loop's module stays about the loop; nothing
 here touches a worker.
@@ -6,7 +6,6 @@ here touches a worker.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -17,21 +16,6 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info
 
 logger = logging.getLogger("tokenmill.engine.llm_engine")  # the engine's lines, one name
-
-
-def generation_eos_ids(folder: Path) -> set[int]:
-    """``generation_config.json``'s EOS ids (none when absent or unreadable)."""
-    path = folder / "generation_config.json"
-    if not path.is_file():
-        return set()
-    try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
-    except (OSError, json.JSONDecodeError):
-        logger.warning("ignoring unreadable %s", path)
-        return set()
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, list) else {int(eos)}
 
 
 def initial_stats(

@@ -20,11 +20,12 @@ import psutil
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.llm_engine import resolve_device, resolve_model_path
 from tokenmill.errors import InsufficientMemoryError, InvalidRequestError, ModelLoadError
 from tokenmill.model import sizing
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.dtypes import resolve_device
 from tokenmill.model.loader import check_checkpoint, resolve_dtype
+from tokenmill.resolved_model import ResolvedModel, resolve_model
 from tokenmill.tokenizer.tokenizer import Tokenizer
 from tokenmill.worker.kv_cache import kv_budget_bytes
 
@@ -35,19 +36,17 @@ PROBE_CONVERSATION = [{"role": "user", "content": "Hello!"}]
 PROBE_RENDER_TIMEOUT_S = 10.0
 
 
-def check_before_serving(engine_config: EngineConfig) -> ModelConfig:
-    """Every start-up check, cheapest first; returns the model's config."""
-    path = resolve_model_path(engine_config.model)
-    model_config = ModelConfig.from_folder(path, engine_config.model_impl)
-    tokenizer_path = (
-        resolve_model_path(engine_config.tokenizer) if engine_config.tokenizer else path
-    )
-    check_chat_templates(Tokenizer.from_pretrained(tokenizer_path))
+def check_before_serving(engine_config: EngineConfig) -> ResolvedModel:
+    """Every start-up check, cheapest first; returns the model as resolved for them (the
+    engine takes this one rather than reading the folder again)."""
+    resolved = resolve_model(engine_config)
+    check_chat_templates(resolved.tokenizer)
+    model_config = resolved.model_config
     if model_config.model_impl == "transformers":
-        return model_config  # no registry layout: the fallback probes its model as it loads
-    check_checkpoint(path, model_config)
+        return resolved  # no registry layout: the fallback probes its model as it loads
+    check_checkpoint(resolved.model_path, model_config)
     check_memory(engine_config, model_config)
-    return model_config
+    return resolved
 
 
 def check_chat_templates(tokenizer: Tokenizer) -> None:
@@ -101,14 +100,9 @@ def template_renders_tools(tokenizer: Tokenizer, chat_template: str | None = Non
 
 
 def warn_if_tools_unrendered(
-    engine_config: EngineConfig, chat_template: str | None, tool_call_parser: str | None
+    tokenizer: Tokenizer, chat_template: str | None, tool_call_parser: str | None
 ) -> str | None:
     """For ``--enable-auto-tool-choice``: one warning when the template drops ``tools``."""
-    path = resolve_model_path(engine_config.model)
-    tokenizer_path = (
-        resolve_model_path(engine_config.tokenizer) if engine_config.tokenizer else path
-    )
-    tokenizer = Tokenizer.from_pretrained(tokenizer_path)
     if template_renders_tools(tokenizer, chat_template):
         return None
     message = (

@@ -6,10 +6,16 @@ process, the default) or ``MultiprocExecutor`` (one process per tensor-parallel 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tokenmill.config import EngineConfig
 from tokenmill.errors import ConfigError
 from tokenmill.executor.base import Executor, WorkerDiedError
 from tokenmill.model.config import ModelConfig
+from tokenmill.resolved_model import ResolvedModel
+
+if TYPE_CHECKING:  # the in-process runner's type (``Executor.runner``), named for the engine
+    from tokenmill.worker.model_runner import ModelRunner as ModelRunner
 
 
 def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> None:
@@ -36,18 +42,19 @@ def check_tensor_parallel(config: EngineConfig, model_config: ModelConfig) -> No
     check_supported(model_config, tp)
 
 
-def build_executor(config: EngineConfig) -> Executor:
-    """The executor ``--distributed-executor-backend`` names (default: uni at TP 1, else mp)."""
+def build_executor(config: EngineConfig, resolved: ResolvedModel) -> Executor:
+    """The executor ``--distributed-executor-backend`` names (default: uni at TP 1, else mp);
+    its workers take the model as ``resolved`` (nothing about it is read again)."""
     backend = config.distributed_executor_backend or (
         "uni" if config.tensor_parallel_size == 1 else "mp"
     )
     if backend == "uni":
         from tokenmill.executor.uniproc import UniProcExecutor
 
-        return UniProcExecutor(config)
+        return UniProcExecutor(config, resolved)
     from tokenmill.executor.multiproc import MultiprocExecutor
 
-    return MultiprocExecutor(config)
+    return MultiprocExecutor(config, resolved)
 
 
 __all__ = ["Executor", "WorkerDiedError", "build_executor", "check_tensor_parallel"]

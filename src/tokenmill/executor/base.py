@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.core.messages import StepOutput, StepPlan
 from tokenmill.errors import TokenmillError
+
+if TYPE_CHECKING:
+    from tokenmill.worker.model_runner import ModelRunner
 
 
 class WorkerDiedError(TokenmillError, RuntimeError):
@@ -34,6 +37,11 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, plan: StepPlan) -> StepOutput:
         """Run one step on every rank; rank 0's output."""
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The in-process worker's runner (tests and scoring reach the model through it)."""
+        raise RuntimeError("the model runs in worker processes: no runner in the engine")
 
     def check_health(self) -> None:
         """Raise WorkerDiedError if a worker is gone (in-process: never)."""

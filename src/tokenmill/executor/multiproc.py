@@ -33,6 +33,7 @@ import msgspec
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import StepOutput, StepPlan, decode_any, decode_output, encode
 from tokenmill.executor.base import Executor, WorkerDiedError
+from tokenmill.resolved_model import ResolvedModel
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class MultiprocExecutor(Executor):
 
     is_in_process = False
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
         self.world_size = config.tensor_parallel_size
         # A rendezvous file in a private folder: a free TCP port picked here could be taken
         # by another replica's group starting at the same moment (-dp N -tp M).
@@ -69,11 +70,12 @@ class MultiprocExecutor(Executor):
         self._procs: list[BaseProcess] = []
         self._closed = False
         wire = config_to_wire(config)
+        model_wire = resolved.to_wire()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, wire, child, init_method),
+                args=(rank, self.world_size, wire, model_wire, child, init_method),
                 name=f"tokenmill-tp{rank}",
             )
             proc.start()
@@ -217,14 +219,19 @@ def _stop(conns: list[Connection], procs: list[BaseProcess], rendezvous: str) ->
 # ---- the worker process ---------------------------------------------------------------
 def _arg_types() -> dict[str, tuple[Any, ...]]:
     """Argument types of the calls a worker answers, for decoding them back into objects."""
+    from tokenmill.core.messages import KVCacheSpec
     from tokenmill.lora_request import LoRARequest
-    from tokenmill.worker.worker import KVCacheSpec
 
     return {"initialize_cache": (KVCacheSpec,), "add_lora": (LoRARequest, set[int])}
 
 
 def _worker_main(
-    rank: int, world_size: int, config_wire: bytes, conn: Connection, init_method: str
+    rank: int,
+    world_size: int,
+    config_wire: bytes,
+    model_wire: bytes,
+    conn: Connection,
+    init_method: str,
 ) -> None:
     """A rank's process: join the process group, load the shard, answer calls until told to
     stop or until the engine's end of the pipe closes."""
@@ -240,7 +247,7 @@ def _worker_main(
 
         config = config_from_wire(config_wire)
         init_distributed(config, rank, world_size, init_method)
-        worker = Worker(config, rank, world_size)
+        worker = Worker(config, ResolvedModel.from_wire(model_wire), rank, world_size)
         arg_types = _arg_types()
         answer(True, None)
     except BaseException as exc:  # reported to the engine, which names this rank

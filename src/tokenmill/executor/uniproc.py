@@ -11,6 +11,8 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import StepOutput, StepPlan
 from tokenmill.executor.base import Executor
+from tokenmill.resolved_model import ResolvedModel
+from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.worker import Worker
 
 
@@ -19,9 +21,13 @@ class UniProcExecutor(Executor):
 
     is_in_process = True
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.driver_worker = Worker(config)
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
+        self.driver_worker = Worker(config, resolved)
         self.world_size = 1
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.driver_worker.runner
 
     def collective_rpc(
         self, method: str, args: tuple[Any, ...] = (), result_type: Any = Any

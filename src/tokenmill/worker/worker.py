@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.messages import StepOutput, StepPlan
+from tokenmill.core.messages import CacheInfo, KVCacheSpec, StepOutput, StepPlan, WorkerInfo
 from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.speculative import max_verify_rows
 from tokenmill.errors import ConfigError
@@ -33,12 +30,18 @@ from tokenmill.model.attention_backend import select_attention_backend
 from tokenmill.model.base import CausalLM
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info
+from tokenmill.model.dtypes import (
+    KV_CACHE_DTYPE_NAMES,
+    resolve_device,
+    resolve_kv_cache_dtype,
+)
 from tokenmill.model.host_memory import trim_freed_heap
 from tokenmill.model.layers import Linear, gemv_layout_wanted
 from tokenmill.model.loader import load_model, resolve_dtype
 from tokenmill.model.source import resolve_model_path
 from tokenmill.model.tensor_parallel import TPShard, shard_config
 from tokenmill.model.thread_policy import default_thread_decision
+from tokenmill.resolved_model import ResolvedModel
 from tokenmill.sampling.sampler import Sampler
 from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
 from tokenmill.worker.draft_loop import CompiledDraftLoop
@@ -61,35 +64,6 @@ RESIDENT_EVERY_S = 1.0
 whole pool): the engine publishes stats after every step, and measuring a 4 GiB pool each
 time cost tens of ms a token (a one-stream decode step is ~10 ms)."""
 
-KV_CACHE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-KV_CACHE_DTYPE_NAMES = {dtype: name for name, dtype in KV_CACHE_DTYPES.items()}
-KV_CACHE_DTYPES["fp8"] = torch.float8_e4m3fn  # vLLM's alias
-
-
-def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
-    """``auto`` stores K/V in the model dtype; anything else as named (vLLM's names)."""
-    return model_dtype if requested == "auto" else KV_CACHE_DTYPES[requested]
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def load_model_config(config: EngineConfig, model_path: Path) -> ModelConfig:
-    """The model's config (implementation resolved), with the test-only RoPE override."""
-    mc = ModelConfig.from_folder(model_path, config.model_impl)
-    if config.rope_theta_override is not None:
-        mc = replace(mc, rope_theta=config.rope_theta_override)
-    return mc
-
 
 def _with_verify_bucket(config: EngineConfig, buckets: list[int]) -> list[int]:
     """static + speculation: one more compiled batch size when a step verifying drafts can
@@ -102,49 +76,20 @@ def _with_verify_bucket(config: EngineConfig, buckets: list[int]) -> list[int]:
     return buckets + [rows] if rows > max(buckets, default=0) else buckets
 
 
-class WorkerInfo(msgspec.Struct):
-    """What a worker resolved at start-up (the engine's resolved config is built from it)."""
-
-    device: str
-    dtype: str
-    kv_cache_dtype: str
-    num_threads: int
-    max_model_len: int
-    model_load_s: float
-
-
-class KVCacheSpec(msgspec.Struct):
-    """What the engine's KV manager decided: the worker allocates exactly this."""
-
-    num_blocks: int
-    block_size: int
-    wants_compiled_decode: bool
-    """Decode-only steps go through the compiled step (static; paged with --compile-batch-sizes)."""
-
-
-class CacheInfo(msgspec.Struct):
-    """What allocating the cache, compiling and loading the draft cost on this worker."""
-
-    kv_allocation_s: float
-    kv_cache_bytes: int
-    compile_time_s: float = 0.0
-    compile_s_by_bucket: dict[int, float] = {}
-    compile_cache_by_bucket: dict[int, str] = {}
-    eager_reason: str | None = None
-    """Why the static strategy's decode step runs eagerly (the model's forward cannot be
-    compiled with fixed shapes); the engine logs it."""
-
-
 class Worker:
     """One rank: owns its device, threads, dtype, model, KV tensors and runner."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, config: EngineConfig, resolved: ResolvedModel, rank: int = 0, world_size: int = 1
+    ) -> None:
         start = time.monotonic()
         self.config = config
+        self.resolved = resolved
+        """The model as the engine resolved it (config, tokenizer, EOS ids): never re-read."""
         self.rank = rank
         self.world_size = world_size
-        self.model_path = resolve_model_path(config.model)
-        self.model_config = mc = load_model_config(config, self.model_path)
+        self.model_path = resolved.model_path
+        self.model_config = mc = resolved.model_config
         self.device = resolve_device(config.device)
         threads = default_thread_decision(config.num_threads)
         self.num_threads = config.num_threads or max(1, threads.num_threads // world_size)
@@ -516,18 +461,13 @@ class Worker:
     def _compile_grammar(self, params: SamplingParams) -> object:
         """A grammar that did not cross the process boundary, compiled here (cached)."""
         from tokenmill.structured.grammar import GrammarCompiler
-        from tokenmill.tokenizer.tokenizer import Tokenizer
 
         if self._grammar_compiler is None:
-            cfg = self.config
-            tokenizer = Tokenizer.from_pretrained(
-                resolve_model_path(cfg.tokenizer) if cfg.tokenizer else self.model_path
-            )
-            eos = set(self.model_config.eos_token_ids)
-            if tokenizer.eos_token_id is not None:
-                eos.add(tokenizer.eos_token_id)
+            resolved = self.resolved
             self._grammar_compiler = GrammarCompiler(
-                tokenizer.backend.to_str(), self.model_config.vocab_size, frozenset(eos)
+                resolved.tokenizer.backend.to_str(),
+                resolved.model_config.vocab_size,
+                resolved.eos_token_ids,
             )
         assert params.structured_outputs is not None
         return self._grammar_compiler.compile(params.structured_outputs)

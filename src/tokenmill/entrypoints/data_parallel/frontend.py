@@ -475,10 +475,10 @@ class FrontServer(DrainingServer):
 
 def run_data_parallel(args: argparse.Namespace) -> int:
     """Serve the front end until SIGTERM/SIGINT; the replicas drain and stop with it."""
-    from tokenmill.engine.llm_engine import resolve_model_path
     from tokenmill.entrypoints.cli import serve_model
     from tokenmill.entrypoints.engine_args import engine_config_from_args
     from tokenmill.entrypoints.openai.server import server_config_from_args, uvicorn_config
+    from tokenmill.model.source import resolve_model_path
 
     engine_config = engine_config_from_args(args, serve_model(args))
     config = server_config_from_args(args, engine_config)

@@ -35,7 +35,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tokenmill.config import EngineConfig
 from tokenmill.core.max_tokens import clamp, output_room
 from tokenmill.engine.input_processor import ProcessedRequest
-from tokenmill.engine.llm_engine import resolve_model_path
 from tokenmill.entrypoints.openai.admission import GENERATION_PATHS
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.middleware import header_value, send_error
@@ -51,6 +50,7 @@ from tokenmill.errors import ConfigError, ContextLengthError, InvalidRequestErro
 from tokenmill.metrics import ServerMetrics
 from tokenmill.metrics.prometheus import PREFIX
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.source import resolve_model_path
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -28,7 +29,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineState
-from tokenmill.engine.llm_engine import resolve_model_path
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.config_args import add_config_args, config_kwargs
 from tokenmill.entrypoints.log_limits import install_log_rate_limit
 from tokenmill.entrypoints.openai.admission import AdmissionController, AdmissionMiddleware
@@ -63,6 +64,8 @@ from tokenmill.entrypoints.startup_checks import check_before_serving, warn_if_t
 from tokenmill.errors import ConfigError, InvalidRequestError
 from tokenmill.metrics import ServerMetrics
 from tokenmill.metrics.ops import ResponseCountMiddleware, install_ops_metrics
+from tokenmill.model.config import ModelConfig
+from tokenmill.model.source import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -384,19 +387,16 @@ async def _wait_until(is_done: Callable[[], bool], deadline: float) -> None:
         await asyncio.sleep(0.02)
 
 
-def check_lora_modules(config: ServerConfig, engine_config: EngineConfig) -> None:
+def check_lora_modules(
+    config: ServerConfig, engine_config: EngineConfig, model_config: ModelConfig
+) -> None:
     """Read every ``--lora-modules`` adapter against the model before serving (LoRAError if one does not fit)."""
     if not config.lora_modules or not engine_config.enable_lora:
         return  # build_app names the missing --enable-lora
     import torch
 
-    from tokenmill.engine.llm_engine import resolve_model_path
-    from tokenmill.model.config import ModelConfig
     from tokenmill.model.lora import load_lora_adapter
 
-    model_config = ModelConfig.from_folder(
-        resolve_model_path(engine_config.model), engine_config.model_impl
-    )
     if model_config.model_impl == "transformers":
         from tokenmill.model.transformers_fallback import check_features
 
@@ -435,13 +435,16 @@ def uvicorn_config(app: Any, config: ServerConfig, **overrides: Any) -> uvicorn.
 def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the engine failed to load or died."""
     config = server_config_from_args(args, engine_config)
-    check_before_serving(engine_config)  # all before listening: a failure is one line, exit 1
+    # All before listening: a failure is one line, exit 1. The model is read here once.
+    resolved = check_before_serving(engine_config)
     if config.enable_auto_tool_choice:
         warn_if_tools_unrendered(
-            engine_config, resolve_chat_template(config.chat_template), config.tool_call_parser
+            resolved.tokenizer,
+            resolve_chat_template(config.chat_template),
+            config.tool_call_parser,
         )
-    check_lora_modules(config, engine_config)
-    engine = AsyncLLMEngine(engine_config)
+    check_lora_modules(config, engine_config, resolved.model_config)
+    engine = AsyncLLMEngine(engine_config, functools.partial(LLMEngine, resolved=resolved))
     app = build_app(engine, config, engine_config)
     if config.disable_access_log:
         logging.getLogger("tokenmill.access").setLevel(logging.WARNING)
