@@ -86,13 +86,12 @@ def _decode_run(llm: LLM, streams: int, out_tokens: int) -> float:
 def bench_executor(folder: Path, rounds: int, out_tokens: int) -> dict[str, Any]:
     llm = LLM(str(folder), dtype="float32", max_model_len=512, num_threads=2)
     engine = llm.engine
-    runner = engine.runner
-    build_plan, execute = engine.plan_builder.build, engine.executor.execute_model
+    execute = engine.executor.execute_model
+    worker_execute = engine.executor.driver_worker.execute_model  # type: ignore[attr-defined]
 
     def direct(on: bool) -> None:
-        """on: the pre-split path (the runner gets the scheduler's output as it is)."""
-        engine.plan_builder.build = (lambda s: s) if on else build_plan  # type: ignore[method-assign,assignment,return-value]
-        engine.executor.execute_model = runner.execute if on else execute  # type: ignore[method-assign,assignment]
+        """on: the engine calls its worker directly, around the executor."""
+        engine.executor.execute_model = worker_execute if on else execute  # type: ignore[method-assign]
 
     result: dict[str, Any] = {}
     for streams in (1, 16):
@@ -114,14 +113,13 @@ def bench_executor(folder: Path, rounds: int, out_tokens: int) -> dict[str, Any]
 
 
 def bench_diff_cost(streams: int = 16, context: int = 512, steps: int = 200) -> dict[str, Any]:
-    """What the executor seam adds per decode step, without a model: build the plan from a
-    real scheduler's output and apply it to the worker's mirror (in-process, and encoded
-    to msgpack and decoded as the mp executor does)."""
+    """What the executor seam adds per decode step, without a model: apply a real
+    scheduler's diff to the worker's mirror (in-process, and encoded to msgpack and decoded
+    as the mp executor does). Writing the diff is part of ``schedule`` and not counted."""
     from tokenmill.core.kv.paged import PagedKVManager
-    from tokenmill.core.messages import decode_plan, encode
+    from tokenmill.core.messages import decode_plan, encode, plan_for_wire
     from tokenmill.core.request import Request
     from tokenmill.core.scheduler import Scheduler
-    from tokenmill.engine.step_plan import StepPlanBuilder
     from tokenmill.worker.request_state import RequestStates
 
     result: dict[str, Any] = {"streams": streams, "context": context}
@@ -131,14 +129,14 @@ def bench_diff_cost(streams: int = 16, context: int = 512, steps: int = 200) -> 
         for i in range(streams):
             prompt = [(i * 31 + j) % 30000 + 4 for j in range(context)]
             sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=10**6)))
-        builder, states = StepPlanBuilder(in_process=in_process), RequestStates()
+        states = RequestStates()
         spent, frame_bytes = 0.0, 0
         for step in range(steps + 1):
             out = sched.schedule()
             start = time.perf_counter()
-            plan = builder.build(out)
+            plan = out.plan
             if not in_process:
-                frame = encode(plan)
+                frame = encode(plan_for_wire(plan))
                 frame_bytes = len(frame)
                 plan = decode_plan(frame)
             states.apply(plan)

@@ -115,7 +115,7 @@ def test_drafts_are_scheduled_with_the_last_token_and_rolled_back() -> None:
     req.spec_token_ids = [60, 61, 62, 63]
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"r": 5}
-    assert len(out.block_tables["r"]) == 3  # 12 token slots: 8 known + 4 drafts
+    assert len(kv.block_table("r")) == 3  # 12 token slots: 8 known + 4 drafts
     sched.update_after_step(out.scheduled)
     req.append_output_token(60)  # one draft accepted, then the target's own token
     req.append_output_token(70)

@@ -61,7 +61,7 @@ class CachedRequestData(msgspec.Struct, array_like=True):
 
 
 class StepPlan(msgspec.Struct, omit_defaults=True):
-    """One step for the workers: the scheduler's output as a diff."""
+    """One step for the workers, as a diff: the scheduler writes it (``Scheduler.schedule``)."""
 
     scheduled: list[tuple[str, int]] = []
     """(sequence id, tokens to compute), in the scheduler's order (rows are laid out so)."""
@@ -203,6 +203,25 @@ def _enc_hook(obj: object) -> Any:
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _plan_decoder = msgspec.msgpack.Decoder(StepPlan)
 _output_decoder = msgspec.msgpack.Decoder(StepOutput | None)
+
+
+def plan_for_wire(plan: StepPlan) -> StepPlan:
+    """The plan as another process takes it: parameters as builtins (``params_to_wire``),
+    grammars as nil (the worker there compiles its own). In-process plans keep the objects."""
+    if not plan.new_requests:
+        return plan
+    return msgspec.structs.replace(
+        plan,
+        new_requests=[
+            msgspec.structs.replace(
+                new,
+                sampling_params=params_to_wire(new.sampling_params),
+                pooling=pooling_to_wire(new.pooling),
+                grammar=None,
+            )
+            for new in plan.new_requests
+        ],
+    )
 
 
 def encode(message: object) -> bytes:

@@ -19,31 +19,43 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tokenmill.core.kv.base import KVCacheManager
+from tokenmill.core.kv.base import Allocation, KVCacheManager
+from tokenmill.core.messages import CachedRequestData, NewRequestData, StepPlan
 from tokenmill.core.request import Request, RequestStatus
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan, consumed by the model runner."""
+    """One step: the diff the workers take (``plan``) and the engine's view of it.
 
+    ``plan`` is what vLLM v1's scheduler output is: a request new to the workers once
+    (prompt, parameters, whole block table), then per step only what changed (tokens
+    appended since, block ids the KV manager's ``allocate`` added), the preempted and
+    finished ids and the block copies. ``scheduled`` keeps the engine's own ``Request``s for
+    its bookkeeping after the step; it never crosses to a worker."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     """(request, number of tokens to compute this step), running ones first."""
-    preempted_ids: list[str] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)
-    """Requests finished since the previous step (the runner drops their state)."""
-    block_tables: dict[str, list[int]] = field(default_factory=dict)
-    """Per scheduled request, the block ids holding its KV in token order, so the runner
-    needs nothing from the KV manager."""
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    """(src, dst) KV blocks to copy before the forward: copy-on-write of blocks shared by forks."""
-    draft_catch_up: dict[str, int] = field(default_factory=dict)
-    """Speculation with a draft model, per request the draft runs on this step: how many
-    tokens it reads from its valid count on (all of its lag when it then proposes the
-    request's ``spec_token_ids``; part of it, and no proposal, when the budget is short)."""
     num_draft_model_tokens: int = 0
     """Tokens the draft model computes this step (catch-up plus draft inputs), charged to
     the token budget with the target's."""
+
+    @property
+    def preempted_ids(self) -> list[str]:
+        return self.plan.preempted_ids
+
+    @property
+    def finished_ids(self) -> list[str]:
+        """Requests finished since the previous step (the workers drop their state)."""
+        return self.plan.finished_ids
+
+    @property
+    def draft_catch_up(self) -> dict[str, int]:
+        """Speculation with a draft model, per request the draft runs on this step: how many
+        tokens it reads from its valid count on (all of its lag when it then proposes the
+        request's ``spec_token_ids``; part of it, and no proposal, when the budget is short)."""
+        return self.plan.draft_catch_up
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -87,6 +99,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        self._num_tokens_sent: dict[str, int] = {}
+        """Per request the workers hold: how many of its tokens they have (a request not
+        here is sent whole the next time it is scheduled)."""
         self.num_preemptions = 0
 
     # ---- ordering --------------------------------------------------------------------
@@ -120,6 +135,7 @@ class Scheduler:
         request.status = status
         request.metrics.finished_time = time.monotonic()
         self._finished_ids.append(request_id)
+        self._num_tokens_sent.pop(request_id, None)
         return request
 
     def fork_request(self, parent: Request, child: Request) -> None:
@@ -147,8 +163,9 @@ class Scheduler:
 
     # ---- scheduling ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_ids=self._finished_ids)
+        out = SchedulerOutput(StepPlan(finished_ids=self._finished_ids))
         self._finished_ids = []
+        allocations: dict[str, Allocation] = {}
         budget = self.max_num_batched_tokens
         now = time.monotonic()
         if self.policy == "priority":
@@ -169,7 +186,7 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate(request, num_new):
+            while (allocation := self.kv.allocate(request, num_new)) is None:
                 if request.spec_token_ids:  # drop the guesses before anyone's KV
                     num_new -= len(request.spec_token_ids)
                     request.spec_token_ids = []
@@ -177,16 +194,17 @@ class Scheduler:
                     continue
                 victim = self.running[-1]
                 self._preempt(victim)
-                out.preempted_ids.append(victim.request_id)
+                out.plan.preempted_ids.append(victim.request_id)
                 is_memory_tight = True
                 if victim is request:
                     break
             else:
                 out.scheduled.append((request, num_new))
+                allocations[request.request_id] = allocation
                 budget -= num_new
                 if catch_up > 0:
                     draft_tokens = catch_up + max(0, len(request.spec_token_ids) - 1)
-                    out.draft_catch_up[request.request_id] = catch_up
+                    out.plan.draft_catch_up[request.request_id] = catch_up
                     out.num_draft_model_tokens += draft_tokens
                     budget -= draft_tokens
                 i += 1
@@ -220,8 +238,10 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_left > budget:
                 break  # it waits for a step with room for its whole prompt
             num_new = min(num_left, budget)
-            if not self.kv.allocate(request, num_new, prefix):
+            allocation = self.kv.allocate(request, num_new, prefix)
+            if allocation is None:
                 break
+            allocations[request.request_id] = allocation
             self.waiting.pop(index)
             if request.lora_id:
                 active_loras.add(request.lora_id)
@@ -234,11 +254,38 @@ class Scheduler:
             num_running[request.is_beam] += 1
             out.scheduled.append((request, num_new))
             budget -= num_new
-        out.block_tables = {
-            r.request_id: self.kv.block_table(r.request_id) for r, _ in out.scheduled
-        }
-        out.blocks_to_copy = self.kv.take_block_copies()
+        self._emit_diff(out, allocations)
         return out
+
+    def _emit_diff(self, out: SchedulerOutput, allocations: dict[str, Allocation]) -> None:
+        """Fill ``out.plan`` for the scheduled requests: new to the workers, whole; known,
+        only their appended tokens and the blocks ``allocate`` added (the whole table where
+        it was rebuilt: preemption, copy-on-write, truncation)."""
+        plan = out.plan
+        sent = self._num_tokens_sent
+        for request, num_new in out.scheduled:
+            rid = request.request_id
+            plan.scheduled.append((rid, num_new))
+            if request.spec_token_ids:
+                plan.spec_token_ids[rid] = list(request.spec_token_ids)
+            if rid in plan.draft_catch_up:
+                plan.num_draft_computed[rid] = request.num_draft_computed_tokens
+            num_sent = sent.get(rid)
+            if num_sent is None:
+                plan.new_requests.append(new_request_data(request, self.kv.block_table(rid)))
+            else:
+                allocation = allocations[rid]
+                plan.cached_requests.append(
+                    CachedRequestData(
+                        rid,
+                        request.num_computed_tokens,
+                        request.token_slice(num_sent, request.num_tokens),
+                        allocation.block_ids,
+                        allocation.replaces,
+                    )
+                )
+            sent[rid] = request.num_tokens
+        plan.blocks_to_copy = self.kv.take_block_copies()
 
     def update_after_step(self, scheduled: list[tuple[Request, int]]) -> None:
         """Advance computed-token counts once the runner has written their KV."""
@@ -290,7 +337,7 @@ class Scheduler:
             if has_room and self.kv.can_admit(urgent, first_chunk):
                 return
             self._preempt(victim)
-            out.preempted_ids.append(victim.request_id)
+            out.plan.preempted_ids.append(victim.request_id)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -315,3 +362,22 @@ class Scheduler:
             else:
                 hi = mid
         queue.insert(lo, request)
+
+
+def new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
+    """A request as the workers first take it (objects as they are: an executor that crosses
+    a process turns them into builtins, ``messages.plan_for_wire``)."""
+    return NewRequestData(
+        request_id=request.request_id,
+        prompt_token_ids=list(request.prompt_token_ids),
+        output_token_ids=list(request.output_token_ids),
+        sampling_params=request.sampling_params,
+        block_ids=list(block_ids),
+        num_computed_tokens=request.num_computed_tokens,
+        eos_token_ids=sorted(request.eos_token_ids),
+        index=request.index,
+        lora_id=request.lora_id,
+        max_total_tokens=request.max_total_tokens,
+        pooling=request.pooling,
+        grammar=request.grammar,
+    )

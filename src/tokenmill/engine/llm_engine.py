@@ -25,7 +25,6 @@ from tokenmill.engine.beam_search import BeamLimits, BeamSearchCoordinator
 from tokenmill.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.startup import initial_stats, log_ready
-from tokenmill.engine.step_plan import StepPlanBuilder
 from tokenmill.errors import ConfigError, InvalidRequestError, RequestFailedError
 from tokenmill.executor import Executor, build_executor, check_tensor_parallel
 from tokenmill.lora_request import LoRARequest
@@ -135,7 +134,6 @@ class LLMEngine:
                 cache.eager_reason,
             )
         self.startup.kv_allocation_s = time.monotonic() - kv_start - cache.compile_time_s
-        self.plan_builder = StepPlanBuilder(in_process=self.executor.is_in_process)
         step_budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill and step_budget < self.max_model_len:
             step_budget = self.max_model_len  # a whole prompt must fit one step
@@ -378,7 +376,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.draft_catch_up:
             self._counters.record_draft_model_step(sched.num_draft_model_tokens)
-        result = self.executor.execute_model(self.plan_builder.build(sched))
+        result = self.executor.execute_model(sched.plan)
         for rid, num in result.num_draft_computed.items():  # the worker's draft KV length
             self.scheduler.requests[rid].num_draft_computed_tokens = num
         self.scheduler.update_after_step(sched.scheduled)

@@ -14,7 +14,7 @@ import torch
 
 from tokenmill.core.request import Request
 from tokenmill.core.sampling_params import SamplingParams
-from tokenmill.core.scheduler import SchedulerOutput
+from tokenmill.core.scheduled_batch import ScheduledBatch
 from tokenmill.engine.llm_engine import LLMEngine
 
 
@@ -40,9 +40,9 @@ def score_sequences(
                 live = [
                     (i, r) for i, r in enumerate(batch) if position < len(r.prompt_token_ids) - 1
                 ]
-                sched = SchedulerOutput()
+                sched = ScheduledBatch()
                 for _, request in live:
-                    if not engine.kv_manager.allocate(request, 1):
+                    if engine.kv_manager.allocate(request, 1) is None:
                         raise RuntimeError("the KV cache cannot hold the sequences being scored")
                     sched.scheduled.append((request, 1))
                     sched.block_tables[request.request_id] = engine.kv_manager.block_table(

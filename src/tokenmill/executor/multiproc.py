@@ -31,7 +31,14 @@ from typing import Any
 import msgspec
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.messages import StepOutput, StepPlan, decode_any, decode_output, encode
+from tokenmill.core.messages import (
+    StepOutput,
+    StepPlan,
+    decode_any,
+    decode_output,
+    encode,
+    plan_for_wire,
+)
 from tokenmill.executor.base import Executor, WorkerDiedError
 from tokenmill.resolved_model import ResolvedModel
 
@@ -110,7 +117,7 @@ class MultiprocExecutor(Executor):
         ]
 
     def execute_model(self, plan: StepPlan) -> StepOutput:
-        self._send_all(encode(["execute_model", encode(plan)]))
+        self._send_all(encode(["execute_model", encode(plan_for_wire(plan))]))
         answers = self._answers()
         out = decode_output(answers[0])
         assert out is not None

@@ -27,7 +27,7 @@ import torch
 
 from tokenmill.core.request import Request
 from tokenmill.core.sampling_params import SamplingParams
-from tokenmill.core.scheduler import SchedulerOutput
+from tokenmill.core.scheduled_batch import ScheduledBatch
 from tokenmill.model.base import CausalLM
 from tokenmill.sampling.sampler import Sampler
 from tokenmill.worker.compiled_step import CompiledDecodeStep
@@ -86,7 +86,7 @@ class DraftProposer:
         return cls(runner, rows, loops if rows is not None else None)
 
     @torch.inference_mode()
-    def propose(self, sched: SchedulerOutput) -> None:
+    def propose(self, sched: ScheduledBatch) -> None:
         """Run the draft on what the scheduler granted (``sched.draft_catch_up``): catch its
         KV up, then replace the placeholder drafts of each request by the draft's tokens."""
         views: list[tuple[Request, Request, int]] = []
@@ -117,7 +117,7 @@ class DraftProposer:
             self.num_forwards += 1
             self.num_tokens += sum(n for _, n in steps)
             out = self.runner.execute(
-                SchedulerOutput(
+                ScheduledBatch(
                     scheduled=steps,
                     block_tables={v.request_id: sched.block_tables[v.request_id] for v, _ in steps},
                 )
@@ -140,7 +140,7 @@ class DraftProposer:
 
     def _propose_rows(
         self,
-        sched: SchedulerOutput,
+        sched: ScheduledBatch,
         views: list[tuple[Request, Request, int]],
         rows: RowForward,
     ) -> None:

@@ -1,4 +1,4 @@
-"""ModelRunner: turns a SchedulerOutput into tensors, runs the model, samples.
+"""ModelRunner: turns a ScheduledBatch into tensors, runs the model, samples.
 
 ``prepare_inputs`` is the one place where a step's inputs are laid out (token ids,
 positions, KV slot mapping, block tables, logits rows); the model's attention backend turns
@@ -33,7 +33,7 @@ import torch
 
 from tokenmill.core.messages import StepOutput, VerifiedTokens
 from tokenmill.core.request import Request
-from tokenmill.core.scheduler import SchedulerOutput
+from tokenmill.core.scheduled_batch import ScheduledBatch
 from tokenmill.model.attention_backend import BatchGroup, StepBatch, StepMetadata
 from tokenmill.model.base import CausalLM
 from tokenmill.model.lora import LoRAStepState
@@ -135,7 +135,7 @@ class ModelRunner:
     def _tensor(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+    def prepare_inputs(self, sched: ScheduledBatch) -> StepInputs:
         bs = self.block_size
         decodes = [(r, n) for r, n in sched.scheduled if n == 1]
         chunks = [(r, n) for r, n in sched.scheduled if n > 1]
@@ -251,7 +251,7 @@ class ModelRunner:
         raise RuntimeError("no step runner took the step")  # the last one takes every step
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepOutput:
+    def execute(self, sched: ScheduledBatch) -> StepOutput:
         """Run one step: forward the scheduled tokens and sample where a request ends."""
         self.sampler.drop(sched.finished_ids)
         if sched.blocks_to_copy:  # before the forward writes into the private copies

@@ -2,7 +2,7 @@
 
 The engine sends a sequence once (``NewRequestData``) and then only what changed
 (``CachedRequestData``); this table applies both and hands the runner an ordinary
-``SchedulerOutput`` over its own ``Request`` mirrors (token ids, parameters, block table,
+``ScheduledBatch`` over its own ``Request`` mirrors (token ids, parameters, block table,
 this step's draft tokens), so the runner, the sampler, the grammar matchers and the draft
 model work the same in-process and in another process. A grammar that did not cross (nil)
 is compiled again here, from the request's ``structured_outputs`` (``compile_grammar``).
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from tokenmill.core.messages import NewRequestData, StepPlan, params_from_wire, pooling_from_wire
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sampling_params import SamplingParams
-from tokenmill.core.scheduler import SchedulerOutput
+from tokenmill.core.scheduled_batch import ScheduledBatch
 
 
 class RequestStates:
@@ -33,7 +33,7 @@ class RequestStates:
     def lora_ids(self) -> set[int]:
         return {r.lora_id for r in self.requests.values() if r.lora_id}
 
-    def apply(self, plan: StepPlan) -> SchedulerOutput:
+    def apply(self, plan: StepPlan) -> ScheduledBatch:
         """Forget finished sequences, take new ones, apply the diffs; the step to run."""
         requests, tables = self.requests, self.block_tables
         for rid in plan.finished_ids:
@@ -61,7 +61,7 @@ class RequestStates:
         for rid, num in plan.num_draft_computed.items():
             requests[rid].num_draft_computed_tokens = num
         scheduled = [(requests[rid], n) for rid, n in plan.scheduled]
-        return SchedulerOutput(
+        return ScheduledBatch(
             scheduled=scheduled,
             preempted_ids=list(plan.preempted_ids),
             finished_ids=list(plan.finished_ids),

@@ -172,9 +172,9 @@ def test_scheduler_fork_puts_the_child_next_to_its_parent() -> None:
     child.output_token_ids.append(8)
     out = sched.schedule()
     assert {r.request_id for r, n in out.scheduled} == {"p", "c"}
-    assert len(out.blocks_to_copy) == 1
-    src, dst = out.blocks_to_copy[0]
-    assert {src, dst} == {out.block_tables["p"][1], out.block_tables["c"][1]}
+    assert len(out.plan.blocks_to_copy) == 1
+    src, dst = out.plan.blocks_to_copy[0]
+    assert {src, dst} == {kv.block_table("p")[1], kv.block_table("c")[1]}
     sched.finish_request("p", parent.status)
     sched.finish_request("c", child.status)
     assert kv.pool.num_free_blocks == kv.num_blocks

@@ -7,7 +7,7 @@ it asks through the contract, never by the strategy's name.
 
 from __future__ import annotations
 
-from tokenmill.core.kv.base import KVCacheManager, KVSizing
+from tokenmill.core.kv.base import Allocation, KVCacheManager, KVSizing
 from tokenmill.core.kv.paged import PagedKVManager
 from tokenmill.core.kv.static import StaticKVManager
 
@@ -20,4 +20,4 @@ def build_kv_manager(kind: str, sizing: KVSizing) -> KVCacheManager:
     return STRATEGIES[kind].for_budget(sizing)
 
 
-__all__ = ["STRATEGIES", "KVCacheManager", "KVSizing", "build_kv_manager"]
+__all__ = ["STRATEGIES", "Allocation", "KVCacheManager", "KVSizing", "build_kv_manager"]

@@ -24,6 +24,19 @@ class PrefixHit:
 
 
 @dataclass(frozen=True)
+class Allocation:
+    """What one successful ``allocate`` did to the request's block table: the scheduler's
+    step diff carries exactly this to the workers (no table is compared with another)."""
+
+    block_ids: list[int]
+    """The block ids appended to the table, or the whole table when ``replaces``."""
+    replaces: bool = False
+    """The table was rebuilt rather than extended: the request's first allocation since it
+    held nothing (new, or taken again after preemption), a copy-on-write of a shared block,
+    or blocks released by ``truncate`` since the last allocation."""
+
+
+@dataclass(frozen=True)
 class KVSizing:
     """What a strategy needs to size its pool: the engine's limits and the memory budget."""
 
@@ -77,8 +90,9 @@ class KVCacheManager(ABC):
     @abstractmethod
     def allocate(
         self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None
-    ) -> bool:
-        """Reserve room for ``num_new_tokens`` more tokens; False (and no change) if full."""
+    ) -> Allocation | None:
+        """Reserve room for ``num_new_tokens`` more tokens: what changed in the request's
+        block table, or None (and no change) if the pool cannot hold them."""
 
     @abstractmethod
     def free(self, request: Request) -> None:

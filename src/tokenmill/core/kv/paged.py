@@ -19,7 +19,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import ClassVar
 
-from tokenmill.core.kv.base import KVCacheManager, KVCacheStats, KVSizing, PrefixHit
+from tokenmill.core.kv.base import (
+    Allocation,
+    KVCacheManager,
+    KVCacheStats,
+    KVSizing,
+    PrefixHit,
+)
 from tokenmill.core.request import Request
 from tokenmill.errors import ConfigError
 
@@ -177,6 +183,8 @@ class PagedKVManager(KVCacheManager):
         self._blocks: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._block_copies: list[tuple[int, int]] = []
+        self._truncated: set[str] = set()
+        """Requests ``truncate`` shortened since their last allocation (theirs is rebuilt)."""
 
     @classmethod
     def for_budget(cls, sizing: KVSizing) -> PagedKVManager:
@@ -233,9 +241,10 @@ class PagedKVManager(KVCacheManager):
 
     def allocate(
         self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None
-    ) -> bool:
+    ) -> Allocation | None:
         rid = request.request_id
         blocks = self._blocks.get(rid, [])
+        replaces = not blocks or rid in self._truncated
         prefix_blocks = [self.pool.blocks[b] for b in prefix.block_ids] if prefix else []
         num_computed = request.num_computed_tokens + (prefix.num_tokens if prefix else 0)
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
@@ -244,19 +253,22 @@ class PagedKVManager(KVCacheManager):
         cow_index = self._shared_write_block(blocks, request.num_computed_tokens, num_new_tokens)
         num_copies = 0 if cow_index is None else 1
         if num_new_blocks + num_reviving + num_copies > self.pool.num_free_blocks:
-            return False
+            return None
         if cow_index is not None:
             blocks = self._copy_on_write(blocks, cow_index)
+            replaces = True
         if prefix is not None and not blocks:
             self.stats.num_query_tokens += request.num_prompt_tokens
             self.stats.num_hit_tokens += prefix.num_tokens
         self.pool.touch(prefix_blocks)
-        blocks = blocks + prefix_blocks + self.pool.allocate(num_new_blocks)
+        added = prefix_blocks + self.pool.allocate(num_new_blocks)
+        blocks = blocks + added
         self._blocks[rid] = blocks
+        self._truncated.discard(rid)
         # Only verified tokens are hashed: speculative ones past num_tokens may be rejected.
         num_verified = min(num_computed + num_new_tokens, request.num_tokens)
         self._cache_full_blocks(request, blocks, num_verified // self.block_size)
-        return True
+        return Allocation([b.block_id for b in (blocks if replaces else added)], replaces)
 
     def truncate(self, request: Request, num_tokens: int) -> None:
         blocks = self._blocks.get(request.request_id)
@@ -267,6 +279,7 @@ class PagedKVManager(KVCacheManager):
             return
         tail = blocks[num_kept:]
         self._blocks[request.request_id] = blocks[:num_kept]
+        self._truncated.add(request.request_id)
         # Tail blocks hold unverified tokens only, so none of them was hashed or cached.
         self.pool.free(list(reversed(tail)), keep_cached=False)
 
@@ -310,6 +323,7 @@ class PagedKVManager(KVCacheManager):
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
+        self._truncated.discard(request.request_id)
         self._hashes.pop(request.request_id, None)
         self.pool.free(list(reversed(blocks)), keep_cached=self.enable_prefix_caching)
 

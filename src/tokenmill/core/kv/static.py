@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from tokenmill.core.kv.base import KVCacheManager, KVCacheStats, KVSizing, PrefixHit
+from tokenmill.core.kv.base import (
+    Allocation,
+    KVCacheManager,
+    KVCacheStats,
+    KVSizing,
+    PrefixHit,
+)
 from tokenmill.core.request import Request
 from tokenmill.errors import ConfigError
 
@@ -98,11 +104,12 @@ class StaticKVManager(KVCacheManager):
 
     def allocate(
         self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None
-    ) -> bool:
+    ) -> Allocation | None:
         rid = request.request_id
-        if rid not in self._slot_of:
+        is_new = rid not in self._slot_of
+        if is_new:
             if not self._free_slots:
-                return False
+                return None
             slot = self._free_slots[-1]
             if prefix is not None and prefix.block_ids:
                 slot = self._slot_of_block(prefix.block_ids[0])
@@ -115,7 +122,8 @@ class StaticKVManager(KVCacheManager):
         end = request.num_computed_tokens + (prefix.num_tokens if prefix else 0) + num_new_tokens
         if end > self.blocks_per_slot * self.block_size:
             raise RuntimeError(f"request {rid} exceeds its slot ({end} tokens)")
-        return True
+        # A slot's table is all its blocks from the start, and never changes while held.
+        return Allocation(self.block_table(rid) if is_new else [], replaces=is_new)
 
     def free(self, request: Request) -> None:
         slot = self._slot_of.pop(request.request_id, None)

@@ -1,8 +1,9 @@
-"""The step diff: after every step, a worker that only ever saw the msgpack-encoded diffs
-holds exactly the engine's tokens, computed counts and block tables (no model needed).
+"""The scheduler's diff: after every step, a worker that only ever saw the msgpack-encoded
+diffs holds exactly the scheduler's tokens, computed counts and block tables (no model).
 
-Preemption (tables freed and rebuilt), prefix-cache hits, chunked prefill and finishes are
-driven by a real scheduler over a tight paged KV cache; the diff is checked to be small.
+Preemption (tables freed and rebuilt), prefix-cache hits, chunked prefill, forks with
+copy-on-write, rejected drafts (truncated tables) and finishes are driven by a real
+scheduler over a tight paged KV cache; the diff is checked to be small.
 """
 
 from __future__ import annotations
@@ -14,19 +15,22 @@ from hypothesis import strategies as st
 
 from tokenmill.core.kv.paged import PagedKVManager
 from tokenmill.core.kv.static import StaticKVManager
-from tokenmill.core.messages import decode_plan, encode
+from tokenmill.core.messages import StepPlan, decode_plan, encode, plan_for_wire
 from tokenmill.core.request import Request
 from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.engine.step_plan import StepPlanBuilder
 from tokenmill.worker.request_state import RequestStates
 
 BS = 4
 
 
+def _wire(plan: StepPlan) -> StepPlan:
+    """The plan as a worker in another process decodes it."""
+    return decode_plan(encode(plan_for_wire(plan)))
+
+
 def _drive(kv, specs: list[tuple[int, int]], budget: int, shared: int) -> dict[str, int]:
     sched = Scheduler(kv, 4, budget)
-    builder = StepPlanBuilder(in_process=False)
     states = RequestStates()
     for i, (p, m) in enumerate(specs):
         prompt = list(range(2, 2 + shared)) + [(i * 7 + j) % 40 + 2 for j in range(p)]
@@ -39,7 +43,7 @@ def _drive(kv, specs: list[tuple[int, int]], budget: int, shared: int) -> dict[s
         if not sched.has_unfinished():
             break
         out = sched.schedule()
-        plan = decode_plan(encode(builder.build(out)))
+        plan = _wire(out.plan)
         seen = states.apply(plan)
         counts["steps"] += 1
         counts["new"] += len(plan.new_requests)
@@ -53,7 +57,7 @@ def _drive(kv, specs: list[tuple[int, int]], budget: int, shared: int) -> dict[s
             assert mirror.output_token_ids == request.output_token_ids
             assert mirror.num_computed_tokens == request.num_computed_tokens
             assert mirror.sampling_params == request.sampling_params
-            assert seen.block_tables[mirror.request_id] == out.block_tables[request.request_id]
+            assert seen.block_tables[mirror.request_id] == kv.block_table(request.request_id)
         for c in plan.cached_requests:  # a diff carries what is new, not the history
             assert len(c.new_token_ids) <= 1
         sched.update_after_step(out.scheduled)
@@ -94,16 +98,48 @@ def test_draft_tokens_cross_for_their_step_only() -> None:
     """A step's draft tokens reach the mirror with that step and are gone the next."""
     kv = PagedKVManager(16, BS)
     sched = Scheduler(kv, 4, 32)
-    builder, states = StepPlanBuilder(in_process=False), RequestStates()
+    states = RequestStates()
     request = Request("r", [2, 3, 4, 5, 6], SamplingParams(max_tokens=8, ignore_eos=True))
     sched.add_request(request)
-    for drafts in ([], [7, 8], []):
+    for drafts in ([], [7, 8, 9, 10], [], [7, 8], []):
         request.spec_token_ids = list(drafts)
         out = sched.schedule()
-        seen = states.apply(decode_plan(encode(builder.build(out))))
+        seen = states.apply(_wire(out.plan))
         (mirror, _), (_, num_new) = seen.scheduled[0], out.scheduled[0]
         assert mirror.spec_token_ids == drafts
+        assert seen.block_tables["r"] == kv.block_table("r")  # rejected drafts' blocks go
         sched.update_after_step(out.scheduled)
         request.append_output_token(9)
         sched.rollback_unverified(request)
         assert num_new >= 1
+
+
+def test_forked_requests_and_their_copies_reach_the_workers() -> None:
+    """Beams fork a parent's blocks; the first to write into the shared partly filled block
+    gets a private copy. The workers learn the child whole, and the copy-on-write table."""
+    kv = PagedKVManager(32, BS)
+    sched = Scheduler(kv, 8, 64)
+    states = RequestStates()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    parent = Request("p", [2, 3, 4, 5, 6, 7], params)
+    sched.add_request(parent)
+    rebuilt = 0
+    for step in range(8):
+        out = sched.schedule()
+        plan = _wire(out.plan)
+        rebuilt += sum(c.replaces_block_ids for c in plan.cached_requests)
+        seen = states.apply(plan)
+        assert sorted(seen.blocks_to_copy) == sorted(out.plan.blocks_to_copy)
+        for request, _ in out.scheduled:
+            mirror = states.requests[request.request_id]
+            assert mirror.output_token_ids == request.output_token_ids
+            assert seen.block_tables[request.request_id] == kv.block_table(request.request_id)
+        sched.update_after_step(out.scheduled)
+        for request, _ in out.scheduled:
+            if request.num_computed_tokens == request.num_tokens:
+                request.append_output_token(step % 30 + 2)
+        if step == 1:  # a beam branches off after the prompt and a token
+            child = Request("c", list(parent.prompt_token_ids), params)
+            child.output_token_ids = list(parent.output_token_ids)
+            sched.fork_request(parent, child)
+    assert rebuilt > 0  # the copy-on-write replaced a shared block in a known table
