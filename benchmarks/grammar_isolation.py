@@ -66,11 +66,10 @@ def _stats(gaps: list[float]) -> dict[str, float]:
 async def _phase(
     engine: AsyncLLMEngine, args: argparse.Namespace, pool_size: int, seed: int
 ) -> dict:
-    processor = engine.input_processor
     params = SamplingParams(
         temperature=0.0, max_tokens=100_000, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
-    request = processor.process(f"stream-{seed}", "The license", params)
+    request = engine.process_prompt(f"stream-{seed}", "The license", engine.check_params(params))
     gaps: list[float] = []
     compiles: list[asyncio.Future] = []
     pool = (
@@ -95,7 +94,7 @@ async def _phase(
         last = now
         if pool is not None and not compiles and now - start > 1.0:  # the stream is decoding
             compiles = [
-                asyncio.wrap_future(pool.submit(processor.compile_grammar, c)) for c in constraints
+                asyncio.wrap_future(pool.submit(engine.compile_grammar, c)) for c in constraints
             ]
         if pool is None and now - start > args.idle_s:
             break

@@ -20,8 +20,34 @@ class InvalidRequestError(TokenmillError, ValueError):
         self.param = param
 
 
-class ContextLengthError(InvalidRequestError):
-    """The prompt does not fit the model's context window."""
+class RequestLimitError(InvalidRequestError):
+    """A request is over one of its bounds (``engine/request_limits.py`` computes them all).
+
+    ``limit`` names the bound (e.g. ``"context"``, ``"route_max_tokens"``, ``"n"``),
+    ``value`` is what the request asked for and ``bound`` what it may ask; the HTTP layer
+    only turns this into the API's own error body (400)."""
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        *,
+        limit: str = "",
+        value: int | None = None,
+        bound: int | None = None,
+    ) -> None:
+        super().__init__(message, param)
+        self.limit = limit
+        self.value = value
+        self.bound = bound
+
+
+class ContextLengthError(RequestLimitError):
+    """The prompt, or the prompt plus ``max_tokens``, does not fit the context window."""
+
+
+class FeatureNotAllowedError(RequestLimitError):
+    """A route does not allow what the request asks for (over HTTP: 403 ``feature_not_allowed``)."""
 
 
 class ModelLoadError(TokenmillError):

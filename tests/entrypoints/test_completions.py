@@ -215,10 +215,18 @@ def test_stop_strings_and_stop_reason(client: openai.OpenAI) -> None:
     assert choice.model_extra.get("stop_reason") == stop
 
 
-def test_max_tokens_beyond_context_is_clamped(client: openai.OpenAI) -> None:
+def test_max_tokens_beyond_context_is_400_and_none_takes_what_is_left(
+    client: openai.OpenAI,
+) -> None:
+    """As vLLM: a prompt plus max_tokens over the context is refused; null uses what is left."""
     prompt = [5] * (MAIN_MAX_MODEL_LEN - 4)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="demo", prompt=prompt, max_tokens=10**6)
+    error = info.value.body
+    assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
+    assert f"(1000000 > {MAIN_MAX_MODEL_LEN} - {MAIN_MAX_MODEL_LEN - 4})" in error["message"]
     result = client.completions.create(
-        model="demo", prompt=prompt, max_tokens=10**6, extra_body=EOS_OFF
+        model="demo", prompt=prompt, max_tokens=None, extra_body=EOS_OFF
     )
     assert result.choices[0].finish_reason == "length"
     assert result.usage.completion_tokens == 4

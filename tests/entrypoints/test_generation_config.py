@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from tokenmill.entrypoints.openai.generation_config import (
-    capped_max_tokens,
     load_generation_defaults,
     with_generation_defaults,
 )
@@ -47,11 +46,9 @@ def test_a_folder_must_hold_a_generation_config(tmp_path: Path) -> None:
         load_generation_defaults("vllm", other, {"temperature": "hot"})
 
 
-def test_defaults_fill_only_unset_fields_and_max_new_tokens_caps() -> None:
+def test_defaults_fill_only_unset_fields() -> None:
+    """``max_new_tokens`` is no body default: the engine applies it as a cap
+    (tests/engine/test_request_limits.py)."""
     defaults = {"temperature": 0.6, "max_tokens": 32}
     assert with_generation_defaults({"temperature": 1.0}, defaults) == {"temperature": 1.0}
     assert with_generation_defaults({"top_p": 0.5}, defaults) == {"top_p": 0.5, "temperature": 0.6}
-    assert capped_max_tokens(None, defaults) == 32
-    assert capped_max_tokens(100, defaults) == 32
-    assert capped_max_tokens(8, defaults) == 8
-    assert capped_max_tokens(8, {}) == 8

@@ -140,7 +140,7 @@ def test_a_flooded_route_never_refuses_the_other(routed: tuple[InProcessServer, 
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8
     for response in chat_done:
         usage = response.json()["usage"]
-        # The chat route's context is 48 tokens: max_tokens is clamped to what the prompt leaves.
+        # No max_tokens: the route's cap (32) within the 48-token context the prompt leaves.
         assert usage == {"prompt_tokens": 30, "completion_tokens": 18, "total_tokens": 48}
     gate.close()
 

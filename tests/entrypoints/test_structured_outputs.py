@@ -450,9 +450,7 @@ def test_compile_time_budget_is_a_400_naming_the_field() -> None:
         release.wait(30)
 
     state = SimpleNamespace(
-        engine=SimpleNamespace(
-            input_processor=SimpleNamespace(compile_grammar=slow_compile, grammar_compiler=None)
-        ),
+        engine=SimpleNamespace(compile_grammar=slow_compile, cached_grammar=lambda c: None),
         config=SimpleNamespace(grammar_compile_timeout_s=0.05),
         grammar_pool=ThreadPoolExecutor(1),
     )
@@ -476,9 +474,7 @@ def test_the_compile_budget_starts_when_the_compile_does() -> None:
         time.sleep(0.3)
 
     state = SimpleNamespace(
-        engine=SimpleNamespace(
-            input_processor=SimpleNamespace(compile_grammar=compile_, grammar_compiler=None)
-        ),
+        engine=SimpleNamespace(compile_grammar=compile_, cached_grammar=lambda c: None),
         config=SimpleNamespace(grammar_compile_timeout_s=0.5),
         grammar_pool=ThreadPoolExecutor(1),
     )
@@ -518,11 +514,11 @@ def test_at_most_the_configured_number_of_compiles_run_at_once(bound: int) -> No
         with lock:
             running[0] -= 1
 
-    processor = SimpleNamespace(compile_grammar=compile_, grammar_compiler=None)
+    engine = SimpleNamespace(compile_grammar=compile_, cached_grammar=lambda c: None)
     state = ServerState(
         ServerConfig(max_concurrent_grammar_compiles=bound),
         None,  # type: ignore[arg-type]
-        SimpleNamespace(input_processor=processor),  # type: ignore[arg-type]
+        engine,  # type: ignore[arg-type]
         None,  # type: ignore[arg-type]
         None,  # type: ignore[arg-type]
     )

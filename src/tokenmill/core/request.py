@@ -11,7 +11,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from tokenmill.core.max_tokens import bounded
 from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.outputs import RequestMetrics
 from tokenmill.pooling_params import PoolingParams
@@ -126,9 +125,11 @@ class Request:
 
     @property
     def max_output_tokens(self) -> int:
-        """Tokens this request may still produce in total, bounded by the context limit."""
-        room = self.max_total_tokens - self.num_prompt_tokens
-        return bounded(self.sampling_params.max_tokens, room)
+        """Tokens this request may produce in total: its ``max_tokens``, which the input
+        processor resolved within the context (``engine/request_limits.py``); None (the
+        engine's own requests) runs to the context's end, where every request stops."""
+        max_tokens = self.sampling_params.max_tokens
+        return self.max_total_tokens - self.num_prompt_tokens if max_tokens is None else max_tokens
 
     # ---- transitions -------------------------------------------------------------
     def append_output_token(self, token_id: int) -> RequestStatus | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import queue
@@ -22,11 +23,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.stats import EngineStats, StartupCosts
-from tokenmill.engine.input_processor import InputProcessor, ProcessedRequest
+from tokenmill.core.structured_params import StructuredOutputsParams
+from tokenmill.engine.input_processor import CheckedParams, ProcessedRequest
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.request_limits import OFFLINE, RequestCaps
 from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
+from tokenmill.pooling_params import PoolingParams
+from tokenmill.structured.grammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -169,10 +176,42 @@ class AsyncLLMEngine:
         """Token ids must be below this (the model's embedding rows)."""
         return self.engine.model_config.vocab_size
 
-    @property
-    def input_processor(self) -> InputProcessor:
-        """Where requests are checked before ``generate`` (immutable; safe on any thread)."""
-        return self.engine.input_processor
+    # ---- checking requests (the input processor is immutable: safe on any thread) ------
+    def check_params(
+        self,
+        params: SamplingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+        grammar: CompiledGrammar | None = None,
+        caps: RequestCaps = OFFLINE,
+        pooling: PoolingParams | None = None,
+    ) -> CheckedParams:
+        """Check what a request's prompts share against the engine's limits and ``caps``
+        (a ``RequestLimitError`` names what is over); ``pooling`` makes it a pooling request."""
+        checked = self.engine.input_processor.check_params(
+            params, priority, lora_request, grammar, caps
+        )
+        return checked if pooling is None else dataclasses.replace(checked, pooling=pooling)
+
+    def process_prompt(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        checked: CheckedParams,
+        arrival_time: float | None = None,
+    ) -> ProcessedRequest:
+        """Check one prompt of a checked request: what ``generate`` takes, ``max_tokens``
+        resolved for it."""
+        return self.engine.input_processor.process_prompt(request_id, prompt, checked, arrival_time)
+
+    def cached_grammar(self, constraint: StructuredOutputsParams) -> CompiledGrammar | None:
+        """The compiled grammar of ``constraint`` if it was compiled before (no work), else None."""
+        compiler = self.engine.input_processor.grammar_compiler
+        return compiler.cached(constraint) if compiler is not None else None
+
+    def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """Compile ``params.structured_outputs`` (slow: call it off the event loop)."""
+        return self.engine.input_processor.compile_grammar(params)
 
     @property
     def stats(self) -> EngineStats:
@@ -186,7 +225,7 @@ class AsyncLLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     async def generate(self, request: ProcessedRequest) -> AsyncGenerator[RequestOutput, None]:
-        """Submit a checked request (``input_processor.process``) and yield its outputs as
+        """Submit a checked request (``process_prompt``) and yield its outputs as
         steps produce them.
 
         Closing or cancelling the iterator before the final output aborts the request; the

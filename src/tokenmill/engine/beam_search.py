@@ -25,7 +25,6 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from tokenmill.core.beam_search import BeamSearch, Continuation, Hypothesis
-from tokenmill.core.max_tokens import bounded
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import Scheduler
@@ -190,8 +189,11 @@ class BeamSearchCoordinator:
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.limits.eos_token_ids
-        room = self.limits.max_total_tokens - len(processed.prompt_token_ids)
-        max_tokens = bounded(params.max_tokens, room)
+        # The input processor resolved max_tokens within the context (request_limits); None
+        # (a ProcessedRequest built by hand) runs to the context's end, as every request may.
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.limits.max_total_tokens - len(processed.prompt_token_ids)
         search = BeamSearch(
             width=params.beam_width,
             max_tokens=max_tokens,

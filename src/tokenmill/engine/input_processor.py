@@ -1,11 +1,13 @@
 """InputProcessor: the one place a request is checked and turned into engine requests.
 
 Owns validating what a caller submits (prompt text or token ids, SamplingParams against
-the loaded model, priority against the scheduling policy) and fanning ``n`` samples out
-into child ``Request``s. The offline ``LLM``, ``LLMEngine.add_request`` and the HTTP server
-all go through it, once per request: the server validates on its own side (so a batch of
-prompts fails before any part starts) and hands the engine a ``ProcessedRequest``, which the
-engine thread takes without checking again.
+the loaded model, priority against the scheduling policy), resolving what each request may
+generate, and fanning ``n`` samples out into child ``Request``s. Every bound on a request
+(context, ``max_tokens``, ``n``/``best_of``/beam width, logprobs, a route's caps) is computed
+by ``request_limits``, which only this module calls. The offline ``LLM``,
+``LLMEngine.add_request`` and the HTTP server all go through it, once per request: the
+server validates on its own side (so a batch of prompts fails before any part starts) and
+hands the engine a ``ProcessedRequest``, which the engine thread takes without checking again.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tokenmill.core.max_tokens import output_room
 from tokenmill.core.request import Request
 from tokenmill.core.sampling_params import SamplingParams
-from tokenmill.errors import ContextLengthError, InvalidRequestError
+from tokenmill.engine import request_limits
+from tokenmill.engine.request_limits import OFFLINE, InputLimits, RequestCaps
+from tokenmill.errors import InvalidRequestError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.structured.grammar import CompiledGrammar, GrammarCompiler
@@ -32,6 +35,7 @@ class ProcessedRequest:
     prompt_text: str | None
     """Kept for outputs that echo the prompt; None when the caller sent token ids."""
     params: SamplingParams
+    """The request's parameters, ``max_tokens`` resolved (``request_limits``): what it runs with."""
     priority: int
     arrival_time: float
     lora_request: LoRARequest | None = None
@@ -51,24 +55,11 @@ class CheckedParams:
     lora_request: LoRARequest | None = None
     grammar: CompiledGrammar | None = None
     pooling: PoolingParams | None = None
+    caps: RequestCaps = OFFLINE
+    """The caller's bounds on top of the engine's (a route's, the server's)."""
 
 
-@dataclass(frozen=True)
-class InputLimits:
-    """What a request is checked against: fixed once the model and KV cache are loaded."""
-
-    vocab_size: int
-    max_model_len: int
-    kv_capacity_tokens: int
-    """The most tokens one request can hold in the KV cache."""
-    max_logprobs: int
-    scheduling_policy: str
-    eos_token_ids: frozenset[int]
-    enable_prefix_caching: bool
-    enable_lora: bool = False
-    supports_beam_search: bool = False
-    """Whether the KV strategy can fork a request's blocks (paged can, static cannot)."""
-    max_num_seqs: int = 2**31
+__all__ = ["CheckedParams", "InputLimits", "InputProcessor", "ProcessedRequest", "RequestCaps"]
 
 
 class InputProcessor:
@@ -107,12 +98,14 @@ class InputProcessor:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         grammar: CompiledGrammar | None = None,
+        caps: RequestCaps = OFFLINE,
     ) -> CheckedParams:
         """Check what a request's prompts share, once (the server does this before admitting it).
 
-        A structured-output constraint is compiled here unless the caller already did (the
+        ``caps`` are the caller's bounds on top of the engine's (``request_limits``). A
+        structured-output constraint is compiled here unless the caller already did (the
         server compiles on its own pool with a time budget and passes ``grammar``)."""
-        self.validate_params(params)
+        self.validate_params(params, caps)
         self.validate_priority(priority)
         if lora_request is not None and not self.limits.enable_lora:
             raise InvalidRequestError(
@@ -120,7 +113,7 @@ class InputProcessor:
             )
         if params.structured_outputs is not None and grammar is None:
             grammar = self.compile_grammar(params)
-        return CheckedParams(params, priority, lora_request, grammar)
+        return CheckedParams(params, priority, lora_request, grammar, caps=caps)
 
     def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
         """The checked grammar of ``params.structured_outputs`` (cached); 400 naming the problem."""
@@ -139,19 +132,24 @@ class InputProcessor:
         checked: CheckedParams,
         arrival_time: float | None = None,
     ) -> ProcessedRequest:
-        """Tokenize a text prompt, check it, and pair it with already-checked parameters."""
+        """Tokenize a text prompt, check it, and pair it with already-checked parameters,
+        ``max_tokens`` resolved for this prompt (``request_limits.resolve``)."""
         if isinstance(prompt, str):
             prompt_text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt)
         else:
             prompt_text, token_ids = None, list(prompt)
-        self.validate_prompt(token_ids, is_pooling=checked.pooling is not None)
+        is_pooling = checked.pooling is not None
+        self.validate_prompt(token_ids, is_pooling, checked.caps)
+        params = checked.params
+        if not is_pooling:
+            params = request_limits.resolve(len(token_ids), params, self.limits, checked.caps)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         return ProcessedRequest(
             request_id,
             token_ids,
             prompt_text,
-            checked.params,
+            params,
             checked.priority,
             arrival,
             checked.lora_request,
@@ -159,7 +157,9 @@ class InputProcessor:
             checked.pooling,
         )
 
-    def validate_prompt(self, prompt_token_ids: list[int], is_pooling: bool = False) -> None:
+    def validate_prompt(
+        self, prompt_token_ids: list[int], is_pooling: bool = False, caps: RequestCaps = OFFLINE
+    ) -> None:
         """Reject empty, out-of-vocabulary and over-context prompts with a clear error.
 
         A pooling prompt (an embedding input) needs no room for output: it may fill the context."""
@@ -171,27 +171,11 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"token id {t!r} is outside the vocabulary [0, {vocab})", param="prompt"
                 )
-        max_len = self.limits.max_model_len
-        if is_pooling and len(prompt_token_ids) > max_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {max_len} tokens. However, the input "
-                f"has {len(prompt_token_ids)} tokens; reduce its length (or set "
-                "truncate_prompt_tokens).",
-                param="input",
-            )
-        if not is_pooling:
-            context = f"This model's maximum context length is {max_len} tokens"
-            output_room(len(prompt_token_ids), max_len, context)
-        kv_capacity = self.limits.kv_capacity_tokens
-        if len(prompt_token_ids) >= kv_capacity + is_pooling:
-            raise ContextLengthError(
-                f"the prompt ({len(prompt_token_ids)} tokens) does not fit the KV cache ({kv_capacity} tokens)",
-                param="prompt",
-            )
+        request_limits.check_prompt(len(prompt_token_ids), self.limits, caps, is_pooling)
 
-    def validate_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: the vocabulary (stop_token_ids, logit_bias)
-        and the logprobs limit."""
+    def validate_params(self, params: SamplingParams, caps: RequestCaps = OFFLINE) -> None:
+        """What SamplingParams cannot check alone: the vocabulary (stop_token_ids, logit_bias),
+        and every bound that does not depend on the prompt (``request_limits.check_params``)."""
         vocab = self.limits.vocab_size
         bad = [t for t in params.stop_token_ids or [] if t >= vocab]
         if bad:
@@ -205,13 +189,7 @@ class InputProcessor:
                 f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary [0, {vocab})",
                 param="logit_bias",
             )
-        max_logprobs = self.limits.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > max_logprobs:
-                raise InvalidRequestError(
-                    f"{name} must be at most {max_logprobs}, got {value}", param=name
-                )
+        request_limits.check_params(params, self.limits, caps)
         if params.use_beam_search:
             self.validate_beam_search(params)
 
@@ -224,21 +202,6 @@ class InputProcessor:
                 "use_beam_search needs the paged KV cache (--kv-cache paged): the static "
                 "strategy cannot share a beam's KV blocks",
                 param="use_beam_search",
-            )
-        width_param = "best_of" if params.best_of is not None else "n"
-        if params.beam_width > limits.max_num_seqs:
-            raise InvalidRequestError(
-                f"the beam width ({params.beam_width}) must not exceed --max-num-seqs ({limits.max_num_seqs})",
-                param=width_param,
-            )
-        num_stop_ids = len(
-            set(params.stop_token_ids or [])
-            | (set() if params.ignore_eos else limits.eos_token_ids)
-        )
-        if max(2, 1 + num_stop_ids) * params.beam_width > limits.vocab_size:
-            raise InvalidRequestError(
-                "the beam width times the number of stop tokens is too large for the vocabulary",
-                param=width_param,
             )
         unsupported = {
             "stop": bool(params.stop),
@@ -285,7 +248,7 @@ class InputProcessor:
                 prompt_token_ids=processed.prompt_token_ids,
                 sampling_params=params,
                 eos_token_ids=limits.eos_token_ids,
-                max_total_tokens=min(limits.max_model_len, limits.kv_capacity_tokens),
+                max_total_tokens=limits.max_total_tokens,
                 priority=processed.priority,
                 arrival_time=processed.arrival_time,
                 cache_salt=salt,

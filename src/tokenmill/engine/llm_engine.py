@@ -159,20 +159,21 @@ class LLMEngine:
         self._failures: dict[str, RequestFailedError] = {}
         """Requests aborted because their own sampling or bookkeeping raised (per request id)."""
         self.output_processor = OutputProcessor(self.tokenizer)
+        limits = InputLimits(
+            vocab_size=mc.vocab_size,
+            max_model_len=self.max_model_len,
+            kv_capacity_tokens=self.kv_manager.max_tokens_per_request,
+            max_logprobs=config.max_logprobs,
+            scheduling_policy=config.scheduling_policy,
+            eos_token_ids=self.eos_token_ids,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_lora=config.enable_lora,
+            supports_beam_search=self.kv_manager.supports_fork,
+            max_num_seqs=config.max_num_seqs,
+        )
         self.input_processor = InputProcessor(
             self.tokenizer,
-            InputLimits(
-                vocab_size=mc.vocab_size,
-                max_model_len=self.max_model_len,
-                kv_capacity_tokens=self.kv_manager.max_tokens_per_request,
-                max_logprobs=config.max_logprobs,
-                scheduling_policy=config.scheduling_policy,
-                eos_token_ids=self.eos_token_ids,
-                enable_prefix_caching=config.enable_prefix_caching,
-                enable_lora=config.enable_lora,
-                supports_beam_search=self.kv_manager.supports_fork,
-                max_num_seqs=config.max_num_seqs,
-            ),
+            limits,
             GrammarCompiler(self.tokenizer.backend.to_str(), mc.vocab_size, self.eos_token_ids),
         )
         if self.speculative is not None:
@@ -189,7 +190,7 @@ class LLMEngine:
                 max_active_requests=config.max_beam_search_requests,
                 max_num_seqs=config.max_num_seqs,
                 eos_token_ids=self.eos_token_ids,
-                max_total_tokens=min(self.max_model_len, self.kv_manager.max_tokens_per_request),
+                max_total_tokens=limits.max_total_tokens,
                 enable_prefix_caching=config.enable_prefix_caching,
             ),
         )

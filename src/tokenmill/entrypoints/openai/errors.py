@@ -20,7 +20,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.engine.async_engine import EngineDeadError, EngineNotReadyError
 from tokenmill.entrypoints.openai.streaming import ClientDisconnected
-from tokenmill.errors import ContextLengthError, InvalidRequestError, RequestFailedError
+from tokenmill.errors import (
+    ContextLengthError,
+    FeatureNotAllowedError,
+    InvalidRequestError,
+    RequestFailedError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +109,8 @@ def to_api_error(exc: BaseException, request_id: str | None = None) -> APIError:
         return APIError(
             400, scrub(exc.message), param=exc.param or "prompt", code="context_length_exceeded"
         )
+    if isinstance(exc, FeatureNotAllowedError):  # a route's choice, not a malformed request
+        return APIError(403, exc.message, param=exc.param, code="feature_not_allowed")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, scrub(exc.message), param=exc.param)
     if isinstance(exc, EngineNotReadyError):

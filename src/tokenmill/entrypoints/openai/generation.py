@@ -347,7 +347,7 @@ class GenerationRun:
                 if output is not None
                 else None,
                 n=self.params.n,
-                max_tokens=self.params.max_tokens,
+                max_tokens=self.prompts[index].params.max_tokens,
                 num_cached_tokens=output.num_cached_tokens if output is not None else 0,
                 num_preemptions=output.metrics.num_preemptions if output is not None else 0,
             )

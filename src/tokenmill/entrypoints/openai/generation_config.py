@@ -3,7 +3,8 @@
 As in vLLM, ``auto`` reads the model folder's ``generation_config.json`` and its sampling
 fields become the defaults of requests that do not set them; ``vllm`` uses none; a folder
 reads that folder's file. The override JSON is merged over what was read. ``max_new_tokens``
-caps ``max_tokens`` (vLLM takes the smallest of the request's, the context left and it).
+caps ``max_tokens``: the engine takes the smallest of the request's, the context left and
+it (``engine/request_limits.py``, as vLLM does), from the request's ``RequestCaps``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import logging
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tokenmill.core.max_tokens import capped
 from tokenmill.entrypoints.openai.protocol import RequestBody, SamplingFields, StreamOptions
 from tokenmill.errors import ConfigError
 
@@ -67,26 +67,13 @@ def with_generation_defaults(data: dict[str, Any], defaults: dict[str, Any]) -> 
     return {**data, **values} if values else data
 
 
-def with_server_defaults(body: BodyT, defaults: dict[str, Any], force_include_usage: bool) -> BodyT:
-    """A validated body with the ``max_new_tokens`` cap applied and, under
-    ``--enable-force-include-usage``, a stream's usage chunk asked for. Bodies that sample
-    nothing (embeddings, pooling) pass through."""
+def with_server_defaults(body: BodyT, force_include_usage: bool) -> BodyT:
+    """A validated body with, under ``--enable-force-include-usage``, a stream's usage chunk
+    asked for. Bodies that sample nothing (embeddings, pooling) pass through."""
     if not isinstance(body, SamplingFields):
         return body
-    updates: dict[str, Any] = {}
-    if defaults.get("max_tokens") is not None:
-        field = (
-            "max_completion_tokens"
-            if getattr(body, "max_completion_tokens", None)
-            else "max_tokens"
-        )
-        updates[field] = capped_max_tokens(getattr(body, field), defaults)
     if force_include_usage and body.stream and not body.include_usage:
         options = body.stream_options or StreamOptions()
-        updates["stream_options"] = options.model_copy(update={"include_usage": True})
-    return body.model_copy(update=updates) if updates else body
-
-
-def capped_max_tokens(requested: int | None, defaults: dict[str, Any]) -> int | None:
-    """``max_tokens`` with the generation config's ``max_new_tokens`` as a cap."""
-    return capped(requested, defaults.get("max_tokens"))
+        update = {"stream_options": options.model_copy(update={"include_usage": True})}
+        return body.model_copy(update=update)
+    return body

@@ -1,7 +1,7 @@
 """Parsing a generation request: what every generation endpoint checks before its own work.
 
-Decoding and checking the body up to admission (``parse_request``), the input processor's
-one check of the shared parameters, compiling the output constraint on the grammar pool,
+Decoding and checking the body up to admission (``parse_request``), the engine's one check
+of the shared parameters under the request's caps (the server's and its route's), compiling the output constraint on the grammar pool,
 and tokenizing the prompts off the event loop (``process_prompts``).
 """
 
@@ -18,6 +18,7 @@ from starlette.requests import Request
 
 from tokenmill.core.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.engine.input_processor import CheckedParams, ProcessedRequest
+from tokenmill.engine.request_limits import RequestCaps
 from tokenmill.entrypoints.openai.admission import admit_sequences
 from tokenmill.entrypoints.openai.generation_config import (
     with_generation_defaults,
@@ -26,10 +27,11 @@ from tokenmill.entrypoints.openai.generation_config import (
 from tokenmill.entrypoints.openai.protocol import RequestBody, decode_json_object, validate_model
 from tokenmill.entrypoints.openai.request_log import log_prompts
 from tokenmill.entrypoints.openai.routes import (
-    check_route_body,
+    charge_route_input,
     grow_route,
     route_body,
-    route_prompts,
+    route_caps,
+    with_route_priority,
 )
 from tokenmill.entrypoints.openai.state import ServerState, get_state, new_request_id
 from tokenmill.errors import InvalidRequestError
@@ -37,6 +39,9 @@ from tokenmill.lora_request import LoRARequest
 from tokenmill.structured.grammar import CompiledGrammar
 
 BodyT = TypeVar("BodyT", bound=RequestBody)
+
+API_CAPS = RequestCaps(max_tokens_must_fit=True)
+"""An API request's caps off any route, without a generation config cap."""
 
 
 # ---- parsing: what both endpoints check before their own work ---------------------------------
@@ -55,6 +60,8 @@ class ParsedRequest(Generic[BodyT]):
     created: int = field(default_factory=lambda: int(time.time()))
     lora_request: LoRARequest | None = None
     """The adapter ``model`` names; None for the base model."""
+    caps: RequestCaps = API_CAPS
+    """What the server and the request's route add to the engine's limits."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -96,27 +103,49 @@ async def parse_request(
     body = validate_model(body_cls, data)
     body.check()
     body = with_server_defaults(
-        check_route_body(request, body),
-        state.generation_defaults,
-        state.config.enable_force_include_usage,
+        with_route_priority(request, body), state.config.enable_force_include_usage
     )
     model = state.resolve_model(body.model)
     state.ready_engine()
     return ParsedRequest(
-        request, state, request_id, arrival_time, body, model, lora_request=state.lora_for(model)
+        request,
+        state,
+        request_id,
+        arrival_time,
+        body,
+        model,
+        lora_request=state.lora_for(model),
+        caps=request_caps(request, state, body),
+    )
+
+
+def request_caps(request: Request, state: ServerState, body: Any) -> RequestCaps:
+    """The server's and the route's bounds on this request, as the engine applies them: a
+    ``max_tokens`` the body carries must fit the context (vLLM's API servers refuse it),
+    the generation config's ``max_new_tokens`` caps it."""
+    is_completion_tokens = getattr(body, "max_completion_tokens", None) is not None
+    return RequestCaps(
+        route=route_caps(request),
+        default_max_tokens=state.generation_defaults.get("max_tokens"),
+        max_tokens_must_fit=True,
+        max_tokens_param="max_completion_tokens" if is_completion_tokens else "max_tokens",
     )
 
 
 def check_params(
-    state: ServerState,
+    req: ParsedRequest[Any],
     params: SamplingParams,
     priority: int,
-    lora_request: LoRARequest | None = None,
     grammar: CompiledGrammar | None = None,
 ) -> CheckedParams:
-    """The input processor's one check of what a request's prompts share; outputs stream as deltas."""
-    return state.engine.input_processor.check_params(
-        params.clone(output_kind=RequestOutputKind.DELTA), priority, lora_request, grammar
+    """The engine's one check of what a request's prompts share, under the request's caps;
+    outputs stream as deltas."""
+    return req.state.engine.check_params(
+        params.clone(output_kind=RequestOutputKind.DELTA),
+        priority,
+        req.lora_request,
+        grammar,
+        req.caps,
     )
 
 
@@ -133,10 +162,9 @@ async def compile_grammar(
     """
     if params.structured_outputs is None:
         return None
-    processor = state.engine.input_processor
+    engine = state.engine
     timeout_s = state.config.grammar_compile_timeout_s
-    compiler = processor.grammar_compiler
-    compiled = compiler.cached(params.structured_outputs) if compiler is not None else None
+    compiled = engine.cached_grammar(params.structured_outputs)
     if compiled is not None:  # no turn on the pool needed
         return compiled
     loop = asyncio.get_running_loop()
@@ -149,7 +177,7 @@ async def compile_grammar(
     def work() -> CompiledGrammar | None:
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
             loop.call_soon_threadsafe(mark_started)
-        return processor.compile_grammar(params)
+        return engine.compile_grammar(params)
 
     future = state.grammar_pool.submit(work)
     result = asyncio.wrap_future(future)
@@ -182,7 +210,7 @@ async def process_prompts(
     Engine request ``i`` is ``<request id>-i``; text prompts keep their text for ``echo``.
     """
     state = req.state
-    tokenization, processor = state.tokenization, state.engine.input_processor
+    tokenization, engine = state.tokenization, state.engine
     for prompt in prompts:  # refuse what cannot fit before tokenizing any of it
         if isinstance(prompt, str):
             tokenization.check_length(prompt)
@@ -195,15 +223,14 @@ async def process_prompts(
                 if isinstance(prompt, str)
                 else list(prompt)
             )
-            request = processor.process_prompt(
-                f"{req.request_id}-{i}", ids, checked, req.arrival_time
-            )
+            request = engine.process_prompt(f"{req.request_id}-{i}", ids, checked, req.arrival_time)
             processed.append(
                 replace(request, prompt_text=prompt) if isinstance(prompt, str) else request
             )
         return processed
 
-    processed = route_prompts(req.http, await tokenization.run(work))
+    processed = await tokenization.run(work)
+    charge_route_input(req.http, processed)
     if state.config.enable_log_requests:
         log_prompts(processed, state.config.max_log_len)
     return processed

@@ -50,10 +50,13 @@ async def pool_inputs(
 ) -> tuple[list[list[float]], int]:
     """Each input's pooled vector, in order, and the prompt tokens they took."""
     body, state = req.body, req.state
-    checked = state.engine.input_processor.check_params(
-        SamplingParams(max_tokens=1), body.priority, req.lora_request
+    checked = state.engine.check_params(
+        SamplingParams(max_tokens=1),
+        body.priority,
+        req.lora_request,
+        caps=req.caps,
+        pooling=pooling,
     )
-    checked = replace(checked, pooling=pooling)
     req.admit(len(inputs), 1)
     if body.truncate_prompt_tokens is not None:
         inputs = [await _truncated(req, item, body.truncate_prompt_tokens) for item in inputs]

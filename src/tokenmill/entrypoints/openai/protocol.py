@@ -259,7 +259,7 @@ class CompletionRequest(SamplingFields):
     """A string, a list of strings, token ids, or a list of token-id lists."""
     suffix: str | None = None
     max_tokens: int | None = 16
-    """Clamped to the context left after the prompt; null means all of it."""
+    """400 when the prompt plus it exceed the context (as vLLM); null: all the context left."""
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None

@@ -9,9 +9,11 @@ server-wide slot, so one route's flood never turns into 429s for another (model-
 requests are gated once their body is parsed). Then, in order:
 
 - ``route_body``: model selection and the route's default sampling fields;
-- ``check_route_body``: allowed features, the ``max_tokens`` cap, the route's priority;
-- ``route_prompts``: the route's context and prompt limits (``max_tokens`` clamped to the
-  context left) and the input-tokens-per-minute quota;
+- ``with_route_priority``: the route's priority;
+- ``route_caps``: the route's bounds (context, prompt length, ``max_tokens`` cap, ``max_n``,
+  allowed features) as data, which the engine's input processor applies with every other
+  bound (``engine/request_limits.py``);
+- ``charge_route_input``: the input-tokens-per-minute quota, once the prompts are tokenized;
 - the response's end: its generated tokens count against the output quota.
 
 Over a quota is a 429 whose ``Retry-After`` is when enough of the 60-second window has
@@ -25,7 +27,7 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import Counter as PromCounter
@@ -33,8 +35,8 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.max_tokens import clamp, output_room
 from tokenmill.engine.input_processor import ProcessedRequest
+from tokenmill.engine.request_limits import RouteCaps
 from tokenmill.entrypoints.openai.admission import GENERATION_PATHS
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.middleware import header_value, send_error
@@ -46,7 +48,7 @@ from tokenmill.entrypoints.openai.routes_config import (
     load_routes,
 )
 from tokenmill.entrypoints.openai.state import ServerConfig
-from tokenmill.errors import ConfigError, ContextLengthError, InvalidRequestError, ModelLoadError
+from tokenmill.errors import ConfigError, InvalidRequestError, ModelLoadError
 from tokenmill.metrics import ServerMetrics
 from tokenmill.metrics.prometheus import PREFIX
 from tokenmill.model.config import ModelConfig
@@ -92,6 +94,8 @@ class _RouteState:
     """What one route has admitted and counted."""
 
     route: Route
+    caps: RouteCaps
+    """The route's bounds, as the engine applies them."""
     num_seqs_in_flight: int = 0
     requests_per_key: Counter[int | None] = field(default_factory=Counter)
     input_per_key: dict[int | None, SlidingWindow] = field(default_factory=dict)
@@ -130,7 +134,7 @@ class RouteTable:
         self.default_model = served_model_names[0] if served_model_names else None
         self.clock = clock
         self.rejections = rejections
-        self._states = {r.name: _RouteState(r) for r in config.routes}
+        self._states = {r.name: _RouteState(r, _caps_of(r)) for r in config.routes}
         self._by_key: dict[int, _RouteState] = {}
         self._by_header: dict[str, _RouteState] = {}
         self._by_model: dict[str, _RouteState] = {}
@@ -328,51 +332,19 @@ def route_body(request: Request, data: dict[str, Any]) -> dict[str, Any]:
     return {**defaults, **data}
 
 
-def check_route_body(request: Request, body: Any) -> Any:
-    """Refuse features the route does not allow, cap ``max_tokens``, set the route's priority."""
+def route_caps(request: Request) -> RouteCaps | None:
+    """The bounds of the request's route, as data for the engine, which applies them
+    (``engine/request_limits.py``); None off any route."""
     ticket = route_ticket(request)
-    if ticket is None:
+    return ticket.state.caps if ticket is not None else None
+
+
+def with_route_priority(request: Request, body: Any) -> Any:
+    """The body with the route's priority, if it sets one."""
+    ticket = route_ticket(request)
+    if ticket is None or ticket.route.priority is None:
         return body
-    route = ticket.route
-
-    def refuse(feature: str, param: str) -> APIError:
-        return APIError(
-            403,
-            f"route {route.name!r} does not allow {feature}",
-            param=param,
-            code="feature_not_allowed",
-        )
-
-    features = route.features
-    if not features.logprobs:
-        for param in ("logprobs", "top_logprobs", "prompt_logprobs"):
-            if getattr(body, param, None) not in (None, False):
-                raise refuse("logprobs", param)
-    if not features.beam_search and getattr(body, "use_beam_search", False):
-        raise refuse("beam search", "use_beam_search")
-    if features.max_n is not None:
-        for param in ("n", "best_of"):
-            value = getattr(body, param, None)
-            if value is not None and value > features.max_n:
-                raise refuse(f"{param} above {features.max_n}", param)
-    updates: dict[str, Any] = {}
-    cap = route.max_tokens
-    if cap is not None:
-        for param in ("max_tokens", "max_completion_tokens"):
-            value = getattr(body, param, None)
-            if value is not None and value > cap:
-                raise InvalidRequestError(
-                    f"route {route.name!r} allows at most {cap} output tokens; got {param}={value}",
-                    param=param,
-                )
-        if (
-            getattr(body, "max_tokens", None) is None
-            and getattr(body, "max_completion_tokens", None) is None
-        ):
-            updates["max_tokens"] = cap
-    if route.priority is not None:
-        updates["priority"] = route.priority
-    return body.model_copy(update=updates) if updates else body
+    return body.model_copy(update={"priority": ticket.route.priority})
 
 
 def grow_route(request: Request, num_prompts: int, n: int) -> None:
@@ -382,30 +354,11 @@ def grow_route(request: Request, num_prompts: int, n: int) -> None:
         table.grow(ticket, num_prompts, n)
 
 
-def route_prompts(request: Request, prompts: list[ProcessedRequest]) -> list[ProcessedRequest]:
-    """Apply the route's context and prompt limits, then charge the prompts' tokens."""
+def charge_route_input(request: Request, prompts: list[ProcessedRequest]) -> None:
+    """Charge the prompts' tokens against the route's input quota."""
     ticket, table = route_ticket(request), _table(request)
-    if ticket is None or table is None:
-        return prompts
-    route = ticket.route
-    limited = []
-    for processed in prompts:
-        num_tokens = len(processed.prompt_token_ids)
-        if route.max_input_tokens is not None and num_tokens > route.max_input_tokens:
-            raise ContextLengthError(
-                f"route {route.name!r} allows prompts of at most {route.max_input_tokens} tokens; "
-                f"this one has {num_tokens}",
-                param="prompt",
-            )
-        max_len = route.max_model_len
-        if max_len is not None:
-            context = f"route {route.name!r} has a context of {max_len} tokens"
-            params = clamp(processed.params, output_room(num_tokens, max_len, context))
-            if params is not processed.params:
-                processed = replace(processed, params=params)
-        limited.append(processed)
-    table.charge_input(ticket, sum(len(p.prompt_token_ids) for p in prompts))
-    return limited
+    if ticket is not None and table is not None:
+        table.charge_input(ticket, sum(len(p.prompt_token_ids) for p in prompts))
 
 
 class RoutesMiddleware:
@@ -500,6 +453,18 @@ def _model_context_len(engine_config: EngineConfig) -> int | None:
     except ModelLoadError:
         return None
     return config.max_position_embeddings
+
+
+def _caps_of(route: Route) -> RouteCaps:
+    return RouteCaps(
+        name=route.name,
+        max_model_len=route.max_model_len,
+        max_input_tokens=route.max_input_tokens,
+        max_tokens=route.max_tokens,
+        max_n=route.features.max_n,
+        allow_logprobs=route.features.logprobs,
+        allow_beam_search=route.features.beam_search,
+    )
 
 
 class _LabelledCounter:

@@ -93,11 +93,13 @@ class Route(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     match: RouteMatch
     max_model_len: int | None = Field(default=None, ge=2)
-    """Prompt plus output tokens; ``max_tokens`` is clamped to what is left after the prompt."""
+    """Prompt plus output tokens: a request whose prompt plus ``max_tokens`` exceed it is
+    refused (400), one without ``max_tokens`` may use what the prompt leaves."""
     max_input_tokens: int | None = Field(default=None, ge=1)
     """Longest prompt (400 beyond it)."""
     max_tokens: int | None = Field(default=None, ge=1)
-    """Cap on ``max_tokens``: the default when a request sends none, 400 above it."""
+    """Cap on ``max_tokens``: the default when a request sends none (within the context the
+    prompt leaves), 400 above it."""
     defaults: SamplingDefaults = SamplingDefaults()
     features: RouteFeatures = RouteFeatures()
     priority: int | None = Field(default=None, ge=-(2**31) + 1, le=2**31 - 1)

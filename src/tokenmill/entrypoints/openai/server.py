@@ -89,8 +89,9 @@ def add_server_args(
         parser.add_argument_group("server"), ServerConfig, exclude=_NOT_FLAGS, group_for=group_for
     )
     parser.epilog = (
-        "max_tokens beyond the context left after the prompt (--max-model-len minus prompt tokens) "
-        "is clamped to it; prompts that leave no room get 400 context_length_exceeded."
+        "A prompt plus max_tokens beyond the context (--max-model-len) gets 400 "
+        "context_length_exceeded, as in vLLM; without max_tokens a request may use the whole "
+        "context its prompt leaves."
     )
 
 

@@ -56,7 +56,7 @@ from tokenmill.entrypoints.openai.tools import (
     tool_calls_message,
     tool_constraint,
 )
-from tokenmill.errors import InvalidRequestError
+from tokenmill.errors import FeatureNotAllowedError, InvalidRequestError
 from tokenmill.outputs import PositionLogprobs, RequestOutput
 from tokenmill.tokenizer.tokenizer import NAMED_SPECIAL_TOKENS
 
@@ -224,10 +224,10 @@ async def start_chat_run(req: ParsedRequest[ChatCompletionRequest]) -> ChatRun:
                 )
             params, field = params.clone(structured_outputs=constraint), "tools"
         grammar = await compile_grammar(state, params, field)
-        checked = check_params(state, params, body.priority, req.lora_request, grammar)
+        checked = check_params(req, params, body.priority, grammar)
     except InvalidRequestError as exc:
-        if exc.param == "logprobs":
-            exc.param = "top_logprobs"
+        if exc.param == "logprobs" and not isinstance(exc, FeatureNotAllowedError):
+            exc.param = "top_logprobs"  # the count chat asks for
         if exc.param == "max_tokens" and body.max_completion_tokens is not None:
             exc.param = "max_completion_tokens"
         raise

@@ -101,7 +101,7 @@ async def create_completion(request: Request) -> Response:
         prompt_logprobs=body.logprobs if want_prompt_logprobs else body.prompt_logprobs,
     )
     grammar = await compile_grammar(req.state, params, body.structured_outputs_params()[1])
-    checked = check_params(req.state, params, body.priority, req.lora_request, grammar)
+    checked = check_params(req, params, body.priority, grammar)
     prompt_list = body.prompt_list()
     req.admit(len(prompt_list), params.n, params.use_beam_search)
     prompts = await process_prompts(req, prompt_list, checked, body.add_special_tokens)
