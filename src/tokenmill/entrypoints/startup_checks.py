@@ -38,7 +38,9 @@ PROBE_RENDER_TIMEOUT_S = 10.0
 def check_before_serving(engine_config: EngineConfig) -> ModelConfig:
     """Every start-up check, cheapest first; returns the model's config."""
     path = resolve_model_path(engine_config.model)
-    model_config = ModelConfig.from_folder(path, engine_config.model_impl)
+    model_config = ModelConfig.from_folder(
+        path, engine_config.model_impl, engine_config.hf_config_path
+    )
     tokenizer_path = (
         resolve_model_path(engine_config.tokenizer) if engine_config.tokenizer else path
     )

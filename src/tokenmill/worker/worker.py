@@ -84,8 +84,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 def load_model_config(config: EngineConfig, model_path: Path) -> ModelConfig:
-    """The model's config (implementation resolved), with the test-only RoPE override."""
-    mc = ModelConfig.from_folder(model_path, config.model_impl)
+    """The model's config (implementation resolved; ``--hf-config-path``'s where given), with
+    the test-only RoPE override."""
+    mc = ModelConfig.from_folder(model_path, config.model_impl, config.hf_config_path)
     if config.rope_theta_override is not None:
         mc = replace(mc, rope_theta=config.rope_theta_override)
     return mc

@@ -395,7 +395,9 @@ def check_lora_modules(config: ServerConfig, engine_config: EngineConfig) -> Non
     from tokenmill.model.lora import load_lora_adapter
 
     model_config = ModelConfig.from_folder(
-        resolve_model_path(engine_config.model), engine_config.model_impl
+        resolve_model_path(engine_config.model),
+        engine_config.model_impl,
+        engine_config.hf_config_path,
     )
     if model_config.model_impl == "transformers":
         from tokenmill.model.transformers_fallback import check_features
