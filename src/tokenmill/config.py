@@ -108,6 +108,8 @@ class EngineConfig:
     """Largest LoRA rank accepted; slots are sized for it."""
     max_cpu_loras: int | None = None
     """LoRA adapters kept loaded in CPU memory, least recently used evicted; default: --max-loras."""
+    hf_config_path: str | None = None
+    """A local config.json, or the folder holding one, to use as the model's config instead of the model folder's own (a GGUF file's: the one its metadata gives); it must describe the same weights. Hub ids are refused: nothing is downloaded."""
     tokenizer: str | None = None
     """Folder of the tokenizer to use instead of the model folder's."""
     trust_remote_code: bool = False

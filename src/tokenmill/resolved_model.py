@@ -90,10 +90,10 @@ def generation_eos_ids(folder: Path) -> set[int]:
 
 
 def resolve_model(config: EngineConfig) -> ResolvedModel:
-    """Read the model's folder once: its config (the test-only RoPE override applied), its
-    tokenizer and the union of its EOS ids."""
+    """Read the model's folder once: its config (``--hf-config-path``'s where given, the
+    test-only RoPE override applied), its tokenizer and the union of its EOS ids."""
     model_path = resolve_model_path(config.model)
-    model_config = ModelConfig.from_folder(model_path, config.model_impl)
+    model_config = ModelConfig.from_folder(model_path, config.model_impl, config.hf_config_path)
     if config.rope_theta_override is not None:
         model_config = replace(model_config, rope_theta=config.rope_theta_override)
     tokenizer_path = resolve_model_path(config.tokenizer) if config.tokenizer else model_path

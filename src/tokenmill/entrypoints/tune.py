@@ -15,6 +15,7 @@ import shlex
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -103,7 +104,21 @@ def add_tune_parser(sub: Any) -> None:
         nargs="+",
         default=[],
         metavar="URL",
-        help="also replay the trace against these OpenAI-compatible endpoints",
+        help="after the search, replay the trace against these running OpenAI-compatible "
+        "endpoints (http://host:port) too, and report each beside the winner; one that "
+        "cannot be reached is reported as failed",
+    )
+    p.add_argument(
+        "--compare-api-key",
+        default=None,
+        help="bearer token for the --compare endpoints (default: none)",
+    )
+    p.add_argument(
+        "--compare-ready-timeout-s",
+        type=float,
+        default=30.0,
+        help="how long a --compare endpoint may refuse connections or answer 503 before it "
+        "is reported as failed",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_tune)
@@ -151,10 +166,35 @@ def _vocab(model: str) -> np.ndarray:
     return np.array([i for i in range(size) if i not in special])
 
 
+def check_compare_urls(urls: list[str]) -> None:
+    """Refuse a ``--compare`` value that is no http(s) URL before the search starts (an
+    endpoint that is down is only found, and reported, after it)."""
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(
+                f"--compare {url}: not an http(s) URL of an OpenAI-compatible server, "
+                "e.g. http://127.0.0.1:8000"
+            )
+
+
 def _compare(
-    urls: list[str], trace: Any, sla: dict[str, float], vocab: np.ndarray, time_scale: float
+    urls: list[str],
+    trace: Any,
+    sla: dict[str, float],
+    runner: Any,
+    api_key: str | None,
+    ready_timeout_s: float,
 ) -> list[dict[str, Any]]:
-    from tokenmill.bench.serve import ServeConfig, quiet_library_loggers, run_serve_benchmark
+    """Each endpoint's figures on the whole trace, replayed as the finalists' rounds are
+    (the same prompts, arrival times, warm-ups and request deadline); an endpoint that
+    fails gets its error instead, and the others are still measured."""
+    from tokenmill.bench.serve import (
+        BenchmarkError,
+        ServeConfig,
+        quiet_library_loggers,
+        run_serve_benchmark,
+    )
     from tokenmill.bench.sla import check_sla
     from tokenmill.tune.runner import FIGURE_KEYS, build_bench_requests, goodput_slos
 
@@ -162,19 +202,37 @@ def _compare(
     for url in urls:
         config = ServeConfig(
             base_url=url,
-            arrival_offsets_s=tuple(trace.arrival_offsets_s(time_scale)),
+            api_key=api_key,
+            arrival_offsets_s=tuple(trace.arrival_offsets_s(runner.time_scale)),
             goodput_slos_ms=goodput_slos(sla),
+            request_timeout_s=runner.request_timeout_s,
+            ready_timeout_s=ready_timeout_s,
             ignore_eos=True,
+            num_warmups=runner.num_warmups,
             show_progress=False,
+            label=url,
         )
+        requests = build_bench_requests(trace, runner.vocab, 0, runner.seed)
         try:
             with quiet_library_loggers():
-                result = run_serve_benchmark(config, build_bench_requests(trace, vocab, 0))
-        except Exception as exc:  # one endpoint down does not lose the tune
+                result = run_serve_benchmark(config, requests)
+        except BenchmarkError as exc:  # one endpoint down does not lose the tune
+            out.append({"url": url, "error": str(exc)})
+            continue
+        except Exception as exc:
             out.append({"url": url, "error": f"{type(exc).__name__}: {exc}"})
             continue
         figures: dict[str, Any] = {k: result.get(k) for k in FIGURE_KEYS}
-        out.append({"url": url, **figures, "meets_sla": not check_sla(figures, sla)})
+        misses = check_sla(figures, sla)
+        out.append(
+            {
+                "url": url,
+                "model_id": result.get("model_id"),
+                **figures,
+                "meets_sla": not misses,
+                "sla_misses": misses,
+            }
+        )
     return out
 
 
@@ -205,6 +263,9 @@ def run_tune(args: argparse.Namespace) -> int:
         raise ConfigError("--sla needs at least one bound, e.g. ttft_p95_ms=800")
     if args.time_scale <= 0:
         raise ConfigError("--time-scale must be > 0")
+    check_compare_urls(args.compare)
+    if args.compare_ready_timeout_s <= 0:
+        raise ConfigError("--compare-ready-timeout-s must be > 0")
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     memory = int(args.memory or psutil.virtual_memory().available)
@@ -274,10 +335,53 @@ def run_tune(args: argparse.Namespace) -> int:
     finally:
         runner.close()
         bar.close()
-    if args.compare:
-        state.meta["compare"] = _compare(args.compare, trace, sla, runner.vocab, args.time_scale)
+    if args.compare:  # after the candidates' servers are stopped: nothing else competes
+        from tokenmill.tune.report import winner_figures
+
+        state.meta["compare"] = _compare(
+            args.compare,
+            trace,
+            sla,
+            runner,
+            args.compare_api_key,
+            args.compare_ready_timeout_s,
+        )
+        state.meta["compare_winner"] = winner_figures(state.to_json())
         state.save(result_path)
     return _write_outputs(args.model, state, base_args, decision, out_dir)
+
+
+def compare_lines(result: dict[str, Any]) -> list[str]:
+    """One line for the winner and one per ``--compare`` endpoint, for the terminal."""
+    compare = result.get("compare") or []
+    if not compare:
+        return []
+    winner = result.get("compare_winner")
+    lines = []
+    if winner:
+        lines.append(
+            f"compare: winner {winner['key']}: {_figures_text(winner)} "
+            f"(mean of {winner['num_rounds']} replays)"
+        )
+    for c in compare:
+        if c.get("error"):
+            lines.append(f"compare: {c['url']}: failed: {c['error']}")
+        else:
+            verdict = "meets the SLA" if c.get("meets_sla") else "misses the SLA"
+            lines.append(f"compare: {c['url']}: {_figures_text(c)}, {verdict}")
+    return lines
+
+
+def _figures_text(figures: dict[str, Any]) -> str:
+    def ms(key: str) -> str:
+        value = figures.get(key)
+        return "n/a" if value is None else f"{value:.1f} ms"
+
+    goodput = figures.get("request_goodput")
+    return (
+        f"goodput {'n/a' if goodput is None else f'{goodput:.3g}'} req/s, "
+        f"P95 TTFT {ms('p95_ttft_ms')}, P95 TPOT {ms('p95_tpot_ms')}"
+    )
 
 
 def _write_outputs(
@@ -296,13 +400,16 @@ def _write_outputs(
         config_yaml = winner.candidate.config_yaml(model, extra)
         (out_dir / "serve_command.txt").write_text(command + "\n", encoding="utf-8")
         (out_dir / "config.yaml").write_text(config_yaml, encoding="utf-8")
-    report = write_report(state.to_json(), out_dir, command, config_yaml)
+    result = state.to_json()
+    report = write_report(result, out_dir, command, config_yaml)
     if winner is not None:
         verdict = "meets the SLA" if decision.get("meets_sla") else "misses the SLA (closest)"
         print(f"chosen: {winner.candidate.key} ({verdict})")
         if decision.get("tie_note"):
             print(decision["tie_note"])
         print(command)
+    for line in compare_lines(result):
+        print(line)
     print(
         f"wrote {out_dir / 'result.json'}, {report}"
         + (f", {out_dir / 'config.yaml'}" if winner else "")

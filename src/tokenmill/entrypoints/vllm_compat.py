@@ -162,7 +162,7 @@ _FLAGS: dict[str, tuple[Status, str]] = {
     ),
     "--dtype": ("implemented", "half and float as vLLM spells them"),
     "--seed": ("implemented", ""),
-    "--hf-config-path": ("refused", "config.json is read from the model folder"),
+    "--hf-config-path": ("implemented", "a local config.json or its folder (no hub)"),
     "--allowed-local-media-path": ("ignored", _TEXT_ONLY),
     "--allowed-media-domains": ("ignored", _TEXT_ONLY),
     "--revision": ("ignored", _NO_HUB),

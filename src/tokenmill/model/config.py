@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenmill.errors import ModelLoadError
+from tokenmill.errors import ConfigError, ModelLoadError
 from tokenmill.model.registry import ArchSpec, lookup, resolve_model_impl, weight_layout
 from tokenmill.model.source import is_gguf_file
 
@@ -183,16 +183,19 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: invalid value: {exc}") from None
 
     @classmethod
-    def from_folder(cls, folder: str | Path, model_impl: str = "native") -> ModelConfig:
+    def from_folder(
+        cls, folder: str | Path, model_impl: str = "native", hf_config_path: str | None = None
+    ) -> ModelConfig:
         """The config of a model folder, for ``--model-impl model_impl`` (see the registry's
-        ``resolve_model_impl``); Transformers is imported only for the fallback."""
+        ``resolve_model_impl``); Transformers is imported only for the fallback. With
+        ``hf_config_path`` (``--hf-config-path``), that config.json is read instead of the
+        folder's own (``config_override``)."""
+        if hf_config_path is not None:
+            return config_override(Path(folder), hf_config_path, model_impl)
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise ModelLoadError(not_a_model_folder(Path(folder)))
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ModelLoadError(f"{path}: cannot parse: {exc}") from None
+        raw = _read_config(path)
         archs = raw.get("architectures") if isinstance(raw, dict) else None
         impl, _ = resolve_model_impl(archs[0] if archs else None, model_impl)
         if impl == "transformers":
@@ -200,6 +203,105 @@ class ModelConfig:
 
             return fallback_model_config(Path(folder))
         return cls.from_dict(raw, source=str(path))
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path}: cannot parse: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: not a JSON object")
+    return raw
+
+
+def hf_config_file(value: str) -> Path:
+    """The config.json ``--hf-config-path value`` names: the file itself, or a folder that
+    holds one. Local only: a Hub id is refused, saying so (nothing is downloaded)."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--hf-config-path {value}: the folder has no config.json")
+        return path / "config.json"
+    if path.is_file():
+        return path
+    if _HUB_ID.fullmatch(value):
+        raise ConfigError(
+            f"--hf-config-path {value}: no such local folder or file. This looks like a Hugging "
+            "Face Hub id, and tokenmill does not download: fetch its config.json first, then "
+            "give that file or its folder"
+        )
+    raise ConfigError(f"--hf-config-path {value}: no such file or folder")
+
+
+_SHAPE_FIELDS = (
+    ("hidden_size", "hidden_size"),
+    ("num_layers", "num_hidden_layers"),
+    ("vocab_size", "vocab_size"),
+    ("num_heads", "num_attention_heads"),
+    ("num_kv_heads", "num_key_value_heads"),
+    ("head_dim", "head_dim"),
+    ("intermediate_size", "intermediate_size"),
+    ("num_experts", "num_experts"),
+    ("moe_intermediate_size", "moe_intermediate_size"),
+)
+"""(ModelConfig field, config.json key) of the facts the weights' shapes follow from."""
+
+
+def config_override(folder: Path, value: str, model_impl: str = "native") -> ModelConfig:
+    """The model config from ``--hf-config-path value`` instead of ``folder``'s own (vLLM's
+    flag): for a GGUF file, instead of the config its metadata gave.
+
+    It must describe the same weights: where the folder has a config of its own (a GGUF
+    file's always does), every field the tensor shapes follow from must agree with it, and
+    so must the whole tensor layout the registry derives; a disagreement is one
+    ``ConfigError`` naming the field. Without one, the checkpoint check judges it against
+    the tensors themselves. Native architectures only: the Transformers fallback reads
+    the folder's config.json with Transformers' own loader."""
+    path = hf_config_file(value)
+    raw = _read_config(path)
+    archs = raw.get("architectures") or []
+    architecture = archs[0] if archs else None
+    impl, _ = resolve_model_impl(architecture, model_impl)
+    if impl == "transformers":
+        raise ConfigError(
+            f"--hf-config-path {value}: {architecture} would run through the Transformers "
+            "fallback, which reads the model folder's own config.json; the flag applies to "
+            "tokenmill's native architectures"
+        )
+    cfg = ModelConfig.from_dict(raw, source=str(path))
+    own_path = folder / "config.json"
+    if not own_path.is_file():
+        return cfg
+    try:
+        own = ModelConfig.from_dict(_read_config(own_path), source=str(own_path))
+    except ModelLoadError:
+        return cfg  # the folder's own config is not tokenmill's to read: the tensors judge
+    for name, key in _SHAPE_FIELDS:
+        given, weights = getattr(cfg, name), getattr(own, name)
+        if given != weights:
+            raise ConfigError(
+                f"--hf-config-path {value}: {key} is {given}, but the weights of {folder} "
+                f"have {weights} ({own_path}); give a config of this model"
+            )
+    ours, theirs = _tensor_shapes(cfg), _tensor_shapes(own)
+    if ours != theirs:
+        name = sorted(set(ours) ^ set(theirs) or {n for n in ours if ours[n] != theirs[n]})[0]
+        raise ConfigError(
+            f"--hf-config-path {value}: it lays out tensor {name} as "
+            f"{list(ours[name]) if name in ours else 'absent'}, but the weights of {folder} "
+            f"have {list(theirs[name]) if name in theirs else 'none'} ({own_path}); give a "
+            "config of this model"
+        )
+    return cfg
+
+
+def _tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return {
+        name: shape
+        for spec in weight_layout(cfg)
+        for name, shape in zip(spec.sources, spec.shapes, strict=True)
+    }
 
 
 def _optional_float(value: Any) -> float | None:

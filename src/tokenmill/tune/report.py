@@ -42,6 +42,29 @@ def _point(entry: dict[str, Any]) -> dict[str, float] | None:
     }
 
 
+def winner_figures(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The winner's figures as the ``--compare`` endpoints get theirs: the means over its
+    largest replay's rounds (None without a winner, or with nothing measured)."""
+    key = (result.get("decision") or {}).get("winner")
+    entry = next((e for e in result.get("candidates", []) if e.get("key") == key), None)
+    if entry is None:
+        return None
+    point = _point(entry)
+    if point is None:
+        return None
+    runs = entry.get("runs") or {}
+    largest = int(point["num_requests"])
+    return {
+        "key": key,
+        GOODPUT_KEY: point["goodput"],
+        "p95_ttft_ms": point["ttft"],
+        "p95_tpot_ms": point["tpot"],
+        "measured_on_requests": largest,
+        "num_rounds": sum(1 for k in runs if k.split("/")[0] == str(largest)),
+        "meets_sla": bool((result.get("decision") or {}).get("meets_sla")),
+    }
+
+
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     """Indices of points no other point dominates (lower cost x, higher goodput y)."""
     front = []
@@ -170,10 +193,18 @@ def render_html(
         )  # fmt: skip
     workload = result.get("workload_summary") or {}
     compare = result.get("compare") or []
+    winner = result.get("compare_winner") or (winner_figures(result) if compare else None)
+    compared = [
+        {**winner, "url": f"winner: {winner['key']} (mean of {winner['num_rounds']} replays)"}
+        if winner
+        else None,
+        *compare,
+    ]
     compare_rows = "".join(
         f"<tr><td>{_esc(c.get('url'))}</td><td>{_fmt(c.get('request_goodput'))}</td><td>{_fmt(c.get('p95_ttft_ms'))}</td>"
-        f"<td>{_fmt(c.get('p95_tpot_ms'))}</td><td>{_esc(c.get('error') or ('meets' if c.get('meets_sla') else 'misses'))}</td></tr>"
-        for c in compare
+        f"<td>{_fmt(c.get('p95_tpot_ms'))}</td><td>{_esc('failed: ' + c['error'] if c.get('error') else ('meets' if c.get('meets_sla') else 'misses'))}</td></tr>"
+        for c in compared
+        if c is not None
     )
     images = "".join(
         f'<h3>{_esc(name)}</h3><img src="{_esc(path.name)}">' for name, path in charts.items()

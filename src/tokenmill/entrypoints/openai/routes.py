@@ -449,8 +449,10 @@ def build_route_table(
 def _model_context_len(engine_config: EngineConfig) -> int | None:
     """The model's context length from its config.json; None if unreadable (the engine says why)."""
     try:
-        config = ModelConfig.from_folder(resolve_model_path(engine_config.model))
-    except ModelLoadError:
+        config = ModelConfig.from_folder(
+            resolve_model_path(engine_config.model), "native", engine_config.hf_config_path
+        )
+    except (ModelLoadError, ConfigError):
         return None
     return config.max_position_embeddings
 
