@@ -1,7 +1,7 @@
 """The ``copy`` workload of the speculative decoding benchmarks: rewrite prompts
 whose greedy answers do repeat the prompt.
 
-The issue asks for "prompts whose answers repeat parts of the prompt, e.g. 'rewrite this
+The workload wanted: "prompts whose answers repeat parts of the prompt, e.g. 'rewrite this
 text' with the demo corpus". The 3.8M-parameter demo model cannot copy arbitrary text: on
 "Rewrite this text: <two corpus lines>\\nRewritten: <first sentence>" its greedy answer
 continued a 3-gram of the prompt in 1% of output tokens (16 x 64 tokens, float32), so

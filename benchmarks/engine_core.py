@@ -5,7 +5,7 @@ Workloads, on a ~250M-parameter Llama with random fp32 weights:
   mixed   32 requests, prompts U[16, 256], outputs U[16, 128]
   single  1 request, 128 -> 64
   batch8  8 requests, 128 -> 64 (TPOT at batch 8, for the static-vs-paged comparison)
-  mixed-long  32 requests, prompts U[16, 1024], outputs U[16, 256] (issue "static KV";
+  mixed-long  32 requests, prompts U[16, 1024], outputs U[16, 256] (the static-KV comparison;
           run with max_model_len 1280 so every request fits a static slot)
 Baseline: transformers ``generate`` on left-padded static batches of ``--batch-size`` (16).
 Also measured in the same process: torch's fp32 GEMM GFLOP/s (the compute ceiling), the

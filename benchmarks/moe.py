@@ -6,7 +6,7 @@ routing (router matmul, softmax, top-k) and in expert dispatch (sort by expert, 
 and one down matmul per active expert, scatter back) is measured by timing
 ``SparseMoE.route`` and ``SparseMoE.dispatch`` inside the real engine's steps.
 
-``--shape full`` is the issue's few-hundred-million-parameter model (~360M: hidden 1024,
+``--shape full`` is a few-hundred-million-parameter MoE model (~360M: hidden 1024,
 8 layers, 8 experts of 1408); ``--shape small`` (hidden 512, 4 layers, 8 experts of 704) is
 cheap enough for a busy machine. ``--with-transformers`` adds transformers' ``generate`` on
 the same weights (1 stream, then 16 padded). vLLM's CPU backend is run separately with

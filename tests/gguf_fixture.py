@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as T
 from safetensors import safe_open
 
 QTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
-"""The tensor types the issue lists, in the order the tests parametrize them."""
+"""The GGUF tensor types tokenmill serves, in the order the tests parametrize them."""
 
 K_TYPES = {"Q4_K", "Q5_K", "Q6_K"}
 """Types whose blocks are 256 values wide: every quantized row must be a multiple of 256."""

@@ -35,7 +35,7 @@ ALERTS = {
     "TokenmillEngineDead",
     "TokenmillTargetDown",
 }
-"""What the issue asks to alert on: KV usage, waiting and queue time, TTFT/TPOT SLAs, error
+"""What an operator must be alerted on: KV usage, waiting and queue time, TTFT/TPOT SLAs, error
 and 429 rates, engine dead, preemption rate."""
 
 

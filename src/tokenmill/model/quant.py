@@ -16,7 +16,7 @@ horizontal sum, so above ``max_kernel_rows`` their projections dequantize and ru
 
 Torch's kernels are (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``). Measured
 on this project's 2-core AVX-512/AMX machine (8 layers of the 250M model's shapes,
-docs/benchmarks.md): for one row they read int4 weights 2.5x faster than oneDNN reads
+CHANGELOG.md, benchmark history): for one row they read int4 weights 2.5x faster than oneDNN reads
 prepacked bf16 and int8 about as fast; their cost then grows with the row count (they walk
 the weights again per few rows), while dequantizing the layer's weight into the activation
 dtype and running the GEMM costs the same at any row count. Activations stay in the model
