@@ -9,6 +9,7 @@ resolved config (``LLMEngine.config``): consumers read ``max_model_len``, ``devi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -237,9 +238,10 @@ class EngineConfig:
             "max_cpu_loras must be >= max_loras",
         )
 
-    @property
+    @functools.cached_property
     def speculative(self) -> SpeculativeConfig | None:
-        """``speculative_config`` parsed and checked; None: no speculation."""
+        """``speculative_config`` parsed and checked, once (the typed object every reader
+        gets); None: no speculation."""
         if self.speculative_config is None:
             return None
         return SpeculativeConfig.from_dict(self.speculative_config)

@@ -5,10 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.core.ngram_index import NgramIndex, NgramProposer
-from tokenmill.core.request import Request
-from tokenmill.core.sampling_params import SamplingParams
-from tokenmill.core.speculative import SpeculativeConfig, ngram_propose, propose_ngram
+from tokenmill.core.ngram_index import NgramIndex
+from tokenmill.core.speculative import ngram_propose
 
 
 @settings(max_examples=300, deadline=None)
@@ -34,18 +32,3 @@ def test_index_matches_the_scan_as_the_sequence_grows(
         assert index.propose(k) == ngram_propose(tokens[:seen], k, min_n, max_n)
         if seen == len(tokens):
             break
-
-
-def test_proposer_follows_each_request_and_restarts_when_it_shrinks() -> None:
-    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
-    proposer = NgramProposer(1, 3)
-    params = SamplingParams(max_tokens=50)
-    a = Request("a", [1, 2, 3, 4, 1, 2], params)
-    b = Request("b", [7, 8, 7], params)
-    for request in (a, b, a, b):
-        assert propose_ngram(spec, request, 3, proposer) == propose_ngram(spec, request, 3)
-    a.output_token_ids = [3, 9, 1]
-    assert propose_ngram(spec, a, 3, proposer) == propose_ngram(spec, a, 3) == [2, 3, 9]
-    a.output_token_ids = []  # e.g. a sequence taken again from scratch
-    a.prompt_token_ids = [5, 6, 5]
-    assert propose_ngram(spec, a, 3, proposer) == [6, 5]

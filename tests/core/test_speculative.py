@@ -21,7 +21,6 @@ from tokenmill.core.speculative import (
     max_draft_tokens,
     ngram_propose,
     num_tokens_to_propose,
-    propose_ngram,
 )
 from tokenmill.errors import ConfigError
 
@@ -79,13 +78,11 @@ def test_ngram_proposes_what_followed_the_latest_match_of_the_longest_suffix() -
 
 
 def test_proposals_never_exceed_what_the_request_may_still_produce() -> None:
-    spec = SpeculativeConfig(num_speculative_tokens=5)
     req = _req("r", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], max_tokens=3)
     req.output_token_ids = [3]
     assert max_draft_tokens(req) == 1  # one more token comes from the target itself
-    assert propose_ngram(spec, req, 5) == [4]
     req.output_token_ids = [3, 4]
-    assert propose_ngram(spec, req, 5) == []
+    assert max_draft_tokens(req) == 0
 
 
 def test_policy_shrinks_proposals_as_the_batch_grows() -> None:
@@ -112,7 +109,7 @@ def test_drafts_are_scheduled_with_the_last_token_and_rolled_back() -> None:
     sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
     req = _req("r", list(range(7)))
     _decode_ready(sched, req)
-    req.spec_token_ids = [60, 61, 62, 63]
+    req.num_spec_tokens = 4
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"r": 5}
     assert len(kv.block_table("r")) == 3  # 12 token slots: 8 known + 4 drafts
@@ -120,12 +117,12 @@ def test_drafts_are_scheduled_with_the_last_token_and_rolled_back() -> None:
     req.append_output_token(60)  # one draft accepted, then the target's own token
     req.append_output_token(70)
     sched.rollback_unverified(req)
-    assert req.spec_token_ids == []
+    assert req.num_spec_tokens == 0
     assert req.num_computed_tokens == req.num_tokens - 1 == 9
     assert len(kv.block_table("r")) == 3
     check_invariants(kv, {"r": req})
     # nothing accepted: the block that only drafts reached is released
-    req.spec_token_ids = [1, 2, 3]
+    req.num_spec_tokens = 3
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"r": 4}
     sched.update_after_step(out.scheduled)
@@ -141,9 +138,9 @@ def test_drafts_that_do_not_fit_the_budget_are_cut() -> None:
     sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=3)
     req = _req("r", [1, 2, 3])
     _decode_ready(sched, req)
-    req.spec_token_ids = [4, 5, 6, 7]
+    req.num_spec_tokens = 4
     assert sched.schedule().num_scheduled_tokens == {"r": 3}
-    assert req.spec_token_ids == [4, 5]
+    assert req.num_spec_tokens == 2
 
 
 def test_drafts_are_dropped_before_anyone_is_preempted() -> None:
@@ -151,10 +148,10 @@ def test_drafts_are_dropped_before_anyone_is_preempted() -> None:
     sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
     a, b = _req("a", [1, 2, 3]), _req("b", [5, 6, 7])
     _decode_ready(sched, a, b)
-    a.spec_token_ids = [9, 9, 9]  # would need a third block
+    a.num_spec_tokens = 3  # would need a third block
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"a": 1, "b": 1}
-    assert out.preempted_ids == [] and a.spec_token_ids == []
+    assert out.preempted_ids == [] and a.num_spec_tokens == 0
 
 
 def test_a_draft_models_catch_up_is_charged_to_the_budget() -> None:
@@ -166,10 +163,10 @@ def test_a_draft_models_catch_up_is_charged_to_the_budget() -> None:
     req = _req("r", list(range(7)))
     _decode_ready(sched, req)
     assert req.num_draft_lag == 8  # the draft has read nothing: prompt + the first output
-    req.spec_token_ids = [0, 0, 0]
+    req.num_spec_tokens = 3
     out = sched.schedule()
     # d = 2: target 3 tokens, draft 8 (catch-up) + 1 = 12; d = 3 would need 14
-    assert out.num_scheduled_tokens == {"r": 3} and req.spec_token_ids == [0, 0]
+    assert out.num_scheduled_tokens == {"r": 3} and req.num_spec_tokens == 2
     assert out.draft_catch_up == {"r": 8} and out.num_draft_model_tokens == 9
     # the draft read 8 tokens, then its first draft: 9 tokens with draft KV
     req.num_draft_computed_tokens = 9
@@ -177,7 +174,7 @@ def test_a_draft_models_catch_up_is_charged_to_the_budget() -> None:
     req.append_output_token(70)  # the first draft rejected, the target's own token instead
     sched.rollback_unverified(req)
     assert req.num_draft_lag == 1  # the draft's KV is valid up to the verified tokens
-    req.spec_token_ids = [0, 0, 0]
+    req.num_spec_tokens = 3
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"r": 4} and out.draft_catch_up == {"r": 1}
     assert out.num_draft_model_tokens == 3  # 1 + 2 draft inputs; 4 + 3 <= 12
@@ -197,10 +194,10 @@ def test_a_draft_models_catch_up_is_charged_to_the_budget() -> None:
     long.append_output_token(50)
     caught_up = []
     while True:
-        long.spec_token_ids = [0, 0]
+        long.num_spec_tokens = 2
         out = sched.schedule()
         assert out.total_num_tokens + out.num_draft_model_tokens <= 6
-        if long.spec_token_ids:
+        if long.num_spec_tokens:
             break
         assert out.num_scheduled_tokens == {"l": 1}
         caught_up.append(out.draft_catch_up["l"])
@@ -210,7 +207,7 @@ def test_a_draft_models_catch_up_is_charged_to_the_budget() -> None:
     # 5 a step (the budget less the target's token) while the target decodes on, then the
     # last 2 tokens with a proposal of 2: 1 + 2 for the target, 2 + 1 for the draft
     assert caught_up == [5, 5, 5, 5, 4]
-    assert out.draft_catch_up == {"l": 2} and long.spec_token_ids == [0, 0]
+    assert out.draft_catch_up == {"l": 2} and long.num_spec_tokens == 2
 
 
 def test_static_slots_take_drafts_without_bookkeeping() -> None:
@@ -218,7 +215,7 @@ def test_static_slots_take_drafts_without_bookkeeping() -> None:
     sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=64)
     req = _req("r", [1, 2, 3])
     _decode_ready(sched, req)
-    req.spec_token_ids = [7, 8]
+    req.num_spec_tokens = 2
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"r": 3}
     sched.update_after_step(out.scheduled)
@@ -256,20 +253,19 @@ def test_rollback_never_leaks_or_double_frees(
             next_id += 1
         for req in sched.running:
             if req.num_computed_tokens == req.num_tokens - 1:
-                req.spec_token_ids = [rng.randrange(10) for _ in range(rng.randint(0, 5))]
-                del req.spec_token_ids[max_draft_tokens(req) :]
+                req.num_spec_tokens = min(rng.randint(0, 5), max_draft_tokens(req))
         out = sched.schedule()
         assert out.total_num_tokens + out.num_draft_model_tokens <= budget
         for req, _ in out.scheduled:  # the draft reads what it was granted
             if req.request_id in out.draft_catch_up:
                 start = req.num_tokens - req.num_draft_lag
                 req.num_draft_computed_tokens = start + out.draft_catch_up[req.request_id]
-                if req.spec_token_ids:
+                if req.num_spec_tokens:
                     assert req.num_draft_computed_tokens == req.num_tokens
-                    req.num_draft_computed_tokens += len(req.spec_token_ids) - 1
+                    req.num_draft_computed_tokens += req.num_spec_tokens - 1
         sched.update_after_step(out.scheduled)
         for req, _ in out.scheduled:
-            drafts = list(req.spec_token_ids)
+            drafts = [rng.randrange(10) for _ in range(req.num_spec_tokens)]
             if req.num_computed_tokens < req.num_tokens + len(drafts):
                 assert not drafts
                 continue  # a prefill chunk that does not reach the end

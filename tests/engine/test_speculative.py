@@ -90,7 +90,7 @@ def test_static_compiled_verification_matches_transformers(
     assert llm.engine.runner.num_compiled_verify_steps > 0
     assert step.eager_buckets == []
     if method == "draft_model":  # static: the draft compiles too, and proposes through it
-        rows = llm.engine.executor.driver_worker.drafter.rows
+        rows = llm.engine.executor.driver_worker.proposer.rows
         assert rows.compiled is not None and rows.num_compiled > 0
 
 
@@ -348,7 +348,7 @@ def test_draft_row_loop_proposes_what_the_runner_path_proposes(make_model, tmp_p
             block_size=4,
             speculative_config={"model": str(tmp_path / "draft"), "num_speculative_tokens": 3},
         )
-        drafter = llm.engine.executor.driver_worker.drafter
+        drafter = llm.engine.executor.driver_worker.proposer
         rows = drafter.rows
         assert rows is not None and rows.compiled is None  # enforce_eager: eager rows
         if not use_rows:
@@ -468,7 +468,7 @@ def _staggered(llm: LLM, prompts: list[list[int]]) -> tuple[dict[str, list[int]]
     once they finish, request 0 runs alone again. Outputs by id, and per step the draft
     forwards run so far (the worker's own count)."""
     engine = llm.engine
-    drafter = engine.executor.driver_worker.drafter
+    drafter = engine.executor.driver_worker.proposer
     engine.add_request("long", prompts[0], _greedy(28))
     outputs: dict[str, list[int]] = {}
     forwards: list[int] = []
@@ -550,7 +550,7 @@ def test_draft_loop_proposes_what_per_forward_rows_propose(
             kv_cache=kv_cache,
             speculative_config={"model": str(tmp_path / "draft"), "num_speculative_tokens": 3},
         )
-        drafter = llm.engine.executor.driver_worker.drafter
+        drafter = llm.engine.executor.driver_worker.proposer
         assert (drafter.rows.compiled is not None) == (kv_cache == "static")
         loops = drafter.loops
         assert sorted(loops) == [(1, 3), (2, 3)]

@@ -42,6 +42,7 @@ class NewRequestData(msgspec.Struct, omit_defaults=True):
     index: int = 0
     lora_id: int = 0
     max_total_tokens: int = 2**31
+    is_beam: bool = False
     pooling: Any = None
     """``PoolingParams`` (in-process) or its fields; None for a generating request."""
     grammar: Any = None
@@ -67,8 +68,12 @@ class StepPlan(msgspec.Struct, omit_defaults=True):
     """(sequence id, tokens to compute), in the scheduler's order (rows are laid out so)."""
     new_requests: list[NewRequestData] = []
     cached_requests: list[CachedRequestData] = []
-    spec_token_ids: dict[str, list[int]] = {}
-    """This step's draft tokens per sequence (n-gram tokens, or draft-model slots to fill)."""
+    num_spec_tokens: dict[str, int] = {}
+    """Per sequence, the draft tokens scheduled after its last token this step: the
+    workers' proposer fills that many (the scheduler never sees a token id of a draft)."""
+    max_proposal: int = 0
+    """The speculation policy's k for the batch now: how many tokens a proposer prepares
+    per request for the next step (0: it prepares none)."""
     finished_ids: list[str] = []
     """Sequences to forget before this step (finished, aborted)."""
     preempted_ids: list[str] = []
@@ -118,6 +123,9 @@ class StepOutput:
     verified: dict[str, VerifiedTokens] = field(default_factory=dict)
     """Requests that verified speculative tokens: every token kept (``sampled`` holds the
     first), with the target's logprobs."""
+    num_proposable: dict[str, int] = field(default_factory=dict)
+    """Per request that produced tokens: how many tokens the proposer has ready for its
+    next step (the engine asks for at most that many)."""
 
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:

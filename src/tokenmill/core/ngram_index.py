@@ -13,10 +13,6 @@ len - 2, each at its latest start. No torch here.
 
 from __future__ import annotations
 
-from weakref import WeakKeyDictionary
-
-from tokenmill.core.request import Request
-
 
 class NgramIndex:
     """The latest start of every n-gram of one growing token sequence."""
@@ -50,23 +46,3 @@ class NgramIndex:
             if found is not None:
                 return tokens[found + n : found + n + k]
         return []
-
-
-class NgramProposer:
-    """One ``NgramIndex`` per running request, dropped with the request."""
-
-    def __init__(self, min_n: int, max_n: int) -> None:
-        self.min_n = min_n
-        self.max_n = max_n
-        self._indexes: WeakKeyDictionary[Request, NgramIndex] = WeakKeyDictionary()
-
-    def propose(self, request: Request, k: int) -> list[int]:
-        """Up to k proposals from ``request``'s prompt + output (its own index, brought up
-        to date with the tokens appended since its last lookup)."""
-        index = self._indexes.get(request)
-        num = request.num_tokens
-        if index is None or len(index.tokens) > num:  # new (or shrunk: start again)
-            index = self._indexes[request] = NgramIndex(self.min_n, self.max_n)
-        if len(index.tokens) < num:
-            index.extend(request.token_slice(len(index.tokens), num))
-        return index.propose(k)

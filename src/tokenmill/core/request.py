@@ -73,9 +73,17 @@ class Request:
     """Set for a pooling request: prefilled, then its hidden states pooled instead of sampled."""
 
     output_token_ids: list[int] = field(default_factory=list)
+    num_spec_tokens: int = 0
+    """Speculative tokens scheduled after the last output token this step (a count: the
+    engine asks for them, the scheduler trims them to the budget; the proposer on the
+    workers holds the tokens themselves)."""
+    num_proposable: int = 0
+    """How many tokens the workers' proposer has ready for this request's next step (its
+    last ``StepOutput.num_proposable``)."""
     spec_token_ids: list[int] = field(default_factory=list)
-    """Speculative tokens proposed after the last output token, not yet verified: scheduled
-    after it this step, then accepted into ``output_token_ids`` or dropped."""
+    """On a worker's mirror: this step's ``num_spec_tokens`` draft tokens, filled by the
+    proposer before the forward, then verified (accepted into ``output_token_ids`` or
+    dropped). Never set on the engine's side."""
     num_computed_tokens: int = 0
     num_draft_computed_tokens: int = 0
     """Speculation with a draft model: tokens whose draft-model KV was written (those past
@@ -156,6 +164,8 @@ class Request:
         """Preempted: its KV is dropped, so every token must be computed again."""
         self.num_computed_tokens = 0
         self.num_draft_computed_tokens = 0
+        self.num_spec_tokens = 0
+        self.num_proposable = 0
         self.spec_token_ids = []
         self.status = RequestStatus.PREEMPTED
         self.metrics.num_preemptions += 1

@@ -54,7 +54,7 @@ class SchedulerOutput:
     def draft_catch_up(self) -> dict[str, int]:
         """Speculation with a draft model, per request the draft runs on this step: how many
         tokens it reads from its valid count on (all of its lag when it then proposes the
-        request's ``spec_token_ids``; part of it, and no proposal, when the budget is short)."""
+        request's ``num_spec_tokens``; part of it, and no proposal, when the budget is short)."""
         return self.plan.draft_catch_up
 
     @property
@@ -178,18 +178,18 @@ class Scheduler:
             request = self.running[i]
             num_left = request.num_tokens - request.num_computed_tokens
             catch_up = 0
-            if request.spec_token_ids and self.draft_model:
+            if request.num_spec_tokens and self.draft_model:
                 catch_up = self._fit_draft(request, num_left, budget)
-            elif request.spec_token_ids:  # they fit whole after the last token, or not at all
-                del request.spec_token_ids[max(0, budget - num_left) :]
-            num_new = min(num_left + len(request.spec_token_ids), budget)
+            elif request.num_spec_tokens:  # they fit after the last token, or are cut
+                request.num_spec_tokens = min(request.num_spec_tokens, max(0, budget - num_left))
+            num_new = min(num_left + request.num_spec_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
             while (allocation := self.kv.allocate(request, num_new)) is None:
-                if request.spec_token_ids:  # drop the guesses before anyone's KV
-                    num_new -= len(request.spec_token_ids)
-                    request.spec_token_ids = []
+                if request.num_spec_tokens:  # drop the guesses before anyone's KV
+                    num_new -= request.num_spec_tokens
+                    request.num_spec_tokens = 0
                     catch_up = min(catch_up, request.num_draft_lag - 1)  # no proposal now
                     continue
                 victim = self.running[-1]
@@ -203,7 +203,7 @@ class Scheduler:
                 allocations[request.request_id] = allocation
                 budget -= num_new
                 if catch_up > 0:
-                    draft_tokens = catch_up + max(0, len(request.spec_token_ids) - 1)
+                    draft_tokens = catch_up + max(0, request.num_spec_tokens - 1)
                     out.plan.draft_catch_up[request.request_id] = catch_up
                     out.num_draft_model_tokens += draft_tokens
                     budget -= draft_tokens
@@ -266,8 +266,8 @@ class Scheduler:
         for request, num_new in out.scheduled:
             rid = request.request_id
             plan.scheduled.append((rid, num_new))
-            if request.spec_token_ids:
-                plan.spec_token_ids[rid] = list(request.spec_token_ids)
+            if request.num_spec_tokens:
+                plan.num_spec_tokens[rid] = request.num_spec_tokens
             if rid in plan.draft_catch_up:
                 plan.num_draft_computed[rid] = request.num_draft_computed_tokens
             num_sent = sent.get(rid)
@@ -297,7 +297,7 @@ class Scheduler:
         """After a step that verified speculative tokens (and appended the accepted ones):
         only tokens before the last one have valid KV now, so the computed count steps
         back and the KV blocks past it are released (rejected tokens' slots, no copy)."""
-        request.spec_token_ids = []
+        request.num_spec_tokens = 0
         if request.is_finished:
             return
         num_valid = min(request.num_computed_tokens, request.num_tokens - 1)
@@ -305,8 +305,8 @@ class Scheduler:
         self.kv.truncate(request, num_valid)
 
     def _fit_draft(self, request: Request, num_left: int, budget: int) -> int:
-        """How many tokens the draft model reads for ``request`` this step; trims its draft
-        slots to what fits the budget with them.
+        """How many tokens the draft model reads for ``request`` this step; trims its
+        ``num_spec_tokens`` to what fits the budget with them.
 
         The policy: the draft's tokens cost the budget as the target's do, in the request's
         own turn. Proposing d tokens costs the target num_left + d and the draft its lag
@@ -317,8 +317,8 @@ class Scheduler:
         """
         lag = request.num_draft_lag
         fit = (budget - num_left - lag + 1) // 2
-        del request.spec_token_ids[max(0, fit) :]
-        if request.spec_token_ids:
+        request.num_spec_tokens = min(request.num_spec_tokens, max(0, fit))
+        if request.num_spec_tokens:
             return lag
         return max(0, min(lag - 1, budget - num_left))
 
@@ -378,6 +378,7 @@ def new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
         index=request.index,
         lora_id=request.lora_id,
         max_total_tokens=request.max_total_tokens,
+        is_beam=request.is_beam,
         pooling=request.pooling,
         grammar=request.grammar,
     )

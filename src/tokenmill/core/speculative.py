@@ -1,10 +1,10 @@
-"""Speculative decoding, the torch-free half: its config, the n-gram proposer, the policy.
+"""Speculative decoding, the torch-free half: its config (parsed once), the methods, the
+policy, and the n-gram scan the proposer's index is held to.
 
-A proposer guesses the next few tokens of a running request; the scheduler schedules them
-after the request's last token, like a chunk, and the worker verifies them in one forward
-(``tokenmill.sampling.speculative``). The n-gram proposer (vLLM's ``ngram`` method, "prompt
-lookup") needs no model: it finds the latest earlier occurrence of the request's last n
-tokens in its own prompt + output and proposes what followed it there. The policy shrinks
+A proposer (``worker/spec_decode``) guesses the next few tokens of a running request on the
+workers; the engine asks for as many as the policy and the proposer allow (a count), the
+scheduler schedules that many after the request's last token, like a chunk, and the worker
+verifies them in one forward (``tokenmill.sampling.speculative``). The policy shrinks
 proposals as the running batch grows, since a full batch already keeps the machine busy
 and rejected tokens are compute thrown away. No torch here.
 """
@@ -14,11 +14,24 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from tokenmill.core.ngram_index import NgramProposer
 from tokenmill.core.request import Request
 from tokenmill.errors import ConfigError
 
-METHODS: tuple[str, ...] = ("ngram", "draft_model")
+METHODS: set[str] = {"ngram", "draft_model"}
+"""``--speculative-config`` methods a proposer is registered for (the worker's
+``spec_decode`` registry adds its names here; core cannot import it)."""
+BUDGETED_METHODS: set[str] = {"draft_model"}
+"""Methods whose proposer runs forwards of its own that count in a step's token budget
+(the scheduler's ``_fit_draft``): a draft model's catch-up and drafting."""
+
+
+def register_method(name: str, *, charges_budget: bool = False) -> None:
+    """Make ``name`` a valid ``method`` (its proposer is registered on the worker side)."""
+    METHODS.add(name)
+    if charges_budget:
+        BUDGETED_METHODS.add(name)
+    else:
+        BUDGETED_METHODS.discard(name)
 
 
 @dataclass(frozen=True)
@@ -42,7 +55,7 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ConfigError(
                 f"--speculative-config: method {self.method!r} is not supported; choose one of "
-                f"{', '.join(METHODS)}"
+                f"{', '.join(sorted(METHODS))}"
             )
         if self.num_speculative_tokens < 1:
             raise ConfigError("--speculative-config: num_speculative_tokens must be >= 1")
@@ -77,6 +90,11 @@ class SpeculativeConfig:
     @property
     def max_batch_size(self) -> int:
         return self.disable_by_batch_size or 8
+
+    @property
+    def charges_budget(self) -> bool:
+        """Whether the proposer's own forwards count in a step's token budget."""
+        return self.method in BUDGETED_METHODS
 
 
 def num_tokens_to_propose(config: SpeculativeConfig, num_running: int) -> int:
@@ -115,20 +133,6 @@ def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int
                 if follow:
                     return follow
     return []
-
-
-def propose_ngram(
-    config: SpeculativeConfig, request: Request, k: int, index: NgramProposer | None = None
-) -> list[int]:
-    """Prompt-lookup proposals for ``request``, trimmed to what it may still produce;
-    ``index`` (the engine's) looks up incrementally, else the history is scanned."""
-    k = min(k, max_draft_tokens(request))
-    if k <= 0:
-        return []
-    if index is not None:
-        return index.propose(request, k)
-    tokens = request.token_slice(0, request.num_tokens)
-    return ngram_propose(tokens, k, config.prompt_lookup_min, config.prompt_lookup_max)
 
 
 def max_draft_tokens(request: Request) -> int:

@@ -15,11 +15,10 @@ from typing import TYPE_CHECKING
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv import KVCacheManager, KVSizing, build_kv_manager
 from tokenmill.core.messages import CacheInfo, KVCacheSpec, StepOutput, VerifiedTokens, WorkerInfo
-from tokenmill.core.ngram_index import NgramProposer
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.speculative import max_draft_tokens, num_tokens_to_propose, propose_ngram
+from tokenmill.core.speculative import max_draft_tokens, num_tokens_to_propose
 from tokenmill.core.stats import EngineStats, StartupCosts
 from tokenmill.engine.beam_search import BeamLimits, BeamSearchCoordinator
 from tokenmill.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
@@ -68,12 +67,6 @@ class LLMEngine:
             )
         self.speculative = config.speculative
         """Speculative decoding's config; None: one token per request per step."""
-        self._ngram = (
-            NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
-            if self.speculative is not None and self.speculative.method == "ngram"
-            else None
-        )
-        """Per-request n-gram indexes (method ngram): a lookup per step, not a scan."""
         if self.speculative is not None and config.is_pooling:
             raise ConfigError(
                 "--speculative-config: a pooling runner generates nothing to speculate on"
@@ -149,8 +142,7 @@ class LLMEngine:
             config.scheduling_policy,
             max_loras=config.max_loras if config.enable_lora else None,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            draft_model=config.speculative is not None
-            and config.speculative.method == "draft_model",
+            draft_model=config.speculative is not None and config.speculative.charges_budget,
         )
         self._lora_removals: set[int] = set()
         """Adapters unloaded while requests still ran on them: dropped when the last ends."""
@@ -372,14 +364,19 @@ class LLMEngine:
         post-processing one request aborts that request alone (``take_failures`` says
         which); only a failure of the batch's forward itself escapes."""
         self.beam_search.admit()
-        if self.speculative is not None:
-            self._propose()
+        max_proposal = self._ask_for_drafts() if self.speculative is not None else 0
         sched = self.scheduler.schedule()
+        sched.plan.max_proposal = max_proposal
         if sched.draft_catch_up:
             self._counters.record_draft_model_step(sched.num_draft_model_tokens)
         result = self.executor.execute_model(sched.plan)
+        requests = self.scheduler.requests
         for rid, num in result.num_draft_computed.items():  # the worker's draft KV length
-            self.scheduler.requests[rid].num_draft_computed_tokens = num
+            requests[rid].num_draft_computed_tokens = num
+        if self.speculative is not None:
+            for rid in result.sampled:  # what the proposer has ready for the next step
+                if rid in requests:
+                    requests[rid].num_proposable = result.num_proposable.get(rid, 0)
         self.scheduler.update_after_step(sched.scheduled)
         now = time.monotonic()
         stats = self._counters
@@ -449,9 +446,11 @@ class LLMEngine:
             self.output_processor.mark_finished(rid)
 
     # ---- speculative decoding ----------------------------------------------------------
-    def _propose(self) -> None:
-        """Draft tokens for running requests about to decode, as many as the policy allows
-        for this batch size. Beams decode without them.
+    def _ask_for_drafts(self) -> int:
+        """Draft tokens for running requests about to decode: as many as the policy allows
+        for this batch size, the request may still produce, and the workers' proposer has
+        ready (a count; the tokens stay on the workers). Beams decode without them. Returns
+        the policy's k, which the proposer prepares for the step after.
 
         The batch size counts waiting requests too (up to ``max_num_seqs``): they are
         admitted in this very step or soon, and a draft reading prompts now would only take
@@ -466,7 +465,7 @@ class LLMEngine:
             steps = self._counters.spec_policy_steps
             steps[k] = steps.get(k, 0) + 1
         for request in self.scheduler.running:
-            request.spec_token_ids = []
+            request.num_spec_tokens = 0
             if (
                 k == 0
                 or request.is_beam
@@ -474,10 +473,8 @@ class LLMEngine:
                 or request.num_computed_tokens != request.num_tokens - 1
             ):
                 continue
-            if spec.method == "draft_model":  # slots now, the worker's draft fills them
-                request.spec_token_ids = [0] * min(k, max_draft_tokens(request))
-            else:
-                request.spec_token_ids = propose_ngram(spec, request, k, self._ngram)
+            request.num_spec_tokens = min(k, max_draft_tokens(request), request.num_proposable)
+        return k
 
     def _on_verified(
         self,

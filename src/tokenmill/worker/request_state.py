@@ -3,7 +3,7 @@
 The engine sends a sequence once (``NewRequestData``) and then only what changed
 (``CachedRequestData``); this table applies both and hands the runner an ordinary
 ``ScheduledBatch`` over its own ``Request`` mirrors (token ids, parameters, block table,
-this step's draft tokens), so the runner, the sampler, the grammar matchers and the draft
+this step's draft-token count), so the runner, the sampler, the grammar matchers and the draft
 model work the same in-process and in another process. A grammar that did not cross (nil)
 is compiled again here, from the request's ``structured_outputs`` (``compile_grammar``).
 """
@@ -52,11 +52,12 @@ class RequestStates:
             elif cached.new_block_ids:
                 tables[rid].extend(cached.new_block_ids)
         for request in self._with_drafts:  # last step's drafts are spent
+            request.num_spec_tokens = 0
             request.spec_token_ids = []
         self._with_drafts = []
-        for rid, drafts in plan.spec_token_ids.items():
+        for rid, num in plan.num_spec_tokens.items():  # the proposer fills them
             request = requests[rid]
-            request.spec_token_ids = list(drafts)
+            request.num_spec_tokens = num
             self._with_drafts.append(request)
         for rid, num in plan.num_draft_computed.items():
             requests[rid].num_draft_computed_tokens = num
@@ -83,6 +84,7 @@ class RequestStates:
             max_total_tokens=new.max_total_tokens,
             index=new.index,
             lora_id=new.lora_id,
+            is_beam=new.is_beam,
             grammar=grammar,
             pooling=pooling_from_wire(new.pooling),
             output_token_ids=list(new.output_token_ids),

@@ -1,4 +1,4 @@
-"""Worker: one rank's device, threads, dtype, model, KV tensors, compiled step and draft.
+"""Worker: one rank's device, threads, dtype, model, KV tensors, compiled step and proposer.
 
 The engine never touches these: it reaches a worker through an executor (``executor/``),
 in this process or in another one, with the same calls: ``describe`` (what was resolved),
@@ -36,16 +36,12 @@ from tokenmill.model.dtypes import (
     resolve_kv_cache_dtype,
 )
 from tokenmill.model.host_memory import trim_freed_heap
-from tokenmill.model.layers import Linear, gemv_layout_wanted
 from tokenmill.model.loader import load_model, resolve_dtype
-from tokenmill.model.source import resolve_model_path
 from tokenmill.model.tensor_parallel import TPShard, shard_config
 from tokenmill.model.thread_policy import default_thread_decision
 from tokenmill.resolved_model import ResolvedModel
 from tokenmill.sampling.sampler import Sampler
-from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
-from tokenmill.worker.draft_loop import CompiledDraftLoop
-from tokenmill.worker.draft_proposer import DraftProposer
+from tokenmill.worker.compiled_step import default_buckets
 from tokenmill.worker.kv_cache import (
     allocate_kv_cache,
     kv_budget_bytes,
@@ -55,6 +51,7 @@ from tokenmill.worker.kv_cache import (
 from tokenmill.worker.lora_manager import LoRAManager
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.request_state import RequestStates
+from tokenmill.worker.spec_decode import Proposer, ProposerContext, build_proposer
 from tokenmill.worker.step_runner import CompiledRunner, RunnerContext, choose_step_runners
 
 logger = logging.getLogger(__name__)
@@ -119,8 +116,8 @@ class Worker:
         self._resident_at = -float("inf")
         self.resident_every_s = RESIDENT_EVERY_S
         """Seconds between two measurements of the pool's resident bytes (0: every call)."""
-        self.drafter: DraftProposer | None = None
-        """The draft model (speculative method draft_model); None otherwise."""
+        self.proposer: Proposer | None = None
+        """Speculative decoding's proposer (``spec_decode``); None without speculation."""
 
     @property
     def shard(self) -> TPShard | None:
@@ -238,142 +235,27 @@ class Worker:
             lora,
         )
         spec_config = cfg.speculative
-        if spec_config is not None and spec_config.method == "draft_model":
-            self.drafter = self._load_draft(spec, info)
+        if spec_config is not None:
+            self.proposer = build_proposer(
+                ProposerContext(
+                    config=cfg,
+                    speculative=spec_config,
+                    model=self.model,
+                    model_config=self.model_config,
+                    num_blocks=spec.num_blocks,
+                    block_size=spec.block_size,
+                    wants_compiled_decode=spec.wants_compiled_decode,
+                    may_compile=not cfg.enforce_eager
+                    and self._can_compile()
+                    and self.world_size == 1,
+                    dtype=self.dtype,
+                    device=self.device,
+                    max_model_len=self.max_model_len,
+                )
+            )
+            info.compile_time_s += self.proposer.compile_time_s
         trim_freed_heap()  # what compiling and warming up freed
         return info
-
-    def _load_draft(self, kv: KVCacheSpec, info: CacheInfo) -> DraftProposer:
-        """The draft model, with KV tensors in the target's block layout (model dtype), its
-        decode step compiled where the target's is (static; the time is added to ``info``)."""
-        num_blocks, block_size = kv.num_blocks, kv.block_size
-        spec = self.config.speculative
-        assert spec is not None and spec.model is not None
-        folder = resolve_model_path(spec.model)
-        try:
-            draft_config = ModelConfig.from_folder(folder)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"--speculative-config: draft model {spec.model!r}: {exc}") from None
-        if draft_config.vocab_size != self.model_config.vocab_size:
-            raise ConfigError(
-                f"--speculative-config: the draft's vocabulary ({draft_config.vocab_size}) is not "
-                f"the target's ({self.model_config.vocab_size}): they must share a tokenizer"
-            )
-        # One-row GEMVs (a draft forward is one token per request): plain weights through
-        # F.linear beat oneDNN's prepacked layout at these sizes (fp32, one thread, the
-        # demo draft's four projections: 84 vs 152 us a forward), the vocabulary-wide head
-        # excepted (66 vs 74 us packed); tokenmill's GEMV blocks beat both (fp32, one and two
-        # rows: 5.5-21 us a projection against 6-68 for F.linear, 30 against 47 for the
-        # head). The draft's rounding never reaches the output.
-        model = load_model(
-            folder, self.dtype, self.device, self.max_model_len, draft_config, prepack=False
-        )
-        if self.device.type == "cpu":
-            gemv = gemv_layout_wanted()
-            for name, module in model.named_modules():
-                if not isinstance(module, Linear) or (gemv and module.pack_for_gemv()):
-                    continue
-                if name == "lm_head":
-                    module.pack_for_onednn()
-        caches = allocate_kv_cache(draft_config, num_blocks, block_size, self.dtype, self.device)
-        logger.info(
-            "speculative decoding: draft %s (%.1fM params), its KV in the target's blocks (%.2f GiB)",
-            folder,
-            draft_config.num_params / 1e6,
-            sum(k.nbytes + v.nbytes for k, v in caches) / 2**30,
-        )
-        compiled = None
-        loops: dict[tuple[int, int], CompiledDraftLoop] = {}
-        if self._draft_compiles(model):
-            if kv.wants_compiled_decode:
-                compiled = self._compile_draft(model, caches)
-                info.compile_time_s += compiled.compile_time_s
-            k = spec.num_speculative_tokens
-            for first_rows in (1, 2):  # a catch-up after a rejection; after a full acceptance
-                loop = self._compile_draft_loop(model, caches, first_rows, k)
-                if loop is not None:
-                    info.compile_time_s += loop.compile_time_s
-                    loops[first_rows, k] = loop
-        return DraftProposer.build(model, caches, block_size, self.device, compiled, loops)
-
-    def _draft_compiles(self, model: CausalLM) -> bool:
-        """Whether the draft's forwards may be compiled (not ``--enforce-eager``, a model
-        with decode metadata, one process)."""
-        return (
-            not self.config.enforce_eager
-            and model.supports_compiled_decode
-            and self._can_compile()
-            and self.world_size == 1
-        )
-
-    def _compile_draft(
-        self, model: CausalLM, caches: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> CompiledDecodeStep:
-        """The draft's compiled decode step (static). Under ``static`` the target's decode
-        step is compiled, so the draft's k eager forwards are what a speculative step
-        costs most; compiled alone, one demo-draft forward took 450-560 us against 750-830
-        eagerly (one thread, loaded machine). Under ``paged`` these rows (catch-ups) run
-        eagerly: the same compile measured no faster per engine step there (within noise);
-        the chained forwards after a catch-up are compiled under both
-        (``CompiledDraftLoop``). Buckets: powers of two up to two rows (a catch-up) per
-        request that may speculate (``disable_by_batch_size``); ``--enforce-eager`` keeps
-        it eager."""
-        cfg, spec = self.config, self.config.speculative
-        assert spec is not None
-        rows = 2 * min(cfg.max_num_seqs, spec.max_batch_size)
-        num_blocks_and_scratch, block_size = caches[0][0].shape[:2]
-        compiled = CompiledDecodeStep(
-            model,
-            caches,
-            block_size,
-            max_blocks_per_seq=-(-self.max_model_len // block_size),
-            scratch_block=num_blocks_and_scratch - 1,
-            buckets=default_buckets(rows, self.device),
-            device=self.device,
-        )
-        logger.info(
-            "speculative decoding: the draft's decode step compiled for %s rows in %.1fs",
-            compiled.buckets,
-            compiled.compile_time_s,
-        )
-        return compiled
-
-    def _compile_draft_loop(
-        self,
-        model: CausalLM,
-        caches: list[tuple[torch.Tensor, torch.Tensor]],
-        first_rows: int,
-        num_steps: int,
-    ) -> CompiledDraftLoop | None:
-        """A step's ``num_steps`` draft forwards (the first over a ``first_rows``-token
-        catch-up) as one compiled call, for the batches the policy gives the full k (up to
-        half of ``disable_by_batch_size`` requests)."""
-        spec = self.config.speculative
-        assert spec is not None
-        num_blocks_and_scratch, block_size = caches[0][0].shape[:2]
-        if first_rows + num_steps - 1 > block_size:
-            return None
-        requests = min(self.config.max_num_seqs, max(1, spec.max_batch_size // 2))
-        loop = CompiledDraftLoop(
-            model,
-            caches,
-            block_size,
-            max_blocks_per_seq=-(-self.max_model_len // block_size),
-            scratch_block=num_blocks_and_scratch - 1,
-            num_steps=num_steps,
-            buckets=default_buckets(requests, self.device),
-            device=self.device,
-            first_rows=first_rows,
-        )
-        logger.info(
-            "speculative decoding: %d draft forwards after a %d-token catch-up compiled as "
-            "one call for up to %d requests in %.1fs",
-            num_steps,
-            first_rows,
-            loop.max_batch,
-            loop.compile_time_s,
-        )
-        return loop if loop.max_batch else None
 
     def _compile_refusal(self, spec: KVCacheSpec, info: CacheInfo) -> str | None:
         """Why this rank's decode step is not compiled; None when it is."""
@@ -439,9 +321,13 @@ class Worker:
 
         Per-request failures come back as text; only a failure of the whole step raises."""
         sched = self.states.apply(plan)
-        if self.drafter is not None:  # fills the draft slots the scheduler granted
-            self.drafter.propose(sched)
+        proposer = self.proposer
+        if proposer is not None:  # fills the draft slots the scheduler granted
+            proposer.drop(plan.finished_ids)
+            proposer.propose(sched)
         out = self.runner.execute(sched)
+        if proposer is not None:  # counts only cross: the tokens stay here
+            out.num_proposable = proposer.num_proposable(sched, out, plan.max_proposal)
         for rid in plan.draft_catch_up:
             out.num_draft_computed[rid] = self.states.requests[rid].num_draft_computed_tokens
         return out if self.rank == 0 else None

@@ -1,4 +1,4 @@
-"""DraftProposer: a small model with the target's tokenizer proposes draft tokens.
+"""The ``draft_model`` method: a small model with the target's tokenizer proposes drafts.
 
 The draft has its own KV tensors with the target's block layout, so it reads and writes
 through the same block tables the scheduler hands the target: no second block manager.
@@ -22,18 +22,30 @@ verification decides.
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 
+from tokenmill.core.messages import StepOutput
 from tokenmill.core.request import Request
 from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduled_batch import ScheduledBatch
+from tokenmill.core.speculative import max_draft_tokens
+from tokenmill.errors import ConfigError
 from tokenmill.model.base import CausalLM
+from tokenmill.model.config import ModelConfig
+from tokenmill.model.layers import Linear, gemv_layout_wanted
+from tokenmill.model.loader import load_model
+from tokenmill.model.source import resolve_model_path
 from tokenmill.sampling.sampler import Sampler
-from tokenmill.worker.compiled_step import CompiledDecodeStep
+from tokenmill.worker.compiled_step import CompiledDecodeStep, default_buckets
 from tokenmill.worker.draft_loop import CompiledDraftLoop
+from tokenmill.worker.kv_cache import allocate_kv_cache
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.row_forward import RowForward
+from tokenmill.worker.spec_decode.base import Proposer, ProposerContext
+
+logger = logging.getLogger(__name__)
 
 _Row = tuple[Request, list[int], int, list[int], bool]
 """A request in the row loop: (request, block table, next position, tokens to feed, proposes)."""
@@ -41,7 +53,7 @@ _Row = tuple[Request, list[int], int, list[int], bool]
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
 
 
-class DraftProposer:
+class DraftModelProposer(Proposer):
     """Fills the draft slots of scheduled requests (``Request.spec_token_ids``)."""
 
     MAX_ROW_CATCH_UP = 4
@@ -67,7 +79,30 @@ class DraftProposer:
         """Tokens those forwards computed."""
 
     @classmethod
-    def build(
+    def build(cls, ctx: ProposerContext) -> DraftModelProposer:
+        """Load the draft, with KV tensors in the target's block layout (model dtype), its
+        decode step compiled where the target's is (static), its chained forwards compiled
+        unless ``--enforce-eager``."""
+        model, caches = _load_draft(ctx)
+        compiled = None
+        loops: dict[tuple[int, int], CompiledDraftLoop] = {}
+        compile_time_s = 0.0
+        if ctx.may_compile and model.supports_compiled_decode:
+            if ctx.wants_compiled_decode:
+                compiled = _compile_draft(ctx, model, caches)
+                compile_time_s += compiled.compile_time_s
+            k = ctx.speculative.num_speculative_tokens
+            for first_rows in (1, 2):  # a catch-up after a rejection; after a full acceptance
+                loop = _compile_draft_loop(ctx, model, caches, first_rows, k)
+                if loop is not None:
+                    compile_time_s += loop.compile_time_s
+                    loops[first_rows, k] = loop
+        proposer = cls.from_parts(model, caches, ctx.block_size, ctx.device, compiled, loops)
+        proposer.compile_time_s = compile_time_s
+        return proposer
+
+    @classmethod
+    def from_parts(
         cls,
         model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -75,7 +110,7 @@ class DraftProposer:
         device: torch.device,
         compiled: CompiledDecodeStep | None = None,
         loops: dict[tuple[int, int], CompiledDraftLoop] | None = None,
-    ) -> DraftProposer:
+    ) -> DraftModelProposer:
         """``compiled``: the draft's compiled decode step (the rows run eagerly without);
         ``loops``: its compiled chains of forwards, by (catch-up length, drafts)."""
         rows = None
@@ -84,6 +119,21 @@ class DraftProposer:
             rows = RowForward(model, kv_caches, block_size, scratch, device, compiled)
         runner = ModelRunner(model, kv_caches, block_size, Sampler(device), device)
         return cls(runner, rows, loops if rows is not None else None)
+
+    def num_proposable(
+        self, batch: ScheduledBatch, output: StepOutput, limit: int
+    ) -> dict[str, int]:
+        """A draft can always propose: ``limit``, or what the request may still produce."""
+        counts: dict[str, int] = {}
+        for request, _ in batch.scheduled:
+            rid = request.request_id
+            if rid in output.sampled and not request.is_beam and request.pooling is None:
+                verified = output.verified.get(rid)
+                num_new = len(verified.token_ids) if verified is not None else 1
+                room = min(limit, max_draft_tokens(request) - num_new)
+                if room > 0:
+                    counts[rid] = room
+        return counts
 
     @torch.inference_mode()
     def propose(self, sched: ScheduledBatch) -> None:
@@ -99,6 +149,7 @@ class DraftProposer:
             view.sampling_params = _GREEDY.clone(logit_bias=bias) if bias else _GREEDY
             view.output_token_ids = list(request.output_token_ids)
             view.spec_token_ids = []
+            view.num_spec_tokens = 0
             view.grammar = None
             view.lora_id = 0
             view.eos_token_ids = frozenset()
@@ -129,11 +180,11 @@ class DraftProposer:
                 request.num_draft_computed_tokens = view.num_computed_tokens
                 token = out.sampled.get(view.request_id)
                 mine = drafts[request.request_id]
-                if token is None or len(mine) >= len(request.spec_token_ids):
+                if token is None or len(mine) >= request.num_spec_tokens:
                     continue  # caught up part of the way, or done proposing
                 view.output_token_ids.append(token)
                 mine.append(token)
-                if len(mine) < len(request.spec_token_ids):
+                if len(mine) < request.num_spec_tokens:
                     steps.append((view, 1))
         for request, _, _ in views:
             request.spec_token_ids = drafts[request.request_id]
@@ -188,10 +239,10 @@ class DraftProposer:
             for (request, table, start, feed, proposes), token in zip(live, tokens, strict=True):
                 request.num_draft_computed_tokens = start + len(feed)
                 mine = drafts[request.request_id]
-                if not proposes or len(mine) >= len(request.spec_token_ids):
+                if not proposes or len(mine) >= request.num_spec_tokens:
                     continue
                 mine.append(token)
-                if len(mine) < len(request.spec_token_ids):
+                if len(mine) < request.num_spec_tokens:
                     following.append((request, table, start + len(feed), [token], True))
             live = following
         for request, _, _ in views:
@@ -203,13 +254,11 @@ class DraftProposer:
         if not self.loops:
             return None
         request, _, _, feed, _ = live[0]
-        loop = self.loops.get((len(feed), len(request.spec_token_ids)))
+        loop = self.loops.get((len(feed), request.num_spec_tokens))
         if loop is None or len(live) > loop.max_batch:
             return None
         shape = (loop.first_rows, loop.num_steps)
-        if all(
-            proposes and (len(f), len(r.spec_token_ids)) == shape for r, _, _, f, proposes in live
-        ):
+        if all(proposes and (len(f), r.num_spec_tokens) == shape for r, _, _, f, proposes in live):
             return loop
         return None
 
@@ -227,3 +276,112 @@ class DraftProposer:
         for (request, _, start, feed, _), mine in zip(live, tokens, strict=True):
             request.num_draft_computed_tokens = start + len(feed) + loop.num_steps - 1
             drafts[request.request_id].extend(mine)
+
+
+def _load_draft(
+    ctx: ProposerContext,
+) -> tuple[CausalLM, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The draft model and its KV tensors in the target's block layout (model dtype)."""
+    spec = ctx.speculative
+    assert spec.model is not None
+    folder = resolve_model_path(spec.model)
+    try:
+        draft_config = ModelConfig.from_folder(folder)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--speculative-config: draft model {spec.model!r}: {exc}") from None
+    if draft_config.vocab_size != ctx.model_config.vocab_size:
+        raise ConfigError(
+            f"--speculative-config: the draft's vocabulary ({draft_config.vocab_size}) is not "
+            f"the target's ({ctx.model_config.vocab_size}): they must share a tokenizer"
+        )
+    # One-row GEMVs (a draft forward is one token per request): plain weights through
+    # F.linear beat oneDNN's prepacked layout at these sizes (fp32, one thread, the
+    # demo draft's four projections: 84 vs 152 us a forward), the vocabulary-wide head
+    # excepted (66 vs 74 us packed); tokenmill's GEMV blocks beat both (fp32, one and two
+    # rows: 5.5-21 us a projection against 6-68 for F.linear, 30 against 47 for the
+    # head). The draft's rounding never reaches the output.
+    model = load_model(
+        folder, ctx.dtype, ctx.device, ctx.max_model_len, draft_config, prepack=False
+    )
+    if ctx.device.type == "cpu":
+        gemv = gemv_layout_wanted()
+        for name, module in model.named_modules():
+            if not isinstance(module, Linear) or (gemv and module.pack_for_gemv()):
+                continue
+            if name == "lm_head":
+                module.pack_for_onednn()
+    caches = allocate_kv_cache(draft_config, ctx.num_blocks, ctx.block_size, ctx.dtype, ctx.device)
+    logger.info(
+        "speculative decoding: draft %s (%.1fM params), its KV in the target's blocks (%.2f GiB)",
+        folder,
+        draft_config.num_params / 1e6,
+        sum(k.nbytes + v.nbytes for k, v in caches) / 2**30,
+    )
+    return model, caches
+
+
+def _compile_draft(
+    ctx: ProposerContext, model: CausalLM, caches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> CompiledDecodeStep:
+    """The draft's compiled decode step (static). Under ``static`` the target's decode
+    step is compiled, so the draft's k eager forwards are what a speculative step
+    costs most; compiled alone, one demo-draft forward took 450-560 us against 750-830
+    eagerly (one thread, loaded machine). Under ``paged`` these rows (catch-ups) run
+    eagerly: the same compile measured no faster per engine step there (within noise);
+    the chained forwards after a catch-up are compiled under both
+    (``CompiledDraftLoop``). Buckets: powers of two up to two rows (a catch-up) per
+    request that may speculate (``disable_by_batch_size``); ``--enforce-eager`` keeps
+    it eager."""
+    rows = 2 * min(ctx.config.max_num_seqs, ctx.speculative.max_batch_size)
+    num_blocks_and_scratch, block_size = caches[0][0].shape[:2]
+    compiled = CompiledDecodeStep(
+        model,
+        caches,
+        block_size,
+        max_blocks_per_seq=-(-ctx.max_model_len // block_size),
+        scratch_block=num_blocks_and_scratch - 1,
+        buckets=default_buckets(rows, ctx.device),
+        device=ctx.device,
+    )
+    logger.info(
+        "speculative decoding: the draft's decode step compiled for %s rows in %.1fs",
+        compiled.buckets,
+        compiled.compile_time_s,
+    )
+    return compiled
+
+
+def _compile_draft_loop(
+    ctx: ProposerContext,
+    model: CausalLM,
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    first_rows: int,
+    num_steps: int,
+) -> CompiledDraftLoop | None:
+    """A step's ``num_steps`` draft forwards (the first over a ``first_rows``-token
+    catch-up) as one compiled call, for the batches the policy gives the full k (up to
+    half of ``disable_by_batch_size`` requests)."""
+    num_blocks_and_scratch, block_size = caches[0][0].shape[:2]
+    if first_rows + num_steps - 1 > block_size:
+        return None
+    requests = min(ctx.config.max_num_seqs, max(1, ctx.speculative.max_batch_size // 2))
+    loop = CompiledDraftLoop(
+        model,
+        caches,
+        block_size,
+        max_blocks_per_seq=-(-ctx.max_model_len // block_size),
+        scratch_block=num_blocks_and_scratch - 1,
+        num_steps=num_steps,
+        buckets=default_buckets(requests, ctx.device),
+        device=ctx.device,
+        first_rows=first_rows,
+    )
+    logger.info(
+        "speculative decoding: %d draft forwards after a %d-token catch-up compiled as "
+        "one call for up to %d requests in %.1fs",
+        num_steps,
+        first_rows,
+        loop.max_batch,
+        loop.compile_time_s,
+    )
+    return loop if loop.max_batch else None
