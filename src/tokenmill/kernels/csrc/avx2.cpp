@@ -300,7 +300,7 @@ void gemm_int8(const GemmArgs& a, int64_t n0, int64_t n1) {
 // Groups of 32 (GGUF's Q4_0, Q4_1, Q4_K blocks): each 64-code chunk holds two groups, its low
 // nibbles and its high nibbles, so each half's int32 sums are kept apart and scaled by its own
 // group's weight scale times the row's activation scale for that group (x is quantized per
-// group of 32 here, ops.cpp); rows [m0, m0 + MR), channel n, lanes the rows (one row too).
+// group of 32 here, ops_linear.cpp); rows [m0, m0 + MR), channel n, lanes the rows (one row too).
 template <int MR>
 inline __m128 tile_w4a8_g32(const GemmArgs& a, int64_t m0, int64_t n) {
   constexpr int64_t kAhead = 1024;
@@ -462,7 +462,7 @@ void gemm_bf16(const GemmArgs& a, int64_t n0, int64_t n1) {
   gemm_float_tiles<kBf16>(a, n0, n1, Bf16Weights{static_cast<const uint16_t*>(a.w), a.ldw, a.K});
 }
 
-// Every group size comes with quantized activations here (ops.cpp; groups of 32 split each
+// Every group size comes with quantized activations here (ops_linear.cpp; groups of 32 split each
 // 64-code chunk in two: tile_w4a8_g32); the fp32 tiles remain for a table that sends none.
 void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
   if (a.xq) { gemm_w4a8(a, n0, n1); return; }

@@ -304,7 +304,7 @@ inline void store_int4(const GemmArgs& a, int64_t m, int64_t n, int mr, int nr, 
     }
 }
 
-// Needs a.xq zero-padded to whole 128-column blocks (ops.cpp passes the weight's K_pad).
+// Needs a.xq zero-padded to whole 128-column blocks (ops_linear.cpp passes the weight's K_pad).
 void gemm_int4_wide(const GemmArgs& a, int64_t n0, int64_t n1) {
   float out[4][4];
   for (int64_t n = n0; n < n1; n += 4) {

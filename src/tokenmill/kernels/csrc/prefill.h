@@ -5,7 +5,7 @@
 //
 // A work item is (sequence, KV heads, query tile): for a prompt chunk one KV head and up to
 // 16 query vectors (rows x its G query heads), so each K/V row read from the cache serves
-// all of them; for decode (ops.cpp's paged_decode_attention) one query row and every KV
+// all of them; for decode (ops_attention.cpp's paged_decode_attention) one query row and every KV
 // head, over the item's share of the keys when a long context is split (split-K, merged by
 // common.h's attention_merge). The item walks the keys its rows can see in tiles of kKeyTile tokens, across
 // block boundaries: scores for every query vector of the tile (K converted in registers
