@@ -151,9 +151,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("linear_int8_vnni(Tensor x, Tensor tiles, Tensor scales, Tensor wsum, Tensor? bias, int out_features) -> Tensor");
   m.def("linear_int4_vnni(Tensor x, Tensor tiles, Tensor scales, Tensor code_sums, Tensor offsets, int group_size, "
         "Tensor? bias, int out_features) -> Tensor");
-  m.def("decode_layers(Tensor x, Tensor? residual, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor context_lens, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor?[] tensors, "
-        "int[] ints, float[] floats) -> (Tensor, Tensor)");
+  tokenmill::register_decode_layers(m);  // its class, schema and CPU kernel
   m.impl("isa", &tokenmill::isa);
   m.impl("set_isa", &tokenmill::set_isa);
   m.impl("amx_permitted", &tokenmill::amx_permitted);
@@ -180,5 +178,4 @@ TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("paged_prefill_attention", &tokenmill::paged_prefill_attention);
   m.impl("linear_int8_vnni", &tokenmill::linear_int8_vnni);
   m.impl("linear_int4_vnni", &tokenmill::linear_int4_vnni);
-  m.impl("decode_layers", &tokenmill::decode_layers);
 }

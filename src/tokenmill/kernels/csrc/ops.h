@@ -110,13 +110,15 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
 
 }  // namespace tokenmill
 
+namespace torch {
+class Library;
+}
+
 namespace tokenmill {
 
 // ---- one decode step through a stack of decoder layers (ops_decode.cpp) ----------------------
-std::tuple<at::Tensor, at::Tensor> decode_layers(
-    const at::Tensor& x_in, const c10::optional<at::Tensor>& residual_in, const at::Tensor& positions,
-    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& context_lens, at::TensorList k_caches, at::TensorList v_caches,
-    const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef ints, at::ArrayRef<double> floats);
+// Registers the DecodeLayers class and the decode_layers op that reads it (from ops.cpp's
+// TORCH_LIBRARY block: the class before the schema that names it).
+void register_decode_layers(torch::Library& m);
 
 }  // namespace tokenmill

@@ -2,83 +2,203 @@
 // The same ops as the Python layers call, in the same order on the same tensors (so the
 // outputs are bit-identical), called from here: one stream's step made ~130 calls through
 // Python and the dispatcher, with module and view overheads in between, ~15% of its time.
+//
+// The layers arrive once, at start-up, as a DecodeLayers object (a torch custom class)
+// filled by name: add_layer takes a layer's fields, add_projection one projection's op and
+// that op's arguments after x, each under its name in the op's schema. Names are read here
+// once into plain structs; a missing or unknown name is an error then, not a wrong slot.
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <set>
+#include <string>
+#include <vector>
+
 #include "ops.h"
 
 namespace tokenmill {
 namespace {
 
-// A projection's kernel and arguments, as model/fused_decode.py's encode lays them out:
-// kind, then kLinearTensors tensor slots (unused ones None) and kLinearInts int slots.
-enum LinearKind : int64_t {
-  kGemvBf16 = 0, kGemvF32 = 1, kInt8Rows = 2, kInt4Rows = 3, kInt8Amx = 4, kInt4Amx = 5, kInt8Vnni = 6,
-  kInt4Vnni = 7
-};
-constexpr int64_t kLinearTensors = 5, kLinearInts = 2;
+// Named fields read once: each read marks its name, and done() rejects any name not read.
+class Fields {
+ public:
+  Fields(std::string what, c10::Dict<std::string, at::Tensor> tensors, c10::Dict<std::string, int64_t> ints,
+         c10::Dict<std::string, double> floats = c10::Dict<std::string, double>())
+      : what_(std::move(what)), tensors_(std::move(tensors)), ints_(std::move(ints)), floats_(std::move(floats)) {}
 
-at::Tensor slot(const c10::List<std::optional<at::Tensor>>& ts, int64_t i) {
-  const std::optional<at::Tensor> t = ts.get(i);
-  TORCH_CHECK(t.has_value() && t->defined(), "decode_layers: tensor slot ", i, " is empty");
-  return *t;
-}
-
-c10::optional<at::Tensor> maybe_slot(const c10::List<std::optional<at::Tensor>>& ts, int64_t i) {
-  const std::optional<at::Tensor> t = ts.get(i);
-  if (t.has_value() && t->defined()) return *t;
-  return c10::nullopt;
-}
-
-at::Tensor run_linear(const at::Tensor& x, int64_t kind, const c10::List<std::optional<at::Tensor>>& ts, int64_t t,
-                      const int64_t* n) {
-  switch (kind) {
-    case kGemvBf16: return gemv_bf16(x, slot(ts, t), n[0], maybe_slot(ts, t + 1));
-    case kGemvF32: return gemv_f32(x, slot(ts, t), n[0], maybe_slot(ts, t + 1));
-    case kInt8Rows: return linear_int8(x, slot(ts, t), slot(ts, t + 1), slot(ts, t + 2), maybe_slot(ts, t + 3));
-    case kInt4Rows:
-      return linear_int4(x, slot(ts, t), slot(ts, t + 1), slot(ts, t + 2), n[0], maybe_slot(ts, t + 3));
-    case kInt8Amx:
-    case kInt8Vnni:
-      return int8_tiles(x, slot(ts, t), slot(ts, t + 1), slot(ts, t + 2), maybe_slot(ts, t + 3), n[0],
-                        kind == kInt8Vnni);
-    case kInt4Amx:
-    case kInt4Vnni:
-      return int4_tiles(x, slot(ts, t), slot(ts, t + 1), slot(ts, t + 2), slot(ts, t + 3), n[0],
-                        maybe_slot(ts, t + 4), n[1], kind == kInt4Vnni);
-    default: TORCH_CHECK(false, "decode_layers: unknown projection kind ", kind);
+  at::Tensor tensor(const std::string& name) {
+    TORCH_CHECK(tensors_.contains(name), what_, ": no tensor '", name, "'");
+    used_.insert(name);
+    at::Tensor t = tensors_.at(name);
+    TORCH_CHECK(t.defined(), what_, ": tensor '", name, "' is undefined");
+    return t;
   }
-}
 
-}  // namespace
+  c10::optional<at::Tensor> maybe_tensor(const std::string& name) {
+    if (!tensors_.contains(name)) return c10::nullopt;
+    return tensor(name);
+  }
 
-// Per layer: tensors [input norm weight, post-attention norm weight, kv_scales, then the
-// qkv, o, gate_up and down projections' slots]; ints [Hq, Hkv, head_dim, window, then per
-// projection kind and its int slots]; floats [input eps, post-attention eps, scale, softcap].
+  int64_t integer(const std::string& name) {
+    TORCH_CHECK(ints_.contains(name), what_, ": no int '", name, "'");
+    used_.insert(name);
+    return ints_.at(name);
+  }
+
+  double real(const std::string& name) {
+    TORCH_CHECK(floats_.contains(name), what_, ": no float '", name, "'");
+    used_.insert(name);
+    return floats_.at(name);
+  }
+
+  void done() const {
+    for (const auto& e : tensors_) TORCH_CHECK(used_.count(e.key()), what_, ": unexpected tensor '", e.key(), "'");
+    for (const auto& e : ints_) TORCH_CHECK(used_.count(e.key()), what_, ": unexpected int '", e.key(), "'");
+    for (const auto& e : floats_) TORCH_CHECK(used_.count(e.key()), what_, ": unexpected float '", e.key(), "'");
+  }
+
+ private:
+  std::string what_;
+  c10::Dict<std::string, at::Tensor> tensors_;
+  c10::Dict<std::string, int64_t> ints_;
+  c10::Dict<std::string, double> floats_;
+  std::set<std::string> used_;
+};
+
+// A projection as its op is called: which op, and the op's arguments after x.
+struct Projection {
+  enum class Op { kNone, kGemvBf16, kGemvF32, kInt8Rows, kInt4Rows, kInt8Amx, kInt4Amx, kInt8Vnni, kInt4Vnni };
+  Op op = Op::kNone;
+  at::Tensor weight;                   // the op's packed, weight or tiles
+  at::Tensor scales, wsum, offsets;    // wsum: the int8 ops' wsum, the int4 tile ops' code_sums
+  c10::optional<at::Tensor> bias;
+  int64_t out_features = 0, group_size = 0;
+
+  // `op` by its registered name, its arguments by their schema names.
+  static Projection parse(const std::string& what, const std::string& op, c10::Dict<std::string, at::Tensor> tensors,
+                          c10::Dict<std::string, int64_t> ints) {
+    Fields f(what + " (" + op + ")", std::move(tensors), std::move(ints));
+    Projection p;
+    if (op == "gemv_bf16" || op == "gemv_f32") {
+      p.op = op == "gemv_bf16" ? Op::kGemvBf16 : Op::kGemvF32;
+      p.weight = f.tensor("packed");
+      p.out_features = f.integer("out_features");
+    } else if (op == "linear_int8") {
+      p.op = Op::kInt8Rows;
+      p.weight = f.tensor("weight");
+      p.scales = f.tensor("scales");
+      p.wsum = f.tensor("wsum");
+    } else if (op == "linear_int4") {
+      p.op = Op::kInt4Rows;
+      p.weight = f.tensor("weight");
+      p.scales = f.tensor("scales");
+      p.offsets = f.tensor("offsets");
+      p.group_size = f.integer("group_size");
+    } else if (op == "linear_int8_amx" || op == "linear_int8_vnni") {
+      p.op = op == "linear_int8_amx" ? Op::kInt8Amx : Op::kInt8Vnni;
+      p.weight = f.tensor("tiles");
+      p.scales = f.tensor("scales");
+      p.wsum = f.tensor("wsum");
+      p.out_features = f.integer("out_features");
+    } else if (op == "linear_int4_amx" || op == "linear_int4_vnni") {
+      p.op = op == "linear_int4_amx" ? Op::kInt4Amx : Op::kInt4Vnni;
+      p.weight = f.tensor("tiles");
+      p.scales = f.tensor("scales");
+      p.wsum = f.tensor("code_sums");
+      p.offsets = f.tensor("offsets");
+      p.group_size = f.integer("group_size");
+      p.out_features = f.integer("out_features");
+    } else {
+      TORCH_CHECK(false, what, ": decode_layers does not call ", op);
+    }
+    p.bias = f.maybe_tensor("bias");
+    f.done();
+    return p;
+  }
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    switch (op) {
+      case Op::kGemvBf16: return gemv_bf16(x, weight, out_features, bias);
+      case Op::kGemvF32: return gemv_f32(x, weight, out_features, bias);
+      case Op::kInt8Rows: return linear_int8(x, weight, scales, wsum, bias);
+      case Op::kInt4Rows: return linear_int4(x, weight, scales, offsets, group_size, bias);
+      case Op::kInt8Amx:
+      case Op::kInt8Vnni: return int8_tiles(x, weight, scales, wsum, bias, out_features, op == Op::kInt8Vnni);
+      case Op::kInt4Amx:
+      case Op::kInt4Vnni:
+        return int4_tiles(x, weight, scales, wsum, offsets, group_size, bias, out_features, op == Op::kInt4Vnni);
+      default: TORCH_CHECK(false, "decode_layers: a projection was never set");
+    }
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm_weight, post_attn_norm_weight, kv_scales;
+  int64_t num_heads, num_kv_heads, head_dim, window;  // window 0: full attention
+  double input_norm_eps, post_attn_norm_eps, scale, logit_softcap;  // softcap 0: none
+  Projection qkv, o, gate_up, down;
+};
+
+// The layers decode_layers runs, in order (a torch custom class: tokenmill_cpu.DecodeLayers).
+struct DecodeLayers : torch::CustomClassHolder {
+  std::vector<Layer> layers;
+
+  void add_layer(c10::Dict<std::string, at::Tensor> tensors, c10::Dict<std::string, int64_t> ints,
+                 c10::Dict<std::string, double> floats) {
+    Fields f("decode_layers: layer " + std::to_string(layers.size()), std::move(tensors), std::move(ints),
+             std::move(floats));
+    Layer y;
+    y.input_norm_weight = f.tensor("input_norm_weight");
+    y.post_attn_norm_weight = f.tensor("post_attn_norm_weight");
+    y.kv_scales = f.tensor("kv_scales");
+    y.num_heads = f.integer("num_heads");
+    y.num_kv_heads = f.integer("num_kv_heads");
+    y.head_dim = f.integer("head_dim");
+    y.window = f.integer("window");
+    y.input_norm_eps = f.real("input_norm_eps");
+    y.post_attn_norm_eps = f.real("post_attn_norm_eps");
+    y.scale = f.real("scale");
+    y.logit_softcap = f.real("logit_softcap");
+    f.done();
+    layers.push_back(std::move(y));
+  }
+
+  // The last added layer's projection `name` (qkv, o, gate_up or down).
+  void add_projection(const std::string& name, const std::string& op, c10::Dict<std::string, at::Tensor> tensors,
+                      c10::Dict<std::string, int64_t> ints) {
+    TORCH_CHECK(!layers.empty(), "decode_layers: add_projection before any add_layer");
+    Layer& y = layers.back();
+    const std::string what = "decode_layers: layer " + std::to_string(layers.size() - 1) + " projection " + name;
+    Projection* p = name == "qkv" ? &y.qkv : name == "o" ? &y.o : name == "gate_up" ? &y.gate_up
+                  : name == "down" ? &y.down : nullptr;
+    TORCH_CHECK(p != nullptr, what, ": expected qkv, o, gate_up or down");
+    *p = Projection::parse(what, op, std::move(tensors), std::move(ints));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+};
+
 // x [T, hidden] is the embedded batch (residual None) or, with residual, the running state
 // x + residual; returns (x, residual) after the last layer, for the final norm.
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& x_in, const c10::optional<at::Tensor>& residual_in, const at::Tensor& positions,
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& context_lens, at::TensorList k_caches, at::TensorList v_caches,
-    const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef ints, at::ArrayRef<double> floats) {
-  constexpr int64_t kTensors = 3 + 4 * kLinearTensors, kInts = 4 + 4 * (1 + kLinearInts), kFloats = 4;
-  const int64_t L = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(v_caches.size() == k_caches.size() && static_cast<int64_t>(tensors.size()) == L * kTensors &&
-                  static_cast<int64_t>(ints.size()) == L * kInts && static_cast<int64_t>(floats.size()) == L * kFloats,
-              "decode_layers: ", L, " layers need ", kTensors, " tensors, ", kInts, " ints and ", kFloats,
-              " floats each");
+    const c10::intrusive_ptr<DecodeLayers>& stack) {
+  const std::vector<Layer>& layers = stack->layers;
+  const size_t L = layers.size();
+  TORCH_CHECK(k_caches.size() == L && v_caches.size() == L, "decode_layers: ", L, " layers need ", L,
+              " K and V caches, got ", k_caches.size(), " and ", v_caches.size());
   at::Tensor x = x_in, residual = residual_in.has_value() ? *residual_in : at::Tensor();
   const int64_t T = x.size(0);
-  for (int64_t l = 0; l < L; ++l) {
-    const int64_t t0 = l * kTensors;
-    const int64_t* n = ints.data() + l * kInts;
-    const double* f = floats.data() + l * kFloats;
-    const int64_t Hq = n[0], Hkv = n[1], D = n[2], window = n[3];
+  for (size_t l = 0; l < L; ++l) {
+    const Layer& y = layers[l];
+    const int64_t Hq = y.num_heads, Hkv = y.num_kv_heads, D = y.head_dim;
     at::Tensor h;
-    std::tie(h, residual) = residual.defined() ? norm(x, &residual, slot(tensors, t0), f[0])
-                                               : std::make_tuple(std::get<0>(norm(x, nullptr, slot(tensors, t0), f[0])), x);
-    const at::Tensor kv_scales = slot(tensors, t0 + 2);
-    int64_t t = t0 + 3;
-    const int64_t* p = n + 4;
-    const at::Tensor qkv = run_linear(h, p[0], tensors, t, p + 1);
+    std::tie(h, residual) = residual.defined()
+                                ? norm(x, &residual, y.input_norm_weight, y.input_norm_eps)
+                                : std::make_tuple(std::get<0>(norm(x, nullptr, y.input_norm_weight, y.input_norm_eps)), x);
+    const at::Tensor qkv = y.qkv(h);
     const int64_t q_size = Hq * D, kv_size = Hkv * D;
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layers: qkv has ", qkv.size(1), " features, expected ",
                 q_size + 2 * kv_size);
@@ -86,20 +206,29 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, Hkv, D});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv, D});
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
-    q = rope_kv_write(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, kv_scales);
-    h = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, f[2], window, kv_scales, f[3]);
-    t += kLinearTensors;
-    p += 1 + kLinearInts;
-    h = run_linear(h, p[0], tensors, t, p + 1);
-    std::tie(h, residual) = norm(h, &residual, slot(tensors, t0 + 1), f[1]);
-    t += kLinearTensors;
-    p += 1 + kLinearInts;
-    h = silu_and_mul(run_linear(h, p[0], tensors, t, p + 1));
-    t += kLinearTensors;
-    p += 1 + kLinearInts;
-    x = run_linear(h, p[0], tensors, t, p + 1);
+    q = rope_kv_write(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, y.kv_scales);
+    h = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, y.scale, y.window, y.kv_scales,
+                               y.logit_softcap);
+    h = y.o(h);
+    std::tie(h, residual) = norm(h, &residual, y.post_attn_norm_weight, y.post_attn_norm_eps);
+    h = silu_and_mul(y.gate_up(h));
+    x = y.down(h);
   }
   return {x, residual};
+}
+
+}  // namespace
+
+void register_decode_layers(torch::Library& m) {
+  m.class_<DecodeLayers>("DecodeLayers")
+      .def(torch::init<>())
+      .def("add_layer", &DecodeLayers::add_layer)
+      .def("add_projection", &DecodeLayers::add_projection)
+      .def("num_layers", &DecodeLayers::num_layers);
+  m.def("decode_layers(Tensor x, Tensor? residual, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+        "__torch__.torch.classes.tokenmill_cpu.DecodeLayers layers) -> (Tensor, Tensor)");
+  m.impl("decode_layers", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(decode_layers)));
 }
 
 }  // namespace tokenmill
