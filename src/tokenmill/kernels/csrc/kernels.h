@@ -5,11 +5,24 @@
 // threads, and ops.cpp picks a table at run time from the CPU's features.
 #pragma once
 #include <cstdint>
+#include <cstring>
 
 namespace tokenmill {
 
 // Activation / cache element formats the kernels read.
 enum Fmt : int { F32 = 0, BF16 = 1, E4M3 = 2, E5M2 = 3 };
+
+namespace {  // internal linkage: each translation unit compiles it for its own ISA
+
+// One bf16 value (its 16 bits) as fp32, exactly.
+inline float bf16_to_f32(uint16_t v) {
+  const uint32_t u = (uint32_t)v << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace
 
 struct GemmArgs {
   const uint16_t* x;    // [M, K] bf16, row stride ldx

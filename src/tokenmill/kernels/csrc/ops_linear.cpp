@@ -3,7 +3,6 @@
 // AMX tile layout on AMX or AVX-512 VNNI.
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "ops.h"
 
@@ -184,10 +183,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       for (int64_t g = 0; g < G; ++g) {
         float s = 0.0f;
         for (int64_t k = g * group_size; k < std::min(K, (g + 1) * group_size); ++k) {
-          const uint32_t u = (uint32_t)xb[r * ldx + k] << 16;
-          float f;
-          std::memcpy(&f, &u, 4);
-          s += f;
+          s += bf16_to_f32(xb[r * ldx + k]);
         }
         xs_out[r * G + g] = s;
       }
@@ -219,18 +215,12 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
           const int64_t k0 = g * group_size, k1 = std::min(K, (g + 1) * group_size);
           float amax = 0.0f;
           for (int64_t k = k0; k < k1; ++k) {
-            const uint32_t u = (uint32_t)xb[r * ldx + k] << 16;
-            float f;
-            std::memcpy(&f, &u, 4);
-            amax = std::max(amax, std::fabs(f));
+            amax = std::max(amax, std::fabs(bf16_to_f32(xb[r * ldx + k])));
           }
           const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
           int32_t sum = 0;
           for (int64_t k = k0; k < k1; ++k) {
-            const uint32_t u = (uint32_t)xb[r * ldx + k] << 16;
-            float f;
-            std::memcpy(&f, &u, 4);
-            const int32_t v = (int32_t)std::nearbyint(f * inv);
+            const int32_t v = (int32_t)std::nearbyint(bf16_to_f32(xb[r * ldx + k]) * inv);
             q[r * ldq + k] = (int8_t)v;
             sum += v;
           }

@@ -31,8 +31,6 @@ constexpr int kPrefillScoreTile = Vec::W == 16 ? 8 : 4;  // vectors scored per p
 // V is packed by token pairs (word = the same channel of two tokens).
 constexpr bool kBf16Dot = true;
 
-inline __mmask32 mask_words16(int64_t n) { return n >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << n) - 1u); }
-
 // 16 x 16 32-bit transpose in registers.
 inline void transpose16x16(__m512i r[16]) {
   __m512i t[16];
@@ -66,7 +64,7 @@ inline void transpose16x16(__m512i r[16]) {
 inline void pack_keys16(const uint16_t* kc, const int64_t* rows, int n, int64_t D, int64_t P, uint32_t* kt) {
   for (int64_t p0 = 0; p0 < P; p0 += 16) {
     __m512i r[16];
-    const __mmask32 m = mask_words16(D - 2 * p0);
+    const __mmask32 m = Vec::mask32(D - 2 * p0);
     for (int t = 0; t < 16; ++t) r[t] = t < n ? _mm512_maskz_loadu_epi16(m, kc + rows[t] + 2 * p0) : _mm512_setzero_si512();
     transpose16x16(r);
     for (int i = 0; i < 16; ++i) _mm512_store_si512(kt + (p0 + i) * 16, r[i]);
