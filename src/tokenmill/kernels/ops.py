@@ -369,6 +369,10 @@ class DecodeLayers(Protocol):
 
     def num_layers(self) -> int: ...
 
+    def handle(self) -> int:
+        """The int that names this object to ``decode_layers`` while it is alive (passing
+        the object itself would cost ~15 us a call in argument parsing)."""
+
 
 def decode_layers_object() -> DecodeLayers:
     """An empty ``DecodeLayers`` for ``decode_layers``."""
@@ -391,11 +395,11 @@ def decode_layers(
     context_lens: torch.Tensor,
     k_caches: list[torch.Tensor],
     v_caches: list[torch.Tensor],
-    layers: DecodeLayers,
+    layers: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step through a stack of pre-norm decoder layers, as ``model.fused_decode``
-    encodes them (``layers``: a filled ``decode_layers_object``); one query row per sequence
-    of x [B, hidden]. Returns (x, residual) after the last layer, before the final norm."""
+    encodes them (``layers``: the ``handle`` of a filled ``decode_layers_object``, which the
+    caller keeps alive); one query row per sequence of x [B, hidden]. Returns (x, residual) after the last layer, before the final norm."""
     out: tuple[torch.Tensor, torch.Tensor] = torch.ops.tokenmill_cpu.decode_layers(
         x,
         None,

@@ -125,7 +125,9 @@ class FusedLayers:
     dtype: torch.dtype
     native: kernels.DecodeLayers
     """The layers as ``decode_layers`` reads them (``kernels.decode_layers_object``), filled
-    once from ``layers``."""
+    once from ``layers``; held here for as long as a step may name it by ``handle``."""
+    handle: int
+    """``native.handle()``: what each step passes."""
     attentions: list[nn.Module]
     """The attention layers, whose fp8 KV scales must be calibrated (by a prefill) first."""
     layers: tuple[EncodedLayer, ...] = ()
@@ -268,7 +270,9 @@ def _encode(layers: nn.ModuleList, dtype: torch.dtype) -> FusedLayers | str:
     native = kernels.decode_layers_object()
     for enc in encoded:
         enc.add_to(native)
-    return FusedLayers(kernels.active_isa(), dtype, native, attentions, tuple(encoded))
+    return FusedLayers(
+        kernels.active_isa(), dtype, native, native.handle(), attentions, tuple(encoded)
+    )
 
 
 def run(
@@ -294,5 +298,5 @@ def run(
         context_lens,
         [k for k, _ in kv_caches],
         [v for _, v in kv_caches],
-        fused.native,
+        fused.handle,
     )

@@ -7,11 +7,15 @@
 // filled by name: add_layer takes a layer's fields, add_projection one projection's op and
 // that op's arguments after x, each under its name in the op's schema. Names are read here
 // once into plain structs; a missing or unknown name is an error then, not a wrong slot.
+// Each step names the object by its handle, an int: a custom-class argument costs ~15 us a
+// call in the Python dispatcher's argument parsing, more than the lists it replaced.
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <mutex>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "ops.h"
@@ -139,9 +143,55 @@ struct Layer {
   Projection qkv, o, gate_up, down;
 };
 
+struct DecodeLayers;
+
+// The live DecodeLayers objects by handle (weak: Python's reference keeps one alive).
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<int64_t, c10::weak_intrusive_ptr<DecodeLayers>> objects;
+  int64_t next = 1;
+};
+
+Registry& registry() {
+  static Registry* r = new Registry();  // never destroyed: objects may outlive static teardown
+  return *r;
+}
+
 // The layers decode_layers runs, in order (a torch custom class: tokenmill_cpu.DecodeLayers).
 struct DecodeLayers : torch::CustomClassHolder {
   std::vector<Layer> layers;
+  int64_t id = 0;  // its handle, once asked for
+
+  // Called once the last strong reference is gone (the registry's weak one still holds the
+  // memory): unlisted, so that the memory goes too.
+  void release_resources() override {
+    if (id == 0) return;
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.objects.erase(id);
+  }
+
+  // The int that names this object to decode_layers (while Python holds the object).
+  int64_t handle() {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    if (id == 0) {
+      id = r.next++;
+      r.objects.emplace(id, c10::weak_intrusive_ptr<DecodeLayers>(c10::intrusive_ptr<DecodeLayers>::reclaim_copy(this)));
+    }
+    return id;
+  }
+
+  // The object a handle names, held for the call (an error once it was freed).
+  static c10::intrusive_ptr<DecodeLayers> find(int64_t handle) {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    const auto it = r.objects.find(handle);
+    c10::intrusive_ptr<DecodeLayers> found;
+    if (it != r.objects.end()) found = it->second.lock();
+    TORCH_CHECK(found.defined(), "decode_layers: no DecodeLayers object with handle ", handle, " (freed?)");
+    return found;
+  }
 
   void add_layer(c10::Dict<std::string, at::Tensor> tensors, c10::Dict<std::string, int64_t> ints,
                  c10::Dict<std::string, double> floats) {
@@ -184,7 +234,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& x_in, const c10::optional<at::Tensor>& residual_in, const at::Tensor& positions,
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& context_lens, at::TensorList k_caches, at::TensorList v_caches,
-    const c10::intrusive_ptr<DecodeLayers>& stack) {
+    int64_t handle) {
+  const c10::intrusive_ptr<DecodeLayers> stack = DecodeLayers::find(handle);
   const std::vector<Layer>& layers = stack->layers;
   const size_t L = layers.size();
   TORCH_CHECK(k_caches.size() == L && v_caches.size() == L, "decode_layers: ", L, " layers need ", L,
@@ -224,10 +275,11 @@ void register_decode_layers(torch::Library& m) {
       .def(torch::init<>())
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_projection", &DecodeLayers::add_projection)
-      .def("num_layers", &DecodeLayers::num_layers);
+      .def("num_layers", &DecodeLayers::num_layers)
+      .def("handle", &DecodeLayers::handle);
   m.def("decode_layers(Tensor x, Tensor? residual, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
-        "__torch__.torch.classes.tokenmill_cpu.DecodeLayers layers) -> (Tensor, Tensor)");
+        "int layers) -> (Tensor, Tensor)");
   m.impl("decode_layers", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(decode_layers)));
 }
 
