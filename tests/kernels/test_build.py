@@ -78,3 +78,10 @@ def test_the_cache_key_follows_the_sources_and_flags(monkeypatch: pytest.MonkeyP
     assert key == build.build_key()
     monkeypatch.setattr(build, "CFLAGS", (*build.CFLAGS, "-DTOKENMILL_TEST"))
     assert build.build_key() != key
+
+
+def test_every_source_is_compiled_and_every_header_keyed() -> None:
+    from tokenmill.kernels import build
+
+    assert sorted(build.SOURCES) == sorted(p.name for p in build.CSRC.glob("*.cpp"))
+    assert {"ops.h", "kernels.h", "common.h"} <= set(build.HEADERS)

@@ -125,3 +125,32 @@ def test_an_encoding_serves_only_its_kernel_table_and_activation_dtype(make_mode
 
 def _cache() -> torch.Tensor:
     return torch.empty(1, 16, 2, 16, dtype=torch.bfloat16)
+
+
+def test_a_step_names_live_layers_only() -> None:
+    """A step passes the layers' handle; once the object is freed the handle is an error."""
+    from tokenmill import kernels
+
+    layers = kernels.decode_layers_object()
+    handle = layers.handle()
+    assert layers.handle() == handle and kernels.decode_layers_object().handle() != handle
+    x, ints = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="1 layers need 1 K and V caches"):
+        layers.add_layer(*_layer_fields())
+        kernels.decode_layers(x, ints, ints, ints, ints, ints, ints, [], [], handle)
+    del layers
+    with pytest.raises(RuntimeError, match="no DecodeLayers object with handle"):
+        kernels.decode_layers(x, ints, ints, ints, ints, ints, ints, [], [], handle)
+
+
+def _layer_fields() -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, float]]:
+    w = torch.ones(8, dtype=torch.bfloat16)
+    tensors = {"input_norm_weight": w, "post_attn_norm_weight": w, "kv_scales": torch.ones(2)}
+    ints = {"num_heads": 1, "num_kv_heads": 1, "head_dim": 8, "window": 0}
+    floats = {
+        "input_norm_eps": 1e-5,
+        "post_attn_norm_eps": 1e-5,
+        "scale": 1.0,
+        "logit_softcap": 0.0,
+    }
+    return tensors, ints, floats

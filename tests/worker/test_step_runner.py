@@ -145,17 +145,34 @@ def test_no_fused_decode_runs_layer_by_layer(
 
 
 def test_the_fused_step_encodes_each_layer_by_name(make_model) -> None:
-    """The flat lists ``decode_layers`` takes are the named layers' slots, in layer order."""
+    """Each layer's fields and each projection's op arguments go to ``decode_layers`` by name."""
     llm = LLM(str(make_model("mistral")), dtype="bfloat16", max_model_len=64)
     model = llm.engine.executor.driver_worker.model
     fused = fused_decode.encode(model.layers, torch.bfloat16)
     assert fused is not None and len(fused.layers) == len(model.layers)
+    assert fused.native.num_layers() == len(model.layers)
     cfg = llm.engine.model_config
     first = fused.layers[0]
     assert (first.num_heads, first.num_kv_heads) == (cfg.num_heads, cfg.num_kv_heads)
     assert first.window == model.layers[0].attn.window > 0  # Mistral's sliding window
-    assert first.qkv.kind == fused_decode.GEMV_BF16 and first.down.ints == [cfg.hidden_size]
-    slots = [layer.slots() for layer in fused.layers]
-    assert fused.ints == [i for _, ints, _ in slots for i in ints]
-    assert fused.floats == [f for _, _, floats in slots for f in floats]
-    assert [id(t) for t in fused.tensors] == [id(t) for ts, _, _ in slots for t in ts]
+    assert first.qkv.op == "gemv_bf16" and first.down.args["out_features"] == cfg.hidden_size
+    assert first.down.args["packed"] is model.layers[0].mlp.down.gemv
+
+
+def test_decode_layers_rejects_a_field_it_does_not_know(make_model) -> None:
+    """A name the C++ side does not read is an error at encoding, not a silently wrong slot."""
+    from tokenmill import kernels
+
+    llm = LLM(str(make_model("llama")), dtype="bfloat16", max_model_len=64)
+    fused = fused_decode.encode(llm.engine.executor.driver_worker.model.layers, torch.bfloat16)
+    assert fused is not None
+    layer = fused.layers[0]
+    native = kernels.decode_layers_object()
+    with pytest.raises(RuntimeError, match="no tensor 'input_norm_weight'"):
+        native.add_layer({}, {}, {})  # the first name it misses is reported
+    layer.add_to(native)
+    args = dict(layer.qkv.args, weight=layer.qkv.args["packed"])
+    with pytest.raises(RuntimeError, match="unexpected tensor 'weight'"):
+        fused_decode.Projection(layer.qkv.op, args).add_to(native, "qkv")
+    with pytest.raises(RuntimeError, match="does not call linear_bf16"):
+        fused_decode.Projection("linear_bf16", {}).add_to(native, "o")

@@ -6,10 +6,12 @@ extension could not be built (``build.py``).
 """
 
 from tokenmill.kernels.ops import (
+    DecodeLayers,
     active_isa,
     amx_active,
     available,
     decode_layers,
+    decode_layers_object,
     describe,
     gemv_bf16,
     gemv_bf16_f32out,
@@ -23,6 +25,7 @@ from tokenmill.kernels.ops import (
     linear_int8_amx,
     linear_int8_f32out,
     linear_int8_vnni,
+    op_argument_names,
     paged_decode_attention,
     paged_prefill_attention,
     rms_norm,
@@ -35,10 +38,12 @@ from tokenmill.kernels.ops import (
 )
 
 __all__ = [
+    "DecodeLayers",
     "active_isa",
     "amx_active",
     "available",
     "decode_layers",
+    "decode_layers_object",
     "describe",
     "gemv_bf16",
     "gemv_bf16_f32out",
@@ -52,6 +57,7 @@ __all__ = [
     "linear_int8_amx",
     "linear_int8_f32out",
     "linear_int8_vnni",
+    "op_argument_names",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",

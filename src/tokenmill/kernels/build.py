@@ -36,10 +36,22 @@ ENV_ISA = envs.CPU_ISA
 """auto (default), avx512 or avx2: which kernel table the extension selects at load."""
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("ops.cpp", "avx512.cpp", "avx2.cpp", "amx.cpp", "vnni.cpp")
-HEADERS = ("kernels.h", "common.h", "prefill.h", "rope_kv.h", "vec_avx512.h", "vec_avx2.h")
+SOURCES = (
+    "ops.cpp",
+    "ops_linear.cpp",
+    "ops_norm_rope.cpp",
+    "ops_attention.cpp",
+    "ops_decode.cpp",
+    "avx512.cpp",
+    "avx2.cpp",
+    "amx.cpp",
+    "vnni.cpp",
+)
+"""The translation units: the ops (``ops*.cpp``, ATen), then one per ISA (no ATen header)."""
+HEADERS = tuple(sorted(path.name for path in CSRC.glob("*.h")))
+"""Every header in ``csrc/``, so the cache key covers one added later too."""
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp")
-"""-fopenmp: ATen's parallel_for is inlined into ops.cpp and runs on OpenMP there."""
+"""-fopenmp: ATen's parallel_for is inlined into the op files and runs on OpenMP there."""
 LDFLAGS = ("-fopenmp",)
 
 

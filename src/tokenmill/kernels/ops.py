@@ -9,6 +9,8 @@ fallback.
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
 
 from tokenmill.kernels.build import load
@@ -348,6 +350,41 @@ def paged_prefill_attention(
     )
 
 
+class DecodeLayers(Protocol):
+    """The C++ side's ``tokenmill_cpu.DecodeLayers`` (a torch custom class, ops_decode.cpp):
+    the layers ``decode_layers`` runs, each field given by name and read once."""
+
+    def add_layer(
+        self, tensors: dict[str, torch.Tensor], ints: dict[str, int], floats: dict[str, float]
+    ) -> None:
+        """Append a layer: its norm weights, KV scales, head counts, window, eps, scale and
+        softcap, each under its name (an unknown or missing name is an error)."""
+
+    def add_projection(
+        self, name: str, op: str, tensors: dict[str, torch.Tensor], ints: dict[str, int]
+    ) -> None:
+        """Set the last layer's projection ``name`` (qkv, o, gate_up, down): a call of the
+        tokenmill op ``op`` with these arguments after x, under their schema names (an
+        absent optional argument, such as a bias, is left out)."""
+
+    def num_layers(self) -> int: ...
+
+    def handle(self) -> int:
+        """The int that names this object to ``decode_layers`` while it is alive (passing
+        the object itself would cost ~15 us a call in argument parsing)."""
+
+
+def decode_layers_object() -> DecodeLayers:
+    """An empty ``DecodeLayers`` for ``decode_layers``."""
+    return cast(DecodeLayers, torch.classes.tokenmill_cpu.DecodeLayers())
+
+
+def op_argument_names(op: str) -> list[str]:
+    """The names of a tokenmill op's arguments after x, from its registered schema."""
+    schema = getattr(torch.ops.tokenmill_cpu, op).default._schema
+    return [arg.name for arg in schema.arguments[1:]]
+
+
 def decode_layers(
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -358,13 +395,11 @@ def decode_layers(
     context_lens: torch.Tensor,
     k_caches: list[torch.Tensor],
     v_caches: list[torch.Tensor],
-    tensors: list[torch.Tensor | None],
-    ints: list[int],
-    floats: list[float],
+    layers: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step through a stack of pre-norm decoder layers, as ``model.fused_decode``
-    encodes them (``tensors``, ``ints``, ``floats``); one query row per sequence of x
-    [B, hidden]. Returns (x, residual) after the last layer, before the final norm."""
+    encodes them (``layers``: the ``handle`` of a filled ``decode_layers_object``, which the
+    caller keeps alive); one query row per sequence of x [B, hidden]. Returns (x, residual) after the last layer, before the final norm."""
     out: tuple[torch.Tensor, torch.Tensor] = torch.ops.tokenmill_cpu.decode_layers(
         x,
         None,
@@ -376,9 +411,7 @@ def decode_layers(
         context_lens,
         k_caches,
         v_caches,
-        tensors,
-        ints,
-        floats,
+        layers,
     )
     return out
 

@@ -11,13 +11,16 @@ tokenmill kernel for the activation dtype, on CPU, with no LoRA, no tensor-paral
 no q/k norm, and one RoPE table for all layers. Anything else runs layer by layer, and
 ``refusal`` names the first layer feature that kept it out (the start-up log says it).
 
-Each layer is encoded by name (``EncodedLayer``, its projections as ``Projection``s);
-``EncodedLayer.slots`` is the one place on this side that lays a layer out the way ops.cpp
-reads it (``kLinearTensors``/``kLinearInts`` there, ``LINEAR_TENSORS``/``LINEAR_INTS`` here).
+Each layer is encoded by name (``EncodedLayer``, its projections as ``Projection``s) and
+handed to the C++ side by name too, once: a ``tokenmill_cpu.DecodeLayers`` object takes each
+field under its ``EncodedLayer`` name and each projection's arguments under the names in its
+op's schema (ops_decode.cpp reads them into a struct and rejects a name it does not know), so
+no layout is mirrored between the two languages.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,36 +34,49 @@ from tokenmill.model.quant import QuantizedLinear
 ENV_SWITCH = envs.FUSED_DECODE
 """``0`` runs decode steps layer by layer (A/B runs; ``--no-fused-decode`` at start-up)."""
 
-GEMV_BF16, GEMV_F32, INT8_ROWS, INT4_ROWS, INT8_AMX, INT4_AMX, INT8_VNNI, INT4_VNNI = range(8)
-"""Projection kinds, as ops.cpp's ``LinearKind``."""
-LINEAR_TENSORS, LINEAR_INTS = 5, 2
-"""Tensor and int slots per projection (ops.cpp's ``kLinearTensors`` and ``kLinearInts``)."""
-
-_OP_KINDS = {
-    kernels.linear_int8: INT8_ROWS,
-    kernels.linear_int4: INT4_ROWS,
-    kernels.linear_int8_amx: INT8_AMX,
-    kernels.linear_int4_amx: INT4_AMX,
-    kernels.linear_int8_vnni: INT8_VNNI,
-    kernels.linear_int4_vnni: INT4_VNNI,
-}
+_OPS = (
+    kernels.linear_int8,
+    kernels.linear_int4,
+    kernels.linear_int8_amx,
+    kernels.linear_int4_amx,
+    kernels.linear_int8_vnni,
+    kernels.linear_int4_vnni,
+)
+"""The quantized projections' ops that ``decode_layers`` calls (each named as its C++ op)."""
 
 
 @dataclass(frozen=True)
 class Projection:
-    """One projection as ``decode_layers`` calls it: the kernel and that kernel's arguments
-    after the activation (tensors first, then ints, as ``_linear`` reads them off the layer)."""
+    """One projection as ``decode_layers`` calls it: the op's name and that op's arguments
+    after the activation, by their names in the op's schema (None: an absent bias)."""
 
-    kind: int
-    """One of the kinds above (ops.cpp's ``LinearKind``)."""
-    tensors: list[torch.Tensor | None]
-    ints: list[int]
+    op: str
+    args: dict[str, torch.Tensor | int | None]
+
+    @classmethod
+    def of_call(cls, op: str, args: tuple[object, ...]) -> Projection:
+        """The projection that calls ``op`` with ``args`` after x, positionally as its schema."""
+        names = kernels.op_argument_names(op)
+        if len(args) != len(names):
+            raise ValueError(f"{op} takes {len(names)} arguments after x, got {len(args)}")
+        named: dict[str, torch.Tensor | int | None] = {}
+        for name, arg in zip(names, args, strict=True):
+            if arg is not None and not isinstance(arg, (torch.Tensor, int)):
+                raise TypeError(f"{op}: argument {name} is a {type(arg).__name__}")
+            named[name] = arg
+        return cls(op, named)
+
+    def add_to(self, layers: kernels.DecodeLayers, name: str) -> None:
+        """Set this projection as the last added layer's projection ``name``."""
+        tensors = {k: v for k, v in self.args.items() if isinstance(v, torch.Tensor)}
+        ints = {k: v for k, v in self.args.items() if isinstance(v, int)}
+        layers.add_projection(name, self.op, tensors, ints)
 
 
 @dataclass(frozen=True)
 class EncodedLayer:
-    """One decoder layer, by name; ``slots`` lays it out the way ops.cpp's ``decode_layers``
-    reads a layer (the one place the positional layout is written on this side)."""
+    """One decoder layer, by name: ``add_to`` passes each field to ``decode_layers``'s
+    ``DecodeLayers`` under this name."""
 
     input_norm_weight: torch.Tensor
     post_attn_norm_weight: torch.Tensor
@@ -80,20 +96,25 @@ class EncodedLayer:
     gate_up: Projection
     down: Projection
 
-    def slots(self) -> tuple[list[torch.Tensor | None], list[int], list[float]]:
-        """(tensors, ints, floats) of this layer, in ops.cpp's order; each projection padded
-        to ``LINEAR_TENSORS`` tensors and ``LINEAR_INTS`` ints."""
-        tensors: list[torch.Tensor | None] = [
-            self.input_norm_weight,
-            self.post_attn_norm_weight,
-            self.kv_scales,
-        ]
-        ints = [self.num_heads, self.num_kv_heads, self.head_dim, self.window]
-        for proj in (self.qkv, self.o, self.gate_up, self.down):
-            tensors += proj.tensors + [None] * (LINEAR_TENSORS - len(proj.tensors))
-            ints += [proj.kind, *proj.ints] + [0] * (LINEAR_INTS - len(proj.ints))
-        floats = [self.input_norm_eps, self.post_attn_norm_eps, self.scale, self.logit_softcap]
-        return tensors, ints, floats
+    def add_to(self, layers: kernels.DecodeLayers) -> None:
+        """Append this layer to a ``kernels.decode_layers_object``, every field by name."""
+        tensors: dict[str, torch.Tensor] = {}
+        ints: dict[str, int] = {}
+        floats: dict[str, float] = {}
+        projections: dict[str, Projection] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, Projection):
+                projections[field.name] = value
+            elif isinstance(value, torch.Tensor):
+                tensors[field.name] = value
+            elif field.type == "float":
+                floats[field.name] = float(value)
+            else:
+                ints[field.name] = int(value)
+        layers.add_layer(tensors, ints, floats)
+        for name, projection in projections.items():
+            projection.add_to(layers, name)
 
 
 @dataclass(frozen=True)
@@ -102,14 +123,15 @@ class FusedLayers:
 
     isa: str
     dtype: torch.dtype
-    tensors: list[torch.Tensor | None]
-    ints: list[int]
-    floats: list[float]
+    native: kernels.DecodeLayers
+    """The layers as ``decode_layers`` reads them (``kernels.decode_layers_object``), filled
+    once from ``layers``; held here for as long as a step may name it by ``handle``."""
+    handle: int
+    """``native.handle()``: what each step passes."""
     attentions: list[nn.Module]
     """The attention layers, whose fp8 KV scales must be calibrated (by a prefill) first."""
     layers: tuple[EncodedLayer, ...] = ()
-    """The same layers by name; ``tensors``, ``ints`` and ``floats`` are their ``slots``,
-    concatenated once so that a step passes three ready lists."""
+    """The same layers on this side, by name."""
 
     def applies(self, x: torch.Tensor, k_cache: torch.Tensor) -> bool:
         """Whether these encoded layers run x now (tests switch the ISA after load)."""
@@ -137,16 +159,13 @@ def _linear(module: nn.Module) -> Projection | None:
         gemv = module.gemv
         if gemv is None:
             return None
-        kind = GEMV_F32 if gemv.dtype == torch.float32 else GEMV_BF16
-        return Projection(kind, [gemv, module.bias], [module.out_features])
+        op = "gemv_f32" if gemv.dtype == torch.float32 else "gemv_bf16"
+        return Projection.of_call(op, (gemv, module.out_features, module.bias))
     if isinstance(module, QuantizedLinear):
         fast = module._fast
-        if fast is None or fast[2] != kernels.active_isa() or fast[0] not in _OP_KINDS:
+        if fast is None or fast[2] != kernels.active_isa() or fast[0] not in _OPS:
             return None
-        args = fast[1]
-        tensors = [a for a in args if a is None or isinstance(a, torch.Tensor)]
-        ints = [a for a in args if isinstance(a, int)]
-        return Projection(_OP_KINDS[fast[0]], tensors, ints)
+        return Projection.of_call(fast[0].__name__, fast[1])
     return None
 
 
@@ -227,11 +246,9 @@ def _encode(layers: nn.ModuleList, dtype: torch.dtype) -> FusedLayers | str:
             proj = _linear(module)
             if proj is None:
                 return f"layer {i}: projection {name} ({type(module).__name__}) has no fixed kernel call"
-            if (proj.kind == GEMV_F32) != (dtype == torch.float32):
+            if (proj.op == "gemv_f32") != (dtype == torch.float32):
                 # the int kernels and gemv_bf16 take bf16 rows only
                 return f"layer {i}: projection {name} takes no {dtype} rows"
-            if len(proj.tensors) > LINEAR_TENSORS or len(proj.ints) > LINEAR_INTS:
-                return f"layer {i}: projection {name} has more arguments than decode_layers takes"
             projections[name] = proj
         attentions.append(attn)
         encoded.append(
@@ -243,23 +260,18 @@ def _encode(layers: nn.ModuleList, dtype: torch.dtype) -> FusedLayers | str:
                 num_kv_heads=attn.num_kv_heads,
                 head_dim=attn.head_dim,
                 window=attn.window or 0,
-                input_norm_eps=layer.input_norm.eps,
-                post_attn_norm_eps=layer.post_attn_norm.eps,
-                scale=attn.scale,
-                logit_softcap=attn.logit_softcap or 0.0,
+                input_norm_eps=float(layer.input_norm.eps),
+                post_attn_norm_eps=float(layer.post_attn_norm.eps),
+                scale=float(attn.scale),
+                logit_softcap=float(attn.logit_softcap or 0.0),
                 **projections,
             )
         )
-    tensors: list[torch.Tensor | None] = []
-    ints: list[int] = []
-    floats: list[float] = []
+    native = kernels.decode_layers_object()
     for enc in encoded:
-        layer_tensors, layer_ints, layer_floats = enc.slots()
-        tensors += layer_tensors
-        ints += layer_ints
-        floats += layer_floats
+        enc.add_to(native)
     return FusedLayers(
-        kernels.active_isa(), dtype, tensors, ints, floats, attentions, tuple(encoded)
+        kernels.active_isa(), dtype, native, native.handle(), attentions, tuple(encoded)
     )
 
 
@@ -286,7 +298,5 @@ def run(
         context_lens,
         [k for k, _ in kv_caches],
         [v for _, v in kv_caches],
-        fused.tensors,
-        fused.ints,
-        fused.floats,
+        fused.handle,
     )

@@ -12,6 +12,7 @@
 #include "common.h"
 #include "rope_kv.h"
 #include "prefill.h"
+#include "gemm_common.h"
 
 namespace {
 
@@ -35,7 +36,7 @@ struct Int4Weights {  // layout as in avx512.cpp
 };
 
 template <int MR, int NR, class WL>
-inline void tile(const GemmArgs& a, int64_t m0, int64_t n0, const WL& wl, float out[4][2]) {
+inline void tile(const GemmArgs& a, int64_t m0, int64_t n0, const WL& wl, float out[4][4]) {
   __m256 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
@@ -53,54 +54,8 @@ inline void tile(const GemmArgs& a, int64_t m0, int64_t n0, const WL& wl, float 
 }
 
 template <class WL>
-inline void tile_any(int mr, int nr, const GemmArgs& a, int64_t m0, int64_t n0, const WL& wl, float out[4][2]) {
-#define TM_CASE(M, N) case (M - 1) * 2 + (N - 1): tile<M, N>(a, m0, n0, wl, out); break;
-  switch ((mr - 1) * 2 + (nr - 1)) {
-    TM_CASE(1, 1) TM_CASE(1, 2) TM_CASE(2, 1) TM_CASE(2, 2)
-    TM_CASE(3, 1) TM_CASE(3, 2) TM_CASE(4, 1) TM_CASE(4, 2)
-  }
-#undef TM_CASE
-}
-
-enum Kind { kBf16, kInt4 };  // kBf16: the bias only (also int8, whose tiles apply the scales)
-
-template <Kind KIND>
-inline float finish(const GemmArgs& a, int64_t m, int64_t n, float s) {
-  if constexpr (KIND == kInt4) {
-    const float* z = a.zeros + n * a.num_groups;
-    const float* xs = a.xsum + m * a.num_groups;
-    for (int64_t g = 0; g < a.num_groups; ++g) s += z[g] * xs[g];
-  }
-  if (a.bias) s += a.bias[n];
-  return s;
-}
-
-inline uint16_t to_bf16(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
-
-// Tiles of up to 4 rows x 2 channels; tile(mr, nr, m, n, out) leaves each output's sum in
-// out, finish<KIND> adds what the tile left out.
-template <Kind KIND, class TileFn>
-void gemm_tiles(const GemmArgs& a, int64_t n0, int64_t n1, const TileFn& tile) {
-  float out[4][2];
-  for (int64_t n = n0; n < n1; n += 2) {
-    const int nr = (int)min64(2, n1 - n);
-    for (int64_t m = 0; m < a.M; m += 4) {
-      const int mr = (int)min64(4, a.M - m);
-      tile(mr, nr, m, n, out);
-      for (int i = 0; i < mr; ++i)
-        for (int r = 0; r < nr; ++r) {
-          const float v = finish<KIND>(a, m + i, n + r, out[i][r]);
-          if (a.yf)  // fp32 out (logits): no rounding to bf16
-            a.yf[(m + i) * a.ldy + n + r] = v;
-          else
-            a.y[(m + i) * a.ldy + n + r] = to_bf16(v);
-        }
-    }
-  }
+inline void tile_any(int mr, int nr, const GemmArgs& a, int64_t m0, int64_t n0, const WL& wl, float out[4][4]) {
+  with_tile_shape<4, 2>(mr, nr, [&](auto M, auto N) { tile<decltype(M)::value, decltype(N)::value>(a, m0, n0, wl, out); });
 }
 
 inline float* row_buffer(int64_t floats) {  // per thread, grown on demand, never freed
@@ -118,31 +73,7 @@ inline float* row_buffer(int64_t floats) {  // per thread, grown on demand, neve
 // AVX-512), products by vpmaddubsw (u8 x s8 into saturating s16 pairs) and vpmaddwd
 // (pairs into s32). For int8 weights the u8 side is |w| and the s8 side x with w's sign
 // (|pair| <= 2 * 127 * 127, no saturation), as llama.cpp's AVX2 Q8_0 dot product does;
-// int4 codes are u8 already (<= 15) against signed x.
-
-void quantize_rows(const GemmArgs& a, bool is_unsigned, int64_t r0, int64_t r1) {
-  const int64_t K = a.K;
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m128i bias = _mm_set1_epi8(is_unsigned ? (char)0x80 : 0);
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint16_t* x = a.x + r * a.ldx;
-    __m256 amax = Vec::zero();
-    for (int64_t k = 0; k < K; k += 8)
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, Vec::load_bf16(x + k, (int)min64(8, K - k))));
-    const float m = Vec::reduce_max(amax);
-    const float scale = m > 0.0f ? m / 127.0f : 1.0f;
-    a.x_scale[r] = scale;
-    const __m256 inv = Vec::set1(1.0f / scale);
-    uint8_t* out = a.xq + r * a.ldq;
-    for (int64_t k = 0; k < a.ldq; k += 8) {  // ldq: whole 64-byte chunks, zeros past K
-      const int n = (int)min64(8, K - k);
-      const __m256 v = n > 0 ? _mm256_mul_ps(Vec::load_bf16(x + k, n), inv) : Vec::zero();
-      const __m256i q = _mm256_cvtps_epi32(v);  // round to nearest even, |q| <= 127
-      const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-      _mm_storel_epi64((__m128i*)(out + k), _mm_add_epi8(_mm_packs_epi16(q16, q16), bias));
-    }
-  }
-}
+// int4 codes are u8 already (<= 15) against signed x. (quantize_rows: gemm_common.h.)
 
 inline int32_t reduce_add_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -173,7 +104,7 @@ inline __m256i dot_s8(__m256i acc, __m256i aw, __m256i w, __m256i x) {
 // int8 weights [N, K] against int8 x: rows [m0, m0 + MR) x
 // channels [n0, n0 + NR), x_scale and the channel scales applied.
 template <int MR, int NR>
-inline void tile_w8a8(const GemmArgs& a, int64_t m0, int64_t n0, float out[4][2]) {
+inline void tile_w8a8(const GemmArgs& a, int64_t m0, int64_t n0, float out[4][4]) {
   const int8_t* w = static_cast<const int8_t*>(a.w);
   __m256i acc[MR][NR];
   for (int m = 0; m < MR; ++m)
@@ -277,30 +208,22 @@ void gemv_w8a8_int8(const GemmArgs& a, int64_t n0, int64_t n1) {
       acc0 = dot_s8(acc0, _mm256_abs_epi8(w0), w0, load_x_s8(a.xq + k));
     }
     const float v = (float)reduce_add_i32(_mm256_add_epi32(acc0, acc1)) * xs * a.scales[n];
-    if (a.yf)  // fp32 out (logits of an int8 head)
-      a.yf[n] = finish<kBf16>(a, 0, n, v);
-    else
-      a.y[n] = to_bf16(finish<kBf16>(a, 0, n, v));
+    store_out(a, 0, n, finish<kBf16>(a, 0, n, v));  // fp32 out: the logits of an int8 head
   }
 }
 
 // Tiles of 4 activation rows x 2 channels (gemm_tiles) from 2 rows on.
 void gemm_int8(const GemmArgs& a, int64_t n0, int64_t n1) {
   if (a.M == 1) { gemv_w8a8_int8(a, n0, n1); return; }
-  gemm_tiles<kBf16>(a, n0, n1, [&](int mr, int nr, int64_t m, int64_t n, float (&out)[4][2]) {
-#define TM_CASE(M, N) case (M - 1) * 2 + (N - 1): tile_w8a8<M, N>(a, m, n, out); break;
-    switch ((mr - 1) * 2 + (nr - 1)) {
-      TM_CASE(1, 1) TM_CASE(1, 2) TM_CASE(2, 1) TM_CASE(2, 2)
-      TM_CASE(3, 1) TM_CASE(3, 2) TM_CASE(4, 1) TM_CASE(4, 2)
-    }
-#undef TM_CASE
+  gemm_tiles<kBf16, 2>(a, n0, n1, [&](int mr, int nr, int64_t m, int64_t n, float (&out)[4][4]) {
+    with_tile_shape<4, 2>(mr, nr, [&](auto M, auto N) { tile_w8a8<decltype(M)::value, decltype(N)::value>(a, m, n, out); });
   });
 }
 
 // Groups of 32 (GGUF's Q4_0, Q4_1, Q4_K blocks): each 64-code chunk holds two groups, its low
 // nibbles and its high nibbles, so each half's int32 sums are kept apart and scaled by its own
 // group's weight scale times the row's activation scale for that group (x is quantized per
-// group of 32 here, ops.cpp); rows [m0, m0 + MR), channel n, lanes the rows (one row too).
+// group of 32 here, ops_linear.cpp); rows [m0, m0 + MR), channel n, lanes the rows (one row too).
 template <int MR>
 inline __m128 tile_w4a8_g32(const GemmArgs& a, int64_t m0, int64_t n) {
   constexpr int64_t kAhead = 1024;
@@ -380,7 +303,7 @@ inline void gemv_w4a8_rows(const GemmArgs& a, int64_t n) {
     const __m128 v = int4_epilogue<1>(hsum4(f[r], zero, zero, zero), _mm_set_ss(a.x_scale[0]),
                                       a.bias ? a.bias[n + r] : 0.0f, a.zeros + (n + r) * a.num_groups, a.xsum,
                                       a.num_groups, 1);
-    a.y[n + r] = to_bf16(_mm_cvtss_f32(v));
+    a.y[n + r] = Vec::bf16(_mm_cvtss_f32(v));
   }
 }
 
@@ -396,7 +319,7 @@ void gemm_w4a8_ch(const GemmArgs& a, int64_t n0, int64_t n1) {
         const __m128 v = int4_epilogue<1>(tile_w4a8_g32<1>(a, 0, n), _mm_set_ss(a.x_scale[0]),
                                           a.bias ? a.bias[n] : 0.0f, a.zeros + n * a.num_groups, a.xsum,
                                           a.num_groups, 1);
-        a.y[n] = to_bf16(_mm_cvtss_f32(v));
+        a.y[n] = Vec::bf16(_mm_cvtss_f32(v));
       }
     } else {
       for (int64_t n = n0; n < n1; ++n) gemv_w4a8_rows<1, CH>(a, n);
@@ -435,7 +358,7 @@ void gemm_w4a8_ch(const GemmArgs& a, int64_t n0, int64_t n1) {
         }
       }
       _mm_store_ps(out, int4_epilogue<4>(v, _mm_loadu_ps(xscale + m), bias, z, xs_t + m, G, mp));
-      for (int i = 0; i < mr; ++i) a.y[(m + i) * a.ldy + n] = to_bf16(out[i]);
+      for (int i = 0; i < mr; ++i) a.y[(m + i) * a.ldy + n] = Vec::bf16(out[i]);
     }
   }
 }
@@ -453,7 +376,7 @@ void gemm_w4a8(const GemmArgs& a, int64_t n0, int64_t n1) {
 // The float tiles (tile_any) over weights that WL converts to fp32 in registers.
 template <Kind KIND, class WL>
 void gemm_float_tiles(const GemmArgs& a, int64_t n0, int64_t n1, const WL& wl) {
-  gemm_tiles<KIND>(a, n0, n1, [&](int mr, int nr, int64_t m, int64_t n, float (&out)[4][2]) {
+  gemm_tiles<KIND, 2>(a, n0, n1, [&](int mr, int nr, int64_t m, int64_t n, float (&out)[4][4]) {
     tile_any(mr, nr, a, m, n, wl, out);
   });
 }
@@ -462,7 +385,7 @@ void gemm_bf16(const GemmArgs& a, int64_t n0, int64_t n1) {
   gemm_float_tiles<kBf16>(a, n0, n1, Bf16Weights{static_cast<const uint16_t*>(a.w), a.ldw, a.K});
 }
 
-// Every group size comes with quantized activations here (ops.cpp; groups of 32 split each
+// Every group size comes with quantized activations here (ops_linear.cpp; groups of 32 split each
 // 64-code chunk in two: tile_w4a8_g32); the fp32 tiles remain for a table that sends none.
 void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
   if (a.xq) { gemm_w4a8(a, n0, n1); return; }
@@ -484,14 +407,6 @@ void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
 // bf16 lines hold 8 channels' (k, k + 1) pairs per half: the even weights are each 32-bit
 // lane shifted up, the odd ones the lane with its low half cleared; x is converted to fp32
 // once per chunk (a per-thread buffer) so each broadcast is a plain load.
-
-inline float bf16_to_f32(uint16_t v) {
-  const uint32_t u = (uint32_t)v << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 
 // Output (m, half h) of a tile plus the bias, stored as STORE does. A macro copying the
 // accumulators out first: with the array read under the stores' control flow (or through
@@ -598,7 +513,7 @@ void gemv_blocks(const GemmArgs& a, int64_t b0, int64_t b1) {
         float* dst = buf + (m - c0) * kx;
         int64_t k = 0;
         for (; k + 8 <= a.K; k += 8) _mm256_storeu_ps(dst + k, Vec::load_bf16(src + k, 8));
-        for (; k < a.K; ++k) dst[k] = bf16_to_f32(src[k]);
+        for (; k < a.K; ++k) dst[k] = tokenmill::bf16_to_f32(src[k]);
         if (kx > a.K) dst[a.K] = 0.0f;
       }
       xf = buf;

@@ -12,19 +12,18 @@
 #include "rope_kv.h"
 #define TOKENMILL_BF16_DOT 1
 #include "prefill.h"
+#include "gemm_common.h"
 
 namespace {
 
 using tokenmill::GemmArgs;
-
-inline __mmask32 mask32(int64_t n) { return n >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << n) - 1u); }
 
 // Weight loaders: 32 consecutive weights of row n from column k, as bf16 pairs.
 struct Bf16Weights {
   const uint16_t* w; int64_t ldw, K;
   inline __m512bh operator()(int64_t n, int64_t k) const {
     const uint16_t* p = w + n * ldw + k;
-    return (__m512bh)(K - k >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(mask32(K - k), p));
+    return (__m512bh)(K - k >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(Vec::mask32(K - k), p));
   }
 };
 
@@ -57,7 +56,7 @@ struct PanelWeights {  // a 4-row panel already converted to bf16, rows from n0
   const uint16_t* panel; int64_t n0, kpad, K;
   inline __m512bh operator()(int64_t n, int64_t k) const {
     const uint16_t* p = panel + (n - n0) * kpad + k;
-    return (__m512bh)(K - k >= 32 ? _mm512_load_si512(p) : _mm512_maskz_loadu_epi16(mask32(K - k), p));
+    return (__m512bh)(K - k >= 32 ? _mm512_load_si512(p) : _mm512_maskz_loadu_epi16(Vec::mask32(K - k), p));
   }
 };
 
@@ -70,7 +69,7 @@ inline void tile(const GemmArgs& a, int64_t m0, int64_t n0, const WL& wl, float 
   for (int64_t k = 0; k < a.K; k += 32) {
     __m512bh w[NR];
     for (int r = 0; r < NR; ++r) w[r] = wl(n0 + r, k);
-    const __mmask32 km = mask32(a.K - k);
+    const __mmask32 km = Vec::mask32(a.K - k);
     for (int m = 0; m < MR; ++m) {
       __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(km, a.x + (m0 + m) * a.ldx + k);
       for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], x, w[r]);
@@ -82,52 +81,15 @@ inline void tile(const GemmArgs& a, int64_t m0, int64_t n0, const WL& wl, float 
 
 template <class WL>
 inline void tile_any(int mr, int nr, const GemmArgs& a, int64_t m0, int64_t n0, const WL& wl, float out[4][4]) {
-#define TM_CASE(M, N) case (M - 1) * 4 + (N - 1): tile<M, N>(a, m0, n0, wl, out); break;
-  switch ((mr - 1) * 4 + (nr - 1)) {
-    TM_CASE(1, 1) TM_CASE(1, 2) TM_CASE(1, 3) TM_CASE(1, 4)
-    TM_CASE(2, 1) TM_CASE(2, 2) TM_CASE(2, 3) TM_CASE(2, 4)
-    TM_CASE(3, 1) TM_CASE(3, 2) TM_CASE(3, 3) TM_CASE(3, 4)
-    TM_CASE(4, 1) TM_CASE(4, 2) TM_CASE(4, 3) TM_CASE(4, 4)
-  }
-#undef TM_CASE
+  with_tile_shape<4, 4>(mr, nr, [&](auto M, auto N) { tile<decltype(M)::value, decltype(N)::value>(a, m0, n0, wl, out); });
 }
 
-// Per-output epilogue: scale (int8), group zeros (int4), bias; rounded to bf16.
-enum Kind { kBf16, kInt4 };
-
-template <Kind KIND>
-inline float finish(const GemmArgs& a, int64_t m, int64_t n, float s) {
-  if constexpr (KIND == kInt4) {
-    const float* z = a.zeros + n * a.num_groups;
-    const float* xs = a.xsum + m * a.num_groups;
-    for (int64_t g = 0; g < a.num_groups; ++g) s += z[g] * xs[g];
-  }
-  if (a.bias) s += a.bias[n];
-  return s;
-}
-
-inline uint16_t to_bf16(float f) {
-  return (uint16_t)_mm_cvtsi128_si32((__m128i)_mm_cvtneps_pbh(_mm_set1_ps(f)));
-}
-
+// The bf16 tiles (tile_any) over weights that WL gives as bf16 pairs.
 template <Kind KIND, class WL>
-void gemm_tiles(const GemmArgs& a, int64_t n0, int64_t n1, const WL& wl) {
-  float out[4][4];
-  for (int64_t n = n0; n < n1; n += 4) {
-    const int nr = (int)min64(4, n1 - n);
-    for (int64_t m = 0; m < a.M; m += 4) {
-      const int mr = (int)min64(4, a.M - m);
-      tile_any(mr, nr, a, m, n, wl, out);
-      for (int i = 0; i < mr; ++i)
-        for (int r = 0; r < nr; ++r) {
-          const float v = finish<KIND>(a, m + i, n + r, out[i][r]);
-          if (a.yf)  // fp32 out (logits): no rounding to bf16
-            a.yf[(m + i) * a.ldy + n + r] = v;
-          else
-            a.y[(m + i) * a.ldy + n + r] = to_bf16(v);
-        }
-    }
-  }
+void gemm_float_tiles(const GemmArgs& a, int64_t n0, int64_t n1, const WL& wl) {
+  gemm_tiles<KIND, 4>(a, n0, n1, [&](int mr, int nr, int64_t m, int64_t n, float (&out)[4][4]) {
+    tile_any(mr, nr, a, m, n, wl, out);
+  });
 }
 
 // Quantized weights with more than one 4-row tile of activations: each 4-channel panel is
@@ -146,41 +108,18 @@ void gemm_panels(const GemmArgs& a, int64_t n0, int64_t n1, const WL& wl) {
       const int mr = (int)min64(4, a.M - m);
       tile_any(mr, nr, a, m, n, pw, out);
       for (int i = 0; i < mr; ++i)
-        for (int r = 0; r < nr; ++r) a.y[(m + i) * a.ldy + n + r] = to_bf16(finish<KIND>(a, m + i, n + r, out[i][r]));
+        for (int r = 0; r < nr; ++r) store_out(a, m + i, n + r, finish<KIND>(a, m + i, n + r, out[i][r]));
     }
   }
   std::free(panel);
 }
 
 void gemm_bf16(const GemmArgs& a, int64_t n0, int64_t n1) {
-  gemm_tiles<kBf16>(a, n0, n1, Bf16Weights{static_cast<const uint16_t*>(a.w), a.ldw, a.K});
+  gemm_float_tiles<kBf16>(a, n0, n1, Bf16Weights{static_cast<const uint16_t*>(a.w), a.ldw, a.K});
 }
 
-// ---- W8A8: activations quantized per row, integer dot products (VPDPBUSD: u8 x s8) ----
-
-void quantize_rows(const GemmArgs& a, bool is_unsigned, int64_t r0, int64_t r1) {
-  const int64_t K = a.K;
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint16_t* x = a.x + r * a.ldx;
-    __m512 amax = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-      int n = (int)min64(16, K - k);
-      amax = _mm512_max_ps(amax, _mm512_abs_ps(Vec::load_bf16(x + k, n)));
-    }
-    float m = _mm512_reduce_max_ps(amax);
-    float scale = m > 0.0f ? m / 127.0f : 1.0f;
-    a.x_scale[r] = scale;
-    const __m512 inv = _mm512_set1_ps(1.0f / scale);
-    uint8_t* out = a.xq + r * a.ldq;
-    const __m128i bias = _mm_set1_epi8(is_unsigned ? (char)0x80 : 0);
-    for (int64_t k = 0; k < a.ldq; k += 16) {
-      int n = (int)min64(16, K - k);
-      __m512 v = n > 0 ? _mm512_mul_ps(Vec::load_bf16(x + k, n), inv) : _mm512_setzero_ps();
-      __m128i q = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v));  // round to nearest even
-      _mm_storeu_si128((__m128i*)(out + k), _mm_add_epi8(q, bias));
-    }
-  }
-}
+// ---- W8A8: activations quantized per row (gemm_common.h's quantize_rows), integer dot
+// products (VPDPBUSD: u8 x s8) ----
 
 // int8 weights [N, K] (s8) against x + 128 (u8): sum = dot - 128 * rowsum(w).
 template <int MR, int NR>
@@ -294,29 +233,19 @@ inline void tile_int4_wide(const GemmArgs& a, int64_t m0, int64_t n0, float out[
 // The int4 epilogue: offsets x activation sums (the scales are already in), bias, bf16.
 inline void store_int4(const GemmArgs& a, int64_t m, int64_t n, int mr, int nr, const float out[4][4]) {
   for (int i = 0; i < mr; ++i)
-    for (int r = 0; r < nr; ++r) {
-      float v = out[i][r];
-      const float* z = a.zeros + (n + r) * a.num_groups;
-      const float* xs = a.xsum + (m + i) * a.num_groups;
-      for (int64_t g = 0; g < a.num_groups; ++g) v += z[g] * xs[g];
-      if (a.bias) v += a.bias[n + r];
-      a.y[(m + i) * a.ldy + n + r] = to_bf16(v);
-    }
+    for (int r = 0; r < nr; ++r) store_out(a, m + i, n + r, finish<kInt4>(a, m + i, n + r, out[i][r]));
 }
 
-// Needs a.xq zero-padded to whole 128-column blocks (ops.cpp passes the weight's K_pad).
+// Needs a.xq zero-padded to whole 128-column blocks (ops_linear.cpp passes the weight's K_pad).
 void gemm_int4_wide(const GemmArgs& a, int64_t n0, int64_t n1) {
   float out[4][4];
   for (int64_t n = n0; n < n1; n += 4) {
     const int nr = (int)min64(4, n1 - n);
     for (int64_t m = 0; m < a.M; m += 2) {
       const int mr = (int)min64(2, a.M - m);
-#define TM_CASE(M, N) case (M - 1) * 4 + (N - 1): tile_int4_wide<M, N>(a, m, n, out); break;
-      switch ((mr - 1) * 4 + (nr - 1)) {
-        TM_CASE(1, 1) TM_CASE(1, 2) TM_CASE(1, 3) TM_CASE(1, 4)
-        TM_CASE(2, 1) TM_CASE(2, 2) TM_CASE(2, 3) TM_CASE(2, 4)
-      }
-#undef TM_CASE
+      with_tile_shape<2, 4>(mr, nr, [&](auto M, auto N) {
+        tile_int4_wide<decltype(M)::value, decltype(N)::value>(a, m, n, out);
+      });
       store_int4(a, m, n, mr, nr, out);
     }
   }
@@ -325,38 +254,13 @@ void gemm_int4_wide(const GemmArgs& a, int64_t n0, int64_t n1) {
 template <bool INT4>
 void gemm_w8a8(const GemmArgs& a, int64_t n0, int64_t n1) {
   constexpr int NB = INT4 ? 2 : 4;  // int4 keeps a second set of accumulators per group
-  float out[4][4];
-  for (int64_t n = n0; n < n1; n += NB) {
-    const int nr = (int)min64(NB, n1 - n);
-    for (int64_t m = 0; m < a.M; m += 4) {
-      const int mr = (int)min64(4, a.M - m);
-#define TM_CASE(M, N) \
-  case (M - 1) * 4 + (N - 1): \
-    if constexpr (INT4 && N > 2) {} else if constexpr (INT4) tile_int4<M, N>(a, m, n, out); else tile_int8<M, N>(a, m, n, out); \
-    break;
-      switch ((mr - 1) * 4 + (nr - 1)) {
-        TM_CASE(1, 1) TM_CASE(1, 2) TM_CASE(1, 3) TM_CASE(1, 4)
-        TM_CASE(2, 1) TM_CASE(2, 2) TM_CASE(2, 3) TM_CASE(2, 4)
-        TM_CASE(3, 1) TM_CASE(3, 2) TM_CASE(3, 3) TM_CASE(3, 4)
-        TM_CASE(4, 1) TM_CASE(4, 2) TM_CASE(4, 3) TM_CASE(4, 4)
-      }
-#undef TM_CASE
-      for (int i = 0; i < mr; ++i)
-        for (int r = 0; r < nr; ++r) {
-          float v = out[i][r];
-          if constexpr (INT4) {  // offsets x activation sums; scales are already in
-            const float* z = a.zeros + (n + r) * a.num_groups;
-            const float* xs = a.xsum + (m + i) * a.num_groups;
-            for (int64_t g = 0; g < a.num_groups; ++g) v += z[g] * xs[g];
-          }
-          if (a.bias) v += a.bias[n + r];
-          if (a.yf)  // fp32 out (logits of an int8 head)
-            a.yf[(m + i) * a.ldy + n + r] = v;
-          else
-            a.y[(m + i) * a.ldy + n + r] = to_bf16(v);
-        }
-    }
-  }
+  // int4: the offsets x activation sums in finish (the scales are already in)
+  gemm_tiles<INT4 ? kInt4 : kBf16, NB>(a, n0, n1, [&](int mr, int nr, int64_t m, int64_t n, float (&out)[4][4]) {
+    with_tile_shape<4, NB>(mr, nr, [&](auto M, auto N) {
+      constexpr int MR = decltype(M)::value, NR = decltype(N)::value;
+      if constexpr (INT4) tile_int4<MR, NR>(a, m, n, out); else tile_int8<MR, NR>(a, m, n, out);
+    });
+  });
 }
 
 // One activation row (the one-stream decode): each weight row is read whole before the
@@ -380,12 +284,7 @@ void gemv_int8_seq(const GemmArgs& a, int64_t n0, int64_t n1) {
       acc0 = _mm512_dpbusd_epi32(acc0, _mm512_loadu_si512(a.xq + k), _mm512_maskz_loadu_epi8(km, wr + k));
     }
     const int32_t dot = _mm512_reduce_add_epi32(_mm512_add_epi32(acc0, acc1)) - 128 * a.wsum[n];
-    float v = (float)dot * xs * a.scales[n];
-    if (a.bias) v += a.bias[n];
-    if (a.yf)
-      a.yf[n] = v;
-    else
-      a.y[n] = to_bf16(v);
+    store_out(a, 0, n, finish<kBf16>(a, 0, n, (float)dot * xs * a.scales[n]));
   }
 }
 
@@ -438,7 +337,7 @@ void gemm_int4(const GemmArgs& a, int64_t n0, int64_t n1) {
   if (a.group_size % 64 == 0) { gemm_w8a8<true>(a, n0, n1); return; }
   // 32-channel groups split a 64-code chunk: weights converted to bf16 in registers instead.
   Int4Weights wl{static_cast<const uint8_t*>(a.w), a.ldw, a.scales, a.num_groups, a.group_size};
-  if (a.M <= 4) gemm_tiles<kInt4>(a, n0, n1, wl); else gemm_panels<kInt4>(a, n0, n1, wl);
+  if (a.M <= 4) gemm_float_tiles<kInt4>(a, n0, n1, wl); else gemm_panels<kInt4>(a, n0, n1, wl);
 }
 
 // bf16 GEMV/GEMM over weights packed for it (kernels/gemv_layout.py): a 16-channel block is

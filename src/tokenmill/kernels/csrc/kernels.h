@@ -1,15 +1,28 @@
 // tokenmill CPU kernels: argument blocks and the per-ISA kernel table.
 //
 // The kernel translation units (avx512.cpp, avx2.cpp) include no ATen header, so they
-// compile in seconds; ops.cpp checks tensors, splits work across ATen's threads and picks
-// a table at run time from the CPU's features.
+// compile in seconds; the op files (ops*.cpp) check tensors and split work across ATen's
+// threads, and ops.cpp picks a table at run time from the CPU's features.
 #pragma once
 #include <cstdint>
+#include <cstring>
 
 namespace tokenmill {
 
 // Activation / cache element formats the kernels read.
 enum Fmt : int { F32 = 0, BF16 = 1, E4M3 = 2, E5M2 = 3 };
+
+namespace {  // internal linkage: each translation unit compiles it for its own ISA
+
+// One bf16 value (its 16 bits) as fp32, exactly.
+inline float bf16_to_f32(uint16_t v) {
+  const uint32_t u = (uint32_t)v << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace
 
 struct GemmArgs {
   const uint16_t* x;    // [M, K] bf16, row stride ldx
@@ -75,11 +88,11 @@ struct RopeKvArgs {
   const void* v;            // [T, Hk, D] (token stride ldv)
   int64_t ldv;
   void* k_dst;
-  void* v_dst;              // null: V is not copied (ops.cpp converts it)
+  void* v_dst;              // null: V is not copied (ops_norm_rope.cpp converts it)
   const int64_t* dst_rows;  // [T] or null
 };
 
-// The merge after a split decode (ops.cpp's paged_decode_attention runs decode as
+// The merge after a split decode (ops_attention.cpp's paged_decode_attention runs decode as
 // PrefillArgs' work items, one query row per sequence per item): sequence b combines the
 // fp32 partial outputs [slots, Hq, D] and (max, sum) [slots, Hq, 2] of its key ranges'
 // slots [seq_slots[b], seq_slots[b+1]) into out [B, Hq * D].

@@ -5,7 +5,7 @@
 //
 // A work item is (sequence, KV heads, query tile): for a prompt chunk one KV head and up to
 // 16 query vectors (rows x its G query heads), so each K/V row read from the cache serves
-// all of them; for decode (ops.cpp's paged_decode_attention) one query row and every KV
+// all of them; for decode (ops_attention.cpp's paged_decode_attention) one query row and every KV
 // head, over the item's share of the keys when a long context is split (split-K, merged by
 // common.h's attention_merge). The item walks the keys its rows can see in tiles of kKeyTile tokens, across
 // block boundaries: scores for every query vector of the tile (K converted in registers
@@ -30,8 +30,6 @@ constexpr int kPrefillScoreTile = Vec::W == 16 ? 8 : 4;  // vectors scored per p
 // token t), so one dot product scores 16 keys of one query vector with no horizontal sums;
 // V is packed by token pairs (word = the same channel of two tokens).
 constexpr bool kBf16Dot = true;
-
-inline __mmask32 mask_words16(int64_t n) { return n >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << n) - 1u); }
 
 // 16 x 16 32-bit transpose in registers.
 inline void transpose16x16(__m512i r[16]) {
@@ -66,7 +64,7 @@ inline void transpose16x16(__m512i r[16]) {
 inline void pack_keys16(const uint16_t* kc, const int64_t* rows, int n, int64_t D, int64_t P, uint32_t* kt) {
   for (int64_t p0 = 0; p0 < P; p0 += 16) {
     __m512i r[16];
-    const __mmask32 m = mask_words16(D - 2 * p0);
+    const __mmask32 m = Vec::mask32(D - 2 * p0);
     for (int t = 0; t < 16; ++t) r[t] = t < n ? _mm512_maskz_loadu_epi16(m, kc + rows[t] + 2 * p0) : _mm512_setzero_si512();
     transpose16x16(r);
     for (int i = 0; i < 16; ++i) _mm512_store_si512(kt + (p0 + i) * 16, r[i]);

@@ -3,6 +3,7 @@
 #pragma once
 #include <immintrin.h>
 #include <cstring>
+#include "vec_exp.h"
 
 namespace {
 
@@ -73,6 +74,19 @@ struct Vec {
     std::memcpy(p, buf, n * sizeof(uint16_t));
   }
   static inline R round_bf16(R v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
+  // One float to bf16 bits, round to nearest even, as bf16_bits.
+  static inline uint16_t bf16(float f) {
+    uint32_t b;
+    std::memcpy(&b, &f, 4);
+    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+  }
+  // v rounded to nearest even into int8 (saturated), + 128 if is_unsigned: W bytes at p.
+  static inline void store_int8(uint8_t* p, R v, bool is_unsigned) {
+    const __m256i q = _mm256_cvtps_epi32(v);
+    const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64((__m128i*)p, _mm_add_epi8(_mm_packs_epi16(q16, q16), _mm_set1_epi8(is_unsigned ? (char)0x80 : 0)));
+  }
+  static inline R abs(R v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
   static inline R add(R a, R b) { return _mm256_add_ps(a, b); }
   static inline R sub(R a, R b) { return _mm256_sub_ps(a, b); }
   static inline R mul(R a, R b) { return _mm256_mul_ps(a, b); }
@@ -91,25 +105,18 @@ struct Vec {
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  static inline R exp(R x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, set1(88.3762626647949f)), set1(-87.3365447505531f));
-    R n = _mm256_round_ps(_mm256_mul_ps(x, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    R r = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), r);
-    R p = set1(1.9875691500E-4f);
-    p = fma(p, r, set1(1.3981999507E-3f));
-    p = fma(p, r, set1(8.3334519073E-3f));
-    p = fma(p, r, set1(4.1665795894E-2f));
-    p = fma(p, r, set1(1.6666665459E-1f));
-    p = fma(p, r, set1(5.0000001201E-1f));
-    p = fma(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, set1(1.0f)));
-    // 2^n: n in [-127, 128] after the clamp; build the exponent in two halves so 2^128 holds.
+  static inline R min(R a, R b) { return _mm256_min_ps(a, b); }
+  static inline R fnma(R a, R b, R c) { return _mm256_fnmadd_ps(a, b, c); }
+  static inline R round_nearest(R v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // p * 2^n: n in [-127, 128] (exp's clamp); the exponent built in two halves so 2^128 holds.
+  static inline R scale_pow2(R p, R n) {
     __m256i ni = _mm256_cvtps_epi32(n);
     __m256i half = _mm256_srai_epi32(ni, 1);
     R s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
     R s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
   }
+  static inline R exp(R x) { return exp_f32<Vec>(x); }
 };
 
 }  // namespace

@@ -2,6 +2,7 @@
 // target pragma of avx512.cpp only; every function has internal linkage.
 #pragma once
 #include <immintrin.h>
+#include "vec_exp.h"
 
 namespace {
 
@@ -9,6 +10,8 @@ struct Vec {
   using R = __m512;
   static constexpr int W = 16;
   static inline __mmask16 mask(int n) { return (__mmask16)((1u << n) - 1u); }
+  // The first n of 32 16-bit words (all of them from 32 on).
+  static inline __mmask32 mask32(int64_t n) { return n >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << n) - 1u); }
   static inline R zero() { return _mm512_setzero_ps(); }
   static inline R set1(float a) { return _mm512_set1_ps(a); }
   static inline R load_f32(const float* p, int n) {
@@ -71,6 +74,16 @@ struct Vec {
   static inline R round_bf16(R v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
   }
+  // One float to bf16 bits (round to nearest even).
+  static inline uint16_t bf16(float f) {
+    return (uint16_t)_mm_cvtsi128_si32((__m128i)_mm_cvtneps_pbh(_mm_set1_ps(f)));
+  }
+  // v rounded to nearest even into int8 (saturated), + 128 if is_unsigned: W bytes at p.
+  static inline void store_int8(uint8_t* p, R v, bool is_unsigned) {
+    const __m128i q = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v));
+    _mm_storeu_si128((__m128i*)p, _mm_add_epi8(q, _mm_set1_epi8(is_unsigned ? (char)0x80 : 0)));
+  }
+  static inline R abs(R v) { return _mm512_abs_ps(v); }
   static inline R add(R a, R b) { return _mm512_add_ps(a, b); }
   static inline R sub(R a, R b) { return _mm512_sub_ps(a, b); }
   static inline R mul(R a, R b) { return _mm512_mul_ps(a, b); }
@@ -79,21 +92,13 @@ struct Vec {
   static inline R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
   static inline float reduce_add(R v) { return _mm512_reduce_add_ps(v); }
   static inline float reduce_max(R v) { return _mm512_reduce_max_ps(v); }
-  // exp with a degree-6 polynomial on [-ln2/2, ln2/2]: about 1 ulp in fp32.
-  static inline R exp(R x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, set1(88.3762626647949f)), set1(-87.3365447505531f));
-    R n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    R r = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, set1(-2.12194440e-4f), r);
-    R p = set1(1.9875691500E-4f);
-    p = fma(p, r, set1(1.3981999507E-3f));
-    p = fma(p, r, set1(8.3334519073E-3f));
-    p = fma(p, r, set1(4.1665795894E-2f));
-    p = fma(p, r, set1(1.6666665459E-1f));
-    p = fma(p, r, set1(5.0000001201E-1f));
-    p = fma(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, set1(1.0f)));
-    return _mm512_scalef_ps(p, n);
+  static inline R min(R a, R b) { return _mm512_min_ps(a, b); }
+  static inline R fnma(R a, R b, R c) { return _mm512_fnmadd_ps(a, b, c); }
+  static inline R round_nearest(R v) {
+    return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
+  static inline R scale_pow2(R p, R n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
+  static inline R exp(R x) { return exp_f32<Vec>(x); }
 };
 
 }  // namespace

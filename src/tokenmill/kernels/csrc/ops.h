@@ -1,0 +1,124 @@
+// What the op files (ops_*.cpp) share: the active kernel table, the tensor checks, the split
+// of an op's range across ATen's threads, and the ops one file calls from another (the
+// decode step calls the others; ops.cpp registers them all).
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <tuple>
+
+#include "kernels.h"
+
+namespace tokenmill {
+
+// ---- dispatch (ops.cpp) ----------------------------------------------------------------
+// The kernel table in use (null: this CPU has neither table), and it checked non-null.
+const KernelTable*& active();
+const KernelTable& kernels();
+// Whether the Linux kernel granted this process the AMX tile state, and whether the AMX
+// kernels are on (granted, with the AVX-512 table, not switched off).
+bool amx_permitted();
+bool amx_active();
+
+int fmt_of(const at::Tensor& t);
+int act_fmt(const at::Tensor& t);  // F32 or BF16, else an error
+void check_rows(const at::Tensor& x, const char* name);
+
+// ---- threading ---------------------------------------------------------------------------
+// Every op splits [0, range) in chunks that ATen's threads claim one at a time, not in one fixed share
+// each: a thread that loses its core for a while (the server's event loop, another
+// process) leaves its chunks to the others instead of holding up the whole op. Outputs do
+// not depend on which thread computes which chunk. A range of one chunk runs inline.
+template <class F>
+void parallel_chunks(int64_t range, int64_t chunk, const F& fn) {
+  const int64_t tasks = std::min<int64_t>(at::get_num_threads(), (range + chunk - 1) / chunk);
+  if (tasks <= 1 || at::in_parallel_region()) {
+    if (range > 0) fn(int64_t{0}, range);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    for (int64_t s = next.fetch_add(chunk, std::memory_order_relaxed); s < range;
+         s = next.fetch_add(chunk, std::memory_order_relaxed))
+      fn(s, std::min(range, s + chunk));
+  });
+}
+
+inline int64_t rows_grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, width)); }
+
+// Output channels per task: whole 16-channel blocks, and no task under ~64 KB of weights.
+inline int64_t gemm_grain(int64_t K, int64_t bytes_per_weight_x2) {
+  int64_t rows = (131072 / std::max<int64_t>(1, K * bytes_per_weight_x2) + 15) / 16 * 16;
+  return std::max<int64_t>(16, rows);
+}
+
+// ---- linear ops (ops_linear.cpp) -----------------------------------------------------------
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_bf16_f32out(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias);
+at::Tensor gemv_bf16_f32out(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                            const c10::optional<at::Tensor>& bias);
+at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const at::Tensor& wsum, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_int8_f32out(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                              const at::Tensor& wsum, const c10::optional<at::Tensor>& bias);
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const at::Tensor& zeros, int64_t group_size, const c10::optional<at::Tensor>& bias);
+// The AMX tile layout's int8 / int4 products, on AMX or (vnni) on AVX-512 VNNI.
+at::Tensor int8_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, const at::Tensor& wsum,
+                      const c10::optional<at::Tensor>& bias, int64_t out_features, bool vnni);
+at::Tensor int4_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                      const at::Tensor& code_sums, const at::Tensor& offsets, int64_t group_size,
+                      const c10::optional<at::Tensor>& bias, int64_t out_features, bool vnni);
+at::Tensor linear_int8_amx(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                           const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, int64_t out_features);
+at::Tensor linear_int4_amx(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                           const at::Tensor& code_sums, const at::Tensor& offsets, int64_t group_size,
+                           const c10::optional<at::Tensor>& bias, int64_t out_features);
+at::Tensor linear_int8_vnni(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                            const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, int64_t out_features);
+at::Tensor linear_int4_vnni(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                            const at::Tensor& code_sums, const at::Tensor& offsets, int64_t group_size,
+                            const c10::optional<at::Tensor>& bias, int64_t out_features);
+
+// ---- norms, activation, RoPE (ops_norm_rope.cpp) ---------------------------------------------
+// (norm(x [+ *residual]) * weight, x + *residual); residual null: the second is undefined.
+std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor* residual,
+                                        const at::Tensor& weight, double eps);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor rope_kv_write(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                         const at::Tensor& slot_mapping, const at::Tensor& kv_scales);
+
+// ---- paged attention (ops_attention.cpp) -----------------------------------------------------
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t window, const at::Tensor& kv_scales, double softcap);
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                   const at::Tensor& query_start, double scale, int64_t window,
+                                   const at::Tensor& kv_scales, double softcap);
+
+}  // namespace tokenmill
+
+namespace torch {
+class Library;
+}
+
+namespace tokenmill {
+
+// ---- one decode step through a stack of decoder layers (ops_decode.cpp) ----------------------
+// Registers the DecodeLayers class and the decode_layers op that reads it (from ops.cpp's
+// TORCH_LIBRARY block: the class before the schema that names it).
+void register_decode_layers(torch::Library& m);
+
+}  // namespace tokenmill

@@ -1,0 +1,286 @@
+// One decode step through a stack of pre-norm decoder layers (model/fused_decode.py).
+// The same ops as the Python layers call, in the same order on the same tensors (so the
+// outputs are bit-identical), called from here: one stream's step made ~130 calls through
+// Python and the dispatcher, with module and view overheads in between, ~15% of its time.
+//
+// The layers arrive once, at start-up, as a DecodeLayers object (a torch custom class)
+// filled by name: add_layer takes a layer's fields, add_projection one projection's op and
+// that op's arguments after x, each under its name in the op's schema. Names are read here
+// once into plain structs; a missing or unknown name is an error then, not a wrong slot.
+// Each step names the object by its handle, an int: a custom-class argument costs ~15 us a
+// call in the Python dispatcher's argument parsing, more than the lists it replaced.
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "ops.h"
+
+namespace tokenmill {
+namespace {
+
+// Named fields read once: each read marks its name, and done() rejects any name not read.
+class Fields {
+ public:
+  Fields(std::string what, c10::Dict<std::string, at::Tensor> tensors, c10::Dict<std::string, int64_t> ints,
+         c10::Dict<std::string, double> floats = c10::Dict<std::string, double>())
+      : what_(std::move(what)), tensors_(std::move(tensors)), ints_(std::move(ints)), floats_(std::move(floats)) {}
+
+  at::Tensor tensor(const std::string& name) {
+    TORCH_CHECK(tensors_.contains(name), what_, ": no tensor '", name, "'");
+    used_.insert(name);
+    at::Tensor t = tensors_.at(name);
+    TORCH_CHECK(t.defined(), what_, ": tensor '", name, "' is undefined");
+    return t;
+  }
+
+  c10::optional<at::Tensor> maybe_tensor(const std::string& name) {
+    if (!tensors_.contains(name)) return c10::nullopt;
+    return tensor(name);
+  }
+
+  int64_t integer(const std::string& name) {
+    TORCH_CHECK(ints_.contains(name), what_, ": no int '", name, "'");
+    used_.insert(name);
+    return ints_.at(name);
+  }
+
+  double real(const std::string& name) {
+    TORCH_CHECK(floats_.contains(name), what_, ": no float '", name, "'");
+    used_.insert(name);
+    return floats_.at(name);
+  }
+
+  void done() const {
+    for (const auto& e : tensors_) TORCH_CHECK(used_.count(e.key()), what_, ": unexpected tensor '", e.key(), "'");
+    for (const auto& e : ints_) TORCH_CHECK(used_.count(e.key()), what_, ": unexpected int '", e.key(), "'");
+    for (const auto& e : floats_) TORCH_CHECK(used_.count(e.key()), what_, ": unexpected float '", e.key(), "'");
+  }
+
+ private:
+  std::string what_;
+  c10::Dict<std::string, at::Tensor> tensors_;
+  c10::Dict<std::string, int64_t> ints_;
+  c10::Dict<std::string, double> floats_;
+  std::set<std::string> used_;
+};
+
+// A projection as its op is called: which op, and the op's arguments after x.
+struct Projection {
+  enum class Op { kNone, kGemvBf16, kGemvF32, kInt8Rows, kInt4Rows, kInt8Amx, kInt4Amx, kInt8Vnni, kInt4Vnni };
+  Op op = Op::kNone;
+  at::Tensor weight;                   // the op's packed, weight or tiles
+  at::Tensor scales, wsum, offsets;    // wsum: the int8 ops' wsum, the int4 tile ops' code_sums
+  c10::optional<at::Tensor> bias;
+  int64_t out_features = 0, group_size = 0;
+
+  // `op` by its registered name, its arguments by their schema names.
+  static Projection parse(const std::string& what, const std::string& op, c10::Dict<std::string, at::Tensor> tensors,
+                          c10::Dict<std::string, int64_t> ints) {
+    Fields f(what + " (" + op + ")", std::move(tensors), std::move(ints));
+    Projection p;
+    if (op == "gemv_bf16" || op == "gemv_f32") {
+      p.op = op == "gemv_bf16" ? Op::kGemvBf16 : Op::kGemvF32;
+      p.weight = f.tensor("packed");
+      p.out_features = f.integer("out_features");
+    } else if (op == "linear_int8") {
+      p.op = Op::kInt8Rows;
+      p.weight = f.tensor("weight");
+      p.scales = f.tensor("scales");
+      p.wsum = f.tensor("wsum");
+    } else if (op == "linear_int4") {
+      p.op = Op::kInt4Rows;
+      p.weight = f.tensor("weight");
+      p.scales = f.tensor("scales");
+      p.offsets = f.tensor("offsets");
+      p.group_size = f.integer("group_size");
+    } else if (op == "linear_int8_amx" || op == "linear_int8_vnni") {
+      p.op = op == "linear_int8_amx" ? Op::kInt8Amx : Op::kInt8Vnni;
+      p.weight = f.tensor("tiles");
+      p.scales = f.tensor("scales");
+      p.wsum = f.tensor("wsum");
+      p.out_features = f.integer("out_features");
+    } else if (op == "linear_int4_amx" || op == "linear_int4_vnni") {
+      p.op = op == "linear_int4_amx" ? Op::kInt4Amx : Op::kInt4Vnni;
+      p.weight = f.tensor("tiles");
+      p.scales = f.tensor("scales");
+      p.wsum = f.tensor("code_sums");
+      p.offsets = f.tensor("offsets");
+      p.group_size = f.integer("group_size");
+      p.out_features = f.integer("out_features");
+    } else {
+      TORCH_CHECK(false, what, ": decode_layers does not call ", op);
+    }
+    p.bias = f.maybe_tensor("bias");
+    f.done();
+    return p;
+  }
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    switch (op) {
+      case Op::kGemvBf16: return gemv_bf16(x, weight, out_features, bias);
+      case Op::kGemvF32: return gemv_f32(x, weight, out_features, bias);
+      case Op::kInt8Rows: return linear_int8(x, weight, scales, wsum, bias);
+      case Op::kInt4Rows: return linear_int4(x, weight, scales, offsets, group_size, bias);
+      case Op::kInt8Amx:
+      case Op::kInt8Vnni: return int8_tiles(x, weight, scales, wsum, bias, out_features, op == Op::kInt8Vnni);
+      case Op::kInt4Amx:
+      case Op::kInt4Vnni:
+        return int4_tiles(x, weight, scales, wsum, offsets, group_size, bias, out_features, op == Op::kInt4Vnni);
+      default: TORCH_CHECK(false, "decode_layers: a projection was never set");
+    }
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm_weight, post_attn_norm_weight, kv_scales;
+  int64_t num_heads, num_kv_heads, head_dim, window;  // window 0: full attention
+  double input_norm_eps, post_attn_norm_eps, scale, logit_softcap;  // softcap 0: none
+  Projection qkv, o, gate_up, down;
+};
+
+struct DecodeLayers;
+
+// The live DecodeLayers objects by handle (weak: Python's reference keeps one alive).
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<int64_t, c10::weak_intrusive_ptr<DecodeLayers>> objects;
+  int64_t next = 1;
+};
+
+Registry& registry() {
+  static Registry* r = new Registry();  // never destroyed: objects may outlive static teardown
+  return *r;
+}
+
+// The layers decode_layers runs, in order (a torch custom class: tokenmill_cpu.DecodeLayers).
+struct DecodeLayers : torch::CustomClassHolder {
+  std::vector<Layer> layers;
+  int64_t id = 0;  // its handle, once asked for
+
+  // Called once the last strong reference is gone (the registry's weak one still holds the
+  // memory): unlisted, so that the memory goes too.
+  void release_resources() override {
+    if (id == 0) return;
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.objects.erase(id);
+  }
+
+  // The int that names this object to decode_layers (while Python holds the object).
+  int64_t handle() {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    if (id == 0) {
+      id = r.next++;
+      r.objects.emplace(id, c10::weak_intrusive_ptr<DecodeLayers>(c10::intrusive_ptr<DecodeLayers>::reclaim_copy(this)));
+    }
+    return id;
+  }
+
+  // The object a handle names, held for the call (an error once it was freed).
+  static c10::intrusive_ptr<DecodeLayers> find(int64_t handle) {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    const auto it = r.objects.find(handle);
+    c10::intrusive_ptr<DecodeLayers> found;
+    if (it != r.objects.end()) found = it->second.lock();
+    TORCH_CHECK(found.defined(), "decode_layers: no DecodeLayers object with handle ", handle, " (freed?)");
+    return found;
+  }
+
+  void add_layer(c10::Dict<std::string, at::Tensor> tensors, c10::Dict<std::string, int64_t> ints,
+                 c10::Dict<std::string, double> floats) {
+    Fields f("decode_layers: layer " + std::to_string(layers.size()), std::move(tensors), std::move(ints),
+             std::move(floats));
+    Layer y;
+    y.input_norm_weight = f.tensor("input_norm_weight");
+    y.post_attn_norm_weight = f.tensor("post_attn_norm_weight");
+    y.kv_scales = f.tensor("kv_scales");
+    y.num_heads = f.integer("num_heads");
+    y.num_kv_heads = f.integer("num_kv_heads");
+    y.head_dim = f.integer("head_dim");
+    y.window = f.integer("window");
+    y.input_norm_eps = f.real("input_norm_eps");
+    y.post_attn_norm_eps = f.real("post_attn_norm_eps");
+    y.scale = f.real("scale");
+    y.logit_softcap = f.real("logit_softcap");
+    f.done();
+    layers.push_back(std::move(y));
+  }
+
+  // The last added layer's projection `name` (qkv, o, gate_up or down).
+  void add_projection(const std::string& name, const std::string& op, c10::Dict<std::string, at::Tensor> tensors,
+                      c10::Dict<std::string, int64_t> ints) {
+    TORCH_CHECK(!layers.empty(), "decode_layers: add_projection before any add_layer");
+    Layer& y = layers.back();
+    const std::string what = "decode_layers: layer " + std::to_string(layers.size() - 1) + " projection " + name;
+    Projection* p = name == "qkv" ? &y.qkv : name == "o" ? &y.o : name == "gate_up" ? &y.gate_up
+                  : name == "down" ? &y.down : nullptr;
+    TORCH_CHECK(p != nullptr, what, ": expected qkv, o, gate_up or down");
+    *p = Projection::parse(what, op, std::move(tensors), std::move(ints));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+};
+
+// x [T, hidden] is the embedded batch (residual None) or, with residual, the running state
+// x + residual; returns (x, residual) after the last layer, for the final norm.
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& x_in, const c10::optional<at::Tensor>& residual_in, const at::Tensor& positions,
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, at::TensorList k_caches, at::TensorList v_caches,
+    int64_t handle) {
+  const c10::intrusive_ptr<DecodeLayers> stack = DecodeLayers::find(handle);
+  const std::vector<Layer>& layers = stack->layers;
+  const size_t L = layers.size();
+  TORCH_CHECK(k_caches.size() == L && v_caches.size() == L, "decode_layers: ", L, " layers need ", L,
+              " K and V caches, got ", k_caches.size(), " and ", v_caches.size());
+  at::Tensor x = x_in, residual = residual_in.has_value() ? *residual_in : at::Tensor();
+  const int64_t T = x.size(0);
+  for (size_t l = 0; l < L; ++l) {
+    const Layer& y = layers[l];
+    const int64_t Hq = y.num_heads, Hkv = y.num_kv_heads, D = y.head_dim;
+    at::Tensor h;
+    std::tie(h, residual) = residual.defined()
+                                ? norm(x, &residual, y.input_norm_weight, y.input_norm_eps)
+                                : std::make_tuple(std::get<0>(norm(x, nullptr, y.input_norm_weight, y.input_norm_eps)), x);
+    const at::Tensor qkv = y.qkv(h);
+    const int64_t q_size = Hq * D, kv_size = Hkv * D;
+    TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layers: qkv has ", qkv.size(1), " features, expected ",
+                q_size + 2 * kv_size);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({T, Hq, D});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, Hkv, D});
+    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv, D});
+    at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
+    q = rope_kv_write(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, y.kv_scales);
+    h = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, y.scale, y.window, y.kv_scales,
+                               y.logit_softcap);
+    h = y.o(h);
+    std::tie(h, residual) = norm(h, &residual, y.post_attn_norm_weight, y.post_attn_norm_eps);
+    h = silu_and_mul(y.gate_up(h));
+    x = y.down(h);
+  }
+  return {x, residual};
+}
+
+}  // namespace
+
+void register_decode_layers(torch::Library& m) {
+  m.class_<DecodeLayers>("DecodeLayers")
+      .def(torch::init<>())
+      .def("add_layer", &DecodeLayers::add_layer)
+      .def("add_projection", &DecodeLayers::add_projection)
+      .def("num_layers", &DecodeLayers::num_layers)
+      .def("handle", &DecodeLayers::handle);
+  m.def("decode_layers(Tensor x, Tensor? residual, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+        "int layers) -> (Tensor, Tensor)");
+  m.impl("decode_layers", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(decode_layers)));
+}
+
+}  // namespace tokenmill

@@ -1,0 +1,361 @@
+// The projections' ops: bf16 and fp32 weights (row-major, or gemv_layout's packed blocks),
+// int8 and int4 rows with activations quantized per row (W8A8) where the table does, and the
+// AMX tile layout on AMX or AVX-512 VNNI.
+#include <algorithm>
+#include <cmath>
+
+#include "ops.h"
+
+namespace tokenmill {
+namespace {
+
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t N,
+                const c10::optional<at::Tensor>& bias, int64_t grain,
+                void (*fn)(const GemmArgs&, int64_t, int64_t), int64_t range = -1, bool f32 = false,
+                bool f32_out = false) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == (f32 ? at::kFloat : at::kBFloat16), "tokenmill_cpu linear: x must be ",
+              f32 ? "float32" : "bfloat16");
+  at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(f32 || f32_out ? at::kFloat : at::kBFloat16));
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias has ", b.numel(), " elements, expected ", N);
+    args.bias = b.data_ptr<float>();
+  }
+  if (f32) {  // fp32 rows in and out (gemv_f32)
+    args.xf = x.data_ptr<float>();
+    args.yf = y.data_ptr<float>();
+  } else if (f32_out) {  // bf16 rows in, fp32 out (gemv_bf16_f32out: logits)
+    args.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    args.yf = y.data_ptr<float>();
+  } else {
+    args.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    args.y = reinterpret_cast<uint16_t*>(y.data_ptr());
+  }
+  args.ldx = x.stride(0);
+  args.M = x.size(0);
+  args.K = x.size(1);
+  args.w = w.data_ptr();
+  args.ldy = N;
+  if (args.M == 0 || N == 0) return y;
+  // The parallel dimension: output channels, or (range >= 0) the kernel's channel blocks.
+  parallel_chunks(range < 0 ? N : range, grain, [&](int64_t n0, int64_t n1) { fn(args, n0, n1); });
+  return y;
+}
+
+}  // namespace
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  check_rows(w, "weight");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) == x.size(1), "linear_bf16: weight must be bfloat16 [N, K]");
+  GemmArgs a{};
+  a.ldw = w.stride(0);
+  return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 4), kernels().gemm_bf16);
+}
+
+// linear_bf16 with its fp32 sums returned unrounded (a tied LM head's logits, read from the
+// embedding's row-major bf16 rows without a packed copy).
+at::Tensor linear_bf16_f32out(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  check_rows(w, "weight");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) == x.size(1), "linear_bf16: weight must be bfloat16 [N, K]");
+  GemmArgs a{};
+  a.ldw = w.stride(0);
+  return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 4), kernels().gemm_bf16, -1, false, true);
+}
+
+namespace {
+
+// bf16 weights packed by kernels/gemv_layout.py: [ceil(N/16), ceil(K/2), 16, 2]; bf16 out, or
+// (f32_out) the fp32 sums unrounded: an LM head's logits, where bf16's 8 bits of mantissa turn
+// close candidates into ties that greedy decoding then breaks by token id.
+at::Tensor gemv_bf16_out(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
+                         bool f32_out) {
+  check_rows(x, "x");
+  const int64_t K = x.size(1), blocks = (N + 15) / 16, kp = (K + 1) / 2;
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(0) == blocks && packed.size(1) == kp && packed.size(2) == 16 && packed.size(3) == 2,
+              "gemv_bf16: weight must be bfloat16 blocks [", blocks, ", ", kp, ", 16, 2] (kernels.gemv_layout)");
+  GemmArgs a{};
+  a.N = N;
+  // Tasks of whole blocks, ~64 KB of weights or more: each thread streams one contiguous range.
+  const int64_t grain = std::max<int64_t>(1, 65536 / (kp * 64));
+  return gemm(x, packed, a, N, bias, grain, kernels().gemv_bf16, blocks, /*f32=*/false, f32_out);
+}
+
+}  // namespace
+
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
+  return gemv_bf16_out(x, packed, N, bias, false);
+}
+
+at::Tensor gemv_bf16_f32out(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                            const c10::optional<at::Tensor>& bias) {
+  return gemv_bf16_out(x, packed, N, bias, true);
+}
+
+// fp32 weights packed by kernels/gemv_layout.py's pack_f32: [ceil(N/16), K, 16], fp32 rows in
+// and out (the same blocks-per-thread split as gemv_bf16).
+at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
+  check_rows(x, "x");
+  const int64_t K = x.size(1), blocks = (N + 15) / 16;
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == blocks && packed.size(1) == K && packed.size(2) == 16,
+              "gemv_f32: weight must be float32 blocks [", blocks, ", ", K, ", 16] (kernels.gemv_layout)");
+  GemmArgs a{};
+  a.N = N;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * 64));  // ~64 KB a task
+  return gemm(x, packed, a, N, bias, grain, kernels().gemv_f32, blocks, /*f32=*/true);
+}
+
+namespace {
+
+// Tables with quantize_rows read int8 activations (W8A8): x is quantized per row first.
+void quantize_activations(const at::Tensor& x, GemmArgs& a, bool is_unsigned, at::Tensor& xq, at::Tensor& xs,
+                          int64_t ldq = 0) {
+  const KernelTable& k = kernels();
+  if (!k.quantize_rows) return;
+  const int64_t M = x.size(0);
+  a.ldq = std::max(ldq, (x.size(1) + 63) / 64 * 64);
+  xq = at::empty({M, a.ldq}, x.options().dtype(at::kByte));
+  xs = at::empty({M}, x.options().dtype(at::kFloat));
+  a.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  a.ldx = x.stride(0);
+  a.K = x.size(1);
+  a.xq = xq.data_ptr<uint8_t>();
+  a.x_scale = xs.data_ptr<float>();
+  parallel_chunks(M, rows_grain(x.size(1)), [&](int64_t r0, int64_t r1) { k.quantize_rows(a, is_unsigned, r0, r1); });
+}
+
+at::Tensor linear_int8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                            const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, bool f32_out) {
+  check_rows(w, "weight");
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.size(1) == x.size(1), "linear_int8: weight must be int8 [N, K]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == w.size(0),
+              "linear_int8: scales must be float32 [N]");
+  GemmArgs a{};
+  a.ldw = w.stride(0);
+  TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.numel() == w.size(0),
+              "linear_int8: wsum must be int32 [N], the sum of each weight row");
+  a.scales = scales.data_ptr<float>();
+  a.wsum = wsum.data_ptr<int32_t>();
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
+  at::Tensor xq, xs;
+  quantize_activations(x, a, kernels().int8_x_unsigned, xq, xs);
+  return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 2), kernels().gemm_int8, -1, false, f32_out);
+}
+
+}  // namespace
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const at::Tensor& wsum, const c10::optional<at::Tensor>& bias) {
+  return linear_int8_rows(x, w, scales, wsum, bias, false);
+}
+
+// The same product with fp32 outputs: an int8 LM head's logits, unrounded.
+at::Tensor linear_int8_f32out(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                              const at::Tensor& wsum, const c10::optional<at::Tensor>& bias) {
+  return linear_int8_rows(x, w, scales, wsum, bias, true);
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const at::Tensor& zeros, int64_t group_size, const c10::optional<at::Tensor>& bias) {
+  check_rows(w, "weight");
+  const int64_t N = w.size(0), K = x.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.size(1) * 2 >= K && w.size(1) % 32 == 0,
+              "linear_int4: weight must be uint8 [N, K_pad / 2] with K_pad a multiple of 64 >= K");
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0, "linear_int4: group_size must be a multiple of 32");
+  const int64_t G = (w.size(1) * 2 + group_size - 1) / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == N && scales.size(1) == G &&
+                  zeros.scalar_type() == at::kFloat && zeros.is_contiguous() && zeros.sizes() == scales.sizes(),
+              "linear_int4: scales and zeros must be float32 [N, ", G, "]");
+  // Sum of the activations over each group: the zeros' share of every output (a plain loop:
+  // the ATen ops it replaces cost ~15 us a call, more than a one-row product's kernel).
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
+  const int64_t M = x.size(0), ldx = x.stride(0);
+  at::Tensor xsum = at::empty({M, G}, x.options().dtype(at::kFloat));
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  float* xs_out = xsum.data_ptr<float>();
+  parallel_chunks(M, rows_grain(K), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        float s = 0.0f;
+        for (int64_t k = g * group_size; k < std::min(K, (g + 1) * group_size); ++k) {
+          s += bf16_to_f32(xb[r * ldx + k]);
+        }
+        xs_out[r * G + g] = s;
+      }
+  });
+  GemmArgs a{};
+  a.ldw = w.stride(0);
+  a.scales = scales.data_ptr<float>();
+  a.zeros = zeros.data_ptr<float>();
+  a.xsum = xsum.data_ptr<float>();
+  a.group_size = group_size;
+  a.num_groups = G;
+  at::Tensor xq, xs;
+  // Codes padded to whole groups: the quantized rows too, so a kernel may read whole blocks.
+  if (group_size == 32 && kernels().int4_w8a8_g32) {
+    // Groups of 32 (GGUF's Q4 blocks): x quantized per row and group of 32, each with its own
+    // scale, as llama.cpp's Q8 blocks are, and the offsets' share summed from those quantized
+    // values, so the product is exactly sum(w * x_q). One scale a row let a few large
+    // activations flatten the rest (SmolLM2 Q4_1: top-1 agreement with fp32 72%), and the
+    // exact sums added offset * sum(x - x_q), offsets being ~-8 weight scales.
+    const int64_t ldq = w.size(1) * 2;
+    xq = at::zeros({M, ldq}, x.options().dtype(at::kByte));
+    xs = at::ones({M}, x.options().dtype(at::kFloat));
+    at::Tensor xg = at::empty({M, G}, x.options().dtype(at::kFloat));
+    int8_t* q = reinterpret_cast<int8_t*>(xq.data_ptr<uint8_t>());
+    float* xg_out = xg.data_ptr<float>();
+    parallel_chunks(M, rows_grain(K), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t k0 = g * group_size, k1 = std::min(K, (g + 1) * group_size);
+          float amax = 0.0f;
+          for (int64_t k = k0; k < k1; ++k) {
+            amax = std::max(amax, std::fabs(bf16_to_f32(xb[r * ldx + k])));
+          }
+          const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+          int32_t sum = 0;
+          for (int64_t k = k0; k < k1; ++k) {
+            const int32_t v = (int32_t)std::nearbyint(bf16_to_f32(xb[r * ldx + k]) * inv);
+            q[r * ldq + k] = (int8_t)v;
+            sum += v;
+          }
+          xg_out[r * G + g] = scale;
+          xs_out[r * G + g] = (float)sum * scale;
+        }
+    });
+    a.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    a.ldx = ldx;
+    a.K = K;
+    a.xq = xq.data_ptr<uint8_t>();
+    a.ldq = ldq;
+    a.x_scale = xs.data_ptr<float>();
+    a.x_group_scale = xg_out;
+    return gemm(x, w, a, N, bias, gemm_grain(K, 1), kernels().gemm_int4);
+  }
+  if (group_size % 64 == 0) quantize_activations(x, a, /*is_unsigned=*/false, xq, xs, w.size(1) * 2);
+  return gemm(x, w, a, N, bias, gemm_grain(K, 1), kernels().gemm_int4);
+}
+
+namespace {
+
+// AMX: weights in tiles [N/16, chunks, 16, 64] (int8) or [N/16, chunks, 512] (int4 nibbles).
+// ``vnni``: the same tiles through vnni_gemm on the AVX-512 table (no AMX needed).
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, AmxArgs a, const c10::optional<at::Tensor>& bias,
+                      bool vnni = false) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
+  if (vnni) {
+    TORCH_CHECK(active() == avx512_kernels(), "tokenmill_cpu: the VNNI kernels need the avx512 table");
+  } else {
+    TORCH_CHECK(amx_active(), "tokenmill_cpu: the AMX kernels are not active in this process");
+  }
+  TORCH_CHECK(tiles.is_contiguous() && tiles.dim() >= 3 && tiles.size(0) * 16 >= a.N && tiles.size(1) * 64 >= x.size(1),
+              "amx linear: weight tiles do not cover [", a.N, ", ", x.size(1), "]");
+  const int64_t M = x.size(0);
+  a.num_chunks = tiles.size(1);
+  GemmArgs q{};
+  at::Tensor xq, xs;
+  quantize_activations(x, q, /*is_unsigned=*/!(vnni && a.is_int4), xq, xs, a.num_chunks * 64);
+  a.xq = q.xq;
+  a.x_scale = q.x_scale;
+  a.ldq = q.ldq;
+  a.M = M;
+  a.w = tiles.data_ptr();
+  at::Tensor y = at::empty({M, a.N}, x.options());
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == a.N, "bias has ", b.numel(), " elements, expected ", a.N);
+    a.bias = b.data_ptr<float>();
+  }
+  a.y = reinterpret_cast<uint16_t*>(y.data_ptr());
+  a.ldy = a.N;
+  if (M == 0) return y;
+  const int64_t blocks = (a.N + 15) / 16;
+  if (vnni) {  // whole 4-block (64-channel) tiles per task
+    parallel_chunks((blocks + 3) / 4, 1, [&](int64_t p0, int64_t p1) {
+      vnni_gemm(a, 4 * p0, std::min(blocks, 4 * p1));
+    });
+    return y;
+  }
+  parallel_chunks((blocks + 1) / 2, 4, [&](int64_t p0, int64_t p1) {
+    amx_gemm(a, 2 * p0, std::min(blocks, 2 * p1));
+  });
+  return y;
+}
+
+}  // namespace
+
+at::Tensor int8_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, const at::Tensor& wsum,
+                      const c10::optional<at::Tensor>& bias, int64_t out_features, bool vnni) {
+  TORCH_CHECK(tiles.scalar_type() == at::kChar && tiles.dim() == 4, "linear_int8_amx: int8 tiles [N/16, chunks, 16, 64]");
+  const int64_t N = out_features;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && wsum.scalar_type() == at::kInt &&
+                  wsum.is_contiguous() && scales.numel() == tiles.size(0) * 16 && wsum.numel() == scales.numel(),
+              "linear_int8_amx: float32 scales and int32 row sums blocked [N/16, 16]");
+  AmxArgs a{};
+  a.N = N;
+  a.scales = scales.data_ptr<float>();
+  a.wsum = wsum.data_ptr<int32_t>();
+  return amx_linear(x, tiles, a, bias, vnni);
+}
+
+at::Tensor int4_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                      const at::Tensor& code_sums, const at::Tensor& offsets, int64_t group_size,
+                      const c10::optional<at::Tensor>& bias, int64_t out_features, bool vnni) {
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.dim() == 3 && tiles.size(2) == 512,
+              "linear_int4_amx: uint8 tiles [N/16, chunks, 512]");
+  TORCH_CHECK(group_size % 64 == 0, "linear_int4_amx: group_size must be a multiple of 64");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == tiles.size(0) && scales.size(2) == 16,
+              "linear_int4_amx: scales blocked [N/16, groups, 16]");
+  const int64_t N = out_features, G = scales.size(1), K = x.size(1);
+  TORCH_CHECK(G * group_size == tiles.size(1) * 64, "linear_int4_amx: ", G, " groups of ", group_size,
+              " do not match ", tiles.size(1), " chunks of 64");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && offsets.sizes() == scales.sizes() &&
+                  offsets.scalar_type() == at::kFloat && offsets.is_contiguous() && code_sums.sizes() == scales.sizes() &&
+                  code_sums.scalar_type() == at::kInt && code_sums.is_contiguous(),
+              "linear_int4_amx: float32 scales and offsets, int32 code sums, all [N/16, groups, 16]");
+  at::Tensor xf = x.to(at::kFloat);
+  if (G * group_size > K) xf = at::constant_pad_nd(xf, {0, G * group_size - K});
+  at::Tensor xsum = xf.view({x.size(0), G, group_size}).sum(-1).contiguous();
+  AmxArgs a{};
+  a.N = N;
+  a.is_int4 = true;
+  a.group_chunks = group_size / 64;
+  a.num_groups = G;
+  a.scales = scales.data_ptr<float>();
+  a.wsum = code_sums.data_ptr<int32_t>();
+  a.offsets = offsets.data_ptr<float>();
+  a.xsum = xsum.data_ptr<float>();
+  return amx_linear(x, tiles, a, bias, vnni);
+}
+
+at::Tensor linear_int8_amx(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                           const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return int8_tiles(x, tiles, scales, wsum, bias, out_features, /*vnni=*/false);
+}
+
+at::Tensor linear_int4_amx(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                           const at::Tensor& code_sums, const at::Tensor& offsets, int64_t group_size,
+                           const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return int4_tiles(x, tiles, scales, code_sums, offsets, group_size, bias, out_features, /*vnni=*/false);
+}
+
+// The AMX tiles on AVX-512 VNNI (vnni.cpp): CPUs with VNNI and no AMX.
+at::Tensor linear_int8_vnni(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                            const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return int8_tiles(x, tiles, scales, wsum, bias, out_features, /*vnni=*/true);
+}
+
+at::Tensor linear_int4_vnni(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                            const at::Tensor& code_sums, const at::Tensor& offsets, int64_t group_size,
+                            const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return int4_tiles(x, tiles, scales, code_sums, offsets, group_size, bias, out_features, /*vnni=*/true);
+}
+
+}  // namespace tokenmill

@@ -1,0 +1,174 @@
+// RMSNorm (with the residual add), SiLU * mul and RoPE (alone, or fused with the paged
+// KV-cache write).
+#include "ops.h"
+
+namespace tokenmill {
+
+std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor* residual,
+                                        const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  const int64_t R = x.size(0), D = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == D,
+              "rms_norm: weight must be [", D, "] in the activation dtype");
+  NormArgs a{};
+  a.fmt = act_fmt(x);
+  a.x = x.data_ptr();
+  a.ldx = x.stride(0);
+  a.D = D;
+  a.weight = weight.data_ptr();
+  a.eps = static_cast<float>(eps);
+  at::Tensor out = at::empty({R, D}, x.options());
+  at::Tensor res_out;
+  a.out = out.data_ptr();
+  if (residual) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "add_rms_norm: residual must match x");
+    res_out = at::empty({R, D}, x.options());
+    a.residual = residual->data_ptr();
+    a.ldr = residual->stride(0);
+    a.residual_out = res_out.data_ptr();
+  }
+  const KernelTable& k = kernels();
+  parallel_chunks(R, rows_grain(D), [&](int64_t r0, int64_t r1) { k.rms_norm(a, r0, r1); });
+  return {out, res_out};
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<0>(norm(x, nullptr, weight, eps));
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  return norm(x, &residual, weight, eps);
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: the last dimension must be even");
+  SiluMulArgs a{};
+  a.fmt = act_fmt(x);
+  a.D = x.size(1) / 2;
+  a.x = x.data_ptr();
+  a.ldx = x.stride(0);
+  at::Tensor out = at::empty({x.size(0), a.D}, x.options());
+  a.out = out.data_ptr();
+  const KernelTable& k = kernels();
+  parallel_chunks(x.size(0), rows_grain(a.D), [&](int64_t r0, int64_t r1) { k.silu_mul(a, r0, r1); });
+  return out;
+}
+
+namespace {
+
+// The checks and fields rope and rope_kv_write share (q, k, the tables and the positions);
+// the caller sets the outputs. `op` names the caller in the errors.
+RopeArgs rope_args(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                   const at::Tensor& sin, const at::Tensor& pos) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(2) == k.size(2) && q.size(0) == k.size(0) &&
+                  q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
+              op, ": q [T, Hq, D] and k [T, Hk, D] with contiguous heads");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), op, ": q and k dtypes differ");
+  const int64_t D = q.size(2);
+  TORCH_CHECK(D % 2 == 0, op, ": head_dim must be even");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+                  sin.scalar_type() == at::kFloat && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              op, ": cos and sin must be float32 [positions, head_dim]");
+  TORCH_CHECK(pos.numel() == q.size(0), op, ": one position per token");
+  RopeArgs a{};
+  a.fmt = act_fmt(q);
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.ldq = q.stride(0);
+  a.ldk = k.stride(0);
+  a.Hq = q.size(1);
+  a.Hk = k.size(1);
+  a.D = D;
+  a.positions = pos.data_ptr<int64_t>();
+  a.cos = cos.data_ptr<float>();
+  a.sin = sin.data_ptr<float>();
+  return a;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& cos, const at::Tensor& sin) {
+  at::Tensor pos = positions.to(at::kLong).contiguous();
+  RopeArgs a = rope_args("rope", q, k, cos, sin, pos);
+  const int64_t T = q.size(0), D = a.D;
+  at::Tensor qo = at::empty({T, a.Hq, D}, q.options()), ko = at::empty({T, a.Hk, D}, k.options());
+  a.q_out = qo.data_ptr();
+  a.k_out = ko.data_ptr();
+  const KernelTable& kt = kernels();
+  parallel_chunks(T, rows_grain((a.Hq + a.Hk) * D), [&](int64_t t0, int64_t t1) { kt.rope(a, t0, t1); });
+  return {qo, ko};
+}
+
+namespace {
+
+// One cache's rows [slots] = x, as model/attention.py's write_kv stores them: converted to
+// the cache dtype, or for fp8 divided by the layer's scale, saturated and stored as bytes.
+void store_kv(const at::Tensor& cache, const at::Tensor& x, const at::Tensor& slots, const at::Tensor& scale) {
+  const auto dt = cache.scalar_type();
+  const bool fp8 = dt == at::kFloat8_e4m3fn || dt == at::kFloat8_e5m2;
+  at::Tensor rows = (fp8 ? cache.view(at::kByte) : cache).view({-1, x.size(1), x.size(2)});
+  if (!fp8) {
+    rows.index_copy_(0, slots, x.to(dt));
+    return;
+  }
+  const double limit = dt == at::kFloat8_e4m3fn ? 448.0 : 57344.0;  // torch.finfo(dt).max
+  rows.index_copy_(0, slots, (x.to(at::kFloat) / scale).clamp(-limit, limit).to(dt).view(at::kByte));
+}
+
+}  // namespace
+
+// RoPE of q and k, then k and v stored into the caches [blocks, block_size, Hk, D] at the
+// flat slots; returns the rotated q. A cache in the activation dtype is written in place
+// by the kernel; any other dtype gets the rotated k through a scratch buffer and store_kv.
+at::Tensor rope_kv_write(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                         const at::Tensor& slot_mapping, const at::Tensor& kv_scales) {
+  at::Tensor pos = positions.to(at::kLong).contiguous();
+  RopeKvArgs a{};
+  a.rope = rope_args("rope_kv_write", q, k, cos, sin, pos);
+  RopeArgs& r = a.rope;
+  const int64_t T = q.size(0), Hk = r.Hk, D = r.D;
+  TORCH_CHECK(v.sizes() == k.sizes() && v.stride(2) == 1 && v.stride(1) == v.size(2) &&
+                  v.scalar_type() == k.scalar_type(),
+              "rope_kv_write: v must be shaped like k, with contiguous heads, and q, k, v one dtype");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  k_cache.size(2) == Hk && k_cache.size(3) == D,
+              "rope_kv_write: K and V caches [blocks, block_size, Hk, D], contiguous, one dtype");
+  at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.numel() == T, "rope_kv_write: one slot per token");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "rope_kv_write: slot ", sp[t], " outside the cache");
+  at::Tensor sc = kv_scales.to(at::kFloat).contiguous();
+  TORCH_CHECK(sc.numel() == 2, "rope_kv_write: kv_scales holds [k_scale, v_scale]");
+  at::Tensor qo = at::empty({T, r.Hq, D}, q.options());
+  r.q_out = qo.data_ptr();
+  a.v = v.data_ptr();
+  a.ldv = v.stride(0);
+  const bool in_place = k_cache.scalar_type() == q.scalar_type();
+  at::Tensor k_rot;
+  if (in_place) {
+    a.k_dst = k_cache.data_ptr();
+    a.v_dst = v_cache.data_ptr();
+    a.dst_rows = sp;
+  } else {
+    k_rot = at::empty({T, Hk, D}, k.options());
+    a.k_dst = k_rot.data_ptr();
+  }
+  const KernelTable& kt = kernels();
+  parallel_chunks(T, rows_grain((r.Hq + 2 * Hk) * D), [&](int64_t t0, int64_t t1) { kt.rope_kv(a, t0, t1); });
+  if (!in_place) {
+    store_kv(k_cache, k_rot, slots, sc.select(0, 0));
+    store_kv(v_cache, v, slots, sc.select(0, 1));
+  }
+  return qo;
+}
+
+}  // namespace tokenmill
