@@ -14,8 +14,26 @@ from dataclasses import dataclass, field
 from tokenmill.core.request import Request
 
 
+class ScheduledCounts:
+    """What the scheduler's output and a worker's batch both read off ``scheduled``."""
+
+    scheduled: list[tuple[Request, int]]
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {req.request_id: n for req, n in self.scheduled}
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
 @dataclass
-class ScheduledBatch:
+class ScheduledBatch(ScheduledCounts):
     """One step's requests (the worker's mirrors) and their KV layout."""
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
@@ -30,15 +48,3 @@ class ScheduledBatch:
     draft_catch_up: dict[str, int] = field(default_factory=dict)
     """Speculation with a draft model, per request the draft runs on this step: how many
     tokens it reads from its valid count on (see ``Scheduler._fit_draft``)."""
-
-    @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        return {req.request_id: n for req, n in self.scheduled}
-
-    @property
-    def total_num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from tokenmill.core.kv.base import Allocation, KVCacheManager
 from tokenmill.core.messages import CachedRequestData, NewRequestData, StepPlan
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduled_batch import ScheduledCounts
 
 
 @dataclass
-class SchedulerOutput:
+class SchedulerOutput(ScheduledCounts):
     """One step: the diff the workers take (``plan``) and the engine's view of it.
 
     ``plan`` is what vLLM v1's scheduler output is: a request new to the workers once
@@ -56,18 +57,6 @@ class SchedulerOutput:
         tokens it reads from its valid count on (all of its lag when it then proposes the
         request's ``num_spec_tokens``; part of it, and no proposal, when the budget is short)."""
         return self.plan.draft_catch_up
-
-    @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        return {req.request_id: n for req, n in self.scheduled}
-
-    @property
-    def total_num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:

@@ -30,6 +30,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import StepOutput
+from tokenmill.core.request import Request
 from tokenmill.core.scheduled_batch import ScheduledBatch
 from tokenmill.core.speculative import SpeculativeConfig, register_method
 from tokenmill.model.base import CausalLM
@@ -84,6 +85,20 @@ class Proposer(ABC):
 
     def drop(self, request_ids: Iterable[str]) -> None:  # noqa: B027 - optional
         """Forget finished requests' state."""
+
+
+def produced(batch: ScheduledBatch, output: StepOutput) -> list[tuple[Request, list[int]]]:
+    """The requests of ``batch`` that produced tokens this step, with those tokens (one
+    sampled, or the run verification kept), beams and pooling requests left out (the
+    engine never asks drafts for them)."""
+    done = []
+    for request, _ in batch.scheduled:
+        rid = request.request_id
+        if rid not in output.sampled or request.is_beam or request.pooling is not None:
+            continue
+        verified = output.verified.get(rid)
+        done.append((request, verified.token_ids if verified else [output.sampled[rid]]))
+    return done
 
 
 PROPOSERS: dict[str, type[Proposer]] = {}

@@ -43,7 +43,7 @@ from tokenmill.worker.draft_loop import CompiledDraftLoop
 from tokenmill.worker.kv_cache import allocate_kv_cache
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.row_forward import RowForward
-from tokenmill.worker.spec_decode.base import Proposer, ProposerContext
+from tokenmill.worker.spec_decode.base import Proposer, ProposerContext, produced
 
 logger = logging.getLogger(__name__)
 
@@ -125,14 +125,10 @@ class DraftModelProposer(Proposer):
     ) -> dict[str, int]:
         """A draft can always propose: ``limit``, or what the request may still produce."""
         counts: dict[str, int] = {}
-        for request, _ in batch.scheduled:
-            rid = request.request_id
-            if rid in output.sampled and not request.is_beam and request.pooling is None:
-                verified = output.verified.get(rid)
-                num_new = len(verified.token_ids) if verified is not None else 1
-                room = min(limit, max_draft_tokens(request) - num_new)
-                if room > 0:
-                    counts[rid] = room
+        for request, new_tokens in produced(batch, output):
+            room = min(limit, max_draft_tokens(request) - len(new_tokens))
+            if room > 0:
+                counts[request.request_id] = room
         return counts
 
     @torch.inference_mode()

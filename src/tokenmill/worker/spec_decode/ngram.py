@@ -17,7 +17,7 @@ from tokenmill.core.ngram_index import NgramIndex
 from tokenmill.core.request import Request
 from tokenmill.core.scheduled_batch import ScheduledBatch
 from tokenmill.core.speculative import max_draft_tokens
-from tokenmill.worker.spec_decode.base import Proposer, ProposerContext
+from tokenmill.worker.spec_decode.base import Proposer, ProposerContext, produced
 
 
 class NgramProposer(Proposer):
@@ -46,21 +46,18 @@ class NgramProposer(Proposer):
         self, batch: ScheduledBatch, output: StepOutput, limit: int
     ) -> dict[str, int]:
         counts: dict[str, int] = {}
-        for request, _ in batch.scheduled:
-            rid = request.request_id
-            if rid not in output.sampled:
-                continue  # its tokens did not change: what it has ready still holds
-            self._proposals.pop(rid, None)
-            if limit <= 0 or request.is_beam or request.pooling is not None:
-                continue
-            verified = output.verified.get(rid)
-            new = verified.token_ids if verified is not None else [output.sampled[rid]]
-            room = max_draft_tokens(request) - len(new)  # after the new tokens
+        for request, _ in batch.scheduled:  # what changed drops what it had ready
+            if request.request_id in output.sampled:
+                self._proposals.pop(request.request_id, None)
+        if limit <= 0:
+            return counts
+        for request, new_tokens in produced(batch, output):
+            room = max_draft_tokens(request) - len(new_tokens)  # after the new tokens
             if room > 0:
-                proposal = self._lookup(request, new, min(limit, room))
+                proposal = self._lookup(request, new_tokens, min(limit, room))
                 if proposal:
-                    self._proposals[rid] = proposal
-                    counts[rid] = len(proposal)
+                    self._proposals[request.request_id] = proposal
+                    counts[request.request_id] = len(proposal)
         return counts
 
     def _lookup(self, request: Request, new_tokens: list[int], k: int) -> list[int]:
