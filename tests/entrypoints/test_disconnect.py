@@ -30,7 +30,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.entrypoints.openai.state import ServerConfig
 
 ENGINE_CONFIG = EngineConfig(
-    model="demo", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24, num_threads=1
+    model="demo", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=24, num_threads=1
 )
 """Four running at once (the rest queue) and a 24-token step budget, so long prompts prefill in chunks."""
 NUM_ROUNDS, PER_ROUND, MAX_STEPS_BEFORE_LEAVING = 25, 8, 8
