@@ -102,7 +102,9 @@ def test_kv_dtype_and_quantization_bytes() -> None:
     assert sizing.projection_weight_bytes(64, 256, 2) == 64 * 256 * 2
     assert sizing.projection_weight_bytes(64, 256, 2, "int8") == 64 * 256 + 64 * (4 + 2)
     # int4, groups of 128: packed codes, then bf16 scale + zero and an fp32 offset per group
-    assert sizing.projection_weight_bytes(64, 256, 2, "int4") == 64 * 128 + 64 * 2 * (4 + 4)
+    assert sizing.projection_weight_bytes(64, 256, 2, "int4", 128) == 64 * 128 + 64 * 2 * (4 + 4)
+    # the default, groups of 32: four times the groups
+    assert sizing.projection_weight_bytes(64, 256, 2, "int4") == 64 * 128 + 64 * 8 * (4 + 4)
     # tokenmill's kernels: rows (fp32 scales, int32 sums) or AMX tiles (padded, blocked by 16)
     assert sizing.projection_weight_bytes(40, 70, 2, "int8", layout="rows") == 40 * 70 + 40 * 8
     assert sizing.projection_weight_bytes(40, 70, 2, "int8", layout="amx") == (
@@ -163,7 +165,7 @@ def test_weight_bytes_of_new_families_are_what_the_engine_holds(
         EngineConfig(model=str(folder), dtype=dtype, max_model_len=128, **kwargs)  # type: ignore[arg-type]
     )
     cfg = ModelConfig.from_folder(folder)
-    group_size = kwargs.get("quantization_group_size", 128)
+    group_size = kwargs.get("quantization_group_size", 32)
     layouts = {}
     if quantization is not None:  # stored as the kernel that serves them reads them
         from tokenmill.model.quant import kernel_layout

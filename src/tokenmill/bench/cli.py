@@ -565,7 +565,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("int8", "int4"),
         help="check a weight-quantized engine: top-1 agreement and KL against float32",
     )
-    verify.add_argument("--quantization-group-size", type=int, default=128, help="int4 group size")
+    verify.add_argument(  # serve's default (model.sizing.INT4_GROUP_SIZE)
+        "--quantization-group-size", type=int, default=32, help="int4 group size"
+    )
     verify.add_argument(
         "--kv-cache-dtype",
         choices=("bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"),

@@ -28,7 +28,7 @@ DTYPE_BYTES: dict[str, int] = {
 
 KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"]
 Quantization = Literal["int8", "int4"]
-INT4_GROUP_SIZE = 128
+INT4_GROUP_SIZE = 32
 """Default input channels sharing one scale and zero point in int4 weights (``--quantization-group-size``)."""
 KERNEL_SCALE_BYTES = 2
 """The int kernels take their scales in bf16/fp16 (an fp32 model's too: ``model/quant.py``)."""
