@@ -14,6 +14,7 @@ test-only quantizer whose bytes ``gguf.quants.dequantize`` reads back (checked b
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,8 +36,21 @@ GGUF_ARCH = {
     "qwen3": "qwen3",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
+    "phi3": "phi3",
+    "olmo2": "olmo2",
+    "mixtral": "llama",  # llama.cpp writes Mixtral as llama with expert tensors
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
 }
 """The ``general.architecture`` llama.cpp writes for each test family."""
+
+_EXPERT = re.compile(
+    r"model\.layers\.(?P<bid>\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<x>\d+)\."
+    r"(?P<w>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
+)
+_EXPERT_GGUF = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up"}
+_FLOAT32_2D = ("ffn_gate_inp.weight",)
+"""2-D tensors llama.cpp's converter (and its quantize tool) always keep in F32: routers."""
 
 FILE_TYPE = {
     "F32": gguf.LlamaFileType.ALL_F32,
@@ -173,10 +187,17 @@ def to_gguf_tensors(folder: Path, family: str) -> dict[str, np.ndarray]:
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(arch_enum, cfg["num_hidden_layers"])
     out = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
     weights = hf_weights(folder)
     for key, w in weights.items():
         if key == "lm_head.weight" and np.array_equal(w, weights["model.embed_tokens.weight"]):
             continue  # the embedding is the head; llama.cpp writes no output.weight
+        if m := _EXPERT.fullmatch(key):  # stacked per layer: [experts, out, in]
+            kind = _EXPERT_GGUF.get(m["w"], "down")
+            experts.setdefault(f"blk.{m['bid']}.ffn_{kind}_exps.weight", {})[int(m["x"])] = w
+            continue
+        if key.endswith("shared_expert_gate.weight"):  # [1, hidden] written as [hidden]
+            w = w.reshape(-1)
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise KeyError(f"no GGUF name for {key}")
@@ -187,6 +208,12 @@ def to_gguf_tensors(folder: Path, family: str) -> dict[str, np.ndarray]:
         if family in ("gemma2", "gemma3") and key.endswith("norm.weight"):
             w = w + 1.0
         out[name] = np.ascontiguousarray(w, dtype=np.float32)
+    rope = cfg.get("rope_parameters") or {}
+    if family == "phi3" and rope.get("rope_type") == "longrope":  # Phi3MiniModel's extras
+        out["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)
+        out["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
+    for name, per_expert in experts.items():
+        out[name] = np.stack([per_expert[x] for x in sorted(per_expert)]).astype(np.float32)
     return out
 
 
@@ -232,6 +259,19 @@ def _add_params(writer: gguf.GGUFWriter, cfg: dict, family: str, arch: str) -> N
         writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     if family in ("gemma2", "gemma3"):
         writer.add_sliding_window(cfg["sliding_window"])
+    if family == "phi3":  # Phi3MiniModel: the rotary width and the original context
+        rotary = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0)
+        writer.add_rope_dimension_count(int(head_dim * rotary))
+        writer.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
+        if cfg.get("sliding_window") is not None:
+            writer.add_sliding_window(cfg["sliding_window"])
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        writer.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    if family in ("qwen2_moe", "qwen3_moe"):
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if family == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:
@@ -283,7 +323,8 @@ def write_gguf(
     for name, w in to_gguf_tensors(hf_folder, family).items():
         if edit is not None and (w := edit(name, w)) is None:  # type: ignore[assignment]
             continue
-        kind = (types or {}).get(name, qtype if w.ndim >= 2 else "F32")
+        default = "F32" if w.ndim < 2 or name.endswith(_FLOAT32_2D) else qtype
+        kind = (types or {}).get(name, default)
         if kind == "F32":
             writer.add_tensor(name, w)
         elif kind == "F16":
@@ -304,11 +345,18 @@ def model_overrides(family: str, qtype: str = "F32") -> dict:
     """``make_model`` overrides for a model transformers' GGUF loader reads back whole.
 
     transformers reads no ``attention.key_length`` for qwen3, so its head_dim is Qwen3's
-    default 128; Gemma's head is its embedding; K types need every quantized row to be a multiple of 256 values.
+    default 128; nor Phi-3's rope scaling, nor Qwen2-MoE's and Qwen3-MoE's expert widths
+    (``expert_feed_forward_length``), so those are transformers' defaults; Gemma's head is its embedding; K types need every quantized row to be a multiple of 256 values.
     """
     over: dict = {"head_dim": 128} if family == "qwen3" else {}
     if family in ("gemma2", "gemma3"):
         over["tie_word_embeddings"] = True  # as Gemma ships; llama.cpp's gemma2 has no output
+    if family == "phi3":  # transformers reads no phi3 rope scaling: plain RoPE
+        over["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    if family == "qwen2_moe":  # transformers' defaults: its GGUF reader reads no expert widths
+        over.update(moe_intermediate_size=1408, shared_expert_intermediate_size=5632)
+    if family == "qwen3_moe":
+        over["moe_intermediate_size"] = 768
     if qtype not in K_TYPES:
         return over
     over.update(hidden_size=256, intermediate_size=512)

@@ -15,7 +15,7 @@ from tests.gguf_fixture import QTYPES, from_gguf_tensor, hf_weights, model_overr
 
 gguf = pytest.importorskip("gguf")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
 BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 
 
@@ -93,7 +93,8 @@ PARITY = [
     pytest.param(family, qtype, marks=[pytest.mark.slow] if qtype != "F32" else [])
     for family in ("llama", "qwen2", "gemma3")
     for qtype in ("F32", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
-]
+] + [pytest.param(family, "F32") for family in ("mistral", "qwen3", "gemma2")]
+"""Phi-3 and the mixture-of-experts families: ``test_gguf_families.py``."""
 
 
 def _hf_gguf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -33,17 +33,29 @@ SUPPORTED_TYPES = (
 SUPPORTED_ARCHITECTURES = (
     "gemma2",
     "gemma3",
-    "llama",  # also Mistral and Mixtral, which llama.cpp writes as llama
-    "mistral",
-    "mixtral",
-    "olmo2",
+    "llama",  # also Mistral, which llama.cpp writes as llama
     "phi3",
     "qwen2",
     "qwen2moe",
     "qwen3",
     "qwen3moe",
 )
-"""``general.architecture`` values with a model family in tokenmill's registry."""
+"""``general.architecture`` values tokenmill serves: a family in its registry that
+transformers' GGUF reader (which writes the config and tokenizer, and is the reference the
+native load is tested against) also reads."""
+
+UNREAD_ARCHITECTURES = {
+    "olmo2": "transformers' GGUF reader has no olmo2 mapping",
+}
+"""Architectures of a registry family that transformers cannot read from a GGUF file: no
+reference to check a native load against, so they are refused rather than guessed."""
+
+TRANSFORMERS_EXPERT_WIDTHS = {
+    "qwen2moe": {"expert_feed_forward_length": 1408, "expert_shared_feed_forward_length": 5632},
+    "qwen3moe": {"expert_feed_forward_length": 768},
+}
+"""The expert widths transformers' GGUF reader assumes (its config classes' defaults: it reads
+no ``expert_feed_forward_length``); a file with others would load misshapen."""
 
 
 def _fail(path: Path, problem: str) -> ModelLoadError:
@@ -77,11 +89,13 @@ def check_gguf_file(path: Path) -> None:
         raise _fail(path, f"{what} (the GGUF reader says: {detail})") from None
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
+        why = f" ({UNREAD_ARCHITECTURES[arch]})" if arch in UNREAD_ARCHITECTURES else ""
         raise _fail(
             path,
-            f"architecture {arch!r} is not supported; supported: "
+            f"architecture {arch!r} is not supported{why}; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}",
         )
+    _check_readable(path, reader, arch)
     size = path.stat().st_size
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
@@ -99,6 +113,44 @@ def check_gguf_file(path: Path) -> None:
                 f"but the file has {size}",
             )
     _check_shapes(path, reader, arch)
+
+
+def _check_readable(path: Path, reader: Any, arch: str) -> None:
+    """What transformers' GGUF reader would load as some other model, refused by name."""
+    experts = _field(reader, f"{arch}.expert_count")
+    if arch == "llama" and isinstance(experts, int) and experts > 0:
+        raise _fail(
+            path,
+            f"a llama file with {experts} experts (Mixtral) is not supported: transformers' "
+            "GGUF reader loads llama files as a dense Llama, so there is no reference load",
+        )
+    for key, width in TRANSFORMERS_EXPERT_WIDTHS.get(arch, {}).items():
+        value = _field(reader, f"{arch}.{key}")
+        if value is not None and value != width:
+            raise _fail(
+                path,
+                f"{arch}.{key} is {value}, but transformers' GGUF reader does not read it and "
+                f"assumes {width}; only {arch} files of those widths are supported",
+            )
+    if arch == "phi3":
+        factors = [t.name for t in reader.tensors if t.name.startswith("rope_factors_")]
+        if factors:
+            raise _fail(
+                path,
+                f"a phi3 file with LongRoPE factors ({', '.join(factors)}) is not supported: "
+                "transformers' GGUF reader drops them and would run plain RoPE",
+            )
+        n_embd = _field(reader, "phi3.embedding_length")
+        n_head = _field(reader, "phi3.attention.head_count")
+        rotary = _field(reader, "phi3.rope.dimension_count")
+        known = isinstance(n_embd, int) and isinstance(n_head, int) and n_head > 0
+        head = n_embd // n_head if known else None
+        if isinstance(rotary, int) and head and rotary != head:
+            raise _fail(
+                path,
+                f"phi3.rope.dimension_count is {rotary}, not the head size {head}: "
+                "transformers' GGUF reader does not read it and would rotate whole heads",
+            )
 
 
 def _check_shapes(path: Path, reader: Any, arch: str) -> None:
@@ -132,6 +184,10 @@ def _check_shapes(path: Path, reader: Any, arch: str) -> None:
             ffn_up=[n_ff, n_embd],
             ffn_down=[n_embd, n_ff],
         )
+    if arch == "phi3":  # fused projections: attn_qkv is [q|k|v], ffn_up is [gate|up]
+        want["attn_qkv"] = [(n_head + 2 * n_kv) * k_len, n_embd]
+        if isinstance(n_ff, int):
+            want["ffn_up"] = [2 * n_ff, n_embd]
     explain = (
         f"embedding_length {n_embd}, head_count {n_head}, head_count_kv {n_kv}, "
         f"key_length {k_len}, value_length {v_len}, feed_forward_length {n_ff}"

@@ -6,6 +6,11 @@ package's reader (a memory map; never a parser of our own), under the Hugging Fa
 the model registry expects (``gguf.get_tensor_name_map``, as transformers and vLLM map
 them) and with llama.cpp's conversion undone as transformers undoes it (Q/K rows of the
 ``llama`` architecture un-permuted, Gemma's norms stored as ``1 + weight`` shifted back).
+Phi-3's fused ``attn_qkv`` and ``ffn_up`` ([gate|up]) are the registry's fused tensors as
+they are. A mixture-of-experts layer's experts are stacked in one ``[experts, out, in]``
+tensor per projection (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``): each expert
+reads its own slice of it, blocks included; Qwen2-MoE's ``[1, hidden]`` shared-expert gate
+is stored as ``[hidden]``.
 
 How each tensor type runs (docs/gguf.md has the table and the precision each one loses):
 
@@ -27,8 +32,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +63,10 @@ _PERMUTED_QK = frozenset({"llama"})
 """Architectures whose Q/K rows llama.cpp's converter interleaves for its RoPE."""
 _SHIFTED_NORMS = frozenset({"gemma2", "gemma3"})
 """Architectures whose RMSNorm weights llama.cpp stores as ``1 + weight``."""
+_EXPERT = re.compile(r"(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)")
+"""A per-expert projection in the registry's names (``...mlp.experts.3.gate_proj``); llama.cpp
+stacks each layer's experts into one ``[experts, out, in]`` tensor (``ffn_gate_exps``),
+named through gguf's map of ``...mlp.experts.gate_proj`` as transformers maps it."""
 _ROWS_AT_ONCE = 4096
 """Rows dequantized at a time into a float parameter: Gemma 3's 262,144-row embedding
 dequantized whole took 671 MB in fp32 plus gguf's temporaries (3.2 GB peak at load)."""
@@ -76,6 +86,20 @@ class GGUFEntry:
     """The GGUF type's name: F32, Q4_K, ..."""
     tensor: Any
     """gguf's ``ReaderTensor``: its ``data`` maps the file."""
+    expert: int | None = None
+    """Which expert of a stacked ``[experts, out, in]`` tensor (``ffn_*_exps``) this is."""
+
+    @property
+    def data(self) -> np.ndarray:
+        """The tensor's raw array (rows first), this expert's rows only when stacked."""
+        data = self.tensor.data
+        return data if self.expert is None else data[self.expert]
+
+    @property
+    def whole(self) -> bool:
+        """Read whole rather than by rows: not a 2-D projection stored as rows (a norm, or
+        a ``[1, hidden]`` gate llama.cpp stores as ``[hidden]``)."""
+        return len(self.shape) != 2 or self.data.ndim != 2
 
 
 def source_file(folder: Path) -> Path | None:
@@ -105,7 +129,15 @@ class GGUFCheckpoint:
     ``int4_groups`` and ``float_rows`` give a projection's quantized form for the int kernels.
     """
 
-    def __init__(self, path: Path, reader: Any, arch: str, names: dict[str, str], cfg: ModelConfig):
+    def __init__(
+        self,
+        path: Path,
+        reader: Any,
+        arch: str,
+        names: dict[str, tuple[str, int | None]],
+        cfg: ModelConfig,
+    ):
+        """``names``: Hugging Face name -> (GGUF name, expert of a stacked tensor or None)."""
         self.path = path
         self.arch = arch
         self._reader = reader
@@ -113,10 +145,18 @@ class GGUFCheckpoint:
         self._num_kv_heads = int(cfg.num_kv_heads)
         tensors = {t.name: t for t in reader.tensors}
         self.entries: dict[str, GGUFEntry] = {}
-        for hf_name, gguf_name in names.items():
+        for hf_name, (gguf_name, expert) in names.items():
             t = tensors[gguf_name]
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            self.entries[hf_name] = GGUFEntry(path, shape, gguf_name, t.tensor_type.name, t)
+            if expert is not None:  # one [out, in] slice of [experts, out, in]
+                if len(shape) != 3 or expert >= shape[0]:
+                    raise ModelLoadError(
+                        f"{path}: tensor {gguf_name} has shape {list(shape)}, which holds no "
+                        f"expert {expert} for {hf_name}"
+                    )
+                shape = shape[1:]
+            entry = GGUFEntry(path, shape, gguf_name, t.tensor_type.name, t, expert)
+            self.entries[hf_name] = entry
         self.placements: Counter[tuple[str, str]] = Counter()
         """(GGUF type, where it runs) -> tensors, for the start-up log."""
 
@@ -144,9 +184,12 @@ class GGUFCheckpoint:
             return None
         name_map = get_tensor_name_map(arch_id, int(cfg.num_layers))
         present = {t.name for t in reader.tensors}
-        names: dict[str, str] = {}
+        names: dict[str, tuple[str, int | None]] = {}
         for hf_name in expected:
             base, _, suffix = hf_name.rpartition(".")
+            expert = None
+            if m := _EXPERT.fullmatch(base):  # experts.3.gate_proj -> ffn_gate_exps[3]
+                base, expert = f"{m['block']}.experts.{m['proj']}", int(m["expert"])
             gguf_base = name_map.get_name(base)
             gguf_name = f"{gguf_base}.{suffix}"
             if gguf_base is None or gguf_name not in present:
@@ -157,9 +200,12 @@ class GGUFCheckpoint:
                     gguf_name if gguf_base else "unmapped",
                 )
                 return None
-            names[hf_name] = gguf_name
+            names[hf_name] = (gguf_name, expert)
         ckpt = cls(path, reader, arch, names, cfg)
         for hf_name, entry in ckpt.entries.items():
+            if entry.shape != expected[hf_name] and expected[hf_name] == (1, *entry.shape):
+                # Qwen2-MoE's shared_expert_gate: [1, hidden], which llama.cpp stores 1-D
+                ckpt.entries[hf_name] = entry = replace(entry, shape=expected[hf_name])
             if entry.shape != expected[hf_name]:
                 raise ModelLoadError(
                     f"{path}: tensor {entry.gguf_name} has shape {list(entry.shape)}, "
@@ -180,7 +226,7 @@ class GGUFCheckpoint:
         """Fill ``out`` with tensor ``name`` dequantized (and converted to ``out``'s dtype)."""
         entry = self.entries[name]
         self.placements[(entry.qtype, str(out.dtype).removeprefix("torch."))] += 1
-        if len(entry.shape) != 2 or self._permuted(entry):  # small: whole
+        if entry.whole or self._permuted(entry):  # small: whole
             out.copy_(torch.from_numpy(self._float(entry)).view(out.shape))
             return
         rows = out.view(entry.shape)
@@ -191,7 +237,7 @@ class GGUFCheckpoint:
     def read_rows(self, name: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows [start, stop) of tensor ``name`` in ``dtype`` (tensor-parallel shards)."""
         entry = self.entries[name]
-        if len(entry.shape) != 2 or self._permuted(entry):  # rows reordered across the tensor
+        if entry.whole or self._permuted(entry):  # rows reordered across the tensor
             return torch.from_numpy(self._float(entry)[start:stop]).to(dtype)
         return torch.from_numpy(self._float(entry, start, stop)).to(dtype)  # only these rows
 
@@ -242,7 +288,7 @@ class GGUFCheckpoint:
         """Rows [lo, hi) (all by default) dequantized to fp32, llama.cpp's changes undone."""
         from gguf.quants import dequantize
 
-        data = entry.tensor.data
+        data = entry.data
         shape = entry.shape
         if hi is not None:  # rows of a 2-D tensor: the raw array's leading dimension
             data, shape = data[lo:hi], (hi - lo, *shape[1:])
@@ -272,7 +318,7 @@ def _blocks(entry: GGUFEntry) -> np.ndarray:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     _, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[entry.qtype]]
-    data = np.asarray(entry.tensor.data)
+    data = np.asarray(entry.data)
     if data.size % type_size:
         raise ModelLoadError(f"{entry.path}: tensor {entry.gguf_name} is truncated")
     return data.reshape(-1, type_size)
