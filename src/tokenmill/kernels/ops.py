@@ -368,10 +368,15 @@ class DecodeLayers(Protocol):
     the layers ``decode_layers`` runs, each field given by name and read once."""
 
     def add_layer(
-        self, tensors: dict[str, torch.Tensor], ints: dict[str, int], floats: dict[str, float]
+        self,
+        tensors: dict[str, torch.Tensor],
+        ints: dict[str, int],
+        floats: dict[str, float],
+        strings: dict[str, str],
     ) -> None:
-        """Append a layer: its norm weights, KV scales, head counts, window, eps, scale and
-        softcap, each under its name (an unknown or missing name is an error)."""
+        """Append a layer: its norm weights and eps, KV scales, head counts, window, scale,
+        softcap and activation, each under its name (an unknown or missing name is an error;
+        an optional one, such as a q/k norm, is left out where the layer has none)."""
 
     def add_projection(
         self, name: str, op: str, tensors: dict[str, torch.Tensor], ints: dict[str, int]
@@ -410,7 +415,7 @@ def decode_layers(
     v_caches: list[torch.Tensor],
     layers: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode step through a stack of pre-norm decoder layers, as ``model.fused_decode``
+    """A decode step through a stack of decoder layers, as ``model.fused_decode``
     encodes them (``layers``: the ``handle`` of a filled ``decode_layers_object``, which the
     caller keeps alive); one query row per sequence of x [B, hidden]. Returns (x, residual) after the last layer, before the final norm."""
     out: tuple[torch.Tensor, torch.Tensor] = torch.ops.tokenmill_cpu.decode_layers(
