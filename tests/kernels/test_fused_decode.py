@@ -14,7 +14,8 @@ from tokenmill.model import fused_decode
 
 PROMPTS = [[5 + (7 * i + 3 * j) % 90 for j in range(n)] for i, n in enumerate((3, 17, 40))]
 """Three sequences decoding together, at different context lengths (past Mistral's window
-of 24 by the end)."""
+of 24 and the Gemma fixtures' 8 by the end; the first starts inside Gemma's window and
+decodes past it)."""
 
 
 def _generate(engine: LLMEngine, tag: str) -> dict[str, tuple[list[int], list[float]]]:
@@ -68,6 +69,43 @@ def test_fused_decode_steps_equal_layer_by_layer(
 ) -> None:
     if engine_kwargs.get("quantization_group_size") == 32 and isa != "avx2":
         pytest.skip("groups of 32 are weight-only (no fixed kernel call) off the AVX2 table")
+    _check_fused_equals_layered(make_model, monkeypatch, family, dtype, engine_kwargs)
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype", "engine_kwargs"),
+    [
+        # per-head q/k norm
+        ("qwen3", "bfloat16", {"quantization": "int8"}),
+        ("qwen3", "float32", {}),
+        # sandwich norms with 1 + weight, per-head q/k norm, GELU-tanh, sliding layers
+        # (window 8) with a RoPE base of their own
+        ("gemma3", "bfloat16", {}),
+        ("gemma3", "float32", {}),
+        ("gemma3", "bfloat16", {"quantization": "int8", "kv_cache_dtype": "fp8"}),
+        ("gemma3", "bfloat16", {"quantization": "int4", "quantization_group_size": 64}),
+        # Gemma 2: sandwich norms, GELU-tanh, sliding layers and attention logit soft-capping
+        ("gemma2", "bfloat16", {"quantization": "int8"}),
+        ("gemma2", "float32", {}),
+    ],
+)
+def test_fused_decode_of_q_k_norm_and_sandwich_layers_equals_layer_by_layer(
+    isa: str,
+    threads: int,
+    make_model,
+    monkeypatch: pytest.MonkeyPatch,
+    family: str,
+    dtype: str,
+    engine_kwargs: dict,
+) -> None:
+    _check_fused_equals_layered(
+        make_model, monkeypatch, family, dtype, {**engine_kwargs, "num_threads": threads}
+    )
+
+
+def _check_fused_equals_layered(
+    make_model, monkeypatch: pytest.MonkeyPatch, family: str, dtype: str, engine_kwargs: dict
+) -> None:
     calls = _fused_calls(monkeypatch)
     config = EngineConfig(
         model=str(make_model(family)),
@@ -86,11 +124,24 @@ def test_fused_decode_steps_equal_layer_by_layer(
     assert fused == layered
 
 
+def test_gemma3_sliding_layers_are_encoded_with_their_own_rope(make_model) -> None:
+    engine = LLMEngine(EngineConfig(model=str(make_model("gemma3")), dtype="bfloat16"))
+    model = engine.executor.driver_worker.model
+    fused = fused_decode.encode(model.layers, torch.bfloat16, model.local_rope)
+    assert fused is not None
+    sliding, full = fused.layers  # the fixture's layer types
+    assert sliding.window == 8 and sliding.rope_cos is model.local_rope.cos
+    assert full.window == 0 and full.rope_cos is None and full.rope_sin is None
+    for layer in fused.layers:
+        assert layer.activation == "gelu_tanh_and_mul" and layer.norm_offset
+        assert layer.q_norm_weight is not None and layer.post_mlp_norm_weight is not None
+
+
 @pytest.mark.parametrize(
     ("family", "engine_kwargs"),
     [
-        ("qwen3", {}),  # per-head q/k norm
-        ("gemma3", {}),  # sandwich norms, GELU, its own RoPE on sliding layers
+        ("olmo2", {}),  # post-norm placement, q/k norm over all heads
+        ("mixtral", {}),  # a sparse MLP
     ],
 )
 def test_layers_it_cannot_encode_run_layer_by_layer(
@@ -143,14 +194,35 @@ def test_a_step_names_live_layers_only() -> None:
         kernels.decode_layers(x, ints, ints, ints, ints, ints, ints, [], [], handle)
 
 
-def _layer_fields() -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, float]]:
+def _layer_fields() -> tuple[
+    dict[str, torch.Tensor], dict[str, int], dict[str, float], dict[str, str]
+]:
     w = torch.ones(8, dtype=torch.bfloat16)
     tensors = {"input_norm_weight": w, "post_attn_norm_weight": w, "kv_scales": torch.ones(2)}
-    ints = {"num_heads": 1, "num_kv_heads": 1, "head_dim": 8, "window": 0}
+    ints = {"num_heads": 1, "num_kv_heads": 1, "head_dim": 8, "window": 0, "norm_offset": 0}
     floats = {
         "input_norm_eps": 1e-5,
         "post_attn_norm_eps": 1e-5,
         "scale": 1.0,
         "logit_softcap": 0.0,
     }
-    return tensors, ints, floats
+    return tensors, ints, floats, {"activation": "silu_and_mul"}
+
+
+def test_optional_fields_come_in_pairs() -> None:
+    """A sandwich needs both MLP norms, a q norm its k norm, a RoPE table both halves; the
+    activation is one the C++ side calls."""
+    from tokenmill import kernels
+
+    tensors, ints, floats, strings = _layer_fields()
+    w = tensors["input_norm_weight"]
+    cases = [
+        ({**tensors, "pre_mlp_norm_weight": w}, {**floats, "pre_mlp_norm_eps": 1e-6}, strings),
+        ({**tensors, "q_norm_weight": w}, {**floats, "q_norm_eps": 1e-6}, strings),
+        ({**tensors, "rope_cos": torch.ones(4, 8)}, floats, strings),
+    ]
+    for t, f, s in cases:
+        with pytest.raises(RuntimeError, match="come together"):
+            kernels.decode_layers_object().add_layer(t, ints, f, s)
+    with pytest.raises(RuntimeError, match="silu_and_mul or gelu_tanh_and_mul, got relu"):
+        kernels.decode_layers_object().add_layer(tensors, ints, floats, {"activation": "relu"})

@@ -179,11 +179,42 @@ def test_rms_norm(isa, threads, dtype, rows: int, dim: int, with_residual: bool)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "dim"), [(1, 64), (3, 37), (17, 1024), (130, 200)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_with_a_weight_offset(
+    isa, threads, dtype, rows: int, dim: int, with_residual: bool
+) -> None:
+    """Gemma's scale ``1 + weight``, applied in fp32 before the one rounding: as the torch code."""
+    norm = RMSNorm(dim, 1e-6, offset=True)
+    norm.weight.data = 0.3 * randn(dim, seed=5)
+    norm = norm.to(dtype)
+    x = randn(rows, dim, dtype=dtype)
+    residual = randn(rows, dim, dtype=dtype, seed=1) if with_residual else None
+    summed = x if residual is None else x + residual
+    got, got_sum = kernels.rms_norm(x, norm.weight, 1e-6, residual, offset=True)
+    torch.testing.assert_close(got, norm._norm(summed), **_tol(dtype))
+    torch.testing.assert_close(got_sum, summed, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "dim"), [(1, 16), (3, 37), (64, 2816), (5, 1)])
 def test_silu_and_mul(isa, threads, dtype, rows: int, dim: int) -> None:
     x = randn(rows, 2 * dim, dtype=dtype) * 4
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(kernels.silu_and_mul(x), F.silu(gate) * up, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "dim"), [(1, 16), (3, 37), (64, 2816), (5, 1)])
+def test_gelu_tanh_and_mul(isa, threads, dtype, rows: int, dim: int) -> None:
+    x = randn(rows, 2 * dim, dtype=dtype) * 4
+    gate, up = x.chunk(2, dim=-1)
+    want = F.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(kernels.gelu_tanh_and_mul(x), want, **_tol(dtype))
+    # far into both tails, where tanh saturates
+    gate = torch.linspace(-60, 60, 257, dtype=dtype).view(1, -1)
+    got = kernels.gelu_tanh_and_mul(torch.cat([gate, torch.ones_like(gate)], dim=-1))
+    torch.testing.assert_close(got, F.gelu(gate, approximate="tanh"), **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

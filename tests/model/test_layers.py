@@ -37,7 +37,8 @@ def test_longrope_uses_short_factors_below_the_original_context_and_long_from_it
 
 
 def test_gemma_offset_norm_matches_transformers_in_every_dtype() -> None:
-    """Gemma scales by ``1 + weight``: the CPU kernel (weight only) must not take it."""
+    """Gemma scales by ``1 + weight`` in fp32 before rounding: the CPU kernel (its ``offset``
+    flag) as transformers does."""
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
     from tokenmill.model.layers import RMSNorm

@@ -91,8 +91,8 @@ def describe() -> str:
         amx = "AMX not granted, not used"
     return (
         f"tokenmill CPU kernels ({active_isa()}): int8/int4 linear (W8A8), add+RMSNorm, "
-        f"SiLU*mul, RoPE (+ KV write), paged decode and prefill attention (split-K, softcap); "
-        f"{amx}"
+        f"SiLU*mul, GELU-tanh*mul, RoPE (+ KV write), paged decode and prefill attention "
+        f"(split-K, softcap); {amx}"
     )
 
 
@@ -251,14 +251,19 @@ def linear_int4_vnni(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x [+ residual]) * weight, x [+ residual]), shaped like x."""
+    """(norm(x [+ residual]) * weight, x [+ residual]), shaped like x. ``offset`` (Gemma):
+    the scale is ``1 + weight``, applied in fp32 before the one rounding to x's dtype."""
     rows = _rows(x)
     if residual is None:
-        out = torch.ops.tokenmill_cpu.rms_norm(rows, weight, eps)
+        out = torch.ops.tokenmill_cpu.rms_norm(rows, weight, eps, offset)
         return (out if rows is x else out.view(x.shape)), x
-    out, summed = torch.ops.tokenmill_cpu.add_rms_norm(rows, _rows(residual), weight, eps)
+    out, summed = torch.ops.tokenmill_cpu.add_rms_norm(rows, _rows(residual), weight, eps, offset)
     if rows is x:  # a view costs ~2 us, as much as the kernel on one decode row
         return out, summed
     return out.view(x.shape), summed.view(x.shape)
@@ -268,6 +273,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up on a fused [..., gate | up]."""
     rows = _rows(gate_up)
     out = torch.ops.tokenmill_cpu.silu_and_mul(rows)
+    return out if rows is gate_up else out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate) * up on a fused [..., gate | up], GELU in its tanh form (Gemma's
+    ``gelu_pytorch_tanh``), computed in fp32 and rounded to the dtype before the multiply."""
+    rows = _rows(gate_up)
+    out = torch.ops.tokenmill_cpu.gelu_tanh_and_mul(rows)
     return out if rows is gate_up else out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
@@ -355,10 +368,15 @@ class DecodeLayers(Protocol):
     the layers ``decode_layers`` runs, each field given by name and read once."""
 
     def add_layer(
-        self, tensors: dict[str, torch.Tensor], ints: dict[str, int], floats: dict[str, float]
+        self,
+        tensors: dict[str, torch.Tensor],
+        ints: dict[str, int],
+        floats: dict[str, float],
+        strings: dict[str, str],
     ) -> None:
-        """Append a layer: its norm weights, KV scales, head counts, window, eps, scale and
-        softcap, each under its name (an unknown or missing name is an error)."""
+        """Append a layer: its norm weights and eps, KV scales, head counts, window, scale,
+        softcap and activation, each under its name (an unknown or missing name is an error;
+        an optional one, such as a q/k norm, is left out where the layer has none)."""
 
     def add_projection(
         self, name: str, op: str, tensors: dict[str, torch.Tensor], ints: dict[str, int]
@@ -397,7 +415,7 @@ def decode_layers(
     v_caches: list[torch.Tensor],
     layers: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode step through a stack of pre-norm decoder layers, as ``model.fused_decode``
+    """A decode step through a stack of decoder layers, as ``model.fused_decode``
     encodes them (``layers``: the ``handle`` of a filled ``decode_layers_object``, which the
     caller keeps alive); one query row per sequence of x [B, hidden]. Returns (x, residual) after the last layer, before the final norm."""
     out: tuple[torch.Tensor, torch.Tensor] = torch.ops.tokenmill_cpu.decode_layers(
@@ -441,13 +459,14 @@ def register_fakes() -> None:
         torch.library.register_fake(lib + name)(
             lambda x, tiles, *rest: x.new_empty(x.shape[0], rest[-1])
         )
-    torch.library.register_fake(lib + "rms_norm")(lambda x, w, eps: torch.empty_like(x))
+    torch.library.register_fake(lib + "rms_norm")(
+        lambda x, w, eps, offset=False: torch.empty_like(x)
+    )
     torch.library.register_fake(lib + "add_rms_norm")(
-        lambda x, r, w, eps: (torch.empty_like(x), torch.empty_like(x))
+        lambda x, r, w, eps, offset=False: (torch.empty_like(x), torch.empty_like(x))
     )
-    torch.library.register_fake(lib + "silu_and_mul")(
-        lambda x: x.new_empty(x.shape[0], x.shape[1] // 2)
-    )
+    for act in ("silu_and_mul", "gelu_tanh_and_mul"):
+        torch.library.register_fake(lib + act)(lambda x: x.new_empty(x.shape[0], x.shape[1] // 2))
     torch.library.register_fake(lib + "rope")(
         lambda pos, q, k, cos, sin: (torch.empty_like(q), torch.empty_like(k))
     )

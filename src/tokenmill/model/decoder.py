@@ -224,13 +224,11 @@ class DecoderModel(CausalLM):
     def fused_decode_refusal(self, dtype: torch.dtype) -> str | None:
         if not self.attn_backend.runs_decoder_layers:
             return f"attention backend {self.attn_backend.name} attends its own way"
-        if self.local_rope is not None:
-            return "sliding layers have a RoPE of their own"
         if self.rope.is_partial:
             return "partial RoPE"
         if self.rope.cos.device.type != "cpu":
             return f"the model is on {self.rope.cos.device.type}"
-        return fused_decode.refusal(self.layers, dtype)
+        return fused_decode.refusal(self.layers, dtype, self.local_rope)
 
     def _fused_layers(
         self, x: torch.Tensor, k_cache: torch.Tensor
@@ -244,7 +242,7 @@ class DecoderModel(CausalLM):
             return None
         key = (kernels.active_isa(), x.dtype)
         if key not in self._fused:
-            self._fused[key] = fused_decode.encode(self.layers, x.dtype)
+            self._fused[key] = fused_decode.encode(self.layers, x.dtype, self.local_rope)
         fused = self._fused[key]
         return fused if fused is not None and fused.applies(x, k_cache) else None
 

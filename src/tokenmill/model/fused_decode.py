@@ -6,10 +6,13 @@ take a few microseconds (measured with torch.profiler on the 250M Llama, int8, 2
 ~3 ms of an 18 ms step outside the kernels). ``decode_layers`` makes the same calls from
 C++, in the same order on the same tensors, so its outputs are bit-identical to the
 layer-by-layer path; this module encodes the layers for it and says when it applies:
-plain pre-norm layers (Llama, Mistral, Qwen2 and the like) whose every projection has a
-tokenmill kernel for the activation dtype, on CPU, with no LoRA, no tensor-parallel hooks,
-no q/k norm, and one RoPE table for all layers. Anything else runs layer by layer, and
-``refusal`` names the first layer feature that kept it out (the start-up log says it).
+dense decoder layers with pre-norm (Llama, Mistral, Qwen2/3 and the like) or sandwich-norm
+(Gemma 2/3) placement whose every projection has a tokenmill kernel for the activation
+dtype, on CPU, with no LoRA and no tensor-parallel hooks. Per-head q/k norms (Qwen3, Gemma
+3), Gemma's ``1 + weight`` norms, GELU-tanh, sliding windows, logit soft-capping and a RoPE
+table of the sliding layers' own (Gemma 3) are optional fields of a layer. Anything else
+(post-norm or all-heads q/k norm as OLMo 2, sparse MLPs, partial RoPE) runs layer by layer,
+and ``refusal`` names the first layer feature that kept it out (the start-up log says it).
 
 Each layer is encoded by name (``EncodedLayer``, its projections as ``Projection``s) and
 handed to the C++ side by name too, once: a ``tokenmill_cpu.DecodeLayers`` object takes each
@@ -28,7 +31,13 @@ from torch import nn
 
 from tokenmill import envs, kernels
 from tokenmill.model.attention import FP8_DTYPES, _decode_kernel_applies
-from tokenmill.model.layers import Linear, RMSNorm, silu_and_mul
+from tokenmill.model.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    gelu_tanh_and_mul,
+    silu_and_mul,
+)
 from tokenmill.model.quant import QuantizedLinear
 
 ENV_SWITCH = envs.FUSED_DECODE
@@ -73,10 +82,20 @@ class Projection:
         layers.add_projection(name, self.op, tensors, ints)
 
 
+ACTIVATIONS = {silu_and_mul: "silu_and_mul", gelu_tanh_and_mul: "gelu_tanh_and_mul"}
+"""The MLP activations ``decode_layers`` calls, by their ops' names."""
+
+
 @dataclass(frozen=True)
 class EncodedLayer:
     """One decoder layer, by name: ``add_to`` passes each field to ``decode_layers``'s
-    ``DecodeLayers`` under this name."""
+    ``DecodeLayers`` under this name; an optional field that is None is left out (the layer
+    has no such part).
+
+    Norm placement: pre-norm (Llama) applies ``post_attn_norm`` with the residual add before
+    the MLP; sandwich (Gemma 2/3, ``pre_mlp_norm`` and ``post_mlp_norm`` set) applies
+    ``post_attn_norm`` to the attention output alone, ``pre_mlp_norm`` with the residual add
+    and ``post_mlp_norm`` to the MLP output."""
 
     input_norm_weight: torch.Tensor
     post_attn_norm_weight: torch.Tensor
@@ -86,33 +105,57 @@ class EncodedLayer:
     head_dim: int
     window: int
     """0: full attention."""
+    norm_offset: bool
+    """Every norm scales by ``1 + weight`` (Gemma; the kernel's ``offset`` flag)."""
     input_norm_eps: float
     post_attn_norm_eps: float
     scale: float
     logit_softcap: float
     """0: none."""
+    activation: str
+    """The MLP's gated activation, by its op's name (``ACTIVATIONS``)."""
     qkv: Projection
     o: Projection
     gate_up: Projection
     down: Projection
+    q_norm_weight: torch.Tensor | None = None
+    """Per-head RMSNorm of q, and ``k_norm_weight`` of k, after the projection and before
+    RoPE (Qwen3, Gemma 3)."""
+    q_norm_eps: float | None = None
+    k_norm_weight: torch.Tensor | None = None
+    k_norm_eps: float | None = None
+    pre_mlp_norm_weight: torch.Tensor | None = None
+    """Sandwich norms (with ``post_mlp_norm_weight``)."""
+    pre_mlp_norm_eps: float | None = None
+    post_mlp_norm_weight: torch.Tensor | None = None
+    post_mlp_norm_eps: float | None = None
+    rope_cos: torch.Tensor | None = None
+    """This layer's own RoPE table (Gemma 3's sliding layers), with ``rope_sin``; None: the
+    step's."""
+    rope_sin: torch.Tensor | None = None
 
     def add_to(self, layers: kernels.DecodeLayers) -> None:
         """Append this layer to a ``kernels.decode_layers_object``, every field by name."""
         tensors: dict[str, torch.Tensor] = {}
         ints: dict[str, int] = {}
         floats: dict[str, float] = {}
+        strings: dict[str, str] = {}
         projections: dict[str, Projection] = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if value is None:
+                continue
             if isinstance(value, Projection):
                 projections[field.name] = value
             elif isinstance(value, torch.Tensor):
                 tensors[field.name] = value
-            elif field.type == "float":
+            elif field.type == "str":
+                strings[field.name] = value
+            elif field.type.startswith("float"):  # "float" or "float | None"
                 floats[field.name] = float(value)
             else:
                 ints[field.name] = int(value)
-        layers.add_layer(tensors, ints, floats)
+        layers.add_layer(tensors, ints, floats, strings)
         for name, projection in projections.items():
             projection.add_to(layers, name)
 
@@ -169,29 +212,36 @@ def _linear(module: nn.Module) -> Projection | None:
     return None
 
 
-def _is_plain_norm(norm: nn.Module | None, dtype: torch.dtype) -> bool:
-    return (
-        type(norm) is RMSNorm
-        and not norm.offset
-        and norm.weight.dtype == dtype
-        and norm.weight.device.type == "cpu"
-    )
+def _norm_refusal(norm: nn.Module | None, dtype: torch.dtype, offset: bool) -> str | None:
+    """Why ``decode_layers`` cannot call this norm's kernel as ``RMSNorm`` does, or None."""
+    if type(norm) is not RMSNorm:
+        return f"a norm {type(norm).__name__}"
+    if norm.weight.dtype != dtype or norm.weight.device.type != "cpu":
+        return f"an RMSNorm weight in {norm.weight.dtype} on {norm.weight.device.type}"
+    if norm.offset != offset:
+        return "RMSNorms with and without a weight offset"
+    return None
 
 
 def _has_hooks(module: nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
 
-def encode(layers: nn.ModuleList, dtype: torch.dtype) -> FusedLayers | None:
+def encode(
+    layers: nn.ModuleList, dtype: torch.dtype, local_rope: RotaryEmbedding | None = None
+) -> FusedLayers | None:
     """The layers encoded for ``decode_layers`` with ``dtype`` activations, or None where any
-    layer needs the Python path."""
-    encoded = _encode(layers, dtype)
+    layer needs the Python path. ``local_rope``: the sliding layers' own RoPE (Gemma 3's
+    ``DecoderModel.local_rope``), else every layer rotates by the step's tables."""
+    encoded = _encode(layers, dtype, local_rope)
     return encoded if isinstance(encoded, FusedLayers) else None
 
 
-def refusal(layers: nn.ModuleList, dtype: torch.dtype) -> str | None:
+def refusal(
+    layers: nn.ModuleList, dtype: torch.dtype, local_rope: RotaryEmbedding | None = None
+) -> str | None:
     """Why ``encode`` refuses these layers (the first layer feature it cannot call), or None."""
-    encoded = _encode(layers, dtype)
+    encoded = _encode(layers, dtype, local_rope)
     return encoded if isinstance(encoded, str) else None
 
 
@@ -203,27 +253,36 @@ def _layer_refusal(layer: nn.Module, dtype: torch.dtype) -> str | None:
         return f"a {type(layer).__name__} layer"
     if _has_hooks(layer):
         return "forward hooks (tensor parallelism)"
-    if layer.placement != "pre":
+    if layer.placement not in ("pre", "sandwich"):
+        # OLMo 2: norms on the sublayers' outputs only, and its q/k norm over all heads
         return f"{layer.placement}-norm placement"
     attn, mlp = layer.attn, layer.mlp
     if type(attn) is not Attention:
         return f"attention {type(attn).__name__}"
     if type(mlp) is not MLP:
         return f"MLP {type(mlp).__name__}"
-    if attn.q_norm is not None or attn.k_norm is not None:
-        return "per-head q/k norm"
-    if mlp.act_and_mul is not silu_and_mul:
-        return "an activation other than SiLU"
-    if layer.pre_mlp_norm is not None or layer.post_mlp_norm is not None:
-        return "norms around the MLP (sandwich norms)"
-    if not _is_plain_norm(layer.input_norm, dtype) or not _is_plain_norm(
-        layer.post_attn_norm, dtype
-    ):
-        return "an RMSNorm with a weight offset or another dtype"
+    if (attn.q_norm is None) != (attn.k_norm is None):
+        return "a norm of q or k alone"
+    if attn.q_norm is not None and attn.qk_norm != "head":
+        return f"q/k norm over {attn.qk_norm} heads (not per head)"
+    if mlp.act_and_mul not in ACTIVATIONS:
+        return f"activation {getattr(mlp.act_and_mul, '__name__', mlp.act_and_mul)}"
+    norms = [layer.input_norm, layer.post_attn_norm]
+    if layer.placement == "sandwich":
+        norms += [layer.pre_mlp_norm, layer.post_mlp_norm]
+    if attn.q_norm is not None:
+        norms += [attn.q_norm, attn.k_norm]
+    offset = bool(layer.post_attn_norm.offset)
+    for norm in norms:
+        reason = _norm_refusal(norm, dtype, offset)
+        if reason is not None:
+            return reason
     return None
 
 
-def _encode(layers: nn.ModuleList, dtype: torch.dtype) -> FusedLayers | str:
+def _encode(
+    layers: nn.ModuleList, dtype: torch.dtype, local_rope: RotaryEmbedding | None
+) -> FusedLayers | str:
     """The encoded layers, or why they cannot be encoded."""
     if not kernels.available():
         return "tokenmill's CPU kernels are off or unavailable"
@@ -231,6 +290,8 @@ def _encode(layers: nn.ModuleList, dtype: torch.dtype) -> FusedLayers | str:
         return f"{dtype} activations"
     from tokenmill.model.decoder import MLP, Attention, DecoderLayer
 
+    if local_rope is not None and (local_rope.is_partial or local_rope.cos.device.type != "cpu"):
+        return "the sliding layers' RoPE is partial or off the CPU"
     encoded: list[EncodedLayer] = []
     attentions: list[nn.Module] = []
     for i, layer in enumerate(layers):
@@ -251,6 +312,8 @@ def _encode(layers: nn.ModuleList, dtype: torch.dtype) -> FusedLayers | str:
                 return f"layer {i}: projection {name} takes no {dtype} rows"
             projections[name] = proj
         attentions.append(attn)
+        # As DecoderModel._layer_rope: sliding layers rotate by their own table where there is one.
+        own_rope = local_rope if local_rope is not None and attn.window else None
         encoded.append(
             EncodedLayer(
                 input_norm_weight=layer.input_norm.weight,
@@ -260,11 +323,23 @@ def _encode(layers: nn.ModuleList, dtype: torch.dtype) -> FusedLayers | str:
                 num_kv_heads=attn.num_kv_heads,
                 head_dim=attn.head_dim,
                 window=attn.window or 0,
+                norm_offset=bool(layer.post_attn_norm.offset),
                 input_norm_eps=float(layer.input_norm.eps),
                 post_attn_norm_eps=float(layer.post_attn_norm.eps),
                 scale=float(attn.scale),
                 logit_softcap=float(attn.logit_softcap or 0.0),
+                activation=ACTIVATIONS[mlp.act_and_mul],
                 **projections,
+                q_norm_weight=_weight(attn.q_norm),
+                q_norm_eps=_eps(attn.q_norm),
+                k_norm_weight=_weight(attn.k_norm),
+                k_norm_eps=_eps(attn.k_norm),
+                pre_mlp_norm_weight=_weight(layer.pre_mlp_norm),
+                pre_mlp_norm_eps=_eps(layer.pre_mlp_norm),
+                post_mlp_norm_weight=_weight(layer.post_mlp_norm),
+                post_mlp_norm_eps=_eps(layer.post_mlp_norm),
+                rope_cos=None if own_rope is None else own_rope.cos,
+                rope_sin=None if own_rope is None else own_rope.sin,
             )
         )
     native = kernels.decode_layers_object()
@@ -273,6 +348,17 @@ def _encode(layers: nn.ModuleList, dtype: torch.dtype) -> FusedLayers | str:
     return FusedLayers(
         kernels.active_isa(), dtype, native, native.handle(), attentions, tuple(encoded)
     )
+
+
+def _weight(norm: nn.Module | None) -> torch.Tensor | None:
+    """An optional norm's weight for ``EncodedLayer`` (None where the layer lacks it)."""
+    assert norm is None or isinstance(norm, RMSNorm)  # _layer_refusal checked
+    return None if norm is None else norm.weight
+
+
+def _eps(norm: nn.Module | None) -> float | None:
+    assert norm is None or isinstance(norm, RMSNorm)
+    return None if norm is None else float(norm.eps)
 
 
 def run(

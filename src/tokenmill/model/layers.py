@@ -185,7 +185,8 @@ class RMSNorm(nn.Module):
     """RMSNorm; with ``residual`` it first adds it and returns the new residual too.
 
     ``offset`` is Gemma's variant: the scale is ``1 + weight`` and it is applied in fp32
-    before casting back (Llama casts first, then scales).
+    before casting back (Llama casts first, then scales); tokenmill's kernel takes both
+    (its ``offset`` flag), so the fused decode step calls the same op.
     """
 
     def __init__(self, size: int, eps: float, offset: bool = False) -> None:
@@ -205,9 +206,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # tokenmill's CPU kernel scales by ``weight``: Gemma's ``1 + weight`` stays in torch.
-        if not self.offset and kernels.supports(x, float32=True) and self.weight.dtype == x.dtype:
-            return kernels.rms_norm(x, self.weight, self.eps, residual)
+        if kernels.supports(x, float32=True) and self.weight.dtype == x.dtype:
+            return kernels.rms_norm(x, self.weight, self.eps, residual, self.offset)
         if residual is not None:
             x = x + residual
         return self._norm(x), x
@@ -223,6 +223,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """GeGLU (tanh-approximated GELU, Gemma's ``gelu_pytorch_tanh``) on a fused [gate | up]."""
+    if kernels.supports(gate_up, float32=True):  # tokenmill CPU kernel
+        return kernels.gelu_tanh_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return nn.functional.gelu(gate, approximate="tanh") * up
 

@@ -529,8 +529,9 @@ void gemv_bf16(const GemmArgs& a, int64_t b0, int64_t b1) { gemv_blocks<Bf16Tile
 void gemv_f32(const GemmArgs& a, int64_t b0, int64_t b1) { gemv_blocks<F32Tile, false>(a, b0, b1); }
 
 const tokenmill::KernelTable kTable = {
-    "avx2", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, rope_kernel,
-    attention_merge_kernel, quantize_rows, rope_kv_kernel, prefill_attention_kernel, gemv_bf16, gemv_f32,
+    "avx2", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, gelu_tanh_mul_kernel,
+    rope_kernel, attention_merge_kernel, quantize_rows, rope_kv_kernel, prefill_attention_kernel, gemv_bf16,
+    gemv_f32,
     /*int8_x_unsigned=*/false, /*int4_w8a8_g32=*/true,
 };
 

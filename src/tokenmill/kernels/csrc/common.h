@@ -1,5 +1,6 @@
 // Kernels written once over a Vec type (vec_avx512.h or vec_avx2.h): RMSNorm with a fused
-// residual add, SiLU*mul, RoPE, and the parts of paged attention prefill.h builds on.
+// residual add, SiLU*mul and GELU-tanh*mul, RoPE, and the parts of paged attention
+// prefill.h builds on.
 // Included by each ISA translation unit after its Vec; internal linkage only (no std
 // templates here, so no weak symbol compiled for one ISA can be picked for the other).
 #pragma once
@@ -38,7 +39,8 @@ inline Vec::R rnd(Vec::R v) {
 inline int chunk(int64_t total, int64_t j) { return (int)min64(Vec::W, total - j); }
 
 // out = weight * norm(x [+ residual]), as transformers: the sum rounded to the dtype,
-// statistics in fp32, the normalised row rounded before the weight multiply.
+// statistics in fp32, the normalised row rounded before the weight multiply. With a.offset
+// (Gemma) the scale is 1 + weight, applied in fp32 before the one rounding.
 template <int FMT>
 void rms_norm_impl(const tokenmill::NormArgs& a, int64_t r0, int64_t r1) {
   const int64_t D = a.D;
@@ -58,6 +60,15 @@ void rms_norm_impl(const tokenmill::NormArgs& a, int64_t r0, int64_t r1) {
     if (a.residual) { src = a.residual_out; base = r * D; }
     float inv = 1.0f / __builtin_sqrtf(Vec::reduce_add(ss) / (float)D + a.eps);
     Vec::R vinv = Vec::set1(inv);
+    if (a.offset) {  // Gemma: (x * inv) * (1 + weight) in fp32, rounded once
+      const Vec::R one = Vec::set1(1.0f);
+      for (int64_t j = 0; j < D; j += Vec::W) {
+        int n = chunk(D, j);
+        Vec::R v = Vec::mul(ld<FMT>(src, base + j, n), vinv);
+        st<FMT>(a.out, r * D + j, Vec::mul(v, Vec::add(one, ld<FMT>(a.weight, j, n))), n);
+      }
+      continue;
+    }
     for (int64_t j = 0; j < D; j += Vec::W) {
       int n = chunk(D, j);
       Vec::R v = rnd<FMT>(Vec::mul(ld<FMT>(src, base + j, n), vinv));
@@ -72,7 +83,7 @@ void rms_norm_kernel(const tokenmill::NormArgs& a, int64_t r0, int64_t r1) {
 }
 
 template <int FMT>
-void silu_mul_impl(const tokenmill::SiluMulArgs& a, int64_t r0, int64_t r1) {
+void silu_mul_impl(const tokenmill::ActMulArgs& a, int64_t r0, int64_t r1) {
   const int64_t D = a.D;
   const Vec::R one = Vec::set1(1.0f), zero = Vec::zero();
   for (int64_t r = r0; r < r1; ++r) {
@@ -86,9 +97,43 @@ void silu_mul_impl(const tokenmill::SiluMulArgs& a, int64_t r0, int64_t r1) {
   }
 }
 
-void silu_mul_kernel(const tokenmill::SiluMulArgs& a, int64_t r0, int64_t r1) {
+void silu_mul_kernel(const tokenmill::ActMulArgs& a, int64_t r0, int64_t r1) {
   if (a.fmt == tokenmill::BF16) silu_mul_impl<tokenmill::BF16>(a, r0, r1);
   else silu_mul_impl<tokenmill::F32>(a, r0, r1);
+}
+
+// tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|): no overflow at any x.
+inline Vec::R tanh_vec(Vec::R x) {
+  const Vec::R one = Vec::set1(1.0f);
+  Vec::R ax = Vec::max(x, Vec::sub(Vec::zero(), x));
+  Vec::R e = Vec::exp(Vec::mul(ax, Vec::set1(-2.0f)));
+  Vec::R t = Vec::div(Vec::sub(one, e), Vec::add(one, e));
+  return Vec::copysign(t, x);
+}
+
+// GeGLU with GELU's tanh form (Gemma's gelu_pytorch_tanh), in torch's order of operations:
+// 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) in fp32, rounded to the dtype, times up.
+template <int FMT>
+void gelu_tanh_mul_impl(const tokenmill::ActMulArgs& a, int64_t r0, int64_t r1) {
+  const int64_t D = a.D;
+  const Vec::R one = Vec::set1(1.0f), half = Vec::set1(0.5f);
+  const Vec::R beta = Vec::set1(0.7978845608028654f), kappa = Vec::set1(0.044715f);
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t j = 0; j < D; j += Vec::W) {
+      int n = chunk(D, j);
+      Vec::R g = ld<FMT>(a.x, r * a.ldx + j, n);
+      Vec::R u = ld<FMT>(a.x, r * a.ldx + D + j, n);
+      Vec::R cube = Vec::mul(Vec::mul(g, g), g);
+      Vec::R inner = Vec::mul(beta, Vec::add(g, Vec::mul(kappa, cube)));
+      Vec::R s = rnd<FMT>(Vec::mul(Vec::mul(half, g), Vec::add(one, tanh_vec(inner))));
+      st<FMT>(a.out, r * D + j, Vec::mul(s, u), n);
+    }
+  }
+}
+
+void gelu_tanh_mul_kernel(const tokenmill::ActMulArgs& a, int64_t r0, int64_t r1) {
+  if (a.fmt == tokenmill::BF16) gelu_tanh_mul_impl<tokenmill::BF16>(a, r0, r1);
+  else gelu_tanh_mul_impl<tokenmill::F32>(a, r0, r1);
 }
 
 // Rotate-half RoPE: out[j] = x[j] cos[j] - x[j+h] sin[j], out[j+h] = x[j+h] cos[j+h] + x[j] sin[j+h],
@@ -137,14 +182,10 @@ constexpr int kVecTile = Vec::W == 16 ? 4 : 2;  // vectors of head_dim per V til
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Softcap (Gemma 2): c * tanh(s / c), tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|).
+// Softcap (Gemma 2): c * tanh(s / c).
 inline Vec::R softcap_vec(Vec::R s, float cap) {
-  const Vec::R inv = Vec::set1(1.0f / cap), c = Vec::set1(cap), one = Vec::set1(1.0f);
-  Vec::R x = Vec::mul(s, inv);
-  Vec::R ax = Vec::max(x, Vec::sub(Vec::zero(), x));
-  Vec::R e = Vec::exp(Vec::mul(ax, Vec::set1(-2.0f)));
-  Vec::R t = Vec::div(Vec::sub(one, e), Vec::add(one, e));
-  return Vec::mul(Vec::copysign(t, x), c);
+  const Vec::R inv = Vec::set1(1.0f / cap), c = Vec::set1(cap);
+  return Vec::mul(tanh_vec(Vec::mul(s, inv)), c);
 }
 
 // Scores of GN heads (fp32 q rows of stride dq, padded to W) for the block's n tokens:

@@ -59,9 +59,11 @@ struct NormArgs {
   int64_t D, ldx, ldr;
   float eps;
   int fmt;              // F32 or BF16, for every tensor
+  bool offset;          // Gemma: scale by 1 + weight in fp32, one rounding at the end
 };
 
-struct SiluMulArgs {
+// A gated activation on a fused [gate | up]: act(gate) * up (SiLU, or GELU's tanh form).
+struct ActMulArgs {
   const void* x;        // [R, 2D]: gate | up
   void* out;            // [R, D]
   int64_t D, ldx;
@@ -137,12 +139,13 @@ struct PrefillArgs {
 struct KernelTable {
   const char* name;
   // Every function handles the half-open range [begin, end) of its parallel dimension:
-  // output channels (gemm), rows (norm, silu), tokens (rope), sequences or work items.
+  // output channels (gemm), rows (norm, gated activations), tokens (rope), sequences or work items.
   void (*gemm_bf16)(const GemmArgs&, int64_t, int64_t);
   void (*gemm_int8)(const GemmArgs&, int64_t, int64_t);
   void (*gemm_int4)(const GemmArgs&, int64_t, int64_t);
   void (*rms_norm)(const NormArgs&, int64_t, int64_t);
-  void (*silu_mul)(const SiluMulArgs&, int64_t, int64_t);
+  void (*silu_mul)(const ActMulArgs&, int64_t, int64_t);
+  void (*gelu_tanh_mul)(const ActMulArgs&, int64_t, int64_t);
   void (*rope)(const RopeArgs&, int64_t, int64_t);
   void (*attention_merge)(const AttnArgs&, int64_t, int64_t);    // sequences
   // Null where the int GEMMs read bf16 activations; else quantizes rows [begin, end) of

@@ -137,9 +137,10 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("linear_int8(Tensor x, Tensor weight, Tensor scales, Tensor wsum, Tensor? bias) -> Tensor");
   m.def("linear_int8_f32out(Tensor x, Tensor weight, Tensor scales, Tensor wsum, Tensor? bias) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor weight, Tensor scales, Tensor offsets, int group_size, Tensor? bias) -> Tensor");
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool offset=False) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool offset=False) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.def("rope(Tensor positions, Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("rope_kv_write(Tensor positions, Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor kv_scales) -> Tensor");
@@ -172,6 +173,7 @@ TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("rms_norm", &tokenmill::rms_norm);
   m.impl("add_rms_norm", &tokenmill::add_rms_norm);
   m.impl("silu_and_mul", &tokenmill::silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &tokenmill::gelu_tanh_and_mul);
   m.impl("rope", &tokenmill::rope);
   m.impl("paged_decode_attention", &tokenmill::paged_decode_attention);
   m.impl("rope_kv_write", &tokenmill::rope_kv_write);

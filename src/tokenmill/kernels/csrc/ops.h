@@ -87,12 +87,14 @@ at::Tensor linear_int4_vnni(const at::Tensor& x, const at::Tensor& tiles, const 
 
 // ---- norms, activation, RoPE (ops_norm_rope.cpp) ---------------------------------------------
 // (norm(x [+ *residual]) * weight, x + *residual); residual null: the second is undefined.
+// offset (Gemma): the scale is 1 + weight, applied in fp32 before the one rounding.
 std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor* residual,
-                                        const at::Tensor& weight, double eps);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+                                        const at::Tensor& weight, double eps, bool offset = false);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool offset);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& weight, double eps);
+                                                const at::Tensor& weight, double eps, bool offset);
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
                                         const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor rope_kv_write(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -1,12 +1,16 @@
-// One decode step through a stack of pre-norm decoder layers (model/fused_decode.py).
-// The same ops as the Python layers call, in the same order on the same tensors (so the
-// outputs are bit-identical), called from here: one stream's step made ~130 calls through
-// Python and the dispatcher, with module and view overheads in between, ~15% of its time.
+// One decode step through a stack of decoder layers (model/fused_decode.py): pre-norm
+// (Llama) or sandwich-norm (Gemma 2/3), with optional per-head q/k norms (Qwen3, Gemma 3),
+// Gemma's 1 + weight norms, SiLU or GELU-tanh, a sliding window, a logit softcap and a
+// RoPE table of the layer's own. The same ops as the Python layers call, in the same order
+// on the same tensors (so the outputs are bit-identical), called from here: one stream's
+// step made ~130 calls through Python and the dispatcher, with module and view overheads in
+// between, ~15% of its time.
 //
 // The layers arrive once, at start-up, as a DecodeLayers object (a torch custom class)
 // filled by name: add_layer takes a layer's fields, add_projection one projection's op and
 // that op's arguments after x, each under its name in the op's schema. Names are read here
-// once into plain structs; a missing or unknown name is an error then, not a wrong slot.
+// once into plain structs; a missing or unknown name is an error then, not a wrong slot;
+// an optional field is left out where a layer does not have it.
 // Each step names the object by its handle, an int: a custom-class argument costs ~15 us a
 // call in the Python dispatcher's argument parsing, more than the lists it replaced.
 #include <torch/custom_class.h>
@@ -27,8 +31,13 @@ namespace {
 class Fields {
  public:
   Fields(std::string what, c10::Dict<std::string, at::Tensor> tensors, c10::Dict<std::string, int64_t> ints,
-         c10::Dict<std::string, double> floats = c10::Dict<std::string, double>())
-      : what_(std::move(what)), tensors_(std::move(tensors)), ints_(std::move(ints)), floats_(std::move(floats)) {}
+         c10::Dict<std::string, double> floats = c10::Dict<std::string, double>(),
+         c10::Dict<std::string, std::string> strings = c10::Dict<std::string, std::string>())
+      : what_(std::move(what)),
+        tensors_(std::move(tensors)),
+        ints_(std::move(ints)),
+        floats_(std::move(floats)),
+        strings_(std::move(strings)) {}
 
   at::Tensor tensor(const std::string& name) {
     TORCH_CHECK(tensors_.contains(name), what_, ": no tensor '", name, "'");
@@ -55,10 +64,17 @@ class Fields {
     return floats_.at(name);
   }
 
+  std::string string(const std::string& name) {
+    TORCH_CHECK(strings_.contains(name), what_, ": no string '", name, "'");
+    used_.insert(name);
+    return strings_.at(name);
+  }
+
   void done() const {
     for (const auto& e : tensors_) TORCH_CHECK(used_.count(e.key()), what_, ": unexpected tensor '", e.key(), "'");
     for (const auto& e : ints_) TORCH_CHECK(used_.count(e.key()), what_, ": unexpected int '", e.key(), "'");
     for (const auto& e : floats_) TORCH_CHECK(used_.count(e.key()), what_, ": unexpected float '", e.key(), "'");
+    for (const auto& e : strings_) TORCH_CHECK(used_.count(e.key()), what_, ": unexpected string '", e.key(), "'");
   }
 
  private:
@@ -66,6 +82,7 @@ class Fields {
   c10::Dict<std::string, at::Tensor> tensors_;
   c10::Dict<std::string, int64_t> ints_;
   c10::Dict<std::string, double> floats_;
+  c10::Dict<std::string, std::string> strings_;
   std::set<std::string> used_;
 };
 
@@ -136,10 +153,27 @@ struct Projection {
   }
 };
 
+// One RMSNorm: its weight (undefined: the layer has none here) and eps.
+struct Norm {
+  at::Tensor weight;
+  double eps = 0.0;
+
+  bool defined() const { return weight.defined(); }
+};
+
 struct Layer {
-  at::Tensor input_norm_weight, post_attn_norm_weight, kv_scales;
+  // Pre-norm: input_norm before attention, post_attn_norm (with the residual add) before the
+  // MLP. Sandwich (Gemma 2/3, pre_mlp_norm and post_mlp_norm set): post_attn_norm on the
+  // attention output alone, pre_mlp_norm (with the residual add) before the MLP and
+  // post_mlp_norm on its output. q_norm and k_norm (Qwen3, Gemma 3): per head, after the
+  // q/k projections and before RoPE. norm_offset: every norm scales by 1 + weight (Gemma).
+  Norm input_norm, post_attn_norm, pre_mlp_norm, post_mlp_norm, q_norm, k_norm;
+  bool norm_offset = false;
+  at::Tensor kv_scales;
+  at::Tensor rope_cos, rope_sin;  // undefined: the step's tables (else this layer's own)
   int64_t num_heads, num_kv_heads, head_dim, window;  // window 0: full attention
-  double input_norm_eps, post_attn_norm_eps, scale, logit_softcap;  // softcap 0: none
+  double scale, logit_softcap;  // softcap 0: none
+  bool gelu_tanh = false;       // the MLP's activation: GELU-tanh, else SiLU
   Projection qkv, o, gate_up, down;
 };
 
@@ -194,21 +228,46 @@ struct DecodeLayers : torch::CustomClassHolder {
   }
 
   void add_layer(c10::Dict<std::string, at::Tensor> tensors, c10::Dict<std::string, int64_t> ints,
-                 c10::Dict<std::string, double> floats) {
-    Fields f("decode_layers: layer " + std::to_string(layers.size()), std::move(tensors), std::move(ints),
-             std::move(floats));
+                 c10::Dict<std::string, double> floats, c10::Dict<std::string, std::string> strings) {
+    const std::string what = "decode_layers: layer " + std::to_string(layers.size());
+    Fields f(what, std::move(tensors), std::move(ints), std::move(floats), std::move(strings));
+    const auto norm_of = [&f](const std::string& name, bool required) {
+      Norm n;
+      const c10::optional<at::Tensor> w = required ? f.tensor(name + "_weight") : f.maybe_tensor(name + "_weight");
+      if (w.has_value()) {
+        n.weight = *w;
+        n.eps = f.real(name + "_eps");
+      }
+      return n;
+    };
     Layer y;
-    y.input_norm_weight = f.tensor("input_norm_weight");
-    y.post_attn_norm_weight = f.tensor("post_attn_norm_weight");
+    y.input_norm = norm_of("input_norm", true);
+    y.post_attn_norm = norm_of("post_attn_norm", true);
+    y.pre_mlp_norm = norm_of("pre_mlp_norm", false);
+    y.post_mlp_norm = norm_of("post_mlp_norm", false);
+    y.q_norm = norm_of("q_norm", false);
+    y.k_norm = norm_of("k_norm", false);
+    TORCH_CHECK(y.pre_mlp_norm.defined() == y.post_mlp_norm.defined(), what,
+                ": pre_mlp_norm and post_mlp_norm come together (sandwich norms)");
+    TORCH_CHECK(y.q_norm.defined() == y.k_norm.defined(), what, ": q_norm and k_norm come together");
+    y.norm_offset = f.integer("norm_offset") != 0;
     y.kv_scales = f.tensor("kv_scales");
+    const c10::optional<at::Tensor> cos = f.maybe_tensor("rope_cos"), sin = f.maybe_tensor("rope_sin");
+    TORCH_CHECK(cos.has_value() == sin.has_value(), what, ": rope_cos and rope_sin come together");
+    if (cos.has_value()) {
+      y.rope_cos = *cos;
+      y.rope_sin = *sin;
+    }
     y.num_heads = f.integer("num_heads");
     y.num_kv_heads = f.integer("num_kv_heads");
     y.head_dim = f.integer("head_dim");
     y.window = f.integer("window");
-    y.input_norm_eps = f.real("input_norm_eps");
-    y.post_attn_norm_eps = f.real("post_attn_norm_eps");
     y.scale = f.real("scale");
     y.logit_softcap = f.real("logit_softcap");
+    const std::string act = f.string("activation");
+    TORCH_CHECK(act == "silu_and_mul" || act == "gelu_tanh_and_mul", what,
+                ": activation must be silu_and_mul or gelu_tanh_and_mul, got ", act);
+    y.gelu_tanh = act == "gelu_tanh_and_mul";
     f.done();
     layers.push_back(std::move(y));
   }
@@ -245,10 +304,22 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   for (size_t l = 0; l < L; ++l) {
     const Layer& y = layers[l];
     const int64_t Hq = y.num_heads, Hkv = y.num_kv_heads, D = y.head_dim;
+    // RMSNorm of h alone (as RMSNorm(h) returns it), or of h + residual (the new residual too).
+    const auto alone = [&y](const at::Tensor& h, const Norm& n) {
+      return std::get<0>(norm(h, nullptr, n.weight, n.eps, y.norm_offset));
+    };
+    const auto with_residual = [&y, &residual](const at::Tensor& h, const Norm& n) {
+      at::Tensor out;
+      std::tie(out, residual) = norm(h, &residual, n.weight, n.eps, y.norm_offset);
+      return out;
+    };
     at::Tensor h;
-    std::tie(h, residual) = residual.defined()
-                                ? norm(x, &residual, y.input_norm_weight, y.input_norm_eps)
-                                : std::make_tuple(std::get<0>(norm(x, nullptr, y.input_norm_weight, y.input_norm_eps)), x);
+    if (residual.defined()) {
+      h = with_residual(x, y.input_norm);
+    } else {
+      h = alone(x, y.input_norm);
+      residual = x;
+    }
     const at::Tensor qkv = y.qkv(h);
     const int64_t q_size = Hq * D, kv_size = Hkv * D;
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layers: qkv has ", qkv.size(1), " features, expected ",
@@ -256,14 +327,24 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     at::Tensor q = qkv.narrow(1, 0, q_size).view({T, Hq, D});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, Hkv, D});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv, D});
+    if (y.q_norm.defined()) {  // per head, as RMSNorm on [T, H, D] (kernels.rms_norm's rows)
+      q = alone(q.reshape({-1, D}), y.q_norm).view({T, Hq, D});
+      k = alone(k.reshape({-1, D}), y.k_norm).view({T, Hkv, D});
+    }
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
-    q = rope_kv_write(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, y.kv_scales);
+    const bool own_rope = y.rope_cos.defined();
+    q = rope_kv_write(positions, q, k, v, own_rope ? y.rope_cos : cos, own_rope ? y.rope_sin : sin, k_cache,
+                      v_cache, slot_mapping, y.kv_scales);
     h = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, y.scale, y.window, y.kv_scales,
                                y.logit_softcap);
     h = y.o(h);
-    std::tie(h, residual) = norm(h, &residual, y.post_attn_norm_weight, y.post_attn_norm_eps);
-    h = silu_and_mul(y.gate_up(h));
+    const bool sandwich = y.pre_mlp_norm.defined();
+    if (sandwich) h = alone(h, y.post_attn_norm);
+    h = with_residual(h, sandwich ? y.pre_mlp_norm : y.post_attn_norm);
+    h = y.gate_up(h);
+    h = y.gelu_tanh ? gelu_tanh_and_mul(h) : silu_and_mul(h);
     x = y.down(h);
+    if (sandwich) x = alone(x, y.post_mlp_norm);
   }
   return {x, residual};
 }

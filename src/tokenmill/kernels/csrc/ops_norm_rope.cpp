@@ -1,11 +1,11 @@
-// RMSNorm (with the residual add), SiLU * mul and RoPE (alone, or fused with the paged
+// RMSNorm (with the residual add), SiLU * mul and GELU-tanh * mul, and RoPE (alone, or fused with the paged
 // KV-cache write).
 #include "ops.h"
 
 namespace tokenmill {
 
 std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor* residual,
-                                        const at::Tensor& weight, double eps) {
+                                        const at::Tensor& weight, double eps, bool offset) {
   check_rows(x, "x");
   const int64_t R = x.size(0), D = x.size(1);
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == D,
@@ -17,6 +17,7 @@ std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor* r
   a.D = D;
   a.weight = weight.data_ptr();
   a.eps = static_cast<float>(eps);
+  a.offset = offset;
   at::Tensor out = at::empty({R, D}, x.options());
   at::Tensor res_out;
   a.out = out.data_ptr();
@@ -34,28 +35,40 @@ std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const at::Tensor* r
   return {out, res_out};
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return std::get<0>(norm(x, nullptr, weight, eps));
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool offset) {
+  return std::get<0>(norm(x, nullptr, weight, eps, offset));
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& weight, double eps) {
-  return norm(x, &residual, weight, eps);
+                                                const at::Tensor& weight, double eps, bool offset) {
+  return norm(x, &residual, weight, eps, offset);
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x) {
+namespace {
+
+// act(gate) * up over x [R, 2D] = [gate | up], by one of the table's gated activations.
+at::Tensor act_and_mul(const at::Tensor& x, void (*KernelTable::*fn)(const ActMulArgs&, int64_t, int64_t),
+                       const char* op) {
   check_rows(x, "x");
-  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: the last dimension must be even");
-  SiluMulArgs a{};
+  TORCH_CHECK(x.size(1) % 2 == 0, op, ": the last dimension must be even");
+  ActMulArgs a{};
   a.fmt = act_fmt(x);
   a.D = x.size(1) / 2;
   a.x = x.data_ptr();
   a.ldx = x.stride(0);
   at::Tensor out = at::empty({x.size(0), a.D}, x.options());
   a.out = out.data_ptr();
-  const KernelTable& k = kernels();
-  parallel_chunks(x.size(0), rows_grain(a.D), [&](int64_t r0, int64_t r1) { k.silu_mul(a, r0, r1); });
+  const auto kernel = kernels().*fn;
+  parallel_chunks(x.size(0), rows_grain(a.D), [&](int64_t r0, int64_t r1) { kernel(a, r0, r1); });
   return out;
+}
+
+}  // namespace
+
+at::Tensor silu_and_mul(const at::Tensor& x) { return act_and_mul(x, &KernelTable::silu_mul, "silu_and_mul"); }
+
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+  return act_and_mul(x, &KernelTable::gelu_tanh_mul, "gelu_tanh_and_mul");
 }
 
 namespace {
