@@ -67,7 +67,7 @@ def convert(hf_dir: str, name: str) -> None:
 
 def inner(hf_dir: str, outtype: str, target: str) -> None:
     """Inside the peers' venv: llama.cpp's converter, told the pre-tokenizer."""
-    # Not this folder: its kernels.py would shadow the `kernels` package transformers probes.
+    # Not this folder: a module here named like a package transformers probes would shadow it.
     here = Path(__file__).resolve().parent
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     sys.path.insert(0, str(SRC))

@@ -64,7 +64,7 @@ def main() -> None:
         "files": {},
     }
     for gguf in args.gguf:
-        saved = sys.path[:]  # benchmarks/kernels.py would shadow the `kernels` package
+        saved = sys.path[:]  # a module here could shadow a package transformers probes
         here = str(Path(__file__).resolve().parent)
         sys.path[:] = [p for p in sys.path if p not in ("", here)]
         try:

@@ -7,8 +7,8 @@ model/quant.py dispatches), add + RMSNorm, SiLU*mul, RoPE and paged decode atten
 vs the torch code in model/). With ``--profile``, one decode step of the 250M model (16
 sequences, short and long context) under torch.profiler with the kernels off and on.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/kernels.py --threads 2
-    PYTHONPATH=src .venv/bin/python benchmarks/kernels.py --profile
+    PYTHONPATH=src .venv/bin/python benchmarks/kernel_ops.py --threads 2
+    PYTHONPATH=src .venv/bin/python benchmarks/kernel_ops.py --profile
 """
 
 from __future__ import annotations
