@@ -54,7 +54,7 @@ class EngineConfig:
     quantization: Quantization | None = field(default=None, metadata={"aliases": ("-q",)})
     """Weight-only quantization applied at load: int8 (per output channel) or int4 (group-wise)."""
     quantization_group_size: int = 32
-    """int4 only: input channels sharing one scale and zero point (32, 64, 128 or 256); 32, as llama.cpp's Q4 blocks, keeps real models' answers (SmolLM2-135M: 94% top-1 agreement with float32 at 32, 63% at 128)."""
+    """int4 only: input channels sharing one scale and zero point (32, 64, 128 or 256); 32, as llama.cpp's Q4 blocks, keeps real models' answers (docs/benchmarks.md: SmolLM2-135M passes verify at 32, fails at 128)."""
     kv_cache_dtype: KVCacheDType = "auto"
     """KV cache storage: auto (the model dtype), float32, bfloat16, float16, fp8 (= fp8_e4m3) or fp8_e5m2 (fp8 with per-layer scales)."""
     device: str = "auto"
