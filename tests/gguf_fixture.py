@@ -17,6 +17,7 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -365,3 +366,50 @@ def model_overrides(family: str, qtype: str = "F32") -> dict:
     if family in ("gemma2", "gemma3"):
         over["query_pre_attn_scalar"] = 64
     return over
+
+
+# ---- what the GGUF test modules share -------------------------------------------------------
+def layer_projections(llm: Any) -> dict[str, Any]:
+    """Every projection of the layers but MoE routers (kept in float, as llama.cpp does)."""
+    model = llm.engine.executor.driver_worker.model
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if name.startswith("layers.")
+        and hasattr(module, "out_features")
+        and not name.endswith(("router", "shared_expert_gate"))
+    }
+
+
+def float_weight(linear: Any, in_features: int) -> Any:
+    """A float projection's weight [out, in] from its forward (the loader packs it away):
+    identity rows in, W^T (+ bias) out, exact in float32."""
+    import torch
+
+    out = linear(torch.eye(in_features))
+    if linear.bias is not None:
+        out = out - linear.bias
+    return out.t().float()
+
+
+def assert_blocks_as_in_the_file(native: Any, reference: Any, kind: type) -> dict[str, Any]:
+    """The native load's projections are ``kind`` and hold the float32 load's weights: exactly
+    for int4 groups (the file's own codes, scales and offsets), within half a step for int8
+    per channel. Returns the pairs (name -> (ours, theirs)) for further checks."""
+    import torch
+
+    from tokenmill.model.quant import Int4Linear, QuantizedLinear
+
+    ours, theirs = layer_projections(native), layer_projections(reference)
+    assert ours.keys() == theirs.keys() and ours
+    for name, module in ours.items():
+        assert isinstance(module, kind), (name, type(module))
+        assert not isinstance(theirs[name], QuantizedLinear), name
+        want = float_weight(theirs[name], module.in_features)
+        got = module.dequantize(torch.float32)
+        if kind is Int4Linear:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=name)
+        else:
+            step = module.scales[:, None]
+            assert ((got - want).abs() <= step / 2 + 1e-6).all(), name
+    return {name: (module, theirs[name]) for name, module in ours.items()}

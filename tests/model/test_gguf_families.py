@@ -12,39 +12,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from tests.gguf_fixture import hf_weights, model_overrides, to_gguf_tensors, write_gguf
+from tests.gguf_fixture import (
+    assert_blocks_as_in_the_file,
+    hf_weights,
+    model_overrides,
+    to_gguf_tensors,
+    write_gguf,
+)
 from tests.model.test_gguf_fixtures import PROMPTS, _hf_gguf_greedy
-from tests.model.test_gguf_native import _weight
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.gguf_checks import check_gguf_file
-from tokenmill.model.quant import Int4Linear, Int8Linear, QuantizedLinear
+from tokenmill.model.quant import Int4Linear, Int8Linear
 
 gguf = pytest.importorskip("gguf")
 
+pytestmark = pytest.mark.usefixtures("own_gguf_cache")
+"""Converted GGUF folders go to a per-session cache, not the repository's."""
+
 FAMILIES = ["phi3", "qwen2_moe", "qwen3_moe"]
-
-
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path_factory.getbasetemp() / "tm-cache"))
-
-
-@pytest.fixture(scope="module")
-def gguf_file(make_model, tmp_path_factory):
-    """``gguf_file(family, qtype) -> (hf folder, gguf path)``, written once per module."""
-    cache: dict[tuple[str, str], tuple[Path, Path]] = {}
-    out = tmp_path_factory.mktemp("gguf-families")
-
-    def get(family: str, qtype: str) -> tuple[Path, Path]:
-        if (family, qtype) not in cache:
-            folder = make_model(family, **model_overrides(family, qtype))
-            path = write_gguf(folder, out / f"{family}-{qtype}.gguf", family, qtype)
-            cache[family, qtype] = (folder, path)
-        return cache[family, qtype]
-
-    return get
 
 
 def test_experts_are_stacked_per_layer_as_llama_cpp_writes_them(gguf_file) -> None:
@@ -89,18 +75,6 @@ CASES = [
 ]
 
 
-def _projections(llm) -> dict[str, torch.nn.Module]:
-    """Every projection of the layers but the routers (kept in float, as llama.cpp does)."""
-    model = llm.engine.executor.driver_worker.model
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if name.startswith("layers.")
-        and hasattr(module, "out_features")
-        and not name.endswith(("router", "shared_expert_gate"))
-    }
-
-
 @pytest.mark.parametrize(("family", "qtype", "kind"), CASES)
 def test_quantized_blocks_run_as_they_are(gguf_file, family, qtype, kind) -> None:
     from tokenmill import LLM, SamplingParams
@@ -108,20 +82,9 @@ def test_quantized_blocks_run_as_they_are(gguf_file, family, qtype, kind) -> Non
     _, path = gguf_file(family, qtype)
     native = LLM(str(path), max_model_len=64)
     reference = LLM(str(path), dtype="float32", max_model_len=64)
-    ours, theirs = _projections(native), _projections(reference)
-    assert ours.keys() == theirs.keys() and ours
+    pairs = assert_blocks_as_in_the_file(native, reference, kind)
     if family != "phi3":
-        assert any(".experts.3." in name for name in ours)
-    for name, module in ours.items():
-        assert isinstance(module, kind), (name, type(module))
-        assert not isinstance(theirs[name], QuantizedLinear), name
-        want = _weight(theirs[name], module.in_features)
-        got = module.dequantize(torch.float32)
-        if kind is Int4Linear:  # the file's own codes, scales and offsets
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=name)
-        else:  # one scale per channel: within half a step of it
-            step = module.scales[:, None]
-            assert ((got - want).abs() <= step / 2 + 1e-6).all(), name
+        assert any(".experts.3." in name for name in pairs)
     out = native.generate(["hello world"], SamplingParams(temperature=0, max_tokens=4))
     assert len(out[0].outputs[0].token_ids) == 4
 

@@ -11,34 +11,19 @@ import numpy as np
 import pytest
 import torch
 
-from tests.gguf_fixture import QTYPES, from_gguf_tensor, hf_weights, model_overrides, write_gguf
+from tests.gguf_fixture import (
+    QTYPES,
+    from_gguf_tensor,
+    hf_weights,
+)
 
 gguf = pytest.importorskip("gguf")
 
+pytestmark = pytest.mark.usefixtures("own_gguf_cache")
+"""Converted GGUF folders go to a per-session cache, not the repository's."""
+
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
 BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
-
-
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Converted GGUF folders go to a per-session folder, not the repository's cache."""
-    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path_factory.getbasetemp() / "tm-cache"))
-
-
-@pytest.fixture(scope="module")
-def gguf_file(make_model, tmp_path_factory):
-    """``gguf_file(family, qtype) -> (hf folder, gguf path)``, written once per module."""
-    cache: dict[tuple[str, str], tuple[Path, Path]] = {}
-    out = tmp_path_factory.mktemp("gguf")
-
-    def get(family: str, qtype: str) -> tuple[Path, Path]:
-        if (family, qtype) not in cache:
-            folder = make_model(family, **model_overrides(family, qtype))
-            path = write_gguf(folder, out / f"{family}-{qtype}.gguf", family, qtype)
-            cache[family, qtype] = (folder, path)
-        return cache[family, qtype]
-
-    return get
 
 
 def _check_close(name: str, got: np.ndarray, want: np.ndarray, kind: str) -> None:

@@ -19,12 +19,10 @@ from tokenmill.model.source import resolve_model_path
 
 pytest.importorskip("gguf")
 
+pytestmark = pytest.mark.usefixtures("own_gguf_cache")
+"""Converted GGUF folders go to a per-session cache, not the repository's."""
+
 HUB_ID = "meta-llama/Llama-3.2-1B-Instruct"
-
-
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path_factory.getbasetemp() / "tm-cache"))
 
 
 @pytest.fixture
