@@ -185,6 +185,18 @@ def linear_int4(
     return torch.ops.tokenmill_cpu.linear_int4(_rows(x), packed, scales, offsets, group_size, bias)
 
 
+def dequantize_int4(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    group_size: int,
+    in_features: int,
+) -> torch.Tensor:
+    """``linear_int4``'s weight as fp32 rows [N, in_features], ``w = q * scale + offset`` per
+    group: what a prefill chunk multiplies with torch's fp32 GEMM (``Int4Linear``)."""
+    return torch.ops.tokenmill_cpu.dequantize_int4(packed, scales, offsets, group_size, in_features)
+
+
 def linear_int8_amx(
     x: torch.Tensor,
     tiles: torch.Tensor,
@@ -459,6 +471,9 @@ def register_fakes() -> None:
         torch.library.register_fake(lib + name)(
             lambda x, tiles, *rest: x.new_empty(x.shape[0], rest[-1])
         )
+    torch.library.register_fake(lib + "dequantize_int4")(
+        lambda w, scales, offsets, group_size, k: w.new_empty(w.shape[0], k, dtype=torch.float32)
+    )
     torch.library.register_fake(lib + "rms_norm")(
         lambda x, w, eps, offset=False: torch.empty_like(x)
     )

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill import kernels
+from tokenmill import envs, kernels
 from tokenmill.errors import ConfigError
 from tokenmill.kernels import amx_layout, int4_layout
 
@@ -360,6 +360,30 @@ class Int4Linear(QuantizedLinear):
         kernel serves every batch size (slower for large ones, still correct)."""
         if self.layout_block is None:
             self.max_kernel_rows = _EVERY_BATCH
+
+    dequantized_gemm_rows = 256
+    """Rows (a prefill chunk's tokens) from which a row-kernel projection dequantizes its
+    weight to fp32 (``kernels.dequantize_int4``, ~0.2 ms for 1536 x 576) and runs torch's fp32
+    GEMM instead of the int4 kernel: on the AVX2 EPYC at 2 threads, over SmolLM2's, Gemma
+    3 270M's and the 250M model's shapes (``benchmarks/int4_prefill.py``), the two tie at
+    96-128 rows and the GEMM is 1.7-2.2x faster at 512 (2.9x at 2048); the int kernel re-reads
+    each weight row per 4 activation rows and widens every group of 32 to fp32. The product
+    is then exact in the weights and unquantized in the activations."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.kernel == "rows"
+            and x.numel() >= self.dequantized_gemm_rows * self.in_features
+            and kernels.supports(x)
+            and not envs.is_off(envs.INT4_PREFILL_GEMM)
+        ):
+            weight = kernels.dequantize_int4(
+                self.packed, self.kernel_scales, self.kernel_offsets, self.group_size,
+                self.in_features,
+            )  # fmt: skip
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), weight, bias).to(x.dtype)
+        return super().forward(x)
 
     def _store_for_kernel(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> None:
         """Codes, scales and offsets (``w = q * scale + low``) in the kernel's layout only."""

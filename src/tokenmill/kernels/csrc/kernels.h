@@ -31,7 +31,7 @@ struct GemmArgs {
   int64_t ldw;          // elements (bf16/int8) or bytes (int4) per weight row
   const float* scales;  // int8: [N]; int4: [N, G]
   const float* zeros;   // int4: [N, G] offsets, the value of code 0 (w = q * scale + offset)
-  const float* xsum;    // int4: [M, G] sums of x over each group
+  float* xsum;    // int4: [M, G] sums of x over each group
   int64_t group_size, num_groups;
   const float* bias;    // [N] or null
   // W8A8 (tables with quantize_rows): x quantized per row to int8, [M, ldq] bytes, zero-padded
@@ -39,9 +39,10 @@ struct GemmArgs {
   uint8_t* xq;
   int64_t ldq;
   float* x_scale;       // [M]
-  // int4 groups of 32 on a table with int4_w8a8_g32: x quantized per row and group of 32,
-  // each group its own scale ([M, G]; x_scale is then 1), as llama.cpp's Q8 blocks are.
-  const float* x_group_scale;
+  // int4 groups of 32 on a table with quantize_rows_g32: x quantized per row and group of 32,
+  // each group its own scale, as llama.cpp's Q8 blocks are (x_scale is then 1): [M, G / 2, 8],
+  // each 64-value chunk's two group scales as [low x4, high x4] (ops_linear.cpp, avx2.cpp).
+  float* x_group_scale;
   const int32_t* wsum;  // int8: [N] sums of each weight row (undoes the +128)
   uint16_t* y;          // [M, N] bf16, row stride ldy
   int64_t ldy;
@@ -162,9 +163,11 @@ struct KernelTable {
   // Whether gemm_int8 reads x + 128 (u8, VNNI's u8 x s8 with the weight sums' correction)
   // rather than x as s8 (AVX2's sign trick, which would only flip it back).
   bool int8_x_unsigned;
-  // Whether gemm_int4 takes quantized activations (a.xq) for groups of 32 too, not only 64+
-  // (a GGUF file's Q4_0 / Q4_1 / Q4_K blocks are groups of 32).
-  bool int4_w8a8_g32;
+  // Null where gemm_int4 reads groups of 32 (a GGUF file's Q4_0 / Q4_1 / Q4_K blocks) with
+  // bf16 activations; else quantizes rows [begin, end) of a.x per group of 32 into a.xq,
+  // a.x_group_scale and a.xsum (the per-group sums of the quantized values, scaled), in the
+  // order that table's gemm_int4 reads them.
+  void (*quantize_rows_g32)(const GemmArgs&, int64_t, int64_t);
 };
 
 // Query rows per prefill work item for ``group`` query heads per KV head: whole rows, at

@@ -170,24 +170,10 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == N && scales.size(1) == G &&
                   zeros.scalar_type() == at::kFloat && zeros.is_contiguous() && zeros.sizes() == scales.sizes(),
               "linear_int4: scales and zeros must be float32 [N, ", G, "]");
-  // Sum of the activations over each group: the zeros' share of every output (a plain loop:
-  // the ATen ops it replaces cost ~15 us a call, more than a one-row product's kernel).
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
   const int64_t M = x.size(0), ldx = x.stride(0);
   at::Tensor xsum = at::empty({M, G}, x.options().dtype(at::kFloat));
-  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  float* xs_out = xsum.data_ptr<float>();
-  parallel_chunks(M, rows_grain(K), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t g = 0; g < G; ++g) {
-        float s = 0.0f;
-        for (int64_t k = g * group_size; k < std::min(K, (g + 1) * group_size); ++k) {
-          s += bf16_to_f32(xb[r * ldx + k]);
-        }
-        xs_out[r * G + g] = s;
-      }
-  });
   GemmArgs a{};
   a.ldw = w.stride(0);
   a.scales = scales.data_ptr<float>();
@@ -195,50 +181,83 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   a.xsum = xsum.data_ptr<float>();
   a.group_size = group_size;
   a.num_groups = G;
+  a.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  a.ldx = ldx;
+  a.K = K;
   at::Tensor xq, xs;
-  // Codes padded to whole groups: the quantized rows too, so a kernel may read whole blocks.
-  if (group_size == 32 && kernels().int4_w8a8_g32) {
+  const KernelTable& k = kernels();
+  if (group_size == 32 && k.quantize_rows_g32) {
     // Groups of 32 (GGUF's Q4 blocks): x quantized per row and group of 32, each with its own
     // scale, as llama.cpp's Q8 blocks are, and the offsets' share summed from those quantized
     // values, so the product is exactly sum(w * x_q). One scale a row let a few large
     // activations flatten the rest (SmolLM2 Q4_1: top-1 agreement with fp32 72%), and the
     // exact sums added offset * sum(x - x_q), offsets being ~-8 weight scales.
-    const int64_t ldq = w.size(1) * 2;
-    xq = at::zeros({M, ldq}, x.options().dtype(at::kByte));
+    a.ldq = w.size(1) * 2;  // codes padded to whole chunks: the quantized rows too
+    xq = at::empty({M, a.ldq}, x.options().dtype(at::kByte));
     xs = at::ones({M}, x.options().dtype(at::kFloat));
-    at::Tensor xg = at::empty({M, G}, x.options().dtype(at::kFloat));
-    int8_t* q = reinterpret_cast<int8_t*>(xq.data_ptr<uint8_t>());
-    float* xg_out = xg.data_ptr<float>();
-    parallel_chunks(M, rows_grain(K), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t k0 = g * group_size, k1 = std::min(K, (g + 1) * group_size);
-          float amax = 0.0f;
-          for (int64_t k = k0; k < k1; ++k) {
-            amax = std::max(amax, std::fabs(bf16_to_f32(xb[r * ldx + k])));
-          }
-          const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-          int32_t sum = 0;
-          for (int64_t k = k0; k < k1; ++k) {
-            const int32_t v = (int32_t)std::nearbyint(bf16_to_f32(xb[r * ldx + k]) * inv);
-            q[r * ldq + k] = (int8_t)v;
-            sum += v;
-          }
-          xg_out[r * G + g] = scale;
-          xs_out[r * G + g] = (float)sum * scale;
-        }
-    });
-    a.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    a.ldx = ldx;
-    a.K = K;
+    at::Tensor xg = at::empty({M, a.ldq / 64, 8}, x.options().dtype(at::kFloat));
     a.xq = xq.data_ptr<uint8_t>();
-    a.ldq = ldq;
     a.x_scale = xs.data_ptr<float>();
-    a.x_group_scale = xg_out;
-    return gemm(x, w, a, N, bias, gemm_grain(K, 1), kernels().gemm_int4);
+    a.x_group_scale = xg.data_ptr<float>();
+    parallel_chunks(M, rows_grain(K), [&](int64_t r0, int64_t r1) { k.quantize_rows_g32(a, r0, r1); });
+    return gemm(x, w, a, N, bias, gemm_grain(K, 1), k.gemm_int4);
   }
+  // Sum of the activations over each group: the offsets' share of every output (a plain
+  // loop: the ATen ops it replaces cost ~15 us a call, more than a one-row product's kernel).
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  float* xs_out = xsum.data_ptr<float>();
+  parallel_chunks(M, rows_grain(K), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        float s = 0.0f;
+        for (int64_t kk = g * group_size; kk < std::min(K, (g + 1) * group_size); ++kk) {
+          s += bf16_to_f32(xb[r * ldx + kk]);
+        }
+        xs_out[r * G + g] = s;
+      }
+  });
   if (group_size % 64 == 0) quantize_activations(x, a, /*is_unsigned=*/false, xq, xs, w.size(1) * 2);
   return gemm(x, w, a, N, bias, gemm_grain(K, 1), kernels().gemm_int4);
+}
+
+// The int4 codes dequantized to fp32 rows [N, in_features] (w = q * scale + offset per
+// group): a prefill chunk's product then runs as one fp32 GEMM (torch's, oneDNN/MKL), which
+// on the AVX2 EPYC reads 150-170 GFLOP/s at 128-2048 rows where the int4 tiles read 55-80
+// (benchmarks/int4_prefill.py). Plain loops the compiler vectorizes; each thread writes whole rows.
+at::Tensor dequantize_int4(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& offsets,
+                           int64_t group_size, int64_t in_features) {
+  check_rows(w, "weight");
+  const int64_t N = w.size(0), K = in_features;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.size(1) % 32 == 0 && w.size(1) * 2 >= K && K > 0,
+              "dequantize_int4: weight must be uint8 [N, K_pad / 2] with K_pad a multiple of 64 >= in_features");
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0, "dequantize_int4: group_size must be a multiple of 32");
+  const int64_t G = (w.size(1) * 2 + group_size - 1) / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == N &&
+                  scales.size(1) == G && offsets.scalar_type() == at::kFloat && offsets.is_contiguous() &&
+                  offsets.sizes() == scales.sizes(),
+              "dequantize_int4: scales and offsets must be float32 [N, ", G, "]");
+  at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat));
+  const uint8_t* codes = w.data_ptr<uint8_t>();
+  const float* sc = scales.data_ptr<float>();
+  const float* off = offsets.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  const int64_t ldw = w.stride(0), chunks = (K + 63) / 64;
+  parallel_chunks(N, rows_grain(K), [&](int64_t n0, int64_t n1) {
+    float row[64];
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t c = 0; c < chunks; ++c) {  // 64 codes: low nibbles the first 32, high the next 32
+        const uint8_t* b = codes + n * ldw + c * 32;
+        const int64_t g_lo = c * 64 / group_size, g_hi = (c * 64 + 32) / group_size;
+        const float s_lo = sc[n * G + g_lo], o_lo = off[n * G + g_lo];
+        const float s_hi = sc[n * G + g_hi], o_hi = off[n * G + g_hi];
+        for (int j = 0; j < 32; ++j) row[j] = (float)(b[j] & 15) * s_lo + o_lo;
+        for (int j = 0; j < 32; ++j) row[32 + j] = (float)(b[j] >> 4) * s_hi + o_hi;
+        const int64_t k0 = c * 64, n_k = std::min<int64_t>(64, K - k0);
+        std::copy(row, row + n_k, y + n * K + k0);
+      }
+    }
+  });
+  return out;
 }
 
 namespace {

@@ -1,0 +1,64 @@
+"""int4 projections on a prefill chunk: the weight dequantized to fp32 (``dequantize_int4``)
+and multiplied by torch's fp32 GEMM from ``Int4Linear.dequantized_gemm_rows`` rows on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.kernels.helpers import generator, randn
+from tokenmill import envs, kernels
+from tokenmill.kernels import int4_layout
+from tokenmill.model.quant import Int4Linear
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (37, 70), (5, 1000), (64, 576), (130, 257)])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_dequantize_int4_rebuilds_every_weight(
+    threads: int, n: int, k: int, group_size: int
+) -> None:
+    k_pad = int4_layout.padded_in(k, group_size)
+    groups = k_pad // group_size
+    codes = torch.randint(0, 16, (n, k_pad), generator=generator(1))
+    scales = torch.rand(n, groups, generator=generator(2)) * 0.02 + 1e-3
+    offsets = -8 * scales + randn(n, groups, seed=3) * 0.05
+    want = codes.float().view(n, groups, group_size) * scales[..., None] + offsets[..., None]
+    got = kernels.dequantize_int4(int4_layout.pack(codes), scales, offsets, group_size, k)
+    assert got.dtype == torch.float32 and got.shape == (n, k)
+    torch.testing.assert_close(got, want.view(n, k_pad)[:, :k], rtol=0, atol=1e-7)
+
+
+def test_dequantize_int4_refuses_a_wrong_layout() -> None:
+    codes = int4_layout.pack(torch.zeros(4, 64, dtype=torch.long))
+    scales = torch.ones(4, 2)
+    with pytest.raises(RuntimeError, match="scales and offsets must be float32"):
+        kernels.dequantize_int4(codes, scales, torch.ones(4, 3), 32, 64)
+    with pytest.raises(RuntimeError, match="K_pad a multiple of 64 >= in_features"):
+        kernels.dequantize_int4(codes, scales, scales, 32, 65)
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_int4_linear_runs_a_prefill_chunk_as_an_fp32_gemm(
+    isa: str, monkeypatch: pytest.MonkeyPatch, group_size: int
+) -> None:
+    """From ``dequantized_gemm_rows`` rows on, the product is the fp32 GEMM of the rebuilt
+    weight (activations unquantized), bit for bit; below it, and with the switch off, the
+    int kernel's (W8A8 where the table quantizes x), which stays close to it."""
+    weight = randn(96, 200, dtype=torch.bfloat16, seed=1)
+    bias = randn(96, dtype=torch.bfloat16, seed=2)
+    layer = Int4Linear(weight, bias, group_size)
+    if layer.kernel != "rows":
+        pytest.skip(f"this table stores groups of {group_size} as {layer.kernel} tiles")
+    rows = layer.dequantized_gemm_rows
+    x = randn(rows, 200, dtype=torch.bfloat16, seed=3)
+    exact = F.linear(x.float(), layer.dequantize(torch.float32), bias.float()).bfloat16()
+    assert torch.equal(layer(x), exact)
+    assert torch.equal(layer(x.view(2, rows // 2, 200)), exact.view(2, rows // 2, 96))
+    few = layer(x[: rows - 1])
+    monkeypatch.setenv(envs.INT4_PREFILL_GEMM, "0")
+    on_kernel = layer(x)
+    assert torch.equal(on_kernel[: rows - 1], few)  # the kernel's rows do not depend on the batch
+    assert not torch.equal(on_kernel, exact)
+    err = (on_kernel.float() - exact.float()).abs().max()
+    assert err <= 3e-2 * exact.float().abs().max()
