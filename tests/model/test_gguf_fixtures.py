@@ -118,6 +118,8 @@ def test_fp32_greedy_parity_with_transformers_gguf_load(gguf_file, family, qtype
         for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     ]
     assert got == _hf_gguf_greedy(path, prompts, 8)
+    # /metrics' precision labels name the file's own blocks, as vLLM's quantization=gguf
+    assert llm.engine._counters.precision["quantization"] == "gguf"
 
 
 TEXTS = [

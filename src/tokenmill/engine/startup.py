@@ -14,6 +14,7 @@ from tokenmill.core.kv import KVCacheManager
 from tokenmill.core.stats import EngineStats, StartupCosts
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu import cpu_info
+from tokenmill.model.source import names_gguf
 
 logger = logging.getLogger("tokenmill.engine.llm_engine")  # the engine's lines, one name
 
@@ -28,7 +29,8 @@ def initial_stats(
         kv_capacity_tokens=kv_manager.num_blocks * kv_manager.block_size,
         precision={
             "dtype": config.dtype,
-            "quantization": config.quantization or "none",
+            # vLLM's label for a GGUF file's own blocks (model/gguf_weights.py)
+            "quantization": config.quantization or ("gguf" if names_gguf(config.model) else "none"),
             "kv_cache_dtype": config.kv_cache_dtype,
             "num_threads": str(config.num_threads) if is_cpu else "n/a",
             "cpu_isa": cpu_info().isa if is_cpu else "n/a",

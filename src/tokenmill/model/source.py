@@ -55,6 +55,11 @@ def is_gguf_file(path: Path) -> bool:
         return False
 
 
+def names_gguf(model: str) -> bool:
+    """Whether ``model`` (as given to ``serve``) is a GGUF file or a short name for one."""
+    return model in SHORT_NAMES or is_gguf_file(Path(model))
+
+
 def resolve_model_path(model: str) -> Path:
     """The model folder ``model`` names: see the module docstring for the forms."""
     if model == "demo":
