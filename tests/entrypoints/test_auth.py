@@ -6,6 +6,7 @@ gets 401 in OpenAI's shape, whatever the path spelling or method.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import httpx
@@ -13,6 +14,7 @@ import openai
 import pytest
 
 from tests.entrypoints.conftest import MAIN_KEY, OTHER_KEY, ServerHandle, assert_error
+from tokenmill.entrypoints.openai.auth import APIKeyAuthMiddleware
 
 ROUTES = [
     ("GET", "/v1/models"),
@@ -136,3 +138,37 @@ def test_openai_client_with_wrong_key_raises_authentication_error(server: Server
         client.chat.completions.create(
             model="demo", messages=[{"role": "user", "content": "x"}], stream=True
         )
+
+
+def _scope_state(app_keys: list[str], headers: list[tuple[bytes, bytes]]) -> dict:
+    """The ``scope["state"]`` the middleware hands the app for one request (in process)."""
+    seen: dict = {}
+
+    async def app(scope, receive, send) -> None:
+        seen.update(scope.get("state", {}))
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+    asyncio.run(APIKeyAuthMiddleware(app, app_keys)(scope, None, None))  # type: ignore[arg-type]
+    return seen
+
+
+def test_each_key_gets_its_own_cache_salt_and_never_the_key_itself() -> None:
+    keys = [MAIN_KEY, OTHER_KEY]
+    salts = []
+    for index, key in enumerate(keys):
+        state = _scope_state(keys, [(b"authorization", f"Bearer {key}".encode())])
+        assert state["api_key_id"] == index
+        assert key not in state["api_key_salt"]
+        salts.append(state["api_key_salt"])
+    assert salts[0] != salts[1]
+    again = _scope_state(keys, [(b"x-api-key", MAIN_KEY.encode())])  # Anthropic's header
+    assert again["api_key_salt"] == salts[0]
+
+
+def test_a_replica_salts_by_the_key_index_its_front_end_sent() -> None:
+    """A data-parallel replica has no keys: it salts by the forwarded index, one per key."""
+    first = _scope_state([], [(b"x-tokenmill-api-key-id", b"0")])
+    second = _scope_state([], [(b"x-tokenmill-api-key-id", b"1")])
+    assert first["api_key_id"] == 0 and second["api_key_id"] == 1
+    assert first["api_key_salt"] != second["api_key_salt"]
+    assert _scope_state([], []) == {}  # no keys anywhere: no salt, one shared cache

@@ -60,6 +60,9 @@ REFUSED: list[tuple[Any, type[Exception], str]] = [
     (42, TypeError, "got int"),
     ([b"bytes"], TypeError, "prompt 0 is a bytes"),
     ([{"prompt_token_ids": [1, True]}], TypeError, "must be a list of ints"),
+    ({"prompt": "hi", "cache_salt": ""}, ValueError, "'cache_salt' must be a non-empty string"),
+    ({"prompt": "hi", "cache_salt": 7}, TypeError, "'cache_salt' must be a non-empty string"),
+    ({"cache_salt": "s"}, ValueError, "exactly one of"),
 ]
 
 
@@ -73,6 +76,23 @@ def test_other_forms_raise_naming_them_before_any_request(
         llm.generate(prompts, GREEDY)
     assert words in str(info.value) and "LLM.generate" in str(info.value)
     assert seen == [] and not llm.engine.has_unfinished_requests()
+
+
+def test_cache_salt_keeps_prefix_cache_blocks_to_prompts_with_the_same_salt(llm: LLM) -> None:
+    """vLLM's ``{"prompt": ..., "cache_salt": ...}``: the same salt hits, another salt or none
+    misses. Each miss is checked while the blocks it must not see are cached (a later request
+    may evict them: freed blocks are reused before fresh ones)."""
+    text = "A salted prompt, long enough to fill more than one block of the cache. " * 2
+    ids = llm.tokenizer.encode(text)
+
+    def cached(prompt: Any) -> int:
+        return llm.generate(prompt, GREEDY)[0].num_cached_tokens
+
+    assert cached({"prompt": text, "cache_salt": "tenant-a"}) == 0
+    assert cached({"prompt_token_ids": ids, "cache_salt": "tenant-a"}) >= 16
+    assert cached({"prompt": text, "cache_salt": "tenant-b"}) == 0
+    assert cached({"prompt": text}) == 0
+    assert cached(text) >= 16
 
 
 def test_embed_and_encode_take_the_same_forms(

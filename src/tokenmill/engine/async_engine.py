@@ -185,11 +185,13 @@ class AsyncLLMEngine:
         grammar: CompiledGrammar | None = None,
         caps: RequestCaps = OFFLINE,
         pooling: PoolingParams | None = None,
+        cache_salt: str | None = None,
     ) -> CheckedParams:
         """Check what a request's prompts share against the engine's limits and ``caps``
-        (a ``RequestLimitError`` names what is over); ``pooling`` makes it a pooling request."""
+        (a ``RequestLimitError`` names what is over); ``pooling`` makes it a pooling request,
+        ``cache_salt`` its prefix-cache namespace."""
         checked = self.engine.input_processor.check_params(
-            params, priority, lora_request, grammar, caps
+            params, priority, lora_request, grammar, caps, cache_salt
         )
         return checked if pooling is None else dataclasses.replace(checked, pooling=pooling)
 

@@ -25,6 +25,7 @@ def generate(
     priority: Sequence[int] | None = None,
     loras: Sequence[LoRARequest | None] | None = None,
     on_finished: Callable[[], object] | None = None,
+    cache_salts: Sequence[str | None] | None = None,
 ) -> list[RequestOutput]:
     """Submit every request (a refused one aborts those already queued), then run them all.
 
@@ -40,6 +41,7 @@ def generate(
                 final_only[id(p)],
                 priority=priority[i] if priority else 0,
                 lora_request=loras[i] if loras else None,
+                cache_salt=cache_salts[i] if cache_salts else None,
             )
     except Exception:
         engine.abort_request(list(ids))  # nothing half-submitted keeps running

@@ -28,7 +28,7 @@ from tokenmill.core.beam_search import BeamSearch, Continuation, Hypothesis
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.engine.input_processor import ProcessedRequest
+from tokenmill.engine.input_processor import ProcessedRequest, request_cache_salt
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenmill.tokenizer.tokenizer import Tokenizer
@@ -220,7 +220,7 @@ class BeamSearchCoordinator:
             max_total_tokens=self.limits.max_total_tokens,
             priority=processed.priority,
             arrival_time=processed.arrival_time,
-            cache_salt=None if self.limits.enable_prefix_caching else rid,
+            cache_salt=request_cache_salt(processed, self.limits.enable_prefix_caching),
             parent_id=rid,
             is_beam=True,
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from tokenmill.core.cache_salt import check_cache_salt, compose_salt
 from tokenmill.core.request import Request
 from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.engine import request_limits
@@ -44,6 +45,9 @@ class ProcessedRequest:
     """The compiled ``params.structured_outputs``, which every child sequence follows."""
     pooling: PoolingParams | None = None
     """Set for a pooling request (embeddings): its hidden states are pooled, nothing sampled."""
+    cache_salt: str | None = None
+    """The caller's prefix-cache namespace (vLLM's ``cache_salt``; the server adds the API
+    key's): only requests with the same one reuse each other's cached blocks."""
 
 
 @dataclass(frozen=True)
@@ -57,9 +61,18 @@ class CheckedParams:
     pooling: PoolingParams | None = None
     caps: RequestCaps = OFFLINE
     """The caller's bounds on top of the engine's (a route's, the server's)."""
+    cache_salt: str | None = None
+    """The prefix-cache namespace every prompt of the request runs in (``ProcessedRequest``)."""
 
 
-__all__ = ["CheckedParams", "InputLimits", "InputProcessor", "ProcessedRequest", "RequestCaps"]
+__all__ = [
+    "CheckedParams",
+    "InputLimits",
+    "InputProcessor",
+    "ProcessedRequest",
+    "RequestCaps",
+    "request_cache_salt",
+]
 
 
 class InputProcessor:
@@ -83,14 +96,13 @@ class InputProcessor:
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> ProcessedRequest:
         """Tokenize a text prompt and check everything; raises InvalidRequestError naming the field."""
-        return self.process_prompt(
-            request_id,
-            prompt,
-            self.check_params(params or SamplingParams(), priority, lora_request),
-            arrival_time,
+        checked = self.check_params(
+            params or SamplingParams(), priority, lora_request, cache_salt=cache_salt
         )
+        return self.process_prompt(request_id, prompt, checked, arrival_time)
 
     def check_params(
         self,
@@ -99,12 +111,15 @@ class InputProcessor:
         lora_request: LoRARequest | None = None,
         grammar: CompiledGrammar | None = None,
         caps: RequestCaps = OFFLINE,
+        cache_salt: str | None = None,
     ) -> CheckedParams:
         """Check what a request's prompts share, once (the server does this before admitting it).
 
         ``caps`` are the caller's bounds on top of the engine's (``request_limits``). A
         structured-output constraint is compiled here unless the caller already did (the
-        server compiles on its own pool with a time budget and passes ``grammar``)."""
+        server compiles on its own pool with a time budget and passes ``grammar``).
+        ``cache_salt`` is None or a non-empty string, as vLLM takes it."""
+        cache_salt = check_cache_salt(cache_salt)
         self.validate_params(params, caps)
         self.validate_priority(priority)
         if lora_request is not None and not self.limits.enable_lora:
@@ -113,7 +128,9 @@ class InputProcessor:
             )
         if params.structured_outputs is not None and grammar is None:
             grammar = self.compile_grammar(params)
-        return CheckedParams(params, priority, lora_request, grammar, caps=caps)
+        return CheckedParams(
+            params, priority, lora_request, grammar, caps=caps, cache_salt=cache_salt
+        )
 
     def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
         """The checked grammar of ``params.structured_outputs`` (cached); 400 naming the problem."""
@@ -155,6 +172,7 @@ class InputProcessor:
             checked.lora_request,
             checked.grammar,
             checked.pooling,
+            checked.cache_salt,
         )
 
     def validate_prompt(
@@ -234,14 +252,8 @@ class InputProcessor:
     def fan_out(self, processed: ProcessedRequest) -> list[Request]:
         """The child requests of one processed request: one per sample of ``n``."""
         limits, params, request_id = self.limits, processed.params, processed.request_id
-        # Without prefix caching, the n samples of one request still share its prompt blocks.
-        salt = None if limits.enable_prefix_caching else request_id
-        lora = processed.lora_request
-        if lora is not None:  # KV computed with one adapter is never reused by another
-            salt = lora.cache_salt if salt is None else f"{lora.cache_salt}|{salt}"
-        pooling = processed.pooling
-        if pooling is not None and pooling.needs_every_position:
-            salt = request_id  # a prefix-cache hit would skip positions the pooling reads
+        salt = request_cache_salt(processed, limits.enable_prefix_caching)
+        lora, pooling = processed.lora_request, processed.pooling
         return [
             Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}",
@@ -260,3 +272,20 @@ class InputProcessor:
             )
             for i in range(params.n)
         ]
+
+
+def request_cache_salt(processed: ProcessedRequest, enable_prefix_caching: bool) -> str | None:
+    """The ``Request.cache_salt`` of every sequence of ``processed`` (its samples, its beams).
+
+    The caller's namespace (client ``cache_salt``, API key) and the adapter (KV computed with
+    one adapter is never reused by another) always count. The request itself counts when
+    nothing may be shared beyond it: prefix caching off (its n samples still share the prompt's
+    blocks), or a pooling that reads every position (a hit would skip positions it reads).
+    """
+    lora, pooling = processed.lora_request, processed.pooling
+    is_private = not enable_prefix_caching or (pooling is not None and pooling.needs_every_position)
+    return compose_salt(
+        ("caller", processed.cache_salt),
+        ("lora", lora.cache_salt if lora is not None else None),
+        ("request", processed.request_id if is_private else None),
+    )

@@ -254,11 +254,15 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        """Check and queue a request; a text prompt is tokenized here, token ids are taken as they are."""
+        """Check and queue a request; a text prompt is tokenized here, token ids are taken as they are.
+
+        Only requests with the same ``cache_salt`` (vLLM's prompt field) reuse each other's
+        prefix-cache blocks."""
         self.add_processed(
             self.input_processor.process(
-                request_id, prompt, params, priority, arrival_time, lora_request
+                request_id, prompt, params, priority, arrival_time, lora_request, cache_salt
             )
         )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
@@ -52,9 +53,11 @@ class LLM:
         """Complete every prompt (any of vLLM's forms); outputs come back in input order.
 
         ``lora_request`` runs every prompt with one adapter, or each with its own (None: the
-        base model); the engine needs ``enable_lora=True``.
+        base model); the engine needs ``enable_lora=True``. A prompt dict's ``cache_salt``
+        keeps its prefix-cache blocks to prompts with the same salt, as in vLLM.
         """
-        prompt_list = parse_prompts(prompts, "LLM.generate")
+        parsed = parse_prompts(prompts, "LLM.generate")
+        prompt_list = [p.prompt for p in parsed]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
@@ -73,7 +76,14 @@ class LLM:
         bar = self._bar(len(ids), use_tqdm)
         try:
             return batch.generate(
-                self.engine, ids, prompt_list, params, priority, loras, bar.update
+                self.engine,
+                ids,
+                prompt_list,
+                params,
+                priority,
+                loras,
+                bar.update,
+                cache_salts=[p.cache_salt for p in parsed],
             )
         finally:
             bar.close()
@@ -134,15 +144,15 @@ class LLM:
         config = self.engine.pooler_config
         if config is None:
             raise ValueError(f'LLM.{api} needs an engine built with runner="pooling"')
-        prompt_list = parse_prompts(prompts, f"LLM.{api}")
+        parsed = parse_prompts(prompts, f"LLM.{api}")
         processor = self.engine.input_processor
         params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         checked = CheckedParams(params, 0, pooling=pooling_params or config.params())
-        ids = [str(next(self._ids)) for _ in prompt_list]
+        ids = [str(next(self._ids)) for _ in parsed]
         # Every input is checked before any is queued: a bad one leaves nothing running.
         processed = [
-            processor.process_prompt(rid, prompt, checked)
-            for rid, prompt in zip(ids, prompt_list, strict=True)
+            processor.process_prompt(rid, p.prompt, replace(checked, cache_salt=p.cache_salt))
+            for rid, p in zip(ids, parsed, strict=True)
         ]
         for request in processed:
             self.engine.add_processed(request)

@@ -7,6 +7,9 @@ completed the word ``prompt``); here each form is read for what it is, and anyth
 unknown key, ``multi_modal_data``, a list mixing token ids with other prompts) is a
 ``TypeError`` or ``ValueError`` naming what was given, raised before any request is queued.
 
+Either dict may carry vLLM's ``cache_salt`` (a non-empty string): only prompts with the same
+salt reuse each other's prefix-cache blocks.
+
 tokenmill also takes a bare list of token ids (one prompt) and a list of such lists, the form
 of vLLM's removed ``prompt_token_ids=`` argument. vLLM 0.32 refuses a bare list of ints; here
 it is unambiguous (token ids are never read as text), so it stays accepted.
@@ -15,19 +18,32 @@ it is unambiguous (token ids are never read as text), so it stays accepted.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from tokenmill.core.cache_salt import CACHE_SALT_ERROR
 
 Prompt = str | list[int]
 """A prompt as the engine takes it: text to tokenize, or token ids."""
+
+
+@dataclass(frozen=True)
+class ParsedPrompt:
+    """One prompt as read from any of vLLM's forms."""
+
+    prompt: Prompt
+    cache_salt: str | None = None
+    """vLLM's ``cache_salt`` of a prompt dict: its prefix-cache namespace (None: the shared one)."""
+
 
 PromptInput = str | list[int] | dict[str, Any]
 """One prompt in any accepted form."""
 
 _TEXT_ONLY_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
-_NOT_BUILT_KEYS = ("prompt_embeds", "cache_salt", "token_type_ids")
+_NOT_BUILT_KEYS = ("prompt_embeds", "token_type_ids")
 
 
-def parse_prompts(prompts: PromptInput | Sequence[PromptInput], api: str) -> list[Prompt]:
+def parse_prompts(prompts: PromptInput | Sequence[PromptInput], api: str) -> list[ParsedPrompt]:
     """Every prompt ``prompts`` holds, in order; ``api`` (``LLM.generate``) names the caller
     in errors."""
     if isinstance(prompts, str | dict):
@@ -39,7 +55,7 @@ def parse_prompts(prompts: PromptInput | Sequence[PromptInput], api: str) -> lis
         )
     items: list[Any] = list(prompts)
     if items and all(_is_token_id(t) for t in items):
-        return [[int(t) for t in items]]
+        return [ParsedPrompt([int(t) for t in items])]
     if any(_is_token_id(t) for t in items):
         kinds = sorted({type(t).__name__ for t in items})
         raise TypeError(
@@ -53,12 +69,12 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _parse_one(item: Any, api: str, index: int | None = None) -> Prompt:
+def _parse_one(item: Any, api: str, index: int | None = None) -> ParsedPrompt:
     where = f"{api}: prompt {index}" if index is not None else f"{api}: the prompt"
     if isinstance(item, str):
-        return item
+        return ParsedPrompt(item)
     if isinstance(item, list | tuple):
-        return _token_ids(item, where)
+        return ParsedPrompt(_token_ids(item, where))
     if not isinstance(item, dict):
         raise TypeError(
             f"{where} is a {type(item).__name__}; expected a string, a list of token ids, or a "
@@ -71,23 +87,38 @@ def _parse_one(item: Any, api: str, index: int | None = None) -> Prompt:
     for key in _NOT_BUILT_KEYS:
         if key in keys:
             raise ValueError(f"{where} has {key!r}, which the LLM API does not take")
-    unknown = sorted(keys - {"prompt", "prompt_token_ids"})
+    unknown = sorted(keys - {"prompt", "prompt_token_ids", "cache_salt"})
     if unknown:
         raise ValueError(
             f"{where} has unknown keys {unknown}; a prompt dict holds 'prompt' (text) or "
-            "'prompt_token_ids' (token ids)"
+            "'prompt_token_ids' (token ids), and optionally 'cache_salt'"
         )
+    salt = _cache_salt(item, where)
+    keys.discard("cache_salt")
     if keys == {"prompt"}:
         if not isinstance(item["prompt"], str):
             raise TypeError(
                 f"{where}: 'prompt' must be a string, got {type(item['prompt']).__name__}"
             )
-        return item["prompt"]
+        return ParsedPrompt(item["prompt"], salt)
     if keys == {"prompt_token_ids"}:
-        return _token_ids(item["prompt_token_ids"], f"{where}: 'prompt_token_ids'")
+        ids = _token_ids(item["prompt_token_ids"], f"{where}: 'prompt_token_ids'")
+        return ParsedPrompt(ids, salt)
     raise ValueError(
-        f"{where} has keys {sorted(keys)}; give exactly one of 'prompt' or 'prompt_token_ids'"
+        f"{where} has keys {sorted(item)}; give exactly one of 'prompt' or 'prompt_token_ids'"
     )
+
+
+def _cache_salt(item: dict[str, Any], where: str) -> str | None:
+    """The dict's ``cache_salt``: absent, or a non-empty string (vLLM's rule and message)."""
+    if "cache_salt" not in item or item["cache_salt"] is None:
+        return None
+    salt = item["cache_salt"]
+    if not isinstance(salt, str):
+        raise TypeError(f"{where}: {CACHE_SALT_ERROR} Got {type(salt).__name__}")
+    if not salt:
+        raise ValueError(f"{where}: {CACHE_SALT_ERROR}")
+    return salt
 
 
 def _token_ids(value: Any, where: str) -> list[int]:

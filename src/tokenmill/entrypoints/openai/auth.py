@@ -11,6 +11,10 @@ stored responses, quotas. A server with no keys of its own (a data-parallel repl
 front end authenticated the request on a private socket) takes that index from the front
 end's ``X-Tokenmill-Api-Key-Id`` header instead; the front end drops any such header a
 client sent, and a keyed server never reads it.
+
+With it goes ``api_key_salt``, the key's prefix-cache namespace (``generation_request``
+salts each request by it unless the operator shares the cache across keys): a SHA-256 of the
+key, never the key, or on a replica one of the index the front end sent.
 """
 
 from __future__ import annotations
@@ -33,6 +37,16 @@ def _digest(value: bytes) -> bytes:
     return hashlib.sha256(value).digest()
 
 
+def key_cache_salt(key: bytes) -> str:
+    """The prefix-cache namespace of an API key (domain-separated from the comparison digest)."""
+    return hashlib.sha256(b"tokenmill api key cache salt\0" + key).hexdigest()
+
+
+def forwarded_key_cache_salt(key_id: int) -> str:
+    """On a replica: the namespace of the key the front end authenticated, by its index."""
+    return f"key-index:{key_id}"
+
+
 class APIKeyAuthMiddleware:
     """401 unless ``Authorization: Bearer <key>`` (or Anthropic's ``X-Api-Key: <key>``) names a configured key."""
 
@@ -41,6 +55,7 @@ class APIKeyAuthMiddleware:
     ) -> None:
         self.app = app
         self._key_digests = [_digest(k.encode()) for k in api_keys]
+        self._key_salts = [key_cache_salt(k.encode()) for k in api_keys]
         self._open_paths = OPEN_PATHS if open_health_metrics else frozenset()
 
     def _key_index(self, scope: Scope) -> int | None:
@@ -73,7 +88,10 @@ class APIKeyAuthMiddleware:
         if not self._key_digests:
             forwarded = header_value(scope, KEY_ID_HEADER.encode())
             if len(forwarded) == 1 and forwarded[0].isdigit():
-                scope.setdefault("state", {})["api_key_id"] = int(forwarded[0])
+                key_id = int(forwarded[0])
+                state = scope.setdefault("state", {})
+                state["api_key_id"] = key_id
+                state["api_key_salt"] = forwarded_key_cache_salt(key_id)
             await self.app(scope, receive, send)
             return
         if scope["method"] in ("GET", "HEAD") and scope["path"] in self._open_paths:
@@ -89,5 +107,7 @@ class APIKeyAuthMiddleware:
                 headers=[("WWW-Authenticate", "Bearer")],
             )
             return
-        scope.setdefault("state", {})["api_key_id"] = index
+        state = scope.setdefault("state", {})
+        state["api_key_id"] = index
+        state["api_key_salt"] = self._key_salts[index]
         await self.app(scope, receive, send)

@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 
 from starlette.requests import Request
 
+from tokenmill.core.cache_salt import compose_salt
 from tokenmill.core.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.engine.input_processor import CheckedParams, ProcessedRequest
 from tokenmill.engine.request_limits import RequestCaps
@@ -62,6 +63,8 @@ class ParsedRequest(Generic[BodyT]):
     """The adapter ``model`` names; None for the base model."""
     caps: RequestCaps = API_CAPS
     """What the server and the request's route add to the engine's limits."""
+    cache_salt: str | None = None
+    """The prefix-cache namespace of its prompts: its API key's and its ``cache_salt``."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -116,7 +119,18 @@ async def parse_request(
         model,
         lora_request=state.lora_for(model),
         caps=request_caps(request, state, body),
+        cache_salt=request_cache_salt(request, state, getattr(body, "cache_salt", None)),
     )
+
+
+def request_cache_salt(request: Request, state: ServerState, client_salt: str | None) -> str | None:
+    """The request's prefix-cache namespace: the client's ``cache_salt`` (vLLM's field), under
+    its API key's salt unless ``--share-prefix-cache-across-api-keys``. So, by default, no key
+    hits blocks another key computed, and within a key only equal client salts share."""
+    key_salt = request.scope.get("state", {}).get("api_key_salt")
+    if state.config.share_prefix_cache_across_api_keys:
+        key_salt = None
+    return compose_salt(("api_key", key_salt), ("client", client_salt))
 
 
 def request_caps(request: Request, state: ServerState, body: Any) -> RequestCaps:
@@ -146,6 +160,7 @@ def check_params(
         req.lora_request,
         grammar,
         req.caps,
+        cache_salt=req.cache_salt,
     )
 
 

@@ -56,6 +56,7 @@ async def pool_inputs(
         req.lora_request,
         caps=req.caps,
         pooling=pooling,
+        cache_salt=req.cache_salt,
     )
     req.admit(len(inputs), 1)
     if body.truncate_prompt_tokens is not None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
 
+from tokenmill.core.cache_salt import CACHE_SALT_ERROR
 from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.structured_params import StructuredOutputsParams
 from tokenmill.entrypoints.openai.errors import APIError
@@ -24,6 +26,21 @@ from tokenmill.errors import InvalidRequestError
 _INT32_MAX = 2**31 - 1
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+
+_WHOLE_MESSAGE = "tokenmill_whole_message"
+"""Error type of a field check whose message is the whole answer (it names the field)."""
+
+
+def _check_cache_salt(value: Any) -> Any:
+    """vLLM's check, before any type check, so a number or ``""`` gets vLLM's message."""
+    if value is not None and (not isinstance(value, str) or not value):
+        raise PydanticCustomError(_WHOLE_MESSAGE, CACHE_SALT_ERROR)
+    return value
+
+
+CacheSalt = Annotated[str | None, BeforeValidator(_check_cache_salt)]
+"""vLLM's ``cache_salt`` request field: only requests with the same salt (and, on a server
+with API keys, the same key) reuse each other's prefix-cache blocks."""
 
 
 class StrictModel(BaseModel):
@@ -151,6 +168,9 @@ class SamplingFields(RequestBody):
     """Only true is accepted: the tokenizer's decoder decides that spacing."""
     priority: int = 0
     """Lower runs first when the server uses ``--scheduling-policy priority``."""
+    cache_salt: CacheSalt = None
+    """vLLM extension: prefix-cache blocks are reused only between requests with the same salt
+    (random, secret and long, e.g. 43 base64 characters, to keep other users from guessing it)."""
     return_tokens_as_token_ids: bool = False
     """Name logprob tokens ``token_id:N`` instead of their text, as vLLM does."""
     return_token_ids: bool = False
@@ -500,7 +520,9 @@ def validate_model(model_cls: type[ModelT], data: dict[str, Any]) -> ModelT:
     except ValidationError as exc:
         first = exc.errors(include_url=False, include_input=False)[0]
         param = _param_from_loc(tuple(first.get("loc", ())))
-        if first.get("type") == "extra_forbidden":
+        if first.get("type") == _WHOLE_MESSAGE:
+            message = first["msg"]
+        elif first.get("type") == "extra_forbidden":
             message = f"unknown or unsupported field {param!r}"
         elif first.get("type") == "missing":
             message = f"{param} is required"

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from tokenmill.entrypoints.openai.protocol import StrictModel
+from tokenmill.entrypoints.openai.protocol import CacheSalt, StrictModel
 from tokenmill.errors import InvalidRequestError
 
 
@@ -123,6 +123,8 @@ class ResponsesRequest(StrictModel):
     """Accepted for compatibility; this server has one tier."""
     prompt_cache_key: str | None = None
     """Accepted: the prefix cache is automatic here."""
+    cache_salt: CacheSalt = None
+    """vLLM extension: prefix-cache blocks are reused only between requests with the same salt."""
     safety_identifier: str | None = None
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
@@ -184,7 +186,15 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
 def chat_fields(body: ResponsesRequest) -> dict[str, Any]:
     """Everything of the chat request but its messages."""
     chat: dict[str, Any] = {"model": body.model, "stream": body.stream}
-    for name in ("temperature", "top_p", "top_k", "seed", "user", "parallel_tool_calls"):
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "user",
+        "parallel_tool_calls",
+        "cache_salt",
+    ):
         value = getattr(body, name)
         if value is not None:
             chat[name] = value

@@ -56,6 +56,8 @@ class ServerConfig:
     """Sequences (prompts x n) admitted beyond --max-num-seqs; more get 429 with Retry-After at once, and a request that alone needs more than both gets 400."""
     per_key_max_concurrency: int | None = None
     """Most requests one API key may have in flight (429 beyond it); default: no quota."""
+    share_prefix_cache_across_api_keys: bool = False
+    """Let requests under different API keys reuse each other's prefix-cache blocks, for one tenant holding several keys. By default each key's requests are salted by a hash of the key, so no key can tell (by latency or cached_tokens) what another key sent recently."""
     request_timeout_s: float = field(default=600.0, metadata={"flag": "--request-timeout"})
     """Seconds a request may wait plus run; then it is aborted and returns its partial output with finish_reason 'length' (or 503 if it produced nothing)."""
     max_request_body_bytes: int = field(default=10 * 2**20, metadata={"parse": "bytes"})
