@@ -19,7 +19,6 @@ DEADLINE_S=${GPU_CHECK_DEADLINE_S:-330}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 EXTRA=${GPU_CHECK_ARGS:-}
 mkdir -p "$OUT/stages"
-exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 T0=$(date +%s)
 elapsed() { echo $(($(date +%s) - T0)); }
 left() { echo $((DEADLINE_S - $(elapsed))); }
@@ -42,18 +41,23 @@ run_stage() {
     echo "$name=$rc" >>"$OUT/stages/stage_status.txt"
 }
 
-echo "=== wheels"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || echo "WHEEL INSTALL FAILED"
-    # typing_extensions and anyio travel in .whl/opt: installed only where the image's are
-    # older than pydantic/fastapi need (a second, shadowing copy otherwise).
-    OPT=$(
-        python3 - <<'EOF'
+main() {
+    echo "=== wheels"
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl || echo "WHEEL INSTALL FAILED"
+        # typing_extensions and anyio travel in .whl/opt: installed only where the image's are
+        # older than pydantic/fastapi need (a second, shadowing copy otherwise).
+        OPT=$(
+            python3 - <<'EOF'
 import glob
+import re
 from importlib.metadata import PackageNotFoundError, version
 
-from packaging.version import Version
+
+def key(v):
+    return tuple(int(p) for p in re.findall(r"\d+", v)[:3])
+
 
 need = {"typing_extensions": "4.16.0", "anyio": "4.1.0"}
 for name, minimum in need.items():
@@ -61,38 +65,41 @@ for name, minimum in need.items():
         have = version(name)
     except PackageNotFoundError:
         have = "0"
-    if Version(have) < Version(minimum):
+    if key(have) < key(minimum):
         print(*glob.glob(f".whl/opt/{name}-*.whl"))
 EOF
-    )
-    if [ -n "$OPT" ]; then
-        echo "image too old for: $OPT"
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/site $OPT || echo "OPT WHEEL INSTALL FAILED"
+        )
+        if [ -n "$OPT" ]; then
+            echo "image too old for: $OPT"
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                --target /tmp/site $OPT || echo "OPT WHEEL INSTALL FAILED"
+        fi
     fi
-fi
-export PYTHONPATH=/tmp/site:$PWD/src
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TOKENMILL_CPU_KERNELS=0
-export TOKENMILL_CACHE=/tmp/gpu-cache TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
-echo "wheels done at $(elapsed)s"
+    export PYTHONPATH=/tmp/site:$PWD/src
+    export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TOKENMILL_CPU_KERNELS=0
+    export TOKENMILL_CACHE=/tmp/gpu-cache TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+    echo "wheels done at $(elapsed)s"
 
-echo "=== nvidia-smi"
-timeout 20 nvidia-smi || echo "nvidia-smi failed"
-timeout 10 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-uname -a
-nproc
-command -v c++ gcc ninja nvcc || true
+    echo "=== nvidia-smi"
+    timeout 20 nvidia-smi || echo "nvidia-smi failed"
+    timeout 10 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    uname -a
+    nproc
+    command -v c++ gcc ninja nvcc || true
 
-CHECK=(python3 benchmarks/gpu_check.py --device "$DEVICE" --out "$OUT/stages" --work /tmp/gpu_check_work)
-# shellcheck disable=SC2206
-CHECK+=($EXTRA)
-run_stage env 40 "${CHECK[@]}" --stage env
-run_stage parity 120 "${CHECK[@]}" --stage parity --budget-s 75
-run_stage throughput 150 "${CHECK[@]}" --stage throughput
-run_stage serve 60 "${CHECK[@]}" --stage serve --port 18517 --serve-wait-s 45
-mv -f "$OUT/stages/serve.log" "$OUT/serve.log" 2>/dev/null
-rm -f "$OUT"/stages/*.tmp # a stage killed mid-write (at most 8 files come back)
-DEADLINE_S=$((DEADLINE_S + 30))
-run_stage summary 25 "${CHECK[@]}" --stage summary
-mv -f "$OUT/stages/result.json" "$OUT/result.json" 2>/dev/null
-echo "=== done in $(elapsed)s"
+    CHECK=(python3 benchmarks/gpu_check.py --device "$DEVICE" --out "$OUT/stages" --work /tmp/gpu_check_work)
+    # shellcheck disable=SC2206
+    CHECK+=($EXTRA)
+    run_stage env 40 "${CHECK[@]}" --stage env
+    run_stage parity 120 "${CHECK[@]}" --stage parity --budget-s 75
+    run_stage throughput 150 "${CHECK[@]}" --stage throughput
+    run_stage serve 60 "${CHECK[@]}" --stage serve --port 18517 --serve-wait-s 45
+    mv -f "$OUT/stages/serve.log" "$OUT/serve.log" 2>/dev/null
+    rm -f "$OUT"/stages/*.tmp # a stage killed mid-write (at most 8 files come back)
+    DEADLINE_S=$((DEADLINE_S + 30))
+    run_stage summary 25 "${CHECK[@]}" --stage summary
+    mv -f "$OUT/stages/result.json" "$OUT/result.json" 2>/dev/null
+    echo "=== done in $(elapsed)s"
+}
+
+main 2>&1 | tee "$OUT/gpu_check.log"
