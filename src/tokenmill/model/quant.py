@@ -361,19 +361,21 @@ class Int4Linear(QuantizedLinear):
         if self.layout_block is None:
             self.max_kernel_rows = _EVERY_BATCH
 
-    dequantized_gemm_rows = 256
-    """Rows (a prefill chunk's tokens) from which a row-kernel projection dequantizes its
-    weight to fp32 (``kernels.dequantize_int4``, ~0.2 ms for 1536 x 576) and runs torch's fp32
-    GEMM instead of the int4 kernel: on the AVX2 EPYC at 2 threads, over SmolLM2's, Gemma
-    3 270M's and the 250M model's shapes (``benchmarks/int4_prefill.py``), the two tie at
-    96-128 rows and the GEMM is 1.7-2.2x faster at 512 (2.9x at 2048); the int kernel re-reads
-    each weight row per 4 activation rows and widens every group of 32 to fp32. The product
-    is then exact in the weights and unquantized in the activations."""
+    dequantized_gemm_inputs = 320 * 1024
+    """Activation values (a prefill chunk's rows x input channels) from which a row-kernel
+    projection dequantizes its weight to fp32 (``kernels.dequantize_int4``) and runs torch's
+    fp32 GEMM instead of the int4 kernel. On the AVX2 EPYC at 2 threads over SmolLM2's, Gemma
+    3 270M's and the 250M model's projections (``benchmarks/int4_prefill.py``, groups of 32)
+    the two broke even at about 300K values: 128-190 rows for the down projections
+    (1536-2816 inputs), 290-520 for gate/up (576-1024); at 2048 rows the GEMM was 1.9-2.6x
+    faster. The int kernel re-reads each weight row per 4 activation rows and widens every
+    group of 32 to fp32. The product is then exact in the weights and unquantized in the
+    activations."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
             self.kernel == "rows"
-            and x.numel() >= self.dequantized_gemm_rows * self.in_features
+            and x.numel() >= self.dequantized_gemm_inputs
             and kernels.supports(x)
             and not envs.is_off(envs.INT4_PREFILL_GEMM)
         ):
