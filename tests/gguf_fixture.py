@@ -303,12 +303,14 @@ def write_gguf(
     general_arch: str | None = None,
     edit: TensorEdit | None = None,
     types: dict[str, str] | None = None,
+    metadata: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> Path:
     """Write ``hf_folder`` (a tiny model of test family ``arch``) to GGUF file ``out``.
 
     2-D weights (the embedding included) are stored in ``qtype``, 1-D norms in F32.
     ``general_arch`` overrides ``general.architecture`` (for refusal tests), ``edit`` may
-    change or drop any tensor before it is written, ``types`` overrides one tensor's type.
+    change or drop any tensor before it is written, ``types`` overrides one tensor's type,
+    ``metadata(writer)`` adds keys of its own.
     """
     family = arch
     cfg = json.loads((hf_folder / "config.json").read_text())
@@ -320,6 +322,8 @@ def write_gguf(
     _add_params(writer, cfg, family, GGUF_ARCH[family])
     writer.add_file_type(FILE_TYPE[qtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if metadata is not None:
+        metadata(writer)
     _add_tokenizer(writer, hf_folder)
     for name, w in to_gguf_tensors(hf_folder, family).items():
         if edit is not None and (w := edit(name, w)) is None:  # type: ignore[assignment]

@@ -15,7 +15,7 @@ from tokenmill.model.gguf_checks import check_gguf_file
 pytest.importorskip("gguf")
 
 TYPES = "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"
-ARCHS = "gemma2, gemma3, llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe"
+ARCHS = "gemma2, gemma3, llama, olmo2, phi3, qwen2, qwen2moe, qwen3, qwen3moe"
 
 
 def _refused(path: Path) -> str:

@@ -3,8 +3,9 @@
 experts of Qwen2-MoE and Qwen3-MoE stacked per layer (``ffn_{gate,up,down}_exps``, read one
 expert at a time), Qwen2-MoE's shared expert and its ``[hidden]`` gate. Each greedy run
 matches transformers' GGUF load of the same file in float32, and the quantized blocks run
-on the int kernels as they are. What transformers cannot read from a GGUF file (OLMo 2,
-Mixtral, LongRoPE Phi-3, other expert widths) is refused at start-up in one line."""
+on the int kernels as they are. What transformers' GGUF reader would load as another model
+(LongRoPE Phi-3, other expert widths) is refused at start-up in one line. OLMo 2 and Mixtral,
+whose config tokenmill maps itself: ``test_gguf_config.py``."""
 
 from __future__ import annotations
 
@@ -95,23 +96,6 @@ def _refused(path: Path) -> str:
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"{path}: ")
     return message.removeprefix(f"{path}: ")
-
-
-def test_olmo2_is_refused_for_want_of_a_reference(make_model, tmp_path) -> None:
-    path = write_gguf(make_model("olmo2"), tmp_path / "olmo2.gguf", "olmo2")
-    assert _refused(path).startswith(
-        "architecture 'olmo2' is not supported (transformers' GGUF reader has no olmo2 mapping)"
-    )
-
-
-def test_mixtral_is_refused_for_want_of_a_reference(make_model, tmp_path) -> None:
-    path = write_gguf(make_model("mixtral"), tmp_path / "mixtral.gguf", "mixtral")
-    names = {t.name for t in gguf.GGUFReader(path).tensors}
-    assert "blk.0.ffn_gate_exps.weight" in names and "blk.0.ffn_gate_inp.weight" in names
-    assert _refused(path) == (
-        "a llama file with 4 experts (Mixtral) is not supported: transformers' GGUF reader "
-        "loads llama files as a dense Llama, so there is no reference load"
-    )
 
 
 def test_expert_widths_transformers_does_not_read_are_refused(make_model, tmp_path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.model import gguf_config
 
 SUPPORTED_TYPES = (
     "F32",
@@ -33,22 +34,16 @@ SUPPORTED_TYPES = (
 SUPPORTED_ARCHITECTURES = (
     "gemma2",
     "gemma3",
-    "llama",  # also Mistral, which llama.cpp writes as llama
+    "llama",  # also Mistral, and Mixtral (a llama file with experts)
+    "olmo2",
     "phi3",
     "qwen2",
     "qwen2moe",
     "qwen3",
     "qwen3moe",
 )
-"""``general.architecture`` values tokenmill serves: a family in its registry that
-transformers' GGUF reader (which writes the config and tokenizer, and is the reference the
-native load is tested against) also reads."""
-
-UNREAD_ARCHITECTURES = {
-    "olmo2": "transformers' GGUF reader has no olmo2 mapping",
-}
-"""Architectures of a registry family that transformers cannot read from a GGUF file: no
-reference to check a native load against, so they are refused rather than guessed."""
+"""``general.architecture`` values tokenmill serves: a family in its registry whose config
+transformers' GGUF reader writes, or ``model/gguf_config.py`` maps (OLMo 2, Mixtral)."""
 
 TRANSFORMERS_EXPERT_WIDTHS = {
     "qwen2moe": {"expert_feed_forward_length": 1408, "expert_shared_feed_forward_length": 5632},
@@ -67,8 +62,10 @@ def _field(reader: Any, key: str) -> Any:
     return None if field is None else field.contents()
 
 
-def check_gguf_file(path: Path) -> None:
-    """Raise ``ModelLoadError`` (one line) if ``path`` is not a GGUF file tokenmill can serve.
+def check_gguf_file(path: Path) -> Any:
+    """Raise ``ModelLoadError`` (one line) if ``path`` is not a GGUF file tokenmill can serve;
+    else return its ``gguf.GGUFReader`` (parsing the metadata again costs seconds on a large
+    vocabulary, so a caller reuses it).
 
     Checks, in order: the header reads; ``general.architecture`` is supported; every tensor's
     type is supported and its data lies inside the file; the embedding and each block's
@@ -89,10 +86,9 @@ def check_gguf_file(path: Path) -> None:
         raise _fail(path, f"{what} (the GGUF reader says: {detail})") from None
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        why = f" ({UNREAD_ARCHITECTURES[arch]})" if arch in UNREAD_ARCHITECTURES else ""
         raise _fail(
             path,
-            f"architecture {arch!r} is not supported{why}; supported: "
+            f"architecture {arch!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}",
         )
     _check_readable(path, reader, arch)
@@ -113,17 +109,15 @@ def check_gguf_file(path: Path) -> None:
                 f"but the file has {size}",
             )
     _check_shapes(path, reader, arch)
+    return reader
 
 
 def _check_readable(path: Path, reader: Any, arch: str) -> None:
-    """What transformers' GGUF reader would load as some other model, refused by name."""
-    experts = _field(reader, f"{arch}.expert_count")
-    if arch == "llama" and isinstance(experts, int) and experts > 0:
-        raise _fail(
-            path,
-            f"a llama file with {experts} experts (Mixtral) is not supported: transformers' "
-            "GGUF reader loads llama files as a dense Llama, so there is no reference load",
-        )
+    """What the config mapping (transformers' or ``gguf_config``'s) would load as some other
+    model, refused by name."""
+    problem = gguf_config.unsupported(reader)
+    if problem is not None:
+        raise _fail(path, problem)
     for key, width in TRANSFORMERS_EXPERT_WIDTHS.get(arch, {}).items():
         value = _field(reader, f"{arch}.{key}")
         if value is not None and value != width:
@@ -192,6 +186,16 @@ def _check_shapes(path: Path, reader: Any, arch: str) -> None:
         f"embedding_length {n_embd}, head_count {n_head}, head_count_kv {n_kv}, "
         f"key_length {k_len}, value_length {v_len}, feed_forward_length {n_ff}"
     )
+    n_exp = meta("expert_count")
+    n_ff_exp = meta("expert_feed_forward_length") or n_ff  # Mixtral's is feed_forward_length
+    if isinstance(n_exp, int) and n_exp > 0 and isinstance(n_ff_exp, int):
+        want.update(  # the router, and each layer's experts stacked: [experts, out, in]
+            ffn_gate_inp=[n_exp, n_embd],
+            ffn_gate_exps=[n_exp, n_ff_exp, n_embd],
+            ffn_up_exps=[n_exp, n_ff_exp, n_embd],
+            ffn_down_exps=[n_exp, n_embd, n_ff_exp],
+        )
+        explain += f", expert_count {n_exp}, expert width {n_ff_exp}"
     for tensor in reader.tensors:
         shape = [int(n) for n in reversed(tensor.shape)]  # ggml lists the row width first
         parts = tensor.name.split(".")
