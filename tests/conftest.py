@@ -114,7 +114,8 @@ def _hf_config(family: str, vocab_size: int, **overrides: Any):
         return transformers.Gemma3TextConfig(**{**gemma, **kwargs})
     if family == "mixtral":
         moe = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}
-        return transformers.MixtralConfig(**{**kwargs, **moe})
+        # the experts' defaults over the base shape, the caller's overrides over both
+        return transformers.MixtralConfig(**{**kwargs, **moe, **overrides})
     if family == "qwen2_moe":
         moe = {
             "num_experts": 4,
