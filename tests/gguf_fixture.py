@@ -417,3 +417,14 @@ def assert_blocks_as_in_the_file(native: Any, reference: Any, kind: type) -> dic
             step = module.scales[:, None]
             assert ((got - want).abs() <= step / 2 + 1e-6).all(), name
     return {name: (module, theirs[name]) for name, module in ours.items()}
+
+
+def fp32_greedy(path: Path, texts: list[str], max_tokens: int = 8) -> tuple[Any, list, list]:
+    """tokenmill on a GGUF file in float32, greedy: (the LLM, the prompts' ids, the tokens)."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="float32", max_model_len=128)
+    prompts = [llm.tokenizer.encode(t) for t in texts]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return llm, prompts, [o.outputs[0].token_ids for o in outputs]

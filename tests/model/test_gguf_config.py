@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import hf_greedy
 from tests.gguf_fixture import (
+    fp32_greedy,
     hf_weights,
     write_gguf,
 )
@@ -78,16 +79,8 @@ def test_float_copy_holds_the_source_weights(gguf_file, family: str) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp32_greedy_parity_with_transformers_on_the_source_folder(gguf_file, family) -> None:
-    from tokenmill import LLM, SamplingParams
-
     source, path = gguf_file(family, "F32")
-    llm = LLM(str(path), dtype="float32", max_model_len=128)
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    got = [
-        o.outputs[0].token_ids
-        for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    ]
+    llm, prompts, got = fp32_greedy(path, PROMPTS)
     want, _ = hf_greedy(source, prompts, 8)
     assert got == want
     assert llm.engine._counters.precision["quantization"] == "gguf"

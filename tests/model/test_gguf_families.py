@@ -17,6 +17,7 @@ import pytest
 from tests.conftest import MOE_FAMILIES
 from tests.gguf_fixture import (
     assert_blocks_as_in_the_file,
+    fp32_greedy,
     hf_weights,
     model_overrides,
     to_gguf_tensors,
@@ -56,16 +57,8 @@ def test_experts_are_stacked_per_layer_as_llama_cpp_writes_them(gguf_file) -> No
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp32_greedy_parity_with_transformers_gguf_load(gguf_file, family: str) -> None:
-    from tokenmill import LLM, SamplingParams
-
     _, path = gguf_file(family, "F32")
-    llm = LLM(str(path), dtype="float32", max_model_len=128)
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    got = [
-        o.outputs[0].token_ids
-        for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    ]
+    _, prompts, got = fp32_greedy(path, PROMPTS)
     assert got == _hf_gguf_greedy(path, prompts, 8)
 
 

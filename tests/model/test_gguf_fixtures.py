@@ -13,6 +13,7 @@ import torch
 
 from tests.gguf_fixture import (
     QTYPES,
+    fp32_greedy,
     from_gguf_tensor,
     hf_weights,
 )
@@ -107,16 +108,8 @@ def _hf_gguf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -
 
 @pytest.mark.parametrize(("family", "qtype"), PARITY)
 def test_fp32_greedy_parity_with_transformers_gguf_load(gguf_file, family, qtype) -> None:
-    from tokenmill import LLM, SamplingParams
-
     _, path = gguf_file(family, qtype)
-    llm = LLM(str(path), dtype="float32", max_model_len=128)
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    got = [
-        o.outputs[0].token_ids
-        for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    ]
+    llm, prompts, got = fp32_greedy(path, PROMPTS)
     assert got == _hf_gguf_greedy(path, prompts, 8)
     # /metrics' precision labels name the file's own blocks, as vLLM's quantization=gguf
     assert llm.engine._counters.precision["quantization"] == "gguf"
