@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill import kernels
-from tokenmill.model.quant import Int4Linear, Int8Linear, quantize_linear
+from tokenmill.model.quant import Int4Linear, Int8Linear, int8_channels, quantize_linear
 
 
 @pytest.fixture(params=["tokenmill", "torch"], autouse=True)
@@ -137,3 +137,31 @@ def test_each_table_stores_its_layout_and_computes_the_weight(
 def test_unknown_method_names_the_flag() -> None:
     with pytest.raises(Exception, match="--quantization 'int3'"):
         quantize_linear(_weight(16, 32), None, "int3", 32)
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 7, 300, 1000])
+def test_int8_channels_of_chunked_rows_equal_the_whole_weight_bit_for_bit(
+    rows_per_chunk: int,
+) -> None:
+    """A GGUF tensor is requantized a chunk of rows at a time: each channel's scale is its own
+    row's, so no chunking changes a code, a scale or a row sum."""
+    weight = torch.randn(1000, 96, generator=torch.Generator().manual_seed(0)).bfloat16()
+    weight[3] = 0  # an all-zero channel keeps its floor scale
+    chunks = [weight[lo : lo + rows_per_chunk] for lo in range(0, 1000, rows_per_chunk)]
+    w = weight.float()  # the whole-tensor formula, all rows at once
+    want_scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    want_codes = torch.round(w / want_scales[:, None]).clamp(-127, 127).to(torch.int8)
+    codes, scales = int8_channels(chunks, (1000, 96))
+    assert torch.equal(codes, want_codes)
+    assert torch.equal(scales, want_scales)
+    whole = Int8Linear(weight, None)
+    assert torch.equal(whole.int_weight(), want_codes)
+    if whole.kernel == "rows":
+        assert torch.equal(whole.row_sums, want_codes.sum(1, dtype=torch.int32))
+    given = Int8Linear(
+        torch.empty((), dtype=torch.bfloat16).expand(1000, 96), None, channels=(codes, scales)
+    )
+    for name, buffer in whole.named_buffers():
+        assert torch.equal(buffer, getattr(given, name)), name
+    with pytest.raises(ValueError, match="999 rows of 1000"):
+        int8_channels(chunks[:-1] + [chunks[-1][:-1]], (1000, 96))

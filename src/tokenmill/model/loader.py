@@ -379,10 +379,11 @@ def load_model(
                 return Int4Linear(like, bias, GROUP_SIZE, groups)  # type: ignore[arg-type]
 
         else:  # some source has more than 4 bits: int8 for the fused projection
-            weight = torch.cat([gguf.float_rows(n) for n in spec.sources])
+            rows = [gguf.int8_channels(n) for n in spec.sources]  # per channel: fuses by rows
+            channels = (torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]))
 
             def make(bias: torch.Tensor | None) -> QuantizedLinear:
-                return Int8Linear(weight, bias)
+                return Int8Linear(like, bias, channels=channels)
 
         built[(id(parent), name)] = make
         return True
@@ -428,11 +429,27 @@ def load_model(
 
     layout = weight_layout(cfg)
     head_method = None if quantization is None else LM_HEAD_QUANTIZATION
+    embed_name = "model.embed_tokens.weight"
+    int8_tied_head = (
+        cfg.tie_word_embeddings
+        and tensor_parallel is None
+        and device.type == "cpu"
+        and kernels.available()
+        and (
+            quantization is not None
+            or (native and gguf is not None and gguf.kind(embed_name) != "float")
+        )
+    )
+    embed_from_blocks = native and int8_tied_head
+    """A GGUF file's tied embedding goes from its blocks to the int8 head a chunk of rows at
+    a time, never whole in the model dtype beside its int8 copy (Gemma 3's: 335 MB in bf16)."""
     pending: list[tuple[nn.Module, str, str | None, bool]] = []
     """Projections read but not converted yet: converted once their bias is read too."""
     for index, spec in enumerate(layout):
         module, attr = _resolve(model, spec.target)
-        if not (native and spec.kind in ("projection", "expert") and put_blocks(spec)):
+        if embed_from_blocks and spec.sources == (embed_name,):
+            pass  # read below, into the tied head
+        elif not (native and spec.kind in ("projection", "expert") and put_blocks(spec)):
             put(module, attr, spec)
         if spec.kind != "plain":
             parent, name = _resolve(model, spec.target.rsplit(".", 1)[0])
@@ -444,18 +461,18 @@ def load_model(
                 convert(parent, name, method, may_pack)
             pending.clear()
     if cfg.tie_word_embeddings:
-        quantized_embed = gguf is not None and gguf.kind("model.embed_tokens.weight") != "float"
-        if (
-            (quantization is not None or (native and quantized_embed))
-            and tensor_parallel is None
-            and device.type == "cpu"
-            and kernels.available()
-        ):
+        if int8_tied_head:
             # One int8 copy serves both ends: the head's GEMV reads half bf16's bytes (a
             # tied head is every token's largest read: 56 MB of SmolLM2's, 335 MB of Gemma
             # 3's in bf16) and the embedding rows are looked up from it; the rows layout
             # on every ISA, whose kernel writes the logits in fp32.
-            head = Int8Linear(model.embed.data, None, tiles_ok=False)
+            if embed_from_blocks:
+                assert gguf is not None
+                like = torch.empty((), dtype=dtype).expand(gguf.entries[embed_name].shape)
+                channels = gguf.int8_channels(embed_name, dtype)  # rounded as read into dtype
+                head = Int8Linear(like, None, tiles_ok=False, channels=channels)
+            else:
+                head = Int8Linear(model.embed.data, None, tiles_ok=False)
             head.lookup_dtype = dtype
             model.lm_head = head
             model.embed = None

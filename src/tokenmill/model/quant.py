@@ -26,7 +26,7 @@ model's activations are rounded to bf16 for that product only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -140,16 +140,37 @@ _QUANTIZE_ROWS = 256
 copies of the whole weight, which the C allocator then kept resident after loading."""
 
 
-def _int8_channels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 codes and fp32 scales, one per output channel (symmetric, absmax / 127)."""
-    qweight = torch.empty(weight.shape, dtype=torch.int8)
-    scales = torch.empty(weight.shape[0])
-    for lo in range(0, weight.shape[0], _QUANTIZE_ROWS):
-        w = weight[lo : lo + _QUANTIZE_ROWS].float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-        qweight[lo : lo + _QUANTIZE_ROWS] = torch.round(w / scale[:, None]).clamp(-127, 127)
-        scales[lo : lo + _QUANTIZE_ROWS] = scale
+def int8_channels(
+    chunks: Iterable[torch.Tensor], shape: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes and fp32 scales, one per output channel (symmetric, absmax / 127), of a
+    weight ``shape`` given as consecutive chunks of its rows. Each channel depends on its
+    own row only, so the result is the same bit for bit however the rows are chunked, and a
+    caller that dequantizes a chunk at a time (a GGUF file's blocks) never holds the float
+    weight whole."""
+    qweight = torch.empty(shape, dtype=torch.int8)
+    scales = torch.empty(shape[0])
+    row = 0
+    for chunk in chunks:
+        for lo in range(0, chunk.shape[0], _QUANTIZE_ROWS):
+            w = chunk[lo : lo + _QUANTIZE_ROWS].float()
+            hi = row + lo + w.shape[0]
+            scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+            qweight[row + lo : hi] = torch.round(w / scale[:, None]).clamp(-127, 127)
+            scales[row + lo : hi] = scale
+        row += chunk.shape[0]
+    if row != shape[0]:
+        raise ValueError(f"int8_channels: chunks hold {row} rows of {shape[0]}")
     return qweight, scales
+
+
+def _int8_row_sums(qweight: torch.Tensor) -> torch.Tensor:
+    """Each channel's sum of codes in int32, a chunk of rows at a time: ``sum(dtype=int32)``
+    widens its whole input first (671 MB for Gemma 3's 262,144 x 640 tied head)."""
+    sums = torch.empty(qweight.shape[0], dtype=torch.int32)
+    for lo in range(0, qweight.shape[0], _QUANTIZE_ROWS):
+        sums[lo : lo + _QUANTIZE_ROWS] = qweight[lo : lo + _QUANTIZE_ROWS].sum(1, dtype=torch.int32)
+    return sums
 
 
 def _int4_groups(
@@ -214,17 +235,23 @@ class Int8Linear(QuantizedLinear):
     amx_row_sums: torch.Tensor
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, tiles_ok: bool = True
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        tiles_ok: bool = True,
+        channels: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """``tiles_ok=False`` keeps the row layout on every ISA: its kernel also writes fp32
-        outputs (``forward_float32``, an LM head's logits)."""
+        outputs (``forward_float32``, an LM head's logits). ``channels``: codes [out, in] and
+        scales [out] already quantized (``int8_channels`` over a GGUF tensor's rows);
+        ``weight`` then only gives the shape, dtype and device."""
         super().__init__(weight.shape[1], weight.shape[0], bias)
-        qweight, scales = _int8_channels(weight)
+        qweight, scales = channels or int8_channels((weight,), (weight.shape[0], weight.shape[1]))
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)  # fp32: the dequantizing path keeps full scales
         self.kernel = _kernel_for(weight, tiles_ok=tiles_ok)
         if self.kernel is not None:
-            row_sums = qweight.sum(1, dtype=torch.int32)
+            row_sums = _int8_row_sums(qweight)
             if self.kernel in _TILES:
                 self.register_buffer("amx_tiles", amx_layout.pack_int8(qweight))
                 self.register_buffer("amx_scales", amx_layout.block_channels(scales))
