@@ -4,7 +4,7 @@ For the projection shapes of SmolLM2-135M (hidden 576), Gemma 3 270M (640) and t
 250M Llama (1024), int4 groups of 32 (a GGUF file's Q4 blocks) or ``--group-size``: the
 milliseconds of ``kernels.linear_int4`` and of ``kernels.dequantize_int4`` followed by
 ``F.linear`` in fp32, at each row count, interleaved, median of ``--repeats``. This is what
-``Int4Linear.dequantized_gemm_inputs`` was chosen from.
+``Int4Linear.dequantized_gemm_rows`` was chosen from.
 
     PYTHONPATH=src .venv/bin/python benchmarks/int4_prefill.py --threads 2
 """

@@ -25,7 +25,7 @@ FUSED_DECODE = "TOKENMILL_FUSED_DECODE"
 (read at every step, so an A/B run may switch it on a running engine)."""
 INT4_PREFILL_GEMM = "TOKENMILL_INT4_PREFILL_GEMM"
 """``0`` keeps int4 row-kernel projections on their int kernel at every batch size instead of
-dequantizing to fp32 for torch's GEMM from ``Int4Linear.dequantized_gemm_inputs`` on
+dequantizing to fp32 for torch's GEMM from ``Int4Linear.dequantized_gemm_rows`` rows on
 (read at every call, for A/B runs on one engine)."""
 
 _OFF = ("0", "false", "off", "no")

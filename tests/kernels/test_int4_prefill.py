@@ -1,5 +1,5 @@
 """int4 projections on a prefill chunk: the weight dequantized to fp32 (``dequantize_int4``)
-and multiplied by torch's fp32 GEMM from ``Int4Linear.dequantized_gemm_inputs`` on."""
+and multiplied by torch's fp32 GEMM from ``Int4Linear.dequantized_gemm_rows`` rows on."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_dequantize_int4_refuses_a_wrong_layout() -> None:
 def test_int4_linear_runs_a_prefill_chunk_as_an_fp32_gemm(
     isa: str, monkeypatch: pytest.MonkeyPatch, group_size: int
 ) -> None:
-    """From ``dequantized_gemm_inputs`` activation values on, the product is the fp32 GEMM of the rebuilt
+    """From ``dequantized_gemm_rows`` rows on, the product is the fp32 GEMM of the rebuilt
     weight (activations unquantized), bit for bit; below it, and with the switch off, the
     int kernel's (W8A8 where the table quantizes x), which stays close to it."""
     weight = randn(96, 256, dtype=torch.bfloat16, seed=1)
@@ -50,8 +50,7 @@ def test_int4_linear_runs_a_prefill_chunk_as_an_fp32_gemm(
     layer = Int4Linear(weight, bias, group_size)
     if layer.kernel != "rows":
         pytest.skip(f"this table stores groups of {group_size} as {layer.kernel} tiles")
-    rows = layer.dequantized_gemm_inputs // 256  # rows - 1 stay below it
-    assert rows * 256 == layer.dequantized_gemm_inputs
+    rows = layer.dequantized_gemm_rows
     x = randn(rows, 256, dtype=torch.bfloat16, seed=3)
     exact = F.linear(x.float(), layer.dequantize(torch.float32), bias.float()).bfloat16()
     assert torch.equal(layer(x), exact)

@@ -12,8 +12,9 @@ hands the engine a ``ProcessedRequest``, which the engine thread takes without c
 
 from __future__ import annotations
 
+import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenmill.core.cache_salt import check_cache_salt, compose_salt
 from tokenmill.core.request import Request
@@ -48,6 +49,9 @@ class ProcessedRequest:
     cache_salt: str | None = None
     """The caller's prefix-cache namespace (vLLM's ``cache_salt``; the server adds the API
     key's): only requests with the same one reuse each other's cached blocks."""
+    nonce: str = field(default_factory=lambda: secrets.token_hex(16))
+    """This request's own prefix-cache namespace where it may share nothing: drawn by the
+    server, since a client chooses its request id (``X-Request-Id``) and may send one twice."""
 
 
 @dataclass(frozen=True)
@@ -287,5 +291,5 @@ def request_cache_salt(processed: ProcessedRequest, enable_prefix_caching: bool)
     return compose_salt(
         ("caller", processed.cache_salt),
         ("lora", lora.cache_salt if lora is not None else None),
-        ("request", processed.request_id if is_private else None),
+        ("request", processed.nonce if is_private else None),
     )

@@ -388,21 +388,23 @@ class Int4Linear(QuantizedLinear):
         if self.layout_block is None:
             self.max_kernel_rows = _EVERY_BATCH
 
-    dequantized_gemm_inputs = 320 * 1024
-    """Activation values (a prefill chunk's rows x input channels) from which a row-kernel
-    projection dequantizes its weight to fp32 (``kernels.dequantize_int4``) and runs torch's
-    fp32 GEMM instead of the int4 kernel. On the AVX2 EPYC at 2 threads over SmolLM2's, Gemma
-    3 270M's and the 250M model's projections (``benchmarks/int4_prefill.py``, groups of 32)
-    the two broke even at about 300K values: 128-190 rows for the down projections
-    (1536-2816 inputs), 290-520 for gate/up (576-1024); at 2048 rows the GEMM was 1.9-2.6x
-    faster. The int kernel re-reads each weight row per 4 activation rows and widens every
-    group of 32 to fp32. The product is then exact in the weights and unquantized in the
-    activations."""
+    dequantized_gemm_rows = 512
+    """Rows (a prefill chunk's tokens) from which a row-kernel projection dequantizes its
+    weight to fp32 (``kernels.dequantize_int4``) and runs torch's fp32 GEMM instead of the
+    int4 kernel. On the AVX2 EPYC at 2 threads over SmolLM2's, Gemma 3 270M's and the 250M
+    model's projections (``benchmarks/int4_prefill.py``, groups of 32) the GEMM was 0.9-1.8x
+    the kernel at 512 rows and 1.9-2.6x at 2048; at 256 it lost on the gate/up projections
+    (0.7-0.8x) while winning on the down ones (1.3-1.9x). The int kernel re-reads each weight
+    row per 4 activation rows and widens every group of 32 to fp32; dequantizing costs the
+    weight's size whatever the row count, so the threshold is rows, not rows x inputs. Above
+    the default ``--max-num-seqs`` (256), so a decode step stays on the int kernel (the fused
+    step's, bit for bit); a step that mixes decode rows into a prefill chunk of 512+ rows
+    computes them all by the GEMM (activations unquantized, weights exact)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
             self.kernel == "rows"
-            and x.numel() >= self.dequantized_gemm_inputs
+            and x.numel() >= self.dequantized_gemm_rows * self.in_features
             and kernels.supports(x)
             and not envs.is_off(envs.INT4_PREFILL_GEMM)
         ):
@@ -521,9 +523,10 @@ def _kernel_for(weight: torch.Tensor, tiles_ok: bool) -> str | None:
 
 def _w8a8_rows() -> bool:
     """Whether the row-major int kernels quantize activations (the AVX2 table's W8A8, int4
-    in groups of 32+): then they beat dequantize + GEMM at every row count (measured on the
-    250M model's MLP shapes at 16-512 rows, 2 threads: 1.3-7x, fp32 and bf16 activations),
-    so they serve every batch like the tile kernels."""
+    in groups of 32+): then they beat dequantize + GEMM in the activation dtype at every row
+    count (measured on the 250M model's MLP shapes at 16-512 rows, 2 threads: 1.3-7x, fp32
+    and bf16 activations), so they serve every batch like the tile kernels; only int4's
+    prefill chunks go to torch's fp32 GEMM (``Int4Linear.dequantized_gemm_rows``)."""
     return kernels.active_isa() == "avx2"
 
 

@@ -247,7 +247,7 @@ inline __m128 tile_w4a8_g32(const GemmArgs& a, int64_t m0, int64_t n) {
   const float* sc = a.scales + n * a.num_groups;
   const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  const int64_t chunks = a.ldw * 2 / 64;  // the packing's whole 64-code chunks
+  const int64_t chunks = a.ldq / 64;  // the quantized rows' whole 64-value chunks, as the codes'
   __m256 facc[MR];
   for (int m = 0; m < MR; ++m) facc[m] = Vec::zero();
   for (int64_t c = 0; c < chunks; ++c) {
