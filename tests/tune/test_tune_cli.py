@@ -109,3 +109,18 @@ def test_tune_refuses_a_bad_trace_with_its_line_number(tmp_path, capsys) -> None
     )
     assert code == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+def test_the_plan_sizes_static_slots_as_the_cpu_server_reserves_them() -> None:
+    """On a CPU host the tune's plan uses the server's own CPU KV budget (not a GPU's of the
+    same --memory) and every --max-num-seqs slot static reserves, so a static candidate the
+    server would refuse to start is pruned, with the server's own reason, before it runs."""
+    from tokenmill.entrypoints.tune import _plan_fn
+    from tokenmill.tune.candidates import Candidate
+
+    plan = _plan_fn("demo", 2048, 8, 256 * 2**20, 512)
+    fits, _, why = plan(Candidate((("kv_cache", "static"),)))  # 256 slots of 2048 tokens
+    assert not fits and "256 slots x 2048 tokens" in why
+    fits, _, _ = plan(Candidate((("kv_cache", "static"), ("max_num_seqs", 4))))
+    assert fits
+    assert plan(Candidate())[0]  # paged: blocks on demand

@@ -127,16 +127,24 @@ def add_tune_parser(sub: Any) -> None:
 def _plan_fn(
     model: str, max_model_len: int, num_requests: int, memory_bytes: int, mean_len: int
 ) -> Any:
-    from tokenmill.entrypoints.plan import PlanInputs, build_plan
+    from tokenmill.entrypoints.plan import PlanInputs, build_plan, this_machine
+
+    # The device the candidates' servers start on: with --memory and device auto, `plan`
+    # sizes for a GPU (its CLI's meaning), which on a CPU host let static KV through with a
+    # GPU's budget while the server, on the CPU's default budget, refused to start.
+    device = this_machine().device
 
     def plan(candidate: Any) -> tuple[bool, int | None, str]:
         o = candidate.options
+        # static reserves every slot of --max-num-seqs at start-up, whatever the trace sends
+        concurrency = o["max_num_seqs"] if o["kv_cache"] == "static" else num_requests
         try:
             result = build_plan(
                 PlanInputs(
                     model=model,
                     max_model_len=max_model_len,
-                    concurrency=max(1, min(o["max_num_seqs"], num_requests)),
+                    concurrency=max(1, min(o["max_num_seqs"], concurrency)),
+                    device=device,
                     dtype=o["dtype"],
                     kv_cache_dtype=o["kv_cache_dtype"],
                     quantization=o["quantization"],
