@@ -246,3 +246,22 @@ def test_candidate_renders_as_flags_and_yaml() -> None:
     assert "quantization: int8" in text and "enable-prefix-caching: false" in text
     with pytest.raises(ValueError, match="unknown tuning option"):
         Candidate.of(nonsense=1)
+
+
+def test_a_setting_equal_to_what_auto_resolves_to_is_not_a_candidate() -> None:
+    """On an AVX2 CPU ``dtype=bfloat16`` is the default (``auto``) under another name: it is
+    dropped, as is the thread count ``auto`` picks, so no noisy round can crown the default
+    twice over; the other values stay."""
+    from tokenmill.tune.candidates import default_space
+
+    plain = default_space(2).values
+    assert plain["dtype"] == ["bfloat16"] and plain["num_threads"] == [1, 2]
+    space = default_space(2, resolved_defaults={"dtype": "bfloat16", "num_threads": 2}).values
+    assert "dtype" not in space
+    assert space["num_threads"] == [1]
+    assert all(
+        dict(c.settings).get("dtype") is None and dict(c.settings).get("num_threads") != 2
+        for c in default_space(
+            2, resolved_defaults={"dtype": "bfloat16", "num_threads": 2}
+        ).candidates()
+    )

@@ -165,6 +165,20 @@ def _plan_fn(
     return plan
 
 
+def _resolved_defaults(model: str) -> dict[str, Any]:
+    """What ``serve``'s ``auto`` dtype and thread count resolve to on this machine."""
+    from tokenmill.entrypoints.plan import _resolve_model, resolve_model_dtype, this_machine
+    from tokenmill.model.config import ModelConfig
+    from tokenmill.model.thread_policy import default_thread_decision
+
+    device = this_machine().device
+    cfg = ModelConfig.from_folder(_resolve_model(model))
+    resolved: dict[str, Any] = {"dtype": resolve_model_dtype("auto", cfg, device)}
+    if device == "cpu":
+        resolved["num_threads"] = default_thread_decision().num_threads
+    return resolved
+
+
 def _vocab(model: str) -> np.ndarray:
     from tokenmill.bench.tokenization import load_tokenizer, special_ids_of, vocab_size_of
 
@@ -280,7 +294,11 @@ def run_tune(args: argparse.Namespace) -> int:
     longest = max(r.input_length + r.output_length for r in trace.requests)
     max_model_len = args.max_model_len or longest
     mean_len = int(np.mean([r.input_length + r.output_length for r in trace.requests]))
-    space = default_space(os.cpu_count() or 1, draft_model=args.draft_model)
+    space = default_space(
+        os.cpu_count() or 1,
+        draft_model=args.draft_model,
+        resolved_defaults=_resolved_defaults(args.model),
+    )
     if args.options:
         wanted = {o.strip() for o in args.options.split(",") if o.strip()}
         unknown = wanted - set(space.values) - {"data_parallel_size", "num_threads"}

@@ -164,10 +164,15 @@ def default_space(
     has_accelerator: bool = False,
     draft_model: str | None = None,
     quantizations: Iterable[str] = ("int8", "int4"),
+    resolved_defaults: Mapping[str, Any] | None = None,
 ) -> SearchSpace:
     """The knobs worth trying on this machine.
 
     Precisions: the int8/int4 weight kernels, half-precision compute, an fp8 KV cache. Threads and data-parallel replicas split the cores.
+    ``resolved_defaults``: what the server's ``auto`` settings resolve to here (``dtype``,
+    ``num_threads``); a value equal to one is the default configuration under another name,
+    so it is not a candidate (on an AVX2 CPU ``dtype=bfloat16`` and ``auto`` ran the same
+    server, and one noisy round apart made the first the winner over the default).
     """
     values: dict[str, list[Any]] = {
         "kv_cache": ["static"],
@@ -189,4 +194,9 @@ def default_space(
         values["data_parallel_size"] = [2] if num_cores >= 4 else []
     if not values.get("data_parallel_size"):
         values.pop("data_parallel_size", None)
+    for key, same in (resolved_defaults or {}).items():
+        if key in values:
+            values[key] = [v for v in values[key] if v != same]
+            if not values[key]:
+                del values[key]
     return SearchSpace(values)
