@@ -428,3 +428,17 @@ def fp32_greedy(path: Path, texts: list[str], max_tokens: int = 8) -> tuple[Any,
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return llm, prompts, [o.outputs[0].token_ids for o in outputs]
+
+
+def refusal(path: Path) -> str:
+    """What the start-up check says of a refused GGUF file: one line, after the path."""
+    import pytest
+
+    from tokenmill.errors import ModelLoadError
+    from tokenmill.model.gguf_checks import check_gguf_file
+
+    with pytest.raises(ModelLoadError) as info:
+        check_gguf_file(path)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{path}: ")
+    return message.removeprefix(f"{path}: ")

@@ -19,11 +19,10 @@ from tests.conftest import hf_greedy
 from tests.gguf_fixture import (
     fp32_greedy,
     hf_weights,
+    refusal,
     write_gguf,
 )
 from tests.model.test_gguf_fixtures import PROMPTS, TEXTS
-from tokenmill.errors import ModelLoadError
-from tokenmill.model.gguf_checks import check_gguf_file
 
 gguf = pytest.importorskip("gguf")
 
@@ -103,14 +102,6 @@ def test_tokenizer_ids_match_the_source_tokenizer(gguf_file, family: str) -> Non
 
 
 # ---- what the mapping does not read: refused in one line ------------------------------------
-def _refused(path: Path) -> str:
-    with pytest.raises(ModelLoadError) as info:
-        check_gguf_file(path)
-    message = str(info.value)
-    assert "\n" not in message and message.startswith(f"{path}: ")
-    return message.removeprefix(f"{path}: ")
-
-
 def _bare_llama_file(path: Path, fill: Callable[[Any], None]) -> Path:
     """A ``llama`` GGUF file of only what ``fill(writer)`` writes: a header to refuse."""
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -122,50 +113,50 @@ def _bare_llama_file(path: Path, fill: Callable[[Any], None]) -> Path:
     return path
 
 
-def test_per_expert_mixtral_layout_is_refused(tmp_path) -> None:
+def test_per_expert_mixtral_layout_isrefusal(tmp_path) -> None:
     def fill(writer) -> None:  # just what the refusal reads: experts, one tensor of them
         writer.add_expert_count(4)
         writer.add_tensor("blk.0.ffn_gate.0.weight", np.zeros((32, 64), np.float32))
 
     path = _bare_llama_file(tmp_path / "old-mixtral.gguf", fill)
-    assert _refused(path) == (
+    assert refusal(path) == (
         "tensor 'blk.0.ffn_gate.0.weight' holds one expert on its own, llama.cpp's older "
         "Mixtral layout; tokenmill reads the stacked ffn_gate_exps, ffn_up_exps and "
         "ffn_down_exps that convert_hf_to_gguf.py writes (convert the model again)"
     )
 
 
-def test_olmo3_sliding_window_is_refused(make_model, tmp_path) -> None:
+def test_olmo3_sliding_window_isrefusal(make_model, tmp_path) -> None:
     path = write_gguf(
         make_model("olmo2"),
         tmp_path / "olmo3.gguf",
         "olmo2",
         metadata=lambda writer: writer.add_sliding_window(4096),
     )
-    assert _refused(path) == (
+    assert refusal(path) == (
         "an olmo2 file with olmo2.attention.sliding_window 4096 (OLMo 3) is not supported: "
         "tokenmill has no OLMo 3 family"
     )
 
 
-def test_rope_scaling_the_mapping_does_not_read_is_refused(make_model, tmp_path) -> None:
+def test_rope_scaling_the_mapping_does_not_read_isrefusal(make_model, tmp_path) -> None:
     path = write_gguf(
         make_model("mixtral"),
         tmp_path / "mixtral-yarn.gguf",
         "mixtral",
         metadata=lambda writer: writer.add_rope_scaling_type(gguf.RopeScalingType.YARN),
     )
-    assert _refused(path) == (
+    assert refusal(path) == (
         "llama.rope.scaling.type is 'yarn', but mixtral files are read with plain RoPE only"
     )
 
 
-def test_experts_of_the_wrong_width_are_refused(make_model, tmp_path) -> None:
+def test_experts_of_the_wrong_width_arerefusal(make_model, tmp_path) -> None:
     def edit(name: str, w: np.ndarray) -> np.ndarray:
         return w[:, :-8] if name == "blk.1.ffn_up_exps.weight" else w
 
     path = write_gguf(make_model("mixtral"), tmp_path / "mixtral.gguf", "mixtral", edit=edit)
-    message = _refused(path)
+    message = refusal(path)
     assert message.startswith("tensor 'blk.1.ffn_up_exps.weight' has shape [4, 24, 64] but ")
     assert message.endswith("expert_count 4, expert width 32 (llama metadata) need [4, 32, 64]")
 
