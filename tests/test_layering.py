@@ -16,7 +16,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tokenmill"
 
-LEAVES = frozenset({"errors", "outputs", "pooling_params", "lora_request", "envs"})
+LEAVES = frozenset({"errors", "outputs", "pooling_params", "lora_request", "envs", "sizes"})
 """Plain data and error types: import nothing of tokenmill, importable from everywhere."""
 
 ALLOWED: dict[str, frozenset[str]] = {

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from tokenmill.core.speculative import SpeculativeConfig
 from tokenmill.errors import ConfigError
+from tokenmill.sizes import parse_size
 
 KVCacheKind = Literal["paged", "static"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -187,6 +188,16 @@ class EngineConfig:
         check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
+        size: object = self.kv_cache_memory
+        if isinstance(size, str):  # LLM(kv_cache_memory="4GiB"), as the flag takes it
+            try:
+                object.__setattr__(self, "kv_cache_memory", parse_size(size))
+            except ValueError as exc:
+                raise ConfigError(f"kv_cache_memory: {exc}") from None
+        check(
+            isinstance(self.kv_cache_memory, (int, float, type(None))),
+            f"kv_cache_memory must be a fraction, a byte count or a size like '4GiB', got {self.kv_cache_memory!r}",
+        )
         check(
             self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be > 0"
         )

@@ -95,3 +95,22 @@ def test_bad_server_values_name_their_flag(flags: list[str], message: str) -> No
     args = _serve(*flags)
     with pytest.raises(ConfigError, match=message):
         server_config_from_args(args, engine_config_from_args(args, args.model))
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"), [("256MiB", 256 * 2**20), ("2G", 2e9), ("0.3", 0.3), (4096, 4096.0)]
+)
+def test_kv_cache_memory_in_python_takes_what_the_flag_takes(
+    given: object, expected: float
+) -> None:
+    """``LLM(model, kv_cache_memory="256MiB")`` parses as ``--kv-cache-memory 256MiB`` does."""
+    assert EngineConfig(kv_cache_memory=given).kv_cache_memory == expected  # type: ignore[arg-type]
+    if isinstance(given, str):
+        args = build_parser().parse_args(["serve", "m", "--kv-cache-memory", given])
+        assert engine_config_from_args(args, "m").kv_cache_memory == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "-1GiB", "0", [1]])
+def test_bad_kv_cache_memory_in_python_is_a_config_error(bad: object) -> None:
+    with pytest.raises(ConfigError, match="kv_cache_memory"):
+        EngineConfig(kv_cache_memory=bad)  # type: ignore[arg-type]

@@ -25,25 +25,15 @@ import typing
 from collections.abc import Callable, Iterable
 from typing import Any
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
+from tokenmill.sizes import parse_size
 
 
 def parse_memory(text: str) -> float:
     """``0.3`` (fraction of free memory), ``4GiB``, ``512MiB``, ``2G`` or plain bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"invalid memory size {text!r}: use a fraction like 0.3 or a size like 4GiB"
-        )
-    value = float(match.group(1)) * _UNITS[unit]
-    if value <= 0:
-        raise argparse.ArgumentTypeError("memory size must be positive")
-    return value
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_int_list(text: str) -> tuple[int, ...]:
