@@ -17,7 +17,7 @@ import numpy as np
 from tokenmill.tune.trace import Trace, TraceRequest, write_jsonl_trace
 
 
-def interactive_trace(num_requests: int, rate: float = 3.0, seed: int = 1) -> Trace:
+def interactive_trace(num_requests: int, rate: float = 2.5, seed: int = 1) -> Trace:
     """Short prompts (16-128 tokens), Poisson arrivals at ``rate``/s, 16-64 output tokens."""
     rng = np.random.default_rng(seed)
     t = np.cumsum(rng.exponential(1 / rate, num_requests))
@@ -30,18 +30,24 @@ def interactive_trace(num_requests: int, rate: float = 3.0, seed: int = 1) -> Tr
 
 
 def batch_trace(
-    num_requests: int, burst_size: int = 25, burst_gap_s: float = 20.0, seed: int = 2
+    num_requests: int,
+    burst_size: int = 10,
+    burst_gap_s: float = 20.0,
+    input_range: tuple[int, int] = (512, 1536),
+    output_range: tuple[int, int] = (32, 128),
+    seed: int = 2,
 ) -> Trace:
-    """Bursts of ``burst_size`` requests every ``burst_gap_s``: 512-1536-token prompts over
-    four shared 512-token document prefixes, 64-256 output tokens."""
+    """Bursts of ``burst_size`` requests every ``burst_gap_s``: prompts of ``input_range``
+    tokens over four shared 512-token document prefixes, ``output_range`` output tokens."""
     rng = np.random.default_rng(seed)
     requests = []
     for i in range(num_requests):
         burst, within = divmod(i, burst_size)
         ts_ms = burst * burst_gap_s * 1000 + within * float(rng.uniform(0, 40))
         doc = int(rng.integers(0, 4))
-        input_length = int(rng.integers(512, 1537))
-        requests.append(TraceRequest(ts_ms, input_length, int(rng.integers(64, 257)), (doc,)))
+        input_length = int(rng.integers(input_range[0], input_range[1] + 1))
+        output_length = int(rng.integers(output_range[0], output_range[1] + 1))
+        requests.append(TraceRequest(ts_ms, input_length, output_length, (doc,)))
     requests.sort(key=lambda r: r.timestamp_ms)
     return Trace(tuple(requests), "batch", {"burst_size": burst_size})
 
@@ -49,11 +55,12 @@ def batch_trace(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, required=True)
-    parser.add_argument("--num-requests", type=int, default=300)
+    parser.add_argument("--num-requests", type=int, default=200)
+    parser.add_argument("--batch-requests", type=int, default=None, help="default: --num-requests")
     args = parser.parse_args()
     for name, trace in (
         ("interactive", interactive_trace(args.num_requests)),
-        ("batch", batch_trace(args.num_requests)),
+        ("batch", batch_trace(args.batch_requests or args.num_requests)),
     ):
         path = write_jsonl_trace(trace, args.out_dir / f"{name}.jsonl")
         print(f"{path}: {trace.describe()}")

@@ -143,6 +143,10 @@ class SearchSpace:
         pairs = [
             ("kv_cache", "max_num_seqs"),
             ("quantization", "max_num_seqs"),
+            (
+                "quantization",
+                "max_num_batched_tokens",
+            ),  # int4 prefill switches kernel by chunk rows
             ("quantization", "kv_cache_dtype"),
             ("max_num_seqs", "max_num_batched_tokens"),
             ("quantization", "speculative_config"),
