@@ -448,6 +448,16 @@ def main(argv: list[str] | None = None) -> int:
         "--tiny", action="store_true", help="smoke test: tiny models and request counts"
     )
     parser.add_argument(
+        "--model",
+        type=Path,
+        help="an HF folder for the A steps instead of the 250M Llama (a real checkpoint, e.g. "
+        "~/.cache/tokenmill-real/smollm2-135m-instruct); needs --gguf-name",
+    )
+    parser.add_argument(
+        "--gguf-name",
+        help="the name gguf_convert.py gave --model's GGUF files (PEERS/gguf/NAME-{f16,q8_0,q4_0}.gguf)",
+    )
+    parser.add_argument(
         "--build-model", nargs=2, metavar=("KIND", "FOLDER"), help=argparse.SUPPRESS
     )
     args = parser.parse_args(argv)
@@ -471,6 +481,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     if os.environ.get("TOKENMILL_BENCH_DENSE"):
         ctx.dense = Path(os.environ["TOKENMILL_BENCH_DENSE"])
+    if args.model:
+        if not args.gguf_name:
+            parser.error(
+                "--model needs --gguf-name (its GGUF files' name), or llama.cpp runs another model"
+            )
+        ctx.dense, ctx.gguf_name = args.model.expanduser(), args.gguf_name
     ctx.out.mkdir(parents=True, exist_ok=True)
     with (ctx.out / "invocations.txt").open("a") as f:
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

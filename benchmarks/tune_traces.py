@@ -17,7 +17,7 @@ import numpy as np
 from tokenmill.tune.trace import Trace, TraceRequest, write_jsonl_trace
 
 
-def interactive_trace(num_requests: int, rate: float = 2.5, seed: int = 1) -> Trace:
+def interactive_trace(num_requests: int, rate: float = 1.5, seed: int = 1) -> Trace:
     """Short prompts (16-128 tokens), Poisson arrivals at ``rate``/s, 16-64 output tokens."""
     rng = np.random.default_rng(seed)
     t = np.cumsum(rng.exponential(1 / rate, num_requests))
@@ -31,7 +31,7 @@ def interactive_trace(num_requests: int, rate: float = 2.5, seed: int = 1) -> Tr
 
 def batch_trace(
     num_requests: int,
-    burst_size: int = 10,
+    burst_size: int = 8,
     burst_gap_s: float = 20.0,
     input_range: tuple[int, int] = (512, 1536),
     output_range: tuple[int, int] = (32, 128),
