@@ -31,6 +31,9 @@ engine runs in a child process), over its whole life and while measured.
     .venv/bin/python benchmarks/peers_run.py --only A --skip-done         # peers only
     .venv/bin/python benchmarks/peers_run.py --only report                # tables again
     .venv/bin/python benchmarks/peers_run.py --tiny --out-dir results/peers-smoke  # smoke
+    # a real checkpoint (convert it first: ../shared/peers/build-llamacpp.sh convert DIR NAME)
+    .venv/bin/python benchmarks/peers_run.py --model DIR --gguf-name NAME \
+        --only a-vllm-bf16,a-tm-bf16,a-tm-int8,a-tm-int4,a-llama-f16,a-llama-q8_0,a-llama-q4_0,report
 """
 
 from __future__ import annotations
@@ -461,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
         "--build-model", nargs=2, metavar=("KIND", "FOLDER"), help=argparse.SUPPRESS
     )
     args = parser.parse_args(argv)
+    if args.model and not args.gguf_name:
+        parser.error(
+            "--model needs --gguf-name (its GGUF files' name), or llama.cpp runs another model"
+        )
     if args.build_model:
         build_model_inner(args.build_model[0], Path(args.build_model[1]), args.tiny)
         return 0
