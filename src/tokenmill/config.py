@@ -10,6 +10,7 @@ resolved config (``LLMEngine.config``): consumers read ``max_model_len``, ``devi
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -195,7 +196,7 @@ class EngineConfig:
             except ValueError as exc:
                 raise ConfigError(f"kv_cache_memory: {exc}") from None
         check(
-            isinstance(self.kv_cache_memory, (int, float, type(None))),
+            self.kv_cache_memory is None or isinstance(self.kv_cache_memory, numbers.Real),
             f"kv_cache_memory must be a fraction, a byte count or a size like '4GiB', got {self.kv_cache_memory!r}",
         )
         check(
