@@ -143,10 +143,8 @@ class SearchSpace:
         pairs = [
             ("kv_cache", "max_num_seqs"),
             ("quantization", "max_num_seqs"),
-            (
-                "quantization",
-                "max_num_batched_tokens",
-            ),  # int4 prefill switches kernel by chunk rows
+            # int4 prefill switches kernel by chunk rows (dequantized GEMM from 512)
+            ("quantization", "max_num_batched_tokens"),
             ("quantization", "kv_cache_dtype"),
             ("max_num_seqs", "max_num_batched_tokens"),
             ("quantization", "speculative_config"),
