@@ -51,7 +51,6 @@ from gpu_check_common import (
     close,
     engine_facts,
     greedy,
-    hf_greedy,
     make_llm,
     random_prompts,
     tiny_model,
@@ -131,6 +130,8 @@ def stage_env(args: argparse.Namespace, report: Report) -> None:
 def stage_parity(args: argparse.Namespace, report: Report) -> None:
     import torch
 
+    from tokenmill.entrypoints.check import transformers_greedy
+
     device = args.device
     work = args.work
     watch_cpu_kernel_loads(report)
@@ -150,7 +151,7 @@ def stage_parity(args: argparse.Namespace, report: Report) -> None:
     def reference(folder: Path, prompts: list[list[int]], dtype: Any) -> list[list[int]]:
         key = (str(folder), str(dtype), tuple(map(tuple, prompts)))
         if key not in ref_cache:
-            ref_cache[key] = hf_greedy(folder, prompts, MAX_NEW, dtype, device)
+            ref_cache[key] = transformers_greedy(folder, prompts, MAX_NEW, dtype, device)
         return ref_cache[key]
 
     def parity(
@@ -215,7 +216,7 @@ def stage_parity(args: argparse.Namespace, report: Report) -> None:
                 and out["n4_sampling"]["ids_in_vocab"]
             )
             mixed = random_prompts(vocab, 16, seed=2, max_len=100)
-            want = hf_greedy(folder, mixed, MAX_NEW, torch.float32, device)
+            want = transformers_greedy(folder, mixed, MAX_NEW, torch.float32, device)
             got = [o.outputs[0].token_ids for o in llm.generate(mixed, greedy(), use_tqdm=False)]
             out["mixed16_chunked7"] = agreement(got, want)
             shared = random.Random(9).sample(range(4, vocab), 80)  # 5 blocks of 16

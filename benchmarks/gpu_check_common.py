@@ -150,33 +150,6 @@ def random_prompts(vocab: int, num: int, seed: int, max_len: int = 60) -> list[l
     return [[rng.randrange(4, vocab) for _ in range(rng.randint(1, max_len))] for _ in range(num)]
 
 
-def hf_greedy(
-    folder: Path, prompts: list[list[int]], max_new: int, dtype: Any, device: str
-) -> list[list[int]]:
-    """transformers ``generate``, greedy, EOS ignored, one prompt at a time, on ``device``."""
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
-    model.eval()
-    model.generation_config.eos_token_id = None
-    outs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt], device=device)
-            res = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new,
-                min_new_tokens=max_new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outs.append(res[0, len(prompt) :].tolist())
-    del model
-    return outs
-
-
 def greedy(max_tokens: int = MAX_NEW) -> Any:
     from tokenmill.core.sampling_params import SamplingParams
 

@@ -144,12 +144,46 @@ def _inspect_tokenizer(folder: Path, report: CheckReport) -> None:
     report.features["tools parser"] = _tools_parser(tokenizer.chat_template) or "none found"
 
 
+def transformers_greedy(
+    folder: str | Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    dtype: Any,
+    device: str = "cpu",
+) -> list[list[int]]:
+    """transformers' ``generate`` on ``folder``: greedy, EOS ignored, exactly ``max_tokens``
+    new tokens per prompt, one prompt at a time (no padding to differ from ours), on ``device``.
+
+    The reference every parity check compares tokenmill's greedy tokens with.
+    """
+    import torch
+    import transformers
+
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    model.to(device).eval()
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=device)
+            res = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(res[0, len(prompt) :].tolist())
+    del model
+    return outs
+
+
 def _run_parity(
     folder: Path, num_prompts: int, max_tokens: int, min_agreement: float, vocab: int
 ) -> ParityResult:
     """Greedy continuations of a few random-token prompts from both sides, in float32."""
     import torch
-    import transformers
 
     from tokenmill.core.sampling_params import SamplingParams
     from tokenmill.entrypoints.llm import LLM
@@ -163,25 +197,11 @@ def _run_parity(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     del llm
-    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    reference.eval()
-    reference.generation_config.eos_token_id = None
-    divergence: list[int | None] = []
-    with torch.no_grad():
-        for prompt, got in zip(prompts, ours, strict=True):
-            ids = torch.tensor([prompt])
-            out = reference.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            want = out[0, len(prompt) :].tolist()
-            divergence.append(
-                next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
-            )
+    reference = transformers_greedy(folder, prompts, max_tokens, torch.float32)
+    divergence: list[int | None] = [
+        next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        for got, want in zip(ours, reference, strict=True)
+    ]
     return ParityResult(
         num_prompts,
         max_tokens,
