@@ -23,12 +23,14 @@ class _State:
     loaded: bool | None = None
     isa = "none"
     amx = False
+    int8_x_group = 0
     enabled = True
 
     @classmethod
     def refresh(cls) -> None:
         cls.isa = str(torch.ops.tokenmill_cpu.isa())
         cls.amx = bool(torch.ops.tokenmill_cpu.amx_active())
+        cls.int8_x_group = int(torch.ops.tokenmill_cpu.int8_x_group())
 
 
 def available() -> bool:
@@ -66,6 +68,12 @@ def set_isa(isa: str) -> str:
     return chosen
 
 
+def int8_activation_group() -> int:
+    """Inputs per activation scale of the int8 row kernels (``linear_int8``) now: 64 on the
+    AVX2 table, 0 where activations have one scale a row (the AVX-512 table and its tiles)."""
+    return _State.int8_x_group if available() else 0
+
+
 def amx_permitted() -> bool:
     """Whether the Linux kernel granted this process the AMX tile state (arch_prctl)."""
     return bool(torch.ops.tokenmill_cpu.amx_permitted()) if available() else False
@@ -89,8 +97,10 @@ def describe() -> str:
         amx = "AMX granted but switched off"
     else:
         amx = "AMX not granted, not used"
+    group = int8_activation_group()
+    w8a8 = f"int8 activation scales per {group} inputs" if group else "per row"
     return (
-        f"tokenmill CPU kernels ({active_isa()}): int8/int4 linear (W8A8), add+RMSNorm, "
+        f"tokenmill CPU kernels ({active_isa()}): int8/int4 linear (W8A8, {w8a8}), add+RMSNorm, "
         f"SiLU*mul, GELU-tanh*mul, RoPE (+ KV write), paged decode and prefill attention "
         f"(split-K, softcap); {amx}"
     )
@@ -152,8 +162,8 @@ def linear_int8(
 ) -> torch.Tensor:
     """int8 weights [N, K] with fp32 per-channel scales [N] and int32 row sums [N]; x bf16.
 
-    The activations are quantized per row to int8 (W8A8): VNNI dot products on AVX-512,
-    ``vpmaddubsw`` on AVX2.
+    The activations are quantized to int8 (W8A8): per row with VNNI dot products on
+    AVX-512, per group of ``int8_activation_group()`` inputs with ``vpmaddubsw`` on AVX2.
     """
     return torch.ops.tokenmill_cpu.linear_int8(_rows(x), qweight, scales, row_sums, bias)
 

@@ -1,5 +1,5 @@
 // The GEMM pieces avx2.cpp and avx512.cpp share, written once over their Vec type: the
-// per-row int8 quantizer of the activations (W8A8), the per-output epilogue and store, the
+// int8 quantizer of the activations (W8A8, per row or group), the per-output epilogue and store, the
 // walk over output tiles, and the dispatch of a tile's run-time shape to its template.
 // Included by each ISA translation unit after common.h; internal linkage only (see there).
 #pragma once
@@ -10,22 +10,32 @@ namespace {
 
 // x quantized per row to int8 (W8A8): scale = max |x| / 127, each value x / scale rounded to
 // nearest even ([M, ldq] bytes, zeros past K up to ldq; is_unsigned: stored as x + 128).
+// With a.x_group set, each group of x_group inputs has its own scale (a.x_group_scale
+// [M, ldq / x_group], 0 for a group of zeros) and a.x_scale is 1.
 void quantize_rows(const tokenmill::GemmArgs& a, bool is_unsigned, int64_t r0, int64_t r1) {
-  const int64_t K = a.K;
+  const int64_t K = a.K, span = a.x_group > 0 ? a.x_group : a.ldq;
   for (int64_t r = r0; r < r1; ++r) {
     const uint16_t* x = a.x + r * a.ldx;
-    Vec::R amax = Vec::zero();
-    for (int64_t k = 0; k < K; k += Vec::W) amax = Vec::max(amax, Vec::abs(Vec::load_bf16(x + k, chunk(K, k))));
-    const float m = Vec::reduce_max(amax);
-    const float scale = m > 0.0f ? m / 127.0f : 1.0f;
-    a.x_scale[r] = scale;
-    const Vec::R inv = Vec::set1(1.0f / scale);
     uint8_t* out = a.xq + r * a.ldq;
-    for (int64_t k = 0; k < a.ldq; k += Vec::W) {  // ldq: whole 64-byte chunks
-      const int n = (int)min64(Vec::W, K - k);
-      const Vec::R v = n > 0 ? Vec::mul(Vec::load_bf16(x + k, n), inv) : Vec::zero();
-      Vec::store_int8(out + k, v, is_unsigned);
+    for (int64_t k0 = 0; k0 < a.ldq; k0 += span) {  // ldq: whole 64-byte chunks
+      const int64_t k1 = min64(k0 + span, a.ldq);
+      Vec::R amax = Vec::zero();
+      for (int64_t k = k0; k < min64(k1, K); k += Vec::W)
+        amax = Vec::max(amax, Vec::abs(Vec::load_bf16(x + k, (int)min64(Vec::W, K - k))));
+      const float m = Vec::reduce_max(amax);
+      const float scale = m > 0.0f ? m / 127.0f : 1.0f;
+      const Vec::R inv = Vec::set1(1.0f / scale);
+      if (a.x_group > 0)
+        a.x_group_scale[r * (a.ldq / span) + k0 / span] = m > 0.0f ? scale : 0.0f;
+      else
+        a.x_scale[r] = scale;
+      for (int64_t k = k0; k < k1; k += Vec::W) {
+        const int n = (int)min64(Vec::W, K - k);
+        const Vec::R v = n > 0 ? Vec::mul(Vec::load_bf16(x + k, n), inv) : Vec::zero();
+        Vec::store_int8(out + k, v, is_unsigned);
+      }
     }
+    if (a.x_group > 0) a.x_scale[r] = 1.0f;
   }
 }
 

@@ -106,6 +106,9 @@ void check_rows(const at::Tensor& x, const char* name) {
 
 namespace {
 
+// Inputs per int8 activation scale of the active table's gemm_int8 (0: one scale a row).
+int64_t int8_x_group() { return active() ? active()->int8_x_group : 0; }
+
 std::string set_isa(const std::string& want) {
   TORCH_CHECK(want == "auto" || want == "amx" || want == "avx2" || want == "avx512",
               "set_isa: expected auto, amx, avx512 or avx2, got ", want);
@@ -126,6 +129,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("set_isa(str isa) -> str");
   m.def("amx_permitted() -> bool");
   m.def("amx_active() -> bool");
+  m.def("int8_x_group() -> int");
   m.def("linear_int8_amx(Tensor x, Tensor tiles, Tensor scales, Tensor wsum, Tensor? bias, int out_features) -> Tensor");
   m.def("linear_int4_amx(Tensor x, Tensor tiles, Tensor scales, Tensor code_sums, Tensor offsets, int group_size, "
         "Tensor? bias, int out_features) -> Tensor");
@@ -158,6 +162,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.impl("set_isa", &tokenmill::set_isa);
   m.impl("amx_permitted", &tokenmill::amx_permitted);
   m.impl("amx_active", &tokenmill::amx_active);
+  m.impl("int8_x_group", &tokenmill::int8_x_group);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {

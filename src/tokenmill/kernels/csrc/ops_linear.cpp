@@ -110,7 +110,8 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N, co
 
 namespace {
 
-// Tables with quantize_rows read int8 activations (W8A8): x is quantized per row first.
+// Tables with quantize_rows read int8 activations (W8A8): x is quantized first, per row or
+// (a.x_group) per group of a row.
 void quantize_activations(const at::Tensor& x, GemmArgs& a, bool is_unsigned, at::Tensor& xq, at::Tensor& xs,
                           int64_t ldq = 0) {
   const KernelTable& k = kernels();
@@ -141,9 +142,16 @@ at::Tensor linear_int8_rows(const at::Tensor& x, const at::Tensor& w, const at::
   a.wsum = wsum.data_ptr<int32_t>();
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
-  at::Tensor xq, xs;
-  quantize_activations(x, a, kernels().int8_x_unsigned, xq, xs);
-  return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 2), kernels().gemm_int8, -1, false, f32_out);
+  at::Tensor xq, xs, xg;
+  const KernelTable& k = kernels();
+  if (k.quantize_rows && k.int8_x_group > 0) {  // scales per group of int8_x_group inputs
+    a.x_group = k.int8_x_group;
+    const int64_t ldq = (x.size(1) + 63) / 64 * 64;
+    xg = at::empty({x.size(0), ldq / a.x_group}, x.options().dtype(at::kFloat));
+    a.x_group_scale = xg.data_ptr<float>();
+  }
+  quantize_activations(x, a, k.int8_x_unsigned, xq, xs);
+  return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 2), k.gemm_int8, -1, false, f32_out);
 }
 
 }  // namespace
