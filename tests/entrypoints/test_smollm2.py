@@ -30,11 +30,17 @@ def smollm2_server(server_log_dir: Path) -> Iterator[ServerHandle]:
 
 
 def test_the_make_run_model_knows_the_capital_of_france(smollm2_server: ServerHandle) -> None:
+    """The README's question. Its first greedy token must be one the model prefers clearly:
+    asked only "What is the capital of France?", float32 transformers puts "The" 0.08 logits
+    above "L" (then a French ramble without Paris), and a quantized model's rounding picks
+    either; "Answer in one word." gives "The" a 1.5-logit lead."""
     client = smollm2_server.openai().with_options(timeout=300)
     assert client.models.list().data[0].id == "smollm2"
     answer = client.chat.completions.create(
         model="smollm2",
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        messages=[
+            {"role": "user", "content": "What is the capital of France? Answer in one word."}
+        ],
         temperature=0,
         max_tokens=20,
     )
