@@ -63,17 +63,24 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
             )
     walls = [d["_wall_s"] for st in steps if (d := load(ctx, st.name)) and "_wall_s" in d]
     lines.append(f"- steps' wall time in all: {sum(walls) / 60:.1f} min")
-    lines += ["", "### The 250M Llama, every server on the same cores", ""]
+    model = f"`{ctx.dense.name}`" if getattr(ctx.args, "model", None) else "The 250M Llama"
+    lines += ["", f"### {model}, every server on the same cores", ""]
     lines.append(
         f"single = {wl['single'].describe()}, many = {wl['many'].describe()}, long = "
         f"{wl['long'].describe()}; greedy, EOS ignored, `tokenmill bench serve` (2 warm-up "
         "requests each). Means over requests. Peak RSS: the server's process tree, while serving."
     )
+    verified = (load(ctx, "v-verify") or {}).get("precisions", {})
+    lines.append(
+        "verify: `tokenmill verify` at the row's precision (v-verify: 8 prompts x 64 greedy "
+        "tokens, top-1 agreement / mean KL teacher-forced against float32 transformers; pass "
+        "mark 90%); not measured for the peers."
+    )
     lines += [
         "",
         f"| server, precision | {n} streams tok/s | {n}-stream TTFT mean ms | 1-stream TPOT ms "
-        "| long tok/s | long TTFT mean ms | long TPOT ms | peak RSS GiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| long tok/s | long TTFT mean ms | long TPOT ms | peak RSS GiB | verify |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     rows = [
         ("vLLM CPU bf16", "a-vllm-bf16"),
@@ -97,8 +104,11 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
         if d is None and (name.endswith(("-lat", "-compiled")) or name == "a-ref-bf16"):
             continue  # optional rows
         if d is not None and "error" in d:
-            lines.append(f"| {label} | failed: {d['error'][:80]} | | | | | | |")
+            lines.append(f"| {label} | failed: {d['error'][:80]} | | | | | | | |")
             continue
+        precision = next((p for p in ("bf16", "int8", "int4") if f"tokenmill {p}" in label), "")
+        v = verified.get(precision) if name.startswith("a-tm-") else None
+        check = f"{v['top1_agreement']:.1%} / {v['mean_kl']:.4f}" if v else ""
         lines.append(
             f"| {label} | {fmt(metric(d, 'many', 'output_throughput'))} "
             f"| {fmt(metric(d, 'many', 'mean_ttft_ms'), 0)} "
@@ -106,7 +116,7 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
             f"| {fmt(metric(d, 'long', 'output_throughput'))} "
             f"| {fmt(metric(d, 'long', 'mean_ttft_ms'), 0)} "
             f"| {fmt(metric(d, 'long', 'mean_tpot_ms'))} "
-            f"| {fmt((d or {}).get('peak_rss_serving_gib'), 2)} |"
+            f"| {fmt((d or {}).get('peak_rss_serving_gib'), 2)} | {check} |"
         )
     vllm, bf16 = load(ctx, "a-vllm-bf16"), load(ctx, "a-tm-bf16")
     static = load(ctx, "a-tm-bf16-static")

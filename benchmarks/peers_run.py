@@ -13,7 +13,9 @@ Steps (``--list`` prints them with their estimated minutes on a quiet 2-core mac
                      a-tm-bf16-static-lat (--max-num-seqs 4, single only), a-tm-fp32, a-tm-int8, a-tm-int4
                      (--quantization, --dtype auto), a-tm-{bf16,int8,int4}-compiled (paged with
                      --compile-batch-sizes 1, single only), a-llama-f16/q8_0/q4_0, a-ref-bf16 (with
-                     --ref: the same tokenmill bf16 server from a worktree of an older commit)
+                     --ref: the same tokenmill bf16 server from a worktree of an older commit);
+                     v-verify: ``tokenmill verify`` at bf16, int8 and int4 (the report's
+                     verify column: top-1 agreement and KL against float32 transformers)
   B (fallback)       b-fallback: tokenmill bf16 --model-impl transformers on the 250M Llama
                      (single, many; against a-tm-bf16); b-moe-offline: moe.py in bf16,
                      tokenmill (with the share of step time in routing and expert dispatch,
@@ -33,7 +35,7 @@ engine runs in a child process), over its whole life and while measured.
     .venv/bin/python benchmarks/peers_run.py --tiny --out-dir results/peers-smoke  # smoke
     # a real checkpoint (convert it first: ../shared/peers/build-llamacpp.sh convert DIR NAME)
     .venv/bin/python benchmarks/peers_run.py --model DIR --gguf-name NAME \
-        --only a-vllm-bf16,a-tm-bf16,a-tm-int8,a-tm-int4,a-llama-f16,a-llama-q8_0,a-llama-q4_0,report
+        --only a-vllm-bf16,a-tm-bf16,a-tm-int8,a-tm-int4,v-verify,a-llama-f16,a-llama-q8_0,a-llama-q4_0,report
 """
 
 from __future__ import annotations
@@ -259,6 +261,49 @@ def step_pairs(ctx: Context) -> dict[str, Any]:
     return {"rounds": rounds, "tokenmill_flags": {n: f for n, f, _ in PAIRS}}
 
 
+VERIFY_PRECISIONS = (
+    ("bf16", ["--dtype", "bfloat16"]),
+    ("int8", ["--quantization", "int8"]),
+    ("int4", ["--quantization", "int4"]),
+)
+"""v-verify: the precisions the A steps serve, with the flags they are served at."""
+
+
+def step_verify(ctx: Context) -> dict[str, Any]:
+    """``tokenmill verify`` at each served precision, with the flags it is served at: 8
+    prompts x 64 greedy float32 tokens, teacher-forced top-1 agreement and mean KL against
+    float32 transformers, so each speed row stands beside its accuracy."""
+    results: dict[str, Any] = {}
+    for name, flags in VERIFY_PRECISIONS:
+        saved = ctx.out / "raw" / f"v-verify-{name}.json"
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        command = [
+            str(Path(sys.executable).with_name("tokenmill")),
+            "verify",
+            "--model",
+            str(ctx.dense),
+            "--num-prompts",
+            "8",
+            "--max-tokens",
+            "64",
+            *flags,
+            "--save-result",
+            str(saved),
+        ]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if not saved.is_file():  # verify's FAIL exits 1 but still saves its figures
+            raise RuntimeError(f"{shlex.join(command)} failed: {done.stderr[-2000:]}")
+        data = json.loads(saved.read_text())
+        results[name] = {
+            "command": shlex.join(command),
+            "top1_agreement": data["top1_agreement"],
+            "mean_kl": data["mean_kl"],
+            "num_positions": data["num_positions"],
+            "passed": data["passed"],
+        }
+    return {"precisions": results}
+
+
 def step_report(ctx: Context) -> dict[str, Any]:
     text = render_report(ctx, STEPS)
     (ctx.out / "report.md").write_text(text)
@@ -348,6 +393,13 @@ STEPS: list[Step] = [
             ("int8", ["--quantization", "int8"]),
             ("int4", ["--quantization", "int4"]),
         )
+    ),
+    Step(
+        "v-verify",
+        "A",
+        6,
+        step_verify,
+        "tokenmill verify at bf16, int8 and int4 (top-1 and KL against float32 transformers)",
     ),
     Step("a-llama-f16", "A", 3, llama_step("f16", True), "llama.cpp f16"),
     Step("a-llama-q8_0", "A", 1.5, llama_step("q8_0", False), "llama.cpp Q8_0"),
