@@ -107,7 +107,7 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
             lines.append(f"| {label} | failed: {d['error'][:80]} | | | | | | | |")
             continue
         precision = next((p for p in ("bf16", "int8", "int4") if f"tokenmill {p}" in label), "")
-        v = verified.get(precision) if name.startswith("a-tm-") else None
+        v = verified.get(precision) if name.startswith("a-tm-") and d is not None else None
         check = f"{v['top1_agreement']:.1%} / {v['mean_kl']:.4f}" if v else ""
         lines.append(
             f"| {label} | {fmt(metric(d, 'many', 'output_throughput'))} "
