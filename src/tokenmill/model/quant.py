@@ -6,7 +6,8 @@ layout its kernel reads, once: AMX-INT8 tiles (16 channels x 64 inputs in VNNI o
 may use it and by AVX-512 VNNI dot products otherwise (``kernel`` ``amx`` or ``vnni``); plain
 rows for the AVX2 kernels (and int4 groups of 32). Both tables quantize activations to int8
 (W8A8 dynamic, llama.cpp Q8_0's trade): per row, except the AVX2 table's int8 (per group of
-64 inputs) and int4 groups of 32 (per group of 32; weight-only on AVX-512). The torch paths below remain for machines without the extension.
+64 inputs) and int4 groups of 32 (per group of 32; weight-only on AVX-512). The torch paths
+below remain for machines without the extension.
 
 The tile kernels beat oneDNN's bf16 GEMM at every row count measured (1-256 rows of the
 250M model's layers, ``benchmarks/int_gemm_ab.py``), and so do the AVX2 W8A8 row kernels

@@ -102,6 +102,12 @@ inline __m256i dot_s8(__m256i acc, __m256i aw, __m256i w, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
+// The products of one group of 64: weights w0 | w1 against activations x0 | x1, exact in
+// 8 int32 lanes (tile_w8a8_g64, gemv_w8a8_int8_g64).
+inline __m256i dot_s8_64(__m256i w0, __m256i w1, __m256i x0, __m256i x1) {
+  return dot_s8(dot_s8(_mm256_setzero_si256(), _mm256_abs_epi8(w0), w0, x0), _mm256_abs_epi8(w1), w1, x1);
+}
+
 // int8 weights [N, K] against int8 x: rows [m0, m0 + MR) x
 // channels [n0, n0 + NR), x_scale and the channel scales applied.
 template <int MR, int NR>
@@ -150,8 +156,7 @@ inline void tile_w8a8_g64(const GemmArgs& a, int64_t m0, int64_t n0, float out[4
       const __m256i x0 = load_x_s8(xr), x1 = load_x_s8(xr + 32);
       const __m256 xs = Vec::set1(a.x_group_scale[(m0 + m) * G + k / 64]);
       for (int r = 0; r < NR; ++r) {
-        const __m256i d = dot_s8(dot_s8(_mm256_setzero_si256(), _mm256_abs_epi8(wv[r][0]), wv[r][0], x0),
-                                 _mm256_abs_epi8(wv[r][1]), wv[r][1], x1);
+        const __m256i d = dot_s8_64(wv[r][0], wv[r][1], x0, x1);
         acc[m][r] = Vec::fma(_mm256_cvtepi32_ps(d), xs, acc[m][r]);
       }
     }
@@ -271,8 +276,7 @@ void gemv_w8a8_int8_g64(const GemmArgs& a, int64_t n0, int64_t n1) {
       _mm_prefetch((const char*)(wr + k + kAhead), _MM_HINT_T0);
       const __m256i w0 = load_w8(wr, k, a.K);
       const __m256i w1 = k + 32 < a.K ? load_w8(wr, k + 32, a.K) : _mm256_setzero_si256();
-      const __m256i d = dot_s8(dot_s8(_mm256_setzero_si256(), _mm256_abs_epi8(w0), w0, load_x_s8(a.xq + k)),
-                               _mm256_abs_epi8(w1), w1, load_x_s8(a.xq + k + 32));
+      const __m256i d = dot_s8_64(w0, w1, load_x_s8(a.xq + k), load_x_s8(a.xq + k + 32));
       acc = Vec::fma(_mm256_cvtepi32_ps(d), Vec::set1(xs[k / 64]), acc);
     }
     store_out(a, 0, n, finish<kBf16>(a, 0, n, Vec::reduce_add(acc) * a.scales[n]));

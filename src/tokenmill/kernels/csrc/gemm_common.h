@@ -11,7 +11,7 @@ namespace {
 // x quantized per row to int8 (W8A8): scale = max |x| / 127, each value x / scale rounded to
 // nearest even ([M, ldq] bytes, zeros past K up to ldq; is_unsigned: stored as x + 128).
 // With a.x_group set, each group of x_group inputs has its own scale (a.x_group_scale
-// [M, ldq / x_group], 0 for a group of zeros) and a.x_scale is 1.
+// [M, ldq / x_group], 0 for a group of zeros) and a.x_scale is not written.
 void quantize_rows(const tokenmill::GemmArgs& a, bool is_unsigned, int64_t r0, int64_t r1) {
   const int64_t K = a.K, span = a.x_group > 0 ? a.x_group : a.ldq;
   for (int64_t r = r0; r < r1; ++r) {
@@ -35,7 +35,6 @@ void quantize_rows(const tokenmill::GemmArgs& a, bool is_unsigned, int64_t r0, i
         Vec::store_int8(out + k, v, is_unsigned);
       }
     }
-    if (a.x_group > 0) a.x_scale[r] = 1.0f;
   }
 }
 

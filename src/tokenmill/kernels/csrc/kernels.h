@@ -38,14 +38,14 @@ struct GemmArgs {
   // to whole 64-byte chunks; unsigned (x + 128) for int8 weights, signed for int4 codes.
   uint8_t* xq;
   int64_t ldq;
-  float* x_scale;       // [M]: one scale a row (1 where x_group_scale holds them)
+  float* x_scale;       // [M]: one scale a row (unused where x_group_scale holds them)
   // int4 groups of 32 on a table with quantize_rows_g32: x quantized per row and group of 32,
   // each group its own scale, as llama.cpp's Q8 blocks are (x_scale is then 1): [M, G / 2, 8],
   // each 64-value chunk's two group scales as [low x4, high x4] (ops_linear.cpp, avx2.cpp).
   float* x_group_scale;
   // int8 weights on a table with int8_x_group: x quantized per row and group of x_group
   // inputs (quantize_rows with x_group set), its scales in x_group_scale [M, ldq / x_group]
-  // (x_scale is then 1). 0: one scale a row.
+  // (x_scale unused). 0: one scale a row.
   int64_t x_group;
   const int32_t* wsum;  // int8: [N] sums of each weight row (undoes the +128)
   uint16_t* y;          // [M, N] bf16, row stride ldy

@@ -110,8 +110,9 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N, co
 
 namespace {
 
-// Tables with quantize_rows read int8 activations (W8A8): x is quantized first, per row or
-// (a.x_group) per group of a row.
+// Tables with quantize_rows read int8 activations (W8A8): x is quantized first, per row
+// (xs [M] in a.x_scale) or, with a.x_group set, per group of a row (xs [M, ldq / x_group] in
+// a.x_group_scale).
 void quantize_activations(const at::Tensor& x, GemmArgs& a, bool is_unsigned, at::Tensor& xq, at::Tensor& xs,
                           int64_t ldq = 0) {
   const KernelTable& k = kernels();
@@ -119,12 +120,12 @@ void quantize_activations(const at::Tensor& x, GemmArgs& a, bool is_unsigned, at
   const int64_t M = x.size(0);
   a.ldq = std::max(ldq, (x.size(1) + 63) / 64 * 64);
   xq = at::empty({M, a.ldq}, x.options().dtype(at::kByte));
-  xs = at::empty({M}, x.options().dtype(at::kFloat));
+  xs = at::empty({M, a.x_group > 0 ? a.ldq / a.x_group : 1}, x.options().dtype(at::kFloat));
   a.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
   a.ldx = x.stride(0);
   a.K = x.size(1);
   a.xq = xq.data_ptr<uint8_t>();
-  a.x_scale = xs.data_ptr<float>();
+  (a.x_group > 0 ? a.x_group_scale : a.x_scale) = xs.data_ptr<float>();
   parallel_chunks(M, rows_grain(x.size(1)), [&](int64_t r0, int64_t r1) { k.quantize_rows(a, is_unsigned, r0, r1); });
 }
 
@@ -142,14 +143,9 @@ at::Tensor linear_int8_rows(const at::Tensor& x, const at::Tensor& w, const at::
   a.wsum = wsum.data_ptr<int32_t>();
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
-  at::Tensor xq, xs, xg;
+  at::Tensor xq, xs;
   const KernelTable& k = kernels();
-  if (k.quantize_rows && k.int8_x_group > 0) {  // scales per group of int8_x_group inputs
-    a.x_group = k.int8_x_group;
-    const int64_t ldq = (x.size(1) + 63) / 64 * 64;
-    xg = at::empty({x.size(0), ldq / a.x_group}, x.options().dtype(at::kFloat));
-    a.x_group_scale = xg.data_ptr<float>();
-  }
+  a.x_group = k.int8_x_group;  // 0: one scale a row
   quantize_activations(x, a, k.int8_x_unsigned, xq, xs);
   return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 2), k.gemm_int8, -1, false, f32_out);
 }
