@@ -45,6 +45,15 @@ FULL_WORKLOADS = {
 }
 
 
+PRECISIONS = {
+    "bf16": ["--dtype", "bfloat16"],
+    "int8": ["--quantization", "int8"],
+    "int4": ["--quantization", "int4"],
+}
+"""tokenmill's precisions as the compiled steps, a-pairs and v-verify run them: their flags
+(the report's verify column matches its rows to these names)."""
+
+
 TINY_WORKLOADS = {
     "single": Workload(2, 1, 16, 8),
     "many": Workload(4, 4, 16, 8),

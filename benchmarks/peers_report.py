@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers_plan import THREADS, Context, Step, git, load
+from peers_plan import PRECISIONS, THREADS, Context, Step, git, load
 
 
 def metric(data: dict[str, Any] | None, run: str, key: str) -> float | None:
@@ -106,7 +106,7 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
         if d is not None and "error" in d:
             lines.append(f"| {label} | failed: {d['error'][:80]} | | | | | | | |")
             continue
-        precision = next((p for p in ("bf16", "int8", "int4") if f"tokenmill {p}" in label), "")
+        precision = next((p for p in PRECISIONS if f"tokenmill {p}" in label), "")
         v = verified.get(precision) if name.startswith("a-tm-") and d is not None else None
         check = f"{v['top1_agreement']:.1%} / {v['mean_kl']:.4f}" if v else ""
         lines.append(

@@ -54,9 +54,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import CACHE, PEERS_ROOT, REPO, source_env
-from peers_plan import FULL_WORKLOADS, THREADS, TINY_WORKLOADS, Context, Step, git, load
+from peers_plan import (
+    FULL_WORKLOADS,
+    PRECISIONS,
+    THREADS,
+    TINY_WORKLOADS,
+    Context,
+    Step,
+    git,
+    load,
+)
 from peers_report import render_report
 from peers_servers import llama_serve, serve_and_bench, tokenmill_serve, vllm_serve
+from peers_verify import step_verify
 
 HERE = Path(__file__).resolve().parent
 
@@ -221,10 +231,9 @@ def step_moe_vllm(ctx: Context) -> dict[str, Any]:
 
 
 PAIR_ROUNDS = 3
-PAIRS = (
-    ("bf16", ["--dtype", "bfloat16"], "f16"),
-    ("int8", ["--quantization", "int8"], "q8_0"),
-    ("int4", ["--quantization", "int4"], "q4_0"),
+PAIRS = tuple(
+    (name, PRECISIONS[name], quant)
+    for name, quant in (("bf16", "f16"), ("int8", "q8_0"), ("int4", "q4_0"))
 )
 """a-pairs: tokenmill's precision, its flags, and llama.cpp's quantization beside it."""
 
@@ -259,49 +268,6 @@ def step_pairs(ctx: Context) -> dict[str, Any]:
             }
         rounds.append(row)
     return {"rounds": rounds, "tokenmill_flags": {n: f for n, f, _ in PAIRS}}
-
-
-VERIFY_PRECISIONS = (
-    ("bf16", ["--dtype", "bfloat16"]),
-    ("int8", ["--quantization", "int8"]),
-    ("int4", ["--quantization", "int4"]),
-)
-"""v-verify: the precisions the A steps serve, with the flags they are served at."""
-
-
-def step_verify(ctx: Context) -> dict[str, Any]:
-    """``tokenmill verify`` at each served precision, with the flags it is served at: 8
-    prompts x 64 greedy float32 tokens, teacher-forced top-1 agreement and mean KL against
-    float32 transformers, so each speed row stands beside its accuracy."""
-    results: dict[str, Any] = {}
-    for name, flags in VERIFY_PRECISIONS:
-        saved = ctx.out / "raw" / f"v-verify-{name}.json"
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        command = [
-            str(Path(sys.executable).with_name("tokenmill")),
-            "verify",
-            "--model",
-            str(ctx.dense),
-            "--num-prompts",
-            "8",
-            "--max-tokens",
-            "64",
-            *flags,
-            "--save-result",
-            str(saved),
-        ]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if not saved.is_file():  # verify's FAIL exits 1 but still saves its figures
-            raise RuntimeError(f"{shlex.join(command)} failed: {done.stderr[-2000:]}")
-        data = json.loads(saved.read_text())
-        results[name] = {
-            "command": shlex.join(command),
-            "top1_agreement": data["top1_agreement"],
-            "mean_kl": data["mean_kl"],
-            "num_positions": data["num_positions"],
-            "passed": data["passed"],
-        }
-    return {"precisions": results}
 
 
 def step_report(ctx: Context) -> dict[str, Any]:
@@ -388,11 +354,7 @@ STEPS: list[Step] = [
             dense_server_step([*flags, "--compile-batch-sizes", "1"], ["single"], max_num_seqs=4),
             f"tokenmill {name} paged, its one-row decode step compiled (--compile-batch-sizes 1)",
         )
-        for name, flags in (
-            ("bf16", ["--dtype", "bfloat16"]),
-            ("int8", ["--quantization", "int8"]),
-            ("int4", ["--quantization", "int4"]),
-        )
+        for name, flags in PRECISIONS.items()
     ),
     Step(
         "v-verify",
