@@ -99,3 +99,26 @@ def test_gemv_f32_layout_round_trips_and_rejects_other_shapes() -> None:
         kernels.gemv_f32(randn(1, 100), packed, 37, None)
     with pytest.raises(RuntimeError, match="float32"):  # bf16 rows
         kernels.gemv_f32(randn(1, 70, dtype=torch.bfloat16), packed, 37, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packing_in_chunks_and_reading_rows_back(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weight packed a few blocks at a time (odd N and K, a short last chunk) gives the
+    blocks one whole-tensor pack gives, and ``rows`` reads any row back exactly: a tied head
+    packed for the GEMV is also the embedding table."""
+    pack, unpack = (
+        (gemv_layout.pack, lambda p: gemv_layout.unpack(p, 37, 71))
+        if dtype == torch.bfloat16
+        else (gemv_layout.pack_f32, lambda p: gemv_layout.unpack_f32(p, 37))
+    )
+    w = randn(37, 71, dtype=dtype)
+    whole = pack(w)
+    monkeypatch.setattr(gemv_layout, "CHUNK_ELEMENTS", 16 * 72)  # one block a chunk
+    chunked = pack(w)
+    assert torch.equal(chunked, whole) and torch.equal(unpack(chunked), w)
+    ids = torch.tensor([[0, 36, 15], [16, 17, 0]])
+    got = gemv_layout.rows(chunked, ids, 71)
+    assert got.dtype == dtype and got.shape == (2, 3, 71)
+    assert torch.equal(got, w[ids])

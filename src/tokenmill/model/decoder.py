@@ -199,7 +199,8 @@ class DecoderModel(CausalLM):
         self.attn_backend = attn_backend or default_attention_backend(torch.device("cpu"))
         self.supports_compiled_decode = not cfg.is_moe  # routing is data-dependent
         self.embed: nn.Parameter | None = _param(cfg.vocab_size, cfg.hidden_size)
-        """None when a tied head was quantized: its int8 rows are the table (``Int8Linear.embedding``)."""
+        """None when a tied head was quantized or packed for the GEMV: its rows are the table
+        (``Int8Linear.embedding``, ``Linear.embedding``)."""
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, self.attn_backend) for i in range(cfg.num_layers)
         )
@@ -262,8 +263,8 @@ class DecoderModel(CausalLM):
         """Hidden states [T, hidden] after the final norm, for a flat batch of tokens."""
         if self.embed is not None:
             x = nn.functional.embedding(input_ids, self.embed)
-        else:
-            assert isinstance(self.lm_head, Int8Linear)
+        else:  # a tied head, quantized or packed for the GEMV, is the table
+            assert isinstance(self.lm_head, (Int8Linear, Linear))
             x = self.lm_head.embedding(input_ids)
         if self.config.embed_scale is not None:
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)

@@ -84,7 +84,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.gemv: torch.Tensor | None = None
         """The bf16 or fp32 weight in ``kernels.gemv_layout``'s blocks (``pack_for_gemv``)."""
-        self.out_features = out_features
+        self.in_features, self.out_features = in_features, out_features
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` in float32: a bf16 GEMV keeps its fp32 sums instead of rounding them
@@ -103,6 +103,14 @@ class Linear(nn.Module):
         ):  # a tied head: the embedding's rows, read in place
             return kernels.linear_bf16_f32out(x, weight, self.bias)
         return self(x).float()
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight: a tied LM head packed for the GEMV is also the
+        embedding table (``gemv_layout.rows``), so the model keeps one copy of it."""
+        if self.gemv is None:
+            assert self.weight is not None, "only packing drops the plain weight"
+            return nn.functional.embedding(ids, self.weight)
+        return gemv_layout.rows(self.gemv, ids, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None:

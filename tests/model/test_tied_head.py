@@ -1,4 +1,5 @@
-"""A tied LM head under quantization: one int8 copy is both the head and the embedding.
+"""A tied LM head is one copy, both the head and the embedding: int8 rows under quantization,
+the GEMV's blocks otherwise.
 
 The head was every token's largest read in bf16 (SmolLM2: 56 MB, Gemma 3: 335 MB); as int8
 rows it is half that, its logits are written in fp32 (rounding them to bf16 made close
@@ -44,10 +45,33 @@ def test_quantized_tied_head_is_one_int8_copy_with_fp32_logits(make_model) -> No
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_unquantized_tied_head_stays_the_embedding(make_model) -> None:
-    from tokenmill import LLM
+def test_unquantized_tied_head_is_one_copy_in_gemv_blocks(make_model, monkeypatch) -> None:
+    """bf16 and fp32: the tied head is packed for the GEMV (its rows were read a few side
+    by side from the embedding's row-major table, the slowest read of a token on Gemma 3),
+    the embedding rows are gathered from those blocks, and no second copy is kept. With
+    the GEMV layout off, the head reads the embedding in place as before."""
+    from safetensors.torch import load_file
+
+    from tokenmill import LLM, SamplingParams
 
     folder = make_model("llama", tie_word_embeddings=True)
+    table = load_file(str(folder / "model.safetensors"))["model.embed_tokens.weight"]
+    for dtype in (torch.bfloat16, torch.float32):
+        llm = LLM(str(folder), dtype=str(dtype).removeprefix("torch."), max_model_len=64)
+        model = _model(llm)
+        head = model.lm_head
+        assert model.embed is None and head.weight is None
+        assert head.gemv is not None and head.gemv.dtype == dtype
+        ids = torch.tensor([0, 5, 17, 5])
+        assert torch.equal(head.embedding(ids), table[ids].to(dtype))  # exact rows
+        hidden = torch.randn(3, head.in_features).to(dtype)
+        logits = model.compute_logits(hidden)
+        want = hidden.float() @ table.to(dtype).float().t()
+        assert logits.dtype == torch.float32
+        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+        out = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=4))
+        assert len(out[0].outputs[0].token_ids) == 4
+    monkeypatch.setenv("TOKENMILL_BF16_GEMV", "0")
     model = _model(LLM(str(folder), dtype="bfloat16", max_model_len=64))
     assert model.embed is not None
     assert model.lm_head.weight is model.embed
