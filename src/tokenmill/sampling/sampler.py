@@ -2,8 +2,8 @@
 
 Order of operations follows vLLM: logit bias, min_tokens masking and penalties on the raw
 logits, then greedy rows take the argmax; other rows get temperature, min_p, top_k, top_p
-and are sampled by the exponential race (argmax of p / E with E ~ Exp(1)), which lets a seeded
-request draw its noise from its own generator while the rest of the batch shares one.
+and are sampled by the inverse CDF (``sampling/categorical.py``: one uniform variate a row),
+which lets a seeded request draw from its own generator while the rest of the batch shares one.
 Reported logprobs are the model's raw log-probabilities (before any processing).
 """
 
@@ -15,6 +15,7 @@ import torch
 
 from tokenmill.core.request import Request
 from tokenmill.outputs import Logprob, PositionLogprobs
+from tokenmill.sampling.categorical import categorical
 from tokenmill.structured.bitmask import apply_token_bitmask
 
 
@@ -31,9 +32,9 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
 
 
 def _finite(logits: torch.Tensor) -> torch.Tensor:
-    """Logits clamped into the dtype's finite range (a -inf ban is kept)."""
-    limit = torch.finfo(logits.dtype).max
-    return logits.clamp(min=-limit, max=limit).masked_fill(logits == float("-inf"), float("-inf"))
+    """Logits with +inf clamped to the dtype's largest value (a -inf ban is kept): one pass,
+    where clamping both ends and restoring the -inf entries took three and a mask."""
+    return logits.clamp(max=torch.finfo(logits.dtype).max)
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -194,13 +195,15 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         probs = self.probs(logits, requests)
-        noise = torch.empty_like(probs)
-        noise.exponential_(generator=self.generator)
+        f64 = torch.float64
+        uniforms = torch.rand(
+            len(requests), generator=self.generator, dtype=f64, device=self.device
+        )
         for i, r in enumerate(requests):
             gen = self._request_generator(r)
             if gen is not None and not r.sampling_params.is_greedy:
-                noise[i].exponential_(generator=gen)
-        return probs.div(noise).argmax(dim=-1)
+                uniforms[i] = torch.rand((), generator=gen, dtype=f64, device=self.device)
+        return categorical(probs, uniforms)
 
     def probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The distribution sampled rows draw from: processed logits under temperature,

@@ -25,6 +25,7 @@ import torch
 
 from tokenmill.core.messages import VerifiedTokens
 from tokenmill.core.request import Request
+from tokenmill.sampling.categorical import categorical
 from tokenmill.sampling.sampler import Sampler
 
 
@@ -40,9 +41,9 @@ def position_views(request: Request, drafts: list[int]) -> list[Request]:
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from ``probs`` (unnormalised is fine) by the exponential race."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int(probs.div(noise).argmax())
+    """One token from ``probs`` (unnormalised is fine) by the inverse CDF."""
+    uniform = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device)
+    return int(categorical(probs.reshape(1, -1), uniform)[0])
 
 
 def _accept_greedy(logits: torch.Tensor, drafts: list[int]) -> list[int]:
