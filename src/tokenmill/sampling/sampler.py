@@ -16,6 +16,7 @@ import torch
 from tokenmill.core.request import Request
 from tokenmill.outputs import Logprob, PositionLogprobs
 from tokenmill.sampling.categorical import categorical
+from tokenmill.sampling.nucleus import apply_top_k_top_p
 from tokenmill.structured.bitmask import apply_token_bitmask
 
 
@@ -94,22 +95,6 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p
     return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Keep the top_k tokens (0 = all), then the smallest nucleus with mass >= top_p."""
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
-    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cum <= (1 - top_p).unsqueeze(1)
-    drop[:, -1] = False  # always keep the most likely token
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
 class Sampler:
