@@ -179,7 +179,8 @@ class Sampler:
         return self._request_generator(request) or self.generator
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        probs = self.probs(logits, requests)
+        """One draw per row; ``logits`` is ``process``'s copy, used up in place."""
+        probs = self.probs(logits, requests, owned=True, normalised=False)
         f64 = torch.float64
         uniforms = torch.rand(
             len(requests), generator=self.generator, dtype=f64, device=self.device
@@ -190,14 +191,31 @@ class Sampler:
                 uniforms[i] = torch.rand((), generator=gen, dtype=f64, device=self.device)
         return categorical(probs, uniforms)
 
-    def probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def probs(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        *,
+        owned: bool = False,
+        normalised: bool = True,
+    ) -> torch.Tensor:
         """The distribution sampled rows draw from: processed logits under temperature,
-        min_p, top_k and top_p."""
+        min_p, top_k and top_p.
+
+        ``owned``: ``logits`` is a copy the caller gives up (the sampler's processed copy),
+        so temperature is applied in place. ``normalised=False`` returns weights in
+        proportion to the probabilities (what ``categorical`` draws from) without softmax's
+        normalising pass. Each pass over a 16 x 262,144 float32 tensor, and each fresh
+        16 MB buffer's page faults, cost milliseconds a step on a CPU."""
         params = [r.sampling_params for r in requests]
         temperature = _column(
             [p.temperature if not p.is_greedy else 1.0 for p in params], self.device
         )
-        logits = _finite(logits / temperature)  # a huge logit over a tiny temperature
+        # a huge logit over a tiny temperature: clamped to the largest finite value
+        if owned:
+            logits = logits.div_(temperature).clamp_(max=torch.finfo(logits.dtype).max)
+        else:
+            logits = _finite(logits / temperature)
         min_p = _column([p.min_p for p in params], self.device)
         if (min_p > 0).any():
             logits = apply_min_p(logits, min_p)
@@ -205,7 +223,9 @@ class Sampler:
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
         if (top_k > 0).any() or (top_p < 1).any():
             logits = apply_top_k_top_p(logits, top_k, top_p)
-        return logits.softmax(dim=-1)
+        if normalised:
+            return logits.softmax(dim=-1)
+        return logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # a buffer made above
 
     @staticmethod
     def _mask_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
