@@ -24,18 +24,24 @@ CHUNK_ELEMENTS = 1 << 22
 the weight at once (a tied 262,144 x 640 head: 671 MB beside its own 335 MB in bf16)."""
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """bf16 [ceil(N/16), ceil(K/2), 16, 2] from a weight [N, K], a chunk of blocks at a time."""
+def _blocks(weight: torch.Tensor, dtype: torch.dtype, pair: int) -> torch.Tensor:
+    """[ceil(N/16), ceil(K/pair), 16, pair] in ``dtype`` from a weight [N, K] (N padded to 16
+    and K to ``pair`` with zeros), a chunk of blocks at a time."""
     n, k = weight.shape
-    nb, kp = -(-n // ROWS), -(-k // PAIR)
-    out = torch.empty(nb, kp, ROWS, PAIR, dtype=torch.bfloat16, device=weight.device)
-    step = max(1, CHUNK_ELEMENTS // (kp * PAIR * ROWS))
+    nb, kp = -(-n // ROWS), -(-k // pair)
+    out = torch.empty(nb, kp, ROWS, pair, dtype=dtype, device=weight.device)
+    step = max(1, CHUNK_ELEMENTS // (kp * pair * ROWS))
     for b0 in range(0, nb, step):
         b1 = min(nb, b0 + step)
-        rows = weight[b0 * ROWS : b1 * ROWS].to(torch.bfloat16)
-        rows = F.pad(rows, (0, kp * PAIR - k, 0, (b1 - b0) * ROWS - rows.shape[0]))
-        out[b0:b1] = rows.view(b1 - b0, ROWS, kp, PAIR).transpose(1, 2)
+        chunk = weight[b0 * ROWS : b1 * ROWS].to(dtype)
+        chunk = F.pad(chunk, (0, kp * pair - k, 0, (b1 - b0) * ROWS - chunk.shape[0]))
+        out[b0:b1] = chunk.view(b1 - b0, ROWS, kp, pair).transpose(1, 2)
     return out
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 [ceil(N/16), ceil(K/2), 16, 2] from a weight [N, K]."""
+    return _blocks(weight, torch.bfloat16, PAIR)
 
 
 def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
@@ -46,18 +52,8 @@ def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.T
 
 
 def pack_f32(weight: torch.Tensor) -> torch.Tensor:
-    """fp32 [ceil(N/16), K, 16] from a weight [N, K] (N padded to 16 with zeros), a chunk of
-    blocks at a time."""
-    n, k = weight.shape
-    nb = -(-n // ROWS)
-    out = torch.empty(nb, k, ROWS, dtype=torch.float32, device=weight.device)
-    step = max(1, CHUNK_ELEMENTS // (k * ROWS))
-    for b0 in range(0, nb, step):
-        b1 = min(nb, b0 + step)
-        rows = weight[b0 * ROWS : b1 * ROWS].to(torch.float32)
-        rows = F.pad(rows, (0, 0, 0, (b1 - b0) * ROWS - rows.shape[0]))
-        out[b0:b1] = rows.view(b1 - b0, ROWS, k).transpose(1, 2)
-    return out
+    """fp32 [ceil(N/16), K, 16] from a weight [N, K] (N padded to 16 with zeros)."""
+    return _blocks(weight, torch.float32, 1).squeeze(-1)
 
 
 def unpack_f32(packed: torch.Tensor, out_features: int) -> torch.Tensor:

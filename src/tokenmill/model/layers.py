@@ -107,9 +107,7 @@ class Linear(nn.Module):
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight: a tied LM head packed for the GEMV is also the
         embedding table (``gemv_layout.rows``), so the model keeps one copy of it."""
-        if self.gemv is None:
-            assert self.weight is not None, "only packing drops the plain weight"
-            return nn.functional.embedding(ids, self.weight)
+        assert self.gemv is not None, "a plain weight is looked up as the embedding itself"
         return gemv_layout.rows(self.gemv, ids, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -483,17 +483,15 @@ def load_model(
                 head.int_weight().numel() / 1e6,
                 head.int_weight().numel() * 2 / 1e6,
             )
-        elif pack and gemv and tensor_parallel is None and model.embed is not None:
+        else:
+            model.lm_head.weight = model.embed  # converting would copy the embedding
             # One copy in the GEMV's blocks serves both ends: the head streams them as every
             # other projection does (the embedding's row-major rows, read a few side by
             # side, ran Gemma 3's 335 MB bf16 head at a fraction of the bandwidth on AVX2)
             # and the embedding rows are gathered from them (``Linear.embedding``).
-            model.lm_head.weight = model.embed
-            if model.lm_head.pack_for_gemv():
+            if pack and gemv and tensor_parallel is None and model.lm_head.pack_for_gemv():
                 model.embed = None
                 num_gemv += 1
-        else:
-            model.lm_head.weight = model.embed  # converting would copy the embedding
     for module in model.modules():  # state built on the meta device, not in the checkpoint
         reset = getattr(module, "reset_state", None)
         if reset is not None:

@@ -52,8 +52,10 @@ def apply_top_k_top_p(
     in_k = ~has_k.unsqueeze(1) | (values >= kth)
     # masses relative to the row's kept set: the top-k set, else the whole vocabulary
     weights = torch.where(in_k, (values - top).exp(), 0.0)
-    whole = (logits - top).exp_().sum(-1, keepdim=True)
-    norm = torch.where(has_k.unsqueeze(1), weights.sum(-1, keepdim=True), whole)
+    norm = weights.sum(-1, keepdim=True)
+    if not bool(has_k.all()):  # the whole row's mass: one pass, only where it is needed
+        whole = (logits - top).exp_().sum(-1, keepdim=True)
+        norm = torch.where(has_k.unsqueeze(1), norm, whole)
     probs = weights / norm
     before = probs.cumsum(-1) - probs  # mass of the candidates above each one
     keep = in_k & ((before < top_p.unsqueeze(1)) | (top_p >= 1).unsqueeze(1))

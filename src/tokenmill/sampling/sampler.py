@@ -180,7 +180,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """One draw per row; ``logits`` is ``process``'s copy, used up in place."""
-        probs = self.probs(logits, requests, owned=True, normalised=False)
+        probs = self.probs(logits, requests, consume=True)
         f64 = torch.float64
         uniforms = torch.rand(
             len(requests), generator=self.generator, dtype=f64, device=self.device
@@ -192,30 +192,23 @@ class Sampler:
         return categorical(probs, uniforms)
 
     def probs(
-        self,
-        logits: torch.Tensor,
-        requests: list[Request],
-        *,
-        owned: bool = False,
-        normalised: bool = True,
+        self, logits: torch.Tensor, requests: list[Request], *, consume: bool = False
     ) -> torch.Tensor:
         """The distribution sampled rows draw from: processed logits under temperature,
         min_p, top_k and top_p.
 
-        ``owned``: ``logits`` is a copy the caller gives up (the sampler's processed copy),
-        so temperature is applied in place. ``normalised=False`` returns weights in
-        proportion to the probabilities (what ``categorical`` draws from) without softmax's
-        normalising pass. Each pass over a 16 x 262,144 float32 tensor, and each fresh
-        16 MB buffer's page faults, cost milliseconds a step on a CPU."""
+        ``consume``: ``logits`` is a copy the caller gives up (the sampler's processed
+        copy): temperature and the exponential are applied to it in place, and weights in
+        proportion to the probabilities (what ``categorical`` draws from) are returned
+        without softmax's normalising pass. Each pass over a 16 x 262,144 float32 tensor,
+        and each fresh 16 MB buffer's page faults, cost milliseconds a step on a CPU."""
         params = [r.sampling_params for r in requests]
         temperature = _column(
             [p.temperature if not p.is_greedy else 1.0 for p in params], self.device
         )
-        # a huge logit over a tiny temperature: clamped to the largest finite value
-        if owned:
-            logits = logits.div_(temperature).clamp_(max=torch.finfo(logits.dtype).max)
-        else:
-            logits = _finite(logits / temperature)
+        logits = logits.div_(temperature) if consume else logits / temperature
+        # a huge logit over a tiny temperature (the buffer is ours either way)
+        logits = logits.clamp_(max=torch.finfo(logits.dtype).max)
         min_p = _column([p.min_p for p in params], self.device)
         if (min_p > 0).any():
             logits = apply_min_p(logits, min_p)
@@ -223,9 +216,9 @@ class Sampler:
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
         if (top_k > 0).any() or (top_p < 1).any():
             logits = apply_top_k_top_p(logits, top_k, top_p)
-        if normalised:
+        if not consume:
             return logits.softmax(dim=-1)
-        return logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # a buffer made above
+        return logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
 
     @staticmethod
     def _mask_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
