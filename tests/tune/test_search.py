@@ -21,6 +21,7 @@ BIG = Candidate.of(max_num_seqs=32, kv_cache="static")
 def figures(goodput: float, ttft: float = 100.0, tpot: float = 20.0) -> dict[str, Any]:
     return {
         "request_goodput": goodput,
+        "request_throughput": goodput,
         "output_throughput": goodput * 10,
         "p95_ttft_ms": ttft,
         "p95_tpot_ms": tpot,
@@ -121,6 +122,31 @@ def test_halving_measures_every_candidate_cheaply_and_only_finalists_fully() -> 
     assert sum(1 for key, n, _ in measure.calls if n == 100 and key == BIG.key) == 3
     assert decision["winner"] == BIG.key
     assert statuses(search)[DEFAULT.key] == "eliminated"
+
+
+def always(f: dict[str, Any]) -> Any:
+    """A measurement that returns ``f`` for every sample size and round."""
+    return lambda n, r: f
+
+
+def test_a_rung_where_all_meet_the_sla_keeps_the_candidates_with_most_room() -> None:
+    """Inside the SLA on a short window, goodput is noise; the room under the bounds is not."""
+    tight = always(figures(1.2, tpot=55.0))  # 8% under the TPOT bound
+    roomy = always(figures(1.0, tpot=30.0))  # 50% under it, lower goodput
+    measure = Recorded({DEFAULT.key: tight, INT8.key: tight, INT4.key: tight, SEQS.key: roomy})
+    search, _ = run_search([DEFAULT, INT8, INT4, SEQS], measure, num_requests=30)
+    assert statuses(search)[SEQS.key] != "eliminated"
+    assert list(statuses(search).values()).count("eliminated") == 2
+
+
+def test_a_rung_ranks_the_share_of_requests_met_before_room_or_goodput() -> None:
+    """Every request inside the bounds beats a higher goodput that left half of them out."""
+    half_met = always({**figures(1.5, tpot=10.0), "request_throughput": 3.0})
+    all_met = always(figures(1.0, tpot=59.0))
+    measure = Recorded({DEFAULT.key: half_met, INT8.key: all_met, INT4.key: half_met})
+    search, _ = run_search([DEFAULT, INT8, INT4], measure, num_requests=30)
+    assert statuses(search)[INT8.key] != "eliminated"
+    assert list(statuses(search).values()).count("eliminated") == 1
 
 
 def test_sla_beats_goodput() -> None:
