@@ -104,6 +104,9 @@ def main() -> None:
     parser.add_argument("--num-finalists", type=int, default=2)
     parser.add_argument("--max-candidates", type=int, default=12)
     parser.add_argument(
+        "--traces", default=",".join(SLAS), help="which traces to tune, comma-separated"
+    )
+    parser.add_argument(
         "--tpot-factor", type=float, default=0.85, help="TPOT bound / default's p95 TPOT"
     )
     args = parser.parse_args()
@@ -114,7 +117,8 @@ def main() -> None:
         check=True,
     )  # fmt: skip
     summary = {}
-    for name, sla_template in SLAS.items():
+    for name in args.traces.split(","):
+        sla_template = SLAS[name]
         out = args.out_dir / name
         calibration = _remeasure(
             args.model, traces / f"{name}.jsonl", {}, [], out / "calibration-default",
