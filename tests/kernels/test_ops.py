@@ -297,6 +297,9 @@ def test_paged_decode_attention(isa, threads, kv_dtype, q_dtype, hq, hkv, dim, b
     [
         ([1037], 0, 0.0),
         ([600], 0, 0.0),  # two splits: with 2 threads, one KV head per item, then merged
+        ([200], 0, 0.0),  # short, but its 2 KV heads are 1 item per thread: split in two
+        ([333], 0, 5.0),
+        ([300], 150, 0.0),  # the window leaves 150 keys: still split in two
         ([1037, 600], 700, 0.0),
         ([1037, 600, 5], 0, 5.0),
     ],
@@ -305,7 +308,8 @@ def test_paged_decode_attention_long_contexts_split(
     isa, threads, kv_dtype, lengths, window, softcap
 ):
     """Long contexts with few sequences are split across items (whole blocks, merged by
-    log-sum-exp); Gemma 2's softcap is applied before the softmax; lengths end mid-block."""
+    log-sum-exp), and so are short ones whose KV heads are fewer than 2 per thread; Gemma 2's
+    softcap is applied before the softmax; lengths end mid-block."""
     hq, hkv, dim, block_size = 8, 2, 64, 16
     lens = torch.tensor(lengths)
     batch = len(lengths)

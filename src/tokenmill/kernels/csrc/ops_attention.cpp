@@ -9,6 +9,10 @@ namespace {
 
 // Tokens per split of a long context: enough work per item that the merge stays cheap.
 constexpr int64_t kMinSplitTokens = 256;
+// Tokens per split where the KV heads alone would leave a thread idle: one stream's decode
+// over SmolLM2's 3 KV heads on 2 threads ran one thread's 2 heads while the other's 1 was
+// done, and over Gemma 3's single KV head on one thread while the other waited.
+constexpr int64_t kMinSplitTokensFew = 64;
 
 // The fields decode and prefill attention share, after the checks they share (`op` names
 // the caller in the errors): q [rows, Hq, D] over the [blocks, block_size, Hkv, D] caches
@@ -66,15 +70,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   // Work items: whole sequences, or, when there are fewer sequences than ~4 per thread,
   // splits of the long ones (whole blocks, >= kMinSplitTokens each) merged afterwards.
   // Still fewer than 2 items per thread (one short sequence: one stream's decode), each
-  // (sequence, split) goes one KV head per item, so every thread has work.
+  // (sequence, split) goes one KV head per item, and where the (sequence, KV head) pairs
+  // alone are fewer than 2 per thread, each sequence is split at least `need` ways (down
+  // to kMinSplitTokensFew tokens), so that every thread has work and the items divide evenly.
   const int64_t threads = at::get_num_threads();
   const int64_t want = B >= 4 * threads ? 1 : (4 * threads + B - 1) / B;
+  const int64_t head_items = B * p.Hkv;
+  const int64_t need = head_items >= 2 * threads ? 1 : (2 * threads + head_items - 1) / head_items;
   std::vector<int64_t> ranges, seq_slots(B + 1, 0), starts(B + 1);  // ranges: [lo, hi) per slot
-  ranges.reserve(2 * B * want);
+  ranges.reserve(2 * B * std::max(want, need));
   for (int64_t b = 0; b < B; ++b) {
     const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
     const int64_t L = lens[b] - start;
-    const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(want, L / kMinSplitTokens));
+    const int64_t few = std::min<int64_t>(need, L / kMinSplitTokensFew);
+    const int64_t splits = std::max<int64_t>(1, std::max(std::min<int64_t>(want, L / kMinSplitTokens), few));
     const int64_t per = (L + splits - 1) / splits;
     const int64_t step = std::max<int64_t>(bs, (per + bs - 1) / bs * bs);  // whole blocks
     for (int64_t t = start / bs * bs; t < lens[b]; t += step)
