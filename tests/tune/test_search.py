@@ -7,7 +7,14 @@ from typing import Any
 import pytest
 
 from tokenmill.tune.candidates import Candidate
-from tokenmill.tune.search import Search, SearchSettings, TuneState, is_tie, relative_spread
+from tokenmill.tune.search import (
+    Search,
+    SearchSettings,
+    TuneState,
+    is_backlogged,
+    is_tie,
+    relative_spread,
+)
 
 SLA = {"p95_ttft_ms": 800.0, "p95_tpot_ms": 60.0}
 DEFAULT = Candidate()
@@ -147,6 +154,56 @@ def test_a_rung_ranks_the_share_of_requests_met_before_room_or_goodput() -> None
     search, _ = run_search([DEFAULT, INT8, INT4], measure, num_requests=30)
     assert statuses(search)[INT8.key] != "eliminated"
     assert list(statuses(search).values()).count("eliminated") == 1
+
+
+def queued(sample: dict[str, Any], whole: dict[str, Any], span_s: float, duration_s: float) -> Any:
+    """A candidate whose 10-request samples arrive over ``span_s`` and take ``duration_s``,
+    with ``sample``'s figures there and ``whole``'s on the whole (30-request) trace."""
+    timed = {"arrival_span_s": span_s, "duration": duration_s}
+    return lambda n, r: {**(sample if n < 30 else whole), **timed}
+
+
+def admission_trap(span_s: float, duration_s: float) -> dict[str, Any]:
+    """Measurements shaped like the batch trace of 2026-12-05: on a sample, ``--max-num-seqs
+    4`` has the most room (TPOT far under its bound, TTFT under its own); on the whole trace
+    its queue pushes TTFT over the bound, and the precisions that were tight on the sample
+    meet the SLA with the best goodput."""
+    return {
+        SEQS.key: queued(figures(1.0, tpot=20.0, ttft=500.0), figures(0.9, ttft=1200.0), span_s, duration_s),
+        DEFAULT.key: queued(figures(1.0, tpot=55.0), figures(1.0, tpot=58.0), span_s, duration_s),
+        INT8.key: queued(figures(1.0, tpot=58.0), figures(1.2, tpot=50.0), span_s, duration_s),
+        INT4.key: queued(figures(1.0, tpot=57.0), figures(1.1, tpot=52.0), span_s, duration_s),
+    }  # fmt: skip
+
+
+def test_a_backlogged_sample_is_not_trusted_the_whole_trace_ranks_instead() -> None:
+    """A sample served as a backlog (100 s for arrivals over 5 s) stops the halving: every
+    candidate is replayed once on the whole trace, where the admission limit misses."""
+    measure = Recorded(admission_trap(span_s=5.0, duration_s=100.0))
+    search, decision = run_search([DEFAULT, SEQS, INT8, INT4], measure, num_requests=30)
+    assert [(k, n) for k, n, _ in measure.calls if n == 10] == [(DEFAULT.key, 10)]
+    assert {k for k, n, r in measure.calls if n == 30 and r == 0} == set(measure.table)
+    assert statuses(search)[SEQS.key] == "eliminated"
+    assert "the whole trace" in search.state.candidates[SEQS.key].reason
+    assert "served a backlog" in search.state.meta["halving"]
+    assert decision["winner"] == INT8.key and decision["meets_sla"]
+
+
+def test_a_sample_that_kept_up_with_its_arrivals_is_halved_on() -> None:
+    """The same measurements from samples that finished soon after their last arrival: the
+    halving ranks on the sample, as before (and here falls into the trap)."""
+    measure = Recorded(admission_trap(span_s=60.0, duration_s=70.0))
+    search, _ = run_search([DEFAULT, SEQS, INT8, INT4], measure, num_requests=30)
+    assert {k for k, n, _ in measure.calls if n == 10} == set(measure.table)
+    assert statuses(search)[INT8.key] == "eliminated"
+    assert "halving" not in search.state.meta
+
+
+def test_backlog_is_judged_on_the_arrival_span() -> None:
+    assert is_backlogged({"arrival_span_s": 0.0, "duration": 30.0})  # one burst
+    assert is_backlogged({"arrival_span_s": 10.0, "duration": 21.0})
+    assert not is_backlogged({"arrival_span_s": 10.0, "duration": 19.0})
+    assert not is_backlogged({"duration": 30.0})  # recorded before the span was kept
 
 
 def test_sla_beats_goodput() -> None:

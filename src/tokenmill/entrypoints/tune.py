@@ -433,6 +433,8 @@ def _write_outputs(
         print(f"chosen: {winner.candidate.key} ({verdict})")
         if decision.get("tie_note"):
             print(decision["tie_note"])
+        if state.meta.get("halving"):
+            print(f"halving {state.meta['halving']}")
         print(command)
     for line in compare_lines(result):
         print(line)

@@ -219,6 +219,8 @@ class TraceRunner:
         with quiet_library_loggers():
             result = run_serve_benchmark(config, requests)
         figures = {k: result.get(k) for k in FIGURE_KEYS}
+        # how long the arrivals took: a replay lasting far longer served a backlog
+        figures["arrival_span_s"] = round(max(config.arrival_offsets_s or (), default=0.0), 3)
         figures["client_cpu_s"] = round(time.process_time() - cpu_before, 3)
         metrics = result.get("server_metrics") or {}
         figures["peak_resident_memory_bytes"] = metrics.get("peak_resident_memory_bytes")
