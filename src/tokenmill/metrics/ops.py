@@ -18,7 +18,8 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.core.stats import StartupCosts
-from tokenmill.metrics.prometheus import PREFIX, ServerMetrics
+from tokenmill.metrics.names import PREFIX
+from tokenmill.metrics.prometheus import ServerMetrics
 
 KNOWN_PATHS = frozenset(
     {

@@ -50,7 +50,7 @@ from tokenmill.entrypoints.openai.routes_config import (
 from tokenmill.entrypoints.openai.state import ServerConfig
 from tokenmill.errors import ConfigError, InvalidRequestError, ModelLoadError
 from tokenmill.metrics import ServerMetrics
-from tokenmill.metrics.prometheus import PREFIX
+from tokenmill.metrics.names import PREFIX
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.source import resolve_model_path
 

@@ -16,7 +16,7 @@ import tokenmill
 from tokenmill.engine.async_engine import EngineState
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.state import get_state
-from tokenmill.metrics.prometheus import CONTENT_TYPE
+from tokenmill.metrics.names import CONTENT_TYPE
 
 router = APIRouter()
 
