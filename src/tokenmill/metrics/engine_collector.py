@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from tokenmill.core.stats import ITERATION_TOKENS_BUCKETS, EngineStats
-from tokenmill.metrics.names import PREFIX, VLLM_ENGINE, VLLM_PREFIX
+from tokenmill.metrics.names import PREFIX, VLLM_ENGINE, VLLM_LABELS, VLLM_PREFIX
 
 _VLLM_ENGINE_NAMES = frozenset(
     {
@@ -69,7 +69,7 @@ class EngineStatsCollector(Collector):
     def _vllm_only_families(self) -> Iterator[Metric]:
         """vLLM's engine families with no tokenmill series of their own."""
         stats = self._read_stats() or EngineStats()
-        labels = ["model_name", "engine"]
+        labels = VLLM_LABELS
         values = [self._model_name, VLLM_ENGINE]
         waiting = GaugeMetricFamily(
             VLLM_PREFIX + "num_requests_waiting_by_reason",

@@ -370,11 +370,11 @@ class Search:
                 break
             probe = self._backlogged_probe(alive, size)
             if probe is not None:
-                n = self.num_trace_requests
+                n, figures = self.num_trace_requests, probe.rung_figures(size)[0]
                 self.state.meta["halving"] = (
                     f"stopped at the {size}-request sample: {probe.candidate.key}'s replay of it "
-                    f"served a backlog ({probe.rung_figures(size)[0]['duration']:.0f} s for "
-                    f"arrivals over {probe.rung_figures(size)[0]['arrival_span_s']:.0f} s), "
+                    f"served a backlog ({figures['duration']:.0f} s for "
+                    f"arrivals over {figures['arrival_span_s']:.0f} s), "
                     "so samples under-state the whole trace's queueing; every candidate was "
                     f"replayed once on all {n} requests instead"
                 )
