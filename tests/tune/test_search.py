@@ -199,6 +199,40 @@ def test_a_sample_that_kept_up_with_its_arrivals_is_halved_on() -> None:
     assert "halving" not in search.state.meta
 
 
+def test_the_whole_trace_cut_keeps_what_one_replay_cannot_separate() -> None:
+    """On the whole-trace cut (one replay each), a candidate within ``cut_margin`` (5%) of the
+    last finalist's goodput stays a finalist and gets its rounds; one further behind, or one
+    that misses the SLA, is eliminated as before."""
+    trap = admission_trap(span_s=5.0, duration_s=100.0)
+    trap[STATIC.key] = queued(figures(1.0, tpot=56.0), figures(1.06, tpot=51.0), 5.0, 100.0)
+    trap[BIG.key] = queued(figures(1.0, tpot=56.0), figures(1.2, ttft=900.0), 5.0, 100.0)
+    measure = Recorded(trap)
+    search, decision = run_search(
+        [DEFAULT, SEQS, INT8, INT4, STATIC, BIG], measure, num_requests=30
+    )
+    status = statuses(search)
+    # finalists INT8 (1.2) and INT4 (1.1); STATIC (1.06) is within 5% of 1.1, DEFAULT (1.0)
+    # is not; BIG has INT8's goodput but misses the TTFT bound
+    assert status[STATIC.key] == "lost" and status[DEFAULT.key] == "eliminated"
+    assert status[BIG.key] == "eliminated" and status[SEQS.key] == "eliminated"
+    assert sorted(r for k, n, r in measure.calls if k == STATIC.key and n == 30) == [0, 1, 2]
+    assert STATIC.key in search.state.meta["near_ties"]
+    assert decision["winner"] == INT8.key
+
+
+def test_no_margin_cuts_at_the_finalists() -> None:
+    state = TuneState.new([DEFAULT, INT8], {"model": "m", "workload": "w", "sla": SLA})
+    search = Search(
+        state, SLA, SearchSettings(num_finalists=1, cut_margin=0.0), 30,
+        lambda c: (True, 1, ""), lambda c: {}, Recorded({}), lambda: 0.0,
+    )  # fmt: skip
+    for key, goodput in ((DEFAULT.key, 1.0), (INT8.key, 0.999)):
+        state.candidates[key].runs["30/0"] = figures(goodput)
+    assert search._near_ties(list(state.candidates.values()), 1, 30) == []
+    with pytest.raises(ValueError, match="cut_margin"):
+        SearchSettings(cut_margin=1.0)
+
+
 def test_backlog_is_judged_on_the_arrival_span() -> None:
     assert is_backlogged({"arrival_span_s": 0.0, "duration": 30.0})  # one burst
     assert is_backlogged({"arrival_span_s": 10.0, "duration": 21.0})

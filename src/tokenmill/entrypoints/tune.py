@@ -70,6 +70,13 @@ def add_tune_parser(sub: Any) -> None:
     p.add_argument("--num-rounds", type=int, default=3, help="full replays per finalist (>= 3)")
     p.add_argument("--num-finalists", type=int, default=3, help="candidates replayed in full")
     p.add_argument(
+        "--cut-margin",
+        type=float,
+        default=0.05,
+        help="when finalists are chosen on one whole-trace replay each, also keep (up to "
+        "--num-finalists more) those within this fraction of the last finalist's goodput",
+    )
+    p.add_argument(
         "--first-sample", type=int, default=32, help="requests in the cheapest halving rung"
     )
     p.add_argument(
@@ -276,6 +283,7 @@ def run_tune(args: argparse.Namespace) -> int:
             first_sample=args.first_sample,
             eta=args.eta,
             num_finalists=args.num_finalists,
+            cut_margin=args.cut_margin,
             num_rounds=args.num_rounds,
             min_match=args.min_match,
         )
@@ -435,6 +443,8 @@ def _write_outputs(
             print(decision["tie_note"])
         if state.meta.get("halving"):
             print(f"halving {state.meta['halving']}")
+        if state.meta.get("near_ties"):
+            print(f"near ties: {state.meta['near_ties']}")
         print(command)
     for line in compare_lines(result):
         print(line)

@@ -218,6 +218,7 @@ def render_html(
 <p><b>{_esc(d.get("winner"))}</b> {"meets the SLA" if d.get("meets_sla") else _esc(d.get("reason"))}; goodput per round {_esc(d.get("goodput_rounds"))} on {_esc(d.get("measured_on_requests"))} requests.</p>
 <p>{_esc(d.get("tie_note") or "No other candidate was inside its measured spread.")}</p>
 {f"<p>Halving: {_esc(result['halving'])}.</p>" if result.get("halving") else ""}
+{f"<p>Near ties: {_esc(result['near_ties'])}.</p>" if result.get("near_ties") else ""}
 <pre>{_esc(command)}</pre><pre>{_esc(config_yaml)}</pre>
 <p>Client CPU time is recorded per replay (<code>client_cpu_s</code> in result.json): on a small machine the load generator competes with the server for cores.</p>
 <h2>Candidates</h2><table><tr><th>candidate</th><th>status</th><th>goodput</th><th>P95 TTFT ms</th><th>P95 TPOT ms</th><th>memory MiB</th><th>top-1 agreement</th><th>why</th></tr>{"".join(rows)}</table>
