@@ -8,10 +8,15 @@ Prints the RSS once ready (after the load) and each phase's peak.
 
     PYTHONPATH=src .venv/bin/python benchmarks/serve_rss.py --quantization int8
     PYTHONPATH=/tmp/base/src .venv/bin/python benchmarks/serve_rss.py   # another tree
+    PYTHONPATH=src .venv/bin/python benchmarks/serve_rss.py --model DIR --only single --dtype bfloat16
+
+``--model`` serves another folder (its tokenizer drives the bench), ``--only`` runs some
+phases; every other argument goes to ``tokenmill serve``.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 import time
@@ -28,13 +33,19 @@ GIB = 2**30
 
 
 def main() -> None:
-    command = tokenmill_serve(PORT, MODEL, sys.argv[1:], max_model_len=2048)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=MODEL)
+    parser.add_argument("--only", default=None, help="comma list of phases: single, many, long")
+    args, serve_flags = parser.parse_known_args()
+    model: Path = args.model
+    phases = [p for p in PHASES if args.only is None or p[0] in args.only.split(",")]
+    command = tokenmill_serve(PORT, model, serve_flags, max_model_len=2048)
     url = f"http://127.0.0.1:{PORT}"
     out = Path(tempfile.mkdtemp(prefix="serve-rss-"))
     with Server(command, url, log=out / "server.log", poll_rss=True) as server:
         assert server.rss is not None
         print(f"ready in {server.ready_s:.1f} s: RSS {server.rss.rss() / GIB:.3f} GiB", flush=True)
-        for name, prompts, streams, input_len, output_len in PHASES:
+        for name, prompts, streams, input_len, output_len in phases:
             server.rss.mark()
             result = bench_serve(
                 url,
@@ -43,7 +54,7 @@ def main() -> None:
                 concurrency=streams,
                 input_len=input_len,
                 output_len=output_len,
-                tokenizer=MODEL,
+                tokenizer=model,
             )
             time.sleep(0.5)
             print(

@@ -122,3 +122,26 @@ def test_packing_in_chunks_and_reading_rows_back(
     got = gemv_layout.rows(chunked, ids, 71)
     assert got.dtype == dtype and got.shape == (2, 3, 71)
     assert torch.equal(got, w[ids])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packing_over_the_weight_gives_the_same_blocks(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``reuse_storage`` (the loader gives its copy up): a weight that needs no padding is
+    packed over itself, a few blocks at a time, into the blocks a new tensor would get; one
+    that needs padding is packed into a new tensor and left as it was."""
+    pack = gemv_layout.pack if dtype == torch.bfloat16 else gemv_layout.pack_f32
+    monkeypatch.setattr(gemv_layout, "CHUNK_ELEMENTS", 3 * 16 * 70)  # 3 blocks a chunk
+    w = randn(80, 70, dtype=dtype)
+    want = pack(w)
+    mine = w.clone()
+    got = pack(mine, reuse_storage=True)
+    assert got.data_ptr() == mine.data_ptr() and torch.equal(got, want)
+    odd = randn(37, 71, dtype=dtype)
+    kept = odd.clone()
+    got = pack(kept, reuse_storage=True)
+    assert got.data_ptr() != kept.data_ptr() and torch.equal(kept, odd)
+    assert torch.equal(got, pack(odd))
+    part = randn(64, 70, dtype=dtype)[:32]  # a view of a larger storage: not taken over
+    assert pack(part, reuse_storage=True).data_ptr() != part.data_ptr()

@@ -24,24 +24,46 @@ CHUNK_ELEMENTS = 1 << 22
 the weight at once (a tied 262,144 x 640 head: 671 MB beside its own 335 MB in bf16)."""
 
 
-def _blocks(weight: torch.Tensor, dtype: torch.dtype, pair: int) -> torch.Tensor:
+def _blocks(
+    weight: torch.Tensor, dtype: torch.dtype, pair: int, reuse_storage: bool = False
+) -> torch.Tensor:
     """[ceil(N/16), ceil(K/pair), 16, pair] in ``dtype`` from a weight [N, K] (N padded to 16
-    and K to ``pair`` with zeros), a chunk of blocks at a time."""
+    and K to ``pair`` with zeros), a chunk of blocks at a time.
+
+    ``reuse_storage``: the caller gives the weight up, so where no padding or conversion is
+    needed the blocks are written over it, a chunk at a time (block b holds the bytes of
+    rows 16b..16b+15 in either layout). Packing into a new tensor held the weight twice at
+    once: Gemma 3's tied 262,144 x 640 head, 335 MB in bf16, was most of the load's peak
+    above the served model's resident size."""
     n, k = weight.shape
     nb, kp = -(-n // ROWS), -(-k // pair)
-    out = torch.empty(nb, kp, ROWS, pair, dtype=dtype, device=weight.device)
+    in_place = (
+        reuse_storage
+        and weight.dtype == dtype
+        and weight.is_contiguous()
+        and n % ROWS == 0
+        and k % pair == 0
+        and weight.untyped_storage().nbytes() == weight.numel() * weight.element_size()
+    )
+    out = (
+        weight.view(nb, kp, ROWS, pair)
+        if in_place
+        else torch.empty(nb, kp, ROWS, pair, dtype=dtype, device=weight.device)
+    )
     step = max(1, CHUNK_ELEMENTS // (kp * pair * ROWS))
     for b0 in range(0, nb, step):
         b1 = min(nb, b0 + step)
-        chunk = weight[b0 * ROWS : b1 * ROWS].to(dtype)
+        chunk = weight[b0 * ROWS : b1 * ROWS]
+        chunk = chunk.clone() if in_place else chunk.to(dtype)  # read before it is overwritten
         chunk = F.pad(chunk, (0, kp * pair - k, 0, (b1 - b0) * ROWS - chunk.shape[0]))
         out[b0:b1] = chunk.view(b1 - b0, ROWS, kp, pair).transpose(1, 2)
     return out
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """bf16 [ceil(N/16), ceil(K/2), 16, 2] from a weight [N, K]."""
-    return _blocks(weight, torch.bfloat16, PAIR)
+def pack(weight: torch.Tensor, reuse_storage: bool = False) -> torch.Tensor:
+    """bf16 [ceil(N/16), ceil(K/2), 16, 2] from a weight [N, K] (``reuse_storage``: see
+    ``_blocks``)."""
+    return _blocks(weight, torch.bfloat16, PAIR, reuse_storage)
 
 
 def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
@@ -51,9 +73,10 @@ def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.T
     return w[:out_features, :in_features]
 
 
-def pack_f32(weight: torch.Tensor) -> torch.Tensor:
-    """fp32 [ceil(N/16), K, 16] from a weight [N, K] (N padded to 16 with zeros)."""
-    return _blocks(weight, torch.float32, 1).squeeze(-1)
+def pack_f32(weight: torch.Tensor, reuse_storage: bool = False) -> torch.Tensor:
+    """fp32 [ceil(N/16), K, 16] from a weight [N, K] (N padded to 16 with zeros;
+    ``reuse_storage``: see ``_blocks``)."""
+    return _blocks(weight, torch.float32, 1, reuse_storage).squeeze(-1)
 
 
 def unpack_f32(packed: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -124,12 +124,14 @@ class Linear(nn.Module):
         assert self.weight is not None, "only packing drops the plain weight"
         return nn.functional.linear(x, self.weight, self.bias)
 
-    def pack_for_gemv(self) -> bool:
+    def pack_for_gemv(self, reuse_storage: bool = False) -> bool:
         """Store a bf16 or fp32 CPU weight in the blocks tokenmill's GEMV streams; True if
         packed.
 
         With either kernel table (AVX-512 BF16 or AVX2, ``benchmarks/gemv_ab.py``); the plain
-        weight is dropped.
+        weight is dropped. ``reuse_storage``: nothing else holds the weight (the loader's
+        own copy), so the blocks may be written over it (``gemv_layout._blocks``); a weight
+        shared with another module (a draft's tied embedding) must not be.
         """
         weight = self.weight
         if (
@@ -140,9 +142,9 @@ class Linear(nn.Module):
         ):
             return False
         if weight.dtype == torch.float32:
-            self.gemv = gemv_layout.pack_f32(weight.data)
+            self.gemv = gemv_layout.pack_f32(weight.data, reuse_storage)
         else:
-            self.gemv = gemv_layout.pack(weight.data)
+            self.gemv = gemv_layout.pack(weight.data, reuse_storage)
         self.weight = None
         return True
 
