@@ -87,6 +87,11 @@ def test_fused_decode_steps_equal_layer_by_layer(
         # Gemma 2: sandwich norms, GELU-tanh, sliding layers and attention logit soft-capping
         ("gemma2", "bfloat16", {"quantization": "int8"}),
         ("gemma2", "float32", {}),
+        # OLMo 2: post-norm placement (the running state into each sublayer, its output
+        # normalised before the add), q/k norm over all heads
+        ("olmo2", "bfloat16", {}),
+        ("olmo2", "float32", {}),
+        ("olmo2", "bfloat16", {"quantization": "int8"}),
     ],
 )
 def test_fused_decode_of_q_k_norm_and_sandwich_layers_equals_layer_by_layer(
@@ -140,7 +145,6 @@ def test_gemma3_sliding_layers_are_encoded_with_their_own_rope(make_model) -> No
 @pytest.mark.parametrize(
     ("family", "engine_kwargs"),
     [
-        ("olmo2", {}),  # post-norm placement, q/k norm over all heads
         ("mixtral", {}),  # a sparse MLP
     ],
 )
@@ -199,30 +203,45 @@ def _layer_fields() -> tuple[
 ]:
     w = torch.ones(8, dtype=torch.bfloat16)
     tensors = {"input_norm_weight": w, "post_attn_norm_weight": w, "kv_scales": torch.ones(2)}
-    ints = {"num_heads": 1, "num_kv_heads": 1, "head_dim": 8, "window": 0, "norm_offset": 0}
+    ints = {
+        "num_heads": 1,
+        "num_kv_heads": 1,
+        "head_dim": 8,
+        "window": 0,
+        "norm_offset": 0,
+        "qk_norm_full": 0,
+    }
     floats = {
         "input_norm_eps": 1e-5,
         "post_attn_norm_eps": 1e-5,
         "scale": 1.0,
         "logit_softcap": 0.0,
     }
-    return tensors, ints, floats, {"activation": "silu_and_mul"}
+    return tensors, ints, floats, {"activation": "silu_and_mul", "norm_placement": "pre"}
 
 
 def test_optional_fields_come_in_pairs() -> None:
-    """A sandwich needs both MLP norms, a q norm its k norm, a RoPE table both halves; the
-    activation is one the C++ side calls."""
+    """A q norm needs its k norm and a RoPE table both halves; the norms are the ones the
+    placement has (a sandwich both MLP norms, post-norm no input norm); the activation is one
+    the C++ side calls."""
     from tokenmill import kernels
 
     tensors, ints, floats, strings = _layer_fields()
     w = tensors["input_norm_weight"]
+    pre_mlp = ({**tensors, "pre_mlp_norm_weight": w}, {**floats, "pre_mlp_norm_eps": 1e-6})
+    post_mlp = ({**tensors, "post_mlp_norm_weight": w}, {**floats, "post_mlp_norm_eps": 1e-6})
     cases = [
-        ({**tensors, "pre_mlp_norm_weight": w}, {**floats, "pre_mlp_norm_eps": 1e-6}, strings),
-        ({**tensors, "q_norm_weight": w}, {**floats, "q_norm_eps": 1e-6}, strings),
-        ({**tensors, "rope_cos": torch.ones(4, 8)}, floats, strings),
+        ({**tensors, "q_norm_weight": w}, {**floats, "q_norm_eps": 1e-6}, strings, "come together"),
+        ({**tensors, "rope_cos": torch.ones(4, 8)}, floats, strings, "come together"),
+        (*pre_mlp, strings, "pre_mlp_norm comes with sandwich norms only"),
+        (*pre_mlp, {**strings, "norm_placement": "sandwich"}, "post_mlp_norm comes with sandwich"),
+        (*post_mlp, {**strings, "norm_placement": "post"}, "an input_norm comes with pre and"),
+        (*post_mlp, {**strings, "norm_placement": "mid"}, "pre, sandwich or post, got mid"),
     ]
-    for t, f, s in cases:
-        with pytest.raises(RuntimeError, match="come together"):
+    for t, f, s, message in cases:
+        with pytest.raises(RuntimeError, match=message):
             kernels.decode_layers_object().add_layer(t, ints, f, s)
     with pytest.raises(RuntimeError, match="silu_and_mul or gelu_tanh_and_mul, got relu"):
-        kernels.decode_layers_object().add_layer(tensors, ints, floats, {"activation": "relu"})
+        kernels.decode_layers_object().add_layer(
+            tensors, ints, floats, {**strings, "activation": "relu"}
+        )

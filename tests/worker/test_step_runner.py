@@ -106,7 +106,6 @@ def test_an_unknown_backend_is_refused_naming_the_choices(make_model) -> None:
 @pytest.mark.parametrize(
     ("family", "reason"),
     [
-        ("olmo2", "fused: layer 0: post-norm placement"),
         ("mixtral", "fused: layer 0: MLP SparseMoE"),
     ],
 )
@@ -119,12 +118,13 @@ def test_the_start_up_line_names_the_layer_feature_that_keeps_fused_out(
     assert line.startswith("step runner: eager (refused compiled: ") and reason in line
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "olmo2"])
 def test_q_k_norm_and_sandwich_families_run_fused(
     make_model, caplog: pytest.LogCaptureFixture, family: str
 ) -> None:
     """Per-head q/k norms (Qwen3, Gemma 3), sandwich norms with ``1 + weight``, GELU-tanh,
-    soft-capping (Gemma 2) and the sliding layers' own RoPE (Gemma 3) are encoded."""
+    soft-capping (Gemma 2), the sliding layers' own RoPE (Gemma 3), and post-norms with a
+    q/k norm over all heads (OLMo 2) are encoded."""
     with caplog.at_level(logging.INFO):
         LLM(str(make_model(family)), dtype="bfloat16", max_model_len=64)
     assert _start_up_line(caplog).startswith("step runner: fused (refused compiled: ")
@@ -178,7 +178,7 @@ def test_decode_layers_rejects_a_field_it_does_not_know(make_model) -> None:
     assert fused is not None
     layer = fused.layers[0]
     native = kernels.decode_layers_object()
-    with pytest.raises(RuntimeError, match="no tensor 'input_norm_weight'"):
+    with pytest.raises(RuntimeError, match="no tensor 'post_attn_norm_weight'"):
         native.add_layer({}, {}, {}, {})  # the first name it misses is reported
     layer.add_to(native)
     args = dict(layer.qkv.args, weight=layer.qkv.args["packed"])

@@ -6,12 +6,12 @@ take a few microseconds (measured with torch.profiler on the 250M Llama, int8, 2
 ~3 ms of an 18 ms step outside the kernels). ``decode_layers`` makes the same calls from
 C++, in the same order on the same tensors, so its outputs are bit-identical to the
 layer-by-layer path; this module encodes the layers for it and says when it applies:
-dense decoder layers with pre-norm (Llama, Mistral, Qwen2/3 and the like) or sandwich-norm
-(Gemma 2/3) placement whose every projection has a tokenmill kernel for the activation
-dtype, on CPU, with no LoRA and no tensor-parallel hooks. Per-head q/k norms (Qwen3, Gemma
-3), Gemma's ``1 + weight`` norms, GELU-tanh, sliding windows, logit soft-capping and a RoPE
-table of the sliding layers' own (Gemma 3) are optional fields of a layer. Anything else
-(post-norm or all-heads q/k norm as OLMo 2, sparse MLPs, partial RoPE) runs layer by layer,
+dense decoder layers with pre-norm (Llama, Mistral, Qwen2/3 and the like), sandwich-norm
+(Gemma 2/3) or post-norm (OLMo 2) placement whose every projection has a tokenmill kernel for
+the activation dtype, on CPU, with no LoRA and no tensor-parallel hooks. q/k norms per head
+(Qwen3, Gemma 3) or over all heads (OLMo 2), Gemma's ``1 + weight`` norms, GELU-tanh, sliding
+windows, logit soft-capping and a RoPE table of the sliding layers' own (Gemma 3) are
+optional fields of a layer. Anything else (sparse MLPs, partial RoPE) runs layer by layer,
 and ``refusal`` names the first layer feature that kept it out (the start-up log says it).
 
 Each layer is encoded by name (``EncodedLayer``, its projections as ``Projection``s) and
@@ -95,9 +95,14 @@ class EncodedLayer:
     Norm placement: pre-norm (Llama) applies ``post_attn_norm`` with the residual add before
     the MLP; sandwich (Gemma 2/3, ``pre_mlp_norm`` and ``post_mlp_norm`` set) applies
     ``post_attn_norm`` to the attention output alone, ``pre_mlp_norm`` with the residual add
-    and ``post_mlp_norm`` to the MLP output."""
+    and ``post_mlp_norm`` to the MLP output; post-norm (OLMo 2, no ``input_norm``) feeds the
+    running state to the attention and the MLP and normalises each one's output
+    (``post_attn_norm``, ``post_mlp_norm``) before it is added."""
 
-    input_norm_weight: torch.Tensor
+    norm_placement: str
+    """pre, sandwich or post (``DecoderLayer.placement``)."""
+    input_norm_weight: torch.Tensor | None
+    """None for post-norm layers."""
     post_attn_norm_weight: torch.Tensor
     kv_scales: torch.Tensor
     num_heads: int
@@ -107,7 +112,7 @@ class EncodedLayer:
     """0: full attention."""
     norm_offset: bool
     """Every norm scales by ``1 + weight`` (Gemma; the kernel's ``offset`` flag)."""
-    input_norm_eps: float
+    input_norm_eps: float | None
     post_attn_norm_eps: float
     scale: float
     logit_softcap: float
@@ -119,8 +124,9 @@ class EncodedLayer:
     gate_up: Projection
     down: Projection
     q_norm_weight: torch.Tensor | None = None
-    """Per-head RMSNorm of q, and ``k_norm_weight`` of k, after the projection and before
-    RoPE (Qwen3, Gemma 3)."""
+    """RMSNorm of q, and ``k_norm_weight`` of k, after the projection and before RoPE: per
+    head (Qwen3, Gemma 3), or over all heads with ``qk_norm_full`` (OLMo 2)."""
+    qk_norm_full: bool = False
     q_norm_eps: float | None = None
     k_norm_weight: torch.Tensor | None = None
     k_norm_eps: float | None = None
@@ -253,8 +259,7 @@ def _layer_refusal(layer: nn.Module, dtype: torch.dtype) -> str | None:
         return f"a {type(layer).__name__} layer"
     if _has_hooks(layer):
         return "forward hooks (tensor parallelism)"
-    if layer.placement not in ("pre", "sandwich"):
-        # OLMo 2: norms on the sublayers' outputs only, and its q/k norm over all heads
+    if layer.placement not in ("pre", "sandwich", "post"):
         return f"{layer.placement}-norm placement"
     attn, mlp = layer.attn, layer.mlp
     if type(attn) is not Attention:
@@ -263,13 +268,17 @@ def _layer_refusal(layer: nn.Module, dtype: torch.dtype) -> str | None:
         return f"MLP {type(mlp).__name__}"
     if (attn.q_norm is None) != (attn.k_norm is None):
         return "a norm of q or k alone"
-    if attn.q_norm is not None and attn.qk_norm != "head":
-        return f"q/k norm over {attn.qk_norm} heads (not per head)"
+    if attn.q_norm is not None and attn.qk_norm not in ("head", "full"):
+        return f"q/k norm over {attn.qk_norm}"
     if mlp.act_and_mul not in ACTIVATIONS:
         return f"activation {getattr(mlp.act_and_mul, '__name__', mlp.act_and_mul)}"
-    norms = [layer.input_norm, layer.post_attn_norm]
+    norms: list[nn.Module | None] = [layer.post_attn_norm]
+    if layer.placement != "post":
+        norms.append(layer.input_norm)
     if layer.placement == "sandwich":
-        norms += [layer.pre_mlp_norm, layer.post_mlp_norm]
+        norms.append(layer.pre_mlp_norm)
+    if layer.placement != "pre":
+        norms.append(layer.post_mlp_norm)
     if attn.q_norm is not None:
         norms += [attn.q_norm, attn.k_norm]
     offset = bool(layer.post_attn_norm.offset)
@@ -298,7 +307,7 @@ def _encode(
         reason = _layer_refusal(layer, dtype)
         if reason is not None:
             return f"layer {i}: {reason}"
-        assert isinstance(layer, DecoderLayer) and layer.input_norm is not None
+        assert isinstance(layer, DecoderLayer)
         attn, mlp = layer.attn, layer.mlp
         assert isinstance(attn, Attention) and isinstance(mlp, MLP)
         modules = {"qkv": attn.qkv, "o": attn.o, "gate_up": mlp.gate_up, "down": mlp.down}
@@ -316,7 +325,8 @@ def _encode(
         own_rope = local_rope if local_rope is not None and attn.window else None
         encoded.append(
             EncodedLayer(
-                input_norm_weight=layer.input_norm.weight,
+                norm_placement=layer.placement,
+                input_norm_weight=_weight(layer.input_norm),
                 post_attn_norm_weight=layer.post_attn_norm.weight,
                 kv_scales=attn.kv_scales,
                 num_heads=attn.num_heads,
@@ -324,13 +334,14 @@ def _encode(
                 head_dim=attn.head_dim,
                 window=attn.window or 0,
                 norm_offset=bool(layer.post_attn_norm.offset),
-                input_norm_eps=float(layer.input_norm.eps),
+                input_norm_eps=_eps(layer.input_norm),
                 post_attn_norm_eps=float(layer.post_attn_norm.eps),
                 scale=float(attn.scale),
                 logit_softcap=float(attn.logit_softcap or 0.0),
                 activation=ACTIVATIONS[mlp.act_and_mul],
                 **projections,
                 q_norm_weight=_weight(attn.q_norm),
+                qk_norm_full=attn.q_norm is not None and attn.qk_norm == "full",
                 q_norm_eps=_eps(attn.q_norm),
                 k_norm_weight=_weight(attn.k_norm),
                 k_norm_eps=_eps(attn.k_norm),

@@ -1,5 +1,6 @@
 // One decode step through a stack of decoder layers (model/fused_decode.py): pre-norm
-// (Llama) or sandwich-norm (Gemma 2/3), with optional per-head q/k norms (Qwen3, Gemma 3),
+// (Llama), sandwich-norm (Gemma 2/3) or post-norm (OLMo 2), with optional q/k norms per head
+// (Qwen3, Gemma 3) or over all heads (OLMo 2),
 // Gemma's 1 + weight norms, SiLU or GELU-tanh, a sliding window, a logit softcap and a
 // RoPE table of the layer's own. The same ops as the Python layers call, in the same order
 // on the same tensors (so the outputs are bit-identical), called from here: one stream's
@@ -165,10 +166,13 @@ struct Layer {
   // Pre-norm: input_norm before attention, post_attn_norm (with the residual add) before the
   // MLP. Sandwich (Gemma 2/3, pre_mlp_norm and post_mlp_norm set): post_attn_norm on the
   // attention output alone, pre_mlp_norm (with the residual add) before the MLP and
-  // post_mlp_norm on its output. q_norm and k_norm (Qwen3, Gemma 3): per head, after the
-  // q/k projections and before RoPE. norm_offset: every norm scales by 1 + weight (Gemma).
+  // post_mlp_norm on its output. Post-norm (OLMo 2, no input_norm): the attention reads the
+  // running state x + residual itself, post_attn_norm normalises its output before the add,
+  // and post_mlp_norm the MLP's output. q_norm and k_norm (Qwen3, Gemma 3): per head, after
+  // the q/k projections and before RoPE; qk_full (OLMo 2): over all heads at once.
+  // norm_offset: every norm scales by 1 + weight (Gemma).
   Norm input_norm, post_attn_norm, pre_mlp_norm, post_mlp_norm, q_norm, k_norm;
-  bool norm_offset = false;
+  bool norm_offset = false, post_norm = false, qk_full = false;
   at::Tensor kv_scales;
   at::Tensor rope_cos, rope_sin;  // undefined: the step's tables (else this layer's own)
   int64_t num_heads, num_kv_heads, head_dim, window;  // window 0: full attention
@@ -241,15 +245,23 @@ struct DecodeLayers : torch::CustomClassHolder {
       return n;
     };
     Layer y;
-    y.input_norm = norm_of("input_norm", true);
+    y.input_norm = norm_of("input_norm", false);
     y.post_attn_norm = norm_of("post_attn_norm", true);
     y.pre_mlp_norm = norm_of("pre_mlp_norm", false);
     y.post_mlp_norm = norm_of("post_mlp_norm", false);
     y.q_norm = norm_of("q_norm", false);
     y.k_norm = norm_of("k_norm", false);
-    TORCH_CHECK(y.pre_mlp_norm.defined() == y.post_mlp_norm.defined(), what,
-                ": pre_mlp_norm and post_mlp_norm come together (sandwich norms)");
     TORCH_CHECK(y.q_norm.defined() == y.k_norm.defined(), what, ": q_norm and k_norm come together");
+    const std::string placement = f.string("norm_placement");
+    TORCH_CHECK(placement == "pre" || placement == "sandwich" || placement == "post", what,
+                ": norm_placement must be pre, sandwich or post, got ", placement);
+    y.post_norm = placement == "post";
+    TORCH_CHECK(y.input_norm.defined() != y.post_norm, what, ": an input_norm comes with pre and sandwich norms only");
+    TORCH_CHECK(y.pre_mlp_norm.defined() == (placement == "sandwich"), what,
+                ": pre_mlp_norm comes with sandwich norms only");
+    TORCH_CHECK(y.post_mlp_norm.defined() == (placement != "pre"), what,
+                ": post_mlp_norm comes with sandwich and post norms");
+    y.qk_full = f.integer("qk_norm_full") != 0;
     y.norm_offset = f.integer("norm_offset") != 0;
     y.kv_scales = f.tensor("kv_scales");
     const c10::optional<at::Tensor> cos = f.maybe_tensor("rope_cos"), sin = f.maybe_tensor("rope_sin");
@@ -314,7 +326,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
       return out;
     };
     at::Tensor h;
-    if (residual.defined()) {
+    if (y.post_norm) {  // the layer reads the running state itself, as DecoderLayer does
+      h = residual.defined() ? at::add(x, residual) : x;
+      residual = h;
+    } else if (residual.defined()) {
       h = with_residual(x, y.input_norm);
     } else {
       h = alone(x, y.input_norm);
@@ -327,7 +342,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     at::Tensor q = qkv.narrow(1, 0, q_size).view({T, Hq, D});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, Hkv, D});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv, D});
-    if (y.q_norm.defined()) {  // per head, as RMSNorm on [T, H, D] (kernels.rms_norm's rows)
+    if (y.q_norm.defined() && y.qk_full) {  // over all heads, as RMSNorm on q's [T, Hq * D]
+      q = alone(qkv.narrow(1, 0, q_size), y.q_norm).view({T, Hq, D});
+      k = alone(qkv.narrow(1, q_size, kv_size), y.k_norm).view({T, Hkv, D});
+    } else if (y.q_norm.defined()) {  // per head, as RMSNorm on [T, H, D] (kernels.rms_norm's rows)
       q = alone(q.reshape({-1, D}), y.q_norm).view({T, Hq, D});
       k = alone(k.reshape({-1, D}), y.k_norm).view({T, Hkv, D});
     }
@@ -338,6 +356,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     h = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, y.scale, y.window, y.kv_scales,
                                y.logit_softcap);
     h = y.o(h);
+    if (y.post_norm) {
+      residual = at::add(residual, alone(h, y.post_attn_norm));
+      h = y.gate_up(residual);
+      h = y.gelu_tanh ? gelu_tanh_and_mul(h) : silu_and_mul(h);
+      x = alone(y.down(h), y.post_mlp_norm);
+      continue;
+    }
     const bool sandwich = y.pre_mlp_norm.defined();
     if (sandwich) h = alone(h, y.post_attn_norm);
     h = with_residual(h, sandwich ? y.pre_mlp_norm : y.post_attn_norm);
