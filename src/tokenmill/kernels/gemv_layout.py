@@ -53,9 +53,12 @@ def _blocks(
     step = max(1, CHUNK_ELEMENTS // (kp * pair * ROWS))
     for b0 in range(0, nb, step):
         b1 = min(nb, b0 + step)
-        chunk = weight[b0 * ROWS : b1 * ROWS]
-        chunk = chunk.clone() if in_place else chunk.to(dtype)  # read before it is overwritten
-        chunk = F.pad(chunk, (0, kp * pair - k, 0, (b1 - b0) * ROWS - chunk.shape[0]))
+        chunk = weight[b0 * ROWS : b1 * ROWS].to(dtype)
+        pads = (0, kp * pair - k, 0, (b1 - b0) * ROWS - chunk.shape[0])
+        if any(pads):
+            chunk = F.pad(chunk, pads)
+        elif in_place:
+            chunk = chunk.clone()  # these rows are about to be written over
         out[b0:b1] = chunk.view(b1 - b0, ROWS, kp, pair).transpose(1, 2)
     return out
 

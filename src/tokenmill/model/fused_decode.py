@@ -272,17 +272,16 @@ def _layer_refusal(layer: nn.Module, dtype: torch.dtype) -> str | None:
         return f"q/k norm over {attn.qk_norm}"
     if mlp.act_and_mul not in ACTIVATIONS:
         return f"activation {getattr(mlp.act_and_mul, '__name__', mlp.act_and_mul)}"
-    norms: list[nn.Module | None] = [layer.post_attn_norm]
-    if layer.placement != "post":
-        norms.append(layer.input_norm)
-    if layer.placement == "sandwich":
-        norms.append(layer.pre_mlp_norm)
-    if layer.placement != "pre":
-        norms.append(layer.post_mlp_norm)
-    if attn.q_norm is not None:
-        norms += [attn.q_norm, attn.k_norm]
+    norms = (  # the ones its placement built (DecoderLayer) and its q/k norms
+        layer.input_norm,
+        layer.post_attn_norm,
+        layer.pre_mlp_norm,
+        layer.post_mlp_norm,
+        attn.q_norm,
+        attn.k_norm,
+    )
     offset = bool(layer.post_attn_norm.offset)
-    for norm in norms:
+    for norm in (n for n in norms if n is not None):
         reason = _norm_refusal(norm, dtype, offset)
         if reason is not None:
             return reason
