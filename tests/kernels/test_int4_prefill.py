@@ -48,7 +48,7 @@ def test_int4_linear_runs_a_prefill_chunk_as_an_fp32_gemm(
     weight = randn(96, 256, dtype=torch.bfloat16, seed=1)
     bias = randn(96, dtype=torch.bfloat16, seed=2)
     layer = Int4Linear(weight, bias, group_size)
-    if layer.kernel != "rows":
+    if layer.kernel not in ("rows", "channels8"):
         pytest.skip(f"this table stores groups of {group_size} as {layer.kernel} tiles")
     rows = layer.dequantized_gemm_rows
     x = randn(rows, 256, dtype=torch.bfloat16, seed=3)
@@ -62,3 +62,32 @@ def test_int4_linear_runs_a_prefill_chunk_as_an_fp32_gemm(
     assert not torch.equal(on_kernel, exact)
     err = (on_kernel.float() - exact.float()).abs().max()
     assert err <= 3e-2 * exact.float().abs().max()
+
+
+def test_groups_of_32_quantized_at_load_interleave_8_channels_on_avx2(isa: str) -> None:
+    """On the AVX2 table, int4 groups of 32 quantized at load go to 8 interleaved channels
+    with fp16 scales and offsets, the codes chosen against those fp16 values; a GGUF file's
+    groups (given codes, fp32 scales) keep the rows. Memory sizing counts the same bytes."""
+    from tokenmill.model import sizing
+    from tokenmill.model.quant import kernel_layout
+
+    weight = randn(44, 96, dtype=torch.bfloat16, seed=1)
+    layer = Int4Linear(weight, None, 32)
+    if isa != "avx2":
+        assert layer.kernel != "channels8"
+        return
+    assert layer.kernel == "channels8" == kernel_layout("int4", 32)
+    assert layer.kernel_scales.dtype == layer.kernel_offsets.dtype == torch.float16
+    stored = sum(b.numel() * b.element_size() for b in layer.buffers())
+    assert stored == sizing.projection_weight_bytes(44, 96, 2, "int4", 32, "channels8")
+    w = layer.dequantize(torch.float32)
+    groups = weight.float().view(44, -1, 32)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    err = (w - weight.float()).view(44, -1, 32).abs()
+    assert (err <= step[..., None] * 0.5 * (1 + 2**-9) + 1e-6).all()  # fp16 params, fitted codes
+    codes = torch.randint(0, 16, (44, 96), generator=generator(1))
+    scale, low = torch.rand(44, 3) * 0.01, torch.rand(44, 3) - 0.5
+    from_file = Int4Linear(weight, None, 32, (codes, scale, low))
+    assert from_file.kernel == "rows"
+    want = codes.float().view(44, 3, 32) * scale[..., None] + low[..., None]
+    assert torch.equal(from_file.dequantize(torch.float32), want.view(44, 96))

@@ -162,6 +162,113 @@ def test_int4_layout_round_trips() -> None:
     assert torch.equal(int4_layout.unpack(int4_layout.pack(codes)).long(), codes)
 
 
+def _channels8(n: int, k: int, seed: int = 1) -> tuple[torch.Tensor, ...]:
+    """Random int4 groups of 32 for ``linear_int4_x8``: its packed codes, fp16 blocked scales
+    and offsets, and the weight they stand for (fp32 [n, k])."""
+    k_pad, n8 = int4_layout.padded_in(k, 32), -(-n // 8) * 8
+    groups = k_pad // 32
+    codes = torch.randint(0, 16, (n8, k_pad), generator=generator(seed))
+    scales = (torch.rand(n8, groups, generator=generator(seed + 1)) * 0.02 + 1e-3).half()
+    offsets = (-8 * scales.float() + randn(n8, groups, seed=seed + 2) * 0.05).half()
+    w = codes.float().view(n8, groups, 32) * scales.float()[..., None] + offsets.float()[..., None]
+    block = int4_layout.block_channels8
+    packed = int4_layout.pack_channels8(codes)
+    return packed, block(scales), block(offsets), w.view(n8, k_pad)[:n, :k]
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [
+        (1, 8, 32),
+        (1, 37, 70),
+        (3, 5, 96),
+        (4, 64, 576),
+        (5, 130, 257),
+        (9, 16, 1536),
+        (16, 33, 1000),
+    ],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_int4_x8(isa: str, threads: int, m: int, n: int, k: int, with_bias: bool) -> None:
+    """8 interleaved channels (AVX2 code on either table): channel tails (n % 8), input tails
+    to whole 64-wide chunks, one row and 4-row tiles with row tails."""
+    packed, scales, offsets, w = _channels8(n, k)
+    x = randn(m, k, dtype=torch.bfloat16)
+    bias = randn(n, seed=4) if with_bias else None
+    got = kernels.linear_int4_x8(x, packed, scales, offsets, bias, n)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    close_to_fp32(got, F.linear(x.float(), w, bias), 3e-2)  # x rounded to int8 per group of 32
+    assert torch.equal(kernels.dequantize_int4_x8(packed, scales, offsets, n, k), w)
+
+
+def test_linear_int4_x8_equals_the_rows_kernel_per_group(isa: str) -> None:
+    """The same codes, scales and x quantization as the per-channel rows of groups of 32: the
+    integer sums are exact, so only the fp32 order of the group sums may differ (within a
+    bf16 rounding of the output)."""
+    if isa != "avx2":
+        pytest.skip("the rows kernel quantizes x per group of 32 on the AVX2 table only")
+    n, k = 40, 640
+    packed, scales, offsets, _ = _channels8(n, k)
+    codes = int4_layout.unpack_channels8(packed)[:n]
+    unblock = lambda v: v.transpose(1, 2).reshape(-1, v.shape[1])[:n].float().contiguous()  # noqa: E731
+    x = randn(6, k, dtype=torch.bfloat16)
+    x[:, 5] = 300.0  # one group's scale far from the others'
+    rows = kernels.linear_int4(
+        x, int4_layout.pack(codes), unblock(scales), unblock(offsets), 32, None
+    )
+    got = kernels.linear_int4_x8(x, packed, scales, offsets, None, n)
+    close_to_fp32(got, rows.float(), 2**-7)
+
+
+def test_linear_int4_x8_extreme_codes_and_activations_do_not_overflow(isa: str) -> None:
+    """Every code 15 against activations at +-max: a group's 8 vpmaddubsw pairs sum in int16
+    (|sum| <= 8 * 2 * 15 * 127 = 30480 < 32767)."""
+    n, k = 16, 256
+    codes = torch.full((n, k), 15)
+    scales = torch.full((n, k // 32), 0.01).half()
+    offsets = torch.full((n, k // 32), -0.05).half()
+    block = int4_layout.block_channels8
+    x = torch.ones(3, k, dtype=torch.bfloat16)
+    x[1] = -1
+    w = codes.float() * 0.01 - 0.05
+    got = kernels.linear_int4_x8(
+        x, int4_layout.pack_channels8(codes), block(scales), block(offsets), None, n
+    )
+    close_to_fp32(got, F.linear(x.float(), w), 1e-2)
+
+
+def test_linear_int4_x8_rows_do_not_depend_on_the_batch(isa: str) -> None:
+    """A row alone (the one-stream decode) gets the bits it gets inside a 4-row tile."""
+    n, k = 37, 640
+    packed, scales, offsets, _ = _channels8(n, k)
+    x, bias = randn(11, k, dtype=torch.bfloat16), randn(n, seed=4)
+    batch = kernels.linear_int4_x8(x, packed, scales, offsets, bias, n)
+    for i in range(11):
+        alone = kernels.linear_int4_x8(x[i : i + 1], packed, scales, offsets, bias, n)
+        assert torch.equal(alone[0], batch[i]), i
+
+
+def test_linear_int4_x8_refuses_a_layout_it_cannot_read() -> None:
+    packed, scales, offsets, _ = _channels8(16, 64)
+    x = randn(1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="float16"):
+        kernels.linear_int4_x8(x, packed, scales.float(), offsets.float(), None, 16)
+    with pytest.raises(RuntimeError, match="pack_channels8"):
+        kernels.linear_int4_x8(x, packed, scales, offsets, None, 17)  # 3 blocks' worth
+
+
+def test_int4_channels8_layout_round_trips() -> None:
+    codes = torch.randint(0, 16, (24, 192), generator=generator(0))
+    packed = int4_layout.pack_channels8(codes)
+    assert packed.shape == (3, 6, 128)
+    assert torch.equal(int4_layout.unpack_channels8(packed).long(), codes)
+    # word t of block b, group g: channel c's byte i holds inputs 8t + i (low) and 8t + 4 + i
+    b, g, t, c, i = 1, 4, 2, 5, 3
+    byte = int(packed[b, g, 32 * t + 4 * c + i])
+    row = codes[8 * b + c, 32 * g :]
+    assert byte & 15 == row[8 * t + i] and byte >> 4 == row[8 * t + 4 + i]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "dim"), [(1, 64), (3, 37), (17, 1024), (130, 200)])
 @pytest.mark.parametrize("with_residual", [False, True])

@@ -207,6 +207,36 @@ def dequantize_int4(
     return torch.ops.tokenmill_cpu.dequantize_int4(packed, scales, offsets, group_size, in_features)
 
 
+def linear_int4_x8(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """int4 codes in groups of 32 with 8 output channels interleaved
+    (``int4_layout.pack_channels8``), ``w = q * scale + offset`` per group (scales and offsets
+    fp32 blocked [blocks, G, 8]); x bf16 [M, K], quantized per group of 32 (W8A8, as
+    ``linear_int4``'s groups of 32 on the AVX2 table). AVX2 code whichever table is active."""
+    return torch.ops.tokenmill_cpu.linear_int4_x8(
+        _rows(x), packed, scales, offsets, bias, out_features
+    )
+
+
+def dequantize_int4_x8(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    out_features: int,
+    in_features: int,
+) -> torch.Tensor:
+    """``linear_int4_x8``'s weight as fp32 rows [out_features, in_features]."""
+    return torch.ops.tokenmill_cpu.dequantize_int4_x8(
+        packed, scales, offsets, out_features, in_features
+    )
+
+
 def linear_int8_amx(
     x: torch.Tensor,
     tiles: torch.Tensor,

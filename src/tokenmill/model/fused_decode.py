@@ -46,6 +46,7 @@ ENV_SWITCH = envs.FUSED_DECODE
 _OPS = (
     kernels.linear_int8,
     kernels.linear_int4,
+    kernels.linear_int4_x8,
     kernels.linear_int8_amx,
     kernels.linear_int4_amx,
     kernels.linear_int8_vnni,

@@ -48,10 +48,11 @@ def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_bytes
 
 
-QuantLayout = Literal["torch", "rows", "amx", "vnni"]
+QuantLayout = Literal["torch", "rows", "channels8", "amx", "vnni"]
 """How ``model/quant.py`` stores a quantized projection: for torch's int kernels, as rows for
-tokenmill's AVX2 kernels, or as AMX tiles (read by AMX, ``amx``, or by AVX-512 VNNI,
-``vnni``: the same bytes; ``quant.kernel_layout`` says which)."""
+tokenmill's AVX2 kernels (int4 groups of 32 there: blocks of 8 interleaved channels,
+``channels8``), or as AMX tiles (read by AMX, ``amx``, or by AVX-512 VNNI, ``vnni``: the same
+bytes; ``quant.kernel_layout`` says which)."""
 _TILES = ("amx", "vnni")
 
 
@@ -74,7 +75,8 @@ def projection_weight_bytes(
     zero-padded shape (inputs to whole groups, outputs to a multiple of 64), 16-bit scale
     and zero point per group and an fp32 offset per group. tokenmill's kernels: rows, or
     AMX tiles (outputs padded to 16, inputs to 64), with fp32 scales (offsets) and int32
-    sums per channel (group), the AMX ones blocked by 16 channels.
+    sums per channel (group), the AMX ones blocked by 16 channels; ``channels8`` (int4 groups
+    of 32 on AVX2) fp16 scales and offsets, outputs padded to 8.
     """
     weights = out_features * in_features
     if quantization is None:
@@ -84,6 +86,9 @@ def projection_weight_bytes(
         return weights + out_features * (4 + 4)
     if quantization == "int8" and layout in _TILES:
         return n16 * _up(in_features, 64) + out_features * 4 + n16 * (4 + 4)
+    if quantization == "int4" and layout == "channels8":  # fp16 scale and offset per group
+        k_pad = _up(in_features, max(64, group_size))
+        return _up(out_features, 8) * (k_pad // 2 + k_pad // group_size * (2 + 2))
     if quantization == "int4" and layout != "torch":
         k_pad = _up(in_features, max(64, group_size))
         groups = k_pad // group_size

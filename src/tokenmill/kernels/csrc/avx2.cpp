@@ -496,6 +496,87 @@ void gemm_w4a8(const GemmArgs& a, int64_t n0, int64_t n1) {
   }
 }
 
+// ---- int4 groups of 32, 8 output channels interleaved (kernels/int4_layout.py's
+// pack_channels8, llama.cpp's idea for Q4_0 on AVX2): per 8-channel block and group, 128
+// bytes in four 32-byte words; word t holds, for each channel c, bytes 4c..4c+3 whose low
+// nibbles are the codes of inputs 8t..8t+3 and high nibbles 8t+4..8t+7. One word's nibbles
+// against 4 activations broadcast to every lane give, by vpmaddubsw and vpmaddwd, one int32
+// partial sum per channel in lane c: the 8 channels share each activation load, nibble split,
+// scale product and FMA, and no horizontal sum is left. The per-channel row kernel
+// (tile_w4a8_g32) spent its time on that work per 64 codes of one channel: 5 GB/s of weights
+// per thread, a third of a plain read. Scales and offsets come blocked as [blocks, G, 8], fp16.
+//
+// x is quantize_rows_g32's (per group of 32, each 64-value chunk's middle quarters swapped):
+// inputs 8t..8t+7 of group g start at byte x8_offset(g, t) of the quantized row.
+inline int64_t x8_offset(int64_t g, int t) { return (g / 2) * 64 + (g % 2) * 16 + (t / 2) * 32 + (t % 2) * 8; }
+
+inline __m256i broadcast4(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Rows [m0, m0 + MR) against block b's 8 channels: out[m] lane c = output (m0 + m, 8b + c)
+// before the bias. Each row's sum runs over groups in order with the same operations
+// whatever MR is, so a row's result does not depend on the batch it came in.
+template <int MR>
+inline void tile_w4x8(const GemmArgs& a, int64_t m0, int64_t b, __m256 out[MR]) {
+  constexpr int64_t kAhead = 1024;
+  const int64_t G = a.num_groups, chunks = a.ldq / 64;
+  const uint8_t* wb = static_cast<const uint8_t*>(a.w) + b * G * 128;
+  const uint16_t* sb = a.scales_f16 + b * G * 8;  // fp16: 4 bytes a group of 32 for scale and offset
+  const uint16_t* zb = a.offsets_f16 + b * G * 8;
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[MR], off[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = off[m] = Vec::zero();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = wb + g * 128;
+    _mm_prefetch((const char*)(wg + kAhead), _MM_HINT_T0);
+    _mm_prefetch((const char*)(wg + kAhead + 64), _MM_HINT_T0);
+    __m256i i16[MR];  // |sum| <= 8 * 2 * 15 * 127 = 30480: int16 holds a group
+    for (int m = 0; m < MR; ++m) i16[m] = _mm256_setzero_si256();
+    for (int t = 0; t < 4; ++t) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(wg + 32 * t));
+      const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      const int64_t xo = x8_offset(g, t);
+      for (int m = 0; m < MR; ++m) {
+        const uint8_t* xr = a.xq + (m0 + m) * a.ldq + xo;
+        i16[m] = _mm256_add_epi16(i16[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xr)),
+                                                           _mm256_maddubs_epi16(hi, broadcast4(xr + 4))));
+      }
+    }
+    const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sb + g * 8)));
+    const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(zb + g * 8)));
+    for (int m = 0; m < MR; ++m) {
+      const float sx = a.x_group_scale[((m0 + m) * chunks + g / 2) * 8 + (g % 2) * 4];
+      acc[m] = Vec::fma(_mm256_cvtepi32_ps(_mm256_madd_epi16(i16[m], ones)), _mm256_mul_ps(ws, Vec::set1(sx)), acc[m]);
+      off[m] = Vec::fma(z, Vec::set1(a.xsum[(m0 + m) * G + g]), off[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = _mm256_add_ps(acc[m], off[m]);
+}
+
+// Blocks [b0, b1) of 8 channels, every row of a.x (quantized by quantize_rows_g32), in
+// tiles of up to 4 rows: a block's weights (G * 128 bytes) stay in L1 across its tiles.
+void gemm_int4_x8(const GemmArgs& a, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * 8, nc = min64(8, a.N - n0);
+    __m256 bias = Vec::zero();
+    if (a.bias) bias = Vec::load_f32(a.bias + n0, (int)nc);
+    for (int64_t m = 0; m < a.M; m += 4) {
+      const int mr = (int)min64(4, a.M - m);
+      __m256 out[4];
+      switch (mr) {
+        case 1: tile_w4x8<1>(a, m, b, out); break;
+        case 2: tile_w4x8<2>(a, m, b, out); break;
+        case 3: tile_w4x8<3>(a, m, b, out); break;
+        default: tile_w4x8<4>(a, m, b, out); break;
+      }
+      for (int r = 0; r < mr; ++r) Vec::store_bf16(a.y + (m + r) * a.ldy + n0, _mm256_add_ps(out[r], bias), (int)nc);
+    }
+  }
+}
+
 // The float tiles (tile_any) over weights that WL converts to fp32 in registers.
 template <Kind KIND, class WL>
 void gemm_float_tiles(const GemmArgs& a, int64_t n0, int64_t n1, const WL& wl) {
@@ -661,3 +742,5 @@ const tokenmill::KernelTable kTable = {
 }  // namespace
 
 const tokenmill::KernelTable* tokenmill::avx2_kernels() { return &kTable; }
+
+void tokenmill::avx2_gemm_int4_x8(const GemmArgs& a, int64_t b0, int64_t b1) { gemm_int4_x8(a, b0, b1); }

@@ -32,6 +32,8 @@ struct GemmArgs {
   const float* scales;  // int8: [N]; int4: [N, G]
   const float* zeros;   // int4: [N, G] offsets, the value of code 0 (w = q * scale + offset)
   float* xsum;    // int4: [M, G] sums of x over each group
+  const uint16_t* scales_f16;   // int4 in channels of 8 (avx2_gemm_int4_x8): fp16 [N/8, G, 8]
+  const uint16_t* offsets_f16;  // the same for the offsets
   int64_t group_size, num_groups;
   const float* bias;    // [N] or null
   // W8A8 (tables with quantize_rows): x quantized to int8, [M, ldq] bytes, zero-padded
@@ -185,6 +187,13 @@ inline int64_t prefill_rows_per_item(int64_t group) { return group >= 16 ? 1 : 1
 
 const KernelTable* avx512_kernels();
 const KernelTable* avx2_kernels();
+
+// int4 groups of 32 in kernels/int4_layout.py's pack_channels8 (8 output channels
+// interleaved) against x quantized by the AVX2 table's quantize_rows_g32: blocks [begin, end)
+// of 8 channels, every row; bf16 out. AVX2 code, whichever table is active (every CPU the
+// extension runs on has AVX2); a.scales_f16 and a.offsets_f16 are blocked [blocks, G, 8], a.N the
+// channels to store.
+void avx2_gemm_int4_x8(const GemmArgs&, int64_t, int64_t);
 
 }  // namespace tokenmill
 

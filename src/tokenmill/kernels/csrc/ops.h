@@ -70,6 +70,10 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
                        const at::Tensor& zeros, int64_t group_size, const c10::optional<at::Tensor>& bias);
 at::Tensor dequantize_int4(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& offsets,
                            int64_t group_size, int64_t in_features);
+at::Tensor linear_int4_x8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                          const at::Tensor& offsets, const c10::optional<at::Tensor>& bias, int64_t out_features);
+at::Tensor dequantize_int4_x8(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& offsets,
+                              int64_t out_features, int64_t in_features);
 // The AMX tile layout's int8 / int4 products, on AMX or (vnni) on AVX-512 VNNI.
 at::Tensor int8_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, const at::Tensor& wsum,
                       const c10::optional<at::Tensor>& bias, int64_t out_features, bool vnni);

@@ -89,7 +89,7 @@ class Fields {
 
 // A projection as its op is called: which op, and the op's arguments after x.
 struct Projection {
-  enum class Op { kNone, kGemvBf16, kGemvF32, kInt8Rows, kInt4Rows, kInt8Amx, kInt4Amx, kInt8Vnni, kInt4Vnni };
+  enum class Op { kNone, kGemvBf16, kGemvF32, kInt8Rows, kInt4Rows, kInt4X8, kInt8Amx, kInt4Amx, kInt8Vnni, kInt4Vnni };
   Op op = Op::kNone;
   at::Tensor weight;                   // the op's packed, weight or tiles
   at::Tensor scales, wsum, offsets;    // wsum: the int8 ops' wsum, the int4 tile ops' code_sums
@@ -116,6 +116,12 @@ struct Projection {
       p.scales = f.tensor("scales");
       p.offsets = f.tensor("offsets");
       p.group_size = f.integer("group_size");
+    } else if (op == "linear_int4_x8") {
+      p.op = Op::kInt4X8;
+      p.weight = f.tensor("packed");
+      p.scales = f.tensor("scales");
+      p.offsets = f.tensor("offsets");
+      p.out_features = f.integer("out_features");
     } else if (op == "linear_int8_amx" || op == "linear_int8_vnni") {
       p.op = op == "linear_int8_amx" ? Op::kInt8Amx : Op::kInt8Vnni;
       p.weight = f.tensor("tiles");
@@ -144,6 +150,7 @@ struct Projection {
       case Op::kGemvF32: return gemv_f32(x, weight, out_features, bias);
       case Op::kInt8Rows: return linear_int8(x, weight, scales, wsum, bias);
       case Op::kInt4Rows: return linear_int4(x, weight, scales, offsets, group_size, bias);
+      case Op::kInt4X8: return linear_int4_x8(x, weight, scales, offsets, bias, out_features);
       case Op::kInt8Amx:
       case Op::kInt8Vnni: return int8_tiles(x, weight, scales, wsum, bias, out_features, op == Op::kInt8Vnni);
       case Op::kInt4Amx:

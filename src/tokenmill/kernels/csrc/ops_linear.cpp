@@ -224,6 +224,92 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return gemm(x, w, a, N, bias, gemm_grain(K, 1), kernels().gemm_int4);
 }
 
+namespace {
+
+// packed uint8 [blocks, G, 128] (int4_layout.pack_channels8), scales and offsets fp16
+// [blocks, G, 8], G even (whole 64-input chunks, as quantize_rows_g32 writes x).
+void check_int4_x8(const char* op, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& offsets,
+                   int64_t out_features, int64_t K) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 && w.size(2) == 128 &&
+                  w.size(1) % 2 == 0 && w.size(1) * 32 >= K && w.size(0) * 8 >= out_features &&
+                  (w.size(0) - 1) * 8 < out_features,
+              op, ": weight must be uint8 [ceil(N / 8), G, 128] with G even and 32 * G >= K (int4_layout.pack_channels8)");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == w.size(0) && scales.size(1) == w.size(1) && scales.size(2) == 8 &&
+                  offsets.scalar_type() == at::kHalf && offsets.is_contiguous() && offsets.sizes() == scales.sizes(),
+              op, ": scales and offsets must be float16 [", w.size(0), ", ", w.size(1), ", 8]");
+}
+
+}  // namespace
+
+// int4 groups of 32 with 8 output channels interleaved (avx2_gemm_int4_x8), x quantized per
+// group of 32 as linear_int4's groups of 32 are: AVX2 code whichever table is active.
+at::Tensor linear_int4_x8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                          const at::Tensor& offsets, const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
+  const int64_t K = x.size(1), M = x.size(0), G = w.size(1);
+  check_int4_x8("linear_int4_x8", w, scales, offsets, out_features, K);
+  GemmArgs a{};
+  a.scales_f16 = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  a.offsets_f16 = reinterpret_cast<const uint16_t*>(offsets.data_ptr());
+  a.group_size = 32;
+  a.num_groups = G;
+  a.N = out_features;
+  a.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  a.ldx = x.stride(0);
+  a.K = K;
+  a.ldq = G * 32;
+  at::Tensor xsum = at::empty({M, G}, x.options().dtype(at::kFloat));
+  at::Tensor xq = at::empty({M, a.ldq}, x.options().dtype(at::kByte));
+  at::Tensor xg = at::empty({M, a.ldq / 64, 8}, x.options().dtype(at::kFloat));
+  a.xsum = xsum.data_ptr<float>();
+  a.xq = xq.data_ptr<uint8_t>();
+  a.x_group_scale = xg.data_ptr<float>();
+  const KernelTable& k = *avx2_kernels();
+  parallel_chunks(M, rows_grain(K), [&](int64_t r0, int64_t r1) { k.quantize_rows_g32(a, r0, r1); });
+  // Tasks of whole blocks, ~64 KB of codes, scales and offsets or more.
+  const int64_t grain = std::max<int64_t>(1, 65536 / (G * 160));
+  return gemm(x, w, a, out_features, bias, grain, avx2_gemm_int4_x8, w.size(0));
+}
+
+// linear_int4_x8's weight as fp32 rows [out_features, in_features] (dequantize_int4's use).
+at::Tensor dequantize_int4_x8(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& offsets,
+                              int64_t out_features, int64_t in_features) {
+  const int64_t K = in_features, N = out_features, G = w.size(1);
+  check_int4_x8("dequantize_int4_x8", w, scales, offsets, N, K);
+  TORCH_CHECK(K > 0, "dequantize_int4_x8: in_features must be positive");
+  at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat));
+  const uint8_t* codes = w.data_ptr<uint8_t>();
+  const at::Tensor sc32 = scales.to(at::kFloat), off32 = offsets.to(at::kFloat);
+  const float* sc = sc32.data_ptr<float>();
+  const float* off = off32.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  parallel_chunks(w.size(0), std::max<int64_t>(1, rows_grain(K) / 8), [&](int64_t b0, int64_t b1) {
+    float rows[8][32];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t nc = std::min<int64_t>(8, N - b * 8);
+      for (int64_t g = 0; g < G && g * 32 < K; ++g) {
+        const uint8_t* wg = codes + (b * G + g) * 128;
+        for (int t = 0; t < 4; ++t)
+          for (int c = 0; c < 8; ++c)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t v = wg[32 * t + 4 * c + i];
+              rows[c][8 * t + i] = (float)(v & 15);
+              rows[c][8 * t + 4 + i] = (float)(v >> 4);
+            }
+        const int64_t n_k = std::min<int64_t>(32, K - g * 32);
+        for (int64_t c = 0; c < nc; ++c) {
+          const float s = sc[(b * G + g) * 8 + c], o = off[(b * G + g) * 8 + c];
+          float* dst = y + (b * 8 + c) * K + g * 32;
+          for (int64_t j = 0; j < n_k; ++j) dst[j] = rows[c][j] * s + o;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // The int4 codes dequantized to fp32 rows [N, in_features] (w = q * scale + offset per
 // group): a prefill chunk's product then runs as one fp32 GEMM (torch's, oneDNN/MKL), which
 // on the AVX2 EPYC reads 150-170 GFLOP/s at 128-2048 rows where the int4 tiles read 55-80
