@@ -247,6 +247,8 @@ def step_pairs(ctx: Context) -> dict[str, Any]:
     for r in range(PAIR_ROUNDS):
         row: dict[str, Any] = {}
         for name, flags, quant in PAIRS:
+            if ctx.args.pairs and name not in ctx.args.pairs.split(","):
+                continue
             gguf = PEERS_ROOT / "gguf" / f"{ctx.gguf_name}-{quant}.gguf"
             if not gguf.is_file():
                 raise RuntimeError(f"{gguf} is missing: run the prepare step")
@@ -455,6 +457,10 @@ def main(argv: list[str] | None = None) -> int:
         "--ref", help="git ref of an older tokenmill for the a-ref-bf16 step, e.g. 9abb3a3^"
     )
     parser.add_argument("--port", type=int, default=8600, help="every server's port, in turn")
+    parser.add_argument(
+        "--pairs",
+        help="a-pairs: a comma list of precisions to pair (bf16, int8, int4; all if unset)",
+    )
     parser.add_argument(
         "--llama-server",
         type=Path,

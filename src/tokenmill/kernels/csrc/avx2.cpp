@@ -521,7 +521,10 @@ inline __m256i broadcast4(const uint8_t* p) {
 // whatever MR is, so a row's result does not depend on the batch it came in.
 template <int MR>
 inline void tile_w4x8(const GemmArgs& a, int64_t m0, int64_t b, __m256 out[MR]) {
-  constexpr int64_t kAhead = 1024;
+  // 2 KB ahead: SmolLM2's 120 projections of a token at one row, 2 threads, 6.7 ms against
+  // 7.2-7.4 at 1 KB (alternating builds); 4 KB 7.9, and prefetching the scales' and
+  // offsets' lines too, 7.1.
+  constexpr int64_t kAhead = 2048;
   const int64_t G = a.num_groups, chunks = a.ldq / 64;
   const uint8_t* wb = static_cast<const uint8_t*>(a.w) + b * G * 128;
   const uint16_t* sb = a.scales_f16 + b * G * 8;  // fp16: 4 bytes a group of 32 for scale and offset
