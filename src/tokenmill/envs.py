@@ -23,10 +23,10 @@ BF16_GEMV = "TOKENMILL_BF16_GEMV"
 FUSED_DECODE = "TOKENMILL_FUSED_DECODE"
 """``0`` runs decode steps layer by layer although ``--fused-decode`` allows the fused step
 (read at every step, so an A/B run may switch it on a running engine)."""
-INT4_PREFILL_GEMM = "TOKENMILL_INT4_PREFILL_GEMM"
-"""``0`` keeps int4 row-kernel projections on their int kernel at every batch size instead of
-dequantizing to fp32 for torch's GEMM from ``Int4Linear.dequantized_gemm_rows`` rows on
-(read at every call, for A/B runs on one engine)."""
+PREFILL_GEMM = "TOKENMILL_PREFILL_GEMM"
+"""``0`` keeps the AVX2 int8 and int4 projections on their int kernels at every batch size
+instead of dequantizing to fp32 for torch's GEMM from ``dequantized_gemm_rows`` rows on (read
+at every call, for A/B runs on one engine)."""
 
 _OFF = ("0", "false", "off", "no")
 

@@ -1,5 +1,5 @@
-"""int4 projections on a prefill chunk: the weight dequantized to fp32 (``dequantize_int4``)
-and multiplied by torch's fp32 GEMM from ``Int4Linear.dequantized_gemm_rows`` rows on."""
+"""int8 and int4 projections on a prefill chunk: the weight dequantized to fp32 and multiplied
+by torch's fp32 GEMM from ``dequantized_gemm_rows`` rows on."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tests.kernels.helpers import generator, randn
 from tokenmill import envs, kernels
 from tokenmill.kernels import int4_layout
-from tokenmill.model.quant import Int4Linear
+from tokenmill.model.quant import Int4Linear, quantize_linear
 
 
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (37, 70), (5, 1000), (64, 576), (130, 257)])
@@ -38,25 +38,26 @@ def test_dequantize_int4_refuses_a_wrong_layout() -> None:
         kernels.dequantize_int4(codes, scales, scales, 32, 65)
 
 
-@pytest.mark.parametrize("group_size", [32, 128])
-def test_int4_linear_runs_a_prefill_chunk_as_an_fp32_gemm(
-    isa: str, monkeypatch: pytest.MonkeyPatch, group_size: int
+@pytest.mark.parametrize(("method", "group_size"), [("int4", 32), ("int4", 128), ("int8", 32)])
+def test_a_prefill_chunk_runs_as_an_fp32_gemm(
+    isa: str, monkeypatch: pytest.MonkeyPatch, method: str, group_size: int
 ) -> None:
     """From ``dequantized_gemm_rows`` rows on, the product is the fp32 GEMM of the rebuilt
     weight (activations unquantized), bit for bit; below it, and with the switch off, the
     int kernel's (W8A8 where the table quantizes x), which stays close to it."""
     weight = randn(96, 256, dtype=torch.bfloat16, seed=1)
     bias = randn(96, dtype=torch.bfloat16, seed=2)
-    layer = Int4Linear(weight, bias, group_size)
+    layer = quantize_linear(weight, bias, method, group_size)
     if layer.kernel not in ("rows", "channels8"):
-        pytest.skip(f"this table stores groups of {group_size} as {layer.kernel} tiles")
+        pytest.skip(f"this table stores {method} as {layer.kernel} tiles")
     rows = layer.dequantized_gemm_rows
+    assert rows is not None
     x = randn(rows, 256, dtype=torch.bfloat16, seed=3)
     exact = F.linear(x.float(), layer.dequantize(torch.float32), bias.float()).bfloat16()
     assert torch.equal(layer(x), exact)
     assert torch.equal(layer(x.view(2, rows // 2, 256)), exact.view(2, rows // 2, 96))
     few = layer(x[: rows - 1])
-    monkeypatch.setenv(envs.INT4_PREFILL_GEMM, "0")
+    monkeypatch.setenv(envs.PREFILL_GEMM, "0")
     on_kernel = layer(x)
     assert torch.equal(on_kernel[: rows - 1], few)  # the kernel's rows do not depend on the batch
     assert not torch.equal(on_kernel, exact)
