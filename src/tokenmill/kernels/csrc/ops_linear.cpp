@@ -129,6 +129,18 @@ void quantize_activations(const at::Tensor& x, GemmArgs& a, bool is_unsigned, at
   parallel_chunks(M, rows_grain(x.size(1)), [&](int64_t r0, int64_t r1) { k.quantize_rows(a, is_unsigned, r0, r1); });
 }
 
+// x quantized per row and group of 32 by table k (quantize_rows_g32), into xq [M, a.ldq] and
+// the group scales xg [M, a.ldq / 64, 8], for the int4 kernels of groups of 32; a.x, a.ldx,
+// a.K, a.ldq, a.num_groups and a.xsum set by the caller.
+void quantize_groups_of_32(const at::Tensor& x, GemmArgs& a, const KernelTable& k, at::Tensor& xq, at::Tensor& xg) {
+  const int64_t M = x.size(0);
+  xq = at::empty({M, a.ldq}, x.options().dtype(at::kByte));
+  xg = at::empty({M, a.ldq / 64, 8}, x.options().dtype(at::kFloat));
+  a.xq = xq.data_ptr<uint8_t>();
+  a.x_group_scale = xg.data_ptr<float>();
+  parallel_chunks(M, rows_grain(a.K), [&](int64_t r0, int64_t r1) { k.quantize_rows_g32(a, r0, r1); });
+}
+
 at::Tensor linear_int8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                             const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, bool f32_out) {
   check_rows(w, "weight");
@@ -197,13 +209,10 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     // activations flatten the rest (SmolLM2 Q4_1: top-1 agreement with fp32 72%), and the
     // exact sums added offset * sum(x - x_q), offsets being ~-8 weight scales.
     a.ldq = w.size(1) * 2;  // codes padded to whole chunks: the quantized rows too
-    xq = at::empty({M, a.ldq}, x.options().dtype(at::kByte));
     xs = at::ones({M}, x.options().dtype(at::kFloat));
-    at::Tensor xg = at::empty({M, a.ldq / 64, 8}, x.options().dtype(at::kFloat));
-    a.xq = xq.data_ptr<uint8_t>();
     a.x_scale = xs.data_ptr<float>();
-    a.x_group_scale = xg.data_ptr<float>();
-    parallel_chunks(M, rows_grain(K), [&](int64_t r0, int64_t r1) { k.quantize_rows_g32(a, r0, r1); });
+    at::Tensor xg;
+    quantize_groups_of_32(x, a, k, xq, xg);
     return gemm(x, w, a, N, bias, gemm_grain(K, 1), k.gemm_int4);
   }
   // Sum of the activations over each group: the offsets' share of every output (a plain
@@ -260,14 +269,9 @@ at::Tensor linear_int4_x8(const at::Tensor& x, const at::Tensor& w, const at::Te
   a.ldx = x.stride(0);
   a.K = K;
   a.ldq = G * 32;
-  at::Tensor xsum = at::empty({M, G}, x.options().dtype(at::kFloat));
-  at::Tensor xq = at::empty({M, a.ldq}, x.options().dtype(at::kByte));
-  at::Tensor xg = at::empty({M, a.ldq / 64, 8}, x.options().dtype(at::kFloat));
+  at::Tensor xsum = at::empty({M, G}, x.options().dtype(at::kFloat)), xq, xg;
   a.xsum = xsum.data_ptr<float>();
-  a.xq = xq.data_ptr<uint8_t>();
-  a.x_group_scale = xg.data_ptr<float>();
-  const KernelTable& k = *avx2_kernels();
-  parallel_chunks(M, rows_grain(K), [&](int64_t r0, int64_t r1) { k.quantize_rows_g32(a, r0, r1); });
+  quantize_groups_of_32(x, a, *avx2_kernels(), xq, xg);
   // Tasks of whole blocks, ~64 KB of codes, scales and offsets or more.
   const int64_t grain = std::max<int64_t>(1, 65536 / (G * 160));
   return gemm(x, w, a, out_features, bias, grain, avx2_gemm_int4_x8, w.size(0));
