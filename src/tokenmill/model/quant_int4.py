@@ -1,0 +1,302 @@
+"""int4 projections, asymmetric per group of input channels: the layouts its kernels read
+(torch's packing, rows, 8 interleaved channels, AMX tiles) and how each is built from float
+weights or a GGUF file's blocks (``quant`` has the overview)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill import kernels
+from tokenmill.kernels import amx_layout, int4_layout
+from tokenmill.model.quant_base import (
+    EVERY_BATCH,
+    QUANTIZE_ROWS,
+    TILES,
+    Op,
+    QuantizedLinear,
+    kernel_dtype,
+    kernel_for,
+    tile_kernel_op,
+    w8a8_rows,
+)
+
+_INT4_LAYOUT_BLOCKS = (64, 32)
+"""Output-channel block of torch's CPU int4 packing: 64 with AVX-512 kernels, 32 with AVX2."""
+
+
+def _int4_groups(
+    weight: torch.Tensor, padded_out: int, padded_in: int, group_size: int, half: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes 0..15 (int32 [padded_out, padded_in]), and each group's scale and low end
+    ([padded_out, groups, 1]): asymmetric, (high - low) / 15. Padding is zeros. ``half``:
+    scale and low end rounded to fp16 (the layout that stores them so) before the codes are
+    chosen against them, so the codes fit the values the kernel multiplies by."""
+    out_features, in_features = weight.shape
+    groups = padded_in // group_size
+    q = torch.zeros(padded_out, padded_in, dtype=torch.int32)
+    scale = torch.empty(padded_out, groups, 1)
+    low = torch.empty(padded_out, groups, 1)
+    for lo in range(0, padded_out, QUANTIZE_ROWS):
+        hi = min(lo + QUANTIZE_ROWS, padded_out)
+        w = torch.zeros(hi - lo, padded_in)
+        if lo < out_features:
+            w[: min(hi, out_features) - lo, :in_features] = weight[lo:hi].float()
+        w = w.view(hi - lo, groups, group_size)
+        w_low, w_high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+        w_scale = (w_high - w_low) / 15.0
+        if half:
+            w_scale, w_low = w_scale.half().float(), w_low.half().float()
+        w_scale = w_scale.clamp(min=1e-8)
+        q[lo:hi] = torch.round((w - w_low) / w_scale).clamp(0, 15).view(hi - lo, -1)
+        scale[lo:hi], low[lo:hi] = w_scale, w_low
+    return q, scale, low
+
+
+def _pad_groups(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    low: torch.Tensor,
+    padded_out: int,
+    padded_in: int,
+    group_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes and group parameters quantized already (a GGUF file's), in ``_int4_groups``' shapes
+    and padding."""
+    out_features, in_features = codes.shape
+    groups = padded_in // group_size
+    q = torch.zeros(padded_out, padded_in, dtype=torch.int32)
+    q[:out_features, :in_features] = codes
+    padded_scale = torch.zeros(padded_out, groups, 1)
+    padded_low = torch.zeros(padded_out, groups, 1)
+    padded_scale[:out_features, : scale.shape[1], 0] = scale
+    padded_low[:out_features, : low.shape[1], 0] = low
+    return q, padded_scale, padded_low
+
+
+class Int4Linear(QuantizedLinear):
+    """int4 weights, asymmetric per group of ``group_size`` input channels, in torch's CPU packing.
+
+    The kernel wants whole groups and output channels in multiples of 16; a shape that is
+    not (the demo model's 688-wide MLP) is zero-padded, which changes no result: padded
+    input channels meet zero activations and padded output channels are cut off. Output
+    channels are padded to a multiple of 64 so the packing always has the layout
+    ``_unpack`` reads; dequantization then reads the packed tensor itself, and no second
+    copy of the weight is kept.
+    """
+
+    max_kernel_rows = 64
+    """Dequantizing the packing costs 4-5 elementwise passes (11 ms for 1024 -> 5632 on 2
+    threads), which the int4 kernel only exceeds beyond about 64 rows."""
+
+    # Buffers (register_buffer), declared so that they type as tensors, not Tensor | Module;
+    # which of them exist depends on the layout (``kernel``).
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    offsets: torch.Tensor
+    kernel_scales: torch.Tensor
+    kernel_offsets: torch.Tensor
+    amx_tiles: torch.Tensor
+    amx_scales: torch.Tensor
+    amx_offsets: torch.Tensor
+    amx_code_sums: torch.Tensor
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group_size: int,
+        groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """``groups``: codes [out, in] and each group's scale and offset [out, in / group_size]
+        already quantized (a GGUF file's blocks); ``weight`` then only gives the shape,
+        dtype and device."""
+        out_features, in_features = weight.shape
+        super().__init__(in_features, out_features, bias)
+        self.group_size = group_size
+        self.padded_in = -(-in_features // group_size) * group_size
+        self.padded_out = -(-out_features // 64) * 64
+        groups_per_row = self.padded_in // group_size
+        self.kernel = kernel_for(weight, tiles_ok=group_size % 64 == 0)
+        if self.kernel == "rows" and groups is None and channels8(group_size):
+            self.kernel = "channels8"
+        if groups is None:
+            q, scale, low = _int4_groups(
+                weight, self.padded_out, self.padded_in, group_size, self.kernel == "channels8"
+            )
+        else:
+            q, scale, low = _pad_groups(*groups, self.padded_out, self.padded_in, group_size)
+        if self.kernel is not None:
+            self._store_for_kernel(
+                q, scale.view(self.padded_out, groups_per_row), low.view(-1, groups_per_row)
+            )
+            self._refresh_fast_path()
+            return
+        # torch's convention: w = (q - 8) * scale + zero, so zero = low + 8 * scale.
+        zero = low + 8 * scale
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.register_buffer(
+            "scales_and_zeros",
+            torch.stack([scale.view(-1, groups_per_row), zero.view(-1, groups_per_row)], -1)
+            .transpose(0, 1)
+            .contiguous()
+            .to(kernel_dtype(weight.dtype)),
+        )
+        self.register_buffer("offsets", (zero - 8 * scale).view(self.padded_out, groups_per_row))
+        """zero - 8 * scale per group in fp32: dequantizing is then one multiply-add."""
+        self.layout_block = next((b for b in _INT4_LAYOUT_BLOCKS if self._unpacks_to(b, q)), None)
+        """The packing's channel block, or None if it is not one we can read: then the int4
+        kernel serves every batch size (slower for large ones, still correct)."""
+        if self.layout_block is None:
+            self.max_kernel_rows = EVERY_BATCH
+
+    dequantized_gemm_rows = 512
+    """Rows (a prefill chunk's tokens) from which a row-kernel projection dequantizes its
+    weight to fp32 (``kernels.dequantize_int4``) and runs torch's fp32 GEMM instead of the
+    int4 kernel. On the AVX2 EPYC at 2 threads over SmolLM2's, Gemma 3 270M's and the 250M
+    model's projections (``benchmarks/int4_prefill.py``, groups of 32) the GEMM was 0.9-1.8x
+    the kernel at 512 rows and 1.9-2.6x at 2048; at 256 it lost on the gate/up projections
+    (0.7-0.8x) while winning on the down ones (1.3-1.9x). The int kernel re-reads each weight
+    row per 4 activation rows and widens every group of 32 to fp32; dequantizing costs the
+    weight's size whatever the row count, so the threshold is rows, not rows x inputs. Above
+    the default ``--max-num-seqs`` (256), so a decode step stays on the int kernel (the fused
+    step's, bit for bit); a step that mixes decode rows into a prefill chunk of 512+ rows
+    computes them all by the GEMM (activations unquantized, weights exact)."""
+
+    def _fp32_weight(self) -> torch.Tensor | None:
+        if self.kernel == "channels8":
+            return kernels.dequantize_int4_x8(
+                self.packed, self.kernel_scales, self.kernel_offsets, self.out_features,
+                self.in_features,
+            )  # fmt: skip
+        if self.kernel == "rows":
+            return kernels.dequantize_int4(
+                self.packed, self.kernel_scales, self.kernel_offsets, self.group_size,
+                self.in_features,
+            )  # fmt: skip
+        return None
+
+    def _store_for_kernel(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> None:
+        """Codes, scales and offsets (``w = q * scale + low``) in the kernel's layout only."""
+        n, gs = self.out_features, self.group_size
+        k_pad = int4_layout.padded_in(self.in_features, gs)
+        groups = k_pad // gs
+        if self.kernel == "channels8":  # whole blocks of 8 channels (padded_out has 64)
+            n8 = -(-n // 8) * 8
+            block = int4_layout.block_channels8
+            codes = F.pad(q[:n8], (0, k_pad - q.shape[1]))
+            self.register_buffer("packed", int4_layout.pack_channels8(codes))
+            self.register_buffer(
+                "kernel_scales", block(F.pad(scale[:n8], (0, groups - scale.shape[1]))).half()
+            )
+            self.register_buffer(
+                "kernel_offsets", block(F.pad(low[:n8], (0, groups - low.shape[1]))).half()
+            )
+            self.max_kernel_rows = EVERY_BATCH
+            self.layout_block = None
+            return
+        codes = F.pad(q[:n], (0, k_pad - q.shape[1]))
+        scale = F.pad(scale[:n], (0, groups - scale.shape[1])).contiguous()
+        low = F.pad(low[:n], (0, groups - low.shape[1])).contiguous()
+        self.register_buffer("kernel_scales", scale)
+        self.register_buffer("kernel_offsets", low)
+        if self.kernel in TILES:
+            block = amx_layout.block_channels
+            sums = codes.view(n, groups, gs).sum(-1, dtype=torch.int32)
+            self.register_buffer("amx_tiles", amx_layout.pack_int4(codes))
+            self.register_buffer("amx_scales", block(scale))
+            self.register_buffer("amx_offsets", block(low))
+            self.register_buffer("amx_code_sums", block(sums))
+            self.max_kernel_rows = EVERY_BATCH
+        else:
+            self.register_buffer("packed", int4_layout.pack(codes))
+            if w8a8_rows() and gs % 32 == 0:  # the AVX2 table quantizes x for groups of 32 too
+                self.max_kernel_rows = EVERY_BATCH
+        self.layout_block = None
+
+    def _kernel_call(
+        self, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[Op, tuple[object, ...]] | None:
+        tile_op = tile_kernel_op(self.kernel, x, kernels.linear_int4_amx, kernels.linear_int4_vnni)
+        gs, n = self.group_size, self.out_features
+        if tile_op is not None:
+            tiles = (self.amx_tiles, self.amx_scales, self.amx_code_sums, self.amx_offsets)
+            return tile_op, (*tiles, gs, bias, n)
+        if self.kernel == "rows" and kernels.supports(x, float32=True):
+            rows = (self.packed, self.kernel_scales, self.kernel_offsets)
+            return kernels.linear_int4, (*rows, gs, bias)
+        if self.kernel == "channels8" and kernels.supports(x, float32=True):
+            blocks = (self.packed, self.kernel_scales, self.kernel_offsets)
+            return kernels.linear_int4_x8, (*blocks, bias, n)
+        return None
+
+    def _codes(self) -> torch.Tensor:
+        """Codes [out, k_pad] from the kernel layout."""
+        if self.kernel == "channels8":
+            return int4_layout.unpack_channels8(self.packed)[: self.out_features]
+        if self.kernel in TILES:
+            tiles = self.amx_tiles
+            both = torch.cat((tiles & 15, tiles >> 4), dim=-1)  # [nb, kc, 1024]
+            both = both.view(*tiles.shape[:2], 16, 16, 4).permute(0, 3, 1, 2, 4)
+            return both.reshape(tiles.shape[0] * 16, -1)[: self.out_features]
+        return int4_layout.unpack(self.packed)
+
+    def _unpacks_to(self, block: int, expected: torch.Tensor) -> bool:
+        if self.padded_out % block:
+            return False
+        return torch.equal(self._unpack(block, torch.int32), expected)
+
+    def _unpack(self, block: int, dtype: torch.dtype) -> torch.Tensor:
+        """The 4-bit codes [out, in] from the packing, in ``dtype``: per block of ``block``
+        channels and per input channel, ``block / 2`` bytes whose low nibbles are the first
+        half of the block's channels and high nibbles the second half."""
+        packed = self.packed.view(self.padded_out // block, self.padded_in, block // 2)
+        out = torch.empty(self.padded_out // block, block, self.padded_in, dtype=dtype)
+        out[:, : block // 2].copy_((packed & 15).transpose(1, 2))  # convert and transpose at once
+        out[:, block // 2 :].copy_((packed >> 4).transpose(1, 2))
+        return out.view(self.padded_out, self.padded_in)
+
+    def _pad(self, x: torch.Tensor) -> torch.Tensor:
+        return (
+            F.pad(x, (0, self.padded_in - self.in_features))
+            if self.padded_in > self.in_features
+            else x
+        )
+
+    def _torch_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(
+            self._pad(x).to(self.scales_and_zeros.dtype),
+            self.packed,
+            self.group_size,
+            self.scales_and_zeros,
+        )
+        return y[:, : self.out_features]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.kernel is not None:
+            scales, offsets = self.kernel_scales, self.kernel_offsets
+            if self.kernel == "channels8":  # [blocks, G, 8] -> [out, G]
+                n = self.out_features
+                scales = scales.transpose(1, 2).reshape(-1, scales.shape[1])[:n]
+                offsets = offsets.transpose(1, 2).reshape(-1, offsets.shape[1])[:n]
+            groups = self._codes().to(dtype).view(self.out_features, -1, self.group_size)
+            groups.mul_(scales.to(dtype)[..., None]).add_(offsets.to(dtype)[..., None])
+            return groups.view(self.out_features, -1)[:, : self.in_features]
+        assert self.layout_block is not None
+        out = self._unpack(self.layout_block, dtype)
+        groups = out.view(self.padded_out, -1, self.group_size)
+        scale = self.scales_and_zeros[..., 0].t().unsqueeze(-1).to(dtype)
+        offset = self.offsets.unsqueeze(-1).to(dtype)
+        groups.mul_(scale).add_(offset)
+        return out[: self.out_features, : self.in_features]
+
+
+def channels8(group_size: int) -> bool:
+    """Whether int4 weights quantized at load in groups of ``group_size`` go to the layout of
+    8 interleaved channels (``int4_layout.pack_channels8``, fp16 scales and offsets): groups
+    of 32 where the AVX2 table is active. Its one-row product read SmolLM2's 120 projections
+    of a token 1.5x faster than the per-channel rows at 2 threads (1.7x at one), with 5 bits a
+    weight instead of 6. A GGUF file's blocks keep the rows and their exact fp32 scales (a
+    Q4_K scale is a product that fp16 would round); AVX-512 keeps its own kernels (not
+    measured there)."""
+    return group_size == 32 and w8a8_rows()
