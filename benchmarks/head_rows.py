@@ -36,7 +36,7 @@ def heads(vocab: int, hidden: int) -> dict[str, Callable[[torch.Tensor], torch.T
         torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0)) * 0.02
     ).bfloat16()
     bf16 = Linear(hidden, vocab)
-    bf16.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    bf16.weight = torch.nn.Parameter(weight, requires_grad=False)  # packed into a copy
     if not bf16.pack_for_gemv():
         raise SystemExit("no GEMV blocks here (tokenmill's CPU kernels are not built)")
     int8 = Int8Linear(weight, None, tiles_ok=False)
