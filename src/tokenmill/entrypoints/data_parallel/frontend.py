@@ -142,7 +142,7 @@ class FrontEnd:
     ) -> None:
         from tokenmill.entrypoints.openai.admission import AdmissionController
         from tokenmill.entrypoints.openai.chat_options import resolve_chat_template
-        from tokenmill.tokenizer.tokenizer import Tokenizer
+        from tokenmill.resolved_model import read_tokenizer
 
         self.args = args
         self.config = config
@@ -162,7 +162,7 @@ class FrontEnd:
             config.max_beam_requests_in_flight * n,
         )
         self.route_keys = RouteKeys(
-            Tokenizer.from_pretrained(tokenizer_path),
+            read_tokenizer(tokenizer_path),
             args.dp_route_prefix_chars,
             resolve_chat_template(config.chat_template),
         )
