@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.entrypoints.conftest import free_port
 from tokenmill.bench.cli import register
 from tokenmill.bench.datasets import build_requests
 from tokenmill.bench.server_metrics import parse_prometheus_text
@@ -28,15 +28,9 @@ STARTUP_TIMEOUT_S = 180.0
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 6, 16, 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tokenmill_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [

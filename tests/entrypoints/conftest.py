@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -36,7 +37,41 @@ def _cache_dir() -> str:
     return os.environ.get("TOKENMILL_CACHE") or str(REPO_ROOT / ".cache" / "tokenmill")
 
 
+# Ports below the kernel's ephemeral range and above Ray's worker ports (10002-19999).
+_QUIET_PORTS = (20000, 32767)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
+    """A free loopback port that no other process will be handed before the server binds it.
+
+    ``bind(("127.0.0.1", 0))`` returns a port from the kernel's ephemeral range, and it is
+    free only until we close the probe socket. A server that starts slowly then races every
+    process that connects or binds meanwhile: a Ray Serve start opens dozens of sockets, and
+    one of them took the port its proxy was about to bind (CI, "Address already in use").
+    The kernel never hands out ports outside the ephemeral range on its own, so one picked
+    there and probed stays free unless someone asks for it by number. Falls back to an
+    ephemeral port if the quiet range is full or the range is not known.
+    """
+    ephemeral_low, ephemeral_high = _ephemeral_range()
+    candidates = [
+        port for port in range(*_QUIET_PORTS) if not ephemeral_low <= port <= ephemeral_high
+    ]
+    rng = random.Random()
+    for port in rng.sample(candidates, min(64, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -10,7 +10,6 @@ the gateway: the requests sent afterwards are served by the other one.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.conftest import ServerHandle, start_server
+from tests.entrypoints.conftest import ServerHandle, free_port, start_server
 
 SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
 pytestmark = pytest.mark.skipif(SMG is None, reason="smg (pip install smg) is not installed")
@@ -30,12 +29,6 @@ SHARED = (
     "The little dog ran into the garden every morning to look for the red ball that the girl "
     "had thrown over the fence, and every morning the cat watched him from the wall. "
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _served(replica: ServerHandle) -> float:
@@ -52,11 +45,11 @@ def _served(replica: ServerHandle) -> float:
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[ServerHandle]]]:
     logs = tmp_path_factory.mktemp("smg")
     replicas = [start_server(logs, api_key=None) for _ in range(2)]
-    port = _free_port()
+    port = free_port()
     log = open(logs / "smg.log", "wb")  # noqa: SIM115  (closed below)
     cmd = [
         str(SMG), "launch", "--host", "127.0.0.1", "--port", str(port),
-        "--prometheus-port", str(_free_port()), "--policy", "cache_aware",
+        "--prometheus-port", str(free_port()), "--policy", "cache_aware",
         "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
         "--worker-urls", *(r.base_url for r in replicas),
     ]  # fmt: skip
