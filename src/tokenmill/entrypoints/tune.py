@@ -77,6 +77,14 @@ def add_tune_parser(sub: Any) -> None:
         "--num-finalists more) those within this fraction of the last finalist's goodput",
     )
     p.add_argument(
+        "--sla-margin",
+        type=float,
+        default=0.10,
+        help="room, as a fraction of each bound, a candidate must leave under the SLA in its "
+        "worst round (or its rounds' spread of that figure, if wider) to meet it with room; "
+        "one that meets it by less ranks below any that meets it with room",
+    )
+    p.add_argument(
         "--first-sample", type=int, default=32, help="requests in the cheapest halving rung"
     )
     p.add_argument(
@@ -284,6 +292,7 @@ def run_tune(args: argparse.Namespace) -> int:
             eta=args.eta,
             num_finalists=args.num_finalists,
             cut_margin=args.cut_margin,
+            sla_margin=args.sla_margin,
             num_rounds=args.num_rounds,
             min_match=args.min_match,
         )
@@ -437,7 +446,12 @@ def _write_outputs(
     result = state.to_json()
     report = write_report(result, out_dir, command, config_yaml)
     if winner is not None:
-        verdict = "meets the SLA" if decision.get("meets_sla") else "misses the SLA (closest)"
+        if decision.get("meets_sla_with_room"):
+            verdict = "meets the SLA with room"
+        elif decision.get("meets_sla"):
+            verdict = f"meets the SLA narrowly: {decision.get('reason')}"
+        else:
+            verdict = "misses the SLA (closest)"
         print(f"chosen: {winner.candidate.key} ({verdict})")
         if decision.get("tie_note"):
             print(decision["tie_note"])

@@ -215,7 +215,7 @@ def render_html(
 <p>Workload {_esc(workload.get("source"))}: {_esc(workload.get("num_requests"))} requests over {_esc(workload.get("duration_s"))} s
 (time scale {_esc(result.get("time_scale"))}); SLA {_esc(result.get("sla"))}; search took {_fmt(result.get("elapsed_s"))} s of a {_fmt(result.get("budget_s"))} s budget{" (stopped by the budget)" if d.get("stopped_by_budget") else ""}.</p>
 <h2>Decision</h2>
-<p><b>{_esc(d.get("winner"))}</b> {"meets the SLA" if d.get("meets_sla") else _esc(d.get("reason"))}; goodput per round {_esc(d.get("goodput_rounds"))} on {_esc(d.get("measured_on_requests"))} requests.</p>
+<p><b>{_esc(d.get("winner"))}</b> {"meets the SLA with room under every bound " + _esc(d.get("sla_room")) if d.get("meets_sla_with_room") else _esc(d.get("reason"))}; goodput per round {_esc(d.get("goodput_rounds"))} on {_esc(d.get("measured_on_requests"))} requests.</p>
 <p>{_esc(d.get("tie_note") or "No other candidate was inside its measured spread.")}</p>
 {f"<p>Halving: {_esc(result['halving'])}.</p>" if result.get("halving") else ""}
 {f"<p>Near ties: {_esc(result['near_ties'])}.</p>" if result.get("near_ties") else ""}
