@@ -61,7 +61,7 @@ def test_the_amx_ops_trace_too() -> None:
 
 
 def test_the_vnni_tile_ops_trace_too() -> None:
-    if kernels.active_isa() != "avx512_bf16":
+    if not kernels.active_isa().startswith("avx512_bf16"):
         pytest.skip("the VNNI tile ops need the avx512 table")
     torch._dynamo.reset()
     q = torch.randint(-127, 128, (40, 64), dtype=torch.int8)

@@ -219,7 +219,7 @@ def test_bf16_projections_take_the_gemv_layout_unless_told_not_to(
     from tokenmill import kernels
     from tokenmill.model.layers import GEMV_ENV
 
-    if not kernels.available() or kernels.active_isa() != "avx512_bf16":
+    if not kernels.available() or not kernels.active_isa().startswith("avx512_bf16"):
         pytest.skip("the GEMV layout is used with the AVX-512 BF16 kernels only")
     monkeypatch.delenv(GEMV_ENV, raising=False)
     folder = make_model("llama", dtype="bfloat16")

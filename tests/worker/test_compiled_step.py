@@ -138,7 +138,7 @@ def test_bf16_gemv_layout_compiles_and_matches_eager(make_model, caplog) -> None
     gives the eager engine's greedy tokens."""
     from tokenmill import kernels
 
-    if not kernels.available() or kernels.active_isa() != "avx512_bf16":
+    if not kernels.available() or not kernels.active_isa().startswith("avx512_bf16"):
         pytest.skip("the GEMV layout is used with the AVX-512 BF16 kernels only")
     folder = make_model("llama", dtype="bfloat16")
     kwargs = dict(dtype="bfloat16", max_model_len=64, max_num_seqs=1, kv_cache="static")
