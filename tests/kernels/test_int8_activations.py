@@ -1,6 +1,6 @@
-"""How the int8 row kernels quantize their activations: per group of
-``kernels.int8_activation_group()`` inputs on the AVX2 table, per row on AVX-512, checked
-against a torch copy of the quantizer (both ISAs, one and two threads)."""
+"""How the int8 kernels quantize their activations: per row and group of
+``kernels.int8_activation_group()`` (64) inputs, on both tables and the AVX-512 tile kernels,
+checked against a torch copy of the quantizer (both ISAs, one and two threads)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from tests.kernels.helpers import generator, randn
 from tokenmill import kernels
+from tokenmill.kernels import ops as kernels_ops
 
 
 def _int8_rows(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -38,8 +39,44 @@ def test_linear_int8_quantizes_x_as_the_table_says(isa: str, threads: int, m: in
     x[0, 64:128] = 0  # a group of zeros
     w = q.float() * scales[:, None]
     group = kernels.int8_activation_group()
-    assert group == (64 if isa == "avx2" else 0)
+    assert group == 64
     got = kernels.linear_int8(x, q, scales, q.sum(1, dtype=torch.int32), None).float()
+    _assert_quantized_per_group(got, x, w, group)
+
+
+@pytest.mark.parametrize(("m", "k"), [(1, 1000), (5, 200), (17, 576)])
+@pytest.mark.parametrize("tiles", ["vnni", "amx"])
+def test_the_int8_tiles_quantize_x_per_chunk_of_64(isa: str, m: int, k: int, tiles: str) -> None:
+    """The AVX-512 tile kernels (the layout int8 projections are stored in there) quantize x
+    per row and 64-input chunk too, on VNNI and on AMX."""
+    from tokenmill.kernels import amx_layout
+
+    if isa != "avx512":
+        pytest.skip("the tile ops run on the avx512 table")
+    if tiles == "amx" and not kernels_ops.amx_permitted():
+        pytest.skip("AMX is not granted here")
+    n = 37
+    q = torch.randint(-127, 128, (n, k), generator=generator(1), dtype=torch.int8)
+    scales = torch.rand(n, generator=generator(2)) * 0.02 + 1e-3
+    x = randn(m, k, dtype=torch.bfloat16)
+    x[:, 5] = 1000.0
+    x[0, 64:128] = 0
+    block = amx_layout.block_channels
+    args = (x, amx_layout.pack_int8(q), block(scales), block(q.sum(1, dtype=torch.int32)), None, n)
+    if tiles == "amx":
+        kernels.set_isa("amx")
+        try:
+            got = kernels.linear_int8_amx(*args).float()
+        finally:
+            kernels.set_isa("avx512")
+    else:
+        got = kernels.linear_int8_vnni(*args).float()
+    _assert_quantized_per_group(got, x, q.float() * scales[:, None], 64)
+
+
+def _assert_quantized_per_group(
+    got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group: int
+) -> None:
     want = F.linear(_int8_rows(x, group), w)
     other = F.linear(_int8_rows(x, 64 if group == 0 else 0), w)
     tol = want.abs() * 2**-8 + 1e-3 * F.linear(x.float().abs(), w.abs())

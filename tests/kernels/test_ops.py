@@ -18,6 +18,7 @@ from tests.kernels.helpers import (
 )
 from tokenmill import kernels
 from tokenmill.kernels import int4_layout
+from tokenmill.kernels import ops as kernels_ops
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding
 
 
@@ -132,12 +133,12 @@ def test_linear_int4_extreme_codes_and_activations_do_not_overflow(
 
 
 @pytest.mark.parametrize(("method", "group_size"), [("int8", 0), ("int4", 128), ("int4", 32)])
-def test_avx2_int_rows_do_not_depend_on_the_batch(isa: str, method: str, group_size: int) -> None:
-    """The AVX2 W8A8 kernels give a row alone (the one-row GEMVs) the bits it gets inside a
-    batch (the 4-row tiles): integer sums are exact, and the epilogues sum in one order.
-    Groups of 32 (GGUF's Q4 blocks) run their own tiles."""
-    if isa != "avx2":
-        pytest.skip("the AVX2 W8A8 row kernels' property")
+def test_int_rows_do_not_depend_on_the_batch(isa: str, method: str, group_size: int) -> None:
+    """The W8A8 row kernels give a row alone (the one-row GEMVs) the bits it gets inside a
+    batch (the 4-row tiles): integer sums are exact, and the epilogues sum in one order. int8
+    on both tables; int4 on AVX2 (groups of 32, GGUF's Q4 blocks, run their own tiles)."""
+    if isa != "avx2" and method != "int8":
+        pytest.skip("the AVX2 W8A8 int4 row kernels' property")
     n, k = 37, 640
     x = randn(11, k, dtype=torch.bfloat16)
     bias = randn(n, seed=4)
@@ -420,8 +421,36 @@ def test_linear_int8_vnni(vnni: str, threads: int, m: int, n: int, k: int) -> No
         return
     got = kernels.linear_int8_vnni(*args)
     assert got.shape == (m, n)
-    # activations quantized per row to int8: about 0.4% of the row's largest value
+    # activations quantized per 64-input chunk to int8: about 0.4% of its largest value
     close_to_fp32(got, want, 2e-2)
+
+
+def test_int8_tiles_do_not_depend_on_the_batch_or_on_amx(vnni: str) -> None:
+    """The VNNI tiles give a row alone (their GEMV) the bits it gets in a batch of row tiles,
+    and AMX (where granted) the same bits as VNNI: each 64-input chunk's integer sums are
+    exact and both scale them in the same float steps."""
+    from tokenmill.kernels import amx_layout
+
+    if vnni == "avx2":
+        pytest.skip("the VNNI tile ops run on the avx512 table")
+    n, k = 70, 200
+    x = randn(11, k, dtype=torch.bfloat16)
+    x[:, 3] = 300.0  # an outlier: one chunk's scale far from the others'
+    q = torch.randint(-127, 128, (n, k), generator=generator(1), dtype=torch.int8)
+    scales = torch.rand(n, generator=generator(2)) * 0.01 + 1e-3
+    block = amx_layout.block_channels
+    args = (amx_layout.pack_int8(q), block(scales), block(q.sum(1, dtype=torch.int32)))
+    bias = randn(n, dtype=torch.bfloat16, seed=3)
+    batch = kernels.linear_int8_vnni(x, *args, bias, n)
+    for i in range(11):
+        assert torch.equal(kernels.linear_int8_vnni(x[i : i + 1], *args, bias, n)[0], batch[i]), i
+    if kernels_ops.amx_permitted():
+        kernels.set_isa("amx")
+        try:
+            assert torch.equal(kernels.linear_int8_amx(x, *args, bias, n), batch)
+            assert torch.equal(kernels.linear_int8_amx(x[:1], *args, bias, n)[0], batch[0])
+        finally:
+            kernels.set_isa("avx512")
 
 
 @pytest.mark.parametrize(("m", "n", "k"), VNNI_SHAPES[1:] + [(2, 67, 640), (9, 20, 1000)])

@@ -98,7 +98,7 @@ def describe() -> str:
     else:
         amx = "AMX not granted, not used"
     group = int8_activation_group()
-    w8a8 = f"int8 activation scales per {group} inputs" if group else "per row"
+    w8a8 = f"int8 activation scales per {group} inputs, int4 per row" if group else "per row"
     return (
         f"tokenmill CPU kernels ({active_isa()}): int8/int4 linear (W8A8, {w8a8}), add+RMSNorm, "
         f"SiLU*mul, GELU-tanh*mul, RoPE (+ KV write), paged decode and prefill attention "
@@ -162,8 +162,10 @@ def linear_int8(
 ) -> torch.Tensor:
     """int8 weights [N, K] with fp32 per-channel scales [N] and int32 row sums [N]; x bf16.
 
-    The activations are quantized to int8 (W8A8): per row with VNNI dot products on
-    AVX-512, per group of ``int8_activation_group()`` inputs with ``vpmaddubsw`` on AVX2.
+    The activations are quantized to signed int8 (W8A8) per row and group of
+    ``int8_activation_group()`` (64) inputs, on both tables: VNNI dot products against the
+    weights + 128 on AVX-512, ``vpmaddubsw`` on AVX2. ``row_sums`` is checked for the op's
+    schema and not read (the AVX-512 kernels undo the + 128 with the activations' sums).
     """
     return torch.ops.tokenmill_cpu.linear_int8(_rows(x), qweight, scales, row_sums, bias)
 
@@ -246,7 +248,8 @@ def linear_int8_amx(
     out_features: int,
 ) -> torch.Tensor:
     """int8 weights in ``amx_layout.pack_int8`` tiles, fp32 scales and int32 row sums blocked
-    by ``amx_layout.block_channels``; activations quantized per row (W8A8)."""
+    by ``amx_layout.block_channels`` (the sums checked, not read); activations quantized per
+    row and 64-input chunk (W8A8), signed x signed products."""
     return torch.ops.tokenmill_cpu.linear_int8_amx(
         _rows(x), tiles, scales, row_sums, bias, out_features
     )
@@ -279,7 +282,8 @@ def linear_int8_vnni(
     out_features: int,
 ) -> torch.Tensor:
     """``linear_int8_amx``'s tiles and arguments on AVX-512 VNNI dot products (CPUs without
-    AMX; the avx512 table must be active). Activations quantized per row (W8A8)."""
+    AMX; the avx512 table must be active). Activations quantized per row and 64-input chunk
+    (W8A8); the same outputs as ``linear_int8_amx``."""
     return torch.ops.tokenmill_cpu.linear_int8_vnni(
         _rows(x), tiles, scales, row_sums, bias, out_features
     )

@@ -5,8 +5,8 @@ layout its kernel reads, once: AMX-INT8 tiles (16 channels x 64 inputs in VNNI o
 ``kernels/amx_layout.py``) wherever the AVX-512 table runs, read by AMX where the process
 may use it and by AVX-512 VNNI dot products otherwise (``kernel`` ``amx`` or ``vnni``); plain
 rows for the AVX2 kernels (and int4 groups of 32). Both tables quantize activations to int8
-(W8A8 dynamic, llama.cpp Q8_0's trade): per row, except the AVX2 table's int8 (per group of
-64 inputs) and int4 groups of 32 (per group of 32; weight-only on AVX-512). The torch paths
+(W8A8 dynamic, llama.cpp Q8_0's trade): int8 per row and group of 64 inputs (rows and tiles,
+both tables), int4 per row, except groups of 32 (per group of 32; weight-only on AVX-512). The torch paths
 below remain for machines without the extension.
 
 The tile kernels beat oneDNN's bf16 GEMM at every row count measured (1-256 rows of the

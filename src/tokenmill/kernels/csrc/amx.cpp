@@ -1,4 +1,4 @@
-// AMX-INT8 GEMM for int8 and int4 weights: VPDPBUSD's math on 16x64 tiles (TDPBUSD), 16
+// AMX-INT8 GEMM for int8 and int4 weights: VPDPBUSD's math on 16x64 tiles (TDPBSSD, TDPBUSD), 16
 // times the work per instruction, so quantized weights keep up with oneDNN's AMX bf16 at
 // every batch size. Tiles are only touched after the kernel granted the tile state
 // (ops.cpp asks with arch_prctl); AMX is otherwise never executed.
@@ -44,14 +44,54 @@ inline __mmask16 tail_mask(int64_t n0, int64_t N) {
   return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (left > 0 ? left : 0)) - 1u);
 }
 
-// Per-channel vectors are blocked [N/16, (groups,) 16] so each epilogue step is one load.
-// int4 weights arrive unpacked to int8 tiles in ``panel`` (both blocks, every chunk), so
-// row blocks after the first do not unpack again.
+// int8: per 64-input chunk, signed x times signed weights (TDPBSSD), each chunk's int32
+// sums scaled by its activation scale into fp32 accumulators in chunk order, then the
+// channel scales; the same integer sums and float steps as vnni.cpp's int8, so a row's
+// outputs are the same on either and whatever the batch.
 template <int NB>
-void block(const tokenmill::AmxArgs& a, int64_t nb, int64_t m0, int rows, int32_t (*c)[16][16],
-           float (*acc)[16][16], const uint8_t* panel) {
+void block_int8(const tokenmill::AmxArgs& a, int64_t nb, int64_t m0, int rows, int32_t (*c)[16][16],
+                float (*acc)[16][16]) {
+  const int8_t* w = static_cast<const int8_t*>(a.w);
   const int64_t chunks = a.num_chunks;
-  const int64_t group_chunks = a.is_int4 ? a.group_chunks : chunks;
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    _tile_zero(0);
+    if (NB == 2) _tile_zero(1);
+    _tile_loadd(2, a.xq + m0 * a.ldq + kc * 64, a.ldq);
+    _tile_loadd(3, w + (nb * chunks + kc) * 1024, 64);
+    if (NB == 2) _tile_loadd(4, w + ((nb + 1) * chunks + kc) * 1024, 64);
+    _tile_dpbssd(0, 2, 3);
+    if (NB == 2) _tile_dpbssd(1, 2, 4);
+    _tile_stored(0, c[0], 64);
+    if (NB == 2) _tile_stored(1, c[1], 64);
+    for (int b = 0; b < NB; ++b)
+      for (int m = 0; m < rows; ++m) {
+        const __m512 xs = _mm512_set1_ps(a.x_group_scale[(m0 + m) * chunks + kc]);
+        const __m512 prev = kc > 0 ? _mm512_load_ps(acc[b][m]) : _mm512_setzero_ps();
+        _mm512_store_ps(acc[b][m], _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[b][m])), xs, prev));
+      }
+  }
+  for (int b = 0; b < NB; ++b) {
+    const int64_t n0 = (nb + b) * 16;
+    const __mmask16 mask = tail_mask(n0, a.N);
+    const __m512 scale = _mm512_loadu_ps(a.scales + n0);
+    for (int m = 0; m < rows; ++m) {
+      __m512 v = _mm512_mul_ps(_mm512_load_ps(acc[b][m]), scale);
+      if (a.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, a.bias + n0));
+      _mm256_mask_storeu_epi16(a.y + (m0 + m) * a.ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+// int4: x + 128 against the codes per group (TDPBUSD), minus 128 x the group's code sums,
+// times the group's scale; the offsets through the activation sums at the end. Per-channel
+// vectors are blocked [N/16, groups, 16] so each epilogue step is one load. The codes
+// arrive unpacked to int8 tiles in ``panel`` (both blocks, every chunk), so row blocks after
+// the first do not unpack again.
+template <int NB>
+void block_int4(const tokenmill::AmxArgs& a, int64_t nb, int64_t m0, int rows, int32_t (*c)[16][16],
+                float (*acc)[16][16], const uint8_t* panel) {
+  const int64_t chunks = a.num_chunks;
+  const int64_t group_chunks = a.group_chunks;
   const __m512i k128 = _mm512_set1_epi32(128);
   for (int64_t g0 = 0; g0 < chunks; g0 += group_chunks) {
     _tile_zero(0);
@@ -59,22 +99,16 @@ void block(const tokenmill::AmxArgs& a, int64_t nb, int64_t m0, int rows, int32_
     const int64_t g1 = g0 + group_chunks < chunks ? g0 + group_chunks : chunks;
     for (int64_t kc = g0; kc < g1; ++kc) {
       _tile_loadd(2, a.xq + m0 * a.ldq + kc * 64, a.ldq);
-      if (a.is_int4) {
-        _tile_loadd(3, panel + kc * 1024, 64);
-        if (NB == 2) _tile_loadd(4, panel + (chunks + kc) * 1024, 64);
-      } else {
-        const int8_t* w = static_cast<const int8_t*>(a.w);
-        _tile_loadd(3, w + (nb * chunks + kc) * 1024, 64);
-        if (NB == 2) _tile_loadd(4, w + ((nb + 1) * chunks + kc) * 1024, 64);
-      }
+      _tile_loadd(3, panel + kc * 1024, 64);
+      if (NB == 2) _tile_loadd(4, panel + (chunks + kc) * 1024, 64);
       _tile_dpbusd(0, 2, 3);
       if (NB == 2) _tile_dpbusd(1, 2, 4);
     }
     _tile_stored(0, c[0], 64);
     if (NB == 2) _tile_stored(1, c[1], 64);
-    const int64_t g = g0 / group_chunks;  // int8: one "group", the whole row
+    const int64_t g = g0 / group_chunks;
     for (int b = 0; b < NB; ++b) {
-      const int64_t at = ((nb + b) * (a.is_int4 ? a.num_groups : 1) + g) * 16;
+      const int64_t at = ((nb + b) * a.num_groups + g) * 16;
       const __m512i sums = _mm512_mullo_epi32(_mm512_loadu_si512(a.wsum + at), k128);
       const __m512 scale = _mm512_loadu_ps(a.scales + at);
       for (int m = 0; m < rows; ++m) {
@@ -91,11 +125,9 @@ void block(const tokenmill::AmxArgs& a, int64_t nb, int64_t m0, int rows, int32_
     for (int m = 0; m < rows; ++m) {
       const int64_t row = m0 + m;
       __m512 v = _mm512_fmadd_ps(_mm512_load_ps(acc[b][m]), _mm512_set1_ps(a.x_scale[row]), bias);
-      if (a.is_int4) {
-        const float* o = a.offsets + (nb + b) * a.num_groups * 16;
-        const float* xs = a.xsum + row * a.num_groups;
-        for (int64_t gg = 0; gg < a.num_groups; ++gg) v = _mm512_fmadd_ps(_mm512_loadu_ps(o + gg * 16), _mm512_set1_ps(xs[gg]), v);
-      }
+      const float* o = a.offsets + (nb + b) * a.num_groups * 16;
+      const float* xs = a.xsum + row * a.num_groups;
+      for (int64_t gg = 0; gg < a.num_groups; ++gg) v = _mm512_fmadd_ps(_mm512_loadu_ps(o + gg * 16), _mm512_set1_ps(xs[gg]), v);
       _mm256_mask_storeu_epi16(a.y + row * a.ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
     }
   }
@@ -117,8 +149,14 @@ void tokenmill::amx_gemm(const AmxArgs& a, int64_t nb0, int64_t nb1) {
     for (int64_t m0 = 0; m0 < a.M; m0 += 16) {
       const int rows = (int)(a.M - m0 < 16 ? a.M - m0 : 16);
       if (rows != configured) { configure(rows); configured = rows; }
-      if (nb + 2 <= nb1) block<2>(a, nb, m0, rows, c, acc, panel);
-      else block<1>(a, nb, m0, rows, c, acc, panel);
+      if (a.is_int4) {
+        if (nb + 2 <= nb1) block_int4<2>(a, nb, m0, rows, c, acc, panel);
+        else block_int4<1>(a, nb, m0, rows, c, acc, panel);
+      } else if (nb + 2 <= nb1) {
+        block_int8<2>(a, nb, m0, rows, c, acc);
+      } else {
+        block_int8<1>(a, nb, m0, rows, c, acc);
+      }
     }
   }
   _tile_release();

@@ -92,7 +92,7 @@ inline __m256i load_w8(const int8_t* wr, int64_t k, int64_t K) {
   return _mm256_load_si256((const __m256i*)buf);
 }
 
-// 32 activations, quantized as signed int8 (the table's int8_x_unsigned is false).
+// 32 activations, quantized as signed int8.
 inline __m256i load_x_s8(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
 
 // acc + the products of 32 int8 weights w (aw = |w|) and activations x, summed in pairs of
@@ -739,7 +739,7 @@ const tokenmill::KernelTable kTable = {
     "avx2", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, gelu_tanh_mul_kernel,
     rope_kernel, attention_merge_kernel, quantize_rows, rope_kv_kernel, prefill_attention_kernel, gemv_bf16,
     gemv_f32,
-    /*int8_x_unsigned=*/false, quantize_rows_g32, /*int8_x_group=*/64,
+    quantize_rows_g32, /*int8_x_group=*/64,
 };
 
 }  // namespace

@@ -1,6 +1,6 @@
 // AVX-512 kernels (F/BW/VL/DQ + BF16 + VNNI): the bf16 GEMM on AVX512-BF16 dot products;
 // int8 and int4 GEMMs on VNNI integer dot products over activations quantized per row
-// (W8A8 dynamic, as llama.cpp's Q8_0 dot products); common.h's kernels on 16 lanes. Only ever called on CPUs that
+// (int4) or per row and group of 64 (int8) (W8A8 dynamic, as llama.cpp's Q8_0 dot products); common.h's kernels on 16 lanes. Only ever called on CPUs that
 // report these features (ops.cpp checks); nothing here has external linkage but the table.
 #include <cstdint>
 #include <cstdlib>
@@ -118,30 +118,40 @@ void gemm_bf16(const GemmArgs& a, int64_t n0, int64_t n1) {
   gemm_float_tiles<kBf16>(a, n0, n1, Bf16Weights{static_cast<const uint16_t*>(a.w), a.ldw, a.K});
 }
 
-// ---- W8A8: activations quantized per row (gemm_common.h's quantize_rows), integer dot
-// products (VPDPBUSD: u8 x s8) ----
+// ---- W8A8: activations quantized per row or group (gemm_common.h's quantize_rows), integer
+// dot products (VPDPBUSD: u8 x s8) ----
 
-// int8 weights [N, K] (s8) against x + 128 (u8): sum = dot - 128 * rowsum(w).
+// The exact signed dot products of 64 int8 weights w and 64 signed activations x, in 16
+// lanes of 4: VPDPBUSD takes u8 x s8, so the weights go in + 128 (their sign bit flipped,
+// flip = 0x80 bytes) and the accumulator starts at -128 x the lanes' sums of x.
+inline __m512i dot_s8(__m512i w, __m512i x, __m512i flip) {
+  const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, x));
+  return _mm512_dpbusd_epi32(start, _mm512_xor_si512(w, flip), x);
+}
+
+// int8 weights [N, K] against x quantized per row and group of 64 (a.x_group_scale): each
+// group's exact integer lanes converted and scaled into fp32 lanes, in group order, the
+// channel scale applied after the horizontal sum (gemv_int8_seq takes the same steps).
 template <int MR, int NR>
 inline void tile_int8(const GemmArgs& a, int64_t m0, int64_t n0, float out[4][4]) {
   const int8_t* w = static_cast<const int8_t*>(a.w);
-  __m512i acc[MR][NR];
+  const int64_t G = a.ldq / 64;
+  const __m512i flip = _mm512_set1_epi8((char)0x80);
+  __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_si512();
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < a.K; k += 64) {
     const __mmask64 km = a.K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (a.K - k)) - 1);
     __m512i wv[NR];
     for (int r = 0; r < NR; ++r) wv[r] = _mm512_maskz_loadu_epi8(km, w + (n0 + r) * a.ldw + k);
     for (int m = 0; m < MR; ++m) {
-      __m512i xv = _mm512_loadu_si512(a.xq + (m0 + m) * a.ldq + k);
-      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], xv, wv[r]);
+      const __m512i xv = _mm512_loadu_si512(a.xq + (m0 + m) * a.ldq + k);
+      const __m512 xs = _mm512_set1_ps(a.x_group_scale[(m0 + m) * G + k / 64]);
+      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_s8(wv[r], xv, flip)), xs, acc[m][r]);
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < NR; ++r) {
-      const int32_t dot = _mm512_reduce_add_epi32(acc[m][r]) - 128 * a.wsum[n0 + r];
-      out[m][r] = (float)dot * a.x_scale[m0 + m] * a.scales[n0 + r];
-    }
+    for (int r = 0; r < NR; ++r) out[m][r] = _mm512_reduce_add_ps(acc[m][r]) * a.scales[n0 + r];
 }
 
 // int4 codes (u8 0..15) against signed x: per group, the integer dot times the group's scale,
@@ -270,21 +280,16 @@ void gemm_w8a8(const GemmArgs& a, int64_t n0, int64_t n1) {
 // rows are independent, so out-of-order execution still overlaps their dot products.
 void gemv_int8_seq(const GemmArgs& a, int64_t n0, int64_t n1) {
   const int8_t* w = static_cast<const int8_t*>(a.w);
-  const float xs = a.x_scale[0];
+  const __m512i flip = _mm512_set1_epi8((char)0x80);
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* wr = w + n * a.ldw;
-    __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
-    int64_t k = 0;
-    for (; k + 128 <= a.K; k += 128) {
-      acc0 = _mm512_dpbusd_epi32(acc0, _mm512_loadu_si512(a.xq + k), _mm512_loadu_si512(wr + k));
-      acc1 = _mm512_dpbusd_epi32(acc1, _mm512_loadu_si512(a.xq + k + 64), _mm512_loadu_si512(wr + k + 64));
-    }
-    for (; k < a.K; k += 64) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < a.K; k += 64) {
       const __mmask64 km = a.K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (a.K - k)) - 1);
-      acc0 = _mm512_dpbusd_epi32(acc0, _mm512_loadu_si512(a.xq + k), _mm512_maskz_loadu_epi8(km, wr + k));
+      const __m512i d = dot_s8(_mm512_maskz_loadu_epi8(km, wr + k), _mm512_loadu_si512(a.xq + k), flip);
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(a.x_group_scale[k / 64]), acc);
     }
-    const int32_t dot = _mm512_reduce_add_epi32(_mm512_add_epi32(acc0, acc1)) - 128 * a.wsum[n];
-    store_out(a, 0, n, finish<kBf16>(a, 0, n, (float)dot * xs * a.scales[n]));
+    store_out(a, 0, n, finish<kBf16>(a, 0, n, _mm512_reduce_add_ps(acc) * a.scales[n]));
   }
 }
 
@@ -485,7 +490,7 @@ const tokenmill::KernelTable kTable = {
     "avx512_bf16", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, gelu_tanh_mul_kernel,
     rope_kernel, attention_merge_kernel, quantize_rows, rope_kv_kernel, prefill_attention_kernel, gemv_bf16,
     gemv_f32,
-    /*int8_x_unsigned=*/true, /*quantize_rows_g32=*/nullptr, /*int8_x_group=*/0,
+    /*quantize_rows_g32=*/nullptr, /*int8_x_group=*/64,
 };
 
 }  // namespace

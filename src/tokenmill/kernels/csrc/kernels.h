@@ -37,7 +37,7 @@ struct GemmArgs {
   int64_t group_size, num_groups;
   const float* bias;    // [N] or null
   // W8A8 (tables with quantize_rows): x quantized to int8, [M, ldq] bytes, zero-padded
-  // to whole 64-byte chunks; unsigned (x + 128) for int8 weights, signed for int4 codes.
+  // to whole 64-byte chunks; signed (AMX's int4 tiles read x + 128, unsigned).
   uint8_t* xq;
   int64_t ldq;
   float* x_scale;       // [M]: one scale a row (unused where x_group_scale holds them)
@@ -49,7 +49,6 @@ struct GemmArgs {
   // inputs (quantize_rows with x_group set), its scales in x_group_scale [M, ldq / x_group]
   // (x_scale unused). 0: one scale a row.
   int64_t x_group;
-  const int32_t* wsum;  // int8: [N] sums of each weight row (undoes the +128)
   uint16_t* y;          // [M, N] bf16, row stride ldy
   int64_t ldy;
   int64_t N;            // gemv_bf16/f32: output channels (the last 16-channel block may be padding)
@@ -166,9 +165,6 @@ struct KernelTable {
   // fp32 weights in kernels/gemv_layout.py's fp32 blocks (16 channels, one 64-byte line per
   // input), fp32 rows a.xf into a.yf: whole blocks [begin, end), every row.
   void (*gemv_f32)(const GemmArgs&, int64_t, int64_t);
-  // Whether gemm_int8 reads x + 128 (u8, VNNI's u8 x s8 with the weight sums' correction)
-  // rather than x as s8 (AVX2's sign trick, which would only flip it back).
-  bool int8_x_unsigned;
   // Null where gemm_int4 reads groups of 32 (a GGUF file's Q4_0 / Q4_1 / Q4_K blocks) with
   // bf16 activations; else quantizes rows [begin, end) of a.x per group of 32 into a.xq,
   // a.x_group_scale and a.xsum (the per-group sums of the quantized values, scaled), in the
@@ -177,7 +173,7 @@ struct KernelTable {
   // Inputs per activation scale that gemm_int8 reads (GemmArgs::x_group), 0 for one scale a
   // row. One scale a row let a few large activations flatten the rest of the row: SmolLM2's
   // int8 top-1 agreement with fp32 was 88.5% against 94.0% with groups of 32
-  // (benchmarks/int8_activation_groups.py).
+  // (benchmarks/int8_activation_groups.py). 64 on both tables (and the AMX / VNNI tiles).
   int64_t int8_x_group;
 };
 
@@ -203,7 +199,11 @@ namespace tokenmill {
 // (kernels/amx_layout.py); activations quantized per row to u8 (x + 128) as for VNNI.
 struct AmxArgs {
   const uint8_t* xq;        // [M, ldq] with ldq = 64 * num_chunks
-  const float* x_scale;     // [M]
+  const float* x_scale;     // int4: [M]
+  // int8: x quantized to signed int8 per row and 64-input chunk (its own scale each, as
+  // llama.cpp's Q8 blocks), so each chunk's integer sums are scaled into fp32 accumulators.
+  const float* x_group_scale;  // int8: [M, num_chunks]
+  const int32_t* x_chunk_sum;  // int8 on VNNI: [M, num_chunks] sums of the quantized x (undoes w + 128)
   int64_t M, ldq, num_chunks;
   const void* w;            // int8: [N/16, chunks, 16, 64]; int4: [N/16, chunks, 512] nibbles
   bool is_int4;
@@ -211,7 +211,7 @@ struct AmxArgs {
   // Per-channel values blocked by 16 channels (N padded to 16): int8 [N/16, 16], int4
   // [N/16, G, 16]; see amx_layout.block_channels.
   const float* scales;
-  const int32_t* wsum;      // int8: row sums; int4: code sums per group
+  const int32_t* wsum;      // int4: code sums per group (int8 needs none)
   const float* offsets;     // int4 only
   const float* xsum;        // int4: [M, G]
   const float* bias;        // [N] or null
@@ -223,7 +223,7 @@ struct AmxArgs {
 void amx_gemm(const AmxArgs&, int64_t, int64_t);
 
 // The same tiles on AVX-512 VNNI (vnni.cpp), for CPUs without AMX: blocks [begin, end).
-// int8 reads a.xq as u8 (x + 128) like AMX; int4 reads it as signed int8.
+// Both read a.xq as signed int8 (AMX's int4 reads it as u8, x + 128).
 void vnni_gemm(const AmxArgs&, int64_t, int64_t);
 
 }  // namespace tokenmill

@@ -152,13 +152,12 @@ at::Tensor linear_int8_rows(const at::Tensor& x, const at::Tensor& w, const at::
   TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.is_contiguous() && wsum.numel() == w.size(0),
               "linear_int8: wsum must be int32 [N], the sum of each weight row");
   a.scales = scales.data_ptr<float>();
-  a.wsum = wsum.data_ptr<int32_t>();
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
   at::Tensor xq, xs;
   const KernelTable& k = kernels();
   a.x_group = k.int8_x_group;  // 0: one scale a row
-  quantize_activations(x, a, k.int8_x_unsigned, xq, xs);
+  quantize_activations(x, a, /*is_unsigned=*/false, xq, xs);
   return gemm(x, w, a, w.size(0), bias, gemm_grain(x.size(1), 2), k.gemm_int8, -1, false, f32_out);
 }
 
@@ -372,11 +371,20 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, AmxArgs a, c
   const int64_t M = x.size(0);
   a.num_chunks = tiles.size(1);
   GemmArgs q{};
-  at::Tensor xq, xs;
-  quantize_activations(x, q, /*is_unsigned=*/!(vnni && a.is_int4), xq, xs, a.num_chunks * 64);
+  at::Tensor xq, xs, xsum;
+  // int8: signed x, a scale per row and chunk (AMX's signed x signed product; VNNI's u8 side
+  // is the weight + 128, undone with the chunk sums of x). int4: a scale a row; AMX reads
+  // x + 128 against the codes (undone with the code sums), VNNI the codes against signed x.
+  q.x_group = a.is_int4 ? 0 : 64;
+  quantize_activations(x, q, /*is_unsigned=*/a.is_int4 && !vnni, xq, xs, a.num_chunks * 64);
   a.xq = q.xq;
   a.x_scale = q.x_scale;
+  a.x_group_scale = q.x_group_scale;
   a.ldq = q.ldq;
+  if (vnni && !a.is_int4) {
+    xsum = at::sum(xq.view(at::kChar).view({M, a.num_chunks, 64}), {2}, /*keepdim=*/false, at::kInt).contiguous();
+    a.x_chunk_sum = xsum.data_ptr<int32_t>();
+  }
   a.M = M;
   a.w = tiles.data_ptr();
   at::Tensor y = at::empty({M, a.N}, x.options());
@@ -413,8 +421,7 @@ at::Tensor int8_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Te
               "linear_int8_amx: float32 scales and int32 row sums blocked [N/16, 16]");
   AmxArgs a{};
   a.N = N;
-  a.scales = scales.data_ptr<float>();
-  a.wsum = wsum.data_ptr<int32_t>();
+  a.scales = scales.data_ptr<float>();  // (wsum: checked for the op's schema, not read)
   return amx_linear(x, tiles, a, bias, vnni);
 }
 

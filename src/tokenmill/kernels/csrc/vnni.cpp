@@ -3,14 +3,16 @@
 // vector: VPDPBUSD multiplies it by 4 activation bytes broadcast to every lane and adds into
 // 16 channel sums, so no horizontal reduction is ever needed (the row-major kernels in
 // avx512.cpp end every output with one, and reread each weight row once per 4 activation
-// rows). Here an MR x 4-block tile (MR rows, 64 channels) keeps MR * 4 accumulators in
-// registers; each weight vector is loaded once per MR rows and each activation broadcast
+// rows). Here an MR x 4-block tile (MR rows, 64 channels) keeps MR * 4 accumulators (and as
+// many fp32 ones) in registers; each weight vector is loaded once per MR rows and each activation broadcast
 // feeds 4 dot products. One activation row is a GEMV: each 16-channel block (16 * K bytes,
 // contiguous) is read in order, one stream per thread.
 //
-// int8: activations u8 (x + 128) against s8 weights, minus 128 x row sums. int4: codes u8
-// (0..15, unpacked in registers from the tile's nibbles) against signed activations, so no
-// code sums are needed; per group the integer sums are scaled into fp32 accumulators.
+// int8: weights + 128 (u8: the sign bit flipped in registers) against signed activations
+// with one scale a row and 64-input chunk, minus 128 x the chunk's activation sum. int4:
+// codes u8 (0..15, unpacked in registers from the tile's nibbles) against signed
+// activations, so no code sums are needed. Per group (int8: chunk) the integer sums are
+// scaled into fp32 accumulators.
 #include <cstdint>
 #include <cstring>
 
@@ -28,7 +30,6 @@ using tokenmill::AmxArgs;
 #define TM_UNROLL _Pragma("GCC unroll 16")
 
 constexpr int kBlocks = 4;  // 16-channel blocks per tile: 64 channels
-constexpr int kMaxRows = 6;  // activation rows per tile: 6 x 4 accumulators of 32 registers
 
 // VPDPBUSD through inline asm: GCC's builtin here copies every accumulator through another
 // register (and the stack) around each dot product instead of updating it in place.
@@ -54,40 +55,53 @@ inline void store_row(const AmxArgs& a, int64_t row, int64_t n0, __m512 v) {
   _mm256_mask_storeu_epi16(a.y + row * a.ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-// int8: rows [m0, m0 + MR) x blocks [nb, nb + NB).
+// int8: rows [m0, m0 + MR) x blocks [nb, nb + NB). Per 64-input chunk (one activation
+// scale a row): the weights + 128 (u8, a flipped sign bit) against signed x, started from
+// -128 x the chunk's sum of x so each lane ends at the exact signed dot product; that
+// converted and scaled by the row's chunk scale into fp32 accumulators, in chunk order
+// (amx.cpp's block_int8 takes the same steps: the same outputs on either, whatever the batch).
 template <int MR, int NB>
 void tile_int8(const AmxArgs& a, int64_t nb, int64_t m0) {
-  const int64_t quads = a.num_chunks * 16;
-  const int8_t* w = static_cast<const int8_t*>(a.w) + nb * a.num_chunks * 1024;
   const int64_t ldb = a.num_chunks * 1024;  // bytes per 16-channel block
+  const int8_t* w = static_cast<const int8_t*>(a.w) + nb * ldb;
   const uint8_t* x = a.xq + m0 * a.ldq;
-  __m512i acc[MR][NB];
+  const __m512i flip = _mm512_set1_epi8((char)0x80);
+  __m512 facc[MR][NB];
   TM_UNROLL
   for (int m = 0; m < MR; ++m)
     TM_UNROLL
-    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_si512();
-  for (int64_t q = 0; q < quads; ++q) {
-    __m512i wv[NB];
-    TM_UNROLL
-    for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_si512(w + b * ldb + q * 64);
+    for (int b = 0; b < NB; ++b) facc[m][b] = _mm512_setzero_ps();
+  for (int64_t kc = 0; kc < a.num_chunks; ++kc) {
+    __m512i acc[MR][NB];
     TM_UNROLL
     for (int m = 0; m < MR; ++m) {
-      const __m512i xv = bcast4(x + m * a.ldq + q * 4);
+      const __m512i start = _mm512_set1_epi32(-128 * a.x_chunk_sum[(m0 + m) * a.num_chunks + kc]);
       TM_UNROLL
-      for (int b = 0; b < NB; ++b) acc[m][b] = dpbusd(acc[m][b], xv, wv[b]);
+      for (int b = 0; b < NB; ++b) acc[m][b] = start;
+    }
+    for (int j = 0; j < 16; ++j) {
+      __m512i wv[NB];
+      TM_UNROLL
+      for (int b = 0; b < NB; ++b) wv[b] = _mm512_xor_si512(_mm512_loadu_si512(w + b * ldb + kc * 1024 + j * 64), flip);
+      TM_UNROLL
+      for (int m = 0; m < MR; ++m) {
+        const __m512i xv = bcast4(x + m * a.ldq + kc * 64 + j * 4);
+        TM_UNROLL
+        for (int b = 0; b < NB; ++b) acc[m][b] = dpbusd(acc[m][b], wv[b], xv);
+      }
+    }
+    TM_UNROLL
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xs = _mm512_set1_ps(a.x_group_scale[(m0 + m) * a.num_chunks + kc]);
+      TM_UNROLL
+      for (int b = 0; b < NB; ++b) facc[m][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][b]), xs, facc[m][b]);
     }
   }
-  const __m512i k128 = _mm512_set1_epi32(128);
   TM_UNROLL
   for (int b = 0; b < NB; ++b) {
-    const int64_t at = (nb + b) * 16;
-    const __m512i sums = _mm512_mullo_epi32(_mm512_loadu_si512(a.wsum + at), k128);
-    const __m512 scale = _mm512_loadu_ps(a.scales + at);
+    const __m512 scale = _mm512_loadu_ps(a.scales + (nb + b) * 16);
     TM_UNROLL
-    for (int m = 0; m < MR; ++m) {
-      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][b], sums));
-      store_row(a, m0 + m, at, _mm512_mul_ps(v, _mm512_mul_ps(scale, _mm512_set1_ps(a.x_scale[m0 + m]))));
-    }
+    for (int m = 0; m < MR; ++m) store_row(a, m0 + m, (nb + b) * 16, _mm512_mul_ps(facc[m][b], scale));
   }
 }
 
@@ -155,40 +169,39 @@ void tile_int4(const AmxArgs& a, int64_t nb, int64_t m0) {
   }
 }
 
-// One row, int8: block by block, four accumulators over interleaved quads (independent
-// dependency chains), one sequential read of each block.
+// One row, int8: block by block, one sequential read of each; per chunk four integer
+// accumulators over interleaved quads (independent dependency chains), their exact sum then
+// scaled as tile_int8 does.
 void gemv_int8(const AmxArgs& a, int64_t nb0, int64_t nb1) {
-  const int64_t quads = a.num_chunks * 16;
-  const __m512i k128 = _mm512_set1_epi32(128);
+  const __m512i flip = _mm512_set1_epi8((char)0x80);
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const int8_t* w = static_cast<const int8_t*>(a.w) + nb * a.num_chunks * 1024;
-    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-    for (int64_t q = 0; q < quads; q += 4)
-      TM_UNROLL
-      for (int i = 0; i < 4; ++i)
-        acc[i] = dpbusd(acc[i], bcast4(a.xq + (q + i) * 4), _mm512_loadu_si512(w + (q + i) * 64));
-    const __m512i s = _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3]));
-    const int64_t at = nb * 16;
-    const __m512i sums = _mm512_mullo_epi32(_mm512_loadu_si512(a.wsum + at), k128);
-    const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(a.scales + at), _mm512_set1_ps(a.x_scale[0]));
-    store_row(a, 0, at, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s, sums)), scale));
+    __m512 facc = _mm512_setzero_ps();
+    for (int64_t kc = 0; kc < a.num_chunks; ++kc) {
+      __m512i acc[4] = {_mm512_set1_epi32(-128 * a.x_chunk_sum[kc]), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                        _mm512_setzero_si512()};
+      for (int64_t q = kc * 16; q < kc * 16 + 16; q += 4)
+        TM_UNROLL
+        for (int i = 0; i < 4; ++i)
+          acc[i] = dpbusd(acc[i], _mm512_xor_si512(_mm512_loadu_si512(w + (q + i) * 64), flip), bcast4(a.xq + (q + i) * 4));
+      const __m512i d = _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3]));
+      facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(a.x_group_scale[kc]), facc);
+    }
+    store_row(a, 0, nb * 16, _mm512_mul_ps(facc, _mm512_loadu_ps(a.scales + nb * 16)));
   }
 }
+
+// Both keep a second (fp32) set of accumulators: at most 3 rows x 4 blocks in registers.
+constexpr int kMaxRows = 3;
 
 template <int NB>
 void rows_int8(const AmxArgs& a, int64_t nb, int64_t m0, int mr) {
   switch (mr) {
     case 1: tile_int8<1, NB>(a, nb, m0); break;
     case 2: tile_int8<2, NB>(a, nb, m0); break;
-    case 3: tile_int8<3, NB>(a, nb, m0); break;
-    case 4: tile_int8<4, NB>(a, nb, m0); break;
-    case 5: tile_int8<5, NB>(a, nb, m0); break;
-    default: tile_int8<6, NB>(a, nb, m0); break;
+    default: tile_int8<3, NB>(a, nb, m0); break;
   }
 }
-
-// int4 keeps a second (fp32) set of accumulators: at most 3 rows x 4 blocks in registers.
-constexpr int kMaxRowsInt4 = 3;
 
 template <int NB>
 void rows_int4(const AmxArgs& a, int64_t nb, int64_t m0, int mr) {
@@ -209,7 +222,7 @@ inline int tile_rows(int64_t left, int max_rows) {
 
 void tokenmill::vnni_gemm(const AmxArgs& a, int64_t nb0, int64_t nb1) {
   if (a.M == 1 && !a.is_int4) { gemv_int8(a, nb0, nb1); return; }
-  const int max_rows = a.is_int4 ? kMaxRowsInt4 : kMaxRows;
+  const int max_rows = kMaxRows;
   for (int64_t nb = nb0; nb < nb1; nb += kBlocks) {
     const int nbs = (int)(nb1 - nb < kBlocks ? nb1 - nb : kBlocks);
     for (int64_t m0 = 0; m0 < a.M;) {
