@@ -45,12 +45,13 @@ inline __mmask16 tail_mask(int64_t n0, int64_t N) {
 }
 
 // int8: per 64-input chunk, signed x times signed weights (TDPBSSD), each chunk's int32
-// sums scaled by its activation scale into fp32 accumulators in chunk order, then the
-// channel scales; the same integer sums and float steps as vnni.cpp's int8, so a row's
-// outputs are the same on either and whatever the batch.
+// sums stored to ``sums`` ([chunks][NB][16 rows][16]: the blocks' whole K, in L1/L2), then per
+// row and block scaled by the row's chunk scales into one fp32 accumulator in a register,
+// in chunk order, then the channel scales: the same integer sums and float steps as
+// vnni.cpp's int8, so a row's outputs are the same on either and whatever the batch.
+// (Scaling chunk by chunk into accumulators kept in memory cost more than the products.)
 template <int NB>
-void block_int8(const tokenmill::AmxArgs& a, int64_t nb, int64_t m0, int rows, int32_t (*c)[16][16],
-                float (*acc)[16][16]) {
+void block_int8(const tokenmill::AmxArgs& a, int64_t nb, int64_t m0, int rows, int32_t* sums) {
   const int8_t* w = static_cast<const int8_t*>(a.w);
   const int64_t chunks = a.num_chunks;
   for (int64_t kc = 0; kc < chunks; ++kc) {
@@ -61,21 +62,20 @@ void block_int8(const tokenmill::AmxArgs& a, int64_t nb, int64_t m0, int rows, i
     if (NB == 2) _tile_loadd(4, w + ((nb + 1) * chunks + kc) * 1024, 64);
     _tile_dpbssd(0, 2, 3);
     if (NB == 2) _tile_dpbssd(1, 2, 4);
-    _tile_stored(0, c[0], 64);
-    if (NB == 2) _tile_stored(1, c[1], 64);
-    for (int b = 0; b < NB; ++b)
-      for (int m = 0; m < rows; ++m) {
-        const __m512 xs = _mm512_set1_ps(a.x_group_scale[(m0 + m) * chunks + kc]);
-        const __m512 prev = kc > 0 ? _mm512_load_ps(acc[b][m]) : _mm512_setzero_ps();
-        _mm512_store_ps(acc[b][m], _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[b][m])), xs, prev));
-      }
+    _tile_stored(0, sums + (kc * 2) * 256, 64);
+    if (NB == 2) _tile_stored(1, sums + (kc * 2 + 1) * 256, 64);
   }
   for (int b = 0; b < NB; ++b) {
     const int64_t n0 = (nb + b) * 16;
     const __mmask16 mask = tail_mask(n0, a.N);
     const __m512 scale = _mm512_loadu_ps(a.scales + n0);
     for (int m = 0; m < rows; ++m) {
-      __m512 v = _mm512_mul_ps(_mm512_load_ps(acc[b][m]), scale);
+      const float* xs = a.x_group_scale + (m0 + m) * chunks;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t kc = 0; kc < chunks; ++kc)
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + (kc * 2 + b) * 256 + m * 16)),
+                              _mm512_set1_ps(xs[kc]), acc);
+      __m512 v = _mm512_mul_ps(acc, scale);
       if (a.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, a.bias + n0));
       _mm256_mask_storeu_epi16(a.y + (m0 + m) * a.ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
     }
@@ -139,6 +139,7 @@ void tokenmill::amx_gemm(const AmxArgs& a, int64_t nb0, int64_t nb1) {
   alignas(64) int32_t c[2][16][16];
   alignas(64) float acc[2][16][16];
   uint8_t* panel = a.is_int4 ? static_cast<uint8_t*>(std::aligned_alloc(64, 2 * a.num_chunks * 1024)) : nullptr;
+  int32_t* sums = a.is_int4 ? nullptr : static_cast<int32_t*>(std::aligned_alloc(64, 2 * a.num_chunks * 1024));
   int configured = -1;
   for (int64_t nb = nb0; nb < nb1; nb += 2) {  // weights stream once; activations stay in L1/L2
     if (panel) {
@@ -153,12 +154,13 @@ void tokenmill::amx_gemm(const AmxArgs& a, int64_t nb0, int64_t nb1) {
         if (nb + 2 <= nb1) block_int4<2>(a, nb, m0, rows, c, acc, panel);
         else block_int4<1>(a, nb, m0, rows, c, acc, panel);
       } else if (nb + 2 <= nb1) {
-        block_int8<2>(a, nb, m0, rows, c, acc);
+        block_int8<2>(a, nb, m0, rows, sums);
       } else {
-        block_int8<1>(a, nb, m0, rows, c, acc);
+        block_int8<1>(a, nb, m0, rows, sums);
       }
     }
   }
   _tile_release();
   std::free(panel);
+  std::free(sums);
 }

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c")
 #include "vec_avx512.h"
@@ -278,19 +279,40 @@ void gemm_w8a8(const GemmArgs& a, int64_t n0, int64_t n1) {
 // another). The tiles above read 2-4 rows side by side, several short streams that the
 // hardware prefetcher follows badly (the same loss as row-major bf16, see gemv_bf16);
 // rows are independent, so out-of-order execution still overlaps their dot products.
-void gemv_int8_seq(const GemmArgs& a, int64_t n0, int64_t n1) {
-  const int8_t* w = static_cast<const int8_t*>(a.w);
-  const __m512i flip = _mm512_set1_epi8((char)0x80);
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* wr = w + n * a.ldw;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < a.K; k += 64) {
-      const __mmask64 km = a.K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (a.K - k)) - 1);
-      const __m512i d = dot_s8(_mm512_maskz_loadu_epi8(km, wr + k), _mm512_loadu_si512(a.xq + k), flip);
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(a.x_group_scale[k / 64]), acc);
+// Weight rows [n, n + R) against the one activation row, R accumulators side by side (one
+// dependency chain each; the activation group, its start lanes and scale loaded once for
+// all R), each row's sum then exactly as tile_int8's.
+template <int R>
+inline void gemv_int8_rows(const GemmArgs& a, int64_t n, const int32_t* starts, __m512i flip) {
+  const int8_t* w = static_cast<const int8_t*>(a.w) + n * a.ldw;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < a.K; k += 64) {
+    const __mmask64 km = a.K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (a.K - k)) - 1);
+    const __m512i xv = _mm512_loadu_si512(a.xq + k), start = _mm512_loadu_si512(starts + k / 4);
+    const __m512 xs = _mm512_set1_ps(a.x_group_scale[k / 64]);
+    for (int r = 0; r < R; ++r) {
+      const __m512i wu = _mm512_xor_si512(_mm512_maskz_loadu_epi8(km, w + r * a.ldw + k), flip);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, wu, xv)), xs, acc[r]);  // = dot_s8
     }
-    store_out(a, 0, n, finish<kBf16>(a, 0, n, _mm512_reduce_add_ps(acc) * a.scales[n]));
   }
+  for (int r = 0; r < R; ++r)
+    store_out(a, 0, n + r, finish<kBf16>(a, 0, n + r, _mm512_reduce_add_ps(acc[r]) * a.scales[n + r]));
+}
+
+void gemv_int8_seq(const GemmArgs& a, int64_t n0, int64_t n1) {
+  const __m512i flip = _mm512_set1_epi8((char)0x80);
+  // dot_s8's starting lanes depend on x alone: once per group for every weight row.
+  static thread_local std::vector<int32_t> starts;
+  const int64_t G = (a.K + 63) / 64;
+  starts.resize((size_t)G * 16);
+  for (int64_t g = 0; g < G; ++g)
+    _mm512_storeu_si512(starts.data() + g * 16,
+                        _mm512_sub_epi32(_mm512_setzero_si512(),
+                                         _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, _mm512_loadu_si512(a.xq + g * 64))));
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) gemv_int8_rows<4>(a, n, starts.data(), flip);
+  for (; n < n1; ++n) gemv_int8_rows<1>(a, n, starts.data(), flip);
 }
 
 void gemm_int8(const GemmArgs& a, int64_t n0, int64_t n1) {

@@ -370,6 +370,9 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, AmxArgs a, c
               "amx linear: weight tiles do not cover [", a.N, ", ", x.size(1), "]");
   const int64_t M = x.size(0);
   a.num_chunks = tiles.size(1);
+  // One int8 row on AMX goes to VNNI's GEMV instead (the same outputs, bit for bit): it
+  // streams each block once, where a 16-row tile holding one row stores its sums per chunk.
+  vnni = vnni || (!a.is_int4 && M == 1);
   GemmArgs q{};
   at::Tensor xq, xs, xsum;
   // int8: signed x, a scale per row and chunk (AMX's signed x signed product; VNNI's u8 side
