@@ -124,9 +124,13 @@ void gemm_bf16(const GemmArgs& a, int64_t n0, int64_t n1) {
 
 // The exact signed dot products of 64 int8 weights w and 64 signed activations x, in 16
 // lanes of 4: VPDPBUSD takes u8 x s8, so the weights go in + 128 (their sign bit flipped,
-// flip = 0x80 bytes) and the accumulator starts at -128 x the lanes' sums of x.
-inline __m512i dot_s8(__m512i w, __m512i x, __m512i flip) {
-  const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, x));
+// flip = 0x80 bytes) and the accumulator starts at x_start(x), -128 x the lanes' sums of x
+// (x alone: computed once per activation group for every weight row).
+inline __m512i x_start(__m512i x, __m512i flip) {
+  return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, x));
+}
+
+inline __m512i dot_s8(__m512i start, __m512i w, __m512i x, __m512i flip) {
   return _mm512_dpbusd_epi32(start, _mm512_xor_si512(w, flip), x);
 }
 
@@ -146,9 +150,10 @@ inline void tile_int8(const GemmArgs& a, int64_t m0, int64_t n0, float out[4][4]
     __m512i wv[NR];
     for (int r = 0; r < NR; ++r) wv[r] = _mm512_maskz_loadu_epi8(km, w + (n0 + r) * a.ldw + k);
     for (int m = 0; m < MR; ++m) {
-      const __m512i xv = _mm512_loadu_si512(a.xq + (m0 + m) * a.ldq + k);
+      const __m512i xv = _mm512_loadu_si512(a.xq + (m0 + m) * a.ldq + k), start = x_start(xv, flip);
       const __m512 xs = _mm512_set1_ps(a.x_group_scale[(m0 + m) * G + k / 64]);
-      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_s8(wv[r], xv, flip)), xs, acc[m][r]);
+      for (int r = 0; r < NR; ++r)
+        acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_s8(start, wv[r], xv, flip)), xs, acc[m][r]);
     }
   }
   for (int m = 0; m < MR; ++m)
@@ -292,8 +297,8 @@ inline void gemv_int8_rows(const GemmArgs& a, int64_t n, const int32_t* starts, 
     const __m512i xv = _mm512_loadu_si512(a.xq + k), start = _mm512_loadu_si512(starts + k / 4);
     const __m512 xs = _mm512_set1_ps(a.x_group_scale[k / 64]);
     for (int r = 0; r < R; ++r) {
-      const __m512i wu = _mm512_xor_si512(_mm512_maskz_loadu_epi8(km, w + r * a.ldw + k), flip);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, wu, xv)), xs, acc[r]);  // = dot_s8
+      const __m512i d = dot_s8(start, _mm512_maskz_loadu_epi8(km, w + r * a.ldw + k), xv, flip);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xs, acc[r]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -302,14 +307,11 @@ inline void gemv_int8_rows(const GemmArgs& a, int64_t n, const int32_t* starts, 
 
 void gemv_int8_seq(const GemmArgs& a, int64_t n0, int64_t n1) {
   const __m512i flip = _mm512_set1_epi8((char)0x80);
-  // dot_s8's starting lanes depend on x alone: once per group for every weight row.
+  // x_start per group, once for every weight row
   static thread_local std::vector<int32_t> starts;
   const int64_t G = (a.K + 63) / 64;
   starts.resize((size_t)G * 16);
-  for (int64_t g = 0; g < G; ++g)
-    _mm512_storeu_si512(starts.data() + g * 16,
-                        _mm512_sub_epi32(_mm512_setzero_si512(),
-                                         _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, _mm512_loadu_si512(a.xq + g * 64))));
+  for (int64_t g = 0; g < G; ++g) _mm512_storeu_si512(starts.data() + g * 16, x_start(_mm512_loadu_si512(a.xq + g * 64), flip));
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) gemv_int8_rows<4>(a, n, starts.data(), flip);
   for (; n < n1; ++n) gemv_int8_rows<1>(a, n, starts.data(), flip);

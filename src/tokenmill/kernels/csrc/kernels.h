@@ -196,7 +196,8 @@ void avx2_gemm_int4_x8(const GemmArgs&, int64_t, int64_t);
 namespace tokenmill {
 
 // AMX int8 tiles: weights prepacked at load into 16-channel x 64-input tiles in VNNI order
-// (kernels/amx_layout.py); activations quantized per row to u8 (x + 128) as for VNNI.
+// (kernels/amx_layout.py); activations quantized as AmxArgs says per field (int8 signed per
+// row and 64-input chunk; int4 per row, x + 128 on AMX).
 struct AmxArgs {
   const uint8_t* xq;        // [M, ldq] with ldq = 64 * num_chunks
   const float* x_scale;     // int4: [M]

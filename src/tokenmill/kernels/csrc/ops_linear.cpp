@@ -384,9 +384,16 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, AmxArgs a, c
   a.x_scale = q.x_scale;
   a.x_group_scale = q.x_group_scale;
   a.ldq = q.ldq;
-  if (vnni && !a.is_int4) {
-    xsum = at::sum(xq.view(at::kChar).view({M, a.num_chunks, 64}), {2}, /*keepdim=*/false, at::kInt).contiguous();
-    a.x_chunk_sum = xsum.data_ptr<int32_t>();
+  if (vnni && !a.is_int4) {  // each chunk's sum of the quantized x (a loop: no op dispatched per call)
+    xsum = at::empty({M, a.num_chunks}, x.options().dtype(at::kInt));
+    int32_t* s = xsum.data_ptr<int32_t>();
+    const int8_t* xs8 = reinterpret_cast<const int8_t*>(q.xq);
+    for (int64_t c = 0; c < M * a.num_chunks; ++c) {
+      int32_t sum = 0;
+      for (int i = 0; i < 64; ++i) sum += xs8[c * 64 + i];
+      s[c] = sum;
+    }
+    a.x_chunk_sum = s;
   }
   a.M = M;
   a.w = tiles.data_ptr();

@@ -222,11 +222,10 @@ inline int tile_rows(int64_t left, int max_rows) {
 
 void tokenmill::vnni_gemm(const AmxArgs& a, int64_t nb0, int64_t nb1) {
   if (a.M == 1 && !a.is_int4) { gemv_int8(a, nb0, nb1); return; }
-  const int max_rows = kMaxRows;
   for (int64_t nb = nb0; nb < nb1; nb += kBlocks) {
     const int nbs = (int)(nb1 - nb < kBlocks ? nb1 - nb : kBlocks);
     for (int64_t m0 = 0; m0 < a.M;) {
-      const int mr = tile_rows(a.M - m0, max_rows);
+      const int mr = tile_rows(a.M - m0, kMaxRows);
 #define TM_BLOCKS(KIND)                                 \
   switch (nbs) {                                        \
     case 1: rows_##KIND<1>(a, nb, m0, mr); break;       \
