@@ -7,18 +7,16 @@ from typing import Any
 import pytest
 
 from tokenmill.tune.candidates import Candidate
-from tokenmill.tune.search import (
+from tokenmill.tune.scoring import (
     MEETS_NARROWLY,
     MEETS_WITH_ROOM,
     MISSES,
-    Search,
-    SearchSettings,
-    TuneState,
     is_backlogged,
     is_tie,
     relative_spread,
     sla_standing,
 )
+from tokenmill.tune.search import Search, SearchSettings, TuneState
 
 SLA = {"p95_ttft_ms": 800.0, "p95_tpot_ms": 60.0}
 DEFAULT = Candidate()

@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from tokenmill.tune.search import GOODPUT_KEY
+from tokenmill.tune.scoring import GOODPUT_KEY
 
 
 def _point(entry: dict[str, Any]) -> dict[str, float] | None:
