@@ -145,3 +145,75 @@ def test_packing_over_the_weight_gives_the_same_blocks(
     assert torch.equal(got, pack(odd))
     part = randn(64, 70, dtype=dtype)[:32]  # a view of a larger storage: not taken over
     assert pack(part, reuse_storage=True).data_ptr() != part.data_ptr()
+
+
+AMX_SHAPES = [
+    (1, 16, 32),
+    (2, 37, 64),
+    (15, 33, 96),
+    (16, 48, 576),
+    (17, 20, 32),
+    (31, 70, 160),
+    (33, 64, 64),
+    (300, 47, 96),
+]
+"""AMX-BF16 tiles: 16-row blocks two at a time (tails of 1-15 rows in either), 256-row chunks
+(300), channel blocks in pairs with a lone last block and a partial one; K whole tiles of 32."""
+
+
+@pytest.fixture
+def amx_bf16() -> None:
+    if not kernels.amx_bf16_active():
+        pytest.skip("AMX-BF16 tiles are not granted (or are switched off) in this process")
+
+
+@pytest.mark.parametrize(("m", "n", "k"), AMX_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_bf16_on_amx_tiles(
+    amx_bf16, threads: int, m: int, n: int, k: int, with_bias: bool
+) -> None:
+    """The tiles read gemv_layout's blocks as they are: bf16 out rounded from fp32 sums, and
+    the fp32 sums themselves for logits (products of bf16 are exact in fp32, so only the
+    order of the additions differs from the reference)."""
+    x, w = randn(m, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, seed=1)
+    bias = randn(n, dtype=torch.bfloat16, seed=2) if with_bias else None
+    want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    packed = gemv_layout.pack(w)
+    got = kernels.gemv_bf16_amx(x, packed, n, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    close_to_fp32(got, want, 1e-2)
+    logits = kernels.gemv_bf16_amx(x, packed, n, bias, f32_out=True)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-4)
+
+
+def test_gemv_bf16_takes_the_amx_tiles_from_two_rows(amx_bf16) -> None:
+    """Two rows or more with K whole tiles go to AMX (the same bits as the tiles' op), one row
+    to the GEMV (whose sums are ordered differently, so the bits differ), and K that is not
+    whole tiles to the GEMV at any row count."""
+    x, w = randn(5, 96, dtype=torch.bfloat16), randn(40, 96, dtype=torch.bfloat16, seed=1)
+    packed = gemv_layout.pack(w)
+    assert torch.equal(
+        kernels.gemv_bf16(x, packed, 40, None), kernels.gemv_bf16_amx(x, packed, 40, None)
+    )
+    assert torch.equal(
+        kernels.gemv_bf16_f32out(x[:2], packed, 40, None),
+        kernels.gemv_bf16_amx(x[:2], packed, 40, None, f32_out=True),
+    )
+    one = kernels.gemv_bf16_f32out(x[:1], packed, 40, None)
+    assert not torch.equal(one, kernels.gemv_bf16_amx(x[:1], packed, 40, None, f32_out=True))
+    torch.testing.assert_close(one, F.linear(x[:1].float(), w.float()), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.gemv_bf16_amx(
+            randn(3, 70, dtype=torch.bfloat16),
+            gemv_layout.pack(randn(8, 70, dtype=torch.bfloat16)),
+            8,
+            None,
+        )
+
+
+def test_gemv_bf16_amx_refuses_without_amx(isa: str) -> None:
+    """With AMX switched off (the avx512 and avx2 tables) the tiles' op says so."""
+    w = randn(16, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="AMX-BF16"):
+        kernels.gemv_bf16_amx(randn(2, 64, dtype=torch.bfloat16), gemv_layout.pack(w), 16, None)

@@ -23,6 +23,7 @@ class _State:
     loaded: bool | None = None
     isa = "none"
     amx = False
+    amx_bf16 = False
     int8_x_group = 0
     enabled = True
 
@@ -30,6 +31,7 @@ class _State:
     def refresh(cls) -> None:
         cls.isa = str(torch.ops.tokenmill_cpu.isa())
         cls.amx = bool(torch.ops.tokenmill_cpu.amx_active())
+        cls.amx_bf16 = bool(torch.ops.tokenmill_cpu.amx_bf16_active())
         cls.int8_x_group = int(torch.ops.tokenmill_cpu.int8_x_group())
 
 
@@ -56,7 +58,7 @@ def supports(x: torch.Tensor, *, float32: bool = False) -> bool:
 
 
 def active_isa() -> str:
-    """The kernel table in use: avx512_bf16 (+amx_int8), avx2, or none."""
+    """The kernel table in use: avx512_bf16 (+amx_int8, +amx_bf16), avx2, or none."""
     return _State.isa if available() else "none"
 
 
@@ -84,12 +86,19 @@ def amx_active() -> bool:
     return _State.amx if available() else False
 
 
+def amx_bf16_active() -> bool:
+    """Whether bf16 projections of 2 rows or more (batches, prompts) run on AMX-BF16 tiles."""
+    return _State.amx_bf16 if available() else False
+
+
 def describe() -> str:
     """One line for the start-up log: which kernels run."""
     if not available():
         return "tokenmill CPU kernels off: torch kernels for every op"
     if amx_active():
         amx = "AMX-INT8 tiles for int8/int4 projections"
+        if amx_bf16_active():
+            amx += ", AMX-BF16 tiles for bf16 projections of 2 rows or more"
     elif _State.isa == "avx512_bf16":
         granted = "AMX granted but switched off" if amx_permitted() else "AMX not granted"
         amx = f"{granted}: AVX-512 VNNI on the AMX tile layout for int8/int4 projections"
@@ -141,6 +150,20 @@ def gemv_bf16_f32out(
     """``gemv_bf16`` with its fp32 sums returned unrounded: an LM head's logits, where bf16
     output would make close candidates tie (then greedy picks the lower token id)."""
     y = torch.ops.tokenmill_cpu.gemv_bf16_f32out(_rows(x), packed, out_features, bias)
+    return y.view(*x.shape[:-1], out_features)
+
+
+def gemv_bf16_amx(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+    f32_out: bool = False,
+) -> torch.Tensor:
+    """``gemv_bf16`` (or, ``f32_out``, ``gemv_bf16_f32out``) on the AMX-BF16 tiles at any
+    row count; a RuntimeError where they do not run or K is not a multiple of 32. For tests:
+    ``gemv_bf16`` picks the tiles itself from 2 rows on."""
+    y = torch.ops.tokenmill_cpu.gemv_bf16_amx(_rows(x), packed, out_features, bias, f32_out)
     return y.view(*x.shape[:-1], out_features)
 
 

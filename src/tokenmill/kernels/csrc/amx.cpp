@@ -1,12 +1,13 @@
 // AMX-INT8 GEMM for int8 and int4 weights: VPDPBUSD's math on 16x64 tiles (TDPBSSD, TDPBUSD), 16
 // times the work per instruction, so quantized weights keep up with oneDNN's AMX bf16 at
-// every batch size. Tiles are only touched after the kernel granted the tile state
+// every batch size; and AMX-BF16 (TDPBF16PS) for bf16 weights in gemv_layout's blocks, whose
+// 16 lines of 16 channels x 2 inputs are exactly a B tile (no second copy or layout). Tiles are only touched after the kernel granted the tile state
 // (ops.cpp asks with arch_prctl); AMX is otherwise never executed.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
-#pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+#pragma GCC target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 #include <immintrin.h>
 
 #include "kernels.h"
@@ -133,7 +134,105 @@ void block_int4(const tokenmill::AmxArgs& a, int64_t nb, int64_t m0, int rows, i
   }
 }
 
+// bf16: C tiles 0-3 (row blocks 0, 1 x channel blocks 0, 1), A tiles 4, 5 (the two row
+// blocks' 32 inputs), B tiles 6, 7 (each channel block's next 16 lines). ``rows0`` and
+// ``rows1`` (0: no second row block) are the row blocks' heights.
+void configure_bf16(int rows0, int rows1) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    if (rows[t] == 0) continue;
+    cfg.rows[t] = (uint8_t)rows[t];
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Sums of row block(s) m0 (32 rows when RB == 2) against channel blocks nb (and nb + 1 when
+// NB == 2) over all K (a multiple of 32), then bias and the bf16 (or fp32) store.
+template <int RB, int NB>
+void block_bf16(const tokenmill::GemmArgs& a, int64_t nb, int64_t m0, int rows0, int rows1, float (*c)[16][16]) {
+  const uint16_t* w = static_cast<const uint16_t*>(a.w);
+  const int64_t kp = a.K / 2;  // lines per block
+  const uint16_t* x0 = a.x + m0 * a.ldx;
+  const uint16_t* x1 = x0 + 16 * a.ldx;
+  const uint16_t* w0 = w + nb * kp * 32;
+  const uint16_t* w1 = w0 + kp * 32;
+  const int64_t stride = a.ldx * 2;
+  _tile_zero(0);
+  if (NB == 2) _tile_zero(1);
+  if (RB == 2) _tile_zero(2);
+  if (RB == 2 && NB == 2) _tile_zero(3);
+  for (int64_t k = 0; k < a.K; k += 32) {
+    _tile_loadd(6, w0 + k * 16, 64);
+    if (NB == 2) _tile_loadd(7, w1 + k * 16, 64);
+    _tile_loadd(4, x0 + k, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (NB == 2) _tile_dpbf16ps(1, 4, 7);
+    if (RB == 2) {
+      _tile_loadd(5, x1 + k, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if (NB == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c[0], 64);
+  if (NB == 2) _tile_stored(1, c[1], 64);
+  if (RB == 2) _tile_stored(2, c[2], 64);
+  if (RB == 2 && NB == 2) _tile_stored(3, c[3], 64);
+  for (int r = 0; r < RB; ++r) {
+    const int rows = r == 0 ? rows0 : rows1;
+    for (int b = 0; b < NB; ++b) {
+      const int64_t n0 = (nb + b) * 16;
+      const __mmask16 mask = tail_mask(n0, a.N);
+      const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0) : _mm512_setzero_ps();
+      for (int m = 0; m < rows; ++m) {
+        const int64_t row = m0 + r * 16 + m;
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(c[r * 2 + b][m]), bias);
+        if (a.yf)
+          _mm512_mask_storeu_ps(a.yf + row * a.ldy + n0, mask, v);
+        else
+          _mm256_mask_storeu_epi16(a.y + row * a.ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void tokenmill::amx_gemm_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
+  alignas(64) float c[4][16][16];
+  int configured0 = -1, configured1 = -1;
+  // Rows in chunks of 256 (x's chunk stays in L2, at most 1 MB for K = 2048); within a
+  // chunk, two blocks at a time (their lines stay in L1/L2) against 32 rows at a time.
+  constexpr int64_t kChunk = 256;
+  for (int64_t c0 = 0; c0 < a.M; c0 += kChunk) {
+    const int64_t c1 = a.M - c0 < kChunk ? a.M : c0 + kChunk;
+    for (int64_t nb = b0; nb < b1; nb += 2) {
+      const bool pair = nb + 2 <= b1;
+      for (int64_t m0 = c0; m0 < c1; m0 += 32) {
+        const int64_t left = c1 - m0;
+        const int rows0 = (int)(left < 16 ? left : 16);
+        const int rows1 = (int)(left <= 16 ? 0 : (left < 32 ? left - 16 : 16));
+        if (rows0 != configured0 || rows1 != configured1) {
+          configure_bf16(rows0, rows1);
+          configured0 = rows0;
+          configured1 = rows1;
+        }
+        if (rows1) {
+          if (pair) block_bf16<2, 2>(a, nb, m0, rows0, rows1, c);
+          else block_bf16<2, 1>(a, nb, m0, rows0, rows1, c);
+        } else if (pair) {
+          block_bf16<1, 2>(a, nb, m0, rows0, rows1, c);
+        } else {
+          block_bf16<1, 1>(a, nb, m0, rows0, rows1, c);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
 
 void tokenmill::amx_gemm(const AmxArgs& a, int64_t nb0, int64_t nb1) {
   alignas(64) int32_t c[2][16][16];

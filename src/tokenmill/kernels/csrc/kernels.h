@@ -223,6 +223,11 @@ struct AmxArgs {
 // Output channels [16 * begin, 16 * end); only call when amx_permitted() said so.
 void amx_gemm(const AmxArgs&, int64_t, int64_t);
 
+// bf16 weights in kernels/gemv_layout.py's blocks on AMX-BF16 (TDPBF16PS): 16-channel blocks
+// [begin, end), every row of a.x (bf16 out to a.y, or fp32 to a.yf); a.K a multiple of 32.
+// Only call when amx_bf16_active() said so.
+void amx_gemm_bf16(const GemmArgs&, int64_t, int64_t);
+
 // The same tiles on AVX-512 VNNI (vnni.cpp), for CPUs without AMX: blocks [begin, end).
 // Both read a.xq as signed int8 (AMX's int4 reads it as u8, x + 128).
 void vnni_gemm(const AmxArgs&, int64_t, int64_t);

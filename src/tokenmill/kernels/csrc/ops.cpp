@@ -74,14 +74,28 @@ bool& amx_on() {
   return on;
 }
 
-std::string isa() {
-  if (!active()) return "none";
-  return std::string(active()->name) + (amx_on() && active() == avx512_kernels() ? "+amx_int8" : "");
-}
-
 }  // namespace
 
 bool amx_active() { return amx_on() && active() == avx512_kernels(); }
+
+// AMX-BF16 (CPUID.7.0 EDX bit 22) beside the AMX-INT8 that amx_active() asks for: every
+// CPU with AMX so far has both, but they are separate features.
+bool amx_bf16_active() {
+  static const bool has_bf16 = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22));
+  }();
+  return has_bf16 && amx_active();
+}
+
+namespace {
+
+std::string isa() {
+  if (!active()) return "none";
+  return std::string(active()->name) + (amx_active() ? "+amx_int8" : "") + (amx_bf16_active() ? "+amx_bf16" : "");
+}
+
+}  // namespace
 
 int fmt_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -129,6 +143,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("set_isa(str isa) -> str");
   m.def("amx_permitted() -> bool");
   m.def("amx_active() -> bool");
+  m.def("amx_bf16_active() -> bool");
   m.def("int8_x_group() -> int");
   m.def("linear_int8_amx(Tensor x, Tensor tiles, Tensor scales, Tensor wsum, Tensor? bias, int out_features) -> Tensor");
   m.def("linear_int4_amx(Tensor x, Tensor tiles, Tensor scales, Tensor code_sums, Tensor offsets, int group_size, "
@@ -136,6 +151,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("gemv_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("gemv_bf16_f32out(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("gemv_bf16_amx(Tensor x, Tensor packed, int out_features, Tensor? bias, bool f32_out) -> Tensor");
   m.def("linear_bf16_f32out(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("gemv_f32(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor weight, Tensor scales, Tensor wsum, Tensor? bias) -> Tensor");
@@ -164,6 +180,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.impl("set_isa", &tokenmill::set_isa);
   m.impl("amx_permitted", &tokenmill::amx_permitted);
   m.impl("amx_active", &tokenmill::amx_active);
+  m.impl("amx_bf16_active", &tokenmill::amx_bf16_active);
   m.impl("int8_x_group", &tokenmill::int8_x_group);
 }
 
@@ -171,6 +188,7 @@ TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("linear_bf16", &tokenmill::linear_bf16);
   m.impl("gemv_bf16", &tokenmill::gemv_bf16);
   m.impl("gemv_bf16_f32out", &tokenmill::gemv_bf16_f32out);
+  m.impl("gemv_bf16_amx", &tokenmill::gemv_bf16_amx);
   m.impl("linear_bf16_f32out", &tokenmill::linear_bf16_f32out);
   m.impl("gemv_f32", &tokenmill::gemv_f32);
   m.impl("linear_int8", &tokenmill::linear_int8);

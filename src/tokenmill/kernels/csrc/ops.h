@@ -22,6 +22,7 @@ const KernelTable& kernels();
 // kernels are on (granted, with the AVX-512 table, not switched off).
 bool amx_permitted();
 bool amx_active();
+bool amx_bf16_active();
 
 int fmt_of(const at::Tensor& t);
 int act_fmt(const at::Tensor& t);  // F32 or BF16, else an error
@@ -61,6 +62,8 @@ at::Tensor linear_bf16_f32out(const at::Tensor& x, const at::Tensor& w, const c1
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias);
 at::Tensor gemv_bf16_f32out(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                             const c10::optional<at::Tensor>& bias);
+at::Tensor gemv_bf16_amx(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
+                         bool f32_out);
 at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias);
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                        const at::Tensor& wsum, const c10::optional<at::Tensor>& bias);

@@ -66,11 +66,18 @@ at::Tensor linear_bf16_f32out(const at::Tensor& x, const at::Tensor& w, const c1
 
 namespace {
 
+// Rows from which gemv_bf16 runs on AMX-BF16 tiles where the CPU has them.
+constexpr int64_t kAmxBf16MinRows = 2;
+
 // bf16 weights packed by kernels/gemv_layout.py: [ceil(N/16), ceil(K/2), 16, 2]; bf16 out, or
 // (f32_out) the fp32 sums unrounded: an LM head's logits, where bf16's 8 bits of mantissa turn
 // close candidates into ties that greedy decoding then breaks by token id.
+// ``path``: kAuto picks AMX-BF16 from kAmxBf16MinRows rows where it runs (and K is whole
+// tiles), else the table's GEMV; kAmx insists on the tiles (tests of the kernel itself).
+enum class Bf16Path { kAuto, kAmx };
+
 at::Tensor gemv_bf16_out(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
-                         bool f32_out) {
+                         bool f32_out, Bf16Path path = Bf16Path::kAuto) {
   check_rows(x, "x");
   const int64_t K = x.size(1), blocks = (N + 15) / 16, kp = (K + 1) / 2;
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 4 &&
@@ -80,6 +87,13 @@ at::Tensor gemv_bf16_out(const at::Tensor& x, const at::Tensor& packed, int64_t 
   a.N = N;
   // Tasks of whole blocks, ~64 KB of weights or more: each thread streams one contiguous range.
   const int64_t grain = std::max<int64_t>(1, 65536 / (kp * 64));
+  // From kAmxBf16MinRows rows on (a batch or a prompt) the blocks go to AMX-BF16's tiles,
+  // 16 x 16 x 32 products an instruction; fewer rows are bound by reading the weights, where
+  // the GEMV's one pass over each block is as fast.
+  if (path == Bf16Path::kAmx)
+    TORCH_CHECK(amx_bf16_active() && K % 32 == 0, "gemv_bf16_amx: needs AMX-BF16 active and K a multiple of 32");
+  if (path == Bf16Path::kAmx || (x.size(0) >= kAmxBf16MinRows && K % 32 == 0 && amx_bf16_active()))
+    return gemm(x, packed, a, N, bias, (grain + 1) / 2 * 2, amx_gemm_bf16, blocks, /*f32=*/false, f32_out);
   return gemm(x, packed, a, N, bias, grain, kernels().gemv_bf16, blocks, /*f32=*/false, f32_out);
 }
 
@@ -92,6 +106,12 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, c
 at::Tensor gemv_bf16_f32out(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                             const c10::optional<at::Tensor>& bias) {
   return gemv_bf16_out(x, packed, N, bias, true);
+}
+
+// gemv_bf16 on the AMX-BF16 tiles at any row count (an error where they do not run).
+at::Tensor gemv_bf16_amx(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
+                         bool f32_out) {
+  return gemv_bf16_out(x, packed, N, bias, f32_out, Bf16Path::kAmx);
 }
 
 // fp32 weights packed by kernels/gemv_layout.py's pack_f32: [ceil(N/16), K, 16], fp32 rows in
