@@ -159,18 +159,20 @@ PREFILL_CHUNKS = [(0, 37), (20, 13), (64, 1), (5, 70)]
 a chunk longer than a key tile; no length a multiple of a block."""
 
 
+PREFILL_HEADS = [
+    (16, 4, 64, 16, 0, 0.0),  # G = 4, the benchmark Llama's heads
+    (8, 8, 128, 16, 0, 0.0),  # G = 1
+    (8, 4, 80, 8, 0, 0.0),  # G = 2, head_dim not a multiple of 32
+    (16, 2, 64, 5, 23, 0.0),  # G = 8, sliding window, odd block size
+    (6, 2, 24, 4, 0, 5.0),  # G = 3, softcap
+    (4, 1, 256, 16, 0, 0.0),  # G = 4, Gemma 3's head_dim
+]
+"""(hq, hkv, dim, block_size, window, softcap) of the prefill cases."""
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("q_dtype", DTYPES)
-@pytest.mark.parametrize(
-    ("hq", "hkv", "dim", "block_size", "window", "softcap"),
-    [
-        (16, 4, 64, 16, 0, 0.0),  # G = 4, the benchmark Llama's heads
-        (8, 8, 128, 16, 0, 0.0),  # G = 1
-        (8, 4, 80, 8, 0, 0.0),  # G = 2, head_dim not a multiple of 32
-        (16, 2, 64, 5, 23, 0.0),  # G = 8, sliding window, odd block size
-        (6, 2, 24, 4, 0, 5.0),  # G = 3, softcap
-    ],
-)
+@pytest.mark.parametrize(("hq", "hkv", "dim", "block_size", "window", "softcap"), PREFILL_HEADS)
 def test_paged_prefill_attention(
     isa, threads, kv_dtype, q_dtype, hq, hkv, dim, block_size, window, softcap
 ):
@@ -186,6 +188,32 @@ def test_paged_prefill_attention(
     )
     assert got.dtype == q_dtype and got.shape == (q.shape[0], hq * dim)
     torch.testing.assert_close(got.float(), want, **tol(q_dtype))
+
+
+@pytest.mark.parametrize(("hq", "hkv", "dim", "block_size", "window", "softcap"), PREFILL_HEADS)
+def test_paged_prefill_attention_on_amx_tiles(threads, hq, hkv, dim, block_size, window, softcap):
+    """bf16 queries over a bf16 cache run Q.K and P.V on AMX-BF16 tiles where granted: every
+    head size (tails of 16 channels, 256), the tails of a key tile and of a query tile, windows
+    and softcaps, against the reference and within rounding of the AVX-512 dot products."""
+    if not kernels.amx_bf16_active():
+        pytest.skip("AMX-BF16 tiles are not granted (or are switched off) in this process")
+    args = _prefill_case(
+        torch.bfloat16, torch.bfloat16, hq, hkv, dim, block_size, PREFILL_CHUNKS + [(3, 150)]
+    )
+    q, k_cache, v_cache, tables, lens, starts, kv_scales = args
+    scale = dim**-0.5
+    want = _reference_prefill(
+        q, k_cache, v_cache, tables, lens, starts, scale, window, kv_scales, softcap
+    )
+    call = (q, k_cache, v_cache, tables, lens, starts, scale, window, kv_scales, softcap)
+    got = kernels.paged_prefill_attention(*call)
+    torch.testing.assert_close(got.float(), want, **tol(torch.bfloat16))
+    kernels.set_isa("avx512")
+    try:
+        dots = kernels.paged_prefill_attention(*call)
+    finally:
+        kernels.set_isa("auto")
+    torch.testing.assert_close(got.float(), dots.float(), **tol(torch.bfloat16))
 
 
 def test_paged_prefill_attention_matches_decode_for_single_queries(isa) -> None:

@@ -140,6 +140,9 @@ struct PrefillArgs {
   const int64_t* item_slot;
   float* partial;
   float* partial_ml;
+  // bf16 queries over a bf16 cache on AMX-BF16 tiles (the avx512 table; only where granted;
+  // one KV head an item).
+  bool amx;
 };
 
 struct KernelTable {
@@ -180,6 +183,13 @@ struct KernelTable {
 // Query rows per prefill work item for ``group`` query heads per KV head: whole rows, at
 // most 16 query vectors (at least one row, whatever the group).
 inline int64_t prefill_rows_per_item(int64_t group) { return group >= 16 ? 1 : 16 / group; }
+
+// The same on AMX tiles (PrefillArgs::amx): up to kAmxPrefillVectors query vectors, so each
+// tile of keys and values, packed once, serves several 16-row tiles of queries.
+constexpr int64_t kAmxPrefillVectors = 64;
+inline int64_t prefill_rows_per_item_amx(int64_t group) {
+  return group >= kAmxPrefillVectors ? 1 : kAmxPrefillVectors / group;
+}
 
 const KernelTable* avx512_kernels();
 const KernelTable* avx2_kernels();

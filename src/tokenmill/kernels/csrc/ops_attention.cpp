@@ -151,7 +151,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
     TORCH_CHECK(n >= 0 && n <= lens[b] && lens[b] <= a.ldbt * bs, "prefill_attention: sequence ", b, " has ", n,
                 " queries for a context of ", lens[b], " in ", a.ldbt, " blocks");
   }
-  const int64_t Hkv = a.Hkv, rows = prefill_rows_per_item(a.Hq / Hkv);
+  // AMX-BF16 tiles for bf16 queries over a bf16 cache, where granted.
+  a.amx = amx_bf16_active() && a.q_fmt == BF16 && a.kv_fmt == BF16;
+  const int64_t Hkv = a.Hkv, G = a.Hq / Hkv;
+  const int64_t rows = a.amx ? prefill_rows_per_item_amx(G) : prefill_rows_per_item(G);
   std::vector<int64_t> items;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t tiles = (starts[b + 1] - starts[b] + rows - 1) / rows;

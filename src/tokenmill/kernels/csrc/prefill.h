@@ -16,6 +16,7 @@
 #pragma once
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include "kernels.h"
 
 namespace {
@@ -154,6 +155,102 @@ inline void pack_weights(const float* p, int n, uint32_t* pw) {
   }
   if (n % 2) h[n] = 0;
 }
+#ifdef TOKENMILL_AMX_TILES
+// The same packed operands on AMX-BF16 tiles (PrefillArgs::amx): qw's rows (P words, a
+// multiple of 16) are A tiles of 16 words, kt's groups of 16 keys B tiles of 16 lines, pw's
+// rows A tiles of 16 key pairs and vp's rows B tiles of 16 key pairs x 16 channels. Tiles
+// 0-3: fp32 [16, 16] (the scores of 16 keys, or 16 output channels); 4: A; 5, 6: B. Always
+// 16 rows: an item's query vectors are padded to a multiple of 16 in the scratch (the rows
+// past them are computed and never read), so the tiles are configured once per call.
+struct alignas(64) AttnTileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+inline void amx_attention_configure() {
+  AttnTileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  for (int t = 0; t < 7; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// s[m][0 .. 64) = scale * (q_m . k_t) for rows m < ``rows`` (computed in blocks of 16: the
+// rows past them up to a multiple of 16 are scratch) and kt's 4 groups of 16 keys (a group
+// past the tile's keys gives scores nobody reads).
+inline void amx_scores(const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, int rows, float* s) {
+  for (int r0 = 0; r0 < rows; r0 += 16) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint32_t* q = qw + r0 * P;
+    for (int64_t p0 = 0; p0 < P; p0 += 16) {
+      _tile_loadd(4, q + p0, P * 4);
+      _tile_loadd(5, kt + p0 * 16, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, kt + (P + p0) * 16, 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, kt + (2 * P + p0) * 16, 64);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(6, kt + (3 * P + p0) * 16, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    float* o = s + r0 * kKeyTile;
+    _tile_stored(0, o, kKeyTile * 4);
+    _tile_stored(1, o + 16, kKeyTile * 4);
+    _tile_stored(2, o + 32, kKeyTile * 4);
+    _tile_stored(3, o + 48, kKeyTile * 4);
+  }
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int m = 0; m < rows; ++m)
+    for (int t = 0; t < kKeyTile; t += 16) _mm512_storeu_ps(s + m * kKeyTile + t, _mm512_mul_ps(_mm512_loadu_ps(s + m * kKeyTile + t), vs));
+}
+
+// acc[m][j0 .. j0 + 16 NV) += the weights' pairs pw (rows kKeyTile / 2 words apart) times
+// vp's chunks of 16 key pairs (zero past the tile's keys on both sides), for 16 rows.
+template <int NV>
+inline void amx_pv(const uint32_t* vp, int chunks, int64_t dp, int64_t j0, const uint32_t* pw, float* acc) {
+  const int64_t ld = dp * 4;
+  _tile_loadd(0, acc + j0, ld);
+  if (NV > 1) _tile_loadd(1, acc + j0 + 16, ld);
+  if (NV > 2) _tile_loadd(2, acc + j0 + 32, ld);
+  if (NV > 3) _tile_loadd(3, acc + j0 + 48, ld);
+  for (int c = 0; c < chunks; ++c) {
+    const uint32_t* v = vp + c * 16 * dp + j0;
+    _tile_loadd(4, pw + c * 16, kKeyTile / 2 * 4);
+    _tile_loadd(5, v, ld);
+    _tile_dpbf16ps(0, 4, 5);
+    if (NV > 1) { _tile_loadd(6, v + 16, ld); _tile_dpbf16ps(1, 4, 6); }
+    if (NV > 2) { _tile_loadd(5, v + 32, ld); _tile_dpbf16ps(2, 4, 5); }
+    if (NV > 3) { _tile_loadd(6, v + 48, ld); _tile_dpbf16ps(3, 4, 6); }
+  }
+  _tile_stored(0, acc + j0, ld);
+  if (NV > 1) _tile_stored(1, acc + j0 + 16, ld);
+  if (NV > 2) _tile_stored(2, acc + j0 + 32, ld);
+  if (NV > 3) _tile_stored(3, acc + j0 + 48, ld);
+}
+
+// amx_pv over every channel, for rows m < ``rows`` in blocks of 16 (as amx_scores).
+inline void amx_pv_all(const uint32_t* vp, int chunks, int64_t dp, const uint32_t* pw, float* acc, int rows) {
+  for (int r0 = 0; r0 < rows; r0 += 16) {
+    const uint32_t* w = pw + r0 * (kKeyTile / 2);
+    float* o = acc + r0 * dp;
+    int64_t j = 0;
+    for (; j + 64 <= dp; j += 64) amx_pv<4>(vp, chunks, dp, j, w, o);
+    switch ((dp - j) / 16) {
+      case 1: amx_pv<1>(vp, chunks, dp, j, w, o); break;
+      case 2: amx_pv<2>(vp, chunks, dp, j, w, o); break;
+      case 3: amx_pv<3>(vp, chunks, dp, j, w, o); break;
+      default: break;
+    }
+  }
+}
+#endif
 #else
 constexpr bool kBf16Dot = false;
 #endif
@@ -177,7 +274,9 @@ template <int QF, int KF>
 void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
   const int64_t D = a.D, Hq = a.Hq, Hkv = a.Hkv, G = Hq / Hkv, bs = a.block_size;
   const int64_t dp = round_up(D, Vec::W), R = a.rows_per_item, HI = a.heads_per_item;
-  const int64_t RG = R * G, MV = RG * HI;  // query vectors per head of an item, per item
+  const int64_t RG = R * G;  // query vectors per head of an item
+  // Vectors per item, padded to whole 16-row tiles for AMX (which needs one head an item).
+  const int64_t MV = a.amx ? round_up(RG, 16) : RG * HI;
   // fp32 scratch: scaled queries and accumulators [MV, dp], running max and sum [MV], one
   // key tile's scores / weights [MV, kKeyTile]; K/V row offsets of the tile's keys.
   // bf16 dot products: queries as bf16 pairs [MV, P], keys packed [kKeyTile / 16, P, 16],
@@ -197,6 +296,8 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
   uint32_t* pw = vp + kKeyTile / 2 * dp;
   (void)kt; (void)vp; (void)pw;
   int64_t base[kKeyTile], rows[kKeyTile];
+  int configured = -1;  // AMX: whether the tiles are configured
+  (void)configured;
   const Vec::R qscale = Vec::set1(a.scale * (a.softcap > 0 ? 1.0f : a.k_scale));
   const float post_scale = a.softcap > 0 ? a.k_scale : 1.0f;  // K's fp8 scale, before the cap
   const int64_t kv_bytes = KF == tokenmill::F32 ? 4 : KF == tokenmill::BF16 ? 2 : 1;
@@ -252,6 +353,13 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
 #ifdef TOKENMILL_BF16_DOT
           const float dot_scale = a.scale * (a.softcap > 0 ? 1.0f : a.k_scale);
           const uint16_t* kc = static_cast<const uint16_t*>(a.k_cache);
+#ifdef TOKENMILL_AMX_TILES
+          if (a.amx) {
+            if (configured < 0) { amx_attention_configure(); configured = 1; }
+            for (int t0 = 0; t0 < n; t0 += 16) pack_keys16(kc, rows + t0, (int)min64(16, n - t0), D, P, kt + t0 * P);
+            amx_scores(qw + mh * P, P, kt, dot_scale, (int)Mh, sc + mh * kKeyTile);
+          } else
+#endif
           for (int t0 = 0; t0 < n; t0 += 16) {
             uint32_t* ktt = kt + t0 * P;
             pack_keys16(kc, rows + t0, (int)min64(16, n - t0), D, P, ktt);
@@ -306,6 +414,17 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
 #ifdef TOKENMILL_BF16_DOT
           pack_values(static_cast<const uint16_t*>(a.v_cache), rows, n, D, dp, vp);
           for (int64_t i = 0; i < Mh; ++i) pack_weights(sc + (mh + i) * kKeyTile, n, pw + (mh + i) * (kKeyTile / 2));
+#ifdef TOKENMILL_AMX_TILES
+          if (a.amx) {
+            // Whole tiles of 16 key pairs: the pairs past the tile's keys are zero on both
+            // sides (stale values could be NaN, and NaN x 0 is NaN).
+            const int pairs = (n + 1) / 2, chunks = (pairs + 15) / 16;
+            std::memset(vp + pairs * dp, 0, sizeof(uint32_t) * (chunks * 16 - pairs) * dp);
+            for (int64_t i = 0; i < Mh; ++i)
+              for (int w = pairs; w < chunks * 16; ++w) pw[(mh + i) * (kKeyTile / 2) + w] = 0;
+            amx_pv_all(vp, chunks, dp, pw + mh * (kKeyTile / 2), acc + mh * dp, (int)Mh);
+          } else
+#endif
           for (int64_t m0 = 0; m0 < Mh; m0 += 4)
             pv_any((int)min64(4, Mh - m0), vp, (n + 1) / 2, dp, pw + (mh + m0) * (kKeyTile / 2), kKeyTile / 2,
                    acc + (mh + m0) * dp);
@@ -336,6 +455,9 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
         }
       }
   }
+#ifdef TOKENMILL_AMX_TILES
+  if (configured >= 0) _tile_release();
+#endif
   std::free(qf);
 }
 
