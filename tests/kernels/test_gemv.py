@@ -187,6 +187,19 @@ def test_gemv_bf16_on_amx_tiles(
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-4)
 
 
+def test_gemv_bf16_on_amx_tiles_in_row_chunks_of_strided_rows(amx_bf16, threads: int) -> None:
+    """Over 256 rows the tiles take the rows 256 at a time: each chunk's rows are read at the
+    input's row stride and written at the output's, bf16 and fp32 out alike."""
+    x = randn(600, 100, dtype=torch.bfloat16)[:, :96]
+    w = randn(40, 96, dtype=torch.bfloat16, seed=1)
+    want = F.linear(x.float(), w.float())
+    packed = gemv_layout.pack(w)
+    close_to_fp32(kernels.gemv_bf16(x, packed, 40, None), want, 1e-2)
+    torch.testing.assert_close(
+        kernels.gemv_bf16_f32out(x, packed, 40, None), want, rtol=1e-5, atol=1e-4
+    )
+
+
 def test_gemv_bf16_takes_the_amx_tiles_from_two_rows(amx_bf16) -> None:
     """Two rows or more with K whole tiles go to AMX (the same bits as the tiles' op), one row
     to the GEMV (whose sums are ordered differently, so the bits differ), and K that is not
