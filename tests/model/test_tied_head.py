@@ -1,8 +1,8 @@
-"""A tied LM head is one copy, both the head and the embedding: int8 rows under quantization,
-the GEMV's blocks otherwise.
+"""A tied LM head is one copy, both the head and the embedding: int8 under quantization (AMX
+tiles on AVX-512, rows on AVX2), the GEMV's blocks otherwise.
 
-The head was every token's largest read in bf16 (SmolLM2: 56 MB, Gemma 3: 335 MB); as int8
-rows it is half that, its logits are written in fp32 (rounding them to bf16 made close
+The head was every token's largest read in bf16 (SmolLM2: 56 MB, Gemma 3: 335 MB); in int8
+it is half that, its logits are written in fp32 (rounding them to bf16 made close
 candidates ties), and the embedding rows are looked up from the same copy."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokenmill import kernels
-from tokenmill.model.quant import Int8Linear
+from tokenmill.model.quant import Int8Linear, kernel_layout
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="tokenmill's CPU kernels")
 
@@ -27,7 +27,7 @@ def test_quantized_tied_head_is_one_int8_copy_with_fp32_logits(make_model) -> No
     llm = LLM(str(folder), quantization="int8", dtype="bfloat16", max_model_len=64)
     model = _model(llm)
     head = model.lm_head
-    assert isinstance(head, Int8Linear) and head.kernel == "rows"
+    assert isinstance(head, Int8Linear) and head.kernel == kernel_layout("int8", 128)
     assert model.embed is None  # no second copy of the table
     ids = torch.tensor([0, 5, 17, 5])
     rows = head.embedding(ids)
@@ -43,6 +43,31 @@ def test_quantized_tied_head_is_one_int8_copy_with_fp32_logits(make_model) -> No
     assert not torch.equal(logits, logits.to(torch.bfloat16).float())
     out = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=4))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("shape", [(37, 70), (300, 640)])
+def test_int8_tiles_give_the_rows_and_logits_of_the_row_layout(shape) -> None:
+    """In the tile layout the embedding rows are gathered from the tiles (partial last
+    16-channel block, inputs padded to 64): the same codes and values as the row layout's,
+    and fp32 logits within the sum order of the row layout's (the same integer sums)."""
+    weight = torch.randn(*shape).to(torch.bfloat16)
+    tiles, rows = Int8Linear(weight, None), Int8Linear(weight, None, tiles_ok=False)
+    if tiles.kernel not in ("amx", "vnni"):
+        pytest.skip("the tile layout is AVX-512's")
+    ids = torch.tensor([[0, shape[0] - 1, 16], [5, 17, 5]])
+    assert torch.equal(tiles.embedding(ids), rows.embedding(ids))
+    assert torch.equal(tiles.int_weight(), rows.int_weight())
+    for m in (1, 3, 17):
+        x = torch.randn(m, shape[1]).to(torch.bfloat16)
+        got = tiles.forward_float32(x)  # AMX where granted, else VNNI
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, rows.forward_float32(x), rtol=1e-5, atol=1e-5)
+        if kernels.amx_active():  # the VNNI tiles give AMX's bits
+            kernels.set_isa("avx512")
+            try:
+                assert torch.equal(tiles.forward_float32(x), got)
+            finally:
+                kernels.set_isa("auto")
 
 
 def test_unquantized_tied_head_is_one_copy_in_gemv_blocks(make_model, monkeypatch) -> None:

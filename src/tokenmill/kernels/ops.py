@@ -312,6 +312,35 @@ def linear_int8_vnni(
     )
 
 
+def linear_int8_amx_f32out(
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    scales: torch.Tensor,
+    row_sums: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """``linear_int8_amx`` with fp32 outputs, unrounded: a tied int8 LM head's logits."""
+    return torch.ops.tokenmill_cpu.linear_int8_amx_f32out(
+        _rows(x), tiles, scales, row_sums, bias, out_features
+    )
+
+
+def linear_int8_vnni_f32out(
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    scales: torch.Tensor,
+    row_sums: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
+    """``linear_int8_vnni`` with fp32 outputs, unrounded (the same values as
+    ``linear_int8_amx_f32out``)."""
+    return torch.ops.tokenmill_cpu.linear_int8_vnni_f32out(
+        _rows(x), tiles, scales, row_sums, bias, out_features
+    )
+
+
 def linear_int4_vnni(
     x: torch.Tensor,
     tiles: torch.Tensor,
@@ -537,6 +566,10 @@ def register_fakes() -> None:
     for name in ("linear_int8_amx", "linear_int4_amx", "linear_int8_vnni", "linear_int4_vnni"):
         torch.library.register_fake(lib + name)(
             lambda x, tiles, *rest: x.new_empty(x.shape[0], rest[-1])
+        )
+    for name in ("linear_int8_amx_f32out", "linear_int8_vnni_f32out"):
+        torch.library.register_fake(lib + name)(
+            lambda x, tiles, *rest: x.new_empty(x.shape[0], rest[-1], dtype=torch.float32)
         )
     torch.library.register_fake(lib + "dequantize_int4")(
         lambda w, scales, offsets, group_size, k: w.new_empty(w.shape[0], k, dtype=torch.float32)

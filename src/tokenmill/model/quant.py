@@ -115,8 +115,8 @@ class Int8Linear(QuantizedLinear):
         tiles_ok: bool = True,
         channels: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """``tiles_ok=False`` keeps the row layout on every ISA: its kernel also writes fp32
-        outputs (``forward_float32``, an LM head's logits). ``channels``: codes [out, in] and
+        """``tiles_ok=False`` keeps the row layout on every ISA. Both layouts' kernels also
+        write fp32 outputs (``forward_float32``, an LM head's logits). ``channels``: codes [out, in] and
         scales [out] already quantized (``int8_channels`` over a GGUF tensor's rows);
         ``weight`` then only gives the shape, dtype and device."""
         super().__init__(weight.shape[1], weight.shape[0], bias)
@@ -171,12 +171,32 @@ class Int8Linear(QuantizedLinear):
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight, dequantized: a tied LM head is also the embedding
-        table, so the model keeps no second copy of it."""
-        rows = self.int_weight()[ids].float() * self.scales[ids].unsqueeze(-1)
+        table, so the model keeps no second copy of it (in the tile layout the rows are
+        gathered from the tiles, never the whole weight)."""
+        codes = self.int_weight() if self.qweight is not None else self._tile_rows(ids)
+        if self.qweight is not None:
+            codes = codes[ids]
+        rows = codes.float() * self.scales[ids].unsqueeze(-1)
         return rows.to(self.lookup_dtype)
+
+    def _tile_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The int8 rows ``ids`` [*ids.shape, in] read from the AMX tiles (16 channels x 64
+        inputs a tile, 4 inputs a lane: ``amx_layout.pack_int8``)."""
+        tiles = self.amx_tiles.view(*self.amx_tiles.shape[:2], 16, 16, 4)  # [nb, chunks, q, ch, 4]
+        flat = ids.reshape(-1)
+        picked = tiles[flat // 16, :, :, flat % 16]  # [T, chunks, q, 4]
+        rows = picked.reshape(len(flat), -1)[:, : self.in_features]
+        return rows.reshape(*ids.shape, self.in_features)
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
+        tile_op = tile_kernel_op(
+            self.kernel, flat, kernels.linear_int8_amx_f32out, kernels.linear_int8_vnni_f32out
+        )
+        if tile_op is not None:
+            tiles = (self.amx_tiles, self.amx_scales, self.amx_row_sums)
+            y = tile_op(flat.to(torch.bfloat16), *tiles, self.bias, self.out_features)
+            return y.view(*x.shape[:-1], self.out_features)
         if self.kernel == "rows" and kernels.supports(flat, float32=True):
             y = kernels.linear_int8_f32out(
                 flat.to(torch.bfloat16), self.int_weight(), self.scales, self.row_sums, self.bias

@@ -78,7 +78,10 @@ void block_int8(const tokenmill::AmxArgs& a, int64_t nb, int64_t m0, int rows, i
                               _mm512_set1_ps(xs[kc]), acc);
       __m512 v = _mm512_mul_ps(acc, scale);
       if (a.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, a.bias + n0));
-      _mm256_mask_storeu_epi16(a.y + (m0 + m) * a.ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+      if (a.yf)
+        _mm512_mask_storeu_ps(a.yf + (m0 + m) * a.ldy + n0, mask, v);
+      else
+        _mm256_mask_storeu_epi16(a.y + (m0 + m) * a.ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
     }
   }
 }

@@ -228,6 +228,7 @@ struct AmxArgs {
   const float* bias;        // [N] or null
   uint16_t* y;              // [M, ldy] bf16
   int64_t N, ldy;
+  float* yf;                // int8: [M, ldy] fp32 instead of y where set (an LM head's logits)
 };
 
 // Output channels [16 * begin, 16 * end); only call when amx_permitted() said so.

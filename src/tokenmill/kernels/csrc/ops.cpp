@@ -173,6 +173,8 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
         "Tensor context_lens, Tensor query_start, float scale, int window, Tensor kv_scales, "
         "float softcap=0.0) -> Tensor");
   m.def("linear_int8_vnni(Tensor x, Tensor tiles, Tensor scales, Tensor wsum, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear_int8_amx_f32out(Tensor x, Tensor tiles, Tensor scales, Tensor wsum, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear_int8_vnni_f32out(Tensor x, Tensor tiles, Tensor scales, Tensor wsum, Tensor? bias, int out_features) -> Tensor");
   m.def("linear_int4_vnni(Tensor x, Tensor tiles, Tensor scales, Tensor code_sums, Tensor offsets, int group_size, "
         "Tensor? bias, int out_features) -> Tensor");
   tokenmill::register_decode_layers(m);  // its class, schema and CPU kernel
@@ -208,5 +210,7 @@ TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("rope_kv_write", &tokenmill::rope_kv_write);
   m.impl("paged_prefill_attention", &tokenmill::paged_prefill_attention);
   m.impl("linear_int8_vnni", &tokenmill::linear_int8_vnni);
+  m.impl("linear_int8_amx_f32out", &tokenmill::linear_int8_amx_f32out);
+  m.impl("linear_int8_vnni_f32out", &tokenmill::linear_int8_vnni_f32out);
   m.impl("linear_int4_vnni", &tokenmill::linear_int4_vnni);
 }

@@ -79,7 +79,7 @@ at::Tensor dequantize_int4_x8(const at::Tensor& w, const at::Tensor& scales, con
                               int64_t out_features, int64_t in_features);
 // The AMX tile layout's int8 / int4 products, on AMX or (vnni) on AVX-512 VNNI.
 at::Tensor int8_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, const at::Tensor& wsum,
-                      const c10::optional<at::Tensor>& bias, int64_t out_features, bool vnni);
+                      const c10::optional<at::Tensor>& bias, int64_t out_features, bool vnni, bool f32_out);
 at::Tensor int4_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
                       const at::Tensor& code_sums, const at::Tensor& offsets, int64_t group_size,
                       const c10::optional<at::Tensor>& bias, int64_t out_features, bool vnni);
@@ -90,6 +90,10 @@ at::Tensor linear_int4_amx(const at::Tensor& x, const at::Tensor& tiles, const a
                            const c10::optional<at::Tensor>& bias, int64_t out_features);
 at::Tensor linear_int8_vnni(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
                             const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, int64_t out_features);
+at::Tensor linear_int8_amx_f32out(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                                  const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, int64_t out_features);
+at::Tensor linear_int8_vnni_f32out(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                                   const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, int64_t out_features);
 at::Tensor linear_int4_vnni(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
                             const at::Tensor& code_sums, const at::Tensor& offsets, int64_t group_size,
                             const c10::optional<at::Tensor>& bias, int64_t out_features);

@@ -152,7 +152,7 @@ struct Projection {
       case Op::kInt4Rows: return linear_int4(x, weight, scales, offsets, group_size, bias);
       case Op::kInt4X8: return linear_int4_x8(x, weight, scales, offsets, bias, out_features);
       case Op::kInt8Amx:
-      case Op::kInt8Vnni: return int8_tiles(x, weight, scales, wsum, bias, out_features, op == Op::kInt8Vnni);
+      case Op::kInt8Vnni: return int8_tiles(x, weight, scales, wsum, bias, out_features, op == Op::kInt8Vnni, false);
       case Op::kInt4Amx:
       case Op::kInt4Vnni:
         return int4_tiles(x, weight, scales, wsum, offsets, group_size, bias, out_features, op == Op::kInt4Vnni);

@@ -395,7 +395,7 @@ namespace {
 // AMX: weights in tiles [N/16, chunks, 16, 64] (int8) or [N/16, chunks, 512] (int4 nibbles).
 // ``vnni``: the same tiles through vnni_gemm on the AVX-512 table (no AMX needed).
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, AmxArgs a, const c10::optional<at::Tensor>& bias,
-                      bool vnni = false) {
+                      bool vnni = false, bool f32_out = false) {
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
   if (vnni) {
@@ -434,14 +434,15 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, AmxArgs a, c
   }
   a.M = M;
   a.w = tiles.data_ptr();
-  at::Tensor y = at::empty({M, a.N}, x.options());
+  at::Tensor y = at::empty({M, a.N}, x.options().dtype(f32_out ? at::kFloat : at::kBFloat16));
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.numel() == a.N, "bias has ", b.numel(), " elements, expected ", a.N);
     a.bias = b.data_ptr<float>();
   }
-  a.y = reinterpret_cast<uint16_t*>(y.data_ptr());
+  if (f32_out) a.yf = y.data_ptr<float>();
+  else a.y = reinterpret_cast<uint16_t*>(y.data_ptr());
   a.ldy = a.N;
   if (M == 0) return y;
   const int64_t blocks = (a.N + 15) / 16;
@@ -460,7 +461,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, AmxArgs a, c
 }  // namespace
 
 at::Tensor int8_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, const at::Tensor& wsum,
-                      const c10::optional<at::Tensor>& bias, int64_t out_features, bool vnni) {
+                      const c10::optional<at::Tensor>& bias, int64_t out_features, bool vnni, bool f32_out) {
   TORCH_CHECK(tiles.scalar_type() == at::kChar && tiles.dim() == 4, "linear_int8_amx: int8 tiles [N/16, chunks, 16, 64]");
   const int64_t N = out_features;
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && wsum.scalar_type() == at::kInt &&
@@ -469,7 +470,7 @@ at::Tensor int8_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Te
   AmxArgs a{};
   a.N = N;
   a.scales = scales.data_ptr<float>();  // (wsum: checked for the op's schema, not read)
-  return amx_linear(x, tiles, a, bias, vnni);
+  return amx_linear(x, tiles, a, bias, vnni, f32_out);
 }
 
 at::Tensor int4_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
@@ -504,7 +505,13 @@ at::Tensor int4_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Te
 
 at::Tensor linear_int8_amx(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
                            const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  return int8_tiles(x, tiles, scales, wsum, bias, out_features, /*vnni=*/false);
+  return int8_tiles(x, tiles, scales, wsum, bias, out_features, /*vnni=*/false, /*f32_out=*/false);
+}
+
+// The same products with fp32 outputs: a tied int8 LM head's logits, unrounded.
+at::Tensor linear_int8_amx_f32out(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                                  const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return int8_tiles(x, tiles, scales, wsum, bias, out_features, /*vnni=*/false, /*f32_out=*/true);
 }
 
 at::Tensor linear_int4_amx(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
@@ -516,7 +523,12 @@ at::Tensor linear_int4_amx(const at::Tensor& x, const at::Tensor& tiles, const a
 // The AMX tiles on AVX-512 VNNI (vnni.cpp): CPUs with VNNI and no AMX.
 at::Tensor linear_int8_vnni(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
                             const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  return int8_tiles(x, tiles, scales, wsum, bias, out_features, /*vnni=*/true);
+  return int8_tiles(x, tiles, scales, wsum, bias, out_features, /*vnni=*/true, /*f32_out=*/false);
+}
+
+at::Tensor linear_int8_vnni_f32out(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,
+                                   const at::Tensor& wsum, const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return int8_tiles(x, tiles, scales, wsum, bias, out_features, /*vnni=*/true, /*f32_out=*/true);
 }
 
 at::Tensor linear_int4_vnni(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales,

@@ -52,7 +52,10 @@ inline __mmask16 lanes(int64_t n0, int64_t N) {
 inline void store_row(const AmxArgs& a, int64_t row, int64_t n0, __m512 v) {
   const __mmask16 mask = lanes(n0, a.N);
   if (a.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, a.bias + n0));
-  _mm256_mask_storeu_epi16(a.y + row * a.ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+  if (a.yf)  // int8 only (amx_linear): fp32 logits
+    _mm512_mask_storeu_ps(a.yf + row * a.ldy + n0, mask, v);
+  else
+    _mm256_mask_storeu_epi16(a.y + row * a.ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
 // int8: rows [m0, m0 + MR) x blocks [nb, nb + NB). Per 64-input chunk (one activation
