@@ -1,8 +1,9 @@
 // AMX-INT8 GEMM for int8 and int4 weights: VPDPBUSD's math on 16x64 tiles (TDPBSSD, TDPBUSD), 16
 // times the work per instruction, so quantized weights keep up with oneDNN's AMX bf16 at
 // every batch size; and AMX-BF16 (TDPBF16PS) for bf16 weights in gemv_layout's blocks, whose
-// 16 lines of 16 channels x 2 inputs are exactly a B tile (no second copy or layout). Tiles are only touched after the kernel granted the tile state
-// (ops.cpp asks with arch_prctl); AMX is otherwise never executed.
+// 16 lines of 16 channels x 2 inputs are exactly a B tile (no second copy or layout). Tiles
+// are only touched after the kernel granted the tile state (ops.cpp asks with arch_prctl);
+// AMX is otherwise never executed.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -207,30 +208,26 @@ void block_bf16(const tokenmill::GemmArgs& a, int64_t nb, int64_t m0, int rows0,
 void tokenmill::amx_gemm_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
   alignas(64) float c[4][16][16];
   int configured0 = -1, configured1 = -1;
-  // Rows in chunks of 256 (x's chunk stays in L2, at most 1 MB for K = 2048); within a
-  // chunk, two blocks at a time (their lines stay in L1/L2) against 32 rows at a time.
-  constexpr int64_t kChunk = 256;
-  for (int64_t c0 = 0; c0 < a.M; c0 += kChunk) {
-    const int64_t c1 = a.M - c0 < kChunk ? a.M : c0 + kChunk;
-    for (int64_t nb = b0; nb < b1; nb += 2) {
-      const bool pair = nb + 2 <= b1;
-      for (int64_t m0 = c0; m0 < c1; m0 += 32) {
-        const int64_t left = c1 - m0;
-        const int rows0 = (int)(left < 16 ? left : 16);
-        const int rows1 = (int)(left <= 16 ? 0 : (left < 32 ? left - 16 : 16));
-        if (rows0 != configured0 || rows1 != configured1) {
-          configure_bf16(rows0, rows1);
-          configured0 = rows0;
-          configured1 = rows1;
-        }
-        if (rows1) {
-          if (pair) block_bf16<2, 2>(a, nb, m0, rows0, rows1, c);
-          else block_bf16<2, 1>(a, nb, m0, rows0, rows1, c);
-        } else if (pair) {
-          block_bf16<1, 2>(a, nb, m0, rows0, rows1, c);
-        } else {
-          block_bf16<1, 1>(a, nb, m0, rows0, rows1, c);
-        }
+  // Two blocks at a time (their lines stay in L1/L2) against every row, 32 at a time. The
+  // rows are x's (ops_linear.cpp passes 256 at a time, so they stay in L2 too).
+  for (int64_t nb = b0; nb < b1; nb += 2) {
+    const bool pair = nb + 2 <= b1;
+    for (int64_t m0 = 0; m0 < a.M; m0 += 32) {
+      const int64_t left = a.M - m0;
+      const int rows0 = (int)(left < 16 ? left : 16);
+      const int rows1 = (int)(left <= 16 ? 0 : (left < 32 ? left - 16 : 16));
+      if (rows0 != configured0 || rows1 != configured1) {
+        configure_bf16(rows0, rows1);
+        configured0 = rows0;
+        configured1 = rows1;
+      }
+      if (rows1) {
+        if (pair) block_bf16<2, 2>(a, nb, m0, rows0, rows1, c);
+        else block_bf16<2, 1>(a, nb, m0, rows0, rows1, c);
+      } else if (pair) {
+        block_bf16<1, 2>(a, nb, m0, rows0, rows1, c);
+      } else {
+        block_bf16<1, 1>(a, nb, m0, rows0, rows1, c);
       }
     }
   }

@@ -398,6 +398,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, AmxArgs a, c
                       bool vnni = false, bool f32_out = false) {
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
+  TORCH_CHECK(!(f32_out && a.is_int4), "amx linear: fp32 outputs are int8's only");
   if (vnni) {
     TORCH_CHECK(active() == avx512_kernels(), "tokenmill_cpu: the VNNI kernels need the avx512 table");
   } else {
