@@ -342,6 +342,23 @@ def test_rope(isa, threads, dtype, tokens: int, hq: int, hk: int, dim: int) -> N
     torch.testing.assert_close(got_k, want_k, **tol(dtype))
 
 
+@pytest.mark.parametrize(("n", "k"), [(37, 70), (32, 128), (48, 640)])
+def test_pack_int8_in_chunks_and_in_place(monkeypatch, n: int, k: int) -> None:
+    """The tiles packed a few blocks at a time (chunks of 2 KB here) are the whole tensor's;
+    given up and needing no padding, the weight's own storage holds them."""
+    from tokenmill.kernels import amx_layout
+
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator(0))
+    whole = amx_layout._tiles(q).view(-(-n // 16), -(-k // 64), 16, 64)
+    monkeypatch.setattr(amx_layout, "CHUNK_BYTES", 2048)
+    assert torch.equal(amx_layout.pack_int8(q), whole)
+    given = q.clone()
+    tiles = amx_layout.pack_int8(given, reuse_storage=True)
+    assert torch.equal(tiles, whole)
+    in_place = n % 16 == 0 and k % 64 == 0
+    assert (tiles.data_ptr() == given.data_ptr()) == in_place
+
+
 @pytest.fixture
 def amx() -> None:
     if not kernels.amx_active():

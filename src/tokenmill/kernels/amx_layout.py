@@ -19,10 +19,41 @@ def _tiles(values: torch.Tensor) -> torch.Tensor:
     return tiles.reshape(nb, kc, 1024).contiguous()
 
 
-def pack_int8(qweight: torch.Tensor) -> torch.Tensor:
-    """int8 [N/16, K/64, 16, 64] from int8 weights [N, K]."""
-    tiles = _tiles(qweight)
-    return tiles.view(tiles.shape[0], tiles.shape[1], 16, 64)
+CHUNK_BYTES = 1 << 22
+"""Bytes of weights packed per step by ``pack_int8``."""
+
+
+def pack_int8(qweight: torch.Tensor, reuse_storage: bool = False) -> torch.Tensor:
+    """int8 [N/16, K/64, 16, 64] from int8 weights [N, K], a chunk of 16-row blocks at a time.
+
+    ``reuse_storage``: the caller gives ``qweight`` up, so where no padding is needed the
+    tiles are written over it, chunk by chunk (block b's tiles are the bytes of rows
+    16b..16b+15 in either layout). Packing the whole tensor at once held it three times:
+    Gemma 3's tied 262,144 x 640 int8 head (168 MB) once padded, once permuted, besides
+    itself, at load."""
+    n, k = qweight.shape
+    nb, kc = -(-n // 16), -(-k // 64)
+    in_place = (
+        reuse_storage
+        and n % 16 == 0
+        and k % 64 == 0
+        and qweight.is_contiguous()
+        and qweight.untyped_storage().nbytes() == qweight.numel() * qweight.element_size()
+    )
+    out = (
+        qweight.view(nb, kc, 16, 64)
+        if in_place
+        else torch.empty(nb, kc, 16, 64, dtype=qweight.dtype, device=qweight.device)
+    )
+    step = max(1, CHUNK_BYTES // (kc * 1024))
+    for b0 in range(0, nb, step):
+        b1 = min(nb, b0 + step)
+        rows = qweight[b0 * 16 : b1 * 16]
+        pads = (0, kc * 64 - k, 0, (b1 - b0) * 16 - rows.shape[0])
+        chunk = F.pad(rows, pads) if any(pads) else rows.clone()  # a copy: out may alias rows
+        quads = chunk.view(b1 - b0, 16, kc, 16, 4).permute(0, 2, 3, 1, 4)  # [b, kc, quad, ch, 4]
+        out[b0:b1] = quads.reshape(b1 - b0, kc, 16, 64)
+    return out
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

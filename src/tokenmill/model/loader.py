@@ -523,10 +523,11 @@ def load_model(
             model.lm_head = head
             model.embed = None
             num_quantized += 1
+            weights = head.out_features * head.in_features  # (int_weight() would unpack tiles)
             logger.info(
                 "tied LM head and embedding: one int8 copy (%.0f MB; bf16 would be %.0f MB)",
-                head.int_weight().numel() / 1e6,
-                head.int_weight().numel() * 2 / 1e6,
+                weights / 1e6,
+                weights * 2 / 1e6,
             )
         else:
             model.lm_head.weight = model.embed  # converting would copy the embedding

@@ -117,8 +117,9 @@ class Int8Linear(QuantizedLinear):
     ) -> None:
         """``tiles_ok=False`` keeps the row layout on every ISA. Both layouts' kernels also
         write fp32 outputs (``forward_float32``, an LM head's logits). ``channels``: codes [out, in] and
-        scales [out] already quantized (``int8_channels`` over a GGUF tensor's rows);
-        ``weight`` then only gives the shape, dtype and device."""
+        scales [out] already quantized (``int8_channels`` over a GGUF tensor's rows), the
+        codes given up (the tiles may be written over them); ``weight`` then only gives
+        the shape, dtype and device."""
         super().__init__(weight.shape[1], weight.shape[0], bias)
         qweight, scales = channels or int8_channels((weight,), (weight.shape[0], weight.shape[1]))
         self.register_buffer("qweight", qweight)
@@ -127,7 +128,9 @@ class Int8Linear(QuantizedLinear):
         if self.kernel is not None:
             row_sums = _int8_row_sums(qweight)
             if self.kernel in TILES:
-                self.register_buffer("amx_tiles", amx_layout.pack_int8(qweight))
+                # over qweight where no padding is needed: it is dropped below (and callers'
+                # ``channels`` are built for this projection alone)
+                self.register_buffer("amx_tiles", amx_layout.pack_int8(qweight, reuse_storage=True))
                 self.register_buffer("amx_scales", amx_layout.block_channels(scales))
                 self.register_buffer("amx_row_sums", amx_layout.block_channels(row_sums))
                 self.qweight = None  # the tiles are the only copy
