@@ -6,7 +6,6 @@
 // AMX is otherwise never executed.
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 
 #pragma GCC target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 #include <immintrin.h>
@@ -15,17 +14,9 @@
 
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // Tiles: 0, 1 accumulators (two 16-channel blocks); 2 activations; 3, 4 weights.
 void configure(int rows) {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette = 1;
+  tokenmill::AmxTileConfig cfg;
   for (int t = 0; t < 3; ++t) { cfg.rows[t] = (uint8_t)rows; cfg.colsb[t] = 64; }
   for (int t = 3; t < 5; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
   _tile_loadconfig(&cfg);
@@ -142,9 +133,7 @@ void block_int4(const tokenmill::AmxArgs& a, int64_t nb, int64_t m0, int rows, i
 // blocks' 32 inputs), B tiles 6, 7 (each channel block's next 16 lines). ``rows0`` and
 // ``rows1`` (0: no second row block) are the row blocks' heights.
 void configure_bf16(int rows0, int rows1) {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette = 1;
+  tokenmill::AmxTileConfig cfg;
   const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
   for (int t = 0; t < 8; ++t) {
     if (rows[t] == 0) continue;

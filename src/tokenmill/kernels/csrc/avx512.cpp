@@ -10,7 +10,6 @@
 // amx-tile and amx-bf16 only for prefill.h's AMX attention, run where PrefillArgs::amx says
 // the tiles are granted (the compiler emits no AMX instruction unless asked).
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c,amx-tile,amx-bf16")
-#include <immintrin.h>
 #include "vec_avx512.h"
 #include "common.h"
 #include "rope_kv.h"

@@ -231,6 +231,14 @@ struct AmxArgs {
   float* yf;                // int8: [M, ldy] fp32 instead of y where set (an LM head's logits)
 };
 
+// LDTILECFG's 64-byte operand: palette 1, each tile's rows and bytes per row (zero: unused).
+// amx.cpp's GEMMs and prefill.h's attention each configure their own tiles with it.
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
 // Output channels [16 * begin, 16 * end); only call when amx_permitted() said so.
 void amx_gemm(const AmxArgs&, int64_t, int64_t);
 

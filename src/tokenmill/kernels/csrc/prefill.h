@@ -162,16 +162,8 @@ inline void pack_weights(const float* p, int n, uint32_t* pw) {
 // 0-3: fp32 [16, 16] (the scores of 16 keys, or 16 output channels); 4: A; 5, 6: B. Always
 // 16 rows: an item's query vectors are padded to a multiple of 16 in the scratch (the rows
 // past them are computed and never read), so the tiles are configured once per call.
-struct alignas(64) AttnTileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 inline void amx_attention_configure() {
-  AttnTileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette = 1;
+  tokenmill::AmxTileConfig cfg;
   for (int t = 0; t < 7; ++t) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
