@@ -56,6 +56,27 @@ def pack_int8(qweight: torch.Tensor, reuse_storage: bool = False) -> torch.Tenso
     return out
 
 
+def _int8_lanes(tiles: torch.Tensor) -> torch.Tensor:
+    """``pack_int8``'s tiles as [N/16, K/64, quad, channel, 4]."""
+    return tiles.view(*tiles.shape[:2], 16, 16, 4)
+
+
+def unpack_int8(tiles: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The int8 weight [out_features, in_features] back from ``pack_int8`` (a copy)."""
+    lanes = _int8_lanes(tiles)
+    rows = lanes.permute(0, 3, 1, 2, 4).reshape(tiles.shape[0] * 16, -1)
+    return rows[:out_features, :in_features]
+
+
+def int8_rows(tiles: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows ``ids`` of the int8 weight [*ids.shape, in_features], gathered from ``pack_int8``'s
+    tiles without unpacking the rest: a tied LM head in tiles is also the embedding table."""
+    flat = ids.reshape(-1)
+    picked = _int8_lanes(tiles)[flat // 16, :, :, flat % 16]  # [T, K/64, quad, 4]
+    rows = picked.reshape(len(flat), -1)[:, :in_features]
+    return rows.reshape(*ids.shape, in_features)
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """uint8 [N/16, K/64, 512] from codes 0..15 [N, K]."""
     tiles = _tiles(codes.to(torch.uint8))

@@ -176,20 +176,12 @@ class Int8Linear(QuantizedLinear):
         """Rows ``ids`` of the weight, dequantized: a tied LM head is also the embedding
         table, so the model keeps no second copy of it (in the tile layout the rows are
         gathered from the tiles, never the whole weight)."""
-        codes = self.int_weight() if self.qweight is not None else self._tile_rows(ids)
         if self.qweight is not None:
-            codes = codes[ids]
+            codes = self.qweight[ids]
+        else:
+            codes = amx_layout.int8_rows(self.amx_tiles, ids, self.in_features)
         rows = codes.float() * self.scales[ids].unsqueeze(-1)
         return rows.to(self.lookup_dtype)
-
-    def _tile_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The int8 rows ``ids`` [*ids.shape, in] read from the AMX tiles (16 channels x 64
-        inputs a tile, 4 inputs a lane: ``amx_layout.pack_int8``)."""
-        tiles = self.amx_tiles.view(*self.amx_tiles.shape[:2], 16, 16, 4)  # [nb, chunks, q, ch, 4]
-        flat = ids.reshape(-1)
-        picked = tiles[flat // 16, :, :, flat % 16]  # [T, chunks, q, 4]
-        rows = picked.reshape(len(flat), -1)[:, : self.in_features]
-        return rows.reshape(*ids.shape, self.in_features)
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -215,9 +207,7 @@ class Int8Linear(QuantizedLinear):
         """The int8 weight [out, in], from whichever layout holds it."""
         if self.qweight is not None:
             return self.qweight
-        tiles = self.amx_tiles.view(*self.amx_tiles.shape[:2], 16, 16, 4)
-        rows = tiles.permute(0, 3, 1, 2, 4).reshape(tiles.shape[0] * 16, -1)
-        return rows[: self.out_features, : self.in_features]
+        return amx_layout.unpack_int8(self.amx_tiles, self.out_features, self.in_features)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         # two passes in ``dtype``: half the traffic of an fp32 temporary
