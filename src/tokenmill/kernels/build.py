@@ -170,7 +170,7 @@ def load() -> bool:
     if torch.ops.tokenmill_cpu.isa() == "none":
         logger.warning("tokenmill CPU kernels need AVX2 or AVX-512 BF16; using torch kernels")
         return False
-    from tokenmill.kernels.ops import register_fakes
+    from tokenmill.kernels.fakes import register_fakes
 
     register_fakes()
     return True
