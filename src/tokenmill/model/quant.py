@@ -147,14 +147,24 @@ class Int8Linear(QuantizedLinear):
         self.has_gemv = self.in_features % 16 == 0
 
     def _kernel_call(
-        self, x: torch.Tensor, bias: torch.Tensor | None
+        self, x: torch.Tensor, bias: torch.Tensor | None, f32_out: bool = False
     ) -> tuple[Op, tuple[object, ...]] | None:
-        tile_op = tile_kernel_op(self.kernel, x, kernels.linear_int8_amx, kernels.linear_int8_vnni)
+        """``f32_out``: the ops that write fp32 outputs unrounded (``forward_float32``)."""
+        if f32_out:
+            amx_op, vnni_op = kernels.linear_int8_amx_f32out, kernels.linear_int8_vnni_f32out
+            rows_op = kernels.linear_int8_f32out
+        else:
+            amx_op, vnni_op, rows_op = (
+                kernels.linear_int8_amx,
+                kernels.linear_int8_vnni,
+                kernels.linear_int8,
+            )
+        tile_op = tile_kernel_op(self.kernel, x, amx_op, vnni_op)
         if tile_op is not None:
             tiles = (self.amx_tiles, self.amx_scales, self.amx_row_sums)
             return tile_op, (*tiles, bias, self.out_features)
         if self.kernel == "rows" and kernels.supports(x, float32=True):
-            return kernels.linear_int8, (self.int_weight(), self.scales, self.row_sums, bias)
+            return rows_op, (self.int_weight(), self.scales, self.row_sums, bias)
         return None
 
     dequantized_gemm_rows = 512
@@ -185,19 +195,11 @@ class Int8Linear(QuantizedLinear):
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        tile_op = tile_kernel_op(
-            self.kernel, flat, kernels.linear_int8_amx_f32out, kernels.linear_int8_vnni_f32out
-        )
-        if tile_op is not None:
-            tiles = (self.amx_tiles, self.amx_scales, self.amx_row_sums)
-            y = tile_op(flat.to(torch.bfloat16), *tiles, self.bias, self.out_features)
-            return y.view(*x.shape[:-1], self.out_features)
-        if self.kernel == "rows" and kernels.supports(flat, float32=True):
-            y = kernels.linear_int8_f32out(
-                flat.to(torch.bfloat16), self.int_weight(), self.scales, self.row_sums, self.bias
-            )
-            return y.view(*x.shape[:-1], self.out_features)
-        return super().forward_float32(x)
+        call = self._kernel_call(flat, self.bias, f32_out=True)
+        if call is None:
+            return super().forward_float32(x)
+        op, args = call
+        return op(flat.to(torch.bfloat16), *args).view(*x.shape[:-1], self.out_features)
 
     def _torch_gemv(self, x: torch.Tensor) -> torch.Tensor:
         scales = self.kernel_scales

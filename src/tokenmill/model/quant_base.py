@@ -122,7 +122,7 @@ class QuantizedLinear(nn.Module):
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` with float32 outputs (an LM head's logits). Here the kernel's own
-        outputs, widened; the int8 row layout overrides it with an op that never rounds."""
+        outputs, widened; ``Int8Linear`` overrides it with ops that never round."""
         return self(x).float()
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
