@@ -230,3 +230,65 @@ def test_gemv_bf16_amx_refuses_without_amx(isa: str) -> None:
     w = randn(16, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="AMX-BF16"):
         kernels.gemv_bf16_amx(randn(2, 64, dtype=torch.bfloat16), gemv_layout.pack(w), 16, None)
+
+
+GATED_SHAPES = [
+    (2, 64, 64),
+    (17, 96, 576),
+    (33, 128, 32),
+    (300, 160, 96),
+    (1, 64, 64),
+    (5, 48, 64),
+    (4, 64, 70),
+]
+"""An MLP's [gate | up]: rows in 16-row tails, 256-row chunks (300) and one row (the GEMV),
+gate widths of 1-5 blocks; then widths that are not whole blocks (48: 24 a half) and K that is
+not whole tiles, which run the GEMV and the activation op after it wherever AMX is."""
+
+
+@pytest.mark.parametrize(("m", "n", "k"), GATED_SHAPES)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_projection_gives_the_layered_bits(
+    threads: int, m: int, n: int, k: int, act: str
+) -> None:
+    """``gemv_bf16_act`` is ``gemv_bf16`` followed by the activation op, to the bit, whether
+    the activation runs in the AMX GEMM's epilogue or after the GEMV; and both are close to
+    the activation of fp32 sums."""
+    x, w = randn(m, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, seed=1)
+    bias = randn(n, dtype=torch.bfloat16, seed=2)
+    packed = gemv_layout.pack(w)
+    layered_act = kernels.silu_and_mul if act == "silu" else kernels.gelu_tanh_and_mul
+    for b in (None, bias):
+        got = kernels.gemv_bf16_act(x, packed, n, b, act)
+        assert got.shape == (m, n // 2) and got.dtype == torch.bfloat16
+        assert torch.equal(got, layered_act(kernels.gemv_bf16(x, packed, n, b)))
+        gate, up = F.linear(x.float(), w.float(), None if b is None else b.float()).chunk(2, -1)
+        fn = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+        close_to_fp32(got, fn * up, 3e-2)
+
+
+def test_gated_projection_on_every_table(isa: str) -> None:
+    """Without AMX (the avx512 and avx2 tables) the op runs the GEMV, then the activation."""
+    x, w = randn(40, 64, dtype=torch.bfloat16), randn(96, 64, dtype=torch.bfloat16, seed=1)
+    packed = gemv_layout.pack(w)
+    assert torch.equal(
+        kernels.gemv_bf16_act(x, packed, 96, None, "silu"),
+        kernels.silu_and_mul(kernels.gemv_bf16(x, packed, 96, None)),
+    )
+
+
+def test_gated_projection_strided_rows_and_bad_arguments(amx_bf16) -> None:
+    """Rows at a stride over 256 rows keep the layered bits; an unknown activation or an odd
+    width is refused."""
+    x = randn(600, 100, dtype=torch.bfloat16)[:, :96]
+    w = randn(64, 96, dtype=torch.bfloat16, seed=1)
+    packed = gemv_layout.pack(w)
+    assert torch.equal(
+        kernels.gemv_bf16_act(x, packed, 64, None, "gelu_tanh"),
+        kernels.gelu_tanh_and_mul(kernels.gemv_bf16(x, packed, 64, None)),
+    )
+    with pytest.raises(RuntimeError, match="silu or gelu_tanh"):
+        kernels.gemv_bf16_act(x, packed, 64, None, "relu")
+    odd = gemv_layout.pack(randn(33, 96, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="even"):
+        kernels.gemv_bf16_act(x, odd, 33, None, "silu")

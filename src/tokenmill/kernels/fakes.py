@@ -19,6 +19,9 @@ def register_fakes() -> None:
         torch.library.register_fake(lib + name)(
             lambda x, packed, out_features, bias: x.new_empty(x.shape[0], out_features)
         )
+    torch.library.register_fake(lib + "gemv_bf16_act")(
+        lambda x, packed, out_features, bias, act: x.new_empty(x.shape[0], out_features // 2)
+    )
     torch.library.register_fake(lib + "linear_bf16_f32out")(
         lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     )

@@ -153,6 +153,21 @@ def gemv_bf16_f32out(
     return y.view(*x.shape[:-1], out_features)
 
 
+def gemv_bf16_act(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+    act: str,
+) -> torch.Tensor:
+    """``act(gate) * up`` of an MLP's fused [gate | up] projection (``out_features`` = 2 x the
+    MLP's width), ``act`` "silu" or "gelu_tanh": the bits of ``gemv_bf16`` followed by
+    ``silu_and_mul`` / ``gelu_tanh_and_mul``. On AMX-BF16 the activation runs in the GEMM's
+    epilogue, so the [rows, out_features] product is never written and read back."""
+    y = torch.ops.tokenmill_cpu.gemv_bf16_act(_rows(x), packed, out_features, bias, act)
+    return y.view(*x.shape[:-1], out_features // 2)
+
+
 def gemv_bf16_amx(
     x: torch.Tensor,
     packed: torch.Tensor,

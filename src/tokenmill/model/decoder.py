@@ -126,7 +126,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRAStepState | None = None) -> torch.Tensor:
         if lora is None:
-            return self.down(self.act_and_mul(self.gate_up(x)))
+            gated = self.gate_up.gated(x, self.act_and_mul)
+            return self.down(self.act_and_mul(self.gate_up(x)) if gated is None else gated)
         h = self.act_and_mul(lora.apply(self.layer_idx, "gate_up", x, self.gate_up(x)))
         return lora.apply(self.layer_idx, "down", h, self.down(h))
 

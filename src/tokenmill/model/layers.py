@@ -8,6 +8,7 @@ token for token in float32.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -103,6 +104,20 @@ class Linear(nn.Module):
         ):  # a tied head: the embedding's rows, read in place
             return kernels.linear_bf16_f32out(x, weight, self.bias)
         return self(x).float()
+
+    def gated(
+        self, x: torch.Tensor, act_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """``act_and_mul(self(x))`` for an MLP's fused [gate | up] projection in one kernel
+        where the weight is in bf16 GEMV blocks (on AMX the activation runs in the GEMM's
+        epilogue, and the [rows, 2 x width] product is never stored); None elsewhere, and the
+        caller runs the two ops. The same bits either way (``kernels.gemv_bf16_act``)."""
+        act = GATED_KERNEL_ACTS.get(act_and_mul)
+        if act is None or self.gemv is None or self.gemv.dtype != torch.bfloat16:
+            return None
+        if x.dtype != torch.bfloat16 or not kernels.supports(x):
+            return None
+        return kernels.gemv_bf16_act(x, self.gemv, self.out_features, self.bias, act)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight: a tied LM head packed for the GEMV is also the
@@ -239,6 +254,12 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 ACT_AND_MUL = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
 """Gated activations by the ``hidden_act`` name in config.json."""
+
+GATED_KERNEL_ACTS: dict[Callable[[torch.Tensor], torch.Tensor], str] = {
+    silu_and_mul: "silu",
+    gelu_tanh_and_mul: "gelu_tanh",
+}
+"""The gated activations ``kernels.gemv_bf16_act`` fuses into the [gate | up] projection."""
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

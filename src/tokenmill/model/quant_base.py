@@ -54,6 +54,13 @@ class QuantizedLinear(nn.Module):
         rows. One stream calls ~65 projections a step; the general path (module buffer
         lookups, dispatch checks, reshape, casts, a separate bias add) cost ~15 us each."""
 
+    def gated(
+        self, x: torch.Tensor, act_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """As ``Linear.gated``: None, the MLP runs its activation after this projection (the
+        int kernels have no gated epilogue)."""
+        return None
+
     def _kernel_call(
         self, x: torch.Tensor, bias: torch.Tensor | None
     ) -> tuple[Op, tuple[object, ...]] | None:

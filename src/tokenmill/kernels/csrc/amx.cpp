@@ -7,10 +7,12 @@
 #include <cstdint>
 #include <cstdlib>
 
-#pragma GCC target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+#pragma GCC target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma,f16c")
 #include <immintrin.h>
 
 #include "kernels.h"
+#include "vec_avx512.h"
+#include "activation.h"
 
 namespace {
 
@@ -143,16 +145,18 @@ void configure_bf16(int rows0, int rows1) {
   _tile_loadconfig(&cfg);
 }
 
-// Sums of row block(s) m0 (32 rows when RB == 2) against channel blocks nb (and nb + 1 when
-// NB == 2) over all K (a multiple of 32), then bias and the bf16 (or fp32) store.
+// Sums of row block(s) m0 (32 rows when RB == 2) against channel blocks nb0 (and nb1 when
+// NB == 2) over all K (a multiple of 32), left in C tiles 0-3 for store_tiles. Only tile
+// instructions: they queue on the tile unit while the caller converts and stores the block
+// before (AVX-512 work), so that epilogue does not leave the tiles idle.
 template <int RB, int NB>
-void block_bf16(const tokenmill::GemmArgs& a, int64_t nb, int64_t m0, int rows0, int rows1, float (*c)[16][16]) {
+void block_bf16(const tokenmill::GemmArgs& a, int64_t nb0, int64_t nb1, int64_t m0) {
   const uint16_t* w = static_cast<const uint16_t*>(a.w);
   const int64_t kp = a.K / 2;  // lines per block
   const uint16_t* x0 = a.x + m0 * a.ldx;
   const uint16_t* x1 = x0 + 16 * a.ldx;
-  const uint16_t* w0 = w + nb * kp * 32;
-  const uint16_t* w1 = w0 + kp * 32;
+  const uint16_t* w0 = w + nb0 * kp * 32;
+  const uint16_t* w1 = w + nb1 * kp * 32;
   const int64_t stride = a.ldx * 2;
   _tile_zero(0);
   if (NB == 2) _tile_zero(1);
@@ -170,24 +174,57 @@ void block_bf16(const tokenmill::GemmArgs& a, int64_t nb, int64_t m0, int rows0,
       if (NB == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
+}
+
+// One block of the output: its channel blocks (nb1: the second, where nbs == 2; with a.act
+// the up half's block of the same channels as the gate's nb0), first row and row counts.
+struct Bf16Block {
+  int64_t nb0, nb1, m0;
+  int rows0, rows1, nbs;
+};
+
+void store_tiles(const Bf16Block& b, float (*c)[16][16]) {
   _tile_stored(0, c[0], 64);
-  if (NB == 2) _tile_stored(1, c[1], 64);
-  if (RB == 2) _tile_stored(2, c[2], 64);
-  if (RB == 2 && NB == 2) _tile_stored(3, c[3], 64);
-  for (int r = 0; r < RB; ++r) {
-    const int rows = r == 0 ? rows0 : rows1;
-    for (int b = 0; b < NB; ++b) {
-      const int64_t n0 = (nb + b) * 16;
-      const __mmask16 mask = tail_mask(n0, a.N);
-      const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0) : _mm512_setzero_ps();
-      for (int m = 0; m < rows; ++m) {
-        const int64_t row = m0 + r * 16 + m;
-        const __m512 v = _mm512_add_ps(_mm512_load_ps(c[r * 2 + b][m]), bias);
-        if (a.yf)
-          _mm512_mask_storeu_ps(a.yf + row * a.ldy + n0, mask, v);
-        else
-          _mm256_mask_storeu_epi16(a.y + row * a.ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+  if (b.nbs == 2) _tile_stored(1, c[1], 64);
+  if (b.rows1) _tile_stored(2, c[2], 64);
+  if (b.rows1 && b.nbs == 2) _tile_stored(3, c[3], 64);
+}
+
+__m512 load_bias(const tokenmill::GemmArgs& a, int64_t n0, __mmask16 mask) {
+  return a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0) : _mm512_setzero_ps();
+}
+
+// act(gate) * up for one row's 16 channels, as gemv_bf16 followed by silu_and_mul (or
+// gelu_tanh_and_mul) computes it: both sums rounded to bf16 first, the activation rounded.
+__m256i gated_bf16(int act, __m512 gate, __m512 up) {
+  gate = Vec::round_bf16(gate);
+  const __m512 s = Vec::round_bf16(act == tokenmill::kActSilu ? silu(gate) : gelu_tanh(gate));
+  return Vec::to_bf16(Vec::mul(s, Vec::round_bf16(up)));
+}
+
+// Bias and the store of a block's sums: bf16 or fp32, or with a.act the gated product of its
+// gate and up blocks (16 channels a row).
+void epilogue_bf16(const tokenmill::GemmArgs& a, const Bf16Block& b, float (*c)[16][16]) {
+  const int64_t n0 = b.nb0 * 16, n1 = b.nb1 * 16;
+  const __mmask16 mask0 = tail_mask(n0, a.N);
+  const __mmask16 mask1 = b.nbs == 2 ? tail_mask(n1, a.N) : 0;
+  const __m512 bias0 = load_bias(a, n0, mask0), bias1 = b.nbs == 2 ? load_bias(a, n1, mask1) : bias0;
+  for (int r = 0; r < (b.rows1 ? 2 : 1); ++r) {
+    const int rows = r == 0 ? b.rows0 : b.rows1;
+    for (int m = 0; m < rows; ++m) {
+      const int64_t row = b.m0 + r * 16 + m;
+      const __m512 v0 = _mm512_add_ps(_mm512_load_ps(c[r * 2][m]), bias0);
+      if (a.act) {
+        const __m512 up = _mm512_add_ps(_mm512_load_ps(c[r * 2 + 1][m]), bias1);
+        _mm256_storeu_si256((__m256i*)(a.y + row * a.ldy + n0), gated_bf16(a.act, v0, up));
+        continue;
       }
+      if (a.yf) _mm512_mask_storeu_ps(a.yf + row * a.ldy + n0, mask0, v0);
+      else _mm256_mask_storeu_epi16(a.y + row * a.ldy + n0, mask0, Vec::to_bf16(v0));
+      if (b.nbs < 2) continue;
+      const __m512 v1 = _mm512_add_ps(_mm512_load_ps(c[r * 2 + 1][m]), bias1);
+      if (a.yf) _mm512_mask_storeu_ps(a.yf + row * a.ldy + n1, mask1, v1);
+      else _mm256_mask_storeu_epi16(a.y + row * a.ldy + n1, mask1, Vec::to_bf16(v1));
     }
   }
 }
@@ -195,31 +232,42 @@ void block_bf16(const tokenmill::GemmArgs& a, int64_t nb, int64_t m0, int rows0,
 }  // namespace
 
 void tokenmill::amx_gemm_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
-  alignas(64) float c[4][16][16];
-  int configured0 = -1, configured1 = -1;
-  // Two blocks at a time (their lines stay in L1/L2) against every row, 32 at a time. The
-  // rows are x's (ops_linear.cpp passes 256 at a time, so they stay in L2 too).
-  for (int64_t nb = b0; nb < b1; nb += 2) {
-    const bool pair = nb + 2 <= b1;
+  alignas(64) float c[2][4][16][16];  // two blocks' sums: one stored while the next computes
+  int configured0 = -1, configured1 = -1, cur = 0;
+  Bf16Block pending{};
+  bool has_pending = false;
+  // Two channel blocks at a time (their lines stay in L1/L2: blocks nb and nb + 1, or with
+  // a.act a gate block and its up block) against every row, 32 at a time. The rows are x's
+  // (ops_linear.cpp passes 256 at a time, so they stay in L2 too). Each block's products
+  // are issued before the block before it is converted and stored.
+  for (int64_t nb = b0; nb < b1; nb += a.act ? 1 : 2) {
+    const int nbs = a.act || nb + 2 <= b1 ? 2 : 1;
+    const int64_t nb1 = a.act ? nb + a.up_block : nb + 1;
     for (int64_t m0 = 0; m0 < a.M; m0 += 32) {
       const int64_t left = a.M - m0;
       const int rows0 = (int)(left < 16 ? left : 16);
       const int rows1 = (int)(left <= 16 ? 0 : (left < 32 ? left - 16 : 16));
       if (rows0 != configured0 || rows1 != configured1) {
-        configure_bf16(rows0, rows1);
+        configure_bf16(rows0, rows1);  // zeroes the tiles; the pending block's sums are in c
         configured0 = rows0;
         configured1 = rows1;
       }
       if (rows1) {
-        if (pair) block_bf16<2, 2>(a, nb, m0, rows0, rows1, c);
-        else block_bf16<2, 1>(a, nb, m0, rows0, rows1, c);
-      } else if (pair) {
-        block_bf16<1, 2>(a, nb, m0, rows0, rows1, c);
+        if (nbs == 2) block_bf16<2, 2>(a, nb, nb1, m0);
+        else block_bf16<2, 1>(a, nb, nb1, m0);
+      } else if (nbs == 2) {
+        block_bf16<1, 2>(a, nb, nb1, m0);
       } else {
-        block_bf16<1, 1>(a, nb, m0, rows0, rows1, c);
+        block_bf16<1, 1>(a, nb, nb1, m0);
       }
+      if (has_pending) epilogue_bf16(a, pending, c[1 - cur]);
+      pending = Bf16Block{nb, nb1, m0, rows0, rows1, nbs};
+      has_pending = true;
+      store_tiles(pending, c[cur]);
+      cur = 1 - cur;
     }
   }
+  if (has_pending) epilogue_bf16(a, pending, c[1 - cur]);
   _tile_release();
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include "kernels.h"
+#include "activation.h"
 
 namespace {
 
@@ -85,14 +86,12 @@ void rms_norm_kernel(const tokenmill::NormArgs& a, int64_t r0, int64_t r1) {
 template <int FMT>
 void silu_mul_impl(const tokenmill::ActMulArgs& a, int64_t r0, int64_t r1) {
   const int64_t D = a.D;
-  const Vec::R one = Vec::set1(1.0f), zero = Vec::zero();
   for (int64_t r = r0; r < r1; ++r) {
     for (int64_t j = 0; j < D; j += Vec::W) {
       int n = chunk(D, j);
       Vec::R g = ld<FMT>(a.x, r * a.ldx + j, n);
       Vec::R u = ld<FMT>(a.x, r * a.ldx + D + j, n);
-      Vec::R s = rnd<FMT>(Vec::div(g, Vec::add(one, Vec::exp(Vec::sub(zero, g)))));
-      st<FMT>(a.out, r * D + j, Vec::mul(s, u), n);
+      st<FMT>(a.out, r * D + j, Vec::mul(rnd<FMT>(silu(g)), u), n);
     }
   }
 }
@@ -102,31 +101,17 @@ void silu_mul_kernel(const tokenmill::ActMulArgs& a, int64_t r0, int64_t r1) {
   else silu_mul_impl<tokenmill::F32>(a, r0, r1);
 }
 
-// tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|): no overflow at any x.
-inline Vec::R tanh_vec(Vec::R x) {
-  const Vec::R one = Vec::set1(1.0f);
-  Vec::R ax = Vec::max(x, Vec::sub(Vec::zero(), x));
-  Vec::R e = Vec::exp(Vec::mul(ax, Vec::set1(-2.0f)));
-  Vec::R t = Vec::div(Vec::sub(one, e), Vec::add(one, e));
-  return Vec::copysign(t, x);
-}
-
 // GeGLU with GELU's tanh form (Gemma's gelu_pytorch_tanh), in torch's order of operations:
 // 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) in fp32, rounded to the dtype, times up.
 template <int FMT>
 void gelu_tanh_mul_impl(const tokenmill::ActMulArgs& a, int64_t r0, int64_t r1) {
   const int64_t D = a.D;
-  const Vec::R one = Vec::set1(1.0f), half = Vec::set1(0.5f);
-  const Vec::R beta = Vec::set1(0.7978845608028654f), kappa = Vec::set1(0.044715f);
   for (int64_t r = r0; r < r1; ++r) {
     for (int64_t j = 0; j < D; j += Vec::W) {
       int n = chunk(D, j);
       Vec::R g = ld<FMT>(a.x, r * a.ldx + j, n);
       Vec::R u = ld<FMT>(a.x, r * a.ldx + D + j, n);
-      Vec::R cube = Vec::mul(Vec::mul(g, g), g);
-      Vec::R inner = Vec::mul(beta, Vec::add(g, Vec::mul(kappa, cube)));
-      Vec::R s = rnd<FMT>(Vec::mul(Vec::mul(half, g), Vec::add(one, tanh_vec(inner))));
-      st<FMT>(a.out, r * D + j, Vec::mul(s, u), n);
+      st<FMT>(a.out, r * D + j, Vec::mul(rnd<FMT>(gelu_tanh(g)), u), n);
     }
   }
 }

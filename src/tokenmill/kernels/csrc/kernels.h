@@ -54,7 +54,14 @@ struct GemmArgs {
   int64_t N;            // gemv_bf16/f32: output channels (the last 16-channel block may be padding)
   const float* xf;      // gemv_f32: [M, K] fp32 rows (stride ldx) and [M, N] fp32 out (stride ldy)
   float* yf;
+  // amx_gemm_bf16 on an MLP's fused [gate | up]: kActSilu or kActGeluTanh writes act(gate) * up
+  // ([M, N / 2], what silu_and_mul or gelu_tanh_and_mul gives on the bf16 product), pairing
+  // each gate block with block + up_block (N / 32) of the same channels. kActNone: y itself.
+  int act;
+  int64_t up_block;
 };
+
+enum { kActNone = 0, kActSilu = 1, kActGeluTanh = 2 };
 
 struct NormArgs {
   const void* x;        // [R, D]

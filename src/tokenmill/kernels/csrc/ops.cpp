@@ -152,6 +152,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("gemv_bf16(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("gemv_bf16_f32out(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("gemv_bf16_amx(Tensor x, Tensor packed, int out_features, Tensor? bias, bool f32_out) -> Tensor");
+  m.def("gemv_bf16_act(Tensor x, Tensor packed, int out_features, Tensor? bias, str act) -> Tensor");
   m.def("linear_bf16_f32out(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("gemv_f32(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor weight, Tensor scales, Tensor wsum, Tensor? bias) -> Tensor");
@@ -191,6 +192,7 @@ TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("gemv_bf16", &tokenmill::gemv_bf16);
   m.impl("gemv_bf16_f32out", &tokenmill::gemv_bf16_f32out);
   m.impl("gemv_bf16_amx", &tokenmill::gemv_bf16_amx);
+  m.impl("gemv_bf16_act", &tokenmill::gemv_bf16_act);
   m.impl("linear_bf16_f32out", &tokenmill::linear_bf16_f32out);
   m.impl("gemv_f32", &tokenmill::gemv_f32);
   m.impl("linear_int8", &tokenmill::linear_int8);

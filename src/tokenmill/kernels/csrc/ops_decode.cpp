@@ -144,6 +144,14 @@ struct Projection {
     return p;
   }
 
+  // act(gate) * up of an MLP's [gate | up] projection: bf16 blocks fuse the activation into
+  // the GEMM (gemv_bf16_act, the same bits); other weights run it after.
+  at::Tensor gated(const at::Tensor& x, bool gelu_tanh) const {
+    if (op == Op::kGemvBf16) return gemv_bf16_act(x, weight, out_features, bias, gelu_tanh ? "gelu_tanh" : "silu");
+    const at::Tensor h = (*this)(x);
+    return gelu_tanh ? gelu_tanh_and_mul(h) : silu_and_mul(h);
+  }
+
   at::Tensor operator()(const at::Tensor& x) const {
     switch (op) {
       case Op::kGemvBf16: return gemv_bf16(x, weight, out_features, bias);
@@ -365,17 +373,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     h = y.o(h);
     if (y.post_norm) {
       residual = at::add(residual, alone(h, y.post_attn_norm));
-      h = y.gate_up(residual);
-      h = y.gelu_tanh ? gelu_tanh_and_mul(h) : silu_and_mul(h);
-      x = alone(y.down(h), y.post_mlp_norm);
+      x = alone(y.down(y.gate_up.gated(residual, y.gelu_tanh)), y.post_mlp_norm);
       continue;
     }
     const bool sandwich = y.pre_mlp_norm.defined();
     if (sandwich) h = alone(h, y.post_attn_norm);
     h = with_residual(h, sandwich ? y.pre_mlp_norm : y.post_attn_norm);
-    h = y.gate_up(h);
-    h = y.gelu_tanh ? gelu_tanh_and_mul(h) : silu_and_mul(h);
-    x = y.down(h);
+    x = y.down(y.gate_up.gated(h, y.gelu_tanh));
     if (sandwich) x = alone(x, y.post_mlp_norm);
   }
   return {x, residual};

@@ -18,7 +18,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == (f32 ? at::kFloat : at::kBFloat16), "tokenmill_cpu linear: x must be ",
               f32 ? "float32" : "bfloat16");
-  at::Tensor y = at::empty({x.size(0), N}, x.options().dtype(f32 || f32_out ? at::kFloat : at::kBFloat16));
+  const int64_t cols = args.act ? N / 2 : N;  // act(gate) * up: half the channels
+  at::Tensor y = at::empty({x.size(0), cols}, x.options().dtype(f32 || f32_out ? at::kFloat : at::kBFloat16));
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->to(at::kFloat).contiguous();
@@ -39,7 +40,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t
   args.M = x.size(0);
   args.K = x.size(1);
   args.w = w.data_ptr();
-  args.ldy = N;
+  args.ldy = cols;
   if (args.M == 0 || N == 0) return y;
   // The parallel dimension: output channels, or (range >= 0) the kernel's channel blocks.
   const int64_t M = args.M, chunk = row_chunk > 0 ? row_chunk : M;
@@ -123,6 +124,33 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, c
 at::Tensor gemv_bf16_f32out(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                             const c10::optional<at::Tensor>& bias) {
   return gemv_bf16_out(x, packed, N, bias, true);
+}
+
+// An MLP's act(gate) * up from its fused [gate | up] projection: on AMX-BF16 (rows and K as
+// gemv_bf16 takes the tiles, N / 2 whole blocks) in the GEMM's epilogue, so the [M, N]
+// product is never written and read back; elsewhere gemv_bf16, then the activation op. Both
+// give the same bits. act: "silu" or "gelu_tanh".
+at::Tensor gemv_bf16_act(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
+                         const std::string& act) {
+  TORCH_CHECK(act == "silu" || act == "gelu_tanh", "gemv_bf16_act: act must be silu or gelu_tanh, got ", act);
+  TORCH_CHECK(N % 2 == 0, "gemv_bf16_act: out_features must be even ([gate | up])");
+  check_rows(x, "x");
+  const int64_t K = x.size(1);
+  if (x.size(0) >= kAmxBf16MinRows && K % 32 == 0 && N % 32 == 0 && amx_bf16_active()) {
+    const int64_t blocks = (N + 15) / 16, kp = (K + 1) / 2;
+    TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 4 &&
+                    packed.size(0) == blocks && packed.size(1) == kp && packed.size(2) == 16 && packed.size(3) == 2,
+                "gemv_bf16_act: weight must be bfloat16 blocks [", blocks, ", ", kp, ", 16, 2] (kernels.gemv_layout)");
+    GemmArgs a{};
+    a.N = N;
+    a.act = act == "silu" ? kActSilu : kActGeluTanh;
+    a.up_block = blocks / 2;
+    // One task: a gate block and its up block each (as gemv_bf16's pairs), ~64 KB or more.
+    const int64_t grain = std::max<int64_t>(1, 65536 / (kp * 64) / 2);
+    return gemm(x, packed, a, N, bias, grain, amx_gemm_bf16, blocks / 2, /*f32=*/false, false, kAmxBf16RowChunk);
+  }
+  const at::Tensor y = gemv_bf16_out(x, packed, N, bias, false);
+  return act == "silu" ? silu_and_mul(y) : gelu_tanh_and_mul(y);
 }
 
 // gemv_bf16 on the AMX-BF16 tiles at any row count (an error where they do not run).
