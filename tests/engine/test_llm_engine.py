@@ -405,3 +405,29 @@ def test_tokenizer_option_reads_another_folder(make_model, tmp_path) -> None:
     assert LLM(str(folder), dtype="float32", max_model_len=64).tokenizer.chat_template != (
         "OTHER {{ messages[0]['content'] }}"
     )
+
+
+def test_the_step_budget_defaults_per_device_and_a_given_one_wins(folder) -> None:
+    """Without --max-num-batched-tokens a CPU engine steps 1024 tokens (a GPU 2048, vLLM's);
+    the resolved config says which, and a given budget is used as it is."""
+    from tokenmill.config import EngineConfig, default_step_tokens
+
+    assert (default_step_tokens("cpu"), default_step_tokens("cuda")) == (1024, 2048)
+    assert EngineConfig(model="m").step_token_budget("cuda") == 2048
+    assert EngineConfig(model="m", max_num_batched_tokens=300).step_token_budget("cpu") == 300
+    llm = LLM(str(folder), dtype="float32", max_model_len=2048, device="cpu")
+    assert llm.engine.config.max_num_batched_tokens == 1024
+    assert llm.engine.scheduler.max_num_batched_tokens == 1024
+    given = LLM(str(folder), dtype="float32", max_model_len=256, max_num_batched_tokens=96)
+    assert given.engine.scheduler.max_num_batched_tokens == 96
+    # A 1500-token prompt is prefilled in two steps of the default budget (one of a budget
+    # that holds it whole), with the same tokens.
+    prompt = [10 + i % 200 for i in range(1500)]
+    one_token = SamplingParams(temperature=0.0, max_tokens=1)
+    whole = LLM(str(folder), dtype="float32", max_model_len=2048, max_num_batched_tokens=2048)
+    outs = []
+    for engine in (llm, whole):
+        before = engine.engine.stats.num_steps
+        outs.append(_tokens(engine.generate([prompt], one_token, use_tqdm=False)))
+        outs.append(engine.engine.stats.num_steps - before)
+    assert outs[0] == outs[2] and (outs[1], outs[3]) == (2, 1)

@@ -23,6 +23,7 @@ import torch
 from tokenmill.bench.datasets import BenchRequest
 from tokenmill.bench.metrics import RequestRecord
 from tokenmill.bench.tokenization import encode_text, load_tokenizer
+from tokenmill.config import default_step_tokens
 from tokenmill.model.loader import TORCH_DTYPES
 
 if TYPE_CHECKING:
@@ -30,9 +31,6 @@ if TYPE_CHECKING:
 
 BACKEND_NAMES: tuple[str, ...] = ("tokenmill", "transformers", "transformers-cb")
 """Values accepted by ``--backends``."""
-_CB_MAX_BATCH_TOKENS = (
-    2048  # tokenmill's default max_num_batched_tokens, for a like-for-like step budget
-)
 
 
 class OfflineBackend(Protocol):
@@ -323,7 +321,8 @@ class TransformersCBBackend(_TransformersBase):
             kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
                 page_size=page_size,
                 num_blocks=math.ceil(num_tokens / page_size) + len(requests),
-                max_batch_tokens=_CB_MAX_BATCH_TOKENS,
+                # tokenmill's default step budget on this device, for a like-for-like step
+                max_batch_tokens=default_step_tokens(self.device.type),
             )
         generation_config = GenerationConfig(
             max_new_tokens=max(r.output_len for r in requests),

@@ -83,8 +83,10 @@ class LLMEngine:
             max_model_len=info.max_model_len,
             num_threads=info.num_threads,
             kv_cache_dtype=info.kv_cache_dtype,  # type: ignore[arg-type]
+            max_num_batched_tokens=config.step_token_budget(resolve_device(info.device).type),
         )
-        """The resolved config: no ``auto`` device or dtype, and the model's context length filled in."""
+        """The resolved config: no ``auto`` device or dtype, the model's context length and the
+        device's step budget filled in."""
         self.device = resolve_device(info.device)
         self.dtype = KV_CACHE_DTYPES[info.dtype]
         self.kv_dtype = KV_CACHE_DTYPES[info.kv_cache_dtype]
@@ -127,7 +129,7 @@ class LLMEngine:
                 cache.eager_reason,
             )
         self.startup.kv_allocation_s = time.monotonic() - kv_start - cache.compile_time_s
-        step_budget = config.max_num_batched_tokens
+        step_budget = config.step_token_budget(self.device.type)  # filled in above
         if not config.enable_chunked_prefill and step_budget < self.max_model_len:
             step_budget = self.max_model_len  # a whole prompt must fit one step
             logger.info(

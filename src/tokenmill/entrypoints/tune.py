@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from tokenmill.config import default_step_tokens
 from tokenmill.entrypoints.config_args import parse_memory
 from tokenmill.errors import ConfigError
 
@@ -181,14 +182,18 @@ def _plan_fn(
 
 
 def _resolved_defaults(model: str) -> dict[str, Any]:
-    """What ``serve``'s ``auto`` dtype and thread count resolve to on this machine."""
+    """What ``serve``'s ``auto`` dtype, thread count and step budget resolve to on this
+    machine."""
     from tokenmill.entrypoints.plan import _resolve_model, resolve_model_dtype, this_machine
     from tokenmill.model.config import ModelConfig
     from tokenmill.model.thread_policy import default_thread_decision
 
     device = this_machine().device
     cfg = ModelConfig.from_folder(_resolve_model(model))
-    resolved: dict[str, Any] = {"dtype": resolve_model_dtype("auto", cfg, device)}
+    resolved: dict[str, Any] = {
+        "dtype": resolve_model_dtype("auto", cfg, device),
+        "max_num_batched_tokens": default_step_tokens(device),
+    }
     if device == "cpu":
         resolved["num_threads"] = default_thread_decision().num_threads
     return resolved

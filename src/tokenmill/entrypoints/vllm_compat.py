@@ -290,7 +290,10 @@ _FLAGS: dict[str, tuple[Status, str]] = {
     "--jit-monitor-mode": ("ignored", "watches CUDA JIT compiles"),
     "--jit-monitor-verbose": ("ignored", "watches CUDA JIT compiles"),
     # ---- SchedulerConfig
-    "--max-num-batched-tokens": ("implemented", "tokenmill's default is 2048"),
+    "--max-num-batched-tokens": (
+        "implemented",
+        "tokenmill's default is 1024 on a CPU, 2048 on a GPU",
+    ),
     "--max-num-scheduled-tokens": ("refused", "the step budget is --max-num-batched-tokens"),
     "--max-num-seqs": ("implemented", "tokenmill's default is 256"),
     "--max-num-active-seqs": ("refused", "the running batch is bounded by --max-num-seqs"),

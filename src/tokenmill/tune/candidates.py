@@ -24,7 +24,7 @@ DEFAULTS: dict[str, Any] = {
     "kv_cache_dtype": "auto",
     "block_size": 16,
     "max_num_seqs": 256,
-    "max_num_batched_tokens": 2048,
+    "max_num_batched_tokens": None,
     "enable_prefix_caching": True,
     "speculative_config": None,
     "num_threads": None,
@@ -183,7 +183,8 @@ def default_space(
         "kv_cache_dtype": ["fp8"],
         "block_size": [32],
         "max_num_seqs": [4, 32],
-        "max_num_batched_tokens": [512, 8192],
+        # 1024 (a CPU's default) and 2048 (a GPU's): resolved_defaults drops the device's own
+        "max_num_batched_tokens": [512, 1024, 2048, 8192],
         "enable_prefix_caching": [False],
         "speculative_config": [_NGRAM],
     }
