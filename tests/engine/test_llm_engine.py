@@ -418,6 +418,7 @@ def test_the_step_budget_defaults_per_device_and_a_given_one_wins(folder) -> Non
     llm = LLM(str(folder), dtype="float32", max_model_len=2048, device="cpu")
     assert llm.engine.config.max_num_batched_tokens == 1024
     assert llm.engine.scheduler.max_num_batched_tokens == 1024
+    assert llm.engine.stats.precision["max_num_batched_tokens"] == "1024"  # /metrics' label
     given = LLM(str(folder), dtype="float32", max_model_len=256, max_num_batched_tokens=96)
     assert given.engine.scheduler.max_num_batched_tokens == 96
     # A 1500-token prompt is prefilled in two steps of the default budget (one of a budget

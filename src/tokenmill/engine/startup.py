@@ -34,6 +34,8 @@ def initial_stats(
             "kv_cache_dtype": config.kv_cache_dtype,
             "num_threads": str(config.num_threads) if is_cpu else "n/a",
             "cpu_isa": cpu_info().isa if is_cpu else "n/a",
+            # the step budget resolved for the device (its default differs by device)
+            "max_num_batched_tokens": str(config.max_num_batched_tokens),
         },
         cache_config={  # vLLM's CacheConfig names
             "block_size": str(kv_manager.block_size),

@@ -173,7 +173,8 @@ class EngineStatsCollector(Collector):
             names = sorted(stats.precision)
             info = GaugeMetricFamily(
                 PREFIX + "engine_config_info",
-                "What the engine runs: dtype, quantization, KV cache dtype, compute threads, CPU ISA.",
+                "What the engine runs: dtype, quantization, KV cache dtype, compute threads, CPU ISA, "
+                "step token budget.",
                 labels=["model_name", *names],
             )
             info.add_metric([self._model_name, *(stats.precision[n] for n in names)], 1)
