@@ -93,13 +93,19 @@ constexpr int64_t kAmxBf16RowChunk = 256;
 // tiles), else the table's GEMV; kAmx insists on the tiles (tests of the kernel itself).
 enum class Bf16Path { kAuto, kAmx };
 
+// bf16 weights for N outputs of K inputs in kernels/gemv_layout.py's blocks, or `op`'s error.
+void check_bf16_blocks(const at::Tensor& packed, int64_t N, int64_t K, const char* op) {
+  const int64_t blocks = (N + 15) / 16, kp = (K + 1) / 2;
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(0) == blocks && packed.size(1) == kp && packed.size(2) == 16 && packed.size(3) == 2,
+              op, ": weight must be bfloat16 blocks [", blocks, ", ", kp, ", 16, 2] (kernels.gemv_layout)");
+}
+
 at::Tensor gemv_bf16_out(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
                          bool f32_out, Bf16Path path = Bf16Path::kAuto) {
   check_rows(x, "x");
   const int64_t K = x.size(1), blocks = (N + 15) / 16, kp = (K + 1) / 2;
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 4 &&
-                  packed.size(0) == blocks && packed.size(1) == kp && packed.size(2) == 16 && packed.size(3) == 2,
-              "gemv_bf16: weight must be bfloat16 blocks [", blocks, ", ", kp, ", 16, 2] (kernels.gemv_layout)");
+  check_bf16_blocks(packed, N, K, "gemv_bf16");
   GemmArgs a{};
   a.N = N;
   // Tasks of whole blocks, ~64 KB of weights or more: each thread streams one contiguous range.
@@ -138,9 +144,7 @@ at::Tensor gemv_bf16_act(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const int64_t K = x.size(1);
   if (x.size(0) >= kAmxBf16MinRows && K % 32 == 0 && N % 32 == 0 && amx_bf16_active()) {
     const int64_t blocks = (N + 15) / 16, kp = (K + 1) / 2;
-    TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 4 &&
-                    packed.size(0) == blocks && packed.size(1) == kp && packed.size(2) == 16 && packed.size(3) == 2,
-                "gemv_bf16_act: weight must be bfloat16 blocks [", blocks, ", ", kp, ", 16, 2] (kernels.gemv_layout)");
+    check_bf16_blocks(packed, N, K, "gemv_bf16_act");
     GemmArgs a{};
     a.N = N;
     a.act = act == "silu" ? kActSilu : kActGeluTanh;
