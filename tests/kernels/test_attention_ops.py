@@ -154,9 +154,11 @@ def _prefill_case(kv_dtype, q_dtype, hq, hkv, dim, block_size, chunks, seed=0):
     return q, k_cache, v_cache, tables.view(len(chunks), width), lens, starts, kv_scales
 
 
-PREFILL_CHUNKS = [(0, 37), (20, 13), (64, 1), (5, 70)]
+PREFILL_CHUNKS = [(0, 37), (20, 13), (64, 1), (5, 70), (450, 140)]
 """A fresh prompt, a chunk after a cached prefix, a single query at the end of a long context,
-a chunk longer than a key tile; no length a multiple of a block."""
+a chunk longer than the AVX2 kernels' query tiles, and a context over two key tiles (256 keys,
+512 on AMX: the online softmax rescales across them) whose chunk spans two AMX work items; no
+length a multiple of a block."""
 
 
 PREFILL_HEADS = [

@@ -150,6 +150,9 @@ struct PrefillArgs {
   // bf16 queries over a bf16 cache on AMX-BF16 tiles (the avx512 table; only where granted;
   // one KV head an item).
   bool amx;
+  // Keys per softmax update: kDecodeKeyTile, kPrefillKeyTile or kAmxPrefillKeyTile (a
+  // multiple of 64).
+  int64_t key_tile;
 };
 
 struct KernelTable {
@@ -187,13 +190,27 @@ struct KernelTable {
   int64_t int8_x_group;
 };
 
+// Keys per softmax update (PrefillArgs::key_tile). Each update costs every query vector a
+// max, a sum, an exp of the old max and a rescale of its accumulators, and on AMX a store
+// and reload of the scores around the tile unit: over 64 keys that per-row work was most of
+// the AMX prompt kernel. vLLM's CPU attention sizes its key tile to L2 and so pays it about
+// once a row; on AMX a 512-key tile (scores, weights and packed K/V of a 128-vector item,
+// ~0.7 MB for head_dim 64, ~1 MB for 256, within a 2 MB L2) ran prompt attention 1.3-1.8x
+// faster than 64 with the fused softmax (prefill.h's amx_softmax_row), 256 the AVX-512
+// BF16 dot products 1.05-1.09x (AVX2 1.03x). Decode keeps 64: one query row, and its
+// prefetch of the next tile is tuned to it.
+constexpr int64_t kAmxPrefillKeyTile = 512;
+constexpr int64_t kPrefillKeyTile = 256;
+constexpr int64_t kDecodeKeyTile = 64;
+
 // Query rows per prefill work item for ``group`` query heads per KV head: whole rows, at
 // most 16 query vectors (at least one row, whatever the group).
 inline int64_t prefill_rows_per_item(int64_t group) { return group >= 16 ? 1 : 16 / group; }
 
 // The same on AMX tiles (PrefillArgs::amx): up to kAmxPrefillVectors query vectors, so each
-// tile of keys and values, packed once, serves several 16-row tiles of queries.
-constexpr int64_t kAmxPrefillVectors = 64;
+// tile of keys and values, packed once, serves several 16-row tiles of queries (128 ran a
+// SmolLM2 layer's 1024-token prompt attention 1.05-1.1x faster than 64 at a 512-key tile).
+constexpr int64_t kAmxPrefillVectors = 128;
 inline int64_t prefill_rows_per_item_amx(int64_t group) {
   return group >= kAmxPrefillVectors ? 1 : kAmxPrefillVectors / group;
 }

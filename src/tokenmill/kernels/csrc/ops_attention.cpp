@@ -117,6 +117,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.items = triples.data();
   p.rows_per_item = 1;
   p.heads_per_item = heads_per_item;
+  p.key_tile = kDecodeKeyTile;
   p.item_keys = item_range.data();
   p.item_slot = item_slot.data();
   const KernelTable& k = kernels();
@@ -171,6 +172,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   a.items = items.data();
   a.rows_per_item = rows;
   a.heads_per_item = 1;
+  a.key_tile = a.amx ? kAmxPrefillKeyTile : kPrefillKeyTile;
   const KernelTable& k = kernels();
   const int64_t count = static_cast<int64_t>(items.size()) / 3;
   parallel_chunks(count, 1, [&](int64_t i0, int64_t i1) { k.prefill_attention(a, i0, i1); });

@@ -4,15 +4,15 @@
 // softcap); internal linkage only.
 //
 // A work item is (sequence, KV heads, query tile): for a prompt chunk one KV head and up to
-// 16 query vectors (rows x its G query heads), so each K/V row read from the cache serves
-// all of them; for decode (ops_attention.cpp's paged_decode_attention) one query row and every KV
-// head, over the item's share of the keys when a long context is split (split-K, merged by
-// common.h's attention_merge). The item walks the keys its rows can see in tiles of kKeyTile tokens, across
-// block boundaries: scores for every query vector of the tile (K converted in registers
-// once per group of score_tile vectors), masked per row (causal, sliding window), an
-// online softmax per vector (running max and sum in fp32), and V accumulated into fp32
-// registers. No gather into contiguous K/V, no [queries, context] mask, no scores buffer
-// longer than a key tile.
+// 16 query vectors (rows x its G query heads; 128 on AMX), so each K/V row read from the
+// cache serves all of them; for decode (ops_attention.cpp's paged_decode_attention) one
+// query row and every KV head, over the item's share of the keys when a long context is
+// split (split-K, merged by common.h's attention_merge). The item walks the keys its rows
+// can see in tiles of PrefillArgs::key_tile tokens (kernels.h), across block boundaries:
+// scores for every query vector of the tile (K converted in registers once per group of
+// score_tile vectors), masked per row (causal, sliding window), an online softmax per
+// vector (running max and sum in fp32), and V accumulated into fp32 registers. No gather
+// into contiguous K/V, no [queries, context] mask, no scores buffer longer than a key tile.
 #pragma once
 #include <cstdint>
 #include <cstdlib>
@@ -21,7 +21,6 @@
 
 namespace {
 
-constexpr int kKeyTile = 64;                       // keys scored per softmax update
 constexpr int kPrefillScoreTile = Vec::W == 16 ? 8 : 4;  // vectors scored per pass over K
 
 #ifdef TOKENMILL_BF16_DOT
@@ -171,42 +170,104 @@ inline void amx_attention_configure() {
   _tile_loadconfig(&cfg);
 }
 
-// s[m][0 .. 64) = scale * (q_m . k_t) for rows m < ``rows`` (computed in blocks of 16: the
-// rows past them up to a multiple of 16 are scratch) and kt's 4 groups of 16 keys (a group
-// past the tile's keys gives scores nobody reads).
-inline void amx_scores(const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, int rows, float* s) {
+// s[m][0 .. n) = scale * (q_m . k_t), rows ld floats apart, for rows m < ``rows``
+// (computed in blocks of 16: the rows past them up to a multiple of 16 are scratch) and
+// kt's groups of 16 keys, 64 keys a pass (the groups past n give scores nobody reads).
+inline void amx_scores(const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, int rows, int n, int64_t ld,
+                       float* s) {
   for (int r0 = 0; r0 < rows; r0 += 16) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
     const uint32_t* q = qw + r0 * P;
-    for (int64_t p0 = 0; p0 < P; p0 += 16) {
-      _tile_loadd(4, q + p0, P * 4);
-      _tile_loadd(5, kt + p0 * 16, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, kt + (P + p0) * 16, 64);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(5, kt + (2 * P + p0) * 16, 64);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(6, kt + (3 * P + p0) * 16, 64);
-      _tile_dpbf16ps(3, 4, 6);
+    for (int g0 = 0; g0 < n; g0 += 64) {
+      const uint32_t* k = kt + g0 * P;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t p0 = 0; p0 < P; p0 += 16) {
+        _tile_loadd(4, q + p0, P * 4);
+        _tile_loadd(5, k + p0 * 16, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, k + (P + p0) * 16, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, k + (2 * P + p0) * 16, 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, k + (3 * P + p0) * 16, 64);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+      float* o = s + r0 * ld + g0;
+      _tile_stored(0, o, ld * 4);
+      _tile_stored(1, o + 16, ld * 4);
+      _tile_stored(2, o + 32, ld * 4);
+      _tile_stored(3, o + 48, ld * 4);
     }
-    float* o = s + r0 * kKeyTile;
-    _tile_stored(0, o, kKeyTile * 4);
-    _tile_stored(1, o + 16, kKeyTile * 4);
-    _tile_stored(2, o + 32, kKeyTile * 4);
-    _tile_stored(3, o + 48, kKeyTile * 4);
   }
+  if (scale == 1.0f) return;
   const __m512 vs = _mm512_set1_ps(scale);
   for (int m = 0; m < rows; ++m)
-    for (int t = 0; t < kKeyTile; t += 16) _mm512_storeu_ps(s + m * kKeyTile + t, _mm512_mul_ps(_mm512_loadu_ps(s + m * kKeyTile + t), vs));
+    for (int t = 0; t < n; t += 16) _mm512_storeu_ps(s + m * ld + t, _mm512_mul_ps(_mm512_loadu_ps(s + m * ld + t), vs));
 }
 
-// acc[m][j0 .. j0 + 16 NV) += the weights' pairs pw (rows kKeyTile / 2 words apart) times
-// vp's chunks of 16 key pairs (zero past the tile's keys on both sides), for 16 rows.
+// Lanes t .. t + 15 that lie in [ta, te).
+inline __mmask16 lanes_in(int t, int ta, int te) {
+  const int lo = ta > t ? ta - t : 0, hi = te - t < 16 ? te - t : 16;
+  return hi <= lo ? (__mmask16)0 : (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+// exp(x) for attention weights that are rounded to bf16 (8 significant bits) before P.V: a
+// degree-4 polynomial on [-ln2/2, ln2/2], relative error 3.6e-6 (500x under bf16's half
+// ulp), where Vec::exp's degree 6 keeps fp32's last bit for two more FMAs and a clamp. The
+// arguments are scores less their row's max: <= 0, and any far below underflow to 0 in
+// scalef, so there is nothing to clamp.
+inline __m512 exp_weights(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147182f), x);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0419175290f), r, _mm512_set1_ps(0.167921603f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.499988705f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.999962270f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.00000012f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One row's online-softmax update in a single pass from raw scores s (q . k, unscaled) to
+// the bf16 weights w[0 .. nk) that amx_pv reads: the row's keys [ta, te) weigh
+// exp(scale * s - max), every other key up to nk (a whole number of 16-pair tiles) 0; the
+// running max and sum move on and the accumulators are rescaled. With the scale folded
+// into the exponent (scale > 0: the max of the raw scores is the max of the scaled), the
+// scores are read twice and never written, and the weights are written once, where the
+// general path takes five passes (scale, max, exp, sum, bf16).
+inline void amx_softmax_row(const float* s, int ta, int te, int nk, float scale, float& mx, float& sm, float* acc,
+                            int64_t dp, uint16_t* w) {
+  if (ta == te) {
+    std::memset(w, 0, sizeof(uint16_t) * nk);
+    return;
+  }
+  __m512 vmax = _mm512_set1_ps(-3.0e38f);
+  for (int t = ta & ~15; t < te; t += 16) vmax = _mm512_mask_max_ps(vmax, lanes_in(t, ta, te), vmax, _mm512_loadu_ps(s + t));
+  const float tile_max = _mm512_reduce_max_ps(vmax) * scale;
+  const float m_new = mx > tile_max ? mx : tile_max;
+  const float alpha = __builtin_expf(mx - m_new);
+  const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(-m_new);
+  __m512 sum = _mm512_setzero_ps();
+  for (int t = 0; t < nk; t += 16) {
+    const __mmask16 k = lanes_in(t, ta, te);
+    __m512 p = _mm512_setzero_ps();
+    if (k) p = _mm512_maskz_mov_ps(k, exp_weights(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, s + t), vs, vm)));
+    sum = _mm512_add_ps(sum, p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), Vec::to_bf16(p));
+  }
+  sm = sm * alpha + _mm512_reduce_add_ps(sum);
+  mx = m_new;
+  if (alpha != 1.0f) {
+    const __m512 va = _mm512_set1_ps(alpha);
+    for (int64_t j = 0; j < dp; j += 16) _mm512_storeu_ps(acc + j, _mm512_mul_ps(_mm512_loadu_ps(acc + j), va));
+  }
+}
+
+// acc[m][j0 .. j0 + 16 NV) += the weights' pairs pw (rows lw words apart) times vp's
+// chunks of 16 key pairs (zero past the tile's keys on both sides), for 16 rows.
 template <int NV>
-inline void amx_pv(const uint32_t* vp, int chunks, int64_t dp, int64_t j0, const uint32_t* pw, float* acc) {
+inline void amx_pv(const uint32_t* vp, int chunks, int64_t dp, int64_t j0, const uint32_t* pw, int64_t lw, float* acc) {
   const int64_t ld = dp * 4;
   _tile_loadd(0, acc + j0, ld);
   if (NV > 1) _tile_loadd(1, acc + j0 + 16, ld);
@@ -214,7 +275,7 @@ inline void amx_pv(const uint32_t* vp, int chunks, int64_t dp, int64_t j0, const
   if (NV > 3) _tile_loadd(3, acc + j0 + 48, ld);
   for (int c = 0; c < chunks; ++c) {
     const uint32_t* v = vp + c * 16 * dp + j0;
-    _tile_loadd(4, pw + c * 16, kKeyTile / 2 * 4);
+    _tile_loadd(4, pw + c * 16, lw * 4);
     _tile_loadd(5, v, ld);
     _tile_dpbf16ps(0, 4, 5);
     if (NV > 1) { _tile_loadd(6, v + 16, ld); _tile_dpbf16ps(1, 4, 6); }
@@ -228,16 +289,17 @@ inline void amx_pv(const uint32_t* vp, int chunks, int64_t dp, int64_t j0, const
 }
 
 // amx_pv over every channel, for rows m < ``rows`` in blocks of 16 (as amx_scores).
-inline void amx_pv_all(const uint32_t* vp, int chunks, int64_t dp, const uint32_t* pw, float* acc, int rows) {
+inline void amx_pv_all(const uint32_t* vp, int chunks, int64_t dp, const uint32_t* pw, int64_t lw, float* acc,
+                       int rows) {
   for (int r0 = 0; r0 < rows; r0 += 16) {
-    const uint32_t* w = pw + r0 * (kKeyTile / 2);
+    const uint32_t* w = pw + r0 * lw;
     float* o = acc + r0 * dp;
     int64_t j = 0;
-    for (; j + 64 <= dp; j += 64) amx_pv<4>(vp, chunks, dp, j, w, o);
+    for (; j + 64 <= dp; j += 64) amx_pv<4>(vp, chunks, dp, j, w, lw, o);
     switch ((dp - j) / 16) {
-      case 1: amx_pv<1>(vp, chunks, dp, j, w, o); break;
-      case 2: amx_pv<2>(vp, chunks, dp, j, w, o); break;
-      case 3: amx_pv<3>(vp, chunks, dp, j, w, o); break;
+      case 1: amx_pv<1>(vp, chunks, dp, j, w, lw, o); break;
+      case 2: amx_pv<2>(vp, chunks, dp, j, w, lw, o); break;
+      case 3: amx_pv<3>(vp, chunks, dp, j, w, lw, o); break;
       default: break;
     }
   }
@@ -267,27 +329,29 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
   const int64_t D = a.D, Hq = a.Hq, Hkv = a.Hkv, G = Hq / Hkv, bs = a.block_size;
   const int64_t dp = round_up(D, Vec::W), R = a.rows_per_item, HI = a.heads_per_item;
   const int64_t RG = R * G;  // query vectors per head of an item
+  const int64_t KT = a.key_tile;  // keys per softmax update (kernels.h: the callers' choice)
   // Vectors per item, padded to whole 16-row tiles for AMX (which needs one head an item).
   const int64_t MV = a.amx ? round_up(RG, 16) : RG * HI;
   // fp32 scratch: scaled queries and accumulators [MV, dp], running max and sum [MV], one
-  // key tile's scores / weights [MV, kKeyTile]; K/V row offsets of the tile's keys.
-  // bf16 dot products: queries as bf16 pairs [MV, P], keys packed [kKeyTile / 16, P, 16],
-  // values by key pairs [kKeyTile / 2, dp], weights as bf16 pairs [MV, kKeyTile / 2].
+  // key tile's scores / weights [MV, KT]; K/V row offsets of the tile's keys.
+  // bf16 dot products: queries as bf16 pairs [MV, P], keys packed [KT / 16, P, 16],
+  // values by key pairs [KT / 2, dp], weights as bf16 pairs [MV, KT / 2].
   constexpr bool fast = kBf16Dot && QF == tokenmill::BF16 && KF == tokenmill::BF16;
   const int64_t P = round_up((D + 1) / 2, 16);
-  const int64_t words = fast ? MV * P + kKeyTile * P + kKeyTile / 2 * dp + MV * kKeyTile / 2 : 0;
+  const int64_t words = fast ? MV * P + KT * P + KT / 2 * dp + MV * KT / 2 : 0;
   float* qf = static_cast<float*>(
-      std::aligned_alloc(64, sizeof(float) * (2 * MV * dp + 2 * round_up(MV, 16) + MV * kKeyTile + words)));
+      std::aligned_alloc(64, sizeof(float) * (2 * MV * dp + 2 * round_up(MV, 16) + MV * KT + words)));
   float* acc = qf + MV * dp;
   float* mx = acc + MV * dp;
   float* sm = mx + round_up(MV, 16);
   float* sc = sm + round_up(MV, 16);
-  uint32_t* qw = reinterpret_cast<uint32_t*>(sc + MV * kKeyTile);  // each part 64-byte aligned
+  uint32_t* qw = reinterpret_cast<uint32_t*>(sc + MV * KT);  // each part 64-byte aligned
   uint32_t* kt = qw + MV * P;
-  uint32_t* vp = kt + kKeyTile * P;
-  uint32_t* pw = vp + kKeyTile / 2 * dp;
+  uint32_t* vp = kt + KT * P;
+  uint32_t* pw = vp + KT / 2 * dp;
   (void)kt; (void)vp; (void)pw;
-  int64_t base[kKeyTile], rows[kKeyTile];
+  int64_t* base = static_cast<int64_t*>(std::aligned_alloc(64, sizeof(int64_t) * 2 * KT));
+  int64_t* rows = base + KT;
   int configured = -1;  // AMX: whether the tiles are configured
   (void)configured;
   const Vec::R qscale = Vec::set1(a.scale * (a.softcap > 0 ? 1.0f : a.k_scale));
@@ -322,16 +386,18 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
     int64_t lo0 = a.window > 0 ? max64(0, first_pos + r0 - a.window + 1) : 0, hi1 = first_pos + r1;
     if (a.item_keys) { lo0 = max64(lo0, a.item_keys[2 * idx]); hi1 = min64(hi1, a.item_keys[2 * idx + 1]); }
     const int64_t line0 = h0 * D * kv_bytes, lines = HI * D * kv_bytes;  // the item's heads in a token's row
-    for (int64_t k0 = lo0; k0 < hi1; k0 += kKeyTile) {
-      const int n = (int)min64(kKeyTile, hi1 - k0);
-      for (int t = 0; t < n; ++t) {
-        const int64_t pos = k0 + t;
-        base[t] = (table[pos / bs] * bs + pos % bs) * Hkv * D;
+    for (int64_t k0 = lo0; k0 < hi1; k0 += KT) {
+      const int n = (int)min64(KT, hi1 - k0);
+      for (int t = 0; t < n;) {  // block by block: one table read and division per block
+        const int64_t pos = k0 + t, off = pos % bs, run = min64(n - t, bs - off);
+        const int64_t r0w = (table[pos / bs] * bs + off) * Hkv * D;
+        for (int64_t u = 0; u < run; ++u) base[t + u] = r0w + u * Hkv * D;
+        t += (int)run;
       }
       // The next tile's K and V rows lie elsewhere in the pool: ask for them now (into L2:
       // measured 1.2-1.5x faster decode than into L1, which the tile's own rows use), so
       // that long contexts stream instead of waiting block by block.
-      for (int64_t pos = k0 + kKeyTile; pos < min64(hi1, k0 + 2 * kKeyTile); ++pos) {
+      for (int64_t pos = k0 + KT; pos < min64(hi1, k0 + KT + KT); ++pos) {
         const int64_t off = (table[pos / bs] * bs + pos % bs) * Hkv * D * kv_bytes + line0;
         for (int64_t c = 0; c < lines; c += 64) {
           __builtin_prefetch(static_cast<const char*>(a.k_cache) + off + c, 0, 2);
@@ -341,6 +407,12 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
       for (int64_t hl = 0; hl < HI; ++hl) {
         for (int t = 0; t < n; ++t) rows[t] = base[t] + (h0 + hl) * D;
         const int64_t mh = hl * RG;  // this head's first vector
+#ifdef TOKENMILL_AMX_TILES
+        // AMX without a soft cap: amx_softmax_row from the raw scores to the weights.
+        const bool fused = fast && a.amx && !(a.softcap > 0);
+#else
+        constexpr bool fused = false;
+#endif
         if constexpr (fast) {
 #ifdef TOKENMILL_BF16_DOT
           const float dot_scale = a.scale * (a.softcap > 0 ? 1.0f : a.k_scale);
@@ -349,26 +421,39 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
           if (a.amx) {
             if (configured < 0) { amx_attention_configure(); configured = 1; }
             for (int t0 = 0; t0 < n; t0 += 16) pack_keys16(kc, rows + t0, (int)min64(16, n - t0), D, P, kt + t0 * P);
-            amx_scores(qw + mh * P, P, kt, dot_scale, (int)Mh, sc + mh * kKeyTile);
+            amx_scores(qw + mh * P, P, kt, fused ? 1.0f : dot_scale, (int)Mh, n, KT, sc + mh * KT);
           } else
 #endif
           for (int t0 = 0; t0 < n; t0 += 16) {
             uint32_t* ktt = kt + t0 * P;
             pack_keys16(kc, rows + t0, (int)min64(16, n - t0), D, P, ktt);
             for (int64_t m0 = 0; m0 < Mh; m0 += 8)
-              qk16_any((int)min64(8, Mh - m0), qw + (mh + m0) * P, P, ktt, dot_scale, sc + (mh + m0) * kKeyTile + t0,
-                       kKeyTile);
+              qk16_any((int)min64(8, Mh - m0), qw + (mh + m0) * P, P, ktt, dot_scale, sc + (mh + m0) * KT + t0,
+                       KT);
           }
 #endif
         } else {
           for (int64_t m0 = 0; m0 < Mh; m0 += kPrefillScoreTile) {
             const int gn = (int)min64(kPrefillScoreTile, Mh - m0);
-            score_block_wide<KF>(gn, a.k_cache, rows, n, D, qf + (mh + m0) * dp, dp, sc + (mh + m0) * kKeyTile, kKeyTile);
+            score_block_wide<KF>(gn, a.k_cache, rows, n, D, qf + (mh + m0) * dp, dp, sc + (mh + m0) * KT, KT);
           }
         }
+#ifdef TOKENMILL_AMX_TILES
+        if (fused) {
+          const float dot_scale = a.scale * a.k_scale;
+          const int nk = ((n + 1) / 2 + 15) / 16 * 32;  // whole tiles of 16 key pairs
+          for (int64_t i = 0; i < Mh; ++i) {
+            const int64_t m = mh + i, pos = first_pos + r0 + i / G;
+            const int ta = a.window > 0 ? (int)min64(n, max64(0, pos - a.window + 1 - k0)) : 0;
+            const int te = (int)max64(ta, min64(n, pos + 1 - k0));
+            amx_softmax_row(sc + m * KT, ta, te, nk, dot_scale, mx[m], sm[m], acc + m * dp, dp,
+                            reinterpret_cast<uint16_t*>(pw + m * (KT / 2)));
+          }
+        } else
+#endif
         for (int64_t i = 0; i < Mh; ++i) {
           const int64_t m = mh + i;
-          float* p = sc + m * kKeyTile;
+          float* p = sc + m * KT;
           const int64_t pos = first_pos + r0 + i / G;
           // This row's keys inside the tile: [ta, te).
           const int ta = a.window > 0 ? (int)min64(n, max64(0, pos - a.window + 1 - k0)) : 0;
@@ -405,26 +490,28 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
         if constexpr (fast) {
 #ifdef TOKENMILL_BF16_DOT
           pack_values(static_cast<const uint16_t*>(a.v_cache), rows, n, D, dp, vp);
-          for (int64_t i = 0; i < Mh; ++i) pack_weights(sc + (mh + i) * kKeyTile, n, pw + (mh + i) * (kKeyTile / 2));
+          if (!fused)
+            for (int64_t i = 0; i < Mh; ++i) pack_weights(sc + (mh + i) * KT, n, pw + (mh + i) * (KT / 2));
 #ifdef TOKENMILL_AMX_TILES
           if (a.amx) {
             // Whole tiles of 16 key pairs: the pairs past the tile's keys are zero on both
             // sides (stale values could be NaN, and NaN x 0 is NaN).
             const int pairs = (n + 1) / 2, chunks = (pairs + 15) / 16;
             std::memset(vp + pairs * dp, 0, sizeof(uint32_t) * (chunks * 16 - pairs) * dp);
-            for (int64_t i = 0; i < Mh; ++i)
-              for (int w = pairs; w < chunks * 16; ++w) pw[(mh + i) * (kKeyTile / 2) + w] = 0;
-            amx_pv_all(vp, chunks, dp, pw + mh * (kKeyTile / 2), acc + mh * dp, (int)Mh);
+            if (!fused)
+              for (int64_t i = 0; i < Mh; ++i)
+                for (int w = pairs; w < chunks * 16; ++w) pw[(mh + i) * (KT / 2) + w] = 0;
+            amx_pv_all(vp, chunks, dp, pw + mh * (KT / 2), KT / 2, acc + mh * dp, (int)Mh);
           } else
 #endif
           for (int64_t m0 = 0; m0 < Mh; m0 += 4)
-            pv_any((int)min64(4, Mh - m0), vp, (n + 1) / 2, dp, pw + (mh + m0) * (kKeyTile / 2), kKeyTile / 2,
+            pv_any((int)min64(4, Mh - m0), vp, (n + 1) / 2, dp, pw + (mh + m0) * (KT / 2), KT / 2,
                    acc + (mh + m0) * dp);
 #endif
         } else {
           for (int64_t m0 = 0; m0 < Mh; m0 += kHeadTile) {
             const int gn = (int)min64(kHeadTile, Mh - m0);
-            accumulate_v_any<KF>(gn, a.v_cache, rows, n, D, sc + (mh + m0) * kKeyTile, kKeyTile, acc + (mh + m0) * dp, dp);
+            accumulate_v_any<KF>(gn, a.v_cache, rows, n, D, sc + (mh + m0) * KT, KT, acc + (mh + m0) * dp, dp);
           }
         }
       }
@@ -451,6 +538,7 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
   if (configured >= 0) _tile_release();
 #endif
   std::free(qf);
+  std::free(base);
 }
 
 template <int QF>
