@@ -196,7 +196,7 @@ struct KernelTable {
 // the AMX prompt kernel. vLLM's CPU attention sizes its key tile to L2 and so pays it about
 // once a row; on AMX a 512-key tile (scores, weights and packed K/V of a 128-vector item,
 // ~0.7 MB for head_dim 64, ~1 MB for 256, within a 2 MB L2) ran prompt attention 1.3-1.8x
-// faster than 64 with the fused softmax (prefill.h's amx_softmax_row), 256 the AVX-512
+// faster than 64 with the one-pass softmax (prefill.h's softmax_row_bf16), 256 the AVX-512
 // BF16 dot products 1.05-1.09x (AVX2 1.03x). Decode keeps 64: one query row, and its
 // prefetch of the next tile is tuned to it.
 constexpr int64_t kAmxPrefillKeyTile = 512;

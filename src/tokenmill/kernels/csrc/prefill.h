@@ -154,6 +154,63 @@ inline void pack_weights(const float* p, int n, uint32_t* pw) {
   }
   if (n % 2) h[n] = 0;
 }
+// Lanes t .. t + 15 that lie in [ta, te).
+inline __mmask16 lanes_in(int t, int ta, int te) {
+  const int lo = ta > t ? ta - t : 0, hi = te - t < 16 ? te - t : 16;
+  return hi <= lo ? (__mmask16)0 : (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+// exp(x) for attention weights that are rounded to bf16 (8 significant bits) before P.V: a
+// degree-4 polynomial on [-ln2/2, ln2/2], relative error 3.6e-6 (500x under bf16's half
+// ulp), where Vec::exp's degree 6 keeps fp32's last bit for two more FMAs and a clamp. The
+// arguments are scores less their row's max: <= 0, and any far below underflow to 0 in
+// scalef, so there is nothing to clamp.
+inline __m512 exp_weights(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147182f), x);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0419175290f), r, _mm512_set1_ps(0.167921603f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.499988705f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.999962270f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.00000012f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One row's online-softmax update in a single pass from raw scores s (q . k, unscaled) to
+// the bf16 weights w[0 .. nk) that P.V reads (amx_pv, or pv_pairs without AMX): the row's keys [ta, te) weigh
+// exp(scale * s - max), every other key up to nk (a whole number of 16-pair tiles) 0; the
+// running max and sum move on and the accumulators are rescaled. With the scale folded
+// into the exponent (scale > 0: the max of the raw scores is the max of the scaled), the
+// scores are read twice and never written, and the weights are written once, where the
+// general path takes five passes (scale, max, exp, sum, bf16).
+inline void softmax_row_bf16(const float* s, int ta, int te, int nk, float scale, float& mx, float& sm, float* acc,
+                            int64_t dp, uint16_t* w) {
+  if (ta == te) {
+    std::memset(w, 0, sizeof(uint16_t) * nk);
+    return;
+  }
+  __m512 vmax = _mm512_set1_ps(-3.0e38f);
+  for (int t = ta & ~15; t < te; t += 16) vmax = _mm512_mask_max_ps(vmax, lanes_in(t, ta, te), vmax, _mm512_loadu_ps(s + t));
+  const float tile_max = _mm512_reduce_max_ps(vmax) * scale;
+  const float m_new = mx > tile_max ? mx : tile_max;
+  const float alpha = __builtin_expf(mx - m_new);
+  const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(-m_new);
+  __m512 sum = _mm512_setzero_ps();
+  for (int t = 0; t < nk; t += 16) {
+    const __mmask16 k = lanes_in(t, ta, te);
+    __m512 p = _mm512_setzero_ps();
+    if (k) p = _mm512_maskz_mov_ps(k, exp_weights(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, s + t), vs, vm)));
+    sum = _mm512_add_ps(sum, p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), Vec::to_bf16(p));
+  }
+  sm = sm * alpha + _mm512_reduce_add_ps(sum);
+  mx = m_new;
+  if (alpha != 1.0f) {
+    const __m512 va = _mm512_set1_ps(alpha);
+    for (int64_t j = 0; j < dp; j += 16) _mm512_storeu_ps(acc + j, _mm512_mul_ps(_mm512_loadu_ps(acc + j), va));
+  }
+}
+
 #ifdef TOKENMILL_AMX_TILES
 // The same packed operands on AMX-BF16 tiles (PrefillArgs::amx): qw's rows (P words, a
 // multiple of 16) are A tiles of 16 words, kt's groups of 16 keys B tiles of 16 lines, pw's
@@ -205,63 +262,6 @@ inline void amx_scores(const uint32_t* qw, int64_t P, const uint32_t* kt, float 
   const __m512 vs = _mm512_set1_ps(scale);
   for (int m = 0; m < rows; ++m)
     for (int t = 0; t < n; t += 16) _mm512_storeu_ps(s + m * ld + t, _mm512_mul_ps(_mm512_loadu_ps(s + m * ld + t), vs));
-}
-
-// Lanes t .. t + 15 that lie in [ta, te).
-inline __mmask16 lanes_in(int t, int ta, int te) {
-  const int lo = ta > t ? ta - t : 0, hi = te - t < 16 ? te - t : 16;
-  return hi <= lo ? (__mmask16)0 : (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
-}
-
-// exp(x) for attention weights that are rounded to bf16 (8 significant bits) before P.V: a
-// degree-4 polynomial on [-ln2/2, ln2/2], relative error 3.6e-6 (500x under bf16's half
-// ulp), where Vec::exp's degree 6 keeps fp32's last bit for two more FMAs and a clamp. The
-// arguments are scores less their row's max: <= 0, and any far below underflow to 0 in
-// scalef, so there is nothing to clamp.
-inline __m512 exp_weights(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147182f), x);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0419175290f), r, _mm512_set1_ps(0.167921603f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.499988705f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.999962270f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.00000012f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// One row's online-softmax update in a single pass from raw scores s (q . k, unscaled) to
-// the bf16 weights w[0 .. nk) that amx_pv reads: the row's keys [ta, te) weigh
-// exp(scale * s - max), every other key up to nk (a whole number of 16-pair tiles) 0; the
-// running max and sum move on and the accumulators are rescaled. With the scale folded
-// into the exponent (scale > 0: the max of the raw scores is the max of the scaled), the
-// scores are read twice and never written, and the weights are written once, where the
-// general path takes five passes (scale, max, exp, sum, bf16).
-inline void amx_softmax_row(const float* s, int ta, int te, int nk, float scale, float& mx, float& sm, float* acc,
-                            int64_t dp, uint16_t* w) {
-  if (ta == te) {
-    std::memset(w, 0, sizeof(uint16_t) * nk);
-    return;
-  }
-  __m512 vmax = _mm512_set1_ps(-3.0e38f);
-  for (int t = ta & ~15; t < te; t += 16) vmax = _mm512_mask_max_ps(vmax, lanes_in(t, ta, te), vmax, _mm512_loadu_ps(s + t));
-  const float tile_max = _mm512_reduce_max_ps(vmax) * scale;
-  const float m_new = mx > tile_max ? mx : tile_max;
-  const float alpha = __builtin_expf(mx - m_new);
-  const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(-m_new);
-  __m512 sum = _mm512_setzero_ps();
-  for (int t = 0; t < nk; t += 16) {
-    const __mmask16 k = lanes_in(t, ta, te);
-    __m512 p = _mm512_setzero_ps();
-    if (k) p = _mm512_maskz_mov_ps(k, exp_weights(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, s + t), vs, vm)));
-    sum = _mm512_add_ps(sum, p);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), Vec::to_bf16(p));
-  }
-  sm = sm * alpha + _mm512_reduce_add_ps(sum);
-  mx = m_new;
-  if (alpha != 1.0f) {
-    const __m512 va = _mm512_set1_ps(alpha);
-    for (int64_t j = 0; j < dp; j += 16) _mm512_storeu_ps(acc + j, _mm512_mul_ps(_mm512_loadu_ps(acc + j), va));
-  }
 }
 
 // acc[m][j0 .. j0 + 16 NV) += the weights' pairs pw (rows lw words apart) times vp's
@@ -407,9 +407,9 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
       for (int64_t hl = 0; hl < HI; ++hl) {
         for (int t = 0; t < n; ++t) rows[t] = base[t] + (h0 + hl) * D;
         const int64_t mh = hl * RG;  // this head's first vector
-#ifdef TOKENMILL_AMX_TILES
-        // AMX without a soft cap: amx_softmax_row from the raw scores to the weights.
-        const bool fused = fast && a.amx && !(a.softcap > 0);
+#ifdef TOKENMILL_BF16_DOT
+        // bf16 without a soft cap: softmax_row_bf16 from the raw scores to the weights.
+        const bool fused = fast && !(a.softcap > 0);
 #else
         constexpr bool fused = false;
 #endif
@@ -428,8 +428,8 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
             uint32_t* ktt = kt + t0 * P;
             pack_keys16(kc, rows + t0, (int)min64(16, n - t0), D, P, ktt);
             for (int64_t m0 = 0; m0 < Mh; m0 += 8)
-              qk16_any((int)min64(8, Mh - m0), qw + (mh + m0) * P, P, ktt, dot_scale, sc + (mh + m0) * KT + t0,
-                       KT);
+              qk16_any((int)min64(8, Mh - m0), qw + (mh + m0) * P, P, ktt, fused ? 1.0f : dot_scale,
+                       sc + (mh + m0) * KT + t0, KT);
           }
 #endif
         } else {
@@ -438,7 +438,7 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
             score_block_wide<KF>(gn, a.k_cache, rows, n, D, qf + (mh + m0) * dp, dp, sc + (mh + m0) * KT, KT);
           }
         }
-#ifdef TOKENMILL_AMX_TILES
+#ifdef TOKENMILL_BF16_DOT
         if (fused) {
           const float dot_scale = a.scale * a.k_scale;
           const int nk = ((n + 1) / 2 + 15) / 16 * 32;  // whole tiles of 16 key pairs
@@ -446,7 +446,7 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
             const int64_t m = mh + i, pos = first_pos + r0 + i / G;
             const int ta = a.window > 0 ? (int)min64(n, max64(0, pos - a.window + 1 - k0)) : 0;
             const int te = (int)max64(ta, min64(n, pos + 1 - k0));
-            amx_softmax_row(sc + m * KT, ta, te, nk, dot_scale, mx[m], sm[m], acc + m * dp, dp,
+            softmax_row_bf16(sc + m * KT, ta, te, nk, dot_scale, mx[m], sm[m], acc + m * dp, dp,
                             reinterpret_cast<uint16_t*>(pw + m * (KT / 2)));
           }
         } else
