@@ -153,6 +153,10 @@ struct PrefillArgs {
   // Keys per softmax update: kDecodeKeyTile, kPrefillKeyTile or kAmxPrefillKeyTile (a
   // multiple of 64).
   int64_t key_tile;
+  // Prompts: bf16 queries over a bf16 cache without a soft cap take prefill.h's one-pass
+  // softmax_row_bf16 (1.03-1.09x on AVX-512-BF16, part of AMX's 1.3-1.8x). Decode keeps the
+  // five-pass softmax: level in speed there, and its bits (verify's teacher-forced decode).
+  bool one_pass_softmax;
 };
 
 struct KernelTable {

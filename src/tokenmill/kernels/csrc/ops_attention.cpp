@@ -173,6 +173,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   a.rows_per_item = rows;
   a.heads_per_item = 1;
   a.key_tile = a.amx ? kAmxPrefillKeyTile : kPrefillKeyTile;
+  a.one_pass_softmax = true;
   const KernelTable& k = kernels();
   const int64_t count = static_cast<int64_t>(items.size()) / 3;
   parallel_chunks(count, 1, [&](int64_t i0, int64_t i1) { k.prefill_attention(a, i0, i1); });

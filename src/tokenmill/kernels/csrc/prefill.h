@@ -408,8 +408,8 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
         for (int t = 0; t < n; ++t) rows[t] = base[t] + (h0 + hl) * D;
         const int64_t mh = hl * RG;  // this head's first vector
 #ifdef TOKENMILL_BF16_DOT
-        // bf16 without a soft cap: softmax_row_bf16 from the raw scores to the weights.
-        const bool fused = fast && !(a.softcap > 0);
+        // bf16 prompts without a soft cap: softmax_row_bf16 from the raw scores to the weights.
+        const bool fused = fast && a.one_pass_softmax && !(a.softcap > 0);
 #else
         constexpr bool fused = false;
 #endif
