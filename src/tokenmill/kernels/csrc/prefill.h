@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include "kernels.h"
 
 namespace {
@@ -354,7 +355,20 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
   int64_t* rows = base + KT;
   int configured = -1;  // AMX: whether the tiles are configured
   (void)configured;
-  const Vec::R qscale = Vec::set1(a.scale * (a.softcap > 0 ? 1.0f : a.k_scale));
+  const float dot_scale = a.scale * (a.softcap > 0 ? 1.0f : a.k_scale);  // the cap takes K's scale after it
+  const Vec::R qscale = Vec::set1(dot_scale);
+#ifdef TOKENMILL_BF16_DOT
+  // bf16 prompts without a soft cap: softmax_row_bf16 from the raw scores to the weights.
+  const bool fused = fast && a.one_pass_softmax && !(a.softcap > 0);
+#else
+  constexpr bool fused = false;
+#endif
+  (void)fused;  // read by the bf16 dot products' code only
+  // The keys [ta, te) of a tile of n keys from k0 that the row at pos sees (causal, window).
+  auto row_keys = [&a](int64_t pos, int64_t k0, int n) {
+    const int ta = a.window > 0 ? (int)min64(n, max64(0, pos - a.window + 1 - k0)) : 0;
+    return std::pair<int, int>(ta, (int)max64(ta, min64(n, pos + 1 - k0)));
+  };
   const float post_scale = a.softcap > 0 ? a.k_scale : 1.0f;  // K's fp8 scale, before the cap
   const int64_t kv_bytes = KF == tokenmill::F32 ? 4 : KF == tokenmill::BF16 ? 2 : 1;
   for (int64_t idx = i0; idx < i1; ++idx) {
@@ -407,15 +421,8 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
       for (int64_t hl = 0; hl < HI; ++hl) {
         for (int t = 0; t < n; ++t) rows[t] = base[t] + (h0 + hl) * D;
         const int64_t mh = hl * RG;  // this head's first vector
-#ifdef TOKENMILL_BF16_DOT
-        // bf16 prompts without a soft cap: softmax_row_bf16 from the raw scores to the weights.
-        const bool fused = fast && a.one_pass_softmax && !(a.softcap > 0);
-#else
-        constexpr bool fused = false;
-#endif
         if constexpr (fast) {
 #ifdef TOKENMILL_BF16_DOT
-          const float dot_scale = a.scale * (a.softcap > 0 ? 1.0f : a.k_scale);
           const uint16_t* kc = static_cast<const uint16_t*>(a.k_cache);
 #ifdef TOKENMILL_AMX_TILES
           if (a.amx) {
@@ -440,12 +447,10 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
         }
 #ifdef TOKENMILL_BF16_DOT
         if (fused) {
-          const float dot_scale = a.scale * a.k_scale;
           const int nk = ((n + 1) / 2 + 15) / 16 * 32;  // whole tiles of 16 key pairs
           for (int64_t i = 0; i < Mh; ++i) {
-            const int64_t m = mh + i, pos = first_pos + r0 + i / G;
-            const int ta = a.window > 0 ? (int)min64(n, max64(0, pos - a.window + 1 - k0)) : 0;
-            const int te = (int)max64(ta, min64(n, pos + 1 - k0));
+            const int64_t m = mh + i;
+            const auto [ta, te] = row_keys(first_pos + r0 + i / G, k0, n);
             softmax_row_bf16(sc + m * KT, ta, te, nk, dot_scale, mx[m], sm[m], acc + m * dp, dp,
                             reinterpret_cast<uint16_t*>(pw + m * (KT / 2)));
           }
@@ -454,10 +459,7 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
         for (int64_t i = 0; i < Mh; ++i) {
           const int64_t m = mh + i;
           float* p = sc + m * KT;
-          const int64_t pos = first_pos + r0 + i / G;
-          // This row's keys inside the tile: [ta, te).
-          const int ta = a.window > 0 ? (int)min64(n, max64(0, pos - a.window + 1 - k0)) : 0;
-          const int te = (int)max64(ta, min64(n, pos + 1 - k0));
+          const auto [ta, te] = row_keys(first_pos + r0 + i / G, k0, n);
           for (int t = 0; t < ta; ++t) p[t] = 0.0f;
           for (int t = te; t < n; ++t) p[t] = 0.0f;
           if (ta == te) continue;
