@@ -1,5 +1,6 @@
 """int8 and int4 projections on a prefill chunk: the weight dequantized to fp32 and multiplied
-by torch's fp32 GEMM from ``dequantized_gemm_rows`` rows on."""
+by torch's fp32 GEMM from ``dequantized_gemm_rows`` rows on, or to bf16 for a bf16 GEMM on
+AMX-BF16 tiles from ``amx_dequantized_gemm_rows``."""
 
 from __future__ import annotations
 
@@ -65,8 +66,48 @@ def test_a_prefill_chunk_runs_as_an_fp32_gemm(
     assert err <= 3e-2 * exact.float().abs().max()
 
 
-def test_groups_of_32_quantized_at_load_interleave_8_channels_on_avx2(isa: str) -> None:
-    """On the AVX2 table, int4 groups of 32 quantized at load go to 8 interleaved channels
+@pytest.mark.parametrize(
+    ("method", "group_size", "from_file"), [("int4", 32, False), ("int4", 32, True)]
+)
+def test_a_prefill_chunk_runs_as_a_bf16_gemm_on_amx(
+    monkeypatch: pytest.MonkeyPatch, method: str, group_size: int, from_file: bool
+) -> None:
+    """With AMX-BF16 active, bf16 activations of ``amx_dequantized_gemm_rows`` rows or more
+    multiply the weight rebuilt in fp32 and rounded to bf16, by torch's bf16 GEMM, bit for
+    bit; one row fewer stays on the int kernel (W8A8, the decode step's numbers)."""
+    try:
+        kernels.set_isa("amx")
+    except RuntimeError:
+        pytest.skip("this CPU cannot run AMX")
+    try:
+        if not kernels.amx_bf16_active():
+            pytest.skip("AMX-BF16 is not active here")
+        weight = randn(96, 256, dtype=torch.bfloat16, seed=1)
+        bias = randn(96, dtype=torch.bfloat16, seed=2)
+        if from_file:  # a GGUF file's groups: per-channel rows with fp32 scales
+            codes = torch.randint(0, 16, (96, 256), generator=generator(4))
+            scale, low = torch.rand(96, 8) * 0.01, torch.rand(96, 8) - 0.5
+            layer = Int4Linear(weight, bias, group_size, (codes, scale, low))
+            assert layer.kernel == "rows"
+        else:
+            layer = quantize_linear(weight, bias, method, group_size)
+            assert layer.kernel == "channels8"
+        rows = layer.amx_dequantized_gemm_rows
+        x = randn(rows, 256, dtype=torch.bfloat16, seed=3)
+        rebuilt = layer.dequantize(torch.float32).bfloat16()
+        gemm = F.linear(x, rebuilt, bias)
+        assert torch.equal(layer(x), gemm)
+        few = layer(x[: rows - 1])
+        monkeypatch.setenv(envs.PREFILL_GEMM, "0")
+        on_kernel = layer(x)
+        assert torch.equal(on_kernel[: rows - 1], few)
+        assert not torch.equal(on_kernel, gemm)
+    finally:
+        kernels.set_isa("auto")
+
+
+def test_groups_of_32_quantized_at_load_interleave_8_channels(isa: str) -> None:
+    """On every table, int4 groups of 32 quantized at load go to 8 interleaved channels
     with fp16 scales and offsets, the codes chosen against those fp16 values; a GGUF file's
     groups (given codes, fp32 scales) keep the rows. Memory sizing counts the same bytes."""
     from tokenmill.model import sizing
@@ -74,9 +115,6 @@ def test_groups_of_32_quantized_at_load_interleave_8_channels_on_avx2(isa: str) 
 
     weight = randn(44, 96, dtype=torch.bfloat16, seed=1)
     layer = Int4Linear(weight, None, 32)
-    if isa != "avx2":
-        assert layer.kernel != "channels8"
-        return
     assert layer.kernel == "channels8" == kernel_layout("int4", 32)
     assert layer.kernel_scales.dtype == layer.kernel_offsets.dtype == torch.float16
     stored = sum(b.numel() * b.element_size() for b in layer.buffers())

@@ -200,6 +200,8 @@ def test_linear_int4_x8(isa: str, threads: int, m: int, n: int, k: int, with_bia
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     close_to_fp32(got, F.linear(x.float(), w, bias), 3e-2)  # x rounded to int8 per group of 32
     assert torch.equal(kernels.dequantize_int4_x8(packed, scales, offsets, n, k), w)
+    as_bf16 = kernels.dequantize_int4_x8(packed, scales, offsets, n, k, bf16=True)
+    assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16, w.bfloat16())
 
 
 def test_linear_int4_x8_equals_the_rows_kernel_per_group(isa: str) -> None:

@@ -270,10 +270,12 @@ def dequantize_int4_x8(
     offsets: torch.Tensor,
     out_features: int,
     in_features: int,
+    bf16: bool = False,
 ) -> torch.Tensor:
-    """``linear_int4_x8``'s weight as fp32 rows [out_features, in_features]."""
+    """``linear_int4_x8``'s weight as fp32 rows [out_features, in_features], or with ``bf16``
+    those values rounded to bfloat16 in the same pass (an AMX-BF16 prefill GEMM's operand)."""
     return torch.ops.tokenmill_cpu.dequantize_int4_x8(
-        packed, scales, offsets, out_features, in_features
+        packed, scales, offsets, out_features, in_features, bf16
     )
 
 

@@ -174,10 +174,10 @@ class Int8Linear(QuantizedLinear):
     512 on) and 1.3-1.7x faster at 2048. Above the default ``--max-num-seqs``, so decode
     steps stay on the kernel."""
 
-    def _fp32_weight(self) -> torch.Tensor | None:
+    def _dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
         if self.kernel != "rows":
             return None
-        return self.int_weight().float().mul_(self.scales[:, None])
+        return self.int_weight().float().mul_(self.scales[:, None]).to(dtype)
 
     lookup_dtype: torch.dtype = torch.bfloat16
     """The dtype ``embedding`` returns rows in (a tied head's model dtype)."""

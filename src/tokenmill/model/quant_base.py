@@ -81,27 +81,36 @@ class QuantizedLinear(nn.Module):
 
     dequantized_gemm_rows: int | None = None
     """Rows (a prefill chunk's tokens) from which the projection dequantizes its weight to fp32
-    (``_fp32_weight``) and runs torch's fp32 GEMM instead of its int kernel; None: never."""
+    (``_dequantized_weight``) and runs torch's fp32 GEMM instead of its int kernel; None: never."""
 
-    def _fp32_weight(self) -> torch.Tensor | None:
-        """The weight as fp32 [out, in] for the prefill GEMM, or None where this layout has
-        no such path."""
+    amx_dequantized_gemm_rows = 257
+    """The same where AMX-BF16 is active and the activations are bf16: the weight is rebuilt
+    in bf16 and the GEMM runs on the tiles (oneDNN's, through torch). On the AMX Xeon at 2
+    threads over SmolLM2's projections (int4 groups of 32, ``benchmarks/int4_prefill.py``)
+    it took 0.4-0.5x the int kernel's time at 256 rows and 0.2-0.3x at 2048, and lost at 64
+    (1.1-1.4x). One above the default ``--max-num-seqs`` (256), so a decode step stays on
+    the int kernel, as the fused decode step computes it."""
+
+    def _dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The weight [out, in] in ``dtype`` (float32 or bfloat16) for the prefill GEMM, or
+        None where this layout has no such path."""
         return None
 
     def _prefill_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``x``'s product by the fp32 GEMM of the dequantized weight (activations exact), where
-        ``x`` has ``dequantized_gemm_rows`` rows or more; else None."""
+        """``x``'s product by the GEMM of the dequantized weight (activations exact: fp32, or
+        bf16 on AMX-BF16), where ``x`` has ``dequantized_gemm_rows`` rows or more
+        (``amx_dequantized_gemm_rows`` on AMX-BF16); else None."""
         rows = self.dequantized_gemm_rows
-        if (
-            rows is None
-            or x.numel() < rows * self.in_features
-            or not kernels.supports(x)
-            or envs.is_off(envs.PREFILL_GEMM)
-        ):
+        if rows is None or not kernels.supports(x) or envs.is_off(envs.PREFILL_GEMM):
             return None
-        weight = self._fp32_weight()
+        on_tiles = x.dtype == torch.bfloat16 and kernels.amx_bf16_active()
+        if x.numel() < (self.amx_dequantized_gemm_rows if on_tiles else rows) * self.in_features:
+            return None
+        weight = self._dequantized_weight(torch.bfloat16 if on_tiles else torch.float32)
         if weight is None:
             return None
+        if on_tiles:
+            return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
         bias = None if self.bias is None else self.bias.float()
         return F.linear(x.float(), weight, bias).to(x.dtype)
 

@@ -580,6 +580,41 @@ void gemm_int4_x8(const GemmArgs& a, int64_t b0, int64_t b1) {
   }
 }
 
+// Blocks [b0, b1) of 8 channels dequantized to rows of y (fp32 yf, or bf16 yb, ldy values
+// apart): w = q * scale + offset, a multiply then an add (two roundings, as the layer's
+// dequantize computes it in torch), bf16 rounded to nearest even. Word t's nibbles, split
+// and interleaved per 32-bit lane, leave each channel's 8 consecutive inputs in 8 bytes.
+void dequantize_int4_x8(const GemmArgs& a, int64_t b0, int64_t b1, float* yf, uint16_t* yb, int64_t ldy) {
+  const int64_t G = a.num_groups, K = a.K;
+  const __m256i low4 = _mm256_set1_epi8(15);
+  alignas(32) uint8_t bytes[2][32];
+  alignas(32) float sc[8], off[8];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int nc = (int)min64(8, a.N - b * 8);
+    const uint8_t* wb = static_cast<const uint8_t*>(a.w) + b * G * 128;
+    for (int64_t g = 0; g < G && g * 32 < K; ++g) {
+      _mm256_store_ps(sc, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(a.scales_f16 + (b * G + g) * 8))));
+      _mm256_store_ps(off, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(a.offsets_f16 + (b * G + g) * 8))));
+      for (int t = 0; t < 4 && g * 32 + 8 * t < K; ++t) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(wb + g * 128 + 32 * t));
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        // lane 0: channels 0, 1 (unpacklo) and 2, 3 (unpackhi); lane 1: 4, 5 and 6, 7.
+        _mm256_store_si256((__m256i*)bytes[0], _mm256_unpacklo_epi32(lo, hi));
+        _mm256_store_si256((__m256i*)bytes[1], _mm256_unpackhi_epi32(lo, hi));
+        const int n_k = (int)min64(8, K - g * 32 - 8 * t);
+        for (int c = 0; c < nc; ++c) {
+          const uint8_t* q8 = bytes[(c / 2) % 2] + (c / 4) * 16 + (c % 2) * 8;
+          const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q8)));
+          const __m256 w = _mm256_add_ps(_mm256_mul_ps(q, _mm256_set1_ps(sc[c])), _mm256_set1_ps(off[c]));
+          const int64_t at = (b * 8 + c) * ldy + g * 32 + 8 * t;
+          if (yb) Vec::store_bf16(yb + at, w, n_k);
+          else Vec::store_f32(yf + at, w, n_k);
+        }
+      }
+    }
+  }
+}
+
 // The float tiles (tile_any) over weights that WL converts to fp32 in registers.
 template <Kind KIND, class WL>
 void gemm_float_tiles(const GemmArgs& a, int64_t n0, int64_t n1, const WL& wl) {
@@ -747,3 +782,8 @@ const tokenmill::KernelTable kTable = {
 const tokenmill::KernelTable* tokenmill::avx2_kernels() { return &kTable; }
 
 void tokenmill::avx2_gemm_int4_x8(const GemmArgs& a, int64_t b0, int64_t b1) { gemm_int4_x8(a, b0, b1); }
+
+void tokenmill::avx2_dequantize_int4_x8(const GemmArgs& a, int64_t b0, int64_t b1, float* yf, uint16_t* yb,
+                                        int64_t ldy) {
+  dequantize_int4_x8(a, b0, b1, yf, yb, ldy);
+}

@@ -160,7 +160,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("linear_int4(Tensor x, Tensor weight, Tensor scales, Tensor offsets, int group_size, Tensor? bias) -> Tensor");
   m.def("dequantize_int4(Tensor weight, Tensor scales, Tensor offsets, int group_size, int in_features) -> Tensor");
   m.def("linear_int4_x8(Tensor x, Tensor packed, Tensor scales, Tensor offsets, Tensor? bias, int out_features) -> Tensor");
-  m.def("dequantize_int4_x8(Tensor packed, Tensor scales, Tensor offsets, int out_features, int in_features) -> Tensor");
+  m.def("dequantize_int4_x8(Tensor packed, Tensor scales, Tensor offsets, int out_features, int in_features, bool bf16=False) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool offset=False) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool offset=False) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");

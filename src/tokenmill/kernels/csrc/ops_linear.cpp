@@ -345,40 +345,26 @@ at::Tensor linear_int4_x8(const at::Tensor& x, const at::Tensor& w, const at::Te
   return gemm(x, w, a, out_features, bias, grain, avx2_gemm_int4_x8, w.size(0));
 }
 
-// linear_int4_x8's weight as fp32 rows [out_features, in_features] (dequantize_int4's use).
+// linear_int4_x8's weight as rows [out_features, in_features]: fp32 (dequantize_int4's use),
+// or with bf16 set rounded to bfloat16 in the same pass (a prefill chunk's AMX-BF16 GEMM,
+// which then reads half the bytes and skips a separate conversion).
 at::Tensor dequantize_int4_x8(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& offsets,
-                              int64_t out_features, int64_t in_features) {
-  const int64_t K = in_features, N = out_features, G = w.size(1);
+                              int64_t out_features, int64_t in_features, bool bf16) {
+  const int64_t K = in_features, N = out_features;
   check_int4_x8("dequantize_int4_x8", w, scales, offsets, N, K);
   TORCH_CHECK(K > 0, "dequantize_int4_x8: in_features must be positive");
-  at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat));
-  const uint8_t* codes = w.data_ptr<uint8_t>();
-  const at::Tensor sc32 = scales.to(at::kFloat), off32 = offsets.to(at::kFloat);
-  const float* sc = sc32.data_ptr<float>();
-  const float* off = off32.data_ptr<float>();
-  float* y = out.data_ptr<float>();
-  parallel_chunks(w.size(0), std::max<int64_t>(1, rows_grain(K) / 8), [&](int64_t b0, int64_t b1) {
-    float rows[8][32];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t nc = std::min<int64_t>(8, N - b * 8);
-      for (int64_t g = 0; g < G && g * 32 < K; ++g) {
-        const uint8_t* wg = codes + (b * G + g) * 128;
-        for (int t = 0; t < 4; ++t)
-          for (int c = 0; c < 8; ++c)
-            for (int i = 0; i < 4; ++i) {
-              const uint8_t v = wg[32 * t + 4 * c + i];
-              rows[c][8 * t + i] = (float)(v & 15);
-              rows[c][8 * t + 4 + i] = (float)(v >> 4);
-            }
-        const int64_t n_k = std::min<int64_t>(32, K - g * 32);
-        for (int64_t c = 0; c < nc; ++c) {
-          const float s = sc[(b * G + g) * 8 + c], o = off[(b * G + g) * 8 + c];
-          float* dst = y + (b * 8 + c) * K + g * 32;
-          for (int64_t j = 0; j < n_k; ++j) dst[j] = rows[c][j] * s + o;
-        }
-      }
-    }
-  });
+  at::Tensor out = at::empty({N, K}, w.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  GemmArgs a{};
+  a.w = w.data_ptr();
+  a.scales_f16 = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  a.offsets_f16 = reinterpret_cast<const uint16_t*>(offsets.data_ptr());
+  a.num_groups = w.size(1);
+  a.N = N;
+  a.K = K;
+  float* yf = bf16 ? nullptr : out.data_ptr<float>();
+  uint16_t* yb = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
+  parallel_chunks(w.size(0), std::max<int64_t>(1, rows_grain(K) / 8),
+                  [&](int64_t b0, int64_t b1) { avx2_dequantize_int4_x8(a, b0, b1, yf, yb, K); });
   return out;
 }
 
