@@ -204,6 +204,30 @@ def test_linear_int4_x8(isa: str, threads: int, m: int, n: int, k: int, with_bia
     assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16, w.bfloat16())
 
 
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 37, 70), (4, 64, 576), (5, 130, 257), (7, 8, 64), (16, 24, 1536)]
+)
+def test_linear_int4_x8_gives_the_same_bits_on_both_tables(
+    threads: int, m: int, n: int, k: int
+) -> None:
+    """The AVX-512 table's kernel (two 8-channel blocks a vector, VNNI) against the AVX2 one:
+    the same bits, an odd block count's last block alone included."""
+    packed, scales, offsets, _ = _channels8(n, k)
+    x = randn(m, k, dtype=torch.bfloat16)
+    bias = randn(n, seed=4)
+    got = {}
+    try:
+        for table in ("avx2", "avx512"):
+            try:
+                kernels.set_isa(table)
+            except RuntimeError:
+                pytest.skip(f"this CPU cannot run the {table} kernels")
+            got[table] = kernels.linear_int4_x8(x, packed, scales, offsets, bias, n)
+    finally:
+        kernels.set_isa("auto")
+    assert torch.equal(got["avx2"], got["avx512"])
+
+
 def test_linear_int4_x8_equals_the_rows_kernel_per_group(isa: str) -> None:
     """The same codes, scales and x quantization as the per-channel rows of groups of 32: the
     integer sums are exact, so only the fp32 order of the group sums may differ (within a

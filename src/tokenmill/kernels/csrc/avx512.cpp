@@ -513,6 +513,107 @@ void gemv_blocks(const GemmArgs& a, int64_t b0, int64_t b1) {
 void gemv_bf16(const GemmArgs& a, int64_t b0, int64_t b1) { gemv_blocks<Bf16Tile>(a, b0, b1); }
 void gemv_f32(const GemmArgs& a, int64_t b0, int64_t b1) { gemv_blocks<F32Tile>(a, b0, b1); }
 
+// ---- int4 groups of 32 in 8 interleaved channels (avx2.cpp's gemm_int4_x8, its layout and
+// its x quantization) two blocks at a time: block b's word t in the low half of a zmm and
+// block b + 1's in the high half, so one broadcast of 4 activation bytes feeds 16 channels,
+// and VPDPBUSD sums nibble x byte products straight into int32 (AVX2 needs vpmaddubsw,
+// an int16 add and vpmaddwd per word). Each group's integer sum is exact either way, and the
+// float work after it is the AVX2 kernel's, operation for operation: the outputs are its bits.
+inline int64_t x8_offset(int64_t g, int t) { return (g / 2) * 64 + (g % 2) * 16 + (t / 2) * 32 + (t % 2) * 8; }
+
+inline int32_t load4(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// 16 fp16 values: block b's 8 then block b + 1's 8 (hi; lo again for a lone last block).
+inline __m512 halves_f16(const uint16_t* lo, const uint16_t* hi) {
+  const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)lo)),
+                                            _mm_loadu_si128((const __m128i*)hi), 1);
+  return _mm512_cvtph_ps(h);
+}
+
+// fp32 -> bf16 bits, round to nearest even by integer arithmetic (as the AVX2 table's store,
+// so the two tables agree on every value, subnormals included).
+inline __m256i bf16_rne(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16));
+}
+
+template <int MR>
+void tile_w4x16(const tokenmill::GemmArgs& a, int64_t m0, int64_t b, bool pair, __m512 out[MR]) {
+  constexpr int64_t kAhead = 2048;
+  const int64_t G = a.num_groups, chunks = a.ldq / 64;
+  const uint8_t* w0 = static_cast<const uint8_t*>(a.w) + b * G * 128;
+  const uint8_t* w1 = pair ? w0 + G * 128 : w0;
+  const uint16_t* s0 = a.scales_f16 + b * G * 8;
+  const uint16_t* s1 = pair ? s0 + G * 8 : s0;
+  const uint16_t* z0 = a.offsets_f16 + b * G * 8;
+  const uint16_t* z1 = pair ? z0 + G * 8 : z0;
+  const __m512i low4 = _mm512_set1_epi8(15);
+  __m512 acc[MR], off[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = off[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    _mm_prefetch((const char*)(w0 + g * 128 + kAhead), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w0 + g * 128 + kAhead + 64), _MM_HINT_T0);
+    if (pair) {
+      _mm_prefetch((const char*)(w1 + g * 128 + kAhead), _MM_HINT_T0);
+      _mm_prefetch((const char*)(w1 + g * 128 + kAhead + 64), _MM_HINT_T0);
+    }
+    __m512i sum[MR];
+    for (int m = 0; m < MR; ++m) sum[m] = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t) {
+      const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(w0 + g * 128 + 32 * t))),
+                                           _mm256_loadu_si256((const __m256i*)(w1 + g * 128 + 32 * t)), 1);
+      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      const int64_t xo = x8_offset(g, t);
+      for (int m = 0; m < MR; ++m) {
+        const uint8_t* xr = a.xq + (m0 + m) * a.ldq + xo;
+        sum[m] = _mm512_dpbusd_epi32(sum[m], lo, _mm512_set1_epi32(load4(xr)));
+        sum[m] = _mm512_dpbusd_epi32(sum[m], hi, _mm512_set1_epi32(load4(xr + 4)));
+      }
+    }
+    const __m512 ws = halves_f16(s0 + g * 8, s1 + g * 8), z = halves_f16(z0 + g * 8, z1 + g * 8);
+    for (int m = 0; m < MR; ++m) {
+      const float sx = a.x_group_scale[((m0 + m) * chunks + g / 2) * 8 + (g % 2) * 4];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m]), _mm512_mul_ps(ws, _mm512_set1_ps(sx)), acc[m]);
+      off[m] = _mm512_fmadd_ps(z, _mm512_set1_ps(a.xsum[(m0 + m) * G + g]), off[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = _mm512_add_ps(acc[m], off[m]);
+}
+
+}  // namespace
+
+// Pairs [p0, p1) of 8-channel blocks (blocks 2p, 2p + 1; the last alone where their count is
+// odd), every row, in tiles of up to 4 rows.
+void tokenmill::avx512_gemm_int4_x8(const GemmArgs& a, int64_t p0, int64_t p1) {
+  const int64_t blocks = (a.N + 7) / 8;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t b = 2 * p, n0 = b * 8;
+    const bool pair = b + 1 < blocks;
+    const int nc = (int)min64(pair ? 16 : 8, a.N - n0);
+    const __mmask16 mask = (__mmask16)((1u << nc) - 1);
+    const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0) : _mm512_setzero_ps();
+    for (int64_t m = 0; m < a.M; m += 4) {
+      const int mr = (int)min64(4, a.M - m);
+      __m512 out[4];
+      switch (mr) {
+        case 1: tile_w4x16<1>(a, m, b, pair, out); break;
+        case 2: tile_w4x16<2>(a, m, b, pair, out); break;
+        case 3: tile_w4x16<3>(a, m, b, pair, out); break;
+        default: tile_w4x16<4>(a, m, b, pair, out); break;
+      }
+      for (int r = 0; r < mr; ++r)
+        _mm256_mask_storeu_epi16(a.y + (m + r) * a.ldy + n0, mask, bf16_rne(_mm512_add_ps(out[r], bias)));
+    }
+  }
+}
+
+namespace {
+
 const tokenmill::KernelTable kTable = {
     "avx512_bf16", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, gelu_tanh_mul_kernel,
     rope_kernel, attention_merge_kernel, quantize_rows, rope_kv_kernel, prefill_attention_kernel, gemv_bf16,

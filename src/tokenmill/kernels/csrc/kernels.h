@@ -228,6 +228,9 @@ const KernelTable* avx2_kernels();
 // extension runs on has AVX2); a.scales_f16 and a.offsets_f16 are blocked [blocks, G, 8], a.N the
 // channels to store.
 void avx2_gemm_int4_x8(const GemmArgs&, int64_t, int64_t);
+// avx2_gemm_int4_x8 with AVX-512 VNNI, over pairs [begin, end) of its 8-channel blocks (the
+// last pair one block where their count is odd), the same bits; AVX-512 table only.
+void avx512_gemm_int4_x8(const GemmArgs&, int64_t, int64_t);
 // The same layout's blocks [begin, end) dequantized to rows [a.N, a.K] of fp32 yf or (yf null)
 // bf16 yb, ldy values apart; a.w, a.scales_f16, a.offsets_f16, a.num_groups as above.
 void avx2_dequantize_int4_x8(const GemmArgs&, int64_t, int64_t, float* yf, uint16_t* yb, int64_t ldy);

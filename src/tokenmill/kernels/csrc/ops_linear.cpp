@@ -340,8 +340,11 @@ at::Tensor linear_int4_x8(const at::Tensor& x, const at::Tensor& w, const at::Te
   at::Tensor xsum = at::empty({M, G}, x.options().dtype(at::kFloat)), xq, xg;
   a.xsum = xsum.data_ptr<float>();
   quantize_groups_of_32(x, a, *avx2_kernels(), xq, xg);
-  // Tasks of whole blocks, ~64 KB of codes, scales and offsets or more.
+  // Tasks of whole blocks, ~64 KB of codes, scales and offsets or more (on AVX-512, of
+  // whole pairs of blocks: 16 channels a vector).
   const int64_t grain = std::max<int64_t>(1, 65536 / (G * 160));
+  if (&kernels() == avx512_kernels())
+    return gemm(x, w, a, out_features, bias, (grain + 1) / 2, avx512_gemm_int4_x8, (w.size(0) + 1) / 2);
   return gemm(x, w, a, out_features, bias, grain, avx2_gemm_int4_x8, w.size(0));
 }
 
