@@ -86,10 +86,11 @@ class QuantizedLinear(nn.Module):
     amx_dequantized_gemm_rows = 257
     """The same where AMX-BF16 is active and the activations are bf16: the weight is rebuilt
     in bf16 and the GEMM runs on the tiles (oneDNN's, through torch). On the AMX Xeon at 2
-    threads over SmolLM2's projections (int4 groups of 32, ``benchmarks/int4_prefill.py``)
-    it took 0.4-0.5x the int kernel's time at 256 rows and 0.2-0.3x at 2048, and lost at 64
-    (1.1-1.4x). One above the default ``--max-num-seqs`` (256), so a decode step stays on
-    the int kernel, as the fused decode step computes it."""
+    threads over SmolLM2's projections (int4 groups of 32,
+    ``results/int4-avx512-amx-2026-12-06/int4_prefill_amx.py``) it took 0.3-0.5x the int
+    kernel's time at 256 rows and 0.15-0.25x at 2048, and 0.7-0.9x at 64. One above the
+    default ``--max-num-seqs`` (256), so a decode step stays on the int kernel, as the fused
+    decode step computes it."""
 
     def _dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The weight [out, in] in ``dtype`` (float32 or bfloat16) for the prefill GEMM, or

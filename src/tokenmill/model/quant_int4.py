@@ -294,11 +294,11 @@ class Int4Linear(QuantizedLinear):
 def channels8(group_size: int) -> bool:
     """Whether int4 weights quantized at load in groups of ``group_size`` go to the layout of
     8 interleaved channels (``int4_layout.pack_channels8``, fp16 scales and offsets): groups
-    of 32, on every kernel table (its kernel is AVX2 code, which AVX-512 machines run too).
-    Its one-row product read SmolLM2's 120 projections of a token 1.5x faster than the
-    per-channel rows at 2 threads (1.7x at one), with 5 bits a weight instead of 6; on the
-    AMX Xeon, where the AVX-512 table had taken groups of 32 weight-only (bf16 activations,
-    dequantized per row), SmolLM2's int4 decode step was 3.7x faster at one stream and 2.3x
-    at 16. A GGUF file's blocks keep the rows and their exact fp32 scales (a Q4_K scale is a
-    product that fp16 would round)."""
+    of 32, on every kernel table (``linear_int4_x8``: AVX2 code, or AVX-512 VNNI where that
+    table is active, the same bits). Its one-row product read SmolLM2's 120 projections of a
+    token 1.5x faster than the per-channel rows at 2 threads (1.7x at one), with 5 bits a
+    weight instead of 6; on the AMX Xeon, where the AVX-512 table had taken groups of 32
+    weight-only (bf16 activations, dequantized per row), SmolLM2's int4 decode step became
+    3.2x faster at one stream and 2.9x at 16. A GGUF file's blocks keep the rows and their
+    exact fp32 scales (a Q4_K scale is a product that fp16 would round)."""
     return group_size == 32
