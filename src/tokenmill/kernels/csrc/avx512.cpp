@@ -542,6 +542,10 @@ inline __m256i bf16_rne(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16));
 }
 
+// Rows a tile: each group's 16 channels' nibbles are split once for all of them (24 of the
+// 32 zmm registers hold the rows' sums at 8).
+constexpr int kX8Rows = 8;
+
 template <int MR>
 void tile_w4x16(const tokenmill::GemmArgs& a, int64_t m0, int64_t b, bool pair, __m512 out[MR]) {
   constexpr int64_t kAhead = 2048;
@@ -588,7 +592,7 @@ void tile_w4x16(const tokenmill::GemmArgs& a, int64_t m0, int64_t b, bool pair, 
 }  // namespace
 
 // Pairs [p0, p1) of 8-channel blocks (blocks 2p, 2p + 1; the last alone where their count is
-// odd), every row, in tiles of up to 4 rows.
+// odd), every row, in tiles of up to kX8Rows rows.
 void tokenmill::avx512_gemm_int4_x8(const GemmArgs& a, int64_t p0, int64_t p1) {
   const int64_t blocks = (a.N + 7) / 8;
   for (int64_t p = p0; p < p1; ++p) {
@@ -597,14 +601,18 @@ void tokenmill::avx512_gemm_int4_x8(const GemmArgs& a, int64_t p0, int64_t p1) {
     const int nc = (int)min64(pair ? 16 : 8, a.N - n0);
     const __mmask16 mask = (__mmask16)((1u << nc) - 1);
     const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0) : _mm512_setzero_ps();
-    for (int64_t m = 0; m < a.M; m += 4) {
-      const int mr = (int)min64(4, a.M - m);
-      __m512 out[4];
+    for (int64_t m = 0; m < a.M; m += kX8Rows) {
+      const int mr = (int)min64(kX8Rows, a.M - m);
+      __m512 out[kX8Rows];
       switch (mr) {
         case 1: tile_w4x16<1>(a, m, b, pair, out); break;
         case 2: tile_w4x16<2>(a, m, b, pair, out); break;
         case 3: tile_w4x16<3>(a, m, b, pair, out); break;
-        default: tile_w4x16<4>(a, m, b, pair, out); break;
+        case 4: tile_w4x16<4>(a, m, b, pair, out); break;
+        case 5: tile_w4x16<5>(a, m, b, pair, out); break;
+        case 6: tile_w4x16<6>(a, m, b, pair, out); break;
+        case 7: tile_w4x16<7>(a, m, b, pair, out); break;
+        default: tile_w4x16<kX8Rows>(a, m, b, pair, out); break;
       }
       for (int r = 0; r < mr; ++r)
         _mm256_mask_storeu_epi16(a.y + (m + r) * a.ldy + n0, mask, bf16_rne(_mm512_add_ps(out[r], bias)));
