@@ -506,9 +506,7 @@ void gemm_w4a8(const GemmArgs& a, int64_t n0, int64_t n1) {
 // (tile_w4a8_g32) spent its time on that work per 64 codes of one channel: 5 GB/s of weights
 // per thread, a third of a plain read. Scales and offsets come blocked as [blocks, G, 8], fp16.
 //
-// x is quantize_rows_g32's (per group of 32, each 64-value chunk's middle quarters swapped):
-// inputs 8t..8t+7 of group g start at byte x8_offset(g, t) of the quantized row.
-inline int64_t x8_offset(int64_t g, int t) { return (g / 2) * 64 + (g % 2) * 16 + (t / 2) * 32 + (t % 2) * 8; }
+// x is quantize_rows_g32's, read through kernels.h's x8_offset and x8_scale_index.
 
 inline __m256i broadcast4(const uint8_t* p) {
   int32_t v;
@@ -541,7 +539,7 @@ inline void tile_w4x8(const GemmArgs& a, int64_t m0, int64_t b, __m256 out[MR]) 
     for (int t = 0; t < 4; ++t) {
       const __m256i v = _mm256_loadu_si256((const __m256i*)(wg + 32 * t));
       const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      const int64_t xo = x8_offset(g, t);
+      const int64_t xo = tokenmill::x8_offset(g, t);
       for (int m = 0; m < MR; ++m) {
         const uint8_t* xr = a.xq + (m0 + m) * a.ldq + xo;
         i16[m] = _mm256_add_epi16(i16[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xr)),
@@ -551,7 +549,7 @@ inline void tile_w4x8(const GemmArgs& a, int64_t m0, int64_t b, __m256 out[MR]) 
     const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sb + g * 8)));
     const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(zb + g * 8)));
     for (int m = 0; m < MR; ++m) {
-      const float sx = a.x_group_scale[((m0 + m) * chunks + g / 2) * 8 + (g % 2) * 4];
+      const float sx = a.x_group_scale[tokenmill::x8_scale_index(m0 + m, chunks, g)];
       acc[m] = Vec::fma(_mm256_cvtepi32_ps(_mm256_madd_epi16(i16[m], ones)), _mm256_mul_ps(ws, Vec::set1(sx)), acc[m]);
       off[m] = Vec::fma(z, Vec::set1(a.xsum[(m0 + m) * G + g]), off[m]);
     }

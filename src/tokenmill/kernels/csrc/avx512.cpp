@@ -519,7 +519,6 @@ void gemv_f32(const GemmArgs& a, int64_t b0, int64_t b1) { gemv_blocks<F32Tile>(
 // and VPDPBUSD sums nibble x byte products straight into int32 (AVX2 needs vpmaddubsw,
 // an int16 add and vpmaddwd per word). Each group's integer sum is exact either way, and the
 // float work after it is the AVX2 kernel's, operation for operation: the outputs are its bits.
-inline int64_t x8_offset(int64_t g, int t) { return (g / 2) * 64 + (g % 2) * 16 + (t / 2) * 32 + (t % 2) * 8; }
 
 inline int32_t load4(const uint8_t* p) {
   int32_t v;
@@ -572,7 +571,7 @@ void tile_w4x16(const tokenmill::GemmArgs& a, int64_t m0, int64_t b, bool pair, 
       const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(w0 + g * 128 + 32 * t))),
                                            _mm256_loadu_si256((const __m256i*)(w1 + g * 128 + 32 * t)), 1);
       const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      const int64_t xo = x8_offset(g, t);
+      const int64_t xo = tokenmill::x8_offset(g, t);
       for (int m = 0; m < MR; ++m) {
         const uint8_t* xr = a.xq + (m0 + m) * a.ldq + xo;
         sum[m] = _mm512_dpbusd_epi32(sum[m], lo, _mm512_set1_epi32(load4(xr)));
@@ -581,7 +580,7 @@ void tile_w4x16(const tokenmill::GemmArgs& a, int64_t m0, int64_t b, bool pair, 
     }
     const __m512 ws = halves_f16(s0 + g * 8, s1 + g * 8), z = halves_f16(z0 + g * 8, z1 + g * 8);
     for (int m = 0; m < MR; ++m) {
-      const float sx = a.x_group_scale[((m0 + m) * chunks + g / 2) * 8 + (g % 2) * 4];
+      const float sx = a.x_group_scale[tokenmill::x8_scale_index(m0 + m, chunks, g)];
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m]), _mm512_mul_ps(ws, _mm512_set1_ps(sx)), acc[m]);
       off[m] = _mm512_fmadd_ps(z, _mm512_set1_ps(a.xsum[(m0 + m) * G + g]), off[m]);
     }

@@ -228,6 +228,12 @@ const KernelTable* avx2_kernels();
 // extension runs on has AVX2); a.scales_f16 and a.offsets_f16 are blocked [blocks, G, 8], a.N the
 // channels to store.
 void avx2_gemm_int4_x8(const GemmArgs&, int64_t, int64_t);
+// Where both int4_x8 kernels read x as quantize_rows_g32 writes it (per group of 32, each
+// 64-value chunk's middle quarters swapped): inputs 8t..8t+7 of group g start at byte
+// x8_offset(g, t) of the quantized row, and row m's group g scale is a.x_group_scale at
+// x8_scale_index(m, chunks, g) (chunks: the row's 64-value chunks, a.ldq / 64).
+inline int64_t x8_offset(int64_t g, int t) { return (g / 2) * 64 + (g % 2) * 16 + (t / 2) * 32 + (t % 2) * 8; }
+inline int64_t x8_scale_index(int64_t m, int64_t chunks, int64_t g) { return (m * chunks + g / 2) * 8 + (g % 2) * 4; }
 // avx2_gemm_int4_x8 with AVX-512 VNNI, over pairs [begin, end) of its 8-channel blocks (the
 // last pair one block where their count is odd), the same bits; AVX-512 table only.
 void avx512_gemm_int4_x8(const GemmArgs&, int64_t, int64_t);
