@@ -12,6 +12,7 @@ from tests.kernels.helpers import generator, randn
 from tokenmill import envs, kernels
 from tokenmill.kernels import int4_layout
 from tokenmill.model.quant import Int4Linear, quantize_linear
+from tokenmill.model.quant_int4 import _int4_groups
 
 
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (37, 70), (5, 1000), (64, 576), (130, 257)])
@@ -119,11 +120,9 @@ def test_groups_of_32_quantized_at_load_interleave_8_channels(isa: str) -> None:
     assert layer.kernel_scales.dtype == layer.kernel_offsets.dtype == torch.float16
     stored = sum(b.numel() * b.element_size() for b in layer.buffers())
     assert stored == sizing.projection_weight_bytes(44, 96, 2, "int4", 32, "channels8")
-    w = layer.dequantize(torch.float32)
-    groups = weight.float().view(44, -1, 32)
-    step = (groups.amax(-1) - groups.amin(-1)) / 15
-    err = (w - weight.float()).view(44, -1, 32).abs()
-    assert (err <= step[..., None] * 0.5 * (1 + 2**-9) + 1e-6).all()  # fp16 params, fitted codes
+    q, scale, low = _int4_groups(weight, 64, 96, 32, half=True)  # the fit, fp16 parameters
+    fitted = (q.view(64, 3, 32).float() * scale + low).view(64, 96)[:44]
+    assert torch.equal(layer.dequantize(torch.float32), fitted)  # stored as fitted, exactly
     codes = torch.randint(0, 16, (44, 96), generator=generator(1))
     scale, low = torch.rand(44, 3) * 0.01, torch.rand(44, 3) - 0.5
     from_file = Int4Linear(weight, None, 32, (codes, scale, low))

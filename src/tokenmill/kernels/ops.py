@@ -279,6 +279,17 @@ def dequantize_int4_x8(
     )
 
 
+def quantize_int4_groups(
+    weight: torch.Tensor, group_size: int, half: bool, levels: tuple[float, ...], rounds: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quant_int4._fitted_groups`` in one pass: codes (int32 [rows, in]), scale and low end
+    ([rows, groups, 1]) of fp32 ``weight``, each group's least squared error among min-max
+    and ``rounds`` least-squares fits from each grid of ``levels`` steps."""
+    return torch.ops.tokenmill_cpu.quantize_int4_groups(
+        weight, group_size, half, list(levels), rounds
+    )
+
+
 def linear_int8_amx(
     x: torch.Tensor,
     tiles: torch.Tensor,

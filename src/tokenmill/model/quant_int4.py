@@ -25,11 +25,58 @@ _INT4_LAYOUT_BLOCKS = (64, 32)
 """Output-channel block of torch's CPU int4 packing: 64 with AVX-512 kernels, 32 with AVX2."""
 
 
+_FITTED_LEVELS = (14.5, 15.5)
+"""Steps per group range whose grids start the least-squares fits, beside min-max's 15:
+half a step more clips an outlier, half a step fewer widens the grid, and the fit then
+moves the scale and offset to the codes chosen. Chosen by ``verify`` on Gemma 3 270M (int4,
+groups of 32, 16 prompts x 64 tokens teacher-forced against float32): min-max alone 91.2%
+top-1 and mean KL 0.405; these two 94.3% and 0.184; adding 14 (less squared error still)
+91.6% and 0.234, and 13.5 to 16 in halves 90.4% and 0.264. So the set is the measured best,
+not the least squared error."""
+
+_FIT_ROUNDS = 2
+"""Fits per starting grid: each re-chooses the codes against the last fit's parameters."""
+
+
+def _fitted_groups(w: torch.Tensor, half: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes 0..15, scale and low end for groups ``w`` [rows, groups, size]: each group's
+    lowest squared error among min-max's and the least-squares scale and offset fitted to
+    the codes of each grid in ``_FITTED_LEVELS`` (llama.cpp's K-quants search alike). min-max
+    is a candidate, so no group is worse than it. ``half``: parameters rounded to fp16
+    before the codes are chosen against them, so the error is the one the kernel computes
+    with."""
+    size = w.shape[-1]
+    w_low, w_high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+    w_sum = w.sum(dim=-1, keepdim=True)
+
+    def codes_for(s: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if half:
+            s, o = s.half().float(), o.half().float()
+        s = s.clamp(min=1e-8)
+        c = torch.round((w - o) / s).clamp(0, 15)
+        return c, s, o, ((c * s + o - w) ** 2).sum(dim=-1, keepdim=True)
+
+    codes, scale, low, error = codes_for((w_high - w_low) / 15.0, w_low)
+    for levels in _FITTED_LEVELS:
+        grid = torch.round((w - w_low) / ((w_high - w_low) / levels).clamp(min=1e-8)).clamp(0, 15)
+        for _ in range(_FIT_ROUNDS):
+            c_sum = grid.sum(dim=-1, keepdim=True)
+            det = size * (grid * grid).sum(dim=-1, keepdim=True) - c_sum * c_sum
+            fit = det > 0  # at least two distinct codes
+            s = (size * (grid * w).sum(dim=-1, keepdim=True) - c_sum * w_sum) / det.where(fit, 1.0)
+            s = s.where(fit, scale)
+            grid, s, o, e = codes_for(s, ((w_sum - s * c_sum) / size).where(fit, low))
+            better = e < error
+            codes, scale = grid.where(better, codes), s.where(better, scale)
+            low, error = o.where(better, low), e.where(better, error)
+    return codes, scale, low
+
+
 def _int4_groups(
     weight: torch.Tensor, padded_out: int, padded_in: int, group_size: int, half: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes 0..15 (int32 [padded_out, padded_in]), and each group's scale and low end
-    ([padded_out, groups, 1]): asymmetric, (high - low) / 15. Padding is zeros. ``half``:
+    ([padded_out, groups, 1]): asymmetric, fitted by ``_fitted_groups``. Padding is zeros. ``half``:
     scale and low end rounded to fp16 (the layout that stores them so) before the codes are
     chosen against them, so the codes fit the values the kernel multiplies by."""
     out_features, in_features = weight.shape
@@ -42,14 +89,13 @@ def _int4_groups(
         w = torch.zeros(hi - lo, padded_in)
         if lo < out_features:
             w[: min(hi, out_features) - lo, :in_features] = weight[lo:hi].float()
-        w = w.view(hi - lo, groups, group_size)
-        w_low, w_high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
-        w_scale = (w_high - w_low) / 15.0
-        if half:
-            w_scale, w_low = w_scale.half().float(), w_low.half().float()
-        w_scale = w_scale.clamp(min=1e-8)
-        q[lo:hi] = torch.round((w - w_low) / w_scale).clamp(0, 15).view(hi - lo, -1)
-        scale[lo:hi], low[lo:hi] = w_scale, w_low
+        if group_size % 8 == 0 and group_size <= 256 and kernels.available():
+            q[lo:hi], scale[lo:hi], low[lo:hi] = kernels.quantize_int4_groups(
+                w, group_size, half, _FITTED_LEVELS, _FIT_ROUNDS
+            )
+        else:
+            codes, scale[lo:hi], low[lo:hi] = _fitted_groups(w.view(-1, groups, group_size), half)
+            q[lo:hi] = codes.view(hi - lo, -1)
     return q, scale, low
 
 

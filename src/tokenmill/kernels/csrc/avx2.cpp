@@ -4,6 +4,7 @@
 // path's bf16 dot products up to summation order; int8 and int4 (groups of 32+) take
 // activations quantized to int8 (W8A8), with vpmaddubsw for VNNI: int8 per group of 64
 // inputs (AVX-512: per row), int4 per row, or per group of 32 for groups of 32.
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -775,6 +776,100 @@ const tokenmill::KernelTable kTable = {
     quantize_rows_g32, /*int8_x_group=*/64,
 };
 
+// The int4 group fit (ops_linear.cpp's quantize_int4_groups): a group is whole vectors of 8
+// (group sizes are multiples of 8), summed per lane and then across lanes in a fixed order.
+inline float lane_sum(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  float sum = 0.f;
+  for (float x : lanes) sum += x;
+  return sum;
+}
+
+// Codes round((w - o) / s) clamped to 0..15, to nearest even as torch.round.
+inline __m256 codes_of(__m256 x, __m256 o, __m256 s) {
+  const __m256 q = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_sub_ps(x, o), s), _mm256_setzero_ps()),
+                                 _mm256_set1_ps(15.f));
+  return _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// Codes of one group against scale s and low end o (rounded to fp16 first where half, as
+// the layout stores them), written to c; returns the squared error and the parameters used.
+float fit_codes(const float* w, int64_t n, bool half, float& s, float& o, float* c) {
+  if (half) {
+    s = _cvtsh_ss(_cvtss_sh(s, _MM_FROUND_TO_NEAREST_INT));  // as torch's .half(): to nearest even
+    o = _cvtsh_ss(_cvtss_sh(o, _MM_FROUND_TO_NEAREST_INT));
+  }
+  s = std::max(s, 1e-8f);
+  const __m256 vs = _mm256_set1_ps(s), vo = _mm256_set1_ps(o);
+  __m256 error = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(w + i), q = codes_of(x, vo, vs);
+    _mm256_storeu_ps(c + i, q);
+    const __m256 d = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(q, vs), vo), x);
+    error = _mm256_add_ps(error, _mm256_mul_ps(d, d));
+  }
+  return lane_sum(error);
+}
+
+void fit_int4_groups(const tokenmill::Int4Fit& f, int64_t r0, int64_t r1) {
+  const int64_t n = f.group_size, G = f.K / n;
+  float best[256], grid[256];
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t g = 0; g < G; ++g) {
+        const float* w = f.w + r * f.ldw + g * n;
+        __m256 lo = _mm256_loadu_ps(w), hi = lo, sum = lo;
+        for (int64_t i = 8; i < n; i += 8) {
+          const __m256 x = _mm256_loadu_ps(w + i);
+          lo = _mm256_min_ps(lo, x);
+          hi = _mm256_max_ps(hi, x);
+          sum = _mm256_add_ps(sum, x);
+        }
+        alignas(32) float lows[8], highs[8];
+        _mm256_store_ps(lows, lo);
+        _mm256_store_ps(highs, hi);
+        const float w_low = *std::min_element(lows, lows + 8), w_high = *std::max_element(highs, highs + 8);
+        const float w_sum = lane_sum(sum);
+        float s = (w_high - w_low) / 15.f, o = w_low;
+        float error = fit_codes(w, n, f.half, s, o, best);
+        float best_s = s, best_o = o;
+        for (int64_t l = 0; l < f.num_levels; ++l) {
+          const double step = f.levels[l];
+          const float grid_s = std::max((w_high - w_low) / static_cast<float>(step), 1e-8f);
+          for (int64_t i = 0; i < n; i += 8)
+            _mm256_storeu_ps(grid + i, codes_of(_mm256_loadu_ps(w + i), _mm256_set1_ps(w_low),
+                                                _mm256_set1_ps(grid_s)));
+          for (int64_t round = 0; round < f.rounds; ++round) {
+            __m256 sum_c = _mm256_setzero_ps(), sum_cc = sum_c, sum_cw = sum_c;
+            for (int64_t i = 0; i < n; i += 8) {
+              const __m256 q = _mm256_loadu_ps(grid + i);
+              sum_c = _mm256_add_ps(sum_c, q);
+              sum_cc = _mm256_add_ps(sum_cc, _mm256_mul_ps(q, q));
+              sum_cw = _mm256_add_ps(sum_cw, _mm256_mul_ps(q, _mm256_loadu_ps(w + i)));
+            }
+            const float c_sum = lane_sum(sum_c), cc = lane_sum(sum_cc), cw = lane_sum(sum_cw);
+            const float det = static_cast<float>(n) * cc - c_sum * c_sum;
+            float fs = best_s, fo = best_o;
+            if (det > 0.f) {  // at least two distinct codes
+              fs = (static_cast<float>(n) * cw - c_sum * w_sum) / det;
+              fo = (w_sum - fs * c_sum) / static_cast<float>(n);
+            }
+            const float e = fit_codes(w, n, f.half, fs, fo, grid);
+            if (e < error) {
+              error = e;
+              best_s = fs;
+              best_o = fo;
+              std::copy(grid, grid + n, best);
+            }
+          }
+        }
+        for (int64_t i = 0; i < n; ++i) f.codes[r * f.K + g * n + i] = static_cast<int32_t>(best[i]);
+        f.scale[r * G + g] = best_s;
+        f.low[r * G + g] = best_o;
+    }
+  }
+}
+
 }  // namespace
 
 const tokenmill::KernelTable* tokenmill::avx2_kernels() { return &kTable; }
@@ -785,3 +880,5 @@ void tokenmill::avx2_dequantize_int4_x8(const GemmArgs& a, int64_t b0, int64_t b
                                         int64_t ldy) {
   dequantize_int4_x8(a, b0, b1, yf, yb, ldy);
 }
+
+void tokenmill::avx2_fit_int4_groups(const Int4Fit& f, int64_t r0, int64_t r1) { fit_int4_groups(f, r0, r1); }

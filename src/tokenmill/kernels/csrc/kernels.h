@@ -241,6 +241,22 @@ void avx512_gemm_int4_x8(const GemmArgs&, int64_t, int64_t);
 // bf16 yb, ldy values apart; a.w, a.scales_f16, a.offsets_f16, a.num_groups as above.
 void avx2_dequantize_int4_x8(const GemmArgs&, int64_t, int64_t, float* yf, uint16_t* yb, int64_t ldy);
 
+// quantize_int4_groups' operands: fp32 weight rows (ldw apart) in, per group of group_size
+// (a multiple of 8, up to 256) codes 0..15 (int32 rows of K), scale and low end out.
+struct Int4Fit {
+  const float* w;
+  int64_t ldw, K, group_size;
+  bool half;  // parameters rounded to fp16 before the codes are chosen against them
+  const double* levels;
+  int64_t num_levels, rounds;
+  int32_t* codes;
+  float* scale;
+  float* low;
+};
+// Rows [begin, end) of that fit: per group min-max's codes and, from the grid of each level's
+// step count, `rounds` least-squares fits of scale and offset; the least squared error wins.
+void avx2_fit_int4_groups(const Int4Fit&, int64_t, int64_t);
+
 }  // namespace tokenmill
 
 namespace tokenmill {

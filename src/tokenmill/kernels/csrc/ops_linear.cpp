@@ -3,6 +3,7 @@
 // AMX tile layout on AMX or AVX-512 VNNI.
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "ops.h"
 
@@ -369,6 +370,40 @@ at::Tensor dequantize_int4_x8(const at::Tensor& w, const at::Tensor& scales, con
   parallel_chunks(w.size(0), std::max<int64_t>(1, rows_grain(K) / 8),
                   [&](int64_t b0, int64_t b1) { avx2_dequantize_int4_x8(a, b0, b1, yf, yb, K); });
   return out;
+}
+
+// int4 groups fitted at load (quant_int4._fitted_groups is the same in torch ops, the
+// reference): per group of group_size weights, min-max's codes, then for each step count
+// in levels the codes of that grid and `rounds` least-squares fits of scale and offset,
+// each re-choosing the codes; the least squared error wins. One pass over the weight with
+// the group in L1 (avx2_fit_int4_groups), where the torch version makes some 60 passes over it.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_int4_groups(const at::Tensor& weight, int64_t group_size,
+                                                                    bool half, at::ArrayRef<double> levels,
+                                                                    int64_t rounds) {
+  check_rows(weight, "weight");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "quantize_int4_groups: weight must be float32");
+  TORCH_CHECK(group_size > 0 && group_size <= 256 && group_size % 8 == 0 && weight.size(1) % group_size == 0,
+              "quantize_int4_groups: in_features ", weight.size(1), " must be a multiple of group_size ",
+              group_size, " (a multiple of 8, up to 256)");
+  const int64_t rows = weight.size(0), K = weight.size(1), G = K / group_size;
+  at::Tensor codes = at::empty({rows, K}, weight.options().dtype(at::kInt));
+  at::Tensor scale = at::empty({rows, G, 1}, weight.options());
+  at::Tensor low = at::empty({rows, G, 1}, weight.options());
+  const std::vector<double> steps(levels.begin(), levels.end());
+  Int4Fit fit{};
+  fit.w = weight.data_ptr<float>();
+  fit.ldw = weight.stride(0);
+  fit.K = K;
+  fit.group_size = group_size;
+  fit.half = half;
+  fit.levels = steps.data();
+  fit.num_levels = static_cast<int64_t>(steps.size());
+  fit.rounds = rounds;
+  fit.codes = codes.data_ptr<int32_t>();
+  fit.scale = scale.data_ptr<float>();
+  fit.low = low.data_ptr<float>();
+  parallel_chunks(rows, rows_grain(K), [&](int64_t r0, int64_t r1) { avx2_fit_int4_groups(fit, r0, r1); });
+  return {codes, scale, low};
 }
 
 // The int4 codes dequantized to fp32 rows [N, in_features] (w = q * scale + offset per
