@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from tests.kernels.helpers import generator, randn
 from tokenmill import envs, kernels
-from tokenmill.kernels import int4_layout
+from tokenmill.kernels import gemv_layout, int4_layout
+from tokenmill.model.layers import silu_and_mul
 from tokenmill.model.quant import Int4Linear, quantize_linear
 from tokenmill.model.quant_int4 import _int4_groups
 
@@ -67,15 +68,14 @@ def test_a_prefill_chunk_runs_as_an_fp32_gemm(
     assert err <= 3e-2 * exact.float().abs().max()
 
 
-@pytest.mark.parametrize(
-    ("method", "group_size", "from_file"), [("int4", 32, False), ("int4", 32, True)]
-)
+@pytest.mark.parametrize(("method", "group_size", "from_file"), [("int4", 32, True)])
 def test_a_prefill_chunk_runs_as_a_bf16_gemm_on_amx(
     monkeypatch: pytest.MonkeyPatch, method: str, group_size: int, from_file: bool
 ) -> None:
     """With AMX-BF16 active, bf16 activations of ``amx_dequantized_gemm_rows`` rows or more
     multiply the weight rebuilt in fp32 and rounded to bf16, by torch's bf16 GEMM, bit for
-    bit; one row fewer stays on the int kernel (W8A8, the decode step's numbers)."""
+    bit; one row fewer stays on the int kernel (W8A8, the decode step's numbers). A GGUF
+    file's int4 rows; groups quantized at load go to GEMV blocks instead (the test below)."""
     try:
         kernels.set_isa("amx")
     except RuntimeError:
@@ -103,6 +103,53 @@ def test_a_prefill_chunk_runs_as_a_bf16_gemm_on_amx(
         on_kernel = layer(x)
         assert torch.equal(on_kernel[: rows - 1], few)
         assert not torch.equal(on_kernel, gemm)
+    finally:
+        kernels.set_isa("auto")
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(44, 96), (64, 256), (100, 32)])
+def test_int4_groups_rebuilt_into_gemv_blocks_are_the_bf16_rows_packed(
+    threads: int, out_features: int, in_features: int
+) -> None:
+    """``dequantize_int4_x8_blocks`` writes ``gemv_layout``'s blocks of the bf16 rows
+    ``dequantize_int4_x8`` gives, padding channels zero, bit for bit (odd 8-channel block
+    counts included: 44 and 100 channels)."""
+    layer = Int4Linear(randn(out_features, in_features, dtype=torch.bfloat16, seed=1), None, 32)
+    assert layer.kernel == "channels8"
+    args = (layer.packed, layer.kernel_scales, layer.kernel_offsets, out_features, in_features)
+    rows = kernels.dequantize_int4_x8(*args, True)
+    assert torch.equal(kernels.dequantize_int4_x8_blocks(*args), gemv_layout.pack(rows))
+
+
+def test_a_prefill_chunk_on_amx_multiplies_gemv_blocks_with_the_activation_fused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On AMX-BF16, an int4 (groups of 32) prefill chunk is rebuilt into GEMV blocks and
+    multiplied by tokenmill's AMX GEMM, the MLP's activation in its epilogue (``gated``), as
+    a bf16 projection's; the bf16 rows are not built. One row fewer: the int kernel, which
+    has no epilogue (``gated`` is None)."""
+    try:
+        kernels.set_isa("amx")
+    except RuntimeError:
+        pytest.skip("this CPU cannot run AMX")
+    try:
+        if not kernels.amx_bf16_active():
+            pytest.skip("AMX-BF16 is not active here")
+        layer = quantize_linear(randn(192, 256, dtype=torch.bfloat16, seed=1), None, "int4", 32)
+        rows = layer.amx_dequantized_gemm_rows
+        x = randn(rows, 256, dtype=torch.bfloat16, seed=3)
+        blocks = gemv_layout.pack(layer.dequantize(torch.float32).bfloat16())
+        want = kernels.gemv_bf16(x, blocks, 192, None)
+        want_act = kernels.gemv_bf16_act(x, blocks, 192, None, "silu")
+
+        def no_rows(*args: object, **kwargs: object) -> torch.Tensor:
+            raise AssertionError("the bf16 rows were rebuilt")
+
+        monkeypatch.setattr(kernels, "dequantize_int4_x8", no_rows)
+        assert torch.equal(layer(x), want)
+        fused = layer.gated(x, silu_and_mul)
+        assert fused is not None and torch.equal(fused, want_act)
+        assert layer.gated(x[: rows - 1], silu_and_mul) is None
     finally:
         kernels.set_isa("auto")
 

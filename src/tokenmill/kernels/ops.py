@@ -290,6 +290,21 @@ def quantize_int4_groups(
     )
 
 
+def dequantize_int4_x8_blocks(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    out_features: int,
+    in_features: int,
+) -> torch.Tensor:
+    """``dequantize_int4_x8(..., bf16=True)``'s values in ``gemv_layout``'s bf16 blocks (the
+    padding channels zero; ``in_features`` a multiple of 32): what ``gemv_bf16`` and
+    ``gemv_bf16_act`` multiply on AMX-BF16 tiles."""
+    return torch.ops.tokenmill_cpu.dequantize_int4_x8_blocks(
+        packed, scales, offsets, out_features, in_features
+    )
+
+
 def linear_int8_amx(
     x: torch.Tensor,
     tiles: torch.Tensor,

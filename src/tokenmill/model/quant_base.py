@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import envs, kernels
+from tokenmill.model.layers import GATED_KERNEL_ACTS
 
 TILES = ("amx", "vnni")
 """The kernels that read AMX tiles (``kernels/amx_layout.py``)."""
@@ -57,9 +58,16 @@ class QuantizedLinear(nn.Module):
     def gated(
         self, x: torch.Tensor, act_and_mul: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor | None:
-        """As ``Linear.gated``: None, the MLP runs its activation after this projection (the
-        int kernels have no gated epilogue)."""
-        return None
+        """As ``Linear.gated``: on a prefill chunk that runs on AMX-BF16 tiles from weights
+        rebuilt in GEMV blocks (``_prefill_blocks``), the activation in the GEMM's epilogue;
+        None elsewhere (the int kernels have no gated epilogue), and the MLP runs it after."""
+        act = GATED_KERNEL_ACTS.get(act_and_mul)
+        blocks = None if act is None else self._prefill_blocks(x)
+        if blocks is None or act is None:
+            return None
+        flat = x.reshape(-1, self.in_features)
+        y = kernels.gemv_bf16_act(flat, blocks, self.out_features, self.bias, act)
+        return y.view(*x.shape[:-1], -1)
 
     def _kernel_call(
         self, x: torch.Tensor, bias: torch.Tensor | None
@@ -85,7 +93,12 @@ class QuantizedLinear(nn.Module):
 
     amx_dequantized_gemm_rows = 257
     """The same where AMX-BF16 is active and the activations are bf16: the weight is rebuilt
-    in bf16 and the GEMM runs on the tiles (oneDNN's, through torch). On the AMX Xeon at 2
+    in bf16 and the GEMM runs on the tiles: tokenmill's on GEMV blocks where the layout
+    rebuilds into them (``_dequantized_blocks``: int4 groups of 32 quantized at load, the
+    MLP's activation then in the GEMM's epilogue), else oneDNN's through torch on rows.
+    Against the rows and torch's GEMM, the blocks ran the 250M model's int4 prompt steps
+    1.4-1.9x faster in alternating pairs, SmolLM2's and Gemma 3's level within the noise
+    (``results/int4-prefill-blocks-amx-2026-12-07/``). On the AMX Xeon at 2
     threads over SmolLM2's projections (int4 groups of 32,
     ``results/int4-avx512-amx-2026-12-06/int4_prefill_amx.py``) it took 0.3-0.5x the int
     kernel's time at 256 rows and 0.15-0.25x at 2048, and 0.7-0.9x at 64. One above the
@@ -97,6 +110,27 @@ class QuantizedLinear(nn.Module):
         None where this layout has no such path."""
         return None
 
+    def _dequantized_blocks(self) -> torch.Tensor | None:
+        """The weight in bf16 ``gemv_layout`` blocks for the AMX-BF16 prefill GEMM (tokenmill's
+        own, which fuses the MLP's activation), or None where this layout has no such path
+        (then the bf16 rows of ``_dequantized_weight`` go to torch's GEMM)."""
+        return None
+
+    def _on_tiles(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is a prefill chunk for the bf16 GEMM on AMX-BF16 tiles."""
+        return (
+            x.dtype == torch.bfloat16
+            and kernels.amx_bf16_active()
+            and self.dequantized_gemm_rows is not None
+            and x.numel() >= self.amx_dequantized_gemm_rows * self.in_features
+            and kernels.supports(x)
+            and not envs.is_off(envs.PREFILL_GEMM)
+        )
+
+    def _prefill_blocks(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The GEMV blocks for ``x``'s product where it runs on the tiles from them, else None."""
+        return self._dequantized_blocks() if self._on_tiles(x) else None
+
     def _prefill_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x``'s product by the GEMM of the dequantized weight (activations exact: fp32, or
         bf16 on AMX-BF16), where ``x`` has ``dequantized_gemm_rows`` rows or more
@@ -104,9 +138,14 @@ class QuantizedLinear(nn.Module):
         rows = self.dequantized_gemm_rows
         if rows is None or not kernels.supports(x) or envs.is_off(envs.PREFILL_GEMM):
             return None
-        on_tiles = x.dtype == torch.bfloat16 and kernels.amx_bf16_active()
-        if x.numel() < (self.amx_dequantized_gemm_rows if on_tiles else rows) * self.in_features:
+        on_tiles = self._on_tiles(x)
+        if not on_tiles and x.numel() < rows * self.in_features:
             return None
+        blocks = self._dequantized_blocks() if on_tiles else None
+        if blocks is not None:
+            flat = x.reshape(-1, self.in_features)
+            y = kernels.gemv_bf16(flat, blocks, self.out_features, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         weight = self._dequantized_weight(torch.bfloat16 if on_tiles else torch.float32)
         if weight is None:
             return None

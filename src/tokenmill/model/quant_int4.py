@@ -222,6 +222,14 @@ class Int4Linear(QuantizedLinear):
             ).to(dtype)  # fmt: skip
         return None
 
+    def _dequantized_blocks(self) -> torch.Tensor | None:
+        if self.kernel != "channels8" or self.in_features % 32:
+            return None
+        return kernels.dequantize_int4_x8_blocks(
+            self.packed, self.kernel_scales, self.kernel_offsets, self.out_features,
+            self.in_features,
+        )  # fmt: skip
+
     def _store_for_kernel(self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> None:
         """Codes, scales and offsets (``w = q * scale + low``) in the kernel's layout only."""
         n, gs = self.out_features, self.group_size

@@ -583,7 +583,10 @@ void gemm_int4_x8(const GemmArgs& a, int64_t b0, int64_t b1) {
 // apart): w = q * scale + offset, a multiply then an add (two roundings, as the layer's
 // dequantize computes it in torch), bf16 rounded to nearest even. Word t's nibbles, split
 // and interleaved per 32-bit lane, leave each channel's 8 consecutive inputs in 8 bytes.
-void dequantize_int4_x8(const GemmArgs& a, int64_t b0, int64_t b1, float* yf, uint16_t* yb, int64_t ldy) {
+void dequantize_int4_x8(const GemmArgs& a, int64_t b0, int64_t b1, float* yf, uint16_t* yb, int64_t ldy,
+                        bool blocks) {
+  const int64_t kp = (a.K + 1) / 2;  // blocks: kernels/gemv_layout.py's [N / 16, K / 2, 16, 2]
+  alignas(32) uint32_t pairs[8][4];
   const int64_t G = a.num_groups, K = a.K;
   const __m256i low4 = _mm256_set1_epi8(15);
   alignas(32) uint8_t bytes[2][32];
@@ -605,9 +608,23 @@ void dequantize_int4_x8(const GemmArgs& a, int64_t b0, int64_t b1, float* yf, ui
           const uint8_t* q8 = bytes[(c / 2) % 2] + (c / 4) * 16 + (c % 2) * 8;
           const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q8)));
           const __m256 w = _mm256_add_ps(_mm256_mul_ps(q, _mm256_set1_ps(sc[c])), _mm256_set1_ps(off[c]));
-          const int64_t at = (b * 8 + c) * ldy + g * 32 + 8 * t;
+          const int64_t n = b * 8 + c;
+          if (blocks) {  // K % 32 == 0 (n_k == 8): this channel's 4 (k, k + 1) pairs
+            Vec::store_bf16(reinterpret_cast<uint16_t*>(pairs[c]), w, 8);
+            continue;
+          }
+          const int64_t at = n * ldy + g * 32 + 8 * t;
           if (yb) Vec::store_bf16(yb + at, w, n_k);
           else Vec::store_f32(yf + at, w, n_k);
+        }
+        if (blocks) {  // each pair's 8 channels: half a 64-byte line of the 16-channel block
+          for (int c = nc; c < 8; ++c) pairs[c][0] = pairs[c][1] = pairs[c][2] = pairs[c][3] = 0;
+          uint32_t* line = reinterpret_cast<uint32_t*>(yb) + ((b / 2) * kp + g * 16 + 4 * t) * 16 + (b % 2) * 8;
+          for (int q = 0; q < 4; ++q) {
+            const __m256i v = _mm256_setr_epi32(pairs[0][q], pairs[1][q], pairs[2][q], pairs[3][q], pairs[4][q],
+                                                pairs[5][q], pairs[6][q], pairs[7][q]);
+            _mm256_storeu_si256((__m256i*)(line + q * 16), v);
+          }
         }
       }
     }
@@ -877,8 +894,8 @@ const tokenmill::KernelTable* tokenmill::avx2_kernels() { return &kTable; }
 void tokenmill::avx2_gemm_int4_x8(const GemmArgs& a, int64_t b0, int64_t b1) { gemm_int4_x8(a, b0, b1); }
 
 void tokenmill::avx2_dequantize_int4_x8(const GemmArgs& a, int64_t b0, int64_t b1, float* yf, uint16_t* yb,
-                                        int64_t ldy) {
-  dequantize_int4_x8(a, b0, b1, yf, yb, ldy);
+                                        int64_t ldy, bool blocks) {
+  dequantize_int4_x8(a, b0, b1, yf, yb, ldy, blocks);
 }
 
 void tokenmill::avx2_fit_int4_groups(const Int4Fit& f, int64_t r0, int64_t r1) { fit_int4_groups(f, r0, r1); }

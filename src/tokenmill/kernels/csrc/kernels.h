@@ -238,8 +238,10 @@ inline int64_t x8_scale_index(int64_t m, int64_t chunks, int64_t g) { return (m 
 // last pair one block where their count is odd), the same bits; AVX-512 table only.
 void avx512_gemm_int4_x8(const GemmArgs&, int64_t, int64_t);
 // The same layout's blocks [begin, end) dequantized to rows [a.N, a.K] of fp32 yf or (yf null)
-// bf16 yb, ldy values apart; a.w, a.scales_f16, a.offsets_f16, a.num_groups as above.
-void avx2_dequantize_int4_x8(const GemmArgs&, int64_t, int64_t, float* yf, uint16_t* yb, int64_t ldy);
+// bf16 yb, ldy values apart; a.w, a.scales_f16, a.offsets_f16, a.num_groups as above. With
+// `blocks` (a.K % 32 == 0, [begin, end) whole pairs but the last): bf16 yb in
+// kernels/gemv_layout.py's blocks instead, what gemv_bf16 multiplies; ldy unused.
+void avx2_dequantize_int4_x8(const GemmArgs&, int64_t, int64_t, float* yf, uint16_t* yb, int64_t ldy, bool blocks);
 
 // quantize_int4_groups' operands: fp32 weight rows (ldw apart) in, per group of group_size
 // (a multiple of 8, up to 256) codes 0..15 (int32 rows of K), scale and low end out.

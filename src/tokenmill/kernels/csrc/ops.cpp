@@ -162,6 +162,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("linear_int4_x8(Tensor x, Tensor packed, Tensor scales, Tensor offsets, Tensor? bias, int out_features) -> Tensor");
   m.def("dequantize_int4_x8(Tensor packed, Tensor scales, Tensor offsets, int out_features, int in_features, bool bf16=False) -> Tensor");
   m.def("quantize_int4_groups(Tensor weight, int group_size, bool half, float[] levels, int rounds) -> (Tensor, Tensor, Tensor)");
+  m.def("dequantize_int4_x8_blocks(Tensor packed, Tensor scales, Tensor offsets, int out_features, int in_features) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool offset=False) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool offset=False) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -203,6 +204,7 @@ TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("linear_int4_x8", &tokenmill::linear_int4_x8);
   m.impl("dequantize_int4_x8", &tokenmill::dequantize_int4_x8);
   m.impl("quantize_int4_groups", &tokenmill::quantize_int4_groups);
+  m.impl("dequantize_int4_x8_blocks", &tokenmill::dequantize_int4_x8_blocks);
   m.impl("linear_int8_amx", &tokenmill::linear_int8_amx);
   m.impl("linear_int4_amx", &tokenmill::linear_int4_amx);
   m.impl("rms_norm", &tokenmill::rms_norm);

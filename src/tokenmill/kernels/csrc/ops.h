@@ -83,6 +83,8 @@ at::Tensor dequantize_int4_x8(const at::Tensor& w, const at::Tensor& scales, con
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_int4_groups(const at::Tensor& weight, int64_t group_size,
                                                                     bool half, at::ArrayRef<double> levels,
                                                                     int64_t rounds);
+at::Tensor dequantize_int4_x8_blocks(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& offsets,
+                                     int64_t out_features, int64_t in_features);
 // The AMX tile layout's int8 / int4 products, on AMX or (vnni) on AVX-512 VNNI.
 at::Tensor int8_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, const at::Tensor& wsum,
                       const c10::optional<at::Tensor>& bias, int64_t out_features, bool vnni, bool f32_out);

@@ -368,7 +368,28 @@ at::Tensor dequantize_int4_x8(const at::Tensor& w, const at::Tensor& scales, con
   float* yf = bf16 ? nullptr : out.data_ptr<float>();
   uint16_t* yb = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
   parallel_chunks(w.size(0), std::max<int64_t>(1, rows_grain(K) / 8),
-                  [&](int64_t b0, int64_t b1) { avx2_dequantize_int4_x8(a, b0, b1, yf, yb, K); });
+                  [&](int64_t b0, int64_t b1) { avx2_dequantize_int4_x8(a, b0, b1, yf, yb, K, false); });
+  return out;
+}
+
+at::Tensor dequantize_int4_x8_blocks(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& offsets,
+                                     int64_t out_features, int64_t in_features) {
+  const int64_t K = in_features, N = out_features;
+  check_int4_x8("dequantize_int4_x8_blocks", w, scales, offsets, N, K);
+  TORCH_CHECK(K > 0 && K % 32 == 0, "dequantize_int4_x8_blocks: in_features must be a positive multiple of 32");
+  const auto opts = w.options().dtype(at::kBFloat16);
+  at::Tensor out = (w.size(0) % 2) ? at::zeros({(N + 15) / 16, K / 2, 16, 2}, opts) : at::empty({(N + 15) / 16, K / 2, 16, 2}, opts);
+  GemmArgs a{};
+  a.w = w.data_ptr();
+  a.scales_f16 = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  a.offsets_f16 = reinterpret_cast<const uint16_t*>(offsets.data_ptr());
+  a.num_groups = w.size(1);
+  a.N = N;
+  a.K = K;
+  uint16_t* yb = reinterpret_cast<uint16_t*>(out.data_ptr());
+  parallel_chunks((w.size(0) + 1) / 2, std::max<int64_t>(1, rows_grain(K) / 16), [&](int64_t p0, int64_t p1) {
+    avx2_dequantize_int4_x8(a, 2 * p0, std::min<int64_t>(2 * p1, w.size(0)), nullptr, yb, 0, true);
+  });
   return out;
 }
 
