@@ -91,7 +91,13 @@ def unpack_f32(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 def rows(packed: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
     """Rows ``ids`` of the weight [len(ids), K], read from ``pack``'s or ``pack_f32``'s
     blocks: a tied LM head packed for the GEMV is also the embedding table, so the model
-    keeps no row-major copy beside it. Exact (the blocks hold the values unchanged)."""
+    keeps no row-major copy beside it. Exact (the blocks hold the values unchanged). A bf16
+    pair read as one int32 halves the gather's elements: 1,024 of SmolLM2's rows took 0.6 ms
+    so against 6 ms as two bf16 values (a prompt step's embedding)."""
     flat = ids.reshape(-1)
-    picked = packed[flat // ROWS, :, flat % ROWS]  # [T, kp, 2] (bf16) or [T, K] (fp32)
-    return picked.reshape(len(flat), -1)[:, :in_features].reshape(*ids.shape, in_features)
+    if packed.dim() == 4:  # bf16 [nb, kp, 16, 2]: each (k, k + 1) pair gathered as one int32
+        pairs = packed.view(torch.int32).squeeze(-1)  # [nb, kp, 16]
+        picked = pairs[flat // ROWS, :, flat % ROWS].view(packed.dtype)  # [T, 2 * kp]
+    else:  # fp32 [nb, K, 16]
+        picked = packed[flat // ROWS, :, flat % ROWS]
+    return picked[:, :in_features].reshape(*ids.shape, in_features)
