@@ -70,9 +70,11 @@ def unpack_int8(tiles: torch.Tensor, out_features: int, in_features: int) -> tor
 
 def int8_rows(tiles: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
     """Rows ``ids`` of the int8 weight [*ids.shape, in_features], gathered from ``pack_int8``'s
-    tiles without unpacking the rest: a tied LM head in tiles is also the embedding table."""
+    tiles without unpacking the rest: a tied LM head in tiles is also the embedding table.
+    Each channel's 4 consecutive inputs are gathered as one int32, a quarter of the elements."""
     flat = ids.reshape(-1)
-    picked = _int8_lanes(tiles)[flat // 16, :, :, flat % 16]  # [T, K/64, quad, 4]
+    quads = _int8_lanes(tiles).view(torch.int32).squeeze(-1)  # a channel's 4 inputs as one int32
+    picked = quads[flat // 16, :, :, flat % 16].view(torch.int8)  # [T, K/64, quad * 4]
     rows = picked.reshape(len(flat), -1)[:, :in_features]
     return rows.reshape(*ids.shape, in_features)
 
