@@ -92,8 +92,8 @@ def rows(packed: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Ten
     """Rows ``ids`` of the weight [len(ids), K], read from ``pack``'s or ``pack_f32``'s
     blocks: a tied LM head packed for the GEMV is also the embedding table, so the model
     keeps no row-major copy beside it. Exact (the blocks hold the values unchanged). A bf16
-    pair read as one int32 halves the gather's elements: 1,024 of SmolLM2's rows took 0.6 ms
-    so against 6 ms as two bf16 values (a prompt step's embedding)."""
+    pair read as one int32 halves the gather's elements: 1,024 of SmolLM2's rows took 0.7 ms
+    so against 7.3 ms as two bf16 values (a prompt step's embedding)."""
     flat = ids.reshape(-1)
     if packed.dim() == 4:  # bf16 [nb, kp, 16, 2]: each (k, k + 1) pair gathered as one int32
         pairs = packed.view(torch.int32).squeeze(-1)  # [nb, kp, 16]
