@@ -305,9 +305,10 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 namespace {
 
 // packed uint8 [blocks, G, 128] (int4_layout.pack_channels8), scales and offsets fp16
-// [blocks, G, 8], G even (whole 64-input chunks, as quantize_rows_g32 writes x).
-void check_int4_x8(const char* op, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& offsets,
-                   int64_t out_features, int64_t K) {
+// [blocks, G, 8], G even (whole 64-input chunks, as quantize_rows_g32 writes x), checked;
+// the kernel arguments they give (w, scales_f16, offsets_f16, num_groups, N, K).
+GemmArgs int4_x8_args(const char* op, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& offsets,
+                      int64_t out_features, int64_t K) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 && w.size(2) == 128 &&
                   w.size(1) % 2 == 0 && w.size(1) * 32 >= K && w.size(0) * 8 >= out_features &&
                   (w.size(0) - 1) * 8 < out_features,
@@ -316,6 +317,14 @@ void check_int4_x8(const char* op, const at::Tensor& w, const at::Tensor& scales
                   scales.size(0) == w.size(0) && scales.size(1) == w.size(1) && scales.size(2) == 8 &&
                   offsets.scalar_type() == at::kHalf && offsets.is_contiguous() && offsets.sizes() == scales.sizes(),
               op, ": scales and offsets must be float16 [", w.size(0), ", ", w.size(1), ", 8]");
+  GemmArgs a{};
+  a.w = w.data_ptr();
+  a.scales_f16 = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  a.offsets_f16 = reinterpret_cast<const uint16_t*>(offsets.data_ptr());
+  a.num_groups = w.size(1);
+  a.N = out_features;
+  a.K = K;
+  return a;
 }
 
 }  // namespace
@@ -327,16 +336,10 @@ at::Tensor linear_int4_x8(const at::Tensor& x, const at::Tensor& w, const at::Te
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tokenmill_cpu linear: x must be bfloat16");
   const int64_t K = x.size(1), M = x.size(0), G = w.size(1);
-  check_int4_x8("linear_int4_x8", w, scales, offsets, out_features, K);
-  GemmArgs a{};
-  a.scales_f16 = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  a.offsets_f16 = reinterpret_cast<const uint16_t*>(offsets.data_ptr());
+  GemmArgs a = int4_x8_args("linear_int4_x8", w, scales, offsets, out_features, K);
   a.group_size = 32;
-  a.num_groups = G;
-  a.N = out_features;
   a.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
   a.ldx = x.stride(0);
-  a.K = K;
   a.ldq = G * 32;
   at::Tensor xsum = at::empty({M, G}, x.options().dtype(at::kFloat)), xq, xg;
   a.xsum = xsum.data_ptr<float>();
@@ -355,16 +358,9 @@ at::Tensor linear_int4_x8(const at::Tensor& x, const at::Tensor& w, const at::Te
 at::Tensor dequantize_int4_x8(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& offsets,
                               int64_t out_features, int64_t in_features, bool bf16) {
   const int64_t K = in_features, N = out_features;
-  check_int4_x8("dequantize_int4_x8", w, scales, offsets, N, K);
+  const GemmArgs a = int4_x8_args("dequantize_int4_x8", w, scales, offsets, N, K);
   TORCH_CHECK(K > 0, "dequantize_int4_x8: in_features must be positive");
   at::Tensor out = at::empty({N, K}, w.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
-  GemmArgs a{};
-  a.w = w.data_ptr();
-  a.scales_f16 = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  a.offsets_f16 = reinterpret_cast<const uint16_t*>(offsets.data_ptr());
-  a.num_groups = w.size(1);
-  a.N = N;
-  a.K = K;
   float* yf = bf16 ? nullptr : out.data_ptr<float>();
   uint16_t* yb = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
   parallel_chunks(w.size(0), std::max<int64_t>(1, rows_grain(K) / 8),
@@ -375,17 +371,10 @@ at::Tensor dequantize_int4_x8(const at::Tensor& w, const at::Tensor& scales, con
 at::Tensor dequantize_int4_x8_blocks(const at::Tensor& w, const at::Tensor& scales, const at::Tensor& offsets,
                                      int64_t out_features, int64_t in_features) {
   const int64_t K = in_features, N = out_features;
-  check_int4_x8("dequantize_int4_x8_blocks", w, scales, offsets, N, K);
+  const GemmArgs a = int4_x8_args("dequantize_int4_x8_blocks", w, scales, offsets, N, K);
   TORCH_CHECK(K > 0 && K % 32 == 0, "dequantize_int4_x8_blocks: in_features must be a positive multiple of 32");
   const auto opts = w.options().dtype(at::kBFloat16);
   at::Tensor out = (w.size(0) % 2) ? at::zeros({(N + 15) / 16, K / 2, 16, 2}, opts) : at::empty({(N + 15) / 16, K / 2, 16, 2}, opts);
-  GemmArgs a{};
-  a.w = w.data_ptr();
-  a.scales_f16 = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-  a.offsets_f16 = reinterpret_cast<const uint16_t*>(offsets.data_ptr());
-  a.num_groups = w.size(1);
-  a.N = N;
-  a.K = K;
   uint16_t* yb = reinterpret_cast<uint16_t*>(out.data_ptr());
   parallel_chunks((w.size(0) + 1) / 2, std::max<int64_t>(1, rows_grain(K) / 16), [&](int64_t p0, int64_t p1) {
     avx2_dequantize_int4_x8(a, 2 * p0, std::min<int64_t>(2 * p1, w.size(0)), nullptr, yb, 0, true);
