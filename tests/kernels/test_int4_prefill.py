@@ -4,6 +4,8 @@ AMX-BF16 tiles from ``amx_dequantized_gemm_rows``."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -68,14 +70,9 @@ def test_a_prefill_chunk_runs_as_an_fp32_gemm(
     assert err <= 3e-2 * exact.float().abs().max()
 
 
-@pytest.mark.parametrize(("method", "group_size", "from_file"), [("int4", 32, True)])
-def test_a_prefill_chunk_runs_as_a_bf16_gemm_on_amx(
-    monkeypatch: pytest.MonkeyPatch, method: str, group_size: int, from_file: bool
-) -> None:
-    """With AMX-BF16 active, bf16 activations of ``amx_dequantized_gemm_rows`` rows or more
-    multiply the weight rebuilt in fp32 and rounded to bf16, by torch's bf16 GEMM, bit for
-    bit; one row fewer stays on the int kernel (W8A8, the decode step's numbers). A GGUF
-    file's int4 rows; groups quantized at load go to GEMV blocks instead (the test below)."""
+@pytest.fixture
+def amx_bf16_tiles() -> Iterator[None]:
+    """The AMX kernel table with AMX-BF16 active for one test; skipped where it cannot be."""
     try:
         kernels.set_isa("amx")
     except RuntimeError:
@@ -83,28 +80,35 @@ def test_a_prefill_chunk_runs_as_a_bf16_gemm_on_amx(
     try:
         if not kernels.amx_bf16_active():
             pytest.skip("AMX-BF16 is not active here")
-        weight = randn(96, 256, dtype=torch.bfloat16, seed=1)
-        bias = randn(96, dtype=torch.bfloat16, seed=2)
-        if from_file:  # a GGUF file's groups: per-channel rows with fp32 scales
-            codes = torch.randint(0, 16, (96, 256), generator=generator(4))
-            scale, low = torch.rand(96, 8) * 0.01, torch.rand(96, 8) - 0.5
-            layer = Int4Linear(weight, bias, group_size, (codes, scale, low))
-            assert layer.kernel == "rows"
-        else:
-            layer = quantize_linear(weight, bias, method, group_size)
-            assert layer.kernel == "channels8"
-        rows = layer.amx_dequantized_gemm_rows
-        x = randn(rows, 256, dtype=torch.bfloat16, seed=3)
-        rebuilt = layer.dequantize(torch.float32).bfloat16()
-        gemm = F.linear(x, rebuilt, bias)
-        assert torch.equal(layer(x), gemm)
-        few = layer(x[: rows - 1])
-        monkeypatch.setenv(envs.PREFILL_GEMM, "0")
-        on_kernel = layer(x)
-        assert torch.equal(on_kernel[: rows - 1], few)
-        assert not torch.equal(on_kernel, gemm)
+        yield
     finally:
         kernels.set_isa("auto")
+
+
+def test_a_prefill_chunk_runs_as_a_bf16_gemm_on_amx(
+    amx_bf16_tiles: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With AMX-BF16 active, bf16 activations of ``amx_dequantized_gemm_rows`` rows or more
+    multiply the weight rebuilt in fp32 and rounded to bf16, by torch's bf16 GEMM, bit for
+    bit; one row fewer stays on the int kernel (W8A8, the decode step's numbers). A GGUF
+    file's int4 rows; groups quantized at load go to GEMV blocks instead (the test below)."""
+    weight = randn(96, 256, dtype=torch.bfloat16, seed=1)
+    bias = randn(96, dtype=torch.bfloat16, seed=2)
+    # a GGUF file's groups: per-channel rows with fp32 scales
+    codes = torch.randint(0, 16, (96, 256), generator=generator(4))
+    scale, low = torch.rand(96, 8) * 0.01, torch.rand(96, 8) - 0.5
+    layer = Int4Linear(weight, bias, 32, (codes, scale, low))
+    assert layer.kernel == "rows"
+    rows = layer.amx_dequantized_gemm_rows
+    x = randn(rows, 256, dtype=torch.bfloat16, seed=3)
+    rebuilt = layer.dequantize(torch.float32).bfloat16()
+    gemm = F.linear(x, rebuilt, bias)
+    assert torch.equal(layer(x), gemm)
+    few = layer(x[: rows - 1])
+    monkeypatch.setenv(envs.PREFILL_GEMM, "0")
+    on_kernel = layer(x)
+    assert torch.equal(on_kernel[: rows - 1], few)
+    assert not torch.equal(on_kernel, gemm)
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(44, 96), (64, 256), (100, 32)])
@@ -122,36 +126,27 @@ def test_int4_groups_rebuilt_into_gemv_blocks_are_the_bf16_rows_packed(
 
 
 def test_a_prefill_chunk_on_amx_multiplies_gemv_blocks_with_the_activation_fused(
-    monkeypatch: pytest.MonkeyPatch,
+    amx_bf16_tiles: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On AMX-BF16, an int4 (groups of 32) prefill chunk is rebuilt into GEMV blocks and
     multiplied by tokenmill's AMX GEMM, the MLP's activation in its epilogue (``gated``), as
     a bf16 projection's; the bf16 rows are not built. One row fewer: the int kernel, which
     has no epilogue (``gated`` is None)."""
-    try:
-        kernels.set_isa("amx")
-    except RuntimeError:
-        pytest.skip("this CPU cannot run AMX")
-    try:
-        if not kernels.amx_bf16_active():
-            pytest.skip("AMX-BF16 is not active here")
-        layer = quantize_linear(randn(192, 256, dtype=torch.bfloat16, seed=1), None, "int4", 32)
-        rows = layer.amx_dequantized_gemm_rows
-        x = randn(rows, 256, dtype=torch.bfloat16, seed=3)
-        blocks = gemv_layout.pack(layer.dequantize(torch.float32).bfloat16())
-        want = kernels.gemv_bf16(x, blocks, 192, None)
-        want_act = kernels.gemv_bf16_act(x, blocks, 192, None, "silu")
+    layer = quantize_linear(randn(192, 256, dtype=torch.bfloat16, seed=1), None, "int4", 32)
+    rows = layer.amx_dequantized_gemm_rows
+    x = randn(rows, 256, dtype=torch.bfloat16, seed=3)
+    blocks = gemv_layout.pack(layer.dequantize(torch.float32).bfloat16())
+    want = kernels.gemv_bf16(x, blocks, 192, None)
+    want_act = kernels.gemv_bf16_act(x, blocks, 192, None, "silu")
 
-        def no_rows(*args: object, **kwargs: object) -> torch.Tensor:
-            raise AssertionError("the bf16 rows were rebuilt")
+    def no_rows(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("the bf16 rows were rebuilt")
 
-        monkeypatch.setattr(kernels, "dequantize_int4_x8", no_rows)
-        assert torch.equal(layer(x), want)
-        fused = layer.gated(x, silu_and_mul)
-        assert fused is not None and torch.equal(fused, want_act)
-        assert layer.gated(x[: rows - 1], silu_and_mul) is None
-    finally:
-        kernels.set_isa("auto")
+    monkeypatch.setattr(kernels, "dequantize_int4_x8", no_rows)
+    assert torch.equal(layer(x), want)
+    fused = layer.gated(x, silu_and_mul)
+    assert fused is not None and torch.equal(fused, want_act)
+    assert layer.gated(x[: rows - 1], silu_and_mul) is None
 
 
 def test_groups_of_32_quantized_at_load_interleave_8_channels(isa: str) -> None:
