@@ -174,9 +174,10 @@ def test_completions_result_has_every_field_and_the_servers_token_counts(
     assert after - before == result["total_output_tokens"] + requests[0]["output_tokens"]
     assert all(len(r["itl_s"]) == r["output_tokens"] - 1 for r in requests)  # one chunk per token
     server = result["server_metrics"]
-    assert (
-        server["available"] and server["peak_kv_cache_usage"] > 0 and server["num_preemptions"] == 0
-    )
+    # Whether a 20 ms poll lands while a request holds KV blocks is up to the host's scheduler, so
+    # only the field's presence and range are asserted here; test_server_metrics asserts the peak.
+    assert server["available"] and 0 <= server["peak_kv_cache_usage"] <= 1
+    assert server["num_preemptions"] == 0
     assert server["peak_resident_memory_bytes"] > 0
     # what the server ran, so a comparison says what it compares
     assert server["engine_config"]["dtype"] == "float32"

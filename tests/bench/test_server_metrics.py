@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from tokenmill.bench.server_metrics import parse_prometheus_text, read_figures
+import asyncio
+
+import httpx
+
+from tokenmill.bench.server_metrics import MetricsScraper, parse_prometheus_text, read_figures
 
 TEXT = """\
 # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
@@ -100,3 +104,49 @@ def test_sum_by_label_sums_each_label_value_and_the_unlabelled_aggregate() -> No
     )
     assert sum_by_label(text, "x_total", "replica") == {"0": 3.0, "1": 6.0, "": 9.0}
     assert sum_by_label(text, "z_total", "replica") == {}
+
+
+def _exposition(kv_usage: float, preemptions: int, running: int) -> str:
+    return (
+        f"tokenmill:kv_cache_usage_perc {kv_usage}\n"
+        f"tokenmill:num_preemptions_total {preemptions}\n"
+        f"tokenmill:num_requests_running {running}\n"
+    )
+
+
+def test_scraper_keeps_the_peak_of_gauges_and_the_delta_of_counters_across_scrapes() -> None:
+    """The peak is the highest scrape, not the last; preemptions count from the first scrape."""
+    pages = iter(
+        [_exposition(0.0, 5, 0), _exposition(0.75, 5, 3), _exposition(0.25, 7, 1)]
+        + [_exposition(0.0, 7, 0)]
+    )
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=next(pages))
+
+    async def run() -> dict[str, object]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            scraper = MetricsScraper(client, "http://server/metrics", interval_s=3600)
+            await scraper.start()  # the 'before' scrape; the poller sleeps the whole test
+            await scraper.scrape()
+            await scraper.scrape()
+            await scraper.stop()  # the 'after' scrape
+            return scraper.report()
+
+    report = asyncio.run(run())
+    assert report["available"] is True and report["num_scrapes"] == 4
+    assert report["peak_kv_cache_usage"] == 0.75
+    assert report["peak_num_requests_running"] == 3
+    assert report["num_preemptions"] == 2
+
+
+def test_scraper_of_a_target_without_metrics_reports_unavailable() -> None:
+    async def run() -> dict[str, object]:
+        transport = httpx.MockTransport(lambda request: httpx.Response(404))
+        async with httpx.AsyncClient(transport=transport) as client:
+            scraper = MetricsScraper(client, "http://server/metrics")
+            await scraper.start()
+            await scraper.stop()
+            return scraper.report()
+
+    assert asyncio.run(run()) == {"available": False}
