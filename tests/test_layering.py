@@ -59,7 +59,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "core",
         },
         "resolved_model": {"config", "model", "tokenizer", "core"},
-        "sampling": {"structured", "core"},
+        "sampling": {"structured", "kernels", "core"},
         "structured": {"core"},
         "config": {"core"},
         "model": {"kernels"},

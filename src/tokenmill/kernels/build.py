@@ -42,6 +42,7 @@ SOURCES = (
     "ops_norm_rope.cpp",
     "ops_attention.cpp",
     "ops_decode.cpp",
+    "ops_sampling.cpp",
     "avx512.cpp",
     "avx2.cpp",
     "amx.cpp",

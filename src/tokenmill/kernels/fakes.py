@@ -13,6 +13,9 @@ def register_fakes() -> None:
     def linear_fake(x, weight, *rest):
         return x.new_empty(x.shape[0], weight.shape[0])
 
+    torch.library.register_fake(lib + "argmax_rows")(
+        lambda x: x.new_empty(x.shape[0], dtype=torch.long)
+    )
     for name in ("linear_bf16", "linear_int8", "linear_int4"):
         torch.library.register_fake(lib + name)(linear_fake)
     for name in ("gemv_bf16", "gemv_f32"):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill import kernels
 from tokenmill.core.request import Request
 from tokenmill.outputs import Logprob, PositionLogprobs
 from tokenmill.sampling.categorical import categorical
@@ -132,10 +133,10 @@ class Sampler:
         raw = logits
         is_greedy = [r.sampling_params.is_greedy for r in requests]
         if all(is_greedy) and not self.needs_processing(requests, token_bitmask):
-            token_list = logits.argmax(dim=-1).tolist()  # the common batch: one argmax
+            token_list = kernels.argmax(logits).tolist()  # the common batch: one argmax
             return SamplerOutput(token_list, self.logprobs_of(raw, token_list, requests))
         logits = self.process(logits, requests, token_bitmask)
-        greedy = logits.argmax(dim=-1)
+        greedy = kernels.argmax(logits)
         if all(is_greedy):
             tokens = greedy
         else:

@@ -23,6 +23,7 @@ import copy
 
 import torch
 
+from tokenmill import kernels
 from tokenmill.core.messages import VerifiedTokens
 from tokenmill.core.request import Request
 from tokenmill.sampling.categorical import categorical
@@ -50,7 +51,7 @@ def _accept_greedy(logits: torch.Tensor, drafts: list[int]) -> list[int]:
     """The target's argmax at each position up to and including the first that differs
     from the draft (all of them, plus the bonus token, when every draft matches)."""
     tokens: list[int] = []
-    for j, target in enumerate(logits.argmax(dim=-1).tolist()):
+    for j, target in enumerate(kernels.argmax(logits).tolist()):
         tokens.append(target)
         if j == len(drafts) or target != drafts[j]:
             break

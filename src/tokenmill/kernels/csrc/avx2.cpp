@@ -790,7 +790,7 @@ const tokenmill::KernelTable kTable = {
     "avx2", gemm_bf16, gemm_int8, gemm_int4, rms_norm_kernel, silu_mul_kernel, gelu_tanh_mul_kernel,
     rope_kernel, attention_merge_kernel, quantize_rows, rope_kv_kernel, prefill_attention_kernel, gemv_bf16,
     gemv_f32,
-    quantize_rows_g32, /*int8_x_group=*/64,
+    quantize_rows_g32, /*int8_x_group=*/64, row_max_kernel,
 };
 
 // The int4 group fit (ops_linear.cpp's quantize_int4_groups): a group is whole vectors of 8

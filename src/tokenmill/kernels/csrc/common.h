@@ -281,4 +281,29 @@ void attention_merge_kernel(const tokenmill::AttnArgs& a, int64_t b0, int64_t b1
   else merge_impl<tokenmill::F32>(a, b0, b1);
 }
 
+// Two maxima in flight (a max's latency is longer than a load's throughput); x - x is 0 for
+// a finite x and NaN for a NaN or an infinity, so one sum says whether the chunk had one.
+void row_max_kernel(const tokenmill::RowMaxArgs& a, int64_t t0, int64_t t1) {
+  constexpr float kLowest = -3.40282347e38f;  // below every finite float: the tail's fill
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* x = a.x + (t / a.chunks) * a.ldx;
+    const int64_t c0 = (t % a.chunks) * a.chunk, c1 = min64(a.cols, c0 + a.chunk);
+    Vec::R m0 = Vec::set1(kLowest), m1 = m0, bad = Vec::zero();
+    int64_t j = c0;
+    for (; j + 2 * Vec::W <= c1; j += 2 * Vec::W) {
+      const Vec::R u = Vec::load_f32(x + j, Vec::W), v = Vec::load_f32(x + j + Vec::W, Vec::W);
+      m0 = Vec::max(m0, u);
+      m1 = Vec::max(m1, v);
+      bad = Vec::add(bad, Vec::add(Vec::sub(u, u), Vec::sub(v, v)));
+    }
+    for (; j < c1; j += Vec::W) {
+      const Vec::R u = Vec::load_masked_or(x + j, chunk(c1, j), kLowest);
+      m0 = Vec::max(m0, u);
+      bad = Vec::add(bad, Vec::sub(u, u));
+    }
+    a.max[t] = Vec::reduce_max(Vec::max(m0, m1));
+    a.nonfinite[t] = Vec::reduce_add(bad) == 0.0f ? 0 : 1;
+  }
+}
+
 }  // namespace

@@ -159,6 +159,17 @@ struct PrefillArgs {
   bool one_pass_softmax;
 };
 
+// The maxima of logits' row chunks, for argmax_rows (ops_sampling.cpp): task t is row
+// t / chunks, columns [chunk * (t % chunks), + chunk) of it; max[t] is their largest value
+// and nonfinite[t] 1 where one of them is a NaN or an infinity (the op then leaves the
+// whole batch to torch, whose argmax orders NaN first).
+struct RowMaxArgs {
+  const float* x;  // [rows, ldx]
+  int64_t ldx, cols, chunk, chunks;
+  float* max;
+  uint8_t* nonfinite;
+};
+
 struct KernelTable {
   const char* name;
   // Every function handles the half-open range [begin, end) of its parallel dimension:
@@ -192,6 +203,7 @@ struct KernelTable {
   // int8 top-1 agreement with fp32 was 88.5% against 94.0% with groups of 32
   // (benchmarks/int8_activation_groups.py). 64 on both tables (and the AMX / VNNI tiles).
   int64_t int8_x_group;
+  void (*row_max)(const RowMaxArgs&, int64_t, int64_t);  // tasks (row, chunk)
 };
 
 // Keys per softmax update (PrefillArgs::key_tile). Each update costs every query vector a

@@ -166,6 +166,7 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool offset=False) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, bool offset=False) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.def("rope(Tensor positions, Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("rope_kv_write(Tensor positions, Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, "
@@ -210,6 +211,7 @@ TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("rms_norm", &tokenmill::rms_norm);
   m.impl("add_rms_norm", &tokenmill::add_rms_norm);
   m.impl("silu_and_mul", &tokenmill::silu_and_mul);
+  m.impl("argmax_rows", &tokenmill::argmax_rows);
   m.impl("gelu_tanh_and_mul", &tokenmill::gelu_tanh_and_mul);
   m.impl("rope", &tokenmill::rope);
   m.impl("paged_decode_attention", &tokenmill::paged_decode_attention);

@@ -106,6 +106,10 @@ at::Tensor linear_int4_vnni(const at::Tensor& x, const at::Tensor& tiles, const 
                             const at::Tensor& code_sums, const at::Tensor& offsets, int64_t group_size,
                             const c10::optional<at::Tensor>& bias, int64_t out_features);
 
+// ---- sampling (ops_sampling.cpp) ---------------------------------------------------------------
+// The first index of each row's maximum, as torch.argmax(x, 1).
+at::Tensor argmax_rows(const at::Tensor& x);
+
 // ---- norms, activation, RoPE (ops_norm_rope.cpp) ---------------------------------------------
 // (norm(x [+ *residual]) * weight, x + *residual); residual null: the second is undefined.
 // offset (Gemma): the scale is 1 + weight, applied in fp32 before the one rounding.
