@@ -13,6 +13,7 @@ from tokenmill import kernels
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="CPU kernels not built")
 
 CHUNK = 4096  # ops_sampling.cpp's chunk of a row
+PARALLEL_FLOATS = 1 << 21  # and the batch size from which its chunks split across threads
 
 
 @pytest.mark.parametrize(
@@ -34,9 +35,11 @@ def test_argmax_matches_torch(isa, threads, rows, cols) -> None:
     assert got.dtype == torch.long and got.tolist() == logits.argmax(dim=-1).tolist()
 
 
-def test_ties_go_to_the_first_index_across_chunks(isa, threads) -> None:
-    """The maximum repeated within a chunk, in a later chunk, and in the tail: torch's first."""
-    logits = torch.full((4, 3 * CHUNK + 10), -1.0)
+@pytest.mark.parametrize("cols", [3 * CHUNK + 10, PARALLEL_FLOATS // 4 + 10])
+def test_ties_go_to_the_first_index_across_chunks(isa, threads, cols) -> None:
+    """The maximum repeated within a chunk and in later chunks: torch's first, on one thread
+    and split across threads."""
+    logits = torch.full((4, cols), -1.0)
     logits[0, [5, 9, CHUNK + 3]] = 2.0
     logits[1, [CHUNK + 7, 2 * CHUNK + 1, 3 * CHUNK + 9]] = 2.0
     logits[2, [3 * CHUNK + 2, 3 * CHUNK + 9]] = 2.0
