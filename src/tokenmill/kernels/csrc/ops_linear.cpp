@@ -45,15 +45,35 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t
   if (args.M == 0 || N == 0) return y;
   // The parallel dimension: output channels, or (range >= 0) the kernel's channel blocks.
   const int64_t M = args.M, chunk = row_chunk > 0 ? row_chunk : M;
-  for (int64_t r0 = 0; r0 < M; r0 += chunk) {
+  const int64_t width = range < 0 ? N : range, per_chunk = (width + grain - 1) / grain;
+  const int64_t chunks = (M + chunk - 1) / chunk;
+  auto rows = [&](int64_t r) {  // the arguments for row chunk r
     GemmArgs c = args;
+    const int64_t r0 = r * chunk;
     c.M = std::min(chunk, M - r0);
     if (c.x) c.x += r0 * c.ldx;
     if (c.xf) c.xf += r0 * c.ldx;
     if (c.y) c.y += r0 * c.ldy;
     if (c.yf) c.yf += r0 * c.ldy;
-    parallel_chunks(range < 0 ? N : range, grain, [&](int64_t n0, int64_t n1) { fn(c, n0, n1); });
+    return c;
+  };
+  if (chunks == 1) {
+    const GemmArgs c = rows(0);
+    parallel_chunks(width, grain, [&](int64_t n0, int64_t n1) { fn(c, n0, n1); });
+    return y;
   }
+  // One parallel region for every row chunk: tasks (row chunk, grain of the channels) in
+  // row-chunk order, so the threads still share a chunk of x while they pass the weights,
+  // where each chunk had a region of its own (a 1024-token prompt step: 16 a layer). Engine
+  // prompt steps, the two alternating in one process (AMX Xeon, 2 threads): 16 x 128 tokens
+  // 0.95x the time on SmolLM2 (faster in 8 of 10 rounds) and 0.92x on the 250M Llama (6 of
+  // 6); one 1024-token prompt and Gemma 3 level.
+  parallel_chunks(chunks * per_chunk, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = (t % per_chunk) * grain;
+      fn(rows(t / per_chunk), n0, std::min(width, n0 + grain));
+    }
+  });
   return y;
 }
 
