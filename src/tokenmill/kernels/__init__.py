@@ -10,7 +10,6 @@ from tokenmill.kernels.ops import (
     active_isa,
     amx_active,
     amx_bf16_active,
-    argmax,
     available,
     decode_layers,
     decode_layers_object,
@@ -49,6 +48,7 @@ from tokenmill.kernels.ops import (
     silu_and_mul,
     supports,
 )
+from tokenmill.kernels.sampling import argmax
 
 __all__ = [
     "DecodeLayers",

@@ -420,22 +420,6 @@ def rms_norm(
     return out.view(x.shape), summed.view(x.shape)
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` of [rows, vocab] logits, the same indices (the first of a
-    tie). fp32 CPU rows go to the kernel, which splits them across threads where torch's
-    argmax ran on one (``ops_sampling.cpp``); anything else, and any batch holding a NaN or
-    an infinity, to torch."""
-    if (
-        logits.dim() == 2
-        and logits.dtype == torch.float32
-        and logits.shape[1] > 0
-        and logits.stride(1) == 1
-        and supports(logits, float32=True)
-    ):
-        return torch.ops.tokenmill_cpu.argmax_rows(logits)
-    return logits.argmax(dim=-1)
-
-
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up on a fused [..., gate | up]."""
     rows = _rows(gate_up)
