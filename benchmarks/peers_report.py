@@ -15,6 +15,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers_plan import PRECISIONS, THREADS, Context, Step, git, load
+from peers_rounds import render_rounds
 
 
 def metric(data: dict[str, Any] | None, run: str, key: str) -> float | None:
@@ -203,6 +204,8 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
                 + f" | **{statistics.median(ratios):.2f}x** |"
             )
 
+    lines += render_rounds(load(ctx, "a-rounds"))
+
     ref = load(ctx, "a-ref-bf16")
     lines += ["", "### Fallback and mixture of experts", ""]
     if ref is not None:
@@ -293,6 +296,8 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
             lines.append(d["command"])
             if d.get("long_command"):
                 lines.append(d["long_command"])
+        for server, command in ((d or {}).get("commands") or {}).items():  # a-rounds
+            lines += [f"# {step.name}: {server}", command]
     lines += ["```", ""]
     return "\n".join(lines)
 

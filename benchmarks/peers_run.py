@@ -22,6 +22,11 @@ Steps (``--list`` prints them with their estimated minutes on a quiet 2-core mac
                      timed inside the engine's steps) and Transformers generate, at 1 and 16
                      streams; b-moe-tm and b-moe-vllm: the MoE served, 4 x (128 -> 64) at 1
                      stream and 32 x (128 -> 64) at 16
+  rounds             a-rounds: vLLM CPU bf16 and tokenmill bf16 (and --ref's) up at once, each
+                     on its own port; --rounds rounds, each running many and long through all
+                     of them back to back, the order rotated per round: the 1.2x targets as
+                     ratios within a round, met only where they hold in every round
+                     (peers_rounds.py; --round-servers adds tm-int8, tm-int4)
   report             markdown tables with side-by-side ratios, the commands, CPU flags, date
 
 Each step writes ``OUT/<step>.json`` (a failed step too, with its error and the server log's
@@ -32,6 +37,8 @@ engine runs in a child process), over its whole life and while measured.
     .venv/bin/python benchmarks/peers_run.py --ref 9abb3a3^ --skip-done   # everything
     .venv/bin/python benchmarks/peers_run.py --only A --skip-done         # peers only
     .venv/bin/python benchmarks/peers_run.py --only report                # tables again
+    .venv/bin/python benchmarks/peers_run.py --model DIR --gguf-name NAME \
+        --only prepare,a-rounds,report --rounds 4    # the vLLM targets on a noisy machine
     .venv/bin/python benchmarks/peers_run.py --tiny --out-dir results/peers-smoke  # smoke
     # a real checkpoint (convert it first: ../shared/peers/build-llamacpp.sh convert DIR NAME)
     .venv/bin/python benchmarks/peers_run.py --model DIR --gguf-name NAME \
@@ -65,6 +72,7 @@ from peers_plan import (
     load,
 )
 from peers_report import render_report
+from peers_rounds import DEFAULT_ROUNDS, DEFAULT_WORKLOADS, step_rounds
 from peers_servers import llama_serve, serve_and_bench, tokenmill_serve, vllm_serve
 from peers_verify import step_verify
 
@@ -376,6 +384,14 @@ STEPS: list[Step] = [
         "one stream, tokenmill and llama.cpp alternating per precision, 3 rounds",
     ),
     Step(
+        "a-rounds",
+        "rounds",
+        12,
+        step_rounds,
+        "vLLM CPU bf16 and tokenmill bf16 (and --ref) up at once, many and long alternating, "
+        f"{DEFAULT_ROUNDS} rounds (peers_rounds.py)",
+    ),
+    Step(
         "b-fallback",
         "B",
         2,
@@ -460,6 +476,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pairs",
         help="a-pairs: a comma list of precisions to pair (bf16, int8, int4; all if unset)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=DEFAULT_ROUNDS,
+        help="a-rounds: how many rounds (each runs every workload through every server)",
+    )
+    parser.add_argument(
+        "--round-servers",
+        help="a-rounds: a comma list of vllm-bf16, tm-{bf16,int8,int4}, ref-{bf16,int8,int4} "
+        "(default vllm-bf16,tm-bf16, and ref-bf16 with --ref); ports --port, --port+1, ...",
+    )
+    parser.add_argument(
+        "--round-workloads",
+        default=",".join(DEFAULT_WORKLOADS),
+        help="a-rounds: a comma list of workloads (single, many, long)",
     )
     parser.add_argument(
         "--llama-server",

@@ -36,7 +36,9 @@ def tokenmill_serve(
     )
 
 
-def vllm_serve(ctx: Context, model: Path, max_model_len: int) -> list[str]:
+def vllm_serve(
+    ctx: Context, model: Path, max_model_len: int, *, port: int | None = None
+) -> list[str]:
     """``vllm-cpu.sh serve``: bf16, every core computing (VLLM_CPU_OMP_THREADS_BIND=0-N and
     VLLM_CPU_NUM_OF_RESERVED_CPU=0: by default vLLM keeps one core for its front end and
     computes on the rest), 16 sequences, 1 GiB KV."""
@@ -48,7 +50,7 @@ def vllm_serve(ctx: Context, model: Path, max_model_len: int) -> list[str]:
         str(peers_dir() / "vllm-cpu.sh"),
         "serve",
         str(model),
-        str(ctx.args.port),
+        str(ctx.args.port if port is None else port),
     ]
 
 
