@@ -388,8 +388,8 @@ STEPS: list[Step] = [
         "rounds",
         12,
         step_rounds,
-        "vLLM CPU bf16 and tokenmill bf16 (and --ref) up at once, many and long alternating, "
-        f"{DEFAULT_ROUNDS} rounds (peers_rounds.py)",
+        "vLLM CPU bf16 and tokenmill bf16 (and --ref) up at once, many and long alternating "
+        "for --rounds rounds (peers_rounds.py)",
     ),
     Step(
         "b-fallback",
