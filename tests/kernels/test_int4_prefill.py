@@ -1,6 +1,7 @@
 """int8 and int4 projections on a prefill chunk: the weight dequantized to fp32 and multiplied
 by torch's fp32 GEMM from ``dequantized_gemm_rows`` rows on, or to bf16 for a bf16 GEMM on
-AMX-BF16 tiles from ``amx_dequantized_gemm_rows``."""
+AMX-BF16 tiles from ``amx_dequantized_gemm_rows`` (on AVX-512 BF16 from
+``avx512_dequantized_gemm_rows``, where the int kernel loses to it)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ def test_a_prefill_chunk_runs_as_an_fp32_gemm(
     layer = quantize_linear(weight, bias, method, group_size)
     if layer.kernel not in ("rows", "channels8"):
         pytest.skip(f"this table stores {method} as {layer.kernel} tiles")
+    if layer.kernel == "channels8" and isa == "avx512_bf16":
+        pytest.skip("channels8 stays on its VNNI kernel on AVX-512 (the test below)")
     rows = layer.dequantized_gemm_rows
     assert rows is not None
     x = randn(rows, 256, dtype=torch.bfloat16, seed=3)
@@ -171,3 +174,69 @@ def test_groups_of_32_quantized_at_load_interleave_8_channels(isa: str) -> None:
     assert from_file.kernel == "rows"
     want = codes.float().view(44, 3, 32) * scale[..., None] + low[..., None]
     assert torch.equal(from_file.dequantize(torch.float32), want.view(44, 96))
+
+
+@pytest.fixture
+def avx512_no_amx() -> Iterator[None]:
+    """The AVX-512 table (AVX-512 BF16 dot products, AMX off) for one test."""
+    try:
+        kernels.set_isa("avx512")
+    except RuntimeError:
+        pytest.skip("this CPU cannot run the avx512 kernels")
+    try:
+        assert not kernels.amx_bf16_active()
+        yield
+    finally:
+        kernels.set_isa("auto")
+
+
+def test_groups_of_32_stay_on_the_vnni_kernel_at_every_row_count_on_avx512(
+    avx512_no_amx: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On AVX-512 without AMX, int4 in 8 interleaved channels is never dequantized for a GEMM
+    (its VNNI kernel beat both the fp32 and the bf16 GEMM at 1024 rows): a prefill chunk of
+    ``dequantized_gemm_rows`` rows and more gives the kernel's rows, bit for bit, as with
+    the switch off, and ``gated`` leaves the activation to the MLP."""
+    weight = randn(96, 256, dtype=torch.bfloat16, seed=1)
+    bias = randn(96, dtype=torch.bfloat16, seed=2)
+    layer = quantize_linear(weight, bias, "int4", 32)
+    assert layer.kernel == "channels8"
+
+    def no_dequantize(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("the weight was dequantized")
+
+    for name in ("dequantize_int4_x8", "dequantize_int4_x8_blocks"):
+        monkeypatch.setattr(kernels, name, no_dequantize)
+    rows = 2 * layer.dequantized_gemm_rows
+    x = randn(rows, 256, dtype=torch.bfloat16, seed=3)
+    kernel = kernels.linear_int4_x8(
+        x, layer.packed, layer.kernel_scales, layer.kernel_offsets, bias, 96
+    )
+    assert torch.equal(layer(x), kernel)
+    assert torch.equal(layer(x[:17]), kernel[:17])  # rows do not depend on the batch
+    assert layer.gated(x, silu_and_mul) is None
+
+
+def test_a_gguf_files_groups_run_as_a_bf16_gemm_on_avx512(
+    avx512_no_amx: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On AVX-512 without AMX, a GGUF file's int4 groups (the rows layout) multiply a prefill
+    chunk of ``avx512_dequantized_gemm_rows`` rows or more by the weight rebuilt in fp32 and
+    rounded to bf16, through torch's bf16 GEMM, bit for bit; one row fewer stays on the int
+    kernel, as does the chunk with the switch off."""
+    weight = randn(96, 256, dtype=torch.bfloat16, seed=1)
+    bias = randn(96, dtype=torch.bfloat16, seed=2)
+    codes = torch.randint(0, 16, (96, 256), generator=generator(4))
+    scale, low = torch.rand(96, 8) * 0.01, torch.rand(96, 8) - 0.5
+    layer = Int4Linear(weight, bias, 32, (codes, scale, low))
+    assert layer.kernel == "rows"
+    rows = layer.avx512_dequantized_gemm_rows
+    assert rows is not None and rows < layer.dequantized_gemm_rows
+    x = randn(rows, 256, dtype=torch.bfloat16, seed=3)
+    gemm = F.linear(x, layer.dequantize(torch.float32).bfloat16(), bias)
+    assert torch.equal(layer(x), gemm)
+    few = layer(x[: rows - 1])
+    monkeypatch.setenv(envs.PREFILL_GEMM, "0")
+    on_kernel = layer(x)
+    assert torch.equal(on_kernel[: rows - 1], few)
+    assert not torch.equal(on_kernel, gemm)

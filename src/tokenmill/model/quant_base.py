@@ -58,9 +58,9 @@ class QuantizedLinear(nn.Module):
     def gated(
         self, x: torch.Tensor, act_and_mul: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor | None:
-        """As ``Linear.gated``: on a prefill chunk that runs on AMX-BF16 tiles from weights
-        rebuilt in GEMV blocks (``_prefill_blocks``), the activation in the GEMM's epilogue;
-        None elsewhere (the int kernels have no gated epilogue), and the MLP runs it after."""
+        """As ``Linear.gated``: on a prefill chunk that runs as a bf16 GEMM from weights
+        rebuilt in GEMV blocks (``_prefill_blocks``), the activation in the GEMM's epilogue
+        on AMX (after it, in the same op, elsewhere); None elsewhere (the int kernels have no gated epilogue), and the MLP runs it after."""
         act = GATED_KERNEL_ACTS.get(act_and_mul)
         blocks = None if act is None else self._prefill_blocks(x)
         if blocks is None or act is None:
@@ -116,40 +116,64 @@ class QuantizedLinear(nn.Module):
         (then the bf16 rows of ``_dequantized_weight`` go to torch's GEMM)."""
         return None
 
-    def _on_tiles(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` is a prefill chunk for the bf16 GEMM on AMX-BF16 tiles."""
+    avx512_dequantized_gemm_rows: int | None = None
+    """The same on AVX-512 with BF16 dot products and no AMX (Zen 4/5), for the layouts whose
+    int kernel loses to it there (None: the int kernel, then the fp32 GEMM from
+    ``dequantized_gemm_rows`` if ``_fp32_gemm_wins``): the weight rebuilt in bf16 and
+    multiplied by oneDNN's bf16 GEMM through torch (or ``kernels.gemv_bf16`` from GEMV
+    blocks)."""
+
+    def _bf16_gemm_rows(self) -> int | None:
+        """Rows from which a bf16 prefill chunk runs as a bf16 GEMM of the rebuilt weight on
+        this machine now (AMX-BF16 tiles, or AVX-512 BF16 dot products), or None."""
+        if kernels.amx_bf16_active():
+            return self.amx_dequantized_gemm_rows
+        if kernels.active_isa() == "avx512_bf16":
+            return self.avx512_dequantized_gemm_rows
+        return None
+
+    def _fp32_gemm_wins(self) -> bool:
+        """Whether dequantize + torch's fp32 GEMM beats the int kernel from
+        ``dequantized_gemm_rows`` rows on, with the kernel table active now."""
+        return True
+
+    def _on_bf16_gemm(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is a prefill chunk for the bf16 GEMM of the rebuilt weight."""
+        rows = self._bf16_gemm_rows()
         return (
-            x.dtype == torch.bfloat16
-            and kernels.amx_bf16_active()
+            rows is not None
+            and x.dtype == torch.bfloat16
             and self.dequantized_gemm_rows is not None
-            and x.numel() >= self.amx_dequantized_gemm_rows * self.in_features
+            and x.numel() >= rows * self.in_features
             and kernels.supports(x)
             and not envs.is_off(envs.PREFILL_GEMM)
         )
 
     def _prefill_blocks(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The GEMV blocks for ``x``'s product where it runs on the tiles from them, else None."""
-        return self._dequantized_blocks() if self._on_tiles(x) else None
+        """The GEMV blocks for ``x``'s product where it runs as a bf16 GEMM from them, else
+        None."""
+        return self._dequantized_blocks() if self._on_bf16_gemm(x) else None
 
     def _prefill_gemm(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x``'s product by the GEMM of the dequantized weight (activations exact: fp32, or
-        bf16 on AMX-BF16), where ``x`` has ``dequantized_gemm_rows`` rows or more
-        (``amx_dequantized_gemm_rows`` on AMX-BF16); else None."""
+        bf16 on AMX-BF16 and AVX-512 BF16), where ``x`` has ``dequantized_gemm_rows`` rows or
+        more (``amx_dequantized_gemm_rows`` on AMX-BF16, ``avx512_dequantized_gemm_rows``
+        on AVX-512 BF16); else None."""
         rows = self.dequantized_gemm_rows
         if rows is None or not kernels.supports(x) or envs.is_off(envs.PREFILL_GEMM):
             return None
-        on_tiles = self._on_tiles(x)
-        if not on_tiles and x.numel() < rows * self.in_features:
+        bf16_gemm = self._on_bf16_gemm(x)
+        if not bf16_gemm and (x.numel() < rows * self.in_features or not self._fp32_gemm_wins()):
             return None
-        blocks = self._dequantized_blocks() if on_tiles else None
+        blocks = self._dequantized_blocks() if bf16_gemm else None
         if blocks is not None:
             flat = x.reshape(-1, self.in_features)
             y = kernels.gemv_bf16(flat, blocks, self.out_features, self.bias)
             return y.view(*x.shape[:-1], self.out_features)
-        weight = self._dequantized_weight(torch.bfloat16 if on_tiles else torch.float32)
+        weight = self._dequantized_weight(torch.bfloat16 if bf16_gemm else torch.float32)
         if weight is None:
             return None
-        if on_tiles:
+        if bf16_gemm:
             return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
         bias = None if self.bias is None else self.bias.float()
         return F.linear(x.float(), weight, bias).to(x.dtype)

@@ -209,6 +209,28 @@ class Int4Linear(QuantizedLinear):
     step's, bit for bit); a step that mixes decode rows into a prefill chunk of 512+ rows
     computes them all by the GEMM (activations unquantized, weights exact)."""
 
+    avx512_dequantized_gemm_rows = 64
+    """On AVX-512 BF16 without AMX, a GGUF file's groups (the ``rows`` layout, whose
+    ``linear_int4`` there widens every group before its dot products) rebuilt in bf16 for
+    oneDNN's bf16 GEMM: on a Zen 5 EPYC at 2 threads over SmolLM2's projections
+    (``results/int4-prefill-avx512-2026-12-07/rows.txt``) 0.73-0.80x the kernel's time at
+    64 rows and 0.30-0.44x at 256-1024, where the fp32 GEMM took 0.8-1.0x. ``channels8``
+    never leaves its VNNI kernel there (``_fp32_gemm_wins``)."""
+
+    def _bf16_gemm_rows(self) -> int | None:
+        if self.kernel == "channels8" and not kernels.amx_bf16_active():
+            return None
+        return super()._bf16_gemm_rows()
+
+    def _fp32_gemm_wins(self) -> bool:
+        """Not for ``channels8`` on AVX-512: its VNNI kernel (``linear_int4_x8``) took
+        0.72-0.89x the time of GEMV blocks rebuilt in bf16 (``kernels.gemv_bf16``) at 1024
+        rows and 0.25-0.38x that of the fp32 GEMM from 512 rows on, over SmolLM2's, Gemma 3's
+        and the 250M model's projections (Zen 5 EPYC, 2 threads,
+        ``results/int4-prefill-avx512-2026-12-07/before.txt``), so it serves every row
+        count; the fp32 GEMM had made int4's prompts 2.4x slower than bf16's there."""
+        return self.kernel != "channels8" or kernels.active_isa() != "avx512_bf16"
+
     def _dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
         if self.kernel == "channels8":
             return kernels.dequantize_int4_x8(
