@@ -170,10 +170,31 @@ def test_groups_of_32_quantized_at_load_interleave_8_channels(isa: str) -> None:
     assert torch.equal(layer.dequantize(torch.float32), fitted)  # stored as fitted, exactly
     codes = torch.randint(0, 16, (44, 96), generator=generator(1))
     scale, low = torch.rand(44, 3) * 0.01, torch.rand(44, 3) - 0.5
+    scale[0, 0] = 1e-3 + 2**-30  # one value fp16 would round keeps the whole tensor in rows
+    scale = scale.half().float().where(scale != scale[0, 0], scale)
+    low = low.half().float()
     from_file = Int4Linear(weight, None, 32, (codes, scale, low))
     assert from_file.kernel == "rows"
     want = codes.float().view(44, 3, 32) * scale[..., None] + low[..., None]
     assert torch.equal(from_file.dequantize(torch.float32), want.view(44, 96))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_a_gguf_files_fp16_groups_interleave_8_channels_bit_for_bit(isa: str, qtype: str) -> None:
+    """A file's groups whose scales and offsets are fp16 values (Q4_0: d and -8d, Q4_1: d
+    and m, both stored as fp16) go to the 8 interleaved channels, rebuilding the file's
+    weights exactly, and run the same op as groups quantized at load."""
+    codes = torch.randint(0, 16, (44, 96), generator=generator(1))
+    d = (torch.rand(44, 3, generator=generator(2)) * 0.01 + 1e-4).half().float()
+    low = -8 * d if qtype == "Q4_0" else (torch.rand(44, 3) - 0.5).half().float()
+    weight = randn(44, 96, dtype=torch.bfloat16, seed=3)
+    layer = Int4Linear(weight, None, 32, (codes, d, low))
+    assert layer.kernel == "channels8"
+    want = codes.float().view(44, 3, 32) * d[..., None] + low[..., None]
+    assert torch.equal(layer.dequantize(torch.float32), want.view(44, 96))
+    x = randn(5, 96, dtype=torch.bfloat16, seed=4)
+    args = (layer.packed, layer.kernel_scales, layer.kernel_offsets, None, 44)
+    assert torch.equal(layer(x), kernels.linear_int4_x8(x, *args))
 
 
 @pytest.fixture

@@ -164,7 +164,8 @@ class Int4Linear(QuantizedLinear):
         self.padded_out = -(-out_features // 64) * 64
         groups_per_row = self.padded_in // group_size
         self.kernel = kernel_for(weight, tiles_ok=group_size % 64 == 0)
-        if self.kernel == "rows" and groups is None and channels8(group_size):
+        file_fp16 = groups is not None and fp16_exact(groups[1], groups[2])
+        if self.kernel == "rows" and channels8(group_size) and (groups is None or file_fp16):
             self.kernel = "channels8"
         if groups is None:
             q, scale, low = _int4_groups(
@@ -210,8 +211,9 @@ class Int4Linear(QuantizedLinear):
     computes them all by the GEMM (activations unquantized, weights exact)."""
 
     avx512_dequantized_gemm_rows = 64
-    """On AVX-512 BF16 without AMX, a GGUF file's groups (the ``rows`` layout, whose
-    ``linear_int4`` there widens every group before its dot products) rebuilt in bf16 for
+    """On AVX-512 BF16 without AMX, a GGUF file's groups in the ``rows`` layout (scales fp16
+    would round, as Q4_K's; ``linear_int4`` there widens every group before its dot
+    products) rebuilt in bf16 for
     oneDNN's bf16 GEMM: on a Zen 5 EPYC at 2 threads over SmolLM2's projections
     (``results/int4-prefill-avx512-2026-12-07/rows.txt``) 0.73-0.80x the kernel's time at
     64 rows and 0.30-0.44x at 256-1024, where the fp32 GEMM took 0.8-1.0x. ``channels8``
@@ -375,6 +377,14 @@ def channels8(group_size: int) -> bool:
     token 1.5x faster than the per-channel rows at 2 threads (1.7x at one), with 5 bits a
     weight instead of 6; on the AMX Xeon, where the AVX-512 table had taken groups of 32
     weight-only (bf16 activations, dequantized per row), SmolLM2's int4 decode step became
-    3.2x faster at one stream and 2.9x at 16. A GGUF file's blocks keep the rows and their
-    exact fp32 scales (a Q4_K scale is a product that fp16 would round)."""
+    3.2x faster at one stream and 2.9x at 16. A GGUF file's blocks go there too where fp16
+    holds their scales and offsets exactly (``fp16_exact``: Q4_0's and Q4_1's, stored as
+    fp16), and keep the rows and their fp32 scales otherwise (a Q4_K scale is a product of
+    fp16 and a 6-bit integer, which fp16 would round)."""
     return group_size == 32
+
+
+def fp16_exact(*tensors: torch.Tensor) -> bool:
+    """Whether every value of ``tensors`` is a float16 value (finite), so that 8 interleaved
+    channels' fp16 scales and offsets rebuild a file's weights bit for bit."""
+    return all(torch.equal(t.half().float(), t.float()) for t in tensors)
