@@ -102,8 +102,8 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
     ]
     for label, name in rows:
         d = load(ctx, name)
-        if d is None and (name.endswith(("-lat", "-compiled")) or name == "a-ref-bf16"):
-            continue  # optional rows
+        if d is None:
+            continue  # not run (a run of some steps only, or an optional row)
         if d is not None and "error" in d:
             lines.append(f"| {label} | failed: {d['error'][:80]} | | | | | | | |")
             continue
@@ -119,6 +119,8 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
             f"| {fmt(metric(d, 'long', 'mean_tpot_ms'))} "
             f"| {fmt((d or {}).get('peak_rss_serving_gib'), 2)} | {check} |"
         )
+    if lines[-1].startswith("|---"):  # no one-at-a-time server step in this run
+        lines[-2:] = ["(No one-server-at-a-time step in this run.)"]
     vllm, bf16 = load(ctx, "a-vllm-bf16"), load(ctx, "a-tm-bf16")
     static = load(ctx, "a-tm-bf16-static")
     lat, static_lat = load(ctx, "a-tm-bf16-lat"), load(ctx, "a-tm-bf16-static-lat")
@@ -177,6 +179,12 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
     lines.append(
         f"| 1-stream TPOT static vs paged (ms) | {fmt(a)} | {fmt(b)} (paged) | {inv(a, b)} |"
     )
+    header = lines.index("| target | tokenmill | peer | ratio |")
+    measured = [line for line in lines[header + 2 :] if not line.endswith("| — |")]
+    if measured:  # rows with a ratio only: a run of some steps leaves the others out
+        lines[header + 2 :] = measured
+    else:
+        del lines[header - 2 :]
 
     pairs = load(ctx, "a-pairs")
     if pairs is not None and "rounds" in pairs:
@@ -204,7 +212,7 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
                 + f" | **{statistics.median(ratios):.2f}x** |"
             )
 
-    lines += render_rounds(load(ctx, "a-rounds"))
+    lines += render_rounds(load(ctx, "a-rounds"), verified)
 
     ref = load(ctx, "a-ref-bf16")
     lines += ["", "### Fallback and mixture of experts", ""]

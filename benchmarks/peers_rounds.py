@@ -263,8 +263,11 @@ def verdict(met: int, rounds: int) -> str:
     return f"split ({met} of {rounds})"
 
 
-def render_rounds(data: dict[str, Any] | None) -> list[str]:
-    """The report's section for a rounds step (empty where the run has none)."""
+def render_rounds(
+    data: dict[str, Any] | None, verified: dict[str, dict[str, Any]] | None = None
+) -> list[str]:
+    """The report's section for a rounds step (empty where the run has none); ``verified``:
+    v-verify's figures per precision, shown beside tokenmill's servers."""
     if not data or "summary" not in data:
         return []
     summary = data["summary"]
@@ -280,16 +283,19 @@ def render_rounds(data: dict[str, Any] | None) -> list[str]:
         + "):",
         "",
         "| workload | server | tok/s per round | median tok/s | spread | TTFT mean ms per round "
-        "| peak RSS GiB |",
-        "|---|---|---|---|---|---|---|",
+        "| peak RSS GiB | verify |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     rss = data.get("peak_rss_serving_gib", {})
     for wl, entry in summary.items():
         for name, s in entry["servers"].items():
+            ver = (verified or {}).get(name.partition("-")[2]) if name.startswith("tm-") else None
+            check = f"{ver['top1_agreement']:.1%} / {ver['mean_kl']:.4f}" if ver else ""
             lines.append(
                 f"| {wl} | {name} | {' / '.join(f'{v:.1f}' for v in s['output_throughput'])} "
                 f"| {s['median_throughput']:.1f} | {100 * (s['spread'] or 0):.0f}% "
-                f"| {' / '.join(f'{v:.0f}' for v in s['mean_ttft_ms'])} | {rss.get(name, '—')} |"
+                f"| {' / '.join(f'{v:.0f}' for v in s['mean_ttft_ms'])} | {rss.get(name, '—')} "
+                f"| {check} |"
             )
     lines += [
         "",

@@ -93,7 +93,12 @@ def test_the_report_gives_every_round_and_the_verdict() -> None:
         "summary": peers_rounds.summarize_rounds(runs),
         "peak_rss_serving_gib": {"tm-bf16": 0.7},
     }
-    text = "\n".join(peers_rounds.render_rounds(data))
+    verified = {"bf16": {"top1_agreement": 0.984, "mean_kl": 0.00055}}
+    text = "\n".join(peers_rounds.render_rounds(data, verified))
+    assert (
+        "| many | tm-bf16 | 330.0 / 330.0 | 330.0 | 0% | 500 / 500 | 0.7 | 98.4% / 0.0006 |" in text
+    )
+    assert "| many | vllm-bf16 | 300.0 / 300.0 | 300.0 | 0% | 500 / 500 | — |  |" in text
     assert "| many | tm-bf16 / vllm-bf16 | 1.10 / 1.10 | **1.10x** |" in text
     assert "≥ 1.2x, TTFT ≤ | missed |" in text
     assert "32 x (128 -> 64) at 16 streams" in text
