@@ -46,7 +46,7 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
         "",
         f"**Machine**: {cpu_model()}, {THREADS} logical CPUs, flags `{' '.join(cpu_flags())}`; "
         f"torch {torch_version()}, vLLM {prep.get('vllm_version', missing)}, llama.cpp "
-        f"{' '.join(prep.get('llama_cpp_version', [missing]))}; tokenmill at {git('rev-parse', '--short', 'HEAD')}"
+        f"{' '.join(prep.get('llama_cpp_version', [missing]))}; report written at tokenmill {git('rev-parse', '--short', 'HEAD')}"
         f"; tokenmill kernels loaded: {missing if kernels_loaded is None else kernels_loaded}.",
         "",
         "**Steps** (start → end UTC, wall s):",
@@ -58,9 +58,10 @@ def render_report(ctx: Context, steps: list[Step]) -> str:
             lines.append(f"- {step.name}: not run")
         else:
             status = f"FAILED: {data['error']}" if "error" in data else "ok"
+            at = f", tokenmill at {data['_commit']}" if "_commit" in data else ""
             lines.append(
                 f"- {step.name}: {data.get('_started', '?')} → {data.get('_ended', '?')}, "
-                f"{data.get('_wall_s', '?')} s, {status}"
+                f"{data.get('_wall_s', '?')} s{at}, {status}"
             )
     walls = [d["_wall_s"] for st in steps if (d := load(ctx, st.name)) and "_wall_s" in d]
     lines.append(f"- steps' wall time in all: {sum(walls) / 60:.1f} min")

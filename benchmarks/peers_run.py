@@ -597,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         result["_started"] = time.strftime("%Y-%m-%d %H:%M:%S", started)
         result["_ended"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
         result["_wall_s"] = round(time.monotonic() - start, 1)
+        result["_commit"] = git("rev-parse", "--short", "HEAD")  # a later report's HEAD may differ
         if step.name != "report":
             (ctx.out / f"{step.name}.json").write_text(json.dumps(result, indent=2))
         print(f"  done in {result['_wall_s']:.0f} s", flush=True)
