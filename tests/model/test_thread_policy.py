@@ -73,7 +73,11 @@ def test_the_flag_wins() -> None:
 
 def test_wait_policy_is_set_unless_the_user_chose_one() -> None:
     env: dict[str, str] = {}
-    assert "PASSIVE" in apply_wait_policy(env) and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "spin briefly" in apply_wait_policy(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300"}
+    passive = {"OMP_WAIT_POLICY": "PASSIVE"}  # sleep at once: no spin count added
+    assert "from the environment" in apply_wait_policy(passive)
+    assert passive == {"OMP_WAIT_POLICY": "PASSIVE"}
     mine = {"OMP_WAIT_POLICY": "ACTIVE"}
     assert "from the environment" in apply_wait_policy(mine)
     assert mine == {"OMP_WAIT_POLICY": "ACTIVE"}
@@ -91,8 +95,12 @@ def test_importing_tokenmill_sets_the_policy_before_torch_loads(
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if given:
         env["OMP_WAIT_POLICY"] = given
-    code = "import os, sys, tokenmill; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    code = (
+        "import os, sys, tokenmill; "
+        "print(os.environ['OMP_WAIT_POLICY'], os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     ).stdout.split()
-    assert out == [seen, "False"]  # set, and torch not loaded yet
+    spin = "300" if given is None else "None"
+    assert out == [seen, spin, "False"]  # set, and torch not loaded yet

@@ -11,10 +11,17 @@ thread finishes, so a thread that lost its core holds up the whole step: one str
   down, at least 1), or ``--num-threads``. A hyper-thread sibling adds no GEMM throughput
   and makes every region wait for the slower sibling (on 2 cores, 250M model: 246 tok/s at
   16 streams with 2 threads against 142 with 1);
-- waiting: OpenMP threads that finish their share sleep at once (``OMP_WAIT_POLICY=passive``)
-  rather than spin, so a descheduled thread can take over the core they leave. Set before
-  torch loads its OpenMP runtime (``tokenmill/__init__.py``); a user's own
-  ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins;
+- waiting: OpenMP threads that finish their share spin briefly, then sleep
+  (``GOMP_SPINCOUNT=300`` with ``OMP_WAIT_POLICY=passive``: libgomp spins ~300 pauses, a
+  few microseconds; Intel's runtime, which ignores the count, sleeps at once). A decode step
+  is ~300 parallel regions back to back, and waking a sleeping thread for each cost a third
+  of SmolLM2's one-stream step on a 2-vCPU Zen 5 (13.2-13.6 -> 9.5-9.8 ms in process, served
+  14.6-14.9 -> 9.9-10.2 ms; 16 streams 1.06-1.10x). Spinning longer hurts when another job
+  holds a core: beside ``stress-ng --cpu 1`` the one-stream step took 14.6 ms sleeping at
+  once, 16.9-17.6 at 300, 21.9 at 1,000 and 85.4 at 10,000
+  (``docs/benchmarks.md``). Set before torch loads its OpenMP runtime
+  (``tokenmill/__init__.py``); a user's own ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins
+  (``OMP_WAIT_POLICY=PASSIVE`` alone: sleep at once, for a host shared with other jobs);
 - the ops claim their work in chunks (``parallel_chunks`` in the C++ kernels), so a thread
   that loses its core leaves its share to the others.
 
@@ -33,6 +40,7 @@ from pathlib import Path
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 WAIT_POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 DEFAULT_WAIT_POLICY = "PASSIVE"
+DEFAULT_SPIN_COUNT = "300"
 
 
 @dataclass(frozen=True)
@@ -132,7 +140,8 @@ def default_thread_decision(requested: int | None = None) -> ThreadDecision:
 def apply_wait_policy(
     environ: MutableMapping[str, str] = os.environ, is_runtime_loaded: bool = False
 ) -> str:
-    """Make idle OpenMP threads sleep at once unless the user chose a policy; says which.
+    """Make idle OpenMP threads spin briefly, then sleep, unless the user chose a policy;
+    says which.
 
     Must run before the OpenMP runtime loads (it reads the variable once), so
     ``tokenmill/__init__.py`` calls it before anything imports torch; ``is_runtime_loaded``
@@ -142,12 +151,18 @@ def apply_wait_policy(
     if given:
         return f"OpenMP wait policy from the environment ({', '.join(given)})"
     environ["OMP_WAIT_POLICY"] = DEFAULT_WAIT_POLICY
+    environ["GOMP_SPINCOUNT"] = DEFAULT_SPIN_COUNT
     if is_runtime_loaded:
         return (
             "OpenMP wait policy: the runtime's own (torch was imported before tokenmill; "
-            "set OMP_WAIT_POLICY=PASSIVE before starting Python for threads that yield)"
+            f"set OMP_WAIT_POLICY={DEFAULT_WAIT_POLICY} GOMP_SPINCOUNT={DEFAULT_SPIN_COUNT} "
+            "before starting Python for threads that spin briefly, then yield)"
         )
-    return "OpenMP threads sleep when idle (OMP_WAIT_POLICY=PASSIVE; set it to ACTIVE to spin)"
+    return (
+        f"OpenMP threads spin briefly, then sleep (GOMP_SPINCOUNT={DEFAULT_SPIN_COUNT}, "
+        f"OMP_WAIT_POLICY={DEFAULT_WAIT_POLICY}; OMP_WAIT_POLICY=PASSIVE alone to sleep at "
+        "once on a host shared with other jobs)"
+    )
 
 
 WAIT_POLICY_NOTE = ""
