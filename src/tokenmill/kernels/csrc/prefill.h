@@ -85,7 +85,46 @@ inline void qk16(const uint32_t* qw, int64_t P, const uint32_t* kt, float scale,
   for (int g = 0; g < GN; ++g) _mm512_storeu_ps(s + g * ss, _mm512_mul_ps(acc[g], vs));
 }
 
-inline void qk16_any(int gn, const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s, int64_t ss) {
+// qk16 over two packed groups of 16 keys at once (kt's next group P * 16 words on): twice the
+// independent accumulators, and each query word broadcast once for both. With qk16 alone a
+// decode item's few query vectors (SmolLM2: 3 a KV head) leave as few dot-product chains,
+// each waiting on the last's latency. Every score's chain is qk16's, in the same order.
+template <int GN>
+inline void qk32(const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s, int64_t ss) {
+  __m512 acc[2][GN];
+  for (int g = 0; g < GN; ++g) acc[0][g] = acc[1][g] = _mm512_setzero_ps();
+  const uint32_t* kt1 = kt + P * 16;
+  for (int64_t p = 0; p < P; ++p) {
+    const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + p * 16);
+    const __m512bh k1 = (__m512bh)_mm512_load_si512(kt1 + p * 16);
+    for (int g = 0; g < GN; ++g) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32((int)qw[g * P + p]);
+      acc[0][g] = _mm512_dpbf16_ps(acc[0][g], w, k0);
+      acc[1][g] = _mm512_dpbf16_ps(acc[1][g], w, k1);
+    }
+  }
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int g = 0; g < GN; ++g) {
+    _mm512_storeu_ps(s + g * ss, _mm512_mul_ps(acc[0][g], vs));
+    _mm512_storeu_ps(s + g * ss + 16, _mm512_mul_ps(acc[1][g], vs));
+  }
+}
+
+// s[g][0 .. 16 * groups) for groups (1 or 2) packed groups of 16 keys, gn query vectors.
+inline void qk16_any(int gn, int groups, const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s,
+                     int64_t ss) {
+  if (groups == 2) {
+    switch (gn) {
+      case 1: qk32<1>(qw, P, kt, scale, s, ss); return;
+      case 2: qk32<2>(qw, P, kt, scale, s, ss); return;
+      case 3: qk32<3>(qw, P, kt, scale, s, ss); return;
+      case 4: qk32<4>(qw, P, kt, scale, s, ss); return;
+      case 5: qk32<5>(qw, P, kt, scale, s, ss); return;
+      case 6: qk32<6>(qw, P, kt, scale, s, ss); return;
+      case 7: qk32<7>(qw, P, kt, scale, s, ss); return;
+      default: qk32<8>(qw, P, kt, scale, s, ss); return;
+    }
+  }
   switch (gn) {
     case 1: qk16<1>(qw, P, kt, scale, s, ss); break;
     case 2: qk16<2>(qw, P, kt, scale, s, ss); break;
@@ -411,12 +450,16 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
       // The next tile's K and V rows lie elsewhere in the pool: ask for them now (into L2:
       // measured 1.2-1.5x faster decode than into L1, which the tile's own rows use), so
       // that long contexts stream instead of waiting block by block.
-      for (int64_t pos = k0 + KT; pos < min64(hi1, k0 + 2 * KT); ++pos) {
-        const int64_t off = (table[pos / bs] * bs + pos % bs) * Hkv * D * kv_bytes + line0;
-        for (int64_t c = 0; c < lines; c += 64) {
-          __builtin_prefetch(static_cast<const char*>(a.k_cache) + off + c, 0, 2);
-          __builtin_prefetch(static_cast<const char*>(a.v_cache) + off + c, 0, 2);
-        }
+      // Block by block too: one table read and division per block, not two divisions a key.
+      for (int64_t pos = k0 + KT, end = min64(hi1, k0 + 2 * KT); pos < end;) {
+        const int64_t off = pos % bs, run = min64(end - pos, bs - off);
+        const int64_t row0 = (table[pos / bs] * bs + off) * Hkv * D * kv_bytes + line0;
+        for (int64_t u = 0; u < run; ++u)
+          for (int64_t c = 0; c < lines; c += 64) {
+            __builtin_prefetch(static_cast<const char*>(a.k_cache) + row0 + u * Hkv * D * kv_bytes + c, 0, 2);
+            __builtin_prefetch(static_cast<const char*>(a.v_cache) + row0 + u * Hkv * D * kv_bytes + c, 0, 2);
+          }
+        pos += run;
       }
       for (int64_t hl = 0; hl < HI; ++hl) {
         for (int t = 0; t < n; ++t) rows[t] = base[t] + (h0 + hl) * D;
@@ -431,12 +474,15 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
             amx_scores(qw + mh * P, P, kt, fused ? 1.0f : dot_scale, (int)Mh, n, KT, sc + mh * KT);
           } else
 #endif
-          for (int t0 = 0; t0 < n; t0 += 16) {
-            uint32_t* ktt = kt + t0 * P;
-            pack_keys16(kc, rows + t0, (int)min64(16, n - t0), D, P, ktt);
-            for (int64_t m0 = 0; m0 < Mh; m0 += 8)
-              qk16_any((int)min64(8, Mh - m0), qw + (mh + m0) * P, P, ktt, fused ? 1.0f : dot_scale,
-                       sc + (mh + m0) * KT + t0, KT);
+          {
+            for (int t0 = 0; t0 < n; t0 += 16) pack_keys16(kc, rows + t0, (int)min64(16, n - t0), D, P, kt + t0 * P);
+            for (int t0 = 0; t0 < n;) {
+              const int groups = n - t0 > 16 ? 2 : 1;  // scores past n are computed, never read
+              for (int64_t m0 = 0; m0 < Mh; m0 += 8)
+                qk16_any((int)min64(8, Mh - m0), groups, qw + (mh + m0) * P, P, kt + t0 * P,
+                         fused ? 1.0f : dot_scale, sc + (mh + m0) * KT + t0, KT);
+              t0 += 16 * groups;
+            }
           }
 #endif
         } else {
