@@ -73,19 +73,26 @@ def test_a_prefill_chunk_runs_as_an_fp32_gemm(
     assert err <= 3e-2 * exact.float().abs().max()
 
 
-@pytest.fixture
-def amx_bf16_tiles() -> Iterator[None]:
-    """The AMX kernel table with AMX-BF16 active for one test; skipped where it cannot be."""
+def _kernel_table(isa: str, bf16_tiles: bool) -> Iterator[None]:
+    """The ``isa`` kernel table for one test, with AMX-BF16 active (skipped where it cannot
+    be) or, a table without tiles, off."""
     try:
-        kernels.set_isa("amx")
+        kernels.set_isa(isa)
     except RuntimeError:
-        pytest.skip("this CPU cannot run AMX")
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
     try:
-        if not kernels.amx_bf16_active():
+        if bf16_tiles and not kernels.amx_bf16_active():
             pytest.skip("AMX-BF16 is not active here")
+        assert bf16_tiles or not kernels.amx_bf16_active()
         yield
     finally:
         kernels.set_isa("auto")
+
+
+@pytest.fixture
+def amx_bf16_tiles() -> Iterator[None]:
+    """The AMX kernel table with AMX-BF16 active for one test."""
+    yield from _kernel_table("amx", bf16_tiles=True)
 
 
 def test_a_prefill_chunk_runs_as_a_bf16_gemm_on_amx(
@@ -114,13 +121,16 @@ def test_a_prefill_chunk_runs_as_a_bf16_gemm_on_amx(
     assert not torch.equal(on_kernel, gemm)
 
 
-@pytest.mark.parametrize(("out_features", "in_features"), [(44, 96), (64, 256), (100, 32)])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(44, 96), (64, 256), (100, 32), (13, 576), (3072, 576)]
+)
 def test_int4_groups_rebuilt_into_gemv_blocks_are_the_bf16_rows_packed(
-    threads: int, out_features: int, in_features: int
+    isa: str, threads: int, out_features: int, in_features: int
 ) -> None:
     """``dequantize_int4_x8_blocks`` writes ``gemv_layout``'s blocks of the bf16 rows
-    ``dequantize_int4_x8`` gives, padding channels zero, bit for bit (odd 8-channel block
-    counts included: 44 and 100 channels)."""
+    ``dequantize_int4_x8`` gives, padding channels zero, bit for bit, on each table (the
+    AVX-512 one has its own code): odd 8-channel block counts (44, 100, 13 channels), a
+    partly filled last block (13, 44, 100), SmolLM2's 576 inputs."""
     layer = Int4Linear(randn(out_features, in_features, dtype=torch.bfloat16, seed=1), None, 32)
     assert layer.kernel == "channels8"
     args = (layer.packed, layer.kernel_scales, layer.kernel_offsets, out_features, in_features)
@@ -200,15 +210,7 @@ def test_a_gguf_files_fp16_groups_interleave_8_channels_bit_for_bit(isa: str, qt
 @pytest.fixture
 def avx512_no_amx() -> Iterator[None]:
     """The AVX-512 table (AVX-512 BF16 dot products, AMX off) for one test."""
-    try:
-        kernels.set_isa("avx512")
-    except RuntimeError:
-        pytest.skip("this CPU cannot run the avx512 kernels")
-    try:
-        assert not kernels.amx_bf16_active()
-        yield
-    finally:
-        kernels.set_isa("auto")
+    yield from _kernel_table("avx512", bf16_tiles=False)
 
 
 def test_groups_of_32_stay_on_the_vnni_kernel_at_every_row_count_on_avx512(

@@ -588,7 +588,94 @@ void tile_w4x16(const tokenmill::GemmArgs& a, int64_t m0, int64_t b, bool pair, 
   for (int m = 0; m < MR; ++m) out[m] = _mm512_add_ps(acc[m], off[m]);
 }
 
+// One group's word t (8 inputs) of 16 channels (blocks b and b + 1) widened to fp32, w = q *
+// scale + offset (a multiply, then an add, as avx2.cpp's dequantize_int4_x8), bf16 rounded,
+// and stored as 4 lines of kernels/gemv_layout.py's blocks: line q holds the 16 channels'
+// inputs (2q, 2q + 1) as pairs. sc / of: per pair of channels c, c + 1 (c even) the vector
+// [scale c x 8, scale c + 1 x 8], in the order the nibble split leaves them (see below).
+inline void dequantize_word_w4x16(__m512i v, const __m512 sc[8], const __m512 of[8], uint32_t* line) {
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  // Per 128-bit lane, the AVX2 split's order: a = channels (0, 1), (4, 5) of block b, then of
+  // block b + 1; bb = (2, 3), (6, 7). Each lane: 8 inputs of one channel, 8 of the next.
+  const __m512i a = _mm512_unpacklo_epi32(lo, hi), bb = _mm512_unpackhi_epi32(lo, hi);
+  __m256i r[8];  // bf16: lanes a0 a1 a2 a3 then bb0 .. bb3
+  for (int l = 0; l < 8; ++l) {
+    const __m512i src = l < 4 ? a : bb;
+    const __m128i lane = l % 4 == 0   ? _mm512_extracti32x4_epi32(src, 0)
+                         : l % 4 == 1 ? _mm512_extracti32x4_epi32(src, 1)
+                         : l % 4 == 2 ? _mm512_extracti32x4_epi32(src, 2)
+                                      : _mm512_extracti32x4_epi32(src, 3);
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lane));
+    r[l] = bf16_rne(_mm512_add_ps(_mm512_mul_ps(q, sc[l]), of[l]));
+  }
+  // Four channels a register, 8 bf16 (4 pairs) each: channels 0-3, 4-7, 8-11, 12-15.
+  const __m512i z[4] = {
+      _mm512_inserti64x4(_mm512_castsi256_si512(r[0]), r[4], 1),  // (0, 1), (2, 3)
+      _mm512_inserti64x4(_mm512_castsi256_si512(r[1]), r[5], 1),  // (4, 5), (6, 7)
+      _mm512_inserti64x4(_mm512_castsi256_si512(r[2]), r[6], 1),  // (8, 9), (10, 11)
+      _mm512_inserti64x4(_mm512_castsi256_si512(r[3]), r[7], 1),  // (12, 13), (14, 15)
+  };
+  // Channel-major [4 channels][4 pairs] dwords to pair-major [4 pairs][4 channels]: 128-bit
+  // lane q then holds pair q of the register's 4 channels.
+  const __m512i by_pair = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  __m512i t[4];
+  for (int k = 0; k < 4; ++k) t[k] = _mm512_permutexvar_epi32(by_pair, z[k]);
+  // Line q: lane q of t[0], t[1], t[2], t[3] (a 4 x 4 transpose of 128-bit lanes).
+  const __m512i u0 = _mm512_shuffle_i32x4(t[0], t[1], 0x44), u1 = _mm512_shuffle_i32x4(t[0], t[1], 0xee);
+  const __m512i u2 = _mm512_shuffle_i32x4(t[2], t[3], 0x44), u3 = _mm512_shuffle_i32x4(t[2], t[3], 0xee);
+  _mm512_storeu_si512(line, _mm512_shuffle_i32x4(u0, u2, 0x88));
+  _mm512_storeu_si512(line + 16, _mm512_shuffle_i32x4(u0, u2, 0xdd));
+  _mm512_storeu_si512(line + 32, _mm512_shuffle_i32x4(u1, u3, 0x88));
+  _mm512_storeu_si512(line + 48, _mm512_shuffle_i32x4(u1, u3, 0xdd));
+}
+
 }  // namespace
+
+// avx2_dequantize_int4_x8's blocks (bf16, kernels/gemv_layout.py) for pairs [p0, p1) of
+// 8-channel blocks, a whole 16-channel line per store: the AVX2 code widens and stores one
+// channel's 8 inputs at a time and gathers each line from 8 scalars, which ran a prompt
+// step's dequantization at ~4 GB/s (a quarter of SmolLM2's int4 prompt step on AMX). The
+// same bits. A lone last block (odd count) leaves the upper half of its line as it is.
+void tokenmill::avx512_dequantize_int4_x8_blocks(const GemmArgs& a, int64_t p0, int64_t p1, uint16_t* yb) {
+  const int64_t G = a.num_groups, kp = a.K / 2, blocks = (a.N + 7) / 8;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t b = 2 * p;
+    const bool pair = b + 1 < blocks;
+    const uint8_t* w0 = static_cast<const uint8_t*>(a.w) + b * G * 128;
+    const uint8_t* w1 = pair ? w0 + G * 128 : w0;
+    // Channels past N: zero lines (the scales' pad channels are 0, their codes too, but
+    // say so rather than rely on it).
+    const int nc = (int)min64(pair ? 16 : 8, a.N - b * 8);
+    for (int64_t g = 0; g * 32 < a.K; ++g) {
+      const __m512 ws = halves_f16(a.scales_f16 + (b * G + g) * 8, a.scales_f16 + ((pair ? b + 1 : b) * G + g) * 8);
+      const __m512 wz = halves_f16(a.offsets_f16 + (b * G + g) * 8, a.offsets_f16 + ((pair ? b + 1 : b) * G + g) * 8);
+      // r[l]'s channels (see dequantize_word_w4x16): a0 = 0, 1; a1 = 4, 5; a2 = 8, 9; a3 = 12, 13;
+      // bb0 = 2, 3; bb1 = 6, 7; bb2 = 10, 11; bb3 = 14, 15.
+      static const int first[8] = {0, 4, 8, 12, 2, 6, 10, 14};
+      __m512 sc[8], of[8];
+      for (int l = 0; l < 8; ++l) {
+        const int c = first[l];
+        const __mmask16 keep = (__mmask16)((c < nc ? 0x00FFu : 0u) | (c + 1 < nc ? 0xFF00u : 0u));
+        const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(c), _mm256_set1_epi32(c + 1), 1);
+        sc[l] = _mm512_maskz_permutexvar_ps(keep, idx, ws);
+        of[l] = _mm512_maskz_permutexvar_ps(keep, idx, wz);
+      }
+      for (int t = 0; t < 4; ++t) {
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(w0 + g * 128 + 32 * t))),
+                                             _mm256_loadu_si256((const __m256i*)(w1 + g * 128 + 32 * t)), 1);
+        uint32_t* line = reinterpret_cast<uint32_t*>(yb) + (p * kp + g * 16 + 4 * t) * 16;
+        if (pair) {
+          dequantize_word_w4x16(v, sc, of, line);
+        } else {
+          alignas(64) uint32_t full[64];
+          dequantize_word_w4x16(v, sc, of, full);
+          for (int q = 0; q < 4; ++q) _mm256_storeu_si256((__m256i*)(line + 16 * q), _mm256_load_si256((const __m256i*)(full + 16 * q)));
+        }
+      }
+    }
+  }
+}
 
 // Pairs [p0, p1) of 8-channel blocks (blocks 2p, 2p + 1; the last alone where their count is
 // odd), every row, in tiles of up to kX8Rows rows.

@@ -254,6 +254,9 @@ void avx512_gemm_int4_x8(const GemmArgs&, int64_t, int64_t);
 // `blocks` (a.K % 32 == 0, [begin, end) whole pairs but the last): bf16 yb in
 // kernels/gemv_layout.py's blocks instead, what gemv_bf16 multiplies; ldy unused.
 void avx2_dequantize_int4_x8(const GemmArgs&, int64_t, int64_t, float* yf, uint16_t* yb, int64_t ldy, bool blocks);
+// Its blocks for pairs [begin, end) of 8-channel blocks with AVX-512, the same bits; AVX-512
+// table only.
+void avx512_dequantize_int4_x8_blocks(const GemmArgs&, int64_t, int64_t, uint16_t* yb);
 
 // quantize_int4_groups' operands: fp32 weight rows (ldw apart) in, per group of group_size
 // (a multiple of 8, up to 256) codes 0..15 (int32 rows of K), scale and low end out.

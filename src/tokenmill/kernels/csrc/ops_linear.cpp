@@ -393,8 +393,10 @@ at::Tensor dequantize_int4_x8_blocks(const at::Tensor& w, const at::Tensor& scal
   const auto opts = w.options().dtype(at::kBFloat16);
   at::Tensor out = (w.size(0) % 2) ? at::zeros({(N + 15) / 16, K / 2, 16, 2}, opts) : at::empty({(N + 15) / 16, K / 2, 16, 2}, opts);
   uint16_t* yb = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const bool avx512 = &kernels() == avx512_kernels();
   parallel_chunks((w.size(0) + 1) / 2, std::max<int64_t>(1, rows_grain(K) / 16), [&](int64_t p0, int64_t p1) {
-    avx2_dequantize_int4_x8(a, 2 * p0, std::min<int64_t>(2 * p1, w.size(0)), nullptr, yb, 0, true);
+    if (avx512) avx512_dequantize_int4_x8_blocks(a, p0, p1, yb);
+    else avx2_dequantize_int4_x8(a, 2 * p0, std::min<int64_t>(2 * p1, w.size(0)), nullptr, yb, 0, true);
   });
   return out;
 }
