@@ -16,6 +16,7 @@ from tokenmill import envs, kernels
 from tokenmill.kernels import gemv_layout, int4_layout
 from tokenmill.model.layers import silu_and_mul
 from tokenmill.model.quant import Int4Linear, quantize_linear
+from tokenmill.model.quant_base import in_prompt_chunks, prompt_chunks
 from tokenmill.model.quant_int4 import _int4_groups
 
 
@@ -160,6 +161,32 @@ def test_a_prefill_chunk_on_amx_multiplies_gemv_blocks_with_the_activation_fused
     fused = layer.gated(x, silu_and_mul)
     assert fused is not None and torch.equal(fused, want_act)
     assert layer.gated(x[: rows - 1], silu_and_mul) is None
+
+
+def test_a_step_with_prompt_chunks_takes_the_amx_gemm_from_fewer_rows(
+    amx_bf16_tiles: None,
+) -> None:
+    """Groups of 32 in 8 channels: in a step that holds prefill chunks, ``amx_prompt_gemm_rows``
+    rows (a 128-token chunk beside 15 decode rows: 143) take the GEMM of the rebuilt GEMV
+    blocks; a decode-only step of as many rows keeps the VNNI kernel's numbers, as the
+    fused decode step computes them; one row fewer than the threshold, the kernel either way."""
+    layer = quantize_linear(randn(192, 256, dtype=torch.bfloat16, seed=1), None, "int4", 32)
+    assert isinstance(layer, Int4Linear) and layer.kernel == "channels8"
+    rows = layer.amx_prompt_gemm_rows
+    assert rows < layer.amx_dequantized_gemm_rows
+    x = randn(rows, 256, dtype=torch.bfloat16, seed=3)
+    blocks = gemv_layout.pack(layer.dequantize(torch.float32).bfloat16())
+    args = (layer.packed, layer.kernel_scales, layer.kernel_offsets, None, 192)
+    on_kernel = kernels.linear_int4_x8(x, *args)
+    on_blocks = kernels.gemv_bf16(x, blocks, 192, None)
+    assert not torch.equal(on_kernel, on_blocks)
+    with prompt_chunks(True):
+        assert in_prompt_chunks()
+        assert torch.equal(layer(x), on_blocks)
+        assert torch.equal(layer(x[: rows - 1]), on_kernel[: rows - 1])
+    with prompt_chunks(False):
+        assert torch.equal(layer(x), on_kernel)
+    assert not in_prompt_chunks() and torch.equal(layer(x), on_kernel)
 
 
 def test_groups_of_32_quantized_at_load_interleave_8_channels(isa: str) -> None:

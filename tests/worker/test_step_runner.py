@@ -154,6 +154,24 @@ def test_no_fused_decode_runs_layer_by_layer(
     assert calls[0] == 0
 
 
+def test_a_layered_step_says_whether_it_holds_prompt_chunks(make_model) -> None:
+    """The decoder's layers run inside ``quant_base.prompt_chunks``: True while a step holds
+    prompt tokens, False for a decode-only step, so that a projection's prompt-only path
+    (``Int4Linear.amx_prompt_gemm_rows``) never changes what a decode step computes."""
+    from tokenmill.model.quant_base import in_prompt_chunks
+
+    llm = LLM(str(make_model("llama")), dtype="bfloat16", max_model_len=64, fused_decode=False)
+    model = llm.engine.executor.driver_worker.model
+    seen: list[tuple[int, bool]] = []
+    model.layers[0].register_forward_hook(
+        lambda module, args, out: seen.append((args[0].shape[0], in_prompt_chunks()))
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm.generate([[5, 6, 7, 8, 9]], params, use_tqdm=False)
+    assert seen[0] == (5, True) and seen[1:] == [(1, False), (1, False)]
+    assert not in_prompt_chunks()
+
+
 def test_the_fused_step_encodes_each_layer_by_name(make_model) -> None:
     """Each layer's fields and each projection's op arguments go to ``decode_layers`` by name."""
     llm = LLM(str(make_model("mistral")), dtype="bfloat16", max_model_len=64)

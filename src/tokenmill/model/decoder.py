@@ -29,6 +29,7 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.layers import ACT_AND_MUL, Linear, RMSNorm, RotaryEmbedding
 from tokenmill.model.lora import LoRAStepState
 from tokenmill.model.quant import Int8Linear
+from tokenmill.model.quant_base import prompt_chunks
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -287,9 +288,11 @@ class DecoderModel(CausalLM):
             x, _ = self.norm(out, summed)
             return x
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            rope = self._layer_rope(layer)
-            x, residual = layer(x, residual, positions, rope, kv_cache, meta, lora)
+        chunks = isinstance(meta, AttentionMetadata) and any(not g.is_decode for g in meta.groups)
+        with prompt_chunks(chunks):
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                rope = self._layer_rope(layer)
+                x, residual = layer(x, residual, positions, rope, kv_cache, meta, lora)
         x, _ = self.norm(x, residual)
         return x
 

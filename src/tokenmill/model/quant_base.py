@@ -5,7 +5,9 @@ stored for on this machine. ``quant`` holds the int8 projection and the factory,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,27 @@ EVERY_BATCH = torch.iinfo(torch.int64).max
 """``max_kernel_rows`` of a projection whose int kernel serves every batch size."""
 BF16_ROWS = torch.empty(0, 1, dtype=torch.bfloat16)
 """A bf16 CPU activation, for asking ``tile_kernel_op`` which op reads the tiles now."""
+
+
+_PROMPT_CHUNKS = contextvars.ContextVar("tokenmill_prompt_chunks", default=False)
+
+
+@contextlib.contextmanager
+def prompt_chunks(present: bool) -> Iterator[None]:
+    """Say, around a step's layers, whether the step holds prefill chunks (prompt tokens, or
+    a speculative step's verified tokens): a projection may then take a path a decode-only
+    step must not, since the fused decode step computes those with the int kernel
+    (``Int4Linear.amx_prompt_gemm_rows``)."""
+    token = _PROMPT_CHUNKS.set(present)
+    try:
+        yield
+    finally:
+        _PROMPT_CHUNKS.reset(token)
+
+
+def in_prompt_chunks() -> bool:
+    """Whether the step running now said it holds prefill chunks (``prompt_chunks``)."""
+    return _PROMPT_CHUNKS.get()
 
 
 QUANTIZE_ROWS = 256

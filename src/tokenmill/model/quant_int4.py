@@ -15,6 +15,7 @@ from tokenmill.model.quant_base import (
     TILES,
     Op,
     QuantizedLinear,
+    in_prompt_chunks,
     kernel_dtype,
     kernel_for,
     tile_kernel_op,
@@ -219,10 +220,22 @@ class Int4Linear(QuantizedLinear):
     64 rows and 0.30-0.44x at 256-1024, where the fp32 GEMM took 0.8-1.0x. ``channels8``
     never leaves its VNNI kernel there (``_fp32_gemm_wins``)."""
 
+    amx_prompt_gemm_rows = 64
+    """``amx_dequantized_gemm_rows`` for groups of 32 in 8 channels in a step that holds
+    prefill chunks (``quant_base.prompt_chunks``; a decode-only step keeps 257, as the fused
+    decode step computes it). Their GEMV blocks are rebuilt at ~20 GB/s, and on the AMX Xeon
+    at 2 threads over SmolLM2's projections blocks + the bf16 tiles took 0.73-0.89x the VNNI
+    kernel's time at 64 rows, 0.50-0.58x at 128 and 0.95-1.18x at 48
+    (``results/int4-prompt-rows-amx-2026-12-07/``). A step that mixed 15 decode rows with a
+    128-token prompt chunk had stayed on the VNNI kernel, compute-bound there, while bf16 ran
+    on the tiles."""
+
     def _bf16_gemm_rows(self) -> int | None:
-        if self.kernel == "channels8" and not kernels.amx_bf16_active():
+        if self.kernel != "channels8":
+            return super()._bf16_gemm_rows()
+        if not kernels.amx_bf16_active():
             return None
-        return super()._bf16_gemm_rows()
+        return self.amx_prompt_gemm_rows if in_prompt_chunks() else self.amx_dequantized_gemm_rows
 
     def _fp32_gemm_wins(self) -> bool:
         """Not for ``channels8`` on AVX-512: its VNNI kernel (``linear_int4_x8``) took
