@@ -224,8 +224,8 @@ class Int4Linear(QuantizedLinear):
     """``amx_dequantized_gemm_rows`` for groups of 32 in 8 channels in a step that holds
     prefill chunks (``quant_base.prompt_chunks``; a decode-only step keeps 257, as the fused
     decode step computes it). Their GEMV blocks are rebuilt at ~20 GB/s, and on the AMX Xeon
-    at 2 threads over SmolLM2's projections blocks + the bf16 tiles took 0.73-0.89x the VNNI
-    kernel's time at 64 rows, 0.50-0.58x at 128 and 0.95-1.18x at 48
+    at 2 threads over SmolLM2's projections blocks + the bf16 tiles took 0.73-0.93x the VNNI
+    kernel's time at 64 rows, 0.49-0.60x at 128 and 0.94-1.25x at 48
     (``results/int4-prompt-rows-amx-2026-12-07/``). A step that mixed 15 decode rows with a
     128-token prompt chunk had stayed on the VNNI kernel, compute-bound there, while bf16 ran
     on the tiles."""
