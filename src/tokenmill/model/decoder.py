@@ -287,14 +287,33 @@ class DecoderModel(CausalLM):
             )
             x, _ = self.norm(out, summed)
             return x
-        residual = None
-        chunks = isinstance(meta, AttentionMetadata) and any(not g.is_decode for g in meta.groups)
-        with prompt_chunks(chunks):
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                rope = self._layer_rope(layer)
-                x, residual = layer(x, residual, positions, rope, kv_cache, meta, lora)
+        chunks = (
+            not torch.compiler.is_compiling()  # the compiled steps decode only; no context there
+            and isinstance(meta, AttentionMetadata)
+            and any(not g.is_decode for g in meta.groups)
+        )
+        if chunks:
+            with prompt_chunks(True):
+                x, residual = self._layers(x, positions, kv_caches, meta, lora)
+        else:
+            x, residual = self._layers(x, positions, kv_caches, meta, lora)
         x, _ = self.norm(x, residual)
         return x
+
+    def _layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: StepMetadata,
+        lora: LoRAStepState | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers one by one: (x, residual) for the final norm."""
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            rope = self._layer_rope(layer)
+            x, residual = layer(x, residual, positions, rope, kv_cache, meta, lora)
+        return x, residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that need them (soft-capped where the model says)."""
