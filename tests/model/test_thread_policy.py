@@ -74,7 +74,7 @@ def test_the_flag_wins() -> None:
 def test_wait_policy_is_set_unless_the_user_chose_one() -> None:
     env: dict[str, str] = {}
     assert "spin briefly" in apply_wait_policy(env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "300"}
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
     passive = {"OMP_WAIT_POLICY": "PASSIVE"}  # sleep at once: no spin count added
     assert "from the environment" in apply_wait_policy(passive)
     assert passive == {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -102,5 +102,5 @@ def test_importing_tokenmill_sets_the_policy_before_torch_loads(
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     ).stdout.split()
-    spin = "300" if given is None else "None"
+    spin = "1000" if given is None else "None"
     assert out == [seen, spin, "False"]  # set, and torch not loaded yet

@@ -12,14 +12,15 @@ thread finishes, so a thread that lost its core holds up the whole step: one str
   and makes every region wait for the slower sibling (on 2 cores, 250M model: 246 tok/s at
   16 streams with 2 threads against 142 with 1);
 - waiting: OpenMP threads that finish their share spin briefly, then sleep
-  (``GOMP_SPINCOUNT=300`` with ``OMP_WAIT_POLICY=passive``: libgomp spins ~300 pauses, a
-  few microseconds; Intel's runtime, which ignores the count, sleeps at once). A decode step
+  (``GOMP_SPINCOUNT=1000`` with ``OMP_WAIT_POLICY=passive``: libgomp spins ~1,000 pauses,
+  some microseconds; Intel's runtime, which ignores the count, sleeps at once). A decode step
   is ~300 parallel regions back to back, and waking a sleeping thread for each cost a third
-  of SmolLM2's one-stream step on a 2-vCPU Zen 5 (13.2-13.6 -> 9.5-9.8 ms in process, served
-  14.6-14.9 -> 9.9-10.2 ms; 16 streams 1.06-1.10x). Spinning longer hurts when another job
-  holds a core: beside ``stress-ng --cpu 1`` the one-stream step took 14.6 ms sleeping at
-  once, 16.9-17.6 at 300, 21.9 at 1,000 and 85.4 at 10,000
-  (``docs/benchmarks.md``). Set before torch loads its OpenMP runtime
+  of SmolLM2's one-stream step on a 2-vCPU Zen 5 (13.2-13.6 -> 9.3 ms in process) and nearly
+  half on a 2-vCPU AMX Xeon (bf16 16.6 -> 10.8-11.0 ms, int4 9.2 -> 4.1; 300 spins left it at
+  12.7-14.0 and 6.2-6.6 there). Spinning longer hurts when another job holds a core: beside
+  ``stress-ng --cpu 1`` the one-stream step took 14.6 ms sleeping at once, 16.9-17.6 at 300,
+  21.9 at 1,000 and 85.4 at 10,000 on the Zen 5; on the Xeon int4 7.1, 8.3 and 10.9 at 0,
+  300 and 1,000 (``docs/benchmarks.md``). Set before torch loads its OpenMP runtime
   (``tokenmill/__init__.py``); a user's own ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins
   (``OMP_WAIT_POLICY=PASSIVE`` alone: sleep at once, for a host shared with other jobs);
 - the ops claim their work in chunks (``parallel_chunks`` in the C++ kernels), so a thread
@@ -40,7 +41,7 @@ from pathlib import Path
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 WAIT_POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 DEFAULT_WAIT_POLICY = "PASSIVE"
-DEFAULT_SPIN_COUNT = "300"
+DEFAULT_SPIN_COUNT = "1000"
 
 
 @dataclass(frozen=True)
