@@ -33,7 +33,10 @@ DEFAULT_MODEL_DIR = Path.home() / ".cache/tokenmill/bench-llama-250m"
 
 
 def child(args: argparse.Namespace) -> None:
-    """One case in this process; prints one JSON line."""
+    """One case in this process; prints one JSON line. tokenmill is imported before torch, so
+    that its OpenMP wait policy is set before torch loads the runtime, as in ``tokenmill
+    serve`` (imported after, the cases ran at libgomp's own ~300,000 spins)."""
+    import tokenmill  # noqa: I001, F401
     import torch
 
     from tokenmill.config import EngineConfig
