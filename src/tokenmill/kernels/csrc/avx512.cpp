@@ -647,19 +647,24 @@ void tokenmill::avx512_dequantize_int4_x8_blocks(const GemmArgs& a, int64_t p0, 
     // Channels past N: zero lines (the scales' pad channels are 0, their codes too, but
     // say so rather than rely on it).
     const int nc = (int)min64(pair ? 16 : 8, a.N - b * 8);
+    // r[l]'s channels (see dequantize_word_w4x16): a0 = 0, 1; a1 = 4, 5; a2 = 8, 9; a3 = 12, 13;
+    // bb0 = 2, 3; bb1 = 6, 7; bb2 = 10, 11; bb3 = 14, 15: the lanes of the group's 16 scales
+    // (and offsets) each takes, the channels past N zero.
+    __m512i idx[8];
+    __mmask16 keep[8];
+    for (int l = 0; l < 8; ++l) {
+      const int c = l < 4 ? 4 * l : 4 * (l - 4) + 2;
+      idx[l] = _mm512_inserti64x4(_mm512_set1_epi32(c), _mm256_set1_epi32(c + 1), 1);
+      keep[l] = (__mmask16)((c < nc ? 0x00FFu : 0u) | (c + 1 < nc ? 0xFF00u : 0u));
+    }
+    const int64_t b1 = pair ? b + 1 : b;
     for (int64_t g = 0; g * 32 < a.K; ++g) {
-      const __m512 ws = halves_f16(a.scales_f16 + (b * G + g) * 8, a.scales_f16 + ((pair ? b + 1 : b) * G + g) * 8);
-      const __m512 wz = halves_f16(a.offsets_f16 + (b * G + g) * 8, a.offsets_f16 + ((pair ? b + 1 : b) * G + g) * 8);
-      // r[l]'s channels (see dequantize_word_w4x16): a0 = 0, 1; a1 = 4, 5; a2 = 8, 9; a3 = 12, 13;
-      // bb0 = 2, 3; bb1 = 6, 7; bb2 = 10, 11; bb3 = 14, 15.
-      static const int first[8] = {0, 4, 8, 12, 2, 6, 10, 14};
+      const __m512 ws = halves_f16(a.scales_f16 + (b * G + g) * 8, a.scales_f16 + (b1 * G + g) * 8);
+      const __m512 wz = halves_f16(a.offsets_f16 + (b * G + g) * 8, a.offsets_f16 + (b1 * G + g) * 8);
       __m512 sc[8], of[8];
       for (int l = 0; l < 8; ++l) {
-        const int c = first[l];
-        const __mmask16 keep = (__mmask16)((c < nc ? 0x00FFu : 0u) | (c + 1 < nc ? 0xFF00u : 0u));
-        const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(c), _mm256_set1_epi32(c + 1), 1);
-        sc[l] = _mm512_maskz_permutexvar_ps(keep, idx, ws);
-        of[l] = _mm512_maskz_permutexvar_ps(keep, idx, wz);
+        sc[l] = _mm512_maskz_permutexvar_ps(keep[l], idx[l], ws);
+        of[l] = _mm512_maskz_permutexvar_ps(keep[l], idx[l], wz);
       }
       for (int t = 0; t < 4; ++t) {
         const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(w0 + g * 128 + 32 * t))),

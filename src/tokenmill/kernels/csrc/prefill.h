@@ -72,69 +72,48 @@ inline void pack_keys16(const uint16_t* kc, const int64_t* rows, int n, int64_t 
   }
 }
 
-// s[g][0 .. 16) = scale * (q_g . k_t) for 16 packed keys, GN query vectors of P words.
-template <int GN>
-inline void qk16(const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s, int64_t ss) {
-  __m512 acc[GN];
-  for (int g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < P; ++p) {  // P: the row stride, in words; the pad words are 0
-    const __m512bh k = (__m512bh)_mm512_load_si512(kt + p * 16);
-    for (int g = 0; g < GN; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_set1_epi32((int)qw[g * P + p]), k);
-  }
-  const __m512 vs = _mm512_set1_ps(scale);
-  for (int g = 0; g < GN; ++g) _mm512_storeu_ps(s + g * ss, _mm512_mul_ps(acc[g], vs));
-}
-
-// qk16 over two packed groups of 16 keys at once (kt's next group P * 16 words on): twice the
-// independent accumulators, and each query word broadcast once for both. With qk16 alone a
+// s[g][16 j .. 16 j + 16) = scale * (q_g . k_t) for NG packed groups j of 16 keys (group j
+// at kt + j * P * 16), GN query vectors of P words. Two groups at once (decode) give twice
+// the independent accumulators, each query word broadcast once for both: with one group a
 // decode item's few query vectors (SmolLM2: 3 a KV head) leave as few dot-product chains,
-// each waiting on the last's latency. Every score's chain is qk16's, in the same order.
-template <int GN>
-inline void qk32(const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s, int64_t ss) {
-  __m512 acc[2][GN];
-  for (int g = 0; g < GN; ++g) acc[0][g] = acc[1][g] = _mm512_setzero_ps();
-  const uint32_t* kt1 = kt + P * 16;
-  for (int64_t p = 0; p < P; ++p) {
-    const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + p * 16);
-    const __m512bh k1 = (__m512bh)_mm512_load_si512(kt1 + p * 16);
+// each waiting on the last's latency. Every score's chain is the same for any NG.
+template <int GN, int NG = 1>
+inline void qk16(const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s, int64_t ss) {
+  __m512 acc[NG][GN];
+  for (int j = 0; j < NG; ++j)
+    for (int g = 0; g < GN; ++g) acc[j][g] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {  // P: the row stride, in words; the pad words are 0
+    __m512bh k[NG];
+    for (int j = 0; j < NG; ++j) k[j] = (__m512bh)_mm512_load_si512(kt + (j * P + p) * 16);
     for (int g = 0; g < GN; ++g) {
       const __m512bh w = (__m512bh)_mm512_set1_epi32((int)qw[g * P + p]);
-      acc[0][g] = _mm512_dpbf16_ps(acc[0][g], w, k0);
-      acc[1][g] = _mm512_dpbf16_ps(acc[1][g], w, k1);
+      for (int j = 0; j < NG; ++j) acc[j][g] = _mm512_dpbf16_ps(acc[j][g], w, k[j]);
     }
   }
   const __m512 vs = _mm512_set1_ps(scale);
-  for (int g = 0; g < GN; ++g) {
-    _mm512_storeu_ps(s + g * ss, _mm512_mul_ps(acc[0][g], vs));
-    _mm512_storeu_ps(s + g * ss + 16, _mm512_mul_ps(acc[1][g], vs));
+  for (int j = 0; j < NG; ++j)
+    for (int g = 0; g < GN; ++g) _mm512_storeu_ps(s + g * ss + 16 * j, _mm512_mul_ps(acc[j][g], vs));
+}
+
+template <int NG>
+inline void qk16_gn(int gn, const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s, int64_t ss) {
+  switch (gn) {
+    case 1: qk16<1, NG>(qw, P, kt, scale, s, ss); break;
+    case 2: qk16<2, NG>(qw, P, kt, scale, s, ss); break;
+    case 3: qk16<3, NG>(qw, P, kt, scale, s, ss); break;
+    case 4: qk16<4, NG>(qw, P, kt, scale, s, ss); break;
+    case 5: qk16<5, NG>(qw, P, kt, scale, s, ss); break;
+    case 6: qk16<6, NG>(qw, P, kt, scale, s, ss); break;
+    case 7: qk16<7, NG>(qw, P, kt, scale, s, ss); break;
+    default: qk16<8, NG>(qw, P, kt, scale, s, ss); break;
   }
 }
 
 // s[g][0 .. 16 * groups) for groups (1 or 2) packed groups of 16 keys, gn query vectors.
 inline void qk16_any(int gn, int groups, const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s,
                      int64_t ss) {
-  if (groups == 2) {
-    switch (gn) {
-      case 1: qk32<1>(qw, P, kt, scale, s, ss); return;
-      case 2: qk32<2>(qw, P, kt, scale, s, ss); return;
-      case 3: qk32<3>(qw, P, kt, scale, s, ss); return;
-      case 4: qk32<4>(qw, P, kt, scale, s, ss); return;
-      case 5: qk32<5>(qw, P, kt, scale, s, ss); return;
-      case 6: qk32<6>(qw, P, kt, scale, s, ss); return;
-      case 7: qk32<7>(qw, P, kt, scale, s, ss); return;
-      default: qk32<8>(qw, P, kt, scale, s, ss); return;
-    }
-  }
-  switch (gn) {
-    case 1: qk16<1>(qw, P, kt, scale, s, ss); break;
-    case 2: qk16<2>(qw, P, kt, scale, s, ss); break;
-    case 3: qk16<3>(qw, P, kt, scale, s, ss); break;
-    case 4: qk16<4>(qw, P, kt, scale, s, ss); break;
-    case 5: qk16<5>(qw, P, kt, scale, s, ss); break;
-    case 6: qk16<6>(qw, P, kt, scale, s, ss); break;
-    case 7: qk16<7>(qw, P, kt, scale, s, ss); break;
-    default: qk16<8>(qw, P, kt, scale, s, ss); break;
-  }
+  if (groups == 2) qk16_gn<2>(gn, qw, P, kt, scale, s, ss);
+  else qk16_gn<1>(gn, qw, P, kt, scale, s, ss);
 }
 
 // vp[tp * dp + j] = channel j of keys 2tp (low half) and 2tp + 1 (high half), zero past n.
