@@ -61,6 +61,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import CACHE, PEERS_ROOT, REPO, source_env
+from peers_pairs import step_pairs
 from peers_plan import (
     FULL_WORKLOADS,
     PRECISIONS,
@@ -236,48 +237,6 @@ def step_moe_vllm(ctx: Context) -> dict[str, Any]:
     return serve_and_bench(
         ctx, "b-moe-vllm", vllm_serve(ctx, ctx.moe, 1024), ["moe1", "moe16"], tokenizer=ctx.moe
     )
-
-
-PAIR_ROUNDS = 3
-PAIRS = tuple(
-    (name, PRECISIONS[name], quant)
-    for name, quant in (("bf16", "f16"), ("int8", "q8_0"), ("int4", "q4_0"))
-)
-"""a-pairs: tokenmill's precision, its flags, and llama.cpp's quantization beside it."""
-
-
-def step_pairs(ctx: Context) -> dict[str, Any]:
-    """One stream, tokenmill and llama.cpp at the same precision back to back, PAIR_ROUNDS
-    rounds: this machine's bandwidth drifts by up to 2x within minutes, so one pair of
-    numbers a few minutes apart can say either; the ratio within each pair, over rounds, says
-    which is faster."""
-    rounds: list[dict[str, Any]] = []
-    for r in range(PAIR_ROUNDS):
-        row: dict[str, Any] = {}
-        for name, flags, quant in PAIRS:
-            if ctx.args.pairs and name not in ctx.args.pairs.split(","):
-                continue
-            gguf = PEERS_ROOT / "gguf" / f"{ctx.gguf_name}-{quant}.gguf"
-            if not gguf.is_file():
-                raise RuntimeError(f"{gguf} is missing: run the prepare step")
-            command = tokenmill_serve(ctx.args.port, ctx.dense, flags, 2048)
-            ours = serve_and_bench(
-                ctx, f"a-pairs-{r}-tm-{name}", command, ["single"], tokenizer=ctx.dense
-            )
-            theirs = serve_and_bench(
-                ctx,
-                f"a-pairs-{r}-llama-{quant}",
-                llama_serve(ctx, gguf, 16),
-                ["single"],
-                tokenizer=ctx.dense,
-            )
-            row[name] = {
-                "tokenmill_tpot_ms": ours["runs"]["single"]["mean_tpot_ms"],
-                "llama_tpot_ms": theirs["runs"]["single"]["mean_tpot_ms"],
-                "llama_quant": quant,
-            }
-        rounds.append(row)
-    return {"rounds": rounds, "tokenmill_flags": {n: f for n, f, _ in PAIRS}}
 
 
 def step_report(ctx: Context) -> dict[str, Any]:
