@@ -8,6 +8,7 @@ default's goodput on its own trace. Prints one table and writes
 ``summary.json``; the search time of each tune is in it.
 
     python benchmarks/tune_decision.py --out-dir /tmp/tune-bench [--budget-s S] [--num-requests 100] [--batch-requests 64]
+        [--interactive-rate 0.4] [--burst-size 16] [--burst-gap-s 30]
 """
 
 from __future__ import annotations
@@ -134,6 +135,9 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=None, help="per trace (default: SEARCH)")
     parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--batch-requests", type=int, default=64)
+    parser.add_argument("--interactive-rate", type=float, default=0.4, help="arrivals per second")
+    parser.add_argument("--burst-size", type=int, default=16, help="batch requests per burst")
+    parser.add_argument("--burst-gap-s", type=float, default=30.0, help="seconds between bursts")
     parser.add_argument("--num-finalists", type=int, default=2)
     parser.add_argument("--max-candidates", type=int, default=12)
     parser.add_argument(
@@ -170,7 +174,9 @@ def main() -> None:
         return
     subprocess.run(
         [sys.executable, str(Path(__file__).with_name("tune_traces.py")), "--out-dir", str(traces),
-         "--num-requests", str(args.num_requests), "--batch-requests", str(args.batch_requests)],
+         "--num-requests", str(args.num_requests), "--batch-requests", str(args.batch_requests),
+         "--interactive-rate", str(args.interactive_rate), "--burst-size", str(args.burst_size),
+         "--burst-gap-s", str(args.burst_gap_s)],
         check=True,
     )  # fmt: skip
     summary = {}

@@ -6,6 +6,7 @@ document prefixes (``hash_ids``), arriving in bursts, short answers (loose laten
 every run tunes on the same traffic.
 
     python benchmarks/tune_traces.py --out-dir /tmp/tune-traces [--num-requests 100] [--batch-requests 64]
+        [--interactive-rate 0.4] [--burst-size 16] [--burst-gap-s 30]
 """
 
 from __future__ import annotations
@@ -73,10 +74,13 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--batch-requests", type=int, default=64)
+    parser.add_argument("--interactive-rate", type=float, default=0.4, help="arrivals per second")
+    parser.add_argument("--burst-size", type=int, default=16, help="batch requests per burst")
+    parser.add_argument("--burst-gap-s", type=float, default=30.0, help="seconds between bursts")
     args = parser.parse_args()
     for name, trace in (
-        ("interactive", interactive_trace(args.num_requests)),
-        ("batch", batch_trace(args.batch_requests)),
+        ("interactive", interactive_trace(args.num_requests, rate=args.interactive_rate)),
+        ("batch", batch_trace(args.batch_requests, args.burst_size, args.burst_gap_s)),
     ):
         path = write_jsonl_trace(trace, args.out_dir / f"{name}.jsonl")
         print(f"{path}: {trace.describe()}")
