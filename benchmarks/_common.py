@@ -59,6 +59,7 @@ def save_random_model(folder: Path, make_config: Callable[[], Any], seed: int = 
     leaves half a model)."""
     if (folder / "config.json").is_file():
         return folder
+    import tokenmill  # noqa: I001, F401  (before torch: the OpenMP wait policy)
     import torch
     import transformers
 

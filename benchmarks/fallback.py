@@ -20,6 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import tokenmill  # noqa: F401  (first: it sets the OpenMP wait policy before torch loads the runtime)
+
+# isort: split
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -26,6 +26,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import tokenmill  # noqa: F401  (first: it sets the OpenMP wait policy before torch loads the runtime)
+
+# isort: split
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -40,6 +40,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import tokenmill  # noqa: F401  (before torch, in every stage: the OpenMP wait policy)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_common import (
     MAX_NEW,

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import tokenmill  # noqa: F401  (before torch, in every stage: the OpenMP wait policy)
+
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("env", "parity", "throughput", "serve")
 MAX_NEW = 10

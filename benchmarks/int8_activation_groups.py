@@ -11,6 +11,9 @@ quantity ``tokenmill verify`` reports. Run before writing a kernel for a granula
 
 import sys
 
+import tokenmill  # noqa: F401  (first: it sets the OpenMP wait policy before torch loads the runtime)
+
+# isort: split
 import torch
 import transformers
 

@@ -25,6 +25,9 @@ import statistics
 import time
 from collections.abc import Callable
 
+import tokenmill  # noqa: F401  (first: it sets the OpenMP wait policy before torch loads the runtime)
+
+# isort: split
 import torch
 import torch.nn.functional as F
 

@@ -18,6 +18,9 @@ import statistics
 import time
 from pathlib import Path
 
+import tokenmill  # noqa: F401  (first: it sets the OpenMP wait policy before torch loads the runtime)
+
+# isort: split
 import torch
 
 from tokenmill import kernels

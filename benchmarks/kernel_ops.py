@@ -19,6 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+import tokenmill  # noqa: F401  (first: it sets the OpenMP wait policy before torch loads the runtime)
+
+# isort: split
 import torch
 import torch.nn.functional as F
 

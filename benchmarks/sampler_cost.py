@@ -24,6 +24,7 @@ CASES = {
 
 def child(threads: int) -> None:
     """Times every case in this process; prints one JSON object of medians in ms."""
+    import tokenmill  # noqa: I001, F401  (before torch: the OpenMP wait policy)
     import torch
 
     from tokenmill.core.request import Request

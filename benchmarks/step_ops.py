@@ -21,6 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import tokenmill  # noqa: F401  (first: it sets the OpenMP wait policy before torch loads the runtime)
+
+# isort: split
 import torch
 
 from tokenmill import kernels
