@@ -68,6 +68,7 @@ def run_search(
     clock_step_s: float = 0.0,
     num_requests: int = 100,
     sla_margin: float = 0.10,
+    tie_margin: float = 0.02,
 ) -> tuple[Search, dict[str, Any]]:
     memory = memory or {}
     gate = gate or {}
@@ -88,7 +89,12 @@ def run_search(
         state or TuneState.new(candidates, {"model": "m", "workload": "w", "sla": SLA}),
         SLA,
         SearchSettings(
-            budget_s=budget_s, first_sample=10, eta=3, num_finalists=2, sla_margin=sla_margin
+            budget_s=budget_s,
+            first_sample=10,
+            eta=3,
+            num_finalists=2,
+            sla_margin=sla_margin,
+            tie_margin=tie_margin,
         ),
         num_requests,
         plan,
@@ -325,6 +331,28 @@ def test_clear_difference_is_not_a_tie() -> None:
     assert "outside the winner's spread" in search.state.candidates["default"].reason
 
 
+def test_steady_rounds_closer_than_the_tie_margin_are_a_tie() -> None:
+    """The 300-request chat trace of 2026-12-07: every request met the SLA, so goodput was the
+    arrival rate less the last request's latency; int8's rounds (1.505) sat 0.13% under
+    int4's (1.507), none overlapping. Inside 2% that is a tie, decided by memory; with no
+    margin the steadier-looking difference would decide it."""
+    int8 = [1.5050, 1.5051, 1.5052]
+    int4 = [1.5066, 1.5070, 1.5071]
+    measure = Recorded({INT8.key: int8, INT4.key: int4})
+    memory = {INT8.key: 2000, INT4.key: 3000}
+    search, decision = run_search([INT8, INT4], measure, memory=memory)
+    assert decision["winner"] == INT8.key and decision["tied_with"] == [INT4.key]
+    assert "within 2%" in decision["tie_note"] and decision["tie_margin"] == 0.02
+    assert statuses(search)[INT4.key] == "tied"
+    search, decision = run_search(
+        [INT8, INT4], Recorded(measure.table), memory=memory, tie_margin=0.0
+    )
+    assert decision["winner"] == INT4.key and decision["tied_with"] == []
+    assert "outside the winner's spread and 0%" in search.state.candidates[INT8.key].reason
+    with pytest.raises(ValueError, match="tie_margin"):
+        SearchSettings(tie_margin=1.0)
+
+
 def test_wide_spread_is_rerun_then_marked_unstable() -> None:
     measure = Recorded({"default": [1.0, 1.01, 1.0], INT8.key: [1.0, 2.0, 1.5]})
     search, decision = run_search([DEFAULT, INT8], measure)
@@ -402,6 +430,8 @@ def test_resume_refuses_another_search(tmp_path) -> None:
 def test_spread_and_overlap_helpers() -> None:
     assert relative_spread([1.0, 1.1]) == pytest.approx(0.0952, abs=1e-3)
     assert is_tie([1.0, 1.2], [1.1, 1.3]) and not is_tie([1.0, 1.05], [1.1, 1.2])
+    assert is_tie([1.0, 1.0], [1.015, 1.015], 0.02) and not is_tie([1.0], [1.03], 0.02)
+    assert not is_tie([], [1.0], 0.5)
 
 
 def test_candidate_renders_as_flags_and_yaml() -> None:

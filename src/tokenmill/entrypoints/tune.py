@@ -86,6 +86,13 @@ def add_tune_parser(sub: Any) -> None:
         "one that meets it by less ranks below any that meets it with room",
     )
     p.add_argument(
+        "--tie-margin",
+        type=float,
+        default=0.02,
+        help="finalists whose mean goodputs differ by no more than this fraction are a tie "
+        "(as are those whose rounds overlap); a tie goes to fewer flags, then less memory",
+    )
+    p.add_argument(
         "--first-sample", type=int, default=32, help="requests in the cheapest halving rung"
     )
     p.add_argument(
@@ -298,6 +305,7 @@ def run_tune(args: argparse.Namespace) -> int:
             num_finalists=args.num_finalists,
             cut_margin=args.cut_margin,
             sla_margin=args.sla_margin,
+            tie_margin=args.tie_margin,
             num_rounds=args.num_rounds,
             min_match=args.min_match,
         )

@@ -149,6 +149,13 @@ def relative_spread(values: list[float]) -> float:
     return (max(values) - min(values)) / mean if mean > 0 else 0.0
 
 
-def is_tie(a: list[float], b: list[float]) -> bool:
-    """Two candidates' round values overlap: the difference is inside the measured spread."""
-    return bool(a and b) and min(a) <= max(b) and min(b) <= max(a)
+def is_tie(a: list[float], b: list[float], margin: float = 0.0) -> bool:
+    """Two candidates' round values overlap (the difference is inside the measured spread),
+    or their means are within ``margin`` (relative to the larger) of each other: below the
+    resolution that matters, however steady each candidate's rounds are."""
+    if not (a and b):
+        return False
+    if min(a) <= max(b) and min(b) <= max(a):
+        return True
+    mean_a, mean_b = statistics.fmean(a), statistics.fmean(b)
+    return abs(mean_a - mean_b) <= margin * max(mean_a, mean_b)
