@@ -124,3 +124,33 @@ def test_the_plan_sizes_static_slots_as_the_cpu_server_reserves_them() -> None:
     fits, _, _ = plan(Candidate((("kv_cache", "static"), ("max_num_seqs", 4))))
     assert fits
     assert plan(Candidate())[0]  # paged: blocks on demand
+
+
+def test_paged_fits_a_trace_whose_requests_would_not_all_fit_the_pool_at_once() -> None:
+    """A paged candidate is pruned only where the engine could not start (no room for its
+    pool), not where the trace's requests, all at once, would want more KV than the pool
+    holds: they queue or are preempted, which the replay measures. Its planned memory is the
+    weights plus the smaller of that demand and the pool."""
+    from tokenmill.entrypoints.plan import PlanInputs, build_plan
+    from tokenmill.entrypoints.tune import _plan_fn
+    from tokenmill.tune.candidates import Candidate
+
+    memory = 256 * 2**20
+    plan = _plan_fn("demo", 2048, 100_000, memory, 1024)
+    fits, need, why = plan(Candidate())
+    whole = build_plan(
+        PlanInputs(
+            model="demo",
+            max_model_len=2048,
+            concurrency=256,
+            device="cpu",
+            memory_bytes=memory,
+            mean_seq_len=1024,
+        )
+    )
+    assert not whole.fits_expected  # 256 x 1,024 tokens at once overflow the pool...
+    assert fits, why  # ...and the candidate still runs
+    assert need == whole.weight_bytes + whole.kv_pool_bytes
+    fits, need_small, _ = _plan_fn("demo", 2048, 2, memory, 64)(Candidate())
+    assert fits and need_small < need
+    assert not _plan_fn("demo", 2048, 8, 2**10, 512)(Candidate())[0]  # no room for the weights
