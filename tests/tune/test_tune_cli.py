@@ -8,8 +8,14 @@ recorded figures in test_search.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import subprocess
+import sys
+import time
 
+import psutil
 import pytest
 import yaml
 
@@ -154,3 +160,46 @@ def test_paged_fits_a_trace_whose_requests_would_not_all_fit_the_pool_at_once() 
     fits, need_small, _ = _plan_fn("demo", 2048, 2, memory, 64)(Candidate())
     assert fits and need_small < need
     assert not _plan_fn("demo", 2048, 8, 2**10, 512)(Candidate())[0]  # no room for the weights
+
+
+@pytest.mark.parametrize("when", ["starting", "serving"])
+def test_sigterm_stops_the_candidates_server(tmp_path, when: str) -> None:
+    """``kill`` of a running tune (SIGTERM) stops the ``tokenmill serve`` it started, as
+    Ctrl-C does, whether the server is still starting or already serving the replay: it used
+    to end at once and leave the server running, holding a port and the cores the next
+    measurement runs on."""
+    tune = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.entrypoints.cli", "tune", "demo",
+         "--workload", "random:n=400,in=16-32,out=64-128,rate=2", "--sla", "ttft_p95_ms=100000",
+         "--options", "max_num_seqs", "--output-dir", str(tmp_path / "o"), "--no-progress"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        servers: list[psutil.Process] = []
+        deadline = time.monotonic() + 300
+        while not servers and tune.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(psutil.Error):
+                servers = [
+                    p
+                    for p in psutil.Process(tune.pid).children(recursive=True)
+                    if "serve" in p.cmdline()
+                ]
+            time.sleep(0.1)
+        assert servers, "tune started no server"
+        while when == "serving" and time.monotonic() < deadline:
+            with contextlib.suppress(psutil.Error):
+                server = servers[0]
+                listing = (
+                    getattr(server, "net_connections", None) or server.connections
+                )  # psutil < 6
+                if any(c.status == psutil.CONN_LISTEN for c in listing()):
+                    break
+            time.sleep(0.1)
+        tune.send_signal(signal.SIGTERM)
+        assert tune.wait(timeout=120) == 130
+        _gone, alive = psutil.wait_procs(servers, timeout=30)
+        assert not alive, f"servers left running: {[p.pid for p in alive]}"
+        assert (tmp_path / "o" / "result.json").is_file()
+    finally:
+        if tune.poll() is None:
+            tune.kill()

@@ -9,10 +9,14 @@ builds the search's ``plan`` callable and hands it, the runner and the correctne
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -294,6 +298,26 @@ def _compare(
     return out
 
 
+@contextlib.contextmanager
+def _interrupt_on_sigterm() -> Iterator[None]:
+    """SIGTERM as Ctrl-C while the search runs, so the candidate's server is stopped on the
+    way out: by default SIGTERM ends Python at once, and a ``kill`` of the tune left its
+    ``tokenmill serve`` running, holding a port, memory and the cores the next run measures
+    on. Measurements saved so far stay in ``result.json`` for a resume."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_tune(args: argparse.Namespace) -> int:
     import psutil
     from tqdm.auto import tqdm
@@ -396,7 +420,8 @@ def run_tune(args: argparse.Namespace) -> int:
         progress=progress,
     )
     try:
-        decision = search.run()
+        with _interrupt_on_sigterm():
+            decision = search.run()
     finally:
         runner.close()
         bar.close()

@@ -136,21 +136,28 @@ class ServerProcess:
         self.process = subprocess.Popen(
             self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env
         )
+        try:
+            self._wait_healthy()
+        except BaseException:  # Ctrl-C or SIGTERM while it starts: no server left behind
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        assert self.process is not None
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 tail = self.log_path.read_text(errors="replace")[-800:]
-                self.stop()
                 raise ServerStartError(
                     f"server exited with {self.process.returncode}: {tail.strip()}"
                 )
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
-                    return self
+                    return
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        self.stop()
         raise ServerStartError(f"server not healthy after {self.start_timeout_s:g}s")
 
     def stop(self) -> None:
