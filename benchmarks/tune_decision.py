@@ -244,7 +244,7 @@ def _print_summary(summary: dict) -> None:
         }
         print(
             f"{name:12} {str(s['winner'])[:45]:45} {s['winner_meets_sla']!s:6} "
-            f"{median['winner']:8.3f} {median['default']:8.3f} {s.get('search_s', 0):9.0f}"
+            f"{median['winner']:8.3f} {median['default']:8.3f} {s.get('search_s') or 0:9.0f}"
             f"  gain per round {s['goodput_gain_rounds']}"
         )
     winners = {s["winner"] for s in summary.values()}
