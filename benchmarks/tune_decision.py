@@ -210,8 +210,10 @@ def main() -> None:
             "calibration_default": calibration,
             "search_s": round(time.monotonic() - started, 1),
         }
+        # written after each trace: a run stopped during the next keeps this one's figures
+        (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         _decide_and_remeasure(args, name, traces, summary[name])
-    (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print_summary(summary)
 
 

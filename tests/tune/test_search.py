@@ -69,6 +69,7 @@ def run_search(
     num_requests: int = 100,
     sla_margin: float = 0.10,
     tie_margin: float = 0.02,
+    refine_steps: int = 4,
 ) -> tuple[Search, dict[str, Any]]:
     memory = memory or {}
     gate = gate or {}
@@ -95,6 +96,7 @@ def run_search(
             num_finalists=2,
             sla_margin=sla_margin,
             tie_margin=tie_margin,
+            refine_steps=refine_steps,
         ),
         num_requests,
         plan,

@@ -97,6 +97,14 @@ def add_tune_parser(sub: Any) -> None:
         "(as are those whose rounds overlap); a tie goes to fewer flags, then less memory",
     )
     p.add_argument(
+        "--refine-steps",
+        type=int,
+        default=4,
+        help="when no candidate meets the SLA with room, up to this many candidates with a "
+        "--max-num-seqs or --max-num-batched-tokens value between two measured ones that "
+        "fall short on different bounds (0: none)",
+    )
+    p.add_argument(
         "--first-sample", type=int, default=32, help="requests in the cheapest halving rung"
     )
     p.add_argument(
@@ -339,6 +347,7 @@ def run_tune(args: argparse.Namespace) -> int:
             cut_margin=args.cut_margin,
             sla_margin=args.sla_margin,
             tie_margin=args.tie_margin,
+            refine_steps=args.refine_steps,
             num_rounds=args.num_rounds,
             min_match=args.min_match,
         )
@@ -506,6 +515,8 @@ def _write_outputs(
             print(f"halving {state.meta['halving']}")
         if state.meta.get("near_ties"):
             print(f"near ties: {state.meta['near_ties']}")
+        if state.meta.get("refinement"):
+            print(f"refinement: {state.meta['refinement']}")
         print(command)
     for line in compare_lines(result):
         print(line)

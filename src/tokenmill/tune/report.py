@@ -213,7 +213,8 @@ def render_html(
             "<tr>" + "".join(
                 f"<td>{x}</td>"
                 for x in (
-                    _esc(e["key"]), _esc(e["status"]), _fmt(p.get("num_requests")),
+                    _esc(e["key"]) + (" (refined)" if e.get("origin") == "refined" else ""),
+                    _esc(e["status"]), _fmt(p.get("num_requests")),
                     _fmt(p.get("goodput")), _fmt(p.get("ttft")),
                     _fmt(p.get("tpot")), _fmt(p.get("memory_mib")),
                     _fmt((e.get("gate") or {}).get("top1_agreement")), _esc(e.get("reason")),
@@ -248,6 +249,7 @@ def render_html(
 <p>{_esc(d.get("tie_note") or "No other candidate was inside its measured spread.")}</p>
 {f"<p>Halving: {_esc(result['halving'])}.</p>" if result.get("halving") else ""}
 {f"<p>Near ties: {_esc(result['near_ties'])}.</p>" if result.get("near_ties") else ""}
+{f"<p>Refinement (candidates added between two measured values): {_esc(result['refinement'])}.</p>" if result.get("refinement") else ""}
 <pre>{_esc(command)}</pre><pre>{_esc(config_yaml)}</pre>
 <p>Client CPU time is recorded per replay (<code>client_cpu_s</code> in result.json): on a small machine the load generator competes with the server for cores.</p>
 <h2>Candidates</h2><table><tr><th>candidate</th><th>status</th><th>largest replay (requests)</th><th>goodput</th><th>P95 TTFT ms</th><th>P95 TPOT ms</th><th>memory MiB</th><th>top-1 agreement</th><th>why</th></tr>{"".join(rows)}</table>

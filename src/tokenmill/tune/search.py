@@ -14,6 +14,7 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,14 @@ from tokenmill.tune.scoring import (
 )
 
 STATE_FORMAT_VERSION = 1
+
+REFINABLE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens")
+"""Numeric options whose values trade one latency bound against another (queueing against
+per-token time): the refinement tries values between two measured ones."""
+
+WALL_KEY = "tune_wall_s"
+"""Seconds one replay took the search (server start and drain included), kept with its
+figures: what the budget's reserve for the finalists' rounds is estimated from."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,14 @@ class SearchSettings:
     three rounds and missed it in two of three re-measured rounds (by up to 9%), while
     ``--max-num-seqs 4 --quantization int4`` ran 84% under it at 7% less goodput."""
 
+    refine_steps: int = 4
+    """Candidates the refinement may add (0: none). Where no candidate meets the SLA with
+    room, two values of one numeric option (``REFINABLE_OPTIONS``), all else equal, that fall
+    short on different bounds bracket a trade-off: the value between them is tried, and the
+    bracket narrowed, up to this many times. On the batch trace of 2026-12-07,
+    ``--max-num-seqs 4`` missed the TTFT bound by queueing (p95 71 s against 30 s) and 32 missed
+    the TPOT bound (167 against 134 ms); no value in the space lay between them."""
+
     def __post_init__(self) -> None:
         if self.num_rounds < 3:
             raise ValueError("num_rounds must be >= 3 (ties are judged on the spread)")
@@ -91,6 +108,8 @@ class SearchSettings:
             raise ValueError("sla_margin must be >= 0 and < 1")
         if not 0.0 <= self.tie_margin < 1.0:
             raise ValueError("tie_margin must be >= 0 and < 1")
+        if self.refine_steps < 0:
+            raise ValueError("refine_steps must be >= 0")
 
 
 @dataclass
@@ -98,6 +117,8 @@ class CandidateState:
     """Everything known about one candidate; what ``result.json`` lists."""
 
     candidate: Candidate
+    origin: str = "space"
+    """``space`` (from the search space) or ``refined`` (added between two measured values)."""
     status: str = "pending"
     """pending, pruned, rejected, failed, eliminated, finalist, unstable, tied, winner."""
     reason: str = ""
@@ -117,6 +138,7 @@ class CandidateState:
     def to_json(self) -> dict[str, Any]:
         return {
             "key": self.candidate.key,
+            "origin": self.origin,
             "settings": self.candidate.options,
             "non_default": dict(self.candidate.settings),
             "serve_args": self.candidate.serve_args(),
@@ -180,6 +202,10 @@ class TuneState:
         taken = 0
         for entry in data.get("candidates", []):
             state = self.candidates.get(entry.get("key"))
+            if state is None and entry.get("origin") == "refined":
+                # the refinement will ask for it again: keep what it measured
+                refined = Candidate(tuple(sorted((entry.get("non_default") or {}).items())))
+                state = self.candidates[refined.key] = CandidateState(refined, origin="refined")
             if state is None:
                 continue
             state.runs.update(entry.get("runs") or {})
@@ -298,8 +324,11 @@ class Search:
         if key in s.runs:
             return True
         self._checkpoint(f"{s.candidate.key}: {num_requests} requests, round {round_index + 1}")
+        start_s = self.clock()
         try:
-            s.runs[key] = self.measure(s.candidate, num_requests, round_index)
+            figures = dict(self.measure(s.candidate, num_requests, round_index))
+            figures.setdefault(WALL_KEY, round(self.clock() - start_s, 3))
+            s.runs[key] = figures
         except Exception as exc:  # a candidate that cannot serve loses, the search goes on
             s.status, s.reason = "failed", f"{type(exc).__name__}: {exc}"
             self._save()
@@ -320,7 +349,8 @@ class Search:
 
         A backlogged sample (see ``is_backlogged``) stops the halving: every candidate left
         is replayed once on the whole trace instead, and the finalists are the best there."""
-        alive = [s for s in self.alive() if s.status == "pending"]
+        alive = [s for s in self.alive() if s.status == "pending" and s.origin == "space"]
+        last_cut: tuple[int, int, str] | None = None
         for size in self.rungs():
             if len(alive) <= self.settings.num_finalists:
                 break
@@ -334,10 +364,14 @@ class Search:
                     "so samples under-state the whole trace's queueing; every candidate was "
                     f"replayed once on all {n} requests instead"
                 )
-                alive = self._cut(alive, n, self.settings.num_finalists, "the whole trace")
+                last_cut = (n, self.settings.num_finalists, "the whole trace")
+                alive = self._cut(alive, *last_cut, reserve_replays=self._finalist_replays())
                 break
             keep = max(self.settings.num_finalists, math.ceil(len(alive) / self.settings.eta))
-            alive = self._cut(alive, size, keep, f"a {size}-request sample")
+            last_cut = (size, keep, f"a {size}-request sample")
+            alive = self._cut(alive, *last_cut)
+        if last_cut is not None:
+            alive = self._refine(alive, *last_cut)
         for s in alive:
             s.status = "finalist"
         return alive
@@ -351,11 +385,40 @@ class Search:
         return None
 
     def _cut(
-        self, alive: list[CandidateState], size: int, keep: int, where: str
+        self,
+        alive: list[CandidateState],
+        size: int,
+        keep: int,
+        where: str,
+        reserve_replays: int = 0,
     ) -> list[CandidateState]:
         """Measures ``alive`` once at ``size`` requests and eliminates all but the best ``keep``:
-        ranked by ``rung_score`` on a sample, by ``score_of`` on the whole trace."""
-        alive = [s for s in alive if self._measure_once(s, size, 0)]
+        ranked by ``rung_score`` on a sample, by ``score_of`` on the whole trace.
+
+        ``reserve_replays``: once ``keep`` candidates are measured, one not measured yet is
+        skipped (eliminated) when the budget left would no longer cover this many more
+        replays of ``size`` requests: the finalists' rounds are worth more than one more
+        single replay. A 1,500 s budget on the batch trace of 2026-12-07 ran out after 11 of
+        12 whole-trace replays, with no finalist rounds at all."""
+        measured: list[CandidateState] = []
+        skipped: list[CandidateState] = []
+        for s in alive:
+            if (
+                reserve_replays
+                and not s.rung_figures(size)
+                and len(measured) >= keep
+                and self._short_of_time(size, reserve_replays + 1)
+            ):
+                skipped.append(s)
+            elif self._measure_once(s, size, 0):
+                measured.append(s)
+        for s in skipped:
+            s.status = "eliminated"
+            s.reason = (
+                f"not replayed on {where}: the budget left was kept for "
+                f"{reserve_replays} replays of the finalists"
+            )
+        alive = measured
         whole = size >= self.num_trace_requests
         score = score_of if whole else rung_score
         margin = self.settings.sla_margin
@@ -368,6 +431,132 @@ class Search:
             s.reason = f"ranked below the best {keep} on {where}"
         self._save()
         return kept
+
+    def _finalist_replays(self) -> int:
+        """Whole-trace replays the finalists still need after their first (the cut's)."""
+        return self.settings.num_finalists * (self.settings.num_rounds - 1)
+
+    def _replay_estimate_s(self, size: int) -> float | None:
+        """Mean seconds one replay of ``size`` requests took the search so far (None: none yet)."""
+        walls = [
+            float(f[WALL_KEY])
+            for s in self.state.candidates.values()
+            for f in s.rung_figures(size)
+            if f.get(WALL_KEY) is not None
+        ]
+        return statistics.fmean(walls) if walls else None
+
+    def _short_of_time(self, size: int, replays: int) -> bool:
+        """Whether the budget left is under ``replays`` replays of ``size`` requests."""
+        estimate = self._replay_estimate_s(size)
+        return estimate is not None and self.left_s() < replays * estimate
+
+    # ---- the refinement -----------------------------------------------------------------
+    def _refine(
+        self, alive: list[CandidateState], size: int, keep: int, where: str
+    ) -> list[CandidateState]:
+        """Tries values between two that fall short on different bounds; re-cuts with them.
+
+        Runs only while no candidate measured at ``size`` meets the SLA with room, for at most
+        ``refine_steps`` candidates, and (on the whole trace) only while the budget covers the
+        finalists' rounds after it. Each new candidate is replayed once at ``size`` and
+        ranked with the survivors of the last cut, by the same rule."""
+        whole = size >= self.num_trace_requests
+        tried: list[CandidateState] = []
+        done: set[str] = set()
+        notes: list[str] = []
+        for _ in range(self.settings.refine_steps):
+            # refined candidates a resumed search holds count once asked for again, so that
+            # it retraces the same steps
+            measured = [
+                s for s in self._measured_at(size) if s.origin == "space" or s.candidate.key in done
+            ]
+            if any(self._score(s, size)[0] == MEETS_WITH_ROOM for s in measured):
+                break
+            bracket = self._bracket(measured, size, done)
+            if bracket is None:
+                break
+            low, high, option, value = bracket
+            if whole and self._short_of_time(size, self._finalist_replays() + 1):
+                notes.append("stopped: the budget left was kept for the finalists' rounds")
+                break
+            candidate = Candidate.of(**{**_thawed(low.candidate), option: value})
+            done.add(candidate.key)
+            state = self.state.candidates.get(candidate.key)
+            if state is None:
+                state = self.state.candidates[candidate.key] = CandidateState(
+                    candidate, origin="refined"
+                )
+            notes.append(
+                f"{candidate.key} between {low.candidate.key} (short on "
+                f"{_short_names(self._short(low, size))}) and {high.candidate.key} (short on "
+                f"{_short_names(self._short(high, size))})"
+            )
+            if not self._admit(state, low):
+                continue
+            if self._measure_once(state, size, 0):
+                tried.append(state)
+        if notes:
+            self.state.meta["refinement"] = "; ".join(notes)
+        if not tried:
+            self._save()
+            return alive
+        return self._cut([*alive, *tried], size, keep, where)
+
+    def _admit(self, state: CandidateState, like: CandidateState) -> bool:
+        """Plans a refined candidate (a resumed one already holds its plan) and takes the
+        correctness check of the candidate it was derived from: the same precision."""
+        if state.memory_bytes is None and state.status == "pending":
+            fits, state.memory_bytes, why = self.plan(state.candidate)
+            if not fits:
+                state.status, state.reason = "pruned", f"does not fit the memory: {why}"
+        state.gate = state.gate or like.gate
+        return state.status == "pending"
+
+    def _measured_at(self, size: int) -> list[CandidateState]:
+        """Candidates with a replay of ``size`` requests that still count (not failed)."""
+        return [
+            s
+            for s in self.state.candidates.values()
+            if s.rung_figures(size) and s.status not in ("failed", "rejected", "pruned")
+        ]
+
+    def _short(self, s: CandidateState, size: int) -> set[str]:
+        return {
+            key
+            for key, _, _ in short_of_room(s.rung_figures(size), self.sla, self.settings.sla_margin)
+        }
+
+    def _bracket(
+        self, measured: list[CandidateState], size: int, done: set[str]
+    ) -> tuple[CandidateState, CandidateState, str, int] | None:
+        """The most promising pair of neighbouring values of one option (all other settings
+        equal) that fall short on disjoint sets of bounds, and the value to try between them;
+        None when no such pair has an untried value between."""
+        best: tuple[Any, ...] | None = None
+        for option in REFINABLE_OPTIONS:
+            groups: dict[tuple[tuple[str, Any], ...], list[tuple[int, CandidateState]]] = {}
+            for s in measured:
+                value = s.candidate.options.get(option)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    rest = tuple(kv for kv in s.candidate.settings if kv[0] != option)
+                    groups.setdefault(rest, []).append((value, s))
+            for members in groups.values():
+                members.sort(key=lambda m: m[0])
+                for (a, low), (b, high) in pairwise(members):
+                    short_low, short_high = self._short(low, size), self._short(high, size)
+                    if not short_low or not short_high or short_low & short_high:
+                        continue
+                    value = between(a, b)
+                    if value is None:
+                        continue
+                    key = Candidate.of(**{**_thawed(low.candidate), option: value}).key
+                    if key in done:
+                        continue
+                    rank = max(self._score(low, size), self._score(high, size))
+                    if best is None or rank > best[0]:
+                        best = (rank, low, high, option, value)
+        return None if best is None else best[1:]
 
     def _near_ties(
         self, ranked: list[CandidateState], keep: int, size: int
@@ -534,3 +723,28 @@ class Search:
             f"lower goodput ({statistics.fmean(mine):.4g} vs {statistics.fmean(theirs):.4g} req/s), "
             f"outside the winner's spread and {self.settings.tie_margin:.0%}"
         )
+
+
+def between(low: int, high: int) -> int | None:
+    """A value strictly between two integers, near their geometric mean: the power of two
+    closest to it (the larger on a tie), else the mean rounded; None when none lies between.
+    Batch sizes and token budgets scale by factors, so the middle of 4 and 32 is 16 (or 8),
+    not 18."""
+    if high - low < 2 or low < 1:
+        return None
+    middle = math.log2(math.sqrt(low * high))
+    powers = [1 << e for e in range(int(math.log2(low)) + 1, int(math.log2(high)) + 1)]
+    powers = [p for p in powers if low < p < high]
+    if powers:
+        return min(powers, key=lambda p: (abs(math.log2(p) - middle), -p))
+    value = round(math.sqrt(low * high))
+    return value if low < value < high else None
+
+
+def _thawed(candidate: Candidate) -> dict[str, Any]:
+    """A candidate's non-default options as ``Candidate.of`` takes them."""
+    return {k: v for k, v in candidate.options.items() if k in dict(candidate.settings)}
+
+
+def _short_names(keys: set[str]) -> str:
+    return ", ".join(sorted(keys)) or "nothing"
