@@ -66,3 +66,21 @@ def test_report_names_each_candidates_replay_size(tmp_path: Path) -> None:
     assert "<th>largest replay (requests)</th>" in page
     assert "<td>default</td><td>eliminated</td><td>16</td>" in page
     assert "<td>quantization=int4</td><td>winner</td><td>300</td>" in page
+
+
+def test_report_marks_refined_candidates_and_says_why_they_were_tried(tmp_path: Path) -> None:
+    refined = {**_candidate("max_num_seqs=16", "winner", {"256/0": 1.9}), "origin": "refined"}
+    result = {
+        "model": "m",
+        "sla": {"p95_ttft_ms": 30000.0, "p95_tpot_ms": 136.5},
+        "num_trace_requests": 256,
+        "decision": {"winner": "max_num_seqs=16"},
+        "refinement": "max_num_seqs=16 between max_num_seqs=4 (short on p95_ttft_ms) and ...",
+        "candidates": [_candidate("default", "lost", {"256/0": 1.8}), refined],
+    }
+    page = render_html(result, write_charts(result, tmp_path), "tokenmill serve m", "")
+    assert "<td>max_num_seqs=16 (refined)</td><td>winner</td>" in page
+    assert "<td>default</td><td>lost</td>" in page
+    assert (
+        "Refinement (candidates added between two measured values): max_num_seqs=16 between" in page
+    )
