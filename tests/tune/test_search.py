@@ -326,6 +326,20 @@ def test_tie_between_equally_simple_configs_goes_to_less_memory() -> None:
     assert decision["winner"] == INT4.key
 
 
+def test_a_tie_goes_to_the_less_memory_the_replays_measured_over_the_plan() -> None:
+    """The plan is an upper bound; where the server reported its peak RSS, that decides."""
+
+    def rss(goodputs: list[float], peak: int) -> Any:
+        return lambda n, r: {**figures(goodputs[r % 3]), "peak_resident_memory_bytes": peak}
+
+    measure = Recorded(
+        {INT8.key: rss([1.02, 1.05, 1.01], 900), INT4.key: rss([1.0, 1.04, 1.03], 950)}
+    )
+    _, decision = run_search([INT8, INT4], measure, memory={INT8.key: 3000, INT4.key: 2000})
+    assert decision["winner"] == INT8.key
+    assert "900 bytes peak RSS measured" in decision["tie_note"]
+
+
 def test_clear_difference_is_not_a_tie() -> None:
     measure = Recorded({"default": [1.0, 1.02, 0.99], INT8.key: [1.5, 1.52, 1.49]})
     search, decision = run_search([DEFAULT, INT8], measure)

@@ -150,9 +150,23 @@ class CandidateState:
         }
 
 
+PEAK_RSS_KEY = "peak_resident_memory_bytes"
+
+
+def memory_of(state: CandidateState) -> tuple[int, str]:
+    """(bytes, what they are): the highest peak RSS its replays measured where the server
+    reported one, else the plan's figure. The plan is an upper bound (weights plus the KV
+    the whole trace could ask for, capped at the pool), the same for every candidate that
+    shares a pool, so it cannot tell apart what the replays did."""
+    peaks = [int(f[PEAK_RSS_KEY]) for f in state.runs.values() if f.get(PEAK_RSS_KEY)]
+    if peaks:
+        return max(peaks), "peak RSS measured"
+    return state.memory_bytes or 0, "planned"
+
+
 def simplicity_key(state: CandidateState) -> tuple[int, int]:
-    """Tie-break: fewer non-default flags first, then less memory."""
-    return (state.candidate.num_non_default, state.memory_bytes or 0)
+    """Tie-break: fewer non-default flags first, then less memory (``memory_of``)."""
+    return (state.candidate.num_non_default, memory_of(state)[0])
 
 
 @dataclass
@@ -675,11 +689,12 @@ class Search:
         note = ""
         if tied:
             names = ", ".join(s.candidate.key for s in [best, *tied] if s is not winner)
+            num_bytes, what = memory_of(winner)
             note = (
                 f"tied with {names} (their goodput ranges over rounds overlap, or their "
                 f"means are within {self.settings.tie_margin:.0%}); chose "
                 f"{winner.candidate.key}: {winner.candidate.num_non_default} non-default flags"
-                + (f", {winner.memory_bytes} bytes" if winner.memory_bytes else "")
+                + (f", {num_bytes} bytes {what}" if num_bytes else "")
             )
         figures = winner.rung_figures(n)
         if standing == MISSES:
