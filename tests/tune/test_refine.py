@@ -80,6 +80,25 @@ def test_each_option_is_bracketed_with_everything_else_equal() -> None:
     assert decision["winner"] == seqs(8, quantization="int8").key
 
 
+def test_the_simpler_bracket_is_refined_first() -> None:
+    """Both the plain and the int8 pair bracket the trade-off; int8's 32 has more goodput,
+    but a candidate with one flag fewer is refined first."""
+    cands = [
+        DEFAULT,
+        seqs(4),
+        seqs(32),
+        seqs(4, quantization="int8"),
+        seqs(32, quantization="int8"),
+    ]
+    table = {**batch_table(), **batch_table(quantization="int8")}
+    table[seqs(32, quantization="int8").key] = trade_off(32, goodput=1.5)
+    measure = Recorded(table)
+    _, decision = run_search(cands, measure, num_requests=30)
+    refined = [k for k, n, r in measure.calls if k not in {c.key for c in cands}]
+    assert refined[:2] == [seqs(16).key, seqs(8).key]
+    assert decision["winner"] == seqs(8).key
+
+
 def test_no_bracket_when_both_fall_short_on_the_same_bound() -> None:
     """Every value misses TPOT: a value between two of them has no trade-off to find."""
     slow = {seqs(v).key: (lambda n, r: {**figures(1.0, tpot=90.0), "arrival_span_s": SPAN_S,

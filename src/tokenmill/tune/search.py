@@ -544,9 +544,12 @@ class Search:
     def _bracket(
         self, measured: list[CandidateState], size: int, done: set[str]
     ) -> tuple[CandidateState, CandidateState, str, int] | None:
-        """The most promising pair of neighbouring values of one option (all other settings
-        equal) that fall short on disjoint sets of bounds, and the value to try between them;
-        None when no such pair has an untried value between."""
+        """A pair of neighbouring values of one option (all other settings equal) that fall
+        short on disjoint sets of bounds, and the value to try between them; None when no
+        such pair has an untried value between. Of several, the one whose new candidate has
+        the fewest non-default flags, then whose better member scores higher: on the batch
+        trace ``--max-num-seqs`` 4 and 32 bracket alone and with ``--quantization int8``,
+        whose 32 had 1% more goodput in one replay, and a tie would go to the plain flag."""
         best: tuple[Any, ...] | None = None
         for option in REFINABLE_OPTIONS:
             groups: dict[tuple[tuple[str, Any], ...], list[tuple[int, CandidateState]]] = {}
@@ -564,10 +567,14 @@ class Search:
                     value = between(a, b)
                     if value is None:
                         continue
-                    key = Candidate.of(**{**_thawed(low.candidate), option: value}).key
-                    if key in done:
+                    candidate = Candidate.of(**{**_thawed(low.candidate), option: value})
+                    if candidate.key in done:
                         continue
-                    rank = max(self._score(low, size), self._score(high, size))
+                    # the simpler candidate first (a tie would go to it), then the pair's best
+                    rank = (
+                        -candidate.num_non_default,
+                        max(self._score(low, size), self._score(high, size)),
+                    )
                     if best is None or rank > best[0]:
                         best = (rank, low, high, option, value)
         return None if best is None else best[1:]
