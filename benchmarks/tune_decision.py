@@ -195,6 +195,8 @@ def main() -> None:
             f"{name}: default p95 TTFT {calibration['p95_ttft_ms']:.0f} ms, "
             f"TPOT {calibration['p95_tpot_ms']:.1f} ms -> SLA {sla_text}"
         )
+        summary[name] = {"sla": parse_sla(sla_text), "calibration_default": calibration}
+        (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         started = time.monotonic()
         subprocess.run(
             [sys.executable, "-m", "tokenmill.entrypoints.cli", "tune", args.model,
@@ -205,12 +207,9 @@ def main() -> None:
              *(["--budget-s", str(args.budget_s)] if args.budget_s else [])],
             check=False,
         )  # fmt: skip
-        summary[name] = {
-            "sla": parse_sla(sla_text),
-            "calibration_default": calibration,
-            "search_s": round(time.monotonic() - started, 1),
-        }
-        # written after each trace: a run stopped during the next keeps this one's figures
+        summary[name]["search_s"] = round(time.monotonic() - started, 1)
+        # written at each stage: a run stopped in the search or the next trace keeps the
+        # calibration's figures (`--remeasure-only` goes on from them)
         (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         _decide_and_remeasure(args, name, traces, summary[name])
         (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -396,7 +396,7 @@ def test_budget_stops_with_the_best_so_far() -> None:
     cands = [DEFAULT, INT8, INT4, STATIC, SEQS, BIG]
     measure = Recorded({c.key: float(i + 1) for i, c in enumerate(cands)})
     # every clock reading advances 1 s: the budget ends inside the first rung
-    _, decision = run_search(cands, measure, budget_s=8, clock_step_s=1.0)
+    _, decision = run_search(cands, measure, budget_s=20, clock_step_s=1.0)
     assert decision["stopped_by_budget"] is True
     assert decision["winner"] is not None
     assert all(n == 10 for _, n, _ in measure.calls)
@@ -417,6 +417,34 @@ def test_resume_runs_nothing_measured_twice(tmp_path) -> None:
     _, decision = run_search(cands, second, state=state)
     assert not done & set(second.calls)
     assert decision["winner"] == STATIC.key
+
+
+def test_an_interrupted_search_resumes_with_what_is_left_of_its_budget(tmp_path) -> None:
+    """Stopped by a signal mid-search (no decision written), the saved state still holds the
+    time spent: the resumed search does not start a fresh budget."""
+    saved: list[float] = []
+    now = [0.0]
+
+    def measure(c: Candidate, n: int, r: int) -> dict[str, Any]:
+        if now[0] >= 300.0:  # a SIGTERM during the fourth replay
+            raise KeyboardInterrupt
+        now[0] += 100.0
+        return figures(1.0)
+
+    cands = [DEFAULT, STATIC, SEQS, BIG]
+    state = TuneState.new(cands, {"model": "m", "workload": "w", "sla": SLA})
+    search = Search(
+        state, SLA, SearchSettings(budget_s=1000, first_sample=10), 100,
+        lambda c: (True, 1, ""), lambda c: {}, measure, lambda: now[0],
+        save=lambda s: saved.append(s.elapsed_s),
+    )  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        search.run()
+    assert saved[-1] == 300.0 and state.decision == {}
+    path = state.save(tmp_path / "result.json")
+    resumed = TuneState.new(cands, {"model": "m", "workload": "w", "sla": SLA})
+    resumed.absorb(path)
+    assert resumed.elapsed_s == 300.0
 
 
 def test_resume_after_a_steady_rerun_runs_nothing_again(tmp_path) -> None:

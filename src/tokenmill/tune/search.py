@@ -274,6 +274,11 @@ class Search:
             raise BudgetExhausted(what)
 
     def _save(self) -> None:
+        """Saves the state with the search time spent so far: a search stopped by a signal
+        resumes with what is left of its budget, not a fresh one."""
+        now = self.clock()
+        self.state.elapsed_s += now - self._start_s
+        self._start_s = now
         self.save(self.state)
 
     # ---- the steps ----------------------------------------------------------------------
