@@ -63,6 +63,10 @@ def test_values_short_on_different_bounds_are_bracketed_until_one_meets_with_roo
     assert state.origin == "refined" and state.status == "winner"
     assert decision["winner"] == seqs(8).key and decision["meets_sla_with_room"]
     assert sorted(r for k, n, r in measure.calls if k == seqs(8).key and n == 30) == [0, 1, 2]
+    # the first cut kept the default (within 5% of 32's goodput) as a near tie; the cut taken
+    # again with 16 and 8 eliminated it, and says nothing of near ties
+    assert statuses(search)[DEFAULT.key] == "eliminated"
+    assert "near_ties" not in search.state.meta
     note = search.state.meta["refinement"]
     assert "max_num_seqs=16 between max_num_seqs=4 (short on p95_ttft_ms)" in note
     assert "max_num_seqs=8 between max_num_seqs=4" in note

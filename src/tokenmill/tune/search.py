@@ -444,6 +444,8 @@ class Search:
         ranked = sorted(
             alive, key=lambda s: score(s.rung_figures(size), self.sla, margin), reverse=True
         )
+        # a cut taken again (with the refinement's candidates) says only what it kept itself
+        self.state.meta.pop("near_ties", None)
         kept = ranked[:keep] + (self._near_ties(ranked, keep, size) if whole else [])
         for s in ranked[len(kept) :]:
             s.status = "eliminated"
