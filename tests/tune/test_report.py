@@ -84,3 +84,14 @@ def test_report_marks_refined_candidates_and_says_why_they_were_tried(tmp_path: 
     assert (
         "Refinement (candidates added between two measured values): max_num_seqs=16 between" in page
     )
+
+
+def test_report_shows_the_peak_rss_measured_and_the_plan_only_where_none_was() -> None:
+    measured = _candidate("default", "winner", {"256/0": 1.9, "256/1": 1.9})
+    for i, figures in enumerate(measured["runs"].values()):
+        figures["peak_resident_memory_bytes"] = (900 + 10 * i) * 2**20
+    planned = _candidate("quantization=int8", "lost", {"256/0": 1.8})
+    result = {"decision": {"winner": "default"}, "candidates": [measured, planned]}
+    page = render_html(result, {}, "tokenmill serve m", "")
+    assert "<td>910</td>" in page  # the highest peak of its rounds, not the plan's 1,024
+    assert "<td>1,024</td>" in page  # no RSS reported: the plan

@@ -23,7 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from tokenmill.tune.scoring import GOODPUT_KEY
+from tokenmill.tune.scoring import GOODPUT_KEY, PEAK_RSS_KEY
 
 
 def _point(entry: dict[str, Any]) -> dict[str, float] | None:
@@ -38,7 +38,10 @@ def _point(entry: dict[str, Any]) -> dict[str, float] | None:
         values = [float(f[key]) for f in figures if isinstance(f.get(key), (int, float))]
         return statistics.fmean(values) if values else float("nan")
 
-    memory = entry.get("memory_bytes") or mean("peak_resident_memory_bytes")
+    # what the server held at its peak, as the decision's tie-break compares; the plan (an
+    # upper bound: weights plus the KV the trace could ask for) only where none was reported
+    peaks = [float(f[PEAK_RSS_KEY]) for f in figures if f.get(PEAK_RSS_KEY)]
+    memory = max(peaks) if peaks else entry.get("memory_bytes") or float("nan")
     return {
         "goodput": mean(GOODPUT_KEY),
         "ttft": mean("p95_ttft_ms"),
@@ -172,7 +175,7 @@ def write_charts(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
         charts["goodput_vs_memory"] = _scatter(
             with_memory,
             "memory_mib",
-            "memory (MiB, planned)",
+            "memory (MiB: peak RSS, planned where not reported)",
             out_dir / "goodput_vs_memory.png",
             None,
         )
@@ -197,7 +200,8 @@ def _esc(value: Any) -> str:
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:.3g}"
+        # three significant digits, but no exponent for thousands (a 9,195 ms TTFT, 1,085 MiB)
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
     return _esc(value)
 
 
@@ -252,7 +256,7 @@ def render_html(
 {f"<p>Refinement (candidates added between two measured values): {_esc(result['refinement'])}.</p>" if result.get("refinement") else ""}
 <pre>{_esc(command)}</pre><pre>{_esc(config_yaml)}</pre>
 <p>Client CPU time is recorded per replay (<code>client_cpu_s</code> in result.json): on a small machine the load generator competes with the server for cores.</p>
-<h2>Candidates</h2><table><tr><th>candidate</th><th>status</th><th>largest replay (requests)</th><th>goodput</th><th>P95 TTFT ms</th><th>P95 TPOT ms</th><th>memory MiB</th><th>top-1 agreement</th><th>why</th></tr>{"".join(rows)}</table>
+<h2>Candidates</h2><table><tr><th>candidate</th><th>status</th><th>largest replay (requests)</th><th>goodput</th><th>P95 TTFT ms</th><th>P95 TPOT ms</th><th>memory MiB (peak RSS)</th><th>top-1 agreement</th><th>why</th></tr>{"".join(rows)}</table>
 {f"<h2>Other endpoints, same trace</h2><table><tr><th>endpoint</th><th>goodput</th><th>P95 TTFT ms</th><th>P95 TPOT ms</th><th>SLA</th></tr>{compare_rows}</table>" if compare else ""}
 <h2>Charts</h2><p>Each candidate at its largest replay (successive halving stops most on a
 sample). Goodput depends on the replay's length, so candidates are compared, and the Pareto

@@ -16,6 +16,9 @@ from tokenmill.bench.sla import check_sla
 GOODPUT_KEY = "request_goodput"
 """Requests per second that met every latency bound of the SLA."""
 
+PEAK_RSS_KEY = "peak_resident_memory_bytes"
+"""The server's peak resident memory over a replay, where its ``/metrics`` reports one."""
+
 
 MISSES, MEETS_NARROWLY, MEETS_WITH_ROOM = 0, 1, 2
 """How a candidate's rounds stand against the SLA (``sla_standing``), worst to best."""

@@ -25,6 +25,7 @@ from tokenmill.tune.scoring import (
     MEETS_NARROWLY,
     MEETS_WITH_ROOM,
     MISSES,
+    PEAK_RSS_KEY,
     bound_rooms,
     describe_short_of_room,
     is_backlogged,
@@ -148,9 +149,6 @@ class CandidateState:
             "gate": self.gate,
             "runs": self.runs,
         }
-
-
-PEAK_RSS_KEY = "peak_resident_memory_bytes"
 
 
 def memory_of(state: CandidateState) -> tuple[int, str]:
