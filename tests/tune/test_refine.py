@@ -63,8 +63,8 @@ def test_values_short_on_different_bounds_are_bracketed_until_one_meets_with_roo
     assert state.origin == "refined" and state.status == "winner"
     assert decision["winner"] == seqs(8).key and decision["meets_sla_with_room"]
     assert sorted(r for k, n, r in measure.calls if k == seqs(8).key and n == 30) == [0, 1, 2]
-    # the first cut kept the default (within 5% of 32's goodput) as a near tie; the cut taken
-    # again with 16 and 8 eliminated it, and says nothing of near ties
+    # the first cut kept all three (equal goodput: two finalists and a near tie); the cut
+    # taken again with 16 and 8 eliminated them, and says nothing of near ties
     assert statuses(search)[DEFAULT.key] == "eliminated"
     assert "near_ties" not in search.state.meta
     note = search.state.meta["refinement"]
