@@ -95,3 +95,6 @@ def test_report_shows_the_peak_rss_measured_and_the_plan_only_where_none_was() -
     page = render_html(result, {}, "tokenmill serve m", "")
     assert "<td>910</td>" in page  # the highest peak of its rounds, not the plan's 1,024
     assert "<td>1,024</td>" in page  # no RSS reported: the plan
+    # goodput beside what was served: on a batch trace the two can part (every request served,
+    # fewer within the SLA)
+    assert "<th>goodput req/s</th><th>served req/s</th>" in page

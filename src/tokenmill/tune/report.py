@@ -44,6 +44,7 @@ def _point(entry: dict[str, Any]) -> dict[str, float] | None:
     memory = max(peaks) if peaks else entry.get("memory_bytes") or float("nan")
     return {
         "goodput": mean(GOODPUT_KEY),
+        "throughput": mean("request_throughput"),
         "ttft": mean("p95_ttft_ms"),
         "tpot": mean("p95_tpot_ms"),
         "memory_mib": float(memory) / 2**20 if memory == memory else float("nan"),
@@ -219,7 +220,7 @@ def render_html(
                 for x in (
                     _esc(e["key"]) + (" (refined)" if e.get("origin") == "refined" else ""),
                     _esc(e["status"]), _fmt(p.get("num_requests")),
-                    _fmt(p.get("goodput")), _fmt(p.get("ttft")),
+                    _fmt(p.get("goodput")), _fmt(p.get("throughput")), _fmt(p.get("ttft")),
                     _fmt(p.get("tpot")), _fmt(p.get("memory_mib")),
                     _fmt((e.get("gate") or {}).get("top1_agreement")), _esc(e.get("reason")),
                 )
@@ -256,8 +257,8 @@ def render_html(
 {f"<p>Refinement (candidates added between two measured values): {_esc(result['refinement'])}.</p>" if result.get("refinement") else ""}
 <pre>{_esc(command)}</pre><pre>{_esc(config_yaml)}</pre>
 <p>Client CPU time is recorded per replay (<code>client_cpu_s</code> in result.json): on a small machine the load generator competes with the server for cores.</p>
-<h2>Candidates</h2><table><tr><th>candidate</th><th>status</th><th>largest replay (requests)</th><th>goodput</th><th>P95 TTFT ms</th><th>P95 TPOT ms</th><th>memory MiB (peak RSS)</th><th>top-1 agreement</th><th>why</th></tr>{"".join(rows)}</table>
-{f"<h2>Other endpoints, same trace</h2><table><tr><th>endpoint</th><th>goodput</th><th>P95 TTFT ms</th><th>P95 TPOT ms</th><th>SLA</th></tr>{compare_rows}</table>" if compare else ""}
+<h2>Candidates</h2><table><tr><th>candidate</th><th>status</th><th>largest replay (requests)</th><th>goodput req/s</th><th>served req/s</th><th>P95 TTFT ms</th><th>P95 TPOT ms</th><th>memory MiB (peak RSS)</th><th>top-1 agreement</th><th>why</th></tr>{"".join(rows)}</table>
+{f"<h2>Other endpoints, same trace</h2><table><tr><th>endpoint</th><th>goodput req/s</th><th>served req/s</th><th>P95 TTFT ms</th><th>P95 TPOT ms</th><th>SLA</th></tr>{compare_rows}</table>" if compare else ""}
 <h2>Charts</h2><p>Each candidate at its largest replay (successive halving stops most on a
 sample). Goodput depends on the replay's length, so candidates are compared, and the Pareto
 front drawn, only among those replayed on as many requests.</p>{images}
