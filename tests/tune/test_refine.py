@@ -184,3 +184,33 @@ def test_the_whole_trace_pass_keeps_budget_for_the_finalists_rounds() -> None:
     finalists = [s for s in search.state.candidates.values() if len(s.rung_figures(30)) == 3]
     assert len(finalists) == 2
     assert decision["winner"] == cands[-2].key
+
+
+def test_the_default_takes_its_place_by_what_the_server_resolves_it_to() -> None:
+    """``--max-num-batched-tokens`` unset is 1024 on a CPU: 512 queueing past the TTFT bound
+    and the default over the TPOT bound bracket 724, which meets both."""
+
+    def budget(tokens: int) -> Any:
+        whole = figures(1.0, ttft=500_000.0 / tokens, tpot=20.0 + tokens / 25.0)
+        return lambda n, r: {**whole, "arrival_span_s": SPAN_S, "duration": BACKLOG_S}
+
+    small = Candidate.of(max_num_batched_tokens=512)
+    table = {DEFAULT.key: budget(1024), small.key: budget(512)}
+    table[Candidate.of(max_num_batched_tokens=724).key] = budget(724)
+    cands = [DEFAULT, small]
+    _, decision = run_search(
+        cands, Recorded(table), num_requests=30, resolved={"max_num_batched_tokens": 1024}
+    )
+    assert decision["winner"] == "max_num_batched_tokens=724"
+    _, unresolved = run_search(cands, Recorded(table), num_requests=30)
+    assert unresolved["winner"] != "max_num_batched_tokens=724"  # the default has no place
+
+
+def test_too_few_candidates_to_halve_are_refined_between_too() -> None:
+    """Two candidates and two finalists: no cut to refine after. Their first full rounds are
+    taken first, and the refinement looks between them all the same."""
+    measure = Recorded(batch_table())
+    _, decision = run_search([seqs(4), seqs(32)], measure, num_requests=30)
+    assert decision["winner"] == seqs(8).key and decision["meets_sla_with_room"]
+    assert [k for k, n, r in measure.calls[:2]] == [seqs(4).key, seqs(32).key]
+    assert all(n == 30 for _, n, _ in measure.calls)

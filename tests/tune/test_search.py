@@ -70,6 +70,7 @@ def run_search(
     sla_margin: float = 0.10,
     tie_margin: float = 0.02,
     refine_steps: int = 4,
+    resolved: dict[str, Any] | None = None,
 ) -> tuple[Search, dict[str, Any]]:
     memory = memory or {}
     gate = gate or {}
@@ -103,6 +104,7 @@ def run_search(
         verify,
         measure,
         clock,
+        resolved=resolved or {},
     )
     return search, search.run()
 

@@ -366,10 +366,9 @@ def run_tune(args: argparse.Namespace) -> int:
     longest = max(r.input_length + r.output_length for r in trace.requests)
     max_model_len = args.max_model_len or longest
     mean_len = int(np.mean([r.input_length + r.output_length for r in trace.requests]))
+    resolved = _resolved_defaults(args.model)
     space = default_space(
-        os.cpu_count() or 1,
-        draft_model=args.draft_model,
-        resolved_defaults=_resolved_defaults(args.model),
+        os.cpu_count() or 1, draft_model=args.draft_model, resolved_defaults=resolved
     )
     if args.options:
         wanted = {o.strip() for o in args.options.split(",") if o.strip()}
@@ -427,6 +426,7 @@ def run_tune(args: argparse.Namespace) -> int:
         time.monotonic,
         save=lambda s: s.save(result_path),
         progress=progress,
+        resolved=resolved,
     )
     try:
         with _interrupt_on_sigterm():

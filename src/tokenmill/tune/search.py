@@ -257,6 +257,9 @@ class Search:
     clock: Callable[[], float]
     save: Callable[[TuneState], Any] = lambda state: None
     progress: ProgressFn = lambda what, left_s: None
+    resolved: dict[str, Any] = field(default_factory=dict)
+    """What the server's automatic settings resolve to on this machine (``max_num_batched_tokens``
+    when not given): the default's place among a refinable option's measured values."""
     _start_s: float = 0.0
 
     # ---- the budget ---------------------------------------------------------------------
@@ -387,6 +390,16 @@ class Search:
             keep = max(self.settings.num_finalists, math.ceil(len(alive) / self.settings.eta))
             last_cut = (size, keep, f"a {size}-request sample")
             alive = self._cut(alive, *last_cut)
+        if last_cut is None and self.settings.refine_steps > 0 and len(alive) > 1:
+            # Too few candidates to halve: they are all finalists. Their first full rounds,
+            # taken now, let the refinement look between them (with --options max_num_seqs
+            # alone, the default, 4 and 32 are three finalists and nothing else).
+            last_cut = (
+                self.num_trace_requests,
+                max(len(alive), self.settings.num_finalists),
+                "the whole trace",
+            )
+            alive = self._cut(alive, *last_cut)
         if last_cut is not None:
             alive = self._refine(alive, *last_cut)
         for s in alive:
@@ -427,7 +440,9 @@ class Search:
                 and self._short_of_time(size, reserve_replays + 1)
             ):
                 skipped.append(s)
-            elif self._measure_once(s, size, 0):
+            elif s.rung_figures(size) or self._measure_once(s, size, 0):
+                # figures at this size already (a finalist re-run for its spread keeps only
+                # its later rounds): measured
                 measured.append(s)
         for s in skipped:
             s.status = "eliminated"
@@ -560,6 +575,8 @@ class Search:
             groups: dict[tuple[tuple[str, Any], ...], list[tuple[int, CandidateState]]] = {}
             for s in measured:
                 value = s.candidate.options.get(option)
+                if value is None:  # the server decides: what it decides here
+                    value = self.resolved.get(option)
                 if isinstance(value, int) and not isinstance(value, bool):
                     rest = tuple(kv for kv in s.candidate.settings if kv[0] != option)
                     groups.setdefault(rest, []).append((value, s))
