@@ -368,7 +368,8 @@ class Search:
         """Successive halving on samples of the trace until ``num_finalists`` remain.
 
         A backlogged sample (see ``is_backlogged``) stops the halving: every candidate left
-        is replayed once on the whole trace instead, and the finalists are the best there."""
+        is replayed once on the whole trace instead, and the finalists are the best there.
+        Then the refinement (``_refine``) at the last cut's size may add finalists."""
         alive = [s for s in self.alive() if s.status == "pending" and s.origin == "space"]
         last_cut: tuple[int, int, str] | None = None
         for size in self.rungs():
