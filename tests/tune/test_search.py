@@ -495,6 +495,9 @@ def test_candidate_renders_as_flags_and_yaml() -> None:
     assert "quantization: int8" in text and "enable-prefix-caching: false" in text
     with pytest.raises(ValueError, match="unknown tuning option"):
         Candidate.of(nonsense=1)
+    # one option changed, the rest kept; a change back to the default drops the flag
+    assert c.replace(max_num_seqs=16) == Candidate.of(**{**dict(c.options), "max_num_seqs": 16})
+    assert c.replace(quantization=None).num_non_default == 2
 
 
 def test_a_setting_equal_to_what_auto_resolves_to_is_not_a_candidate() -> None:

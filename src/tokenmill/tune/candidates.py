@@ -54,6 +54,10 @@ class Candidate:
         kept = {k: v for k, v in settings.items() if v != DEFAULTS[k]}
         return cls(tuple(sorted((k, _freeze(v)) for k, v in kept.items())))
 
+    def replace(self, **changes: Any) -> Candidate:
+        """This candidate with some options set to other values (defaults drop out)."""
+        return Candidate.of(**{**{k: _thaw(v) for k, v in self.settings}, **changes})
+
     @property
     def options(self) -> dict[str, Any]:
         """Every option, defaults included."""

@@ -511,11 +511,10 @@ class Search:
             bracket = self._bracket(measured, size, done)
             if bracket is None:
                 break
-            low, high, option, value = bracket
+            low, high, candidate = bracket
             if whole and self._short_of_time(size, self._finalist_replays() + 1):
                 notes.append("stopped: the budget left was kept for the finalists' rounds")
                 break
-            candidate = Candidate.of(**{**_thawed(low.candidate), option: value})
             done.add(candidate.key)
             state = self.state.candidates.get(candidate.key)
             if state is None:
@@ -564,9 +563,9 @@ class Search:
 
     def _bracket(
         self, measured: list[CandidateState], size: int, done: set[str]
-    ) -> tuple[CandidateState, CandidateState, str, int] | None:
+    ) -> tuple[CandidateState, CandidateState, Candidate] | None:
         """A pair of neighbouring values of one option (all other settings equal) that fall
-        short on disjoint sets of bounds, and the value to try between them; None when no
+        short on disjoint sets of bounds, and the candidate with the value between; None when no
         such pair has an untried value between. Of several, the one whose new candidate has
         the fewest non-default flags, then whose better member scores higher: on the batch
         trace ``--max-num-seqs`` 4 and 32 bracket alone and with ``--quantization int8``,
@@ -590,7 +589,7 @@ class Search:
                     value = between(a, b)
                     if value is None:
                         continue
-                    candidate = Candidate.of(**{**_thawed(low.candidate), option: value})
+                    candidate = low.candidate.replace(**{option: value})
                     if candidate.key in done:
                         continue
                     # the simpler candidate first (a tie would go to it), then the pair's best
@@ -599,8 +598,8 @@ class Search:
                         max(self._score(low, size), self._score(high, size)),
                     )
                     if best is None or rank > best[0]:
-                        best = (rank, low, high, option, value)
-        return None if best is None else best[1:]
+                        best = (rank, low, high, candidate)
+        return None if best is None else (best[1], best[2], best[3])
 
     def _near_ties(
         self, ranked: list[CandidateState], keep: int, size: int
@@ -784,11 +783,6 @@ def between(low: int, high: int) -> int | None:
         return min(powers, key=lambda p: (abs(math.log2(p) - middle), -p))
     value = round(math.sqrt(low * high))
     return value if low < value < high else None
-
-
-def _thawed(candidate: Candidate) -> dict[str, Any]:
-    """A candidate's non-default options as ``Candidate.of`` takes them."""
-    return {k: v for k, v in candidate.options.items() if k in dict(candidate.settings)}
 
 
 def _short_names(keys: set[str]) -> str:
