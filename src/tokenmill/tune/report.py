@@ -23,7 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from tokenmill.tune.scoring import GOODPUT_KEY, PEAK_RSS_KEY
+from tokenmill.tune.scoring import GOODPUT_KEY, peak_rss
 
 
 def _point(entry: dict[str, Any]) -> dict[str, float] | None:
@@ -40,8 +40,7 @@ def _point(entry: dict[str, Any]) -> dict[str, float] | None:
 
     # what the server held at its peak, as the decision's tie-break compares; the plan (an
     # upper bound: weights plus the KV the trace could ask for) only where none was reported
-    peaks = [float(f[PEAK_RSS_KEY]) for f in figures if f.get(PEAK_RSS_KEY)]
-    memory = max(peaks) if peaks else entry.get("memory_bytes") or float("nan")
+    memory = peak_rss(figures) or entry.get("memory_bytes") or float("nan")
     return {
         "goodput": mean(GOODPUT_KEY),
         "throughput": mean("request_throughput"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable
 from typing import Any
 
 from tokenmill.bench.sla import check_sla
@@ -18,6 +19,13 @@ GOODPUT_KEY = "request_goodput"
 
 PEAK_RSS_KEY = "peak_resident_memory_bytes"
 """The server's peak resident memory over a replay, where its ``/metrics`` reports one."""
+
+
+def peak_rss(figures: Iterable[dict[str, Any]]) -> int | None:
+    """The highest peak resident memory these replays report (None where none does): what a
+    candidate is measured to hold, where the plan gives only an upper bound."""
+    peaks = [int(f[PEAK_RSS_KEY]) for f in figures if f.get(PEAK_RSS_KEY)]
+    return max(peaks) if peaks else None
 
 
 MISSES, MEETS_NARROWLY, MEETS_WITH_ROOM = 0, 1, 2

@@ -25,11 +25,11 @@ from tokenmill.tune.scoring import (
     MEETS_NARROWLY,
     MEETS_WITH_ROOM,
     MISSES,
-    PEAK_RSS_KEY,
     bound_rooms,
     describe_short_of_room,
     is_backlogged,
     is_tie,
+    peak_rss,
     relative_spread,
     rung_score,
     score_of,
@@ -156,9 +156,9 @@ def memory_of(state: CandidateState) -> tuple[int, str]:
     reported one, else the plan's figure. The plan is an upper bound (weights plus the KV
     the whole trace could ask for, capped at the pool), the same for every candidate that
     shares a pool, so it cannot tell apart what the replays did."""
-    peaks = [int(f[PEAK_RSS_KEY]) for f in state.runs.values() if f.get(PEAK_RSS_KEY)]
-    if peaks:
-        return max(peaks), "peak RSS measured"
+    measured = peak_rss(state.runs.values())
+    if measured is not None:
+        return measured, "peak RSS measured"
     return state.memory_bytes or 0, "planned"
 
 
