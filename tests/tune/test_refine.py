@@ -17,7 +17,9 @@ from tests.tune.test_search import (
     statuses,
 )
 from tokenmill.tune.candidates import Candidate
-from tokenmill.tune.search import Search, SearchSettings, TuneState, between
+from tokenmill.tune.refine import between
+from tokenmill.tune.search import Search, SearchSettings
+from tokenmill.tune.state import TuneState
 
 SPAN_S, BACKLOG_S = 5.0, 100.0
 """Samples arrive over 5 s and take 100 s: backlogged, so the whole trace (30 requests) ranks."""

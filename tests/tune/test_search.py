@@ -16,7 +16,8 @@ from tokenmill.tune.scoring import (
     relative_spread,
     sla_standing,
 )
-from tokenmill.tune.search import Search, SearchSettings, TuneState
+from tokenmill.tune.search import Search, SearchSettings
+from tokenmill.tune.state import TuneState
 
 SLA = {"p95_ttft_ms": 800.0, "p95_tpot_ms": 60.0}
 DEFAULT = Candidate()

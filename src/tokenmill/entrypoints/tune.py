@@ -333,7 +333,8 @@ def run_tune(args: argparse.Namespace) -> int:
     from tokenmill.bench.sla import parse_sla
     from tokenmill.tune.candidates import default_space
     from tokenmill.tune.runner import TraceRunner, verify_precision
-    from tokenmill.tune.search import Search, SearchSettings, TuneState
+    from tokenmill.tune.search import Search, SearchSettings
+    from tokenmill.tune.state import TuneState
     from tokenmill.tune.trace import TraceError, load_trace
 
     try:

@@ -9,17 +9,15 @@ a resumed search runs nothing twice.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import pairwise
-from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.sla import check_sla
 from tokenmill.tune.candidates import Candidate
+from tokenmill.tune.refine import find_bracket
 from tokenmill.tune.scoring import (
     GOODPUT_KEY,
     MEETS_NARROWLY,
@@ -29,18 +27,12 @@ from tokenmill.tune.scoring import (
     describe_short_of_room,
     is_backlogged,
     is_tie,
-    peak_rss,
     relative_spread,
     rung_score,
     score_of,
     short_of_room,
 )
-
-STATE_FORMAT_VERSION = 1
-
-REFINABLE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens")
-"""Numeric options whose values trade one latency bound against another (queueing against
-per-token time): the refinement tries values between two measured ones."""
+from tokenmill.tune.state import CandidateState, TuneState, memory_of, simplicity_key
 
 WALL_KEY = "tune_wall_s"
 """Seconds one replay took the search (server start and drain included), kept with its
@@ -111,122 +103,6 @@ class SearchSettings:
             raise ValueError("tie_margin must be >= 0 and < 1")
         if self.refine_steps < 0:
             raise ValueError("refine_steps must be >= 0")
-
-
-@dataclass
-class CandidateState:
-    """Everything known about one candidate; what ``result.json`` lists."""
-
-    candidate: Candidate
-    origin: str = "space"
-    """``space`` (from the search space) or ``refined`` (added between two measured values)."""
-    status: str = "pending"
-    """pending, pruned, rejected, failed, eliminated, finalist, unstable, tied, winner."""
-    reason: str = ""
-    """Why it was pruned, rejected, failed or lost."""
-    memory_bytes: int | None = None
-    """Planned memory (weights plus KV) from ``plan``."""
-    gate: dict[str, Any] | None = None
-    """The correctness check's figures, for reduced precisions."""
-    runs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """``"<num_requests>/<round>"`` -> that replay's figures."""
-
-    def rung_figures(self, num_requests: int) -> list[dict[str, Any]]:
-        """Figures of every round replayed with ``num_requests`` requests."""
-        prefix = f"{num_requests}/"
-        return [v for k, v in sorted(self.runs.items()) if k.startswith(prefix)]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "key": self.candidate.key,
-            "origin": self.origin,
-            "settings": self.candidate.options,
-            "non_default": dict(self.candidate.settings),
-            "serve_args": self.candidate.serve_args(),
-            "status": self.status,
-            "reason": self.reason,
-            "memory_bytes": self.memory_bytes,
-            "gate": self.gate,
-            "runs": self.runs,
-        }
-
-
-def memory_of(state: CandidateState) -> tuple[int, str]:
-    """(bytes, what they are): the highest peak RSS its replays measured where the server
-    reported one, else the plan's figure. The plan is an upper bound (weights plus the KV
-    the whole trace could ask for, capped at the pool), the same for every candidate that
-    shares a pool, so it cannot tell apart what the replays did."""
-    measured = peak_rss(state.runs.values())
-    if measured is not None:
-        return measured, "peak RSS measured"
-    return state.memory_bytes or 0, "planned"
-
-
-def simplicity_key(state: CandidateState) -> tuple[int, int]:
-    """Tie-break: fewer non-default flags first, then less memory (``memory_of``)."""
-    return (state.candidate.num_non_default, memory_of(state)[0])
-
-
-@dataclass
-class TuneState:
-    """The search's record: every candidate's state plus the run's settings; saved as JSON."""
-
-    candidates: dict[str, CandidateState]
-    meta: dict[str, Any] = field(default_factory=dict)
-    elapsed_s: float = 0.0
-    """Search seconds spent before this process (resume adds to it)."""
-    decision: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def new(cls, candidates: list[Candidate], meta: dict[str, Any]) -> TuneState:
-        return cls({c.key: CandidateState(c) for c in candidates}, dict(meta))
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format_version": STATE_FORMAT_VERSION,
-            "kind": "tune",
-            **self.meta,
-            "elapsed_s": round(self.elapsed_s, 3),
-            "decision": self.decision,
-            "candidates": [s.to_json() for s in self.candidates.values()],
-        }
-
-    def save(self, path: str | Path) -> Path:
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
-        tmp.replace(out)
-        return out
-
-    def absorb(self, path: str | Path, same: tuple[str, ...] = ("model", "workload", "sla")) -> int:
-        """Take the gate results and measurements of a previous run of the same search.
-
-        Only a run with the same model, workload and SLA is taken (its numbers would mean
-        something else otherwise); returns how many measurements were taken over.
-        """
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        if data.get("kind") != "tune" or any(data.get(k) != self.meta.get(k) for k in same):
-            raise ValueError(
-                f"{path} is from another search (model, workload or SLA differ); "
-                "use another --output-dir"
-            )
-        taken = 0
-        for entry in data.get("candidates", []):
-            state = self.candidates.get(entry.get("key"))
-            if state is None and entry.get("origin") == "refined":
-                # the refinement will ask for it again: keep what it measured
-                refined = Candidate(tuple(sorted((entry.get("non_default") or {}).items())))
-                state = self.candidates[refined.key] = CandidateState(refined, origin="refined")
-            if state is None:
-                continue
-            state.runs.update(entry.get("runs") or {})
-            state.gate = entry.get("gate") or state.gate
-            if entry.get("status") == "failed":
-                state.status, state.reason = "failed", entry.get("reason", "")
-            taken += len(entry.get("runs") or {})
-        self.elapsed_s = float(data.get("elapsed_s") or 0.0)
-        return taken
 
 
 PlanFn = Callable[[Candidate], tuple[bool, int | None, str]]
@@ -564,42 +440,13 @@ class Search:
     def _bracket(
         self, measured: list[CandidateState], size: int, done: set[str]
     ) -> tuple[CandidateState, CandidateState, Candidate] | None:
-        """A pair of neighbouring values of one option (all other settings equal) that fall
-        short on disjoint sets of bounds, and the candidate with the value between; None when no
-        such pair has an untried value between. Of several, the one whose new candidate has
-        the fewest non-default flags, then whose better member scores higher: on the batch
-        trace ``--max-num-seqs`` 4 and 32 bracket alone and with ``--quantization int8``,
-        whose 32 had 1% more goodput in one replay, and a tie would go to the plain flag."""
-        best: tuple[Any, ...] | None = None
-        for option in REFINABLE_OPTIONS:
-            groups: dict[tuple[tuple[str, Any], ...], list[tuple[int, CandidateState]]] = {}
-            for s in measured:
-                value = s.candidate.options.get(option)
-                if value is None:  # the server decides: what it decides here
-                    value = self.resolved.get(option)
-                if isinstance(value, int) and not isinstance(value, bool):
-                    rest = tuple(kv for kv in s.candidate.settings if kv[0] != option)
-                    groups.setdefault(rest, []).append((value, s))
-            for members in groups.values():
-                members.sort(key=lambda m: m[0])
-                for (a, low), (b, high) in pairwise(members):
-                    short_low, short_high = self._short(low, size), self._short(high, size)
-                    if not short_low or not short_high or short_low & short_high:
-                        continue
-                    value = between(a, b)
-                    if value is None:
-                        continue
-                    candidate = low.candidate.replace(**{option: value})
-                    if candidate.key in done:
-                        continue
-                    # the simpler candidate first (a tie would go to it), then the pair's best
-                    rank = (
-                        -candidate.num_non_default,
-                        max(self._score(low, size), self._score(high, size)),
-                    )
-                    if best is None or rank > best[0]:
-                        best = (rank, low, high, candidate)
-        return None if best is None else (best[1], best[2], best[3])
+        return find_bracket(
+            measured,
+            short=lambda s: self._short(s, size),
+            score=lambda s: self._score(s, size),
+            resolved=self.resolved,
+            done=done,
+        )
 
     def _near_ties(
         self, ranked: list[CandidateState], keep: int, size: int
@@ -767,22 +614,6 @@ class Search:
             f"lower goodput ({statistics.fmean(mine):.4g} vs {statistics.fmean(theirs):.4g} req/s), "
             f"outside the winner's spread and {self.settings.tie_margin:.0%}"
         )
-
-
-def between(low: int, high: int) -> int | None:
-    """A value strictly between two integers, near their geometric mean: the power of two
-    closest to it (the larger on a tie), else the mean rounded; None when none lies between.
-    Batch sizes and token budgets scale by factors, so the middle of 4 and 32 is 16 (or 8),
-    not 18."""
-    if high - low < 2 or low < 1:
-        return None
-    middle = math.log2(math.sqrt(low * high))
-    powers = [1 << e for e in range(int(math.log2(low)) + 1, int(math.log2(high)) + 1)]
-    powers = [p for p in powers if low < p < high]
-    if powers:
-        return min(powers, key=lambda p: (abs(math.log2(p) - middle), -p))
-    value = round(math.sqrt(low * high))
-    return value if low < value < high else None
 
 
 def _short_names(keys: set[str]) -> str:
