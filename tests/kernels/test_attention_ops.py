@@ -42,6 +42,8 @@ def _reference_attention(q, k_cache, v_cache, tables, lens, scale, window, kv_sc
         (12, 1, 24, 4, 5),
         (16, 2, 80, 16, 0),  # G = 8, head_dim not a multiple of 32
         (8, 8, 128, 16, 3),  # G = 1
+        (9, 3, 64, 16, 0),  # G = 3 (SmolLM2): the keys scored in place, a lane idle
+        (4, 1, 256, 16, 0),  # one KV head, head_dim 256 (Gemma 3)
     ],
 )
 def test_paged_decode_attention(isa, threads, kv_dtype, q_dtype, hq, hkv, dim, block_size, window):

@@ -22,7 +22,30 @@
 
 namespace {
 
+// The next key tile's K and V lines, asked for (into L2) a few at a time between the
+// current tile's dot products (pump), where they were asked for all at once at the tile's
+// start. A line that misses holds a fill buffer until it arrives, and a core has a few
+// dozen: a tile's thousand requests in a row stalled the core until most of them had
+// arrived, so the tile's arithmetic waited on memory instead of running beside it (perf: the
+// prefetch loop held ~55% of decode attention's samples with the cache beyond L3).
+struct TilePrefetch {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  const int64_t* rows = nullptr;  // byte offset of each of the tile's token rows (the item's heads)
+  int64_t lines = 0;              // 64-byte lines of a row, in K (and as many in V)
+  int64_t n = 0;                  // rows
+  int64_t t = 0, j = 0;           // next: row t, line j of its 2 * lines (K's, then V's)
+  inline void pump(int count) {
+    for (; count > 0 && t < n; --count) {
+      __builtin_prefetch((j < lines ? k + j * 64 : v + (j - lines) * 64) + rows[t], 0, 2);
+      if (++j == 2 * lines) { j = 0; ++t; }
+    }
+  }
+  inline void finish() { pump(1 << 30); }
+};
+
 constexpr int kPrefillScoreTile = Vec::W == 16 ? 8 : 4;  // vectors scored per pass over K
+constexpr int kLaneVectors = 4;  // query vectors a decode item scores in place (qk_lanes16)
 
 #ifdef TOKENMILL_BF16_DOT
 // bf16 queries over a bf16 cache (AVX512-BF16): Q.K and P.V as bf16 pair dot products with
@@ -116,6 +139,62 @@ inline void qk16_any(int gn, int groups, const uint32_t* qw, int64_t P, const ui
   else qk16_gn<1>(gn, qw, P, kt, scale, s, ss);
 }
 
+// Decode's Q.K with the keys read where they lie, for up to 4 query vectors (a decode item's
+// query heads of one KV head: 3 on SmolLM2, 4 on Llama-style 4:1 groups and Gemma 3). Each
+// vector owns a 128-bit lane of a register that holds 4 of its words (8 channels) per chunk
+// (ql: qk_lanes_query), and a key's same 4 words, loaded once and broadcast to the 4 lanes,
+// advance the 4 vectors' scores of that key by 8 channels in one dot product. The 4 partial
+// sums in each lane are added by shuffles shared by 4 keys, and 4 keys' results are
+// transposed by 128-bit lanes into each vector's 16 scores: 32 shuffles per 16 keys for any
+// head_dim, where packing the keys (pack_keys16) costs 96 per 32 channels, redone every step
+// since the cache keeps tokens in rows. Lanes of vectors past gn hold zero queries.
+
+// ql[c * 16 + 4 g + j] = word 4c + j of query vector g (qw rows P words apart), 0 past gn.
+inline void qk_lanes_query(const uint32_t* qw, int gn, int64_t P, int64_t chunks, uint32_t* ql) {
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int g = 0; g < kLaneVectors; ++g)
+      for (int j = 0; j < 4; ++j) ql[c * 16 + 4 * g + j] = g < gn ? qw[g * P + 4 * c + j] : 0u;
+}
+
+// Lane g of the result: the scores of keys r[0 .. 4) for query vector g (acc[u]: key u's
+// dot products, 4 partial sums a lane).
+inline __m512 qk_lanes_sum4(const __m512* acc) {
+  const __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]), _mm512_unpackhi_ps(acc[0], acc[1]));
+  const __m512 y = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]), _mm512_unpackhi_ps(acc[2], acc[3]));
+  const __m512d xd = _mm512_castps_pd(x), yd = _mm512_castps_pd(y);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(xd, yd)), _mm512_castpd_ps(_mm512_unpackhi_pd(xd, yd)));
+}
+
+// s[g * ss + t] = scale * (q_g . k_t) for the n <= 16 keys at rows (bf16 elements into kc),
+// g < gn <= 4, chunks = head_dim / 8; the lanes past n hold scores nobody reads (of key 0).
+inline void qk_lanes16(const uint32_t* ql, int64_t chunks, const uint16_t* kc, const int64_t* rows, int n, int gn,
+                       float scale, float* s, int64_t ss, TilePrefetch& pf) {
+  __m512 z[4];
+  for (int h = 0; h < 2; ++h) {  // 8 keys a pass: 8 independent dot-product chains
+    const uint16_t* r[8];
+    for (int u = 0; u < 8; ++u) r[u] = kc + rows[8 * h + u < n ? 8 * h + u : 0];
+    __m512 acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512bh q = (__m512bh)_mm512_load_si512(ql + c * 16);
+      pf.pump(2);
+      for (int u = 0; u < 8; ++u) {
+        const __m512i k = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r[u] + 8 * c)));
+        acc[u] = _mm512_dpbf16_ps(acc[u], q, (__m512bh)k);
+      }
+    }
+    z[2 * h] = qk_lanes_sum4(acc);
+    z[2 * h + 1] = qk_lanes_sum4(acc + 4);
+  }
+  // z[i] lane g = vector g's scores of keys 4i .. 4i + 3: transpose by 128-bit lanes.
+  const __m512 t0 = _mm512_shuffle_f32x4(z[0], z[1], 0x44), t1 = _mm512_shuffle_f32x4(z[0], z[1], 0xEE);
+  const __m512 t2 = _mm512_shuffle_f32x4(z[2], z[3], 0x44), t3 = _mm512_shuffle_f32x4(z[2], z[3], 0xEE);
+  const __m512 w[4] = {_mm512_shuffle_f32x4(t0, t2, 0x88), _mm512_shuffle_f32x4(t0, t2, 0xDD),
+                       _mm512_shuffle_f32x4(t1, t3, 0x88), _mm512_shuffle_f32x4(t1, t3, 0xDD)};
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int g = 0; g < gn; ++g) _mm512_storeu_ps(s + g * ss, _mm512_mul_ps(w[g], vs));
+}
+
 // vp[tp * dp + j] = channel j of keys 2tp (low half) and 2tp + 1 (high half), zero past n.
 inline void pack_values(const uint16_t* vc, const int64_t* rows, int n, int64_t D, int64_t dp, uint32_t* vp) {
   for (int t = 0; t < n; t += 2) {
@@ -132,11 +211,12 @@ inline void pack_values(const uint16_t* vc, const int64_t* rows, int n, int64_t 
 // acc[g][j0 .. j0 + 16 NV) += sum over key pairs of the weights (bf16 pairs pw) times V.
 template <int GN, int NV>
 inline void pv_pairs(const uint32_t* vp, int64_t pairs, int64_t dp, int64_t j0, const uint32_t* pw, int64_t ps,
-                     float* acc) {
+                     float* acc, TilePrefetch* pf = nullptr) {
   __m512 o[GN][NV];
   for (int g = 0; g < GN; ++g)
     for (int v = 0; v < NV; ++v) o[g][v] = _mm512_loadu_ps(acc + g * dp + j0 + 16 * v);
   for (int64_t tp = 0; tp < pairs; ++tp) {
+    if (pf) pf->pump(4);
     __m512bh vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = (__m512bh)_mm512_load_si512(vp + tp * dp + j0 + 16 * v);
     for (int g = 0; g < GN; ++g) {
@@ -149,18 +229,20 @@ inline void pv_pairs(const uint32_t* vp, int64_t pairs, int64_t dp, int64_t j0, 
 }
 
 template <int GN>
-inline void pv_heads(const uint32_t* vp, int64_t pairs, int64_t dp, const uint32_t* pw, int64_t ps, float* acc) {
+inline void pv_heads(const uint32_t* vp, int64_t pairs, int64_t dp, const uint32_t* pw, int64_t ps, float* acc,
+                     TilePrefetch* pf) {
   int64_t j = 0;
-  for (; j + 64 <= dp; j += 64) pv_pairs<GN, 4>(vp, pairs, dp, j, pw, ps, acc);
-  for (; j < dp; j += 16) pv_pairs<GN, 1>(vp, pairs, dp, j, pw, ps, acc);
+  for (; j + 64 <= dp; j += 64) pv_pairs<GN, 4>(vp, pairs, dp, j, pw, ps, acc, pf);
+  for (; j < dp; j += 16) pv_pairs<GN, 1>(vp, pairs, dp, j, pw, ps, acc, pf);
 }
 
-inline void pv_any(int gn, const uint32_t* vp, int64_t pairs, int64_t dp, const uint32_t* pw, int64_t ps, float* acc) {
+inline void pv_any(int gn, const uint32_t* vp, int64_t pairs, int64_t dp, const uint32_t* pw, int64_t ps, float* acc,
+                   TilePrefetch* pf = nullptr) {
   switch (gn) {
-    case 1: pv_heads<1>(vp, pairs, dp, pw, ps, acc); break;
-    case 2: pv_heads<2>(vp, pairs, dp, pw, ps, acc); break;
-    case 3: pv_heads<3>(vp, pairs, dp, pw, ps, acc); break;
-    default: pv_heads<4>(vp, pairs, dp, pw, ps, acc); break;
+    case 1: pv_heads<1>(vp, pairs, dp, pw, ps, acc, pf); break;
+    case 2: pv_heads<2>(vp, pairs, dp, pw, ps, acc, pf); break;
+    case 3: pv_heads<3>(vp, pairs, dp, pw, ps, acc, pf); break;
+    default: pv_heads<4>(vp, pairs, dp, pw, ps, acc, pf); break;
   }
 }
 
@@ -357,7 +439,10 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
   // values by key pairs [KT / 2, dp], weights as bf16 pairs [MV, KT / 2].
   constexpr bool fast = kBf16Dot && QF == tokenmill::BF16 && KF == tokenmill::BF16;
   const int64_t P = round_up((D + 1) / 2, 16);
-  const int64_t words = fast ? MV * P + KT * P + KT / 2 * dp + MV * KT / 2 : 0;
+  // Decode items of <= 4 query vectors a head score the keys in place (qk_lanes16).
+  const int64_t chunks = D / 8;
+  const bool lanes = fast && R == 1 && G <= kLaneVectors && D % 8 == 0 && !a.amx;
+  const int64_t words = fast ? MV * P + KT * P + KT / 2 * dp + MV * KT / 2 + (lanes ? HI * chunks * 16 : 0) : 0;
   float* qf = static_cast<float*>(
       std::aligned_alloc(64, sizeof(float) * (2 * MV * dp + 2 * round_up(MV, 16) + MV * KT + words)));
   float* acc = qf + MV * dp;
@@ -368,9 +453,11 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
   uint32_t* kt = qw + MV * P;
   uint32_t* vp = kt + KT * P;
   uint32_t* pw = vp + KT / 2 * dp;
-  (void)kt; (void)vp; (void)pw;
-  int64_t* base = static_cast<int64_t*>(std::aligned_alloc(64, sizeof(int64_t) * 2 * KT));
+  uint32_t* ql = pw + MV * KT / 2;  // lanes: each head's query chunks (qk_lanes_query)
+  (void)kt; (void)vp; (void)pw; (void)ql; (void)lanes;
+  int64_t* base = static_cast<int64_t*>(std::aligned_alloc(64, sizeof(int64_t) * 3 * KT));
   int64_t* rows = base + KT;
+  int64_t* next_rows = base + 2 * KT;  // lanes: the next tile's rows, in bytes (TilePrefetch)
   int configured = -1;  // AMX: whether the tiles are configured
   (void)configured;
   const float dot_scale = a.scale * (a.softcap > 0 ? 1.0f : a.k_scale);  // the cap takes K's scale after it
@@ -413,6 +500,10 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
         mx[m] = -3.0e38f;
         sm[m] = 0.0f;
       }
+#ifdef TOKENMILL_BF16_DOT
+    if (lanes)
+      for (int64_t hl = 0; hl < HI; ++hl) qk_lanes_query(qw + hl * RG * P, (int)Mh, P, chunks, ql + hl * chunks * 16);
+#endif
     // Keys row r sees: [lo(r), pos(r) + 1), lo = pos - window + 1 with a window; a split
     // item only its share [item_keys) of them.
     int64_t lo0 = a.window > 0 ? max64(0, first_pos + r0 - a.window + 1) : 0, hi1 = first_pos + r1;
@@ -426,10 +517,24 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
         for (int64_t u = 0; u < run; ++u) base[t + u] = r0w + u * Hkv * D;
         t += (int)run;
       }
-      // The next tile's K and V rows lie elsewhere in the pool: ask for them now (into L2:
+      // The next tile's K and V rows lie elsewhere in the pool: ask for them (into L2:
       // measured 1.2-1.5x faster decode than into L1, which the tile's own rows use), so
-      // that long contexts stream instead of waiting block by block.
-      // Block by block too: one table read and division per block, not two divisions a key.
+      // that long contexts stream instead of waiting block by block. Decode items scored in
+      // place ask a few lines at a time between their dot products (TilePrefetch); the
+      // others all at once, here. Block by block: one table read and division per block.
+      TilePrefetch pf;
+      if (lanes) {
+        pf.k = static_cast<const char*>(a.k_cache);
+        pf.v = static_cast<const char*>(a.v_cache);
+        pf.rows = next_rows;
+        pf.lines = (lines + 63) / 64;
+        for (int64_t pos = k0 + KT, end = min64(hi1, k0 + 2 * KT); pos < end;) {
+          const int64_t off = pos % bs, run = min64(end - pos, bs - off);
+          const int64_t row0 = (table[pos / bs] * bs + off) * Hkv * D * kv_bytes + line0;
+          for (int64_t u = 0; u < run; ++u) next_rows[pf.n++] = row0 + u * Hkv * D * kv_bytes;
+          pos += run;
+        }
+      } else
       for (int64_t pos = k0 + KT, end = min64(hi1, k0 + 2 * KT); pos < end;) {
         const int64_t off = pos % bs, run = min64(end - pos, bs - off);
         const int64_t row0 = (table[pos / bs] * bs + off) * Hkv * D * kv_bytes + line0;
@@ -453,7 +558,11 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
             amx_scores(qw + mh * P, P, kt, fused ? 1.0f : dot_scale, (int)Mh, n, KT, sc + mh * KT);
           } else
 #endif
-          {
+          if (lanes) {
+            for (int t0 = 0; t0 < n; t0 += 16)
+              qk_lanes16(ql + hl * chunks * 16, chunks, kc, rows + t0, (int)min64(16, n - t0), (int)Mh,
+                         fused ? 1.0f : dot_scale, sc + mh * KT + t0, KT, pf);
+          } else {
             for (int t0 = 0; t0 < n; t0 += 16) pack_keys16(kc, rows + t0, (int)min64(16, n - t0), D, P, kt + t0 * P);
             for (int t0 = 0; t0 < n;) {
               const int groups = n - t0 > 16 ? 2 : 1;  // scores past n are computed, never read
@@ -533,7 +642,7 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
 #endif
           for (int64_t m0 = 0; m0 < Mh; m0 += 4)
             pv_any((int)min64(4, Mh - m0), vp, (n + 1) / 2, dp, pw + (mh + m0) * (KT / 2), KT / 2,
-                   acc + (mh + m0) * dp);
+                   acc + (mh + m0) * dp, &pf);
 #endif
         } else {
           for (int64_t m0 = 0; m0 < Mh; m0 += kHeadTile) {
@@ -542,6 +651,7 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
           }
         }
       }
+      pf.finish();  // whatever the pumps left: the next tile is asked for in full
     }
     for (int64_t hl = 0; hl < HI; ++hl)
       for (int64_t i = 0; i < Mh; ++i) {
