@@ -22,28 +22,6 @@
 
 namespace {
 
-// The next key tile's K and V lines, asked for (into L2) a few at a time between the
-// current tile's dot products (pump), where they were asked for all at once at the tile's
-// start. A line that misses holds a fill buffer until it arrives, and a core has a few
-// dozen: a tile's thousand requests in a row stalled the core until most of them had
-// arrived, so the tile's arithmetic waited on memory instead of running beside it (perf: the
-// prefetch loop held ~55% of decode attention's samples with the cache beyond L3).
-struct TilePrefetch {
-  const char* k = nullptr;
-  const char* v = nullptr;
-  const int64_t* rows = nullptr;  // byte offset of each of the tile's token rows (the item's heads)
-  int64_t lines = 0;              // 64-byte lines of a row, in K (and as many in V)
-  int64_t n = 0;                  // rows
-  int64_t t = 0, j = 0;           // next: row t, line j of its 2 * lines (K's, then V's)
-  inline void pump(int count) {
-    for (; count > 0 && t < n; --count) {
-      __builtin_prefetch((j < lines ? k + j * 64 : v + (j - lines) * 64) + rows[t], 0, 2);
-      if (++j == 2 * lines) { j = 0; ++t; }
-    }
-  }
-  inline void finish() { pump(1 << 30); }
-};
-
 constexpr int kPrefillScoreTile = Vec::W == 16 ? 8 : 4;  // vectors scored per pass over K
 constexpr int kLaneVectors = 4;  // query vectors a decode item scores in place (qk_lanes16)
 
@@ -101,11 +79,13 @@ inline void pack_keys16(const uint16_t* kc, const int64_t* rows, int n, int64_t 
 // decode item's few query vectors (SmolLM2: 3 a KV head) leave as few dot-product chains,
 // each waiting on the last's latency. Every score's chain is the same for any NG.
 template <int GN, int NG = 1>
-inline void qk16(const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s, int64_t ss) {
+inline void qk16(const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s, int64_t ss,
+                 TilePrefetch* pf) {
   __m512 acc[NG][GN];
   for (int j = 0; j < NG; ++j)
     for (int g = 0; g < GN; ++g) acc[j][g] = _mm512_setzero_ps();
   for (int64_t p = 0; p < P; ++p) {  // P: the row stride, in words; the pad words are 0
+    if (pf) pf->pump(2 * NG);
     __m512bh k[NG];
     for (int j = 0; j < NG; ++j) k[j] = (__m512bh)_mm512_load_si512(kt + (j * P + p) * 16);
     for (int g = 0; g < GN; ++g) {
@@ -119,24 +99,25 @@ inline void qk16(const uint32_t* qw, int64_t P, const uint32_t* kt, float scale,
 }
 
 template <int NG>
-inline void qk16_gn(int gn, const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s, int64_t ss) {
+inline void qk16_gn(int gn, const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s, int64_t ss,
+                    TilePrefetch* pf) {
   switch (gn) {
-    case 1: qk16<1, NG>(qw, P, kt, scale, s, ss); break;
-    case 2: qk16<2, NG>(qw, P, kt, scale, s, ss); break;
-    case 3: qk16<3, NG>(qw, P, kt, scale, s, ss); break;
-    case 4: qk16<4, NG>(qw, P, kt, scale, s, ss); break;
-    case 5: qk16<5, NG>(qw, P, kt, scale, s, ss); break;
-    case 6: qk16<6, NG>(qw, P, kt, scale, s, ss); break;
-    case 7: qk16<7, NG>(qw, P, kt, scale, s, ss); break;
-    default: qk16<8, NG>(qw, P, kt, scale, s, ss); break;
+    case 1: qk16<1, NG>(qw, P, kt, scale, s, ss, pf); break;
+    case 2: qk16<2, NG>(qw, P, kt, scale, s, ss, pf); break;
+    case 3: qk16<3, NG>(qw, P, kt, scale, s, ss, pf); break;
+    case 4: qk16<4, NG>(qw, P, kt, scale, s, ss, pf); break;
+    case 5: qk16<5, NG>(qw, P, kt, scale, s, ss, pf); break;
+    case 6: qk16<6, NG>(qw, P, kt, scale, s, ss, pf); break;
+    case 7: qk16<7, NG>(qw, P, kt, scale, s, ss, pf); break;
+    default: qk16<8, NG>(qw, P, kt, scale, s, ss, pf); break;
   }
 }
 
 // s[g][0 .. 16 * groups) for groups (1 or 2) packed groups of 16 keys, gn query vectors.
 inline void qk16_any(int gn, int groups, const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s,
-                     int64_t ss) {
-  if (groups == 2) qk16_gn<2>(gn, qw, P, kt, scale, s, ss);
-  else qk16_gn<1>(gn, qw, P, kt, scale, s, ss);
+                     int64_t ss, TilePrefetch* pf = nullptr) {
+  if (groups == 2) qk16_gn<2>(gn, qw, P, kt, scale, s, ss, pf);
+  else qk16_gn<1>(gn, qw, P, kt, scale, s, ss, pf);
 }
 
 // Decode's Q.K with the keys read where they lie, for up to 4 query vectors (a decode item's
@@ -412,17 +393,17 @@ constexpr bool kBf16Dot = false;
 
 template <int KF>
 inline void score_block_wide(int gn, const void* kc, const int64_t* rows, int n, int64_t D, const float* qf,
-                             int64_t dq, float* out, int64_t out_stride) {
+                             int64_t dq, float* out, int64_t out_stride, TilePrefetch* pf) {
   if constexpr (kPrefillScoreTile == 8) {
     switch (gn) {
-      case 5: score_block<KF, 5>(kc, rows, n, D, qf, dq, out, out_stride); return;
-      case 6: score_block<KF, 6>(kc, rows, n, D, qf, dq, out, out_stride); return;
-      case 7: score_block<KF, 7>(kc, rows, n, D, qf, dq, out, out_stride); return;
-      case 8: score_block<KF, 8>(kc, rows, n, D, qf, dq, out, out_stride); return;
+      case 5: score_block<KF, 5>(kc, rows, n, D, qf, dq, out, out_stride, pf); return;
+      case 6: score_block<KF, 6>(kc, rows, n, D, qf, dq, out, out_stride, pf); return;
+      case 7: score_block<KF, 7>(kc, rows, n, D, qf, dq, out, out_stride, pf); return;
+      case 8: score_block<KF, 8>(kc, rows, n, D, qf, dq, out, out_stride, pf); return;
       default: break;
     }
   }
-  score_block_any<KF>(gn, kc, rows, n, D, qf, dq, out, out_stride);
+  score_block_any<KF>(gn, kc, rows, n, D, qf, dq, out, out_stride, pf);
 }
 
 template <int QF, int KF>
@@ -519,11 +500,12 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
       }
       // The next tile's K and V rows lie elsewhere in the pool: ask for them (into L2:
       // measured 1.2-1.5x faster decode than into L1, which the tile's own rows use), so
-      // that long contexts stream instead of waiting block by block. Decode items scored in
-      // place ask a few lines at a time between their dot products (TilePrefetch); the
-      // others all at once, here. Block by block: one table read and division per block.
+      // that long contexts stream instead of waiting block by block. Decode items (one query
+      // row) ask a few lines at a time between their dot products (TilePrefetch); prompt
+      // items, whose tiles are mostly cached, all at once, here. Block by block: one table
+      // read and division per block.
       TilePrefetch pf;
-      if (lanes) {
+      if (R == 1 && !a.amx) {
         pf.k = static_cast<const char*>(a.k_cache);
         pf.v = static_cast<const char*>(a.v_cache);
         pf.rows = next_rows;
@@ -568,7 +550,7 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
               const int groups = n - t0 > 16 ? 2 : 1;  // scores past n are computed, never read
               for (int64_t m0 = 0; m0 < Mh; m0 += 8)
                 qk16_any((int)min64(8, Mh - m0), groups, qw + (mh + m0) * P, P, kt + t0 * P,
-                         fused ? 1.0f : dot_scale, sc + (mh + m0) * KT + t0, KT);
+                         fused ? 1.0f : dot_scale, sc + (mh + m0) * KT + t0, KT, &pf);
               t0 += 16 * groups;
             }
           }
@@ -576,7 +558,7 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
         } else {
           for (int64_t m0 = 0; m0 < Mh; m0 += kPrefillScoreTile) {
             const int gn = (int)min64(kPrefillScoreTile, Mh - m0);
-            score_block_wide<KF>(gn, a.k_cache, rows, n, D, qf + (mh + m0) * dp, dp, sc + (mh + m0) * KT, KT);
+            score_block_wide<KF>(gn, a.k_cache, rows, n, D, qf + (mh + m0) * dp, dp, sc + (mh + m0) * KT, KT, &pf);
           }
         }
 #ifdef TOKENMILL_BF16_DOT
