@@ -200,7 +200,7 @@ struct TilePrefetch {
 // tokens' partials folded at once (transpose_sum) instead of one horizontal sum each.
 template <int KF, int GN>
 inline void score_block(const void* kc, const int64_t* rows, int n, int64_t D, const float* qf, int64_t dq,
-                        float* out, int64_t out_stride, TilePrefetch* pf = nullptr) {
+                        float* out, int64_t out_stride, TilePrefetch& pf) {
   alignas(64) float part[GN][Vec::W][Vec::W];
   for (int t0 = 0; t0 < n; t0 += Vec::W) {
     const int tn = (int)min64(Vec::W, n - t0);
@@ -209,7 +209,7 @@ inline void score_block(const void* kc, const int64_t* rows, int n, int64_t D, c
       for (int g = 0; g < GN; ++g) s[g] = Vec::zero();
       if (t < tn)
         for (int64_t j = 0; j < D; j += Vec::W) {
-          if (pf) pf->pump(1);
+          pf.pump(1);
           Vec::R kv = ld<KF>(kc, rows[t0 + t] + j, chunk(D, j));
           for (int g = 0; g < GN; ++g) s[g] = Vec::fma(Vec::load_f32(qf + g * dq + j, Vec::W), kv, s[g]);
         }
@@ -225,7 +225,7 @@ inline void score_block(const void* kc, const int64_t* rows, int n, int64_t D, c
 
 template <int KF>
 inline void score_block_any(int gn, const void* kc, const int64_t* rows, int n, int64_t D, const float* qf,
-                            int64_t dq, float* out, int64_t out_stride, TilePrefetch* pf = nullptr) {
+                            int64_t dq, float* out, int64_t out_stride, TilePrefetch& pf) {
   switch (gn) {
     case 1: score_block<KF, 1>(kc, rows, n, D, qf, dq, out, out_stride, pf); break;
     case 2: score_block<KF, 2>(kc, rows, n, D, qf, dq, out, out_stride, pf); break;

@@ -80,12 +80,12 @@ inline void pack_keys16(const uint16_t* kc, const int64_t* rows, int n, int64_t 
 // each waiting on the last's latency. Every score's chain is the same for any NG.
 template <int GN, int NG = 1>
 inline void qk16(const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s, int64_t ss,
-                 TilePrefetch* pf) {
+                 TilePrefetch& pf) {
   __m512 acc[NG][GN];
   for (int j = 0; j < NG; ++j)
     for (int g = 0; g < GN; ++g) acc[j][g] = _mm512_setzero_ps();
   for (int64_t p = 0; p < P; ++p) {  // P: the row stride, in words; the pad words are 0
-    if (pf) pf->pump(2 * NG);
+    pf.pump(2 * NG);
     __m512bh k[NG];
     for (int j = 0; j < NG; ++j) k[j] = (__m512bh)_mm512_load_si512(kt + (j * P + p) * 16);
     for (int g = 0; g < GN; ++g) {
@@ -100,7 +100,7 @@ inline void qk16(const uint32_t* qw, int64_t P, const uint32_t* kt, float scale,
 
 template <int NG>
 inline void qk16_gn(int gn, const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s, int64_t ss,
-                    TilePrefetch* pf) {
+                    TilePrefetch& pf) {
   switch (gn) {
     case 1: qk16<1, NG>(qw, P, kt, scale, s, ss, pf); break;
     case 2: qk16<2, NG>(qw, P, kt, scale, s, ss, pf); break;
@@ -115,7 +115,7 @@ inline void qk16_gn(int gn, const uint32_t* qw, int64_t P, const uint32_t* kt, f
 
 // s[g][0 .. 16 * groups) for groups (1 or 2) packed groups of 16 keys, gn query vectors.
 inline void qk16_any(int gn, int groups, const uint32_t* qw, int64_t P, const uint32_t* kt, float scale, float* s,
-                     int64_t ss, TilePrefetch* pf = nullptr) {
+                     int64_t ss, TilePrefetch& pf) {
   if (groups == 2) qk16_gn<2>(gn, qw, P, kt, scale, s, ss, pf);
   else qk16_gn<1>(gn, qw, P, kt, scale, s, ss, pf);
 }
@@ -192,12 +192,12 @@ inline void pack_values(const uint16_t* vc, const int64_t* rows, int n, int64_t 
 // acc[g][j0 .. j0 + 16 NV) += sum over key pairs of the weights (bf16 pairs pw) times V.
 template <int GN, int NV>
 inline void pv_pairs(const uint32_t* vp, int64_t pairs, int64_t dp, int64_t j0, const uint32_t* pw, int64_t ps,
-                     float* acc, TilePrefetch* pf = nullptr) {
+                     float* acc, TilePrefetch& pf) {
   __m512 o[GN][NV];
   for (int g = 0; g < GN; ++g)
     for (int v = 0; v < NV; ++v) o[g][v] = _mm512_loadu_ps(acc + g * dp + j0 + 16 * v);
   for (int64_t tp = 0; tp < pairs; ++tp) {
-    if (pf) pf->pump(4);
+    pf.pump(4);
     __m512bh vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = (__m512bh)_mm512_load_si512(vp + tp * dp + j0 + 16 * v);
     for (int g = 0; g < GN; ++g) {
@@ -211,14 +211,14 @@ inline void pv_pairs(const uint32_t* vp, int64_t pairs, int64_t dp, int64_t j0, 
 
 template <int GN>
 inline void pv_heads(const uint32_t* vp, int64_t pairs, int64_t dp, const uint32_t* pw, int64_t ps, float* acc,
-                     TilePrefetch* pf) {
+                     TilePrefetch& pf) {
   int64_t j = 0;
   for (; j + 64 <= dp; j += 64) pv_pairs<GN, 4>(vp, pairs, dp, j, pw, ps, acc, pf);
   for (; j < dp; j += 16) pv_pairs<GN, 1>(vp, pairs, dp, j, pw, ps, acc, pf);
 }
 
 inline void pv_any(int gn, const uint32_t* vp, int64_t pairs, int64_t dp, const uint32_t* pw, int64_t ps, float* acc,
-                   TilePrefetch* pf = nullptr) {
+                   TilePrefetch& pf) {
   switch (gn) {
     case 1: pv_heads<1>(vp, pairs, dp, pw, ps, acc, pf); break;
     case 2: pv_heads<2>(vp, pairs, dp, pw, ps, acc, pf); break;
@@ -393,7 +393,7 @@ constexpr bool kBf16Dot = false;
 
 template <int KF>
 inline void score_block_wide(int gn, const void* kc, const int64_t* rows, int n, int64_t D, const float* qf,
-                             int64_t dq, float* out, int64_t out_stride, TilePrefetch* pf) {
+                             int64_t dq, float* out, int64_t out_stride, TilePrefetch& pf) {
   if constexpr (kPrefillScoreTile == 8) {
     switch (gn) {
       case 5: score_block<KF, 5>(kc, rows, n, D, qf, dq, out, out_stride, pf); return;
@@ -438,7 +438,7 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
   (void)kt; (void)vp; (void)pw; (void)ql; (void)lanes;
   int64_t* base = static_cast<int64_t*>(std::aligned_alloc(64, sizeof(int64_t) * 3 * KT));
   int64_t* rows = base + KT;
-  int64_t* next_rows = base + 2 * KT;  // lanes: the next tile's rows, in bytes (TilePrefetch)
+  int64_t* next_rows = base + 2 * KT;  // the next tile's rows, in bytes (TilePrefetch)
   int configured = -1;  // AMX: whether the tiles are configured
   (void)configured;
   const float dot_scale = a.scale * (a.softcap > 0 ? 1.0f : a.k_scale);  // the cap takes K's scale after it
@@ -505,28 +505,17 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
       // items, whose tiles are mostly cached, all at once, here. Block by block: one table
       // read and division per block.
       TilePrefetch pf;
-      if (R == 1 && !a.amx) {
-        pf.k = static_cast<const char*>(a.k_cache);
-        pf.v = static_cast<const char*>(a.v_cache);
-        pf.rows = next_rows;
-        pf.lines = (lines + 63) / 64;
-        for (int64_t pos = k0 + KT, end = min64(hi1, k0 + 2 * KT); pos < end;) {
-          const int64_t off = pos % bs, run = min64(end - pos, bs - off);
-          const int64_t row0 = (table[pos / bs] * bs + off) * Hkv * D * kv_bytes + line0;
-          for (int64_t u = 0; u < run; ++u) next_rows[pf.n++] = row0 + u * Hkv * D * kv_bytes;
-          pos += run;
-        }
-      } else
+      pf.k = static_cast<const char*>(a.k_cache);
+      pf.v = static_cast<const char*>(a.v_cache);
+      pf.rows = next_rows;
+      pf.lines = (lines + 63) / 64;
       for (int64_t pos = k0 + KT, end = min64(hi1, k0 + 2 * KT); pos < end;) {
         const int64_t off = pos % bs, run = min64(end - pos, bs - off);
         const int64_t row0 = (table[pos / bs] * bs + off) * Hkv * D * kv_bytes + line0;
-        for (int64_t u = 0; u < run; ++u)
-          for (int64_t c = 0; c < lines; c += 64) {
-            __builtin_prefetch(static_cast<const char*>(a.k_cache) + row0 + u * Hkv * D * kv_bytes + c, 0, 2);
-            __builtin_prefetch(static_cast<const char*>(a.v_cache) + row0 + u * Hkv * D * kv_bytes + c, 0, 2);
-          }
+        for (int64_t u = 0; u < run; ++u) next_rows[pf.n++] = row0 + u * Hkv * D * kv_bytes;
         pos += run;
       }
+      if (R != 1 || a.amx) pf.finish();  // prompt items: all at once, the pumps below find none left
       for (int64_t hl = 0; hl < HI; ++hl) {
         for (int t = 0; t < n; ++t) rows[t] = base[t] + (h0 + hl) * D;
         const int64_t mh = hl * RG;  // this head's first vector
@@ -550,7 +539,7 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
               const int groups = n - t0 > 16 ? 2 : 1;  // scores past n are computed, never read
               for (int64_t m0 = 0; m0 < Mh; m0 += 8)
                 qk16_any((int)min64(8, Mh - m0), groups, qw + (mh + m0) * P, P, kt + t0 * P,
-                         fused ? 1.0f : dot_scale, sc + (mh + m0) * KT + t0, KT, &pf);
+                         fused ? 1.0f : dot_scale, sc + (mh + m0) * KT + t0, KT, pf);
               t0 += 16 * groups;
             }
           }
@@ -558,7 +547,7 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
         } else {
           for (int64_t m0 = 0; m0 < Mh; m0 += kPrefillScoreTile) {
             const int gn = (int)min64(kPrefillScoreTile, Mh - m0);
-            score_block_wide<KF>(gn, a.k_cache, rows, n, D, qf + (mh + m0) * dp, dp, sc + (mh + m0) * KT, KT, &pf);
+            score_block_wide<KF>(gn, a.k_cache, rows, n, D, qf + (mh + m0) * dp, dp, sc + (mh + m0) * KT, KT, pf);
           }
         }
 #ifdef TOKENMILL_BF16_DOT
@@ -624,7 +613,7 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
 #endif
           for (int64_t m0 = 0; m0 < Mh; m0 += 4)
             pv_any((int)min64(4, Mh - m0), vp, (n + 1) / 2, dp, pw + (mh + m0) * (KT / 2), KT / 2,
-                   acc + (mh + m0) * dp, &pf);
+                   acc + (mh + m0) * dp, pf);
 #endif
         } else {
           for (int64_t m0 = 0; m0 < Mh; m0 += kHeadTile) {
