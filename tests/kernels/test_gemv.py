@@ -156,9 +156,12 @@ AMX_SHAPES = [
     (31, 70, 160),
     (33, 64, 64),
     (300, 47, 96),
+    (40, 33, 512),
+    (300, 20, 800),
 ]
 """AMX-BF16 tiles: 16-row blocks two at a time (tails of 1-15 rows in either), 256-row chunks
-(300), channel blocks in pairs with a lone last block and a partial one; K whole tiles of 32."""
+(300), channel blocks in pairs with a lone last block and a partial one; K whole tiles of 32,
+in one pass over K or in passes of 256 inputs (576, 512, 800: a short last pass or none)."""
 
 
 @pytest.fixture
@@ -237,6 +240,7 @@ GATED_SHAPES = [
     (17, 96, 576),
     (33, 128, 32),
     (300, 160, 96),
+    (40, 64, 288),
     (1, 64, 64),
     (5, 48, 64),
     (4, 64, 70),
