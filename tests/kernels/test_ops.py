@@ -565,6 +565,98 @@ def test_rope_kv_write(isa, threads, cache_dtype, dtype, tokens, hq, hk, dim, bl
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("normed", ["none", "weight", "offset"])
+@pytest.mark.parametrize(
+    ("tokens", "hq", "hk", "dim"),
+    [(16, 4, 1, 256), (37, 9, 3, 64), (3, 2, 1, 16), (1, 16, 4, 64)],
+)
+def test_qkv_rope_kv_write_gives_the_layered_ops_bits(
+    isa, threads, dtype, normed, tokens, hq, hk, dim
+) -> None:
+    """The decode step's prologue from qkv's rows (Gemma 3's 16 streams split over the
+    threads a token at a time, SmolLM2's heads, a single token) equals narrowing qkv, each
+    head's ``rms_norm`` through a reshaped copy and ``rope_kv_write``: the same q and cache
+    bytes, the untouched slots included."""
+    rope = RotaryEmbedding(dim, 512, 10000.0, None)
+    positions = torch.randint(0, 512, (tokens,), generator=generator(3))
+    qkv = randn(tokens, (hq + 2 * hk) * dim + 8, dtype=dtype)[:, 8:]  # rows with a stride
+    q, k, v = qkv.split([hq * dim, hk * dim, hk * dim], dim=-1)
+    q, k, v = (x.reshape(tokens, -1, dim) for x in (q, k, v))
+    num_blocks = -(-2 * tokens // 8) + 1
+    slots = torch.randperm(num_blocks * 8, generator=generator(4))[:tokens]
+    shape = (num_blocks, 8, hk, dim)
+    want_k, want_v = randn(*shape, seed=5, dtype=dtype), randn(*shape, seed=6, dtype=dtype)
+    got_k, got_v = want_k.clone(), want_v.clone()
+    q_norm = k_norm = None
+    offset = normed == "offset"
+    if normed != "none":
+        q_norm, k_norm = randn(dim, seed=7, dtype=dtype), randn(dim, seed=8, dtype=dtype)
+        q = kernels.rms_norm(q.reshape(-1, dim), q_norm, 1e-6, None, offset)[0].view(q.shape)
+        k = kernels.rms_norm(k.reshape(-1, dim), k_norm, 1e-5, None, offset)[0].view(k.shape)
+    want_q = kernels.rope_kv_write(
+        positions, q, k, v, rope.cos, rope.sin, want_k, want_v, slots, torch.ones(2)
+    )
+    got_q = kernels.qkv_rope_kv_write(
+        qkv,
+        hq,
+        hk,
+        dim,
+        q_norm,
+        1e-6,
+        k_norm,
+        1e-5,
+        offset,
+        positions,
+        rope.cos,
+        rope.sin,
+        got_k,
+        got_v,
+        slots,
+    )
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_qkv_rope_kv_write_rejects_bad_arguments() -> None:
+    rope = RotaryEmbedding(16, 8, 10000.0, None)
+    qkv = torch.zeros(2, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16)
+    positions, slots = torch.tensor([0, 1]), torch.tensor([0, 9])
+
+    def call(**kw):
+        args = {"qkv": qkv, "k_cache": cache, "v_cache": cache.clone(), "slots": slots}
+        args.update(kw)
+        return kernels.qkv_rope_kv_write(
+            args["qkv"],
+            2,
+            1,
+            16,
+            args.get("q_norm"),
+            1e-6,
+            args.get("k_norm"),
+            1e-6,
+            False,
+            positions,
+            rope.cos,
+            rope.sin,
+            args["k_cache"],
+            args["v_cache"],
+            args["slots"],
+        )
+
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        call()
+    with pytest.raises(RuntimeError, match="int64 slots"):
+        call(slots=torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="features, expected 64"):
+        call(qkv=torch.zeros(2, 48, dtype=torch.bfloat16), slots=torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="activation dtype"):
+        call(k_cache=cache.float(), v_cache=cache.float(), slots=torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="come together"):
+        call(q_norm=torch.ones(16, dtype=torch.bfloat16), slots=torch.tensor([0, 1]))
+
+
 def test_rope_kv_write_rejects_a_slot_outside_the_cache() -> None:
     cache = torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16)
     q = torch.zeros(1, 2, 16, dtype=torch.bfloat16)

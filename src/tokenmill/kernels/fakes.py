@@ -58,6 +58,9 @@ def register_fakes() -> None:
     torch.library.register_fake(lib + "rope_kv_write")(
         lambda pos, q, k, v, cos, sin, kc, vc, slots, sc: q.new_empty(q.shape)
     )
+    torch.library.register_fake(lib + "qkv_rope_kv_write")(
+        lambda qkv, hq, hk, d, *rest: qkv.new_empty(qkv.shape[0], hq, d)
+    )
     torch.library.register_fake(lib + "paged_decode_attention")(
         lambda q, kc, vc, bt, cl, scale, window, sc, softcap=0.0: q.new_empty(
             q.shape[0], q.shape[1] * q.shape[2]

@@ -463,6 +463,47 @@ def rope_kv_write(
     )
 
 
+def qkv_rope_kv_write(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_norm: torch.Tensor | None,
+    q_eps: float,
+    k_norm: torch.Tensor | None,
+    k_eps: float,
+    norm_offset: bool,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """The decode step's attention prologue from a qkv projection's rows [T, (Hq + 2 Hk) D]
+    as they lie: each head's RMSNorm of q and k (weights [D], or None for none; ``norm_offset``
+    scales by 1 + weight), RoPE, and k and v stored into caches of the activation dtype at the
+    int64 ``slots``; returns the rotated q [T, Hq, D]. The bits of narrowing qkv, ``rms_norm``
+    on each head and ``rope_kv_write``, in one parallel region over the tokens."""
+    return torch.ops.tokenmill_cpu.qkv_rope_kv_write(
+        qkv,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        q_norm,
+        q_eps,
+        k_norm,
+        k_eps,
+        norm_offset,
+        positions,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        slots,
+    )
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -171,6 +171,9 @@ TORCH_LIBRARY(tokenmill_cpu, m) {
   m.def("rope(Tensor positions, Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("rope_kv_write(Tensor positions, Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor kv_scales) -> Tensor");
+  m.def("qkv_rope_kv_write(Tensor qkv, int num_heads, int num_kv_heads, int head_dim, Tensor? q_norm, float q_eps, "
+        "Tensor? k_norm, float k_eps, bool norm_offset, Tensor positions, Tensor cos, Tensor sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, int window, Tensor kv_scales, float softcap=0.0) -> Tensor");
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
@@ -216,6 +219,7 @@ TORCH_LIBRARY_IMPL(tokenmill_cpu, CPU, m) {
   m.impl("rope", &tokenmill::rope);
   m.impl("paged_decode_attention", &tokenmill::paged_decode_attention);
   m.impl("rope_kv_write", &tokenmill::rope_kv_write);
+  m.impl("qkv_rope_kv_write", &tokenmill::qkv_rope_kv_write_op);
   m.impl("paged_prefill_attention", &tokenmill::paged_prefill_attention);
   m.impl("linear_int8_vnni", &tokenmill::linear_int8_vnni);
   m.impl("linear_int8_amx_f32out", &tokenmill::linear_int8_amx_f32out);

@@ -125,6 +125,22 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& positions, const at::T
 at::Tensor rope_kv_write(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                          const at::Tensor& slot_mapping, const at::Tensor& kv_scales);
+// The decode step's attention prologue on the qkv projection's rows as they lie: each head's
+// RMSNorm of q and k where the layer has them (q_norm / k_norm weights; undefined: none),
+// then rope_kv_write into caches of the activation dtype, in one parallel region over the
+// tokens. positions and slots: int64, contiguous, the slots already checked against the
+// caches. Returns the rotated q [T, Hq, D]: the same bits as narrowing qkv, rms_norm on
+// each head and rope_kv_write, without their copies and serial calls.
+at::Tensor qkv_rope_kv_write(const at::Tensor& qkv, int64_t Hq, int64_t Hk, int64_t D, const at::Tensor& q_norm,
+                             double q_eps, const at::Tensor& k_norm, double k_eps, bool norm_offset,
+                             const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots);
+// The same as an op (norm weights optional), for the tests and kernels.qkv_rope_kv_write.
+at::Tensor qkv_rope_kv_write_op(const at::Tensor& qkv, int64_t Hq, int64_t Hk, int64_t D,
+                                const c10::optional<at::Tensor>& q_norm, double q_eps,
+                                const c10::optional<at::Tensor>& k_norm, double k_eps, bool norm_offset,
+                                const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                                at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots);
 
 // ---- paged attention (ops_attention.cpp) -----------------------------------------------------
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -314,6 +314,35 @@ struct DecodeLayers : torch::CustomClassHolder {
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 };
 
+// The attention of one layer from its qkv rows through the layered ops: narrowed q, k, v,
+// the q/k norms (over all heads, or per head through a reshaped copy), rope_kv_write (any
+// cache dtype, fp8 by the layer's scales), then decode attention.
+at::Tensor layered_prologue_attention(const Layer& y, const at::Tensor& qkv, int64_t T, const at::Tensor& positions,
+                                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                                      at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                                      const at::Tensor& block_tables, const at::Tensor& context_lens) {
+  const int64_t Hq = y.num_heads, Hkv = y.num_kv_heads, D = y.head_dim;
+  const int64_t q_size = Hq * D, kv_size = Hkv * D;
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layers: qkv has ", qkv.size(1), " features, expected ",
+              q_size + 2 * kv_size);
+  const auto alone = [&y](const at::Tensor& h, const Norm& n) {
+    return std::get<0>(norm(h, nullptr, n.weight, n.eps, y.norm_offset));
+  };
+  at::Tensor q = qkv.narrow(1, 0, q_size).view({T, Hq, D});
+  at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, Hkv, D});
+  at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv, D});
+  if (y.q_norm.defined() && y.qk_full) {  // over all heads, as RMSNorm on q's [T, Hq * D]
+    q = alone(qkv.narrow(1, 0, q_size), y.q_norm).view({T, Hq, D});
+    k = alone(qkv.narrow(1, q_size, kv_size), y.k_norm).view({T, Hkv, D});
+  } else if (y.q_norm.defined()) {  // per head, as RMSNorm on [T, H, D] (kernels.rms_norm's rows)
+    q = alone(q.reshape({-1, D}), y.q_norm).view({T, Hq, D});
+    k = alone(k.reshape({-1, D}), y.k_norm).view({T, Hkv, D});
+  }
+  q = rope_kv_write(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, y.kv_scales);
+  return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, y.scale, y.window, y.kv_scales,
+                                y.logit_softcap);
+}
+
 // x [T, hidden] is the embedded batch (residual None) or, with residual, the running state
 // x + residual; returns (x, residual) after the last layer, for the final norm.
 std::tuple<at::Tensor, at::Tensor> decode_layers(
@@ -328,6 +357,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
               " K and V caches, got ", k_caches.size(), " and ", v_caches.size());
   at::Tensor x = x_in, residual = residual_in.has_value() ? *residual_in : at::Tensor();
   const int64_t T = x.size(0);
+  // Once a step, not once a layer: the positions and slots as int64 (rope_kv_write's own
+  // conversions and checks cost a few ATen calls each, on one thread, every layer).
+  const at::Tensor pos = positions.to(at::kLong).contiguous(), slots = slot_mapping.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == T && slots.numel() == T, "decode_layers: one position and one slot per token");
+  const int64_t* sp = slots.data_ptr<int64_t>();
   for (size_t l = 0; l < L; ++l) {
     const Layer& y = layers[l];
     const int64_t Hq = y.num_heads, Hkv = y.num_kv_heads, D = y.head_dim;
@@ -351,25 +385,25 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
       residual = x;
     }
     const at::Tensor qkv = y.qkv(h);
-    const int64_t q_size = Hq * D, kv_size = Hkv * D;
-    TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decode_layers: qkv has ", qkv.size(1), " features, expected ",
-                q_size + 2 * kv_size);
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({T, Hq, D});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, Hkv, D});
-    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv, D});
-    if (y.q_norm.defined() && y.qk_full) {  // over all heads, as RMSNorm on q's [T, Hq * D]
-      q = alone(qkv.narrow(1, 0, q_size), y.q_norm).view({T, Hq, D});
-      k = alone(qkv.narrow(1, q_size, kv_size), y.k_norm).view({T, Hkv, D});
-    } else if (y.q_norm.defined()) {  // per head, as RMSNorm on [T, H, D] (kernels.rms_norm's rows)
-      q = alone(q.reshape({-1, D}), y.q_norm).view({T, Hq, D});
-      k = alone(k.reshape({-1, D}), y.k_norm).view({T, Hkv, D});
-    }
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     const bool own_rope = y.rope_cos.defined();
-    q = rope_kv_write(positions, q, k, v, own_rope ? y.rope_cos : cos, own_rope ? y.rope_sin : sin, k_cache,
-                      v_cache, slot_mapping, y.kv_scales);
-    h = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, y.scale, y.window, y.kv_scales,
-                               y.logit_softcap);
+    const at::Tensor& rope_cos = own_rope ? y.rope_cos : cos;
+    const at::Tensor& rope_sin = own_rope ? y.rope_sin : sin;
+    if (!y.qk_full && k_cache.scalar_type() == qkv.scalar_type()) {
+      // The norms, RoPE and KV write on qkv's rows in one parallel region (the bits of the
+      // layered ops below, which a cache of another dtype or norms over all heads take).
+      const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+      for (int64_t t = 0; t < T; ++t)
+        TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "decode_layers: slot ", sp[t], " outside the cache");
+      const at::Tensor q = qkv_rope_kv_write(qkv, Hq, Hkv, D, y.q_norm.weight, y.q_norm.eps, y.k_norm.weight,
+                                             y.k_norm.eps, y.norm_offset, pos, rope_cos, rope_sin, k_cache, v_cache,
+                                             slots);
+      h = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, y.scale, y.window, y.kv_scales,
+                                 y.logit_softcap);
+    } else {
+      h = layered_prologue_attention(y, qkv, T, positions, rope_cos, rope_sin, k_cache, v_cache, slot_mapping,
+                                     block_tables, context_lens);
+    }
     h = y.o(h);
     if (y.post_norm) {
       residual = at::add(residual, alone(h, y.post_attn_norm));

@@ -184,4 +184,119 @@ at::Tensor rope_kv_write(const at::Tensor& positions, const at::Tensor& q, const
   return qo;
 }
 
+// Tokens per task of qkv_rope_kv_write: ~2,048 values a task (norms, rotations and the V
+// copy of a token), so a decode step's 16 tokens split across the threads. One task of 25+
+// tokens, as rope_kv_write's rows_grain gives there, left the other thread idle long enough
+// to sleep (GOMP_SPINCOUNT) before the attention after it: Gemma 3's serial prologue (q/k
+// norms through reshaped copies, then rope_kv_write) was ~85 us a layer at 16 streams.
+namespace {
+int64_t prologue_grain(int64_t values_per_token) {
+  return std::max<int64_t>(1, 2048 / std::max<int64_t>(1, values_per_token));
+}
+}  // namespace
+
+at::Tensor qkv_rope_kv_write(const at::Tensor& qkv, int64_t Hq, int64_t Hk, int64_t D, const at::Tensor& q_norm,
+                             double q_eps, const at::Tensor& k_norm, double k_eps, bool norm_offset,
+                             const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+  check_rows(qkv, "qkv");
+  const int64_t T = qkv.size(0), ld = qkv.stride(0);
+  TORCH_CHECK(qkv.size(1) == (Hq + 2 * Hk) * D, "qkv_rope_kv_write: qkv has ", qkv.size(1), " features, expected ",
+              (Hq + 2 * Hk) * D);
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == Hk && k_cache.size(3) == D,
+              "qkv_rope_kv_write: K and V caches [blocks, block_size, Hk, D] in the activation dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == T &&
+                  slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
+              "qkv_rope_kv_write: int64 positions and slots, one per token");
+  TORCH_CHECK(D % 2 == 0 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "qkv_rope_kv_write: cos and sin float32 [positions, head_dim], head_dim even");
+  const bool normed = q_norm.defined();
+  TORCH_CHECK(normed == k_norm.defined(), "qkv_rope_kv_write: q and k norms come together");
+  if (normed)
+    TORCH_CHECK(q_norm.scalar_type() == qkv.scalar_type() && k_norm.scalar_type() == qkv.scalar_type() &&
+                    q_norm.is_contiguous() && k_norm.is_contiguous() && q_norm.numel() == D && k_norm.numel() == D,
+                "qkv_rope_kv_write: q and k norm weights [head_dim] in the activation dtype");
+  const int64_t elem = qkv.element_size();
+  const char* q_src = static_cast<const char*>(qkv.data_ptr());
+  const char* k_src = q_src + Hq * D * elem;
+  const char* v_src = k_src + Hk * D * elem;
+  RopeKvArgs a{};
+  RopeArgs& r = a.rope;
+  r.fmt = act_fmt(qkv);
+  r.Hq = Hq;
+  r.Hk = Hk;
+  r.D = D;
+  r.positions = positions.data_ptr<int64_t>();
+  r.cos = cos.data_ptr<float>();
+  r.sin = sin.data_ptr<float>();
+  at::Tensor qn, kn;  // the normed heads, contiguous, as rms_norm returns them
+  if (normed) {
+    qn = at::empty({T, Hq, D}, qkv.options());
+    kn = at::empty({T, Hk, D}, qkv.options());
+    r.q = qn.data_ptr();
+    r.k = kn.data_ptr();
+    r.ldq = Hq * D;
+    r.ldk = Hk * D;
+  } else {
+    r.q = q_src;
+    r.k = k_src;
+    r.ldq = ld;
+    r.ldk = ld;
+  }
+  at::Tensor qo = at::empty({T, Hq, D}, qkv.options());
+  r.q_out = qo.data_ptr();
+  a.v = v_src;
+  a.ldv = ld;
+  a.k_dst = k_cache.data_ptr();
+  a.v_dst = v_cache.data_ptr();
+  a.dst_rows = slots.data_ptr<int64_t>();
+  NormArgs qa{}, ka{};  // one token's heads are rows D apart
+  for (NormArgs* n : {&qa, &ka}) {
+    n->fmt = r.fmt;
+    n->D = D;
+    n->ldx = D;
+    n->offset = norm_offset;
+  }
+  if (normed) {
+    qa.weight = q_norm.data_ptr();
+    qa.eps = static_cast<float>(q_eps);
+    ka.weight = k_norm.data_ptr();
+    ka.eps = static_cast<float>(k_eps);
+  }
+  const KernelTable& kt = kernels();
+  parallel_chunks(T, prologue_grain((Hq + 2 * Hk) * D), [&](int64_t t0, int64_t t1) {
+    if (normed) {
+      for (int64_t t = t0; t < t1; ++t) {
+        NormArgs qt = qa, kt_ = ka;
+        qt.x = q_src + t * ld * elem;
+        qt.out = static_cast<char*>(qn.data_ptr()) + t * Hq * D * elem;
+        kt_.x = k_src + t * ld * elem;
+        kt_.out = static_cast<char*>(kn.data_ptr()) + t * Hk * D * elem;
+        kt.rms_norm(qt, 0, Hq);
+        kt.rms_norm(kt_, 0, Hk);
+      }
+    }
+    kt.rope_kv(a, t0, t1);
+  });
+  return qo;
+}
+
+at::Tensor qkv_rope_kv_write_op(const at::Tensor& qkv, int64_t Hq, int64_t Hk, int64_t D,
+                                const c10::optional<at::Tensor>& q_norm, double q_eps,
+                                const c10::optional<at::Tensor>& k_norm, double k_eps, bool norm_offset,
+                                const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                                at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+  TORCH_CHECK(k_cache.dim() == 4, "qkv_rope_kv_write: K and V caches [blocks, block_size, Hk, D]");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "qkv_rope_kv_write: int64 slots");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "qkv_rope_kv_write: slot ", sp[t], " outside the cache");
+  return qkv_rope_kv_write(qkv, Hq, Hk, D, q_norm.value_or(at::Tensor()), q_eps, k_norm.value_or(at::Tensor()), k_eps,
+                           norm_offset, positions, cos, sin, k_cache, v_cache, slots);
+}
+
 }  // namespace tokenmill
