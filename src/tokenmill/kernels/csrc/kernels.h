@@ -157,6 +157,10 @@ struct PrefillArgs {
   // softmax_row_bf16 (1.03-1.09x on AVX-512-BF16, part of AMX's 1.3-1.8x). Decode keeps the
   // five-pass softmax: level in speed there, and its bits (verify's teacher-forced decode).
   bool one_pass_softmax;
+  // Decode: the item this thread takes after the range it was given (-1: none known), whose
+  // first key tile is asked for during the range's last tile (items in the range ask for
+  // the one after them themselves).
+  int64_t next_item = -1;
 };
 
 // The maxima of logits' row chunks, for argmax_rows (ops_sampling.cpp): task t is row

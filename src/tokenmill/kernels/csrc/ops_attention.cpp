@@ -52,6 +52,28 @@ PrefillArgs paged_args(const char* op, const at::Tensor& q, const at::Tensor& k_
   return a;
 }
 
+// Decode's work items across the threads, claimed one at a time as parallel_chunks does, but
+// each thread claims its next item before it runs the current one, so that the current one's
+// last key tile asks for the next one's first (PrefillArgs::next_item): items are a few
+// tiles each at short contexts, and their first tiles had no one to ask for them.
+void decode_items(const KernelTable& k, const PrefillArgs& p, int64_t items) {
+  const int64_t tasks = std::min<int64_t>(at::get_num_threads(), items);
+  if (tasks <= 1 || at::in_parallel_region()) {
+    if (items > 0) k.prefill_attention(p, 0, items);  // the range prefetches item to item itself
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    PrefillArgs own = p;
+    for (int64_t cur = next.fetch_add(1, std::memory_order_relaxed); cur < items;) {
+      const int64_t after = next.fetch_add(1, std::memory_order_relaxed);
+      own.next_item = after < items ? after : -1;
+      k.prefill_attention(own, cur, cur + 1);
+      cur = after;
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -121,7 +143,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   p.item_keys = item_range.data();
   p.item_slot = item_slot.data();
   const KernelTable& k = kernels();
-  parallel_chunks(items, 1, [&](int64_t i0, int64_t i1) { k.prefill_attention(p, i0, i1); });
+  decode_items(k, p, items);
   if (slots > B) {
     const AttnArgs m{p.out, Hq, D, p.q_fmt, p.partial, p.partial_ml, seq_slots.data()};
     parallel_chunks(B, 1, [&](int64_t b0, int64_t b1) { k.attention_merge(m, b0, b1); });

@@ -457,13 +457,45 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
   };
   const float post_scale = a.softcap > 0 ? a.k_scale : 1.0f;  // K's fp8 scale, before the cap
   const int64_t kv_bytes = KF == tokenmill::F32 ? 4 : KF == tokenmill::BF16 ? 2 : 1;
-  for (int64_t idx = i0; idx < i1; ++idx) {
+  // Item idx's sequence, first KV head and query row, and the keys [lo, hi) its rows see:
+  // [lo(r), pos(r) + 1), lo = pos - window + 1 with a window; a split item only its share
+  // [item_keys) of them.
+  struct ItemKeys {
+    int64_t b, h0, r0, r1, lo, hi;
+  };
+  auto item_keys = [&a, R](int64_t idx) {
     const int64_t* it = a.items + 3 * idx;
     const int64_t b = it[0], h0 = it[1], r0 = it[2];
-    const int64_t q0 = a.query_start[b], nq = a.query_start[b + 1] - q0, ctx = a.context_lens[b];
-    const int64_t r1 = min64(nq, r0 + R), Mh = (r1 - r0) * G;  // vectors per head
-    const int64_t first_pos = ctx - nq;  // position of the chunk's first query
+    const int64_t nq = a.query_start[b + 1] - a.query_start[b], first_pos = a.context_lens[b] - nq;
+    const int64_t r1 = min64(nq, r0 + R);
+    int64_t lo = a.window > 0 ? max64(0, first_pos + r0 - a.window + 1) : 0, hi = first_pos + r1;
+    if (a.item_keys) { lo = max64(lo, a.item_keys[2 * idx]); hi = min64(hi, a.item_keys[2 * idx + 1]); }
+    return ItemKeys{b, h0, r0, r1, lo, hi};
+  };
+  // Rows [from, end) of sequence b's keys into pf, whose rows are `out` (byte offsets of the
+  // item's heads' lines).
+  auto add_rows = [&a, bs, Hkv, D](TilePrefetch& pf, int64_t* out, int64_t b, int64_t from, int64_t end,
+                                   int64_t line0, int64_t kv_bytes) {
     const int64_t* table = a.block_tables + b * a.ldbt;
+    for (int64_t pos = from; pos < end;) {  // block by block: one table read and division per block
+      const int64_t off = pos % bs, run = min64(end - pos, bs - off);
+      const int64_t row0 = (table[pos / bs] * bs + off) * Hkv * D * kv_bytes + line0;
+      for (int64_t u = 0; u < run; ++u) out[pf.n++] = row0 + u * Hkv * D * kv_bytes;
+      pos += run;
+    }
+  };
+  for (int64_t idx = i0; idx < i1; ++idx) {
+    const ItemKeys ik = item_keys(idx);
+    const int64_t b = ik.b, h0 = ik.h0, r0 = ik.r0, r1 = ik.r1;
+    const int64_t q0 = a.query_start[b], nq = a.query_start[b + 1] - q0;
+    const int64_t first_pos = a.context_lens[b] - nq;  // position of the chunk's first query
+    const int64_t Mh = (r1 - r0) * G;  // vectors per head
+    const int64_t* table = a.block_tables + b * a.ldbt;
+    // A decode item's last tile asks for the first tile of the item after it (the next in
+    // the range, or the one this thread claimed next): at 16 streams of ~160 tokens each
+    // item is 2-3 tiles, and a first tile asked for by nobody was a third of the cache read
+    // at the rate of demand misses.
+    const int64_t next_idx = R == 1 && !a.amx ? (idx + 1 < i1 ? idx + 1 : a.next_item) : -1;
     // Vector hl * RG + i: KV head h0 + hl, query row r0 + i / G, query head (h0 + hl) * G + i % G.
     for (int64_t hl = 0; hl < HI; ++hl)
       for (int64_t i = 0; i < Mh; ++i) {
@@ -485,10 +517,7 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
     if (lanes)
       for (int64_t hl = 0; hl < HI; ++hl) qk_lanes_query(qw + hl * RG * P, (int)Mh, P, chunks, ql + hl * chunks * 16);
 #endif
-    // Keys row r sees: [lo(r), pos(r) + 1), lo = pos - window + 1 with a window; a split
-    // item only its share [item_keys) of them.
-    int64_t lo0 = a.window > 0 ? max64(0, first_pos + r0 - a.window + 1) : 0, hi1 = first_pos + r1;
-    if (a.item_keys) { lo0 = max64(lo0, a.item_keys[2 * idx]); hi1 = min64(hi1, a.item_keys[2 * idx + 1]); }
+    const int64_t lo0 = ik.lo, hi1 = ik.hi;
     const int64_t line0 = h0 * D * kv_bytes, lines = HI * D * kv_bytes;  // the item's heads in a token's row
     for (int64_t k0 = lo0; k0 < hi1; k0 += KT) {
       const int n = (int)min64(KT, hi1 - k0);
@@ -509,11 +538,11 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
       pf.v = static_cast<const char*>(a.v_cache);
       pf.rows = next_rows;
       pf.lines = (lines + 63) / 64;
-      for (int64_t pos = k0 + KT, end = min64(hi1, k0 + 2 * KT); pos < end;) {
-        const int64_t off = pos % bs, run = min64(end - pos, bs - off);
-        const int64_t row0 = (table[pos / bs] * bs + off) * Hkv * D * kv_bytes + line0;
-        for (int64_t u = 0; u < run; ++u) next_rows[pf.n++] = row0 + u * Hkv * D * kv_bytes;
-        pos += run;
+      if (k0 + KT < hi1) {
+        add_rows(pf, next_rows, b, k0 + KT, min64(hi1, k0 + 2 * KT), line0, kv_bytes);
+      } else if (next_idx >= 0) {
+        const ItemKeys nk = item_keys(next_idx);  // the same heads per item: the same lines a row
+        add_rows(pf, next_rows, nk.b, nk.lo, min64(nk.hi, nk.lo + KT), nk.h0 * D * kv_bytes, kv_bytes);
       }
       if (R != 1 || a.amx) pf.finish();  // prompt items: all at once, the pumps below find none left
       for (int64_t hl = 0; hl < HI; ++hl) {
