@@ -264,7 +264,9 @@ void epilogue_bf16(const tokenmill::GemmArgs& a, const Bf16Block& b, float (*c)[
 // memory (4 KB a block, in L1/L2) for the next pass. Over all K at once the pair's lines
 // (64 KB at K = 1,024) came from L2 for every row block: AMX Xeon, one core, 256 rows, the
 // bare loop at K = 1,024 ran 1.19-1.22 TFLOP/s over all K and 1.41-1.45 in passes of 256
-// (128: 1.30-1.33, 512: 1.34-1.37); K = 576-2,816 gained 3-10%.
+// (128: 1.30-1.33, 512: 1.34-1.37); K = 576-2,816 gained 3-10%. The op on 2 threads gained
+// less (3-7% at K = 1,024, where storing the outputs also costs ~20%), the 250M model's
+// 1,024-token prompt steps 1-3%.
 constexpr int64_t kBf16KPass = 256;
 
 void tokenmill::amx_gemm_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
@@ -273,19 +275,21 @@ void tokenmill::amx_gemm_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
   // row chunk, 256: 32 KB).
   const int64_t row_blocks = (a.M + 31) / 32;
   using Tiles = float[4][16][16];
-  Tiles* partial = a.K > kBf16KPass ? static_cast<Tiles*>(std::aligned_alloc(64, row_blocks * sizeof(Tiles))) : nullptr;
+  // One row block (a decode batch of <= 32 rows) reuses no weights across blocks: one pass.
+  const int64_t pass = row_blocks > 1 ? kBf16KPass : a.K;
+  Tiles* partial = a.K > pass ? static_cast<Tiles*>(std::aligned_alloc(64, row_blocks * sizeof(Tiles))) : nullptr;
   int configured0 = -1, configured1 = -1, cur = 0;
   Bf16Block pending{};
   bool has_pending = false;
   // Two channel blocks at a time (blocks nb and nb + 1, or with a.act a gate block and its
-  // up block) against every row, 32 at a time, in passes over K (kBf16KPass). The rows are
+  // up block) against every row, 32 at a time, in passes over K (`pass`). The rows are
   // x's (ops_linear.cpp passes 256 at a time, so they stay in L2 too). Each block's last
   // products are issued before the block before it is converted and stored.
   for (int64_t nb = b0; nb < b1; nb += a.act ? 1 : 2) {
     const int nbs = a.act || nb + 2 <= b1 ? 2 : 1;
     const int64_t nb1 = a.act ? nb + a.up_block : nb + 1;
-    for (int64_t k0 = 0; k0 < a.K; k0 += kBf16KPass) {
-      const int64_t k1 = k0 + kBf16KPass < a.K ? k0 + kBf16KPass : a.K;
+    for (int64_t k0 = 0; k0 < a.K; k0 += pass) {
+      const int64_t k1 = k0 + pass < a.K ? k0 + pass : a.K;
       const bool last = k1 == a.K;
       for (int64_t m0 = 0; m0 < a.M; m0 += 32) {
         const int64_t left = a.M - m0;
