@@ -203,6 +203,25 @@ def test_gemv_bf16_on_amx_tiles_in_row_chunks_of_strided_rows(amx_bf16, threads:
     )
 
 
+@pytest.mark.parametrize("n", [1024, 1000])
+def test_gemv_bf16_outputs_past_l2_are_streamed_with_the_same_bits(
+    amx_bf16, threads: int, n: int
+) -> None:
+    """Outputs of 2 MiB or more leave the tiles through non-temporal whole-line stores (the
+    last partial block as before): the same bits as the same rows in smaller calls, whose
+    outputs are stored in place, and close to fp32."""
+    x, w = randn(1100, 64, dtype=torch.bfloat16), randn(n, 64, dtype=torch.bfloat16, seed=1)
+    bias = randn(n, dtype=torch.bfloat16, seed=2)
+    packed = gemv_layout.pack(w)
+    whole = kernels.gemv_bf16(x, packed, n, bias)
+    assert whole.numel() * 2 >= 2 << 20
+    parts = torch.cat(
+        [kernels.gemv_bf16(x[i : i + 100], packed, n, bias) for i in range(0, 1100, 100)]
+    )
+    assert torch.equal(whole, parts)
+    close_to_fp32(whole, F.linear(x.float(), w.float(), bias.float()), 1e-2)
+
+
 def test_gemv_bf16_takes_the_amx_tiles_from_two_rows(amx_bf16) -> None:
     """Two rows or more with K whole tiles go to AMX (the same bits as the tiles' op), one row
     to the GEMV (whose sums are ordered differently, so the bits differ), and K that is not

@@ -237,6 +237,10 @@ void epilogue_bf16(const tokenmill::GemmArgs& a, const Bf16Block& b, float (*c)[
   const __mmask16 mask0 = tail_mask(n0, a.N);
   const __mmask16 mask1 = b.nbs == 2 ? tail_mask(n1, a.N) : 0;
   const __m512 bias0 = load_bias(a, n0, mask0), bias1 = b.nbs == 2 ? load_bias(a, n1, mask1) : bias0;
+  // Two adjacent whole blocks of bf16 are one 64-byte line a row: non-temporal where asked.
+  const bool stream = a.stream_out && !a.yf && !a.act && b.nbs == 2 && n1 == n0 + 16 && mask0 == 0xFFFF &&
+                      mask1 == 0xFFFF && reinterpret_cast<uintptr_t>(a.y) % 64 == 0 && a.ldy % 32 == 0 &&
+                      n0 % 32 == 0;
   for (int r = 0; r < (b.rows1 ? 2 : 1); ++r) {
     const int rows = r == 0 ? b.rows0 : b.rows1;
     for (int m = 0; m < rows; ++m) {
@@ -245,6 +249,12 @@ void epilogue_bf16(const tokenmill::GemmArgs& a, const Bf16Block& b, float (*c)[
       if (a.act) {
         const __m512 up = _mm512_add_ps(_mm512_load_ps(c[r * 2 + 1][m]), bias1);
         _mm256_storeu_si256((__m256i*)(a.y + row * a.ldy + n0), gated_bf16(a.act, v0, up));
+        continue;
+      }
+      if (stream) {
+        const __m512 v1 = _mm512_add_ps(_mm512_load_ps(c[r * 2 + 1][m]), bias1);
+        const __m512i line = _mm512_inserti64x4(_mm512_castsi256_si512(Vec::to_bf16(v0)), Vec::to_bf16(v1), 1);
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(a.y + row * a.ldy + n0), line);
         continue;
       }
       if (a.yf) _mm512_mask_storeu_ps(a.yf + row * a.ldy + n0, mask0, v0);
@@ -317,6 +327,7 @@ void tokenmill::amx_gemm_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
     }
   }
   if (has_pending) epilogue_bf16(a, pending, c[1 - cur]);
+  if (a.stream_out) _mm_sfence();  // the non-temporal stores are seen before the op returns
   _tile_release();
   std::free(partial);
 }

@@ -59,6 +59,9 @@ struct GemmArgs {
   // each gate block with block + up_block (N / 32) of the same channels. kActNone: y itself.
   int act;
   int64_t up_block;
+  // amx_gemm_bf16's bf16 y in whole 64-byte lines with non-temporal stores (the op's output
+  // is larger than L2: ops_linear.cpp's gemm sets it), so that writing y takes no line reads.
+  bool stream_out;
 };
 
 enum { kActNone = 0, kActSilu = 1, kActGeluTanh = 2 };

@@ -10,6 +10,15 @@
 namespace tokenmill {
 namespace {
 
+// bf16 outputs from this size on are written with non-temporal stores where the kernel can
+// (GemmArgs::stream_out; amx_gemm_bf16 on whole lines). A line written in place is first read
+// from L3 or memory, and those reads competed with the tiles' loads: storing the outputs cost
+// ~20% of a 256 x 1,024 x 1,536 product on 2 threads (AMX Xeon), non-temporal ~10%. Below L2's
+// size the next op finds the output in cache, which non-temporal stores would forfeit. The
+// 250M model's 1,024-token prompt steps (two runs of 3 alternating pairs): the qkv, o and down
+// projections 0.86-0.98x the time; the whole step 0.90-1.03x, inside this VM's drift.
+constexpr int64_t kStreamOutBytes = 2 << 20;
+
 // ``row_chunk`` > 0: the rows go in chunks of that many, each split over the threads in
 // turn, so a chunk of x stays in each core's L2 while the weights pass.
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t N,
@@ -42,6 +51,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t
   args.K = x.size(1);
   args.w = w.data_ptr();
   args.ldy = cols;
+  args.stream_out = args.y != nullptr && args.M * cols * 2 >= kStreamOutBytes;
   if (args.M == 0 || N == 0) return y;
   // The parallel dimension: output channels, or (range >= 0) the kernel's channel blocks.
   const int64_t M = args.M, chunk = row_chunk > 0 ? row_chunk : M;
