@@ -390,8 +390,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& rope_cos = own_rope ? y.rope_cos : cos;
     const at::Tensor& rope_sin = own_rope ? y.rope_sin : sin;
     if (!y.qk_full && k_cache.scalar_type() == qkv.scalar_type()) {
-      // The norms, RoPE and KV write on qkv's rows in one parallel region (the bits of the
-      // layered ops below, which a cache of another dtype or norms over all heads take).
+      // The norms, RoPE and KV write on qkv's rows in one parallel region: the bits of
+      // layered_prologue_attention's ops, which a cache of another dtype or norms over all
+      // heads still take.
       const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
       for (int64_t t = 0; t < T; ++t)
         TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "decode_layers: slot ", sp[t], " outside the cache");
