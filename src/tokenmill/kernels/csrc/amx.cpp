@@ -237,10 +237,9 @@ void epilogue_bf16(const tokenmill::GemmArgs& a, const Bf16Block& b, float (*c)[
   const __mmask16 mask0 = tail_mask(n0, a.N);
   const __mmask16 mask1 = b.nbs == 2 ? tail_mask(n1, a.N) : 0;
   const __m512 bias0 = load_bias(a, n0, mask0), bias1 = b.nbs == 2 ? load_bias(a, n1, mask1) : bias0;
-  // Two adjacent whole blocks of bf16 are one 64-byte line a row: non-temporal where asked.
-  const bool stream = a.stream_out && !a.yf && !a.act && b.nbs == 2 && n1 == n0 + 16 && mask0 == 0xFFFF &&
-                      mask1 == 0xFFFF && reinterpret_cast<uintptr_t>(a.y) % 64 == 0 && a.ldy % 32 == 0 &&
-                      n0 % 32 == 0;
+  // A pair of whole blocks (adjacent without a.act) is one 64-byte line a row where it starts
+  // on one (gemm's tasks start at even blocks): non-temporal where asked.
+  const bool stream = a.stream_out && !a.act && b.nbs == 2 && mask1 == 0xFFFF && n0 % 32 == 0;
   for (int r = 0; r < (b.rows1 ? 2 : 1); ++r) {
     const int rows = r == 0 ? b.rows0 : b.rows1;
     for (int m = 0; m < rows; ++m) {

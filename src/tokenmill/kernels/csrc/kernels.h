@@ -60,7 +60,8 @@ struct GemmArgs {
   int act;
   int64_t up_block;
   // amx_gemm_bf16's bf16 y in whole 64-byte lines with non-temporal stores (the op's output
-  // is larger than L2: ops_linear.cpp's gemm sets it), so that writing y takes no line reads.
+  // is larger than L2: ops_linear.cpp's gemm sets it, where y's rows start on whole lines),
+  // so that writing y takes no line reads.
   bool stream_out;
 };
 

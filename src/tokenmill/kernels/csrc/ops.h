@@ -128,8 +128,8 @@ at::Tensor rope_kv_write(const at::Tensor& positions, const at::Tensor& q, const
 // The decode step's attention prologue on the qkv projection's rows as they lie: each head's
 // RMSNorm of q and k where the layer has them (q_norm / k_norm weights; undefined: none),
 // then rope_kv_write into caches of the activation dtype, in one parallel region over the
-// tokens. positions and slots: int64, contiguous, the slots already checked against the
-// caches. Returns the rotated q [T, Hq, D]: the same bits as narrowing qkv, rms_norm on
+// tokens. positions and slots: int64, contiguous (each slot is checked against the caches).
+// Returns the rotated q [T, Hq, D]: the same bits as narrowing qkv, rms_norm on
 // each head and rope_kv_write, without their copies and serial calls.
 at::Tensor qkv_rope_kv_write(const at::Tensor& qkv, int64_t Hq, int64_t Hk, int64_t D, const at::Tensor& q_norm,
                              double q_eps, const at::Tensor& k_norm, double k_eps, bool norm_offset,

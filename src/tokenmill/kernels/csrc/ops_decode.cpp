@@ -361,7 +361,6 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   // conversions and checks cost a few ATen calls each, on one thread, every layer).
   const at::Tensor pos = positions.to(at::kLong).contiguous(), slots = slot_mapping.to(at::kLong).contiguous();
   TORCH_CHECK(pos.numel() == T && slots.numel() == T, "decode_layers: one position and one slot per token");
-  const int64_t* sp = slots.data_ptr<int64_t>();
   for (size_t l = 0; l < L; ++l) {
     const Layer& y = layers[l];
     const int64_t Hq = y.num_heads, Hkv = y.num_kv_heads, D = y.head_dim;
@@ -393,9 +392,6 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
       // The norms, RoPE and KV write on qkv's rows in one parallel region: the bits of
       // layered_prologue_attention's ops, which a cache of another dtype or norms over all
       // heads still take.
-      const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-      for (int64_t t = 0; t < T; ++t)
-        TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "decode_layers: slot ", sp[t], " outside the cache");
       const at::Tensor q = qkv_rope_kv_write(qkv, Hq, Hkv, D, y.q_norm.weight, y.q_norm.eps, y.k_norm.weight,
                                              y.k_norm.eps, y.norm_offset, pos, rope_cos, rope_sin, k_cache, v_cache,
                                              slots);

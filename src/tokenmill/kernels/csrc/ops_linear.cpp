@@ -51,7 +51,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t
   args.K = x.size(1);
   args.w = w.data_ptr();
   args.ldy = cols;
-  args.stream_out = args.y != nullptr && args.M * cols * 2 >= kStreamOutBytes;
+  args.stream_out = args.y != nullptr && args.M * cols * 2 >= kStreamOutBytes &&
+                    reinterpret_cast<uintptr_t>(args.y) % 64 == 0 && cols % 32 == 0;
   if (args.M == 0 || N == 0) return y;
   // The parallel dimension: output channels, or (range >= 0) the kernel's channel blocks.
   const int64_t M = args.M, chunk = row_chunk > 0 ? row_chunk : M;

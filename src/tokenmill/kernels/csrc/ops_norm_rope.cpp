@@ -133,6 +133,14 @@ void store_kv(const at::Tensor& cache, const at::Tensor& x, const at::Tensor& sl
   rows.index_copy_(0, slots, (x.to(at::kFloat) / scale).clamp(-limit, limit).to(dt).view(at::kByte));
 }
 
+// Every int64 slot of `slots` a row of the cache [blocks, block_size, ...], or `op`'s error.
+void check_slots(const at::Tensor& slots, const at::Tensor& cache, const char* op) {
+  const int64_t num_slots = cache.size(0) * cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, op, ": slot ", sp[t], " outside the cache");
+}
+
 }  // namespace
 
 // RoPE of q and k, then k and v stored into the caches [blocks, block_size, Hk, D] at the
@@ -155,10 +163,8 @@ at::Tensor rope_kv_write(const at::Tensor& positions, const at::Tensor& q, const
               "rope_kv_write: K and V caches [blocks, block_size, Hk, D], contiguous, one dtype");
   at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
   TORCH_CHECK(slots.numel() == T, "rope_kv_write: one slot per token");
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  check_slots(slots, k_cache, "rope_kv_write");
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "rope_kv_write: slot ", sp[t], " outside the cache");
   at::Tensor sc = kv_scales.to(at::kFloat).contiguous();
   TORCH_CHECK(sc.numel() == 2, "rope_kv_write: kv_scales holds [k_scale, v_scale]");
   at::Tensor qo = at::empty({T, r.Hq, D}, q.options());
@@ -209,7 +215,8 @@ at::Tensor qkv_rope_kv_write(const at::Tensor& qkv, int64_t Hq, int64_t Hk, int6
               "qkv_rope_kv_write: K and V caches [blocks, block_size, Hk, D] in the activation dtype");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == T &&
                   slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
-              "qkv_rope_kv_write: int64 positions and slots, one per token");
+              "qkv_rope_kv_write: int64 slots and positions, one per token");
+  check_slots(slots, k_cache, "qkv_rope_kv_write");
   TORCH_CHECK(D % 2 == 0 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D && sin.sizes() == cos.sizes(),
               "qkv_rope_kv_write: cos and sin float32 [positions, head_dim], head_dim even");
@@ -289,12 +296,6 @@ at::Tensor qkv_rope_kv_write_op(const at::Tensor& qkv, int64_t Hq, int64_t Hk, i
                                 const c10::optional<at::Tensor>& k_norm, double k_eps, bool norm_offset,
                                 const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                                 at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
-  TORCH_CHECK(k_cache.dim() == 4, "qkv_rope_kv_write: K and V caches [blocks, block_size, Hk, D]");
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "qkv_rope_kv_write: int64 slots");
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < slots.numel(); ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "qkv_rope_kv_write: slot ", sp[t], " outside the cache");
   return qkv_rope_kv_write(qkv, Hq, Hk, D, q_norm.value_or(at::Tensor()), q_eps, k_norm.value_or(at::Tensor()), k_eps,
                            norm_offset, positions, cos, sin, k_cache, v_cache, slots);
 }

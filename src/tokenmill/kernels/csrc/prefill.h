@@ -457,11 +457,11 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
   };
   const float post_scale = a.softcap > 0 ? a.k_scale : 1.0f;  // K's fp8 scale, before the cap
   const int64_t kv_bytes = KF == tokenmill::F32 ? 4 : KF == tokenmill::BF16 ? 2 : 1;
-  // Item idx's sequence, first KV head and query row, and the keys [lo, hi) its rows see:
-  // [lo(r), pos(r) + 1), lo = pos - window + 1 with a window; a split item only its share
-  // [item_keys) of them.
+  // Item idx's sequence, first KV head, query rows [r0, r1), the position of the sequence's
+  // first query, and the keys [lo, hi) its rows see: [lo(r), pos(r) + 1), lo = pos - window + 1
+  // with a window; a split item only its share [item_keys) of them.
   struct ItemKeys {
-    int64_t b, h0, r0, r1, lo, hi;
+    int64_t b, h0, r0, r1, first_pos, lo, hi;
   };
   auto item_keys = [&a, R](int64_t idx) {
     const int64_t* it = a.items + 3 * idx;
@@ -470,12 +470,12 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
     const int64_t r1 = min64(nq, r0 + R);
     int64_t lo = a.window > 0 ? max64(0, first_pos + r0 - a.window + 1) : 0, hi = first_pos + r1;
     if (a.item_keys) { lo = max64(lo, a.item_keys[2 * idx]); hi = min64(hi, a.item_keys[2 * idx + 1]); }
-    return ItemKeys{b, h0, r0, r1, lo, hi};
+    return ItemKeys{b, h0, r0, r1, first_pos, lo, hi};
   };
   // Rows [from, end) of sequence b's keys into pf, whose rows are `out` (byte offsets of the
   // item's heads' lines).
-  auto add_rows = [&a, bs, Hkv, D](TilePrefetch& pf, int64_t* out, int64_t b, int64_t from, int64_t end,
-                                   int64_t line0, int64_t kv_bytes) {
+  auto add_rows = [&a, bs, Hkv, D, kv_bytes](TilePrefetch& pf, int64_t* out, int64_t b, int64_t from, int64_t end,
+                                             int64_t line0) {
     const int64_t* table = a.block_tables + b * a.ldbt;
     for (int64_t pos = from; pos < end;) {  // block by block: one table read and division per block
       const int64_t off = pos % bs, run = min64(end - pos, bs - off);
@@ -486,9 +486,8 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
   };
   for (int64_t idx = i0; idx < i1; ++idx) {
     const ItemKeys ik = item_keys(idx);
-    const int64_t b = ik.b, h0 = ik.h0, r0 = ik.r0, r1 = ik.r1;
-    const int64_t q0 = a.query_start[b], nq = a.query_start[b + 1] - q0;
-    const int64_t first_pos = a.context_lens[b] - nq;  // position of the chunk's first query
+    const int64_t b = ik.b, h0 = ik.h0, r0 = ik.r0, r1 = ik.r1, first_pos = ik.first_pos;
+    const int64_t q0 = a.query_start[b];
     const int64_t Mh = (r1 - r0) * G;  // vectors per head
     const int64_t* table = a.block_tables + b * a.ldbt;
     // A decode item's last tile asks for the first tile of the item after it (the next in
@@ -539,10 +538,10 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
       pf.rows = next_rows;
       pf.lines = (lines + 63) / 64;
       if (k0 + KT < hi1) {
-        add_rows(pf, next_rows, b, k0 + KT, min64(hi1, k0 + 2 * KT), line0, kv_bytes);
+        add_rows(pf, next_rows, b, k0 + KT, min64(hi1, k0 + 2 * KT), line0);
       } else if (next_idx >= 0) {
         const ItemKeys nk = item_keys(next_idx);  // the same heads per item: the same lines a row
-        add_rows(pf, next_rows, nk.b, nk.lo, min64(nk.hi, nk.lo + KT), nk.h0 * D * kv_bytes, kv_bytes);
+        add_rows(pf, next_rows, nk.b, nk.lo, min64(nk.hi, nk.lo + KT), nk.h0 * D * kv_bytes);
       }
       if (R != 1 || a.amx) pf.finish();  // prompt items: all at once, the pumps below find none left
       for (int64_t hl = 0; hl < HI; ++hl) {
