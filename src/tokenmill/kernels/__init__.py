@@ -5,14 +5,22 @@ site keeps its torch code for tensors the kernels do not take, and for machines 
 extension could not be built (``build.py``).
 """
 
-from tokenmill.kernels.ops import (
+from tokenmill.kernels.attention_ops import (
     DecodeLayers,
+    decode_layers,
+    decode_layers_object,
+    op_argument_names,
+    paged_decode_attention,
+    paged_prefill_attention,
+    qkv_rope_kv_write,
+    rope,
+    rope_kv_write,
+)
+from tokenmill.kernels.ops import (
     active_isa,
     amx_active,
     amx_bf16_active,
     available,
-    decode_layers,
-    decode_layers_object,
     dequantize_int4,
     dequantize_int4_x8,
     dequantize_int4_x8_blocks,
@@ -36,14 +44,8 @@ from tokenmill.kernels.ops import (
     linear_int8_f32out,
     linear_int8_vnni,
     linear_int8_vnni_f32out,
-    op_argument_names,
-    paged_decode_attention,
-    paged_prefill_attention,
-    qkv_rope_kv_write,
     quantize_int4_groups,
     rms_norm,
-    rope,
-    rope_kv_write,
     set_enabled,
     set_isa,
     silu_and_mul,
