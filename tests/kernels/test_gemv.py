@@ -290,6 +290,32 @@ def test_gated_projection_gives_the_layered_bits(
         close_to_fp32(got, fn * up, 3e-2)
 
 
+@pytest.mark.parametrize("width", [1024, 1008])
+def test_gated_projection_past_l2_gives_the_layered_bits(
+    amx_bf16, threads: int, width: int
+) -> None:
+    """A gated output of 2 MiB or more leaves the tiles two gate blocks (one line a row) at a
+    time through non-temporal stores, a last odd block on its own (1008: 63 blocks); rows
+    over several passes of K: the bits of the GEMV's product then the activation op, and of
+    the same rows in smaller calls, whose outputs are stored in place."""
+    x, w = (
+        randn(1100, 288, dtype=torch.bfloat16),
+        randn(2 * width, 288, dtype=torch.bfloat16, seed=1),
+    )
+    bias = randn(2 * width, dtype=torch.bfloat16, seed=2)
+    packed = gemv_layout.pack(w)
+    whole = kernels.gemv_bf16_act(x, packed, 2 * width, bias, "silu")
+    assert whole.numel() * 2 >= 2 << 20
+    assert torch.equal(whole, kernels.silu_and_mul(kernels.gemv_bf16(x, packed, 2 * width, bias)))
+    parts = torch.cat(
+        [
+            kernels.gemv_bf16_act(x[i : i + 100], packed, 2 * width, bias, "silu")
+            for i in range(0, 1100, 100)
+        ]
+    )
+    assert torch.equal(whole, parts)
+
+
 def test_gated_projection_on_every_table(isa: str) -> None:
     """Without AMX (the avx512 and avx2 tables) the op runs the GEMV, then the activation."""
     x, w = randn(40, 64, dtype=torch.bfloat16), randn(96, 64, dtype=torch.bfloat16, seed=1)

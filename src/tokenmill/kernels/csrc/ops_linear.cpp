@@ -178,8 +178,9 @@ at::Tensor gemv_bf16_act(const at::Tensor& x, const at::Tensor& packed, int64_t 
     a.N = N;
     a.act = act == "silu" ? kActSilu : kActGeluTanh;
     a.up_block = blocks / 2;
-    // One task: a gate block and its up block each (as gemv_bf16's pairs), ~64 KB or more.
-    const int64_t grain = std::max<int64_t>(1, 65536 / (kp * 64) / 2);
+    // One task: an even number of gate blocks and their up blocks, ~64 KB or more (two gate
+    // blocks' outputs are one line a row: amx_gemm_bf16 writes them together).
+    const int64_t grain = (std::max<int64_t>(1, 65536 / (kp * 64) / 2) + 1) / 2 * 2;
     return gemm(x, packed, a, N, bias, grain, amx_gemm_bf16, blocks / 2, /*f32=*/false, false, kAmxBf16RowChunk);
   }
   const at::Tensor y = gemv_bf16_out(x, packed, N, bias, false);
