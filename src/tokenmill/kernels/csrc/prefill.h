@@ -271,20 +271,34 @@ inline void softmax_row_bf16(const float* s, int ta, int te, int nk, float scale
     std::memset(w, 0, sizeof(uint16_t) * nk);
     return;
   }
+  // The vectors [v0, v1) hold the row's keys; only the first and last can be partly outside
+  // [ta, te), so the others skip the lane masks (a dozen scalar instructions a vector, as
+  // many as the exp's). Before v0 and from v1 the weights are 0 and the sum does not move.
+  const int v0 = ta & ~15, v1 = (te + 15) & ~15;
   __m512 vmax = _mm512_set1_ps(-3.0e38f);
-  for (int t = ta & ~15; t < te; t += 16) vmax = _mm512_mask_max_ps(vmax, lanes_in(t, ta, te), vmax, _mm512_loadu_ps(s + t));
+  for (int t = v0; t < v1; t += 16) {
+    const __m512 x = _mm512_loadu_ps(s + t);
+    vmax = t >= ta && t + 16 <= te ? _mm512_max_ps(vmax, x) : _mm512_mask_max_ps(vmax, lanes_in(t, ta, te), vmax, x);
+  }
   const float tile_max = _mm512_reduce_max_ps(vmax) * scale;
   const float m_new = mx > tile_max ? mx : tile_max;
   const float alpha = __builtin_expf(mx - m_new);
   const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(-m_new);
+  const __m256i zero = _mm256_setzero_si256();
+  for (int t = 0; t < v0; t += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), zero);
   __m512 sum = _mm512_setzero_ps();
-  for (int t = 0; t < nk; t += 16) {
-    const __mmask16 k = lanes_in(t, ta, te);
-    __m512 p = _mm512_setzero_ps();
-    if (k) p = _mm512_maskz_mov_ps(k, exp_weights(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, s + t), vs, vm)));
+  for (int t = v0; t < v1; t += 16) {
+    __m512 p;
+    if (t >= ta && t + 16 <= te) {
+      p = exp_weights(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), vs, vm));
+    } else {
+      const __mmask16 k = lanes_in(t, ta, te);
+      p = _mm512_maskz_mov_ps(k, exp_weights(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, s + t), vs, vm)));
+    }
     sum = _mm512_add_ps(sum, p);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), Vec::to_bf16(p));
   }
+  for (int t = v1; t < nk; t += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), zero);
   sm = sm * alpha + _mm512_reduce_add_ps(sum);
   mx = m_new;
   if (alpha != 1.0f) {
@@ -500,15 +514,20 @@ void prefill_impl(const tokenmill::PrefillArgs& a, int64_t i0, int64_t i1) {
       for (int64_t i = 0; i < Mh; ++i) {
         const int64_t m = hl * RG + i, row = q0 + r0 + i / G, hq = (h0 + hl) * G + i % G;
         for (int64_t j = 0; j < dp; j += Vec::W) {
-          Vec::R qv = j < D ? Vec::mul(ld<QF>(a.q, row * a.ldq + hq * D + j, chunk(D, j)), qscale) : Vec::zero();
-          Vec::store_f32(qf + m * dp + j, qv, Vec::W);
+          if constexpr (!fast) {  // the scaled fp32 query the float dot products read
+            Vec::R qv = j < D ? Vec::mul(ld<QF>(a.q, row * a.ldq + hq * D + j, chunk(D, j)), qscale) : Vec::zero();
+            Vec::store_f32(qf + m * dp + j, qv, Vec::W);
+          }
           Vec::store_f32(acc + m * dp + j, Vec::zero(), Vec::W);
         }
-        if constexpr (fast) {  // the bf16 query as it is (exact); the scale goes on the scores
+#ifdef TOKENMILL_BF16_DOT
+        if constexpr (fast) {  // the bf16 query as it is (exact), zero past D; the scale goes on the scores
           uint16_t* w = reinterpret_cast<uint16_t*>(qw + m * P);
           const uint16_t* src = static_cast<const uint16_t*>(a.q) + row * a.ldq + hq * D;
-          for (int64_t j = 0; j < 2 * P; ++j) w[j] = j < D ? src[j] : 0;
+          for (int64_t j = 0; j < 2 * P; j += 32)
+            _mm512_storeu_si512(w + j, _mm512_maskz_loadu_epi16(Vec::mask32(D - j), src + j));
         }
+#endif
         mx[m] = -3.0e38f;
         sm[m] = 0.0f;
       }
