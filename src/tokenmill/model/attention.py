@@ -428,6 +428,10 @@ def paged_attention(
             chunk_rows, attn = _prefill_kernel(
                 q, k_cache, v_cache, group, scale, window, kv_scales, softcap
             )
+            if isinstance(chunk_rows, slice) and chunk_rows == slice(0, num_tokens):
+                # One group holds every row (a prompt step): the kernel's output is the
+                # step's, not copied into out (a 1,024-token step: 2 MiB a layer).
+                return attn
             out[chunk_rows] = attn
             continue
         if _causal_prefill_applies(q, group, window, softcap):
