@@ -239,7 +239,7 @@ using Bf16Tiles = float[4][16][16];  // a 32-row block's sums: row blocks 0, 1 x
 // the [gate | up] projection with SiLU took 7.6-8.8 ms on 2 threads against 5.5 without the
 // activation (and 0.9 for silu_and_mul alone). Between steps, each row's ~30-50 vector
 // instructions run beside 4 tile products (64 cycles): 5.9-6.6 ms (medians of 60, three
-// alternating runs against 6.7-7.6), the 250M model's 1,024-token prompt steps 0.89-0.93x.
+// alternating runs against 6.7-7.6), the 250M model's 1,024-token prompt steps 0.86-0.93x.
 // The sums and the order of operations on them are the same whenever the rows are written:
 // the same bits.
 struct PairEpilogue {
