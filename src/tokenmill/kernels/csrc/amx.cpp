@@ -174,6 +174,9 @@ void block_bf16(const tokenmill::GemmArgs& a, int64_t nb0, int64_t nb1, int64_t 
   }
 }
 
+// The channel block paired with block nb: with a.act its up block, else the next one.
+inline int64_t partner_block(const tokenmill::GemmArgs& a, int64_t nb) { return a.act ? nb + a.up_block : nb + 1; }
+
 // One block of the output: its channel blocks (nb1: the second, where nbs == 2; with a.act
 // the up half's block of the same channels as the gate's nb0), first row and row counts.
 struct Bf16Block {
@@ -252,11 +255,12 @@ struct PairEpilogue {
   __m512 bias0, bias1, bias2, bias3;
   bool stream = false;
 
-  // The pair (blocks nb0, nb1; nbs of them) whose final sums for rows [0, a.M) are in sums,
-  // one Bf16Tiles a 32-row block; with a.act, pairs (1 or 2) gate blocks nb0, nb0 + 1 and
-  // their up blocks, the second's sums a.M rows after the first's: two are one 64-byte line
-  // of output a row, so that they can be streamed where a single pair's half line cannot.
-  void start(const tokenmill::GemmArgs& args, const Bf16Tiles* group_sums, int64_t nb0, int64_t nb1, int pair_blocks,
+  // The pair (block nb0 and its partner_block; nbs of them) whose final sums for rows
+  // [0, a.M) are in sums, one Bf16Tiles a 32-row block; with a.act, pairs (1 or 2) gate
+  // blocks nb0, nb0 + 1 and their up blocks, the second's sums a.M rows after the first's:
+  // two are one 64-byte line of output a row, so that they can be streamed where a single
+  // pair's half line cannot.
+  void start(const tokenmill::GemmArgs& args, const Bf16Tiles* group_sums, int64_t nb0, int pair_blocks,
              int group_pairs) {
     a = &args;
     sums = group_sums;
@@ -264,7 +268,7 @@ struct PairEpilogue {
     pairs = group_pairs;
     second = (args.M + 31) / 32;
     n0 = nb0 * 16;
-    n1 = nb1 * 16;
+    n1 = partner_block(args, nb0) * 16;
     mask0 = tail_mask(n0, args.N);
     mask1 = nbs == 2 ? tail_mask(n1, args.N) : 0;
     bias0 = load_bias(args, n0, mask0);
@@ -357,11 +361,10 @@ void tokenmill::amx_gemm_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
     const int64_t first = nb;
     const int pairs = a.act && nb % 2 == 0 && nb + 2 <= b1 ? 2 : 1;
     const int nbs = a.act || nb + 2 <= b1 ? 2 : 1;
-    const int64_t nb1 = a.act ? nb + a.up_block : nb + 1;
     Bf16Tiles* group = sums + half * 2 * row_blocks;
     for (int p = 0; p < pairs; ++p, nb += a.act ? 1 : 2) {
       Bf16Tiles* pair = group + p * row_blocks;
-      const int64_t up = a.act ? nb + a.up_block : nb + 1;
+      const int64_t partner = partner_block(a, nb);
       for (int64_t k0 = 0; k0 < a.K; k0 += pass) {
         const int64_t k1 = k0 + pass < a.K ? k0 + pass : a.K;
         for (int64_t m0 = 0; m0 < a.M; m0 += 32) {
@@ -373,7 +376,7 @@ void tokenmill::amx_gemm_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
             configured0 = rows0;
             configured1 = rows1;
           }
-          const Bf16Block block{nb, up, m0, rows0, rows1, nbs};
+          const Bf16Block block{nb, partner, m0, rows0, rows1, nbs};
           if (k0 == 0) zero_tiles(block);
           else load_tiles(block, pair[m0 / 32]);
           block_bf16(a, block, k0, k1, ep);
@@ -382,7 +385,7 @@ void tokenmill::amx_gemm_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
       }
     }
     ep.finish();  // the group before (normally written by now): its half is the next group's
-    ep.start(a, group, first, nb1, nbs, pairs);
+    ep.start(a, group, first, nbs, pairs);
     half = 1 - half;
   }
   ep.finish();
