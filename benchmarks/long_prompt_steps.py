@@ -9,6 +9,10 @@ the kernels and the allocator. Run it in each tree to compare (``PYTHONPATH=TREE
 trees alternating, since a shared VM's bandwidth drifts between runs:
 
     PYTHONPATH=src .venv/bin/python benchmarks/long_prompt_steps.py [--model-dir DIR] [--json F]
+
+``--max-num-batched-tokens`` runs it at another step budget (smaller budgets carry decode
+rows in more prompt steps, at the price of more, smaller prompt chunks); ``--quantization``
+at int8 or int4 weights.
 """
 
 from __future__ import annotations
@@ -32,14 +36,18 @@ from tokenmill.engine.llm_engine import LLMEngine
 PROMPT_TOKENS, OUTPUT_TOKENS, REQUESTS, STREAMS = 1024, 64, 16, 8
 
 
-def run(model_dir: Path) -> dict[str, float]:
+def run(
+    model_dir: Path, max_num_batched_tokens: int | None = None, quantization: str | None = None
+) -> dict[str, float]:
     engine = LLMEngine(
         EngineConfig.from_kwargs(
             model=str(model_dir),
             dtype="bfloat16",
+            quantization=quantization,
             kv_cache="paged",
             max_num_seqs=STREAMS,
             max_model_len=2048,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
     )
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
@@ -85,11 +93,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--json", type=Path, help="also append the row to this JSON-lines file")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="the step's token budget (default: the engine's, 1024 on a CPU)",
+    )
+    parser.add_argument("--quantization", choices=("int8", "int4"), help="default: bf16 weights")
     args = parser.parse_args()
     model_dir = (
         build_model(args.model_dir) if args.model_dir == DEFAULT_MODEL_DIR else args.model_dir
     )
-    row = {"tree": tokenmill.__file__, **run(model_dir)}
+    row = {
+        "tree": tokenmill.__file__,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "quantization": args.quantization,
+        **run(model_dir, args.max_num_batched_tokens, args.quantization),
+    }
     print(json.dumps(row))
     if args.json:
         with args.json.open("a") as f:
