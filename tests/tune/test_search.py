@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from tokenmill.tune.candidates import Candidate
+from tokenmill.tune.cut import near_ties
 from tokenmill.tune.scoring import (
     MEETS_NARROWLY,
     MEETS_WITH_ROOM,
@@ -244,7 +245,7 @@ def test_no_margin_cuts_at_the_finalists() -> None:
     )  # fmt: skip
     for key, goodput in ((DEFAULT.key, 1.0), (INT8.key, 0.999)):
         state.candidates[key].runs["30/0"] = figures(goodput)
-    assert search._near_ties(list(state.candidates.values()), 1, 30) == []
+    assert near_ties(search, list(state.candidates.values()), 1, 30) == []
     with pytest.raises(ValueError, match="cut_margin"):
         SearchSettings(cut_margin=1.0)
 

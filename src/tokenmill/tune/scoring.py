@@ -1,8 +1,8 @@
 """How a candidate's replays stand: against the SLA (with room, narrowly, or missing it), as
 sort keys for the halving and the decision, and against each other (spread, ties, backlog).
 
-Pure functions of recorded figures (``bench serve`` summaries); ``search.py`` decides with
-them.
+Pure functions of recorded figures (``bench serve`` summaries); the search's cuts,
+refinement and decision (``cut.py``, ``refine.py``, ``decision.py``) rank with them.
 """
 
 from __future__ import annotations
