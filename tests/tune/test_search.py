@@ -519,3 +519,26 @@ def test_a_setting_equal_to_what_auto_resolves_to_is_not_a_candidate() -> None:
             2, resolved_defaults={"dtype": "bfloat16", "num_threads": 2}
         ).candidates()
     )
+
+
+def fails_after_its_first_whole_trace_round(n: int, r: int) -> dict[str, Any]:
+    if n == 100 and r >= 1:
+        raise RuntimeError("server died")
+    return figures(5.0)
+
+
+def test_no_decision_is_ranked_from_a_failed_candidates_figures_alone() -> None:
+    """The only candidate measured on the whole trace failed in a later round: nothing stands
+    to be chosen there, and the decision says so instead of ranking nobody."""
+    measure = Recorded({"default": fails_after_its_first_whole_trace_round})
+    search, decision = run_search([DEFAULT], measure)
+    assert statuses(search) == {"default": "failed"}
+    assert decision["winner"] is None
+    assert "failed" in decision["reason"]
+
+
+def test_a_finalist_that_fails_leaves_the_best_candidate_still_standing() -> None:
+    measure = Recorded({"default": 1.0, INT8.key: fails_after_its_first_whole_trace_round})
+    search, decision = run_search([DEFAULT, INT8], measure)
+    assert statuses(search)[INT8.key] == "failed"
+    assert decision["winner"] == "default"

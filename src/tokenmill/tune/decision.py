@@ -36,14 +36,19 @@ def decide(search: Search, stopped_by_budget: bool) -> dict[str, Any]:
     n = _best_rung(search)
     base = {"stopped_by_budget": stopped_by_budget, "sla": search.sla}
     if n is None:
-        return {**base, "winner": None, "reason": "nothing was measured within the budget"}
-    contenders = [
-        s
-        for s in search.state.candidates.values()
-        if s.rung_figures(n)
-        and s.status in ("pending", "finalist", "unstable", "eliminated")
-        and (n != search.num_trace_requests or s.status != "eliminated")
-    ]
+        measured = any(
+            s.rung_figures(m)
+            for s in search.state.candidates.values()
+            for m in [search.num_trace_requests, *search.rungs()]
+        )
+        reason = (
+            "no candidate measured is left to choose: each failed a later run or lost on "
+            "the whole trace to one that then failed"
+            if measured
+            else "nothing was measured within the budget"
+        )
+        return {**base, "winner": None, "reason": reason}
+    contenders = _contenders(search, n)
     stable = [s for s in contenders if s.status != "unstable"] or contenders
     best = max(stable, key=lambda s: search.score(s, n))
     best_goodputs = search.goodputs(best, n)
@@ -113,17 +118,30 @@ def decide(search: Search, stopped_by_budget: bool) -> dict[str, Any]:
     }
 
 
+def _contenders(search: Search, n: int) -> list[CandidateState]:
+    """The candidates measured at ``n`` requests that may still win: not failed, and not
+    eliminated by the whole trace (one eliminated on a sample rung may, if nothing measured
+    on more requests stands)."""
+    return [
+        s
+        for s in search.state.candidates.values()
+        if s.rung_figures(n)
+        and s.status in ("pending", "finalist", "unstable", "eliminated")
+        and (n != search.num_trace_requests or s.status != "eliminated")
+    ]
+
+
 def _best_rung(search: Search) -> int | None:
-    """The largest request count every contender was measured at (full trace first)."""
+    """The largest request count every contender was measured at (full trace first), among
+    those where a contender stands; None where none does (nothing measured, or every
+    candidate measured failed later: a count whose only figures are a failed candidate's
+    has nobody to rank)."""
     sizes = [search.num_trace_requests, *reversed(search.rungs())]
     for n in sizes:
-        if any(
-            s.rung_figures(n) and s.status in ("finalist", "unstable")
-            for s in search.state.candidates.values()
-        ):
+        if any(s.status in ("finalist", "unstable") for s in _contenders(search, n)):
             return n
     for n in sizes:
-        if any(s.rung_figures(n) for s in search.state.candidates.values()):
+        if _contenders(search, n):
             return n
     return None
 
