@@ -341,3 +341,35 @@ def test_gated_projection_strided_rows_and_bad_arguments(amx_bf16) -> None:
     odd = gemv_layout.pack(randn(33, 96, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="even"):
         kernels.gemv_bf16_act(x, odd, 33, None, "silu")
+
+
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_amx_outputs_left_pending_between_tasks_are_written_to_their_own_rows(
+    amx_bf16, threads: int, act: str | None
+) -> None:
+    """At K = 2,048 a task is one channel pair (or one gated group): each call's last outputs
+    stay pending on its thread and the thread's next task writes them, whatever row chunk
+    that task is in (700 rows: 256, 256 and 188), and the last ones are written when the
+    thread has no task left. The same bits as the rows in calls of 100 (other chunks, other
+    tasks), and close to fp32."""
+    n, k = 320, 2048
+    x, w = randn(700, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, seed=1)
+    bias = randn(n, dtype=torch.bfloat16, seed=2)
+    packed = gemv_layout.pack(w)
+
+    def op(rows: torch.Tensor) -> torch.Tensor:
+        if act is None:
+            return kernels.gemv_bf16(rows, packed, n, bias)
+        return kernels.gemv_bf16_act(rows, packed, n, bias, act)
+
+    whole = op(x)
+    assert torch.equal(whole, torch.cat([op(x[i : i + 100]) for i in range(0, 700, 100)]))
+    want = F.linear(x.float(), w.float(), bias.float())
+    if act is not None:
+        gate, up = want.chunk(2, -1)
+        want = F.silu(gate) * up
+    close_to_fp32(whole, want, 3e-2)
+    if act is None:
+        torch.testing.assert_close(
+            kernels.gemv_bf16_f32out(x, packed, n, bias), want, rtol=1e-5, atol=1e-3
+        )

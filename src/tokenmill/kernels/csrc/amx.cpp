@@ -340,28 +340,29 @@ struct PairEpilogue {
 // 1,024-token prompt steps 1-3%.
 constexpr int64_t kBf16KPass = 256;
 
-void tokenmill::amx_gemm_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
-  // Each channel pair's sums, one Bf16Tiles a 32-row block (a.M <= the caller's row chunk,
-  // 256: 32 KB): partial between passes over K, then final, read by the pair's epilogue while
-  // the next pair computes in the other half.
+namespace {
+
+// Channel blocks [b0, b1) of a, in groups (a channel pair, or with a.act two gated pairs),
+// every row, 32 at a time, in passes over K (`pass`). The rows are x's (ops_linear.cpp passes
+// 256 at a time, so they stay in L2 too). Each group's sums go to one half of ``sums``
+// (``stride`` Bf16Tiles a half, one a 32-row block a pair) and its outputs are written by
+// ``ep`` between the next group's tile steps; the last group's stay pending in ``ep`` (the
+// group's arguments copied to ``group_args[half]``, as the caller's may be gone by then), as
+// may a group of a call before, which this call's first pair writes.
+void bf16_groups(const tokenmill::GemmArgs& a, int64_t b0, int64_t b1, Bf16Tiles* sums, int64_t stride, int& half,
+                 PairEpilogue& ep, tokenmill::GemmArgs* group_args) {
   const int64_t row_blocks = (a.M + 31) / 32;
-  alignas(64) Bf16Tiles local[4];
-  Bf16Tiles* sums = row_blocks == 1 ? local : static_cast<Bf16Tiles*>(std::aligned_alloc(64, 4 * row_blocks * sizeof(Bf16Tiles)));
   // One row block (a decode batch of <= 32 rows) reuses no weights across blocks: one pass.
   const int64_t pass = row_blocks > 1 ? kBf16KPass : a.K;
-  int configured0 = -1, configured1 = -1, half = 0;
-  PairEpilogue ep;
-  // Rows written a step: the pair's a.M rows within the next pair's steps (K / 32 a row block).
-  ep.per_step = (int)((a.M + (a.K / 32) * row_blocks - 1) / ((a.K / 32) * row_blocks));
-  // Two channel blocks at a time (blocks nb and nb + 1, or with a.act a gate block and its
-  // up block) against every row, 32 at a time, in passes over K (`pass`). The rows are
-  // x's (ops_linear.cpp passes 256 at a time, so they stay in L2 too). With a.act, two such
-  // pairs make a group whose outputs are written together (PairEpilogue::start).
+  // Rows written a step: a group's rows within the next pair's steps (K / 32 a row block).
+  const int64_t pair_steps = (a.K / 32) * row_blocks;
+  if (ep.next < ep.end) ep.per_step = (int)((ep.end - ep.next + pair_steps - 1) / pair_steps);
+  int configured0 = -1, configured1 = -1;
   for (int64_t nb = b0; nb < b1;) {
     const int64_t first = nb;
     const int pairs = a.act && nb % 2 == 0 && nb + 2 <= b1 ? 2 : 1;
     const int nbs = a.act || nb + 2 <= b1 ? 2 : 1;
-    Bf16Tiles* group = sums + half * 2 * row_blocks;
+    Bf16Tiles* group = sums + half * stride;
     for (int p = 0; p < pairs; ++p, nb += a.act ? 1 : 2) {
       Bf16Tiles* pair = group + p * row_blocks;
       const int64_t partner = partner_block(a, nb);
@@ -385,13 +386,51 @@ void tokenmill::amx_gemm_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
       }
     }
     ep.finish();  // the group before (normally written by now): its half is the next group's
-    ep.start(a, group, first, nbs, pairs);
+    group_args[half] = a;
+    ep.start(group_args[half], group, first, nbs, pairs);
+    ep.per_step = (int)((a.M + pair_steps - 1) / pair_steps);
     half = 1 - half;
   }
-  ep.finish();
-  if (a.stream_out) _mm_sfence();  // the non-temporal stores are seen before the op returns
   _tile_release();
-  if (sums != local) std::free(sums);
+}
+
+// Row blocks a carried half holds: a call's rows (kAmxBf16MaxRows).
+constexpr int64_t kCarryRowBlocks = tokenmill::kAmxBf16MaxRows / 32;
+
+// A thread's pending outputs between its calls of amx_gemm_bf16. A call ended with its last
+// group's outputs unwritten, after its tile products: with tasks of one group (2-4 channel
+// blocks, ~64 KB of weights: ops_linear.cpp's grain), that was every group, and the
+// epilogue PairEpilogue moves between tile steps never overlapped them. Carried, the next
+// call on the thread writes them between its first pair's steps, and a thread's last group
+// is written by amx_gemm_bf16_flush when the thread has no more tasks. Its buffers (128 KB)
+// are allocated once a thread, where each call had allocated its own.
+struct Bf16Carry {
+  Bf16Tiles* sums = nullptr;  // two halves of 2 * kCarryRowBlocks
+  tokenmill::GemmArgs args[2];
+  PairEpilogue ep;
+  int half = 0;
+  bool streamed = false;  // rows went out through non-temporal stores: fence before they are read
+  ~Bf16Carry() { std::free(sums); }
+};
+
+thread_local Bf16Carry carry;
+
+}  // namespace
+
+void tokenmill::amx_gemm_bf16_flush() {
+  Bf16Carry& c = carry;
+  c.ep.finish();
+  if (c.streamed) {
+    _mm_sfence();  // the non-temporal stores are seen before the outputs are read
+    c.streamed = false;
+  }
+}
+
+void tokenmill::amx_gemm_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
+  Bf16Carry& c = carry;
+  if (!c.sums) c.sums = static_cast<Bf16Tiles*>(std::aligned_alloc(64, 4 * kCarryRowBlocks * sizeof(Bf16Tiles)));
+  bf16_groups(a, b0, b1, c.sums, 2 * kCarryRowBlocks, c.half, c.ep, c.args);
+  c.streamed = c.streamed || a.stream_out;
 }
 
 void tokenmill::amx_gemm(const AmxArgs& a, int64_t nb0, int64_t nb1) {

@@ -34,11 +34,14 @@ void check_rows(const at::Tensor& x, const char* name);
 // each: a thread that loses its core for a while (the server's event loop, another
 // process) leaves its chunks to the others instead of holding up the whole op. Outputs do
 // not depend on which thread computes which chunk. A range of one chunk runs inline.
-template <class F>
-void parallel_chunks(int64_t range, int64_t chunk, const F& fn) {
+// ``done()`` runs on every thread that took part, after its last chunk: a kernel that leaves
+// work pending on its thread from one chunk to the next (amx_gemm_bf16) finishes it there.
+template <class F, class D>
+void parallel_chunks(int64_t range, int64_t chunk, const F& fn, const D& done) {
   const int64_t tasks = std::min<int64_t>(at::get_num_threads(), (range + chunk - 1) / chunk);
   if (tasks <= 1 || at::in_parallel_region()) {
     if (range > 0) fn(int64_t{0}, range);
+    done();
     return;
   }
   std::atomic<int64_t> next{0};
@@ -46,7 +49,13 @@ void parallel_chunks(int64_t range, int64_t chunk, const F& fn) {
     for (int64_t s = next.fetch_add(chunk, std::memory_order_relaxed); s < range;
          s = next.fetch_add(chunk, std::memory_order_relaxed))
       fn(s, std::min(range, s + chunk));
+    done();
   });
+}
+
+template <class F>
+void parallel_chunks(int64_t range, int64_t chunk, const F& fn) {
+  parallel_chunks(range, chunk, fn, [] {});
 }
 
 inline int64_t rows_grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, width)); }

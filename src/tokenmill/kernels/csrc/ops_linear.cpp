@@ -24,7 +24,7 @@ constexpr int64_t kStreamOutBytes = 2 << 20;
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t N,
                 const c10::optional<at::Tensor>& bias, int64_t grain,
                 void (*fn)(const GemmArgs&, int64_t, int64_t), int64_t range = -1, bool f32 = false,
-                bool f32_out = false, int64_t row_chunk = 0) {
+                bool f32_out = false, int64_t row_chunk = 0, void (*flush)() = nullptr) {
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == (f32 ? at::kFloat : at::kBFloat16), "tokenmill_cpu linear: x must be ",
               f32 ? "float32" : "bfloat16");
@@ -75,13 +75,18 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t
   // prompt steps, the two alternating in one process (AMX Xeon, 2 threads): 16 x 128 tokens
   // 0.95x the time on SmolLM2 (faster in 8 of 10 rounds) and 0.92x on the 250M Llama (6 of
   // 6); one 1024-token prompt and Gemma 3 level.
-  parallel_chunks(chunks * per_chunk, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1;) {
-      const int64_t r = t / per_chunk, end = std::min(t1, (r + 1) * per_chunk);
-      fn(rows(r), (t - r * per_chunk) * grain, std::min(width, (end - r * per_chunk) * grain));
-      t = end;
-    }
-  });
+  parallel_chunks(
+      chunks * per_chunk, 1,
+      [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1;) {
+          const int64_t r = t / per_chunk, end = std::min(t1, (r + 1) * per_chunk);
+          fn(rows(r), (t - r * per_chunk) * grain, std::min(width, (end - r * per_chunk) * grain));
+          t = end;
+        }
+      },
+      [flush] {
+        if (flush) flush();
+      });
   return y;
 }
 
@@ -114,6 +119,7 @@ constexpr int64_t kAmxBf16MinRows = 2;
 // task: a 2,048-row prompt ran the tiles at 1.0-1.2 TFLOP/s against 1.7-2.1 at 256 rows
 // (AMX Xeon, 2 threads, SmolLM2's projections).
 constexpr int64_t kAmxBf16RowChunk = 256;
+static_assert(kAmxBf16RowChunk <= kAmxBf16MaxRows, "amx_gemm_bf16 takes at most kAmxBf16MaxRows rows a call");
 
 // bf16 weights packed by kernels/gemv_layout.py: [ceil(N/16), ceil(K/2), 16, 2]; bf16 out, or
 // (f32_out) the fp32 sums unrounded: an LM head's logits, where bf16's 8 bits of mantissa turn
@@ -146,7 +152,7 @@ at::Tensor gemv_bf16_out(const at::Tensor& x, const at::Tensor& packed, int64_t 
     TORCH_CHECK(amx_bf16_active() && K % 32 == 0, "gemv_bf16_amx: needs AMX-BF16 active and K a multiple of 32");
   if (path == Bf16Path::kAmx || (x.size(0) >= kAmxBf16MinRows && K % 32 == 0 && amx_bf16_active()))
     return gemm(x, packed, a, N, bias, (grain + 1) / 2 * 2, amx_gemm_bf16, blocks, /*f32=*/false, f32_out,
-                kAmxBf16RowChunk);
+                kAmxBf16RowChunk, amx_gemm_bf16_flush);
   return gemm(x, packed, a, N, bias, grain, kernels().gemv_bf16, blocks, /*f32=*/false, f32_out);
 }
 
@@ -181,7 +187,8 @@ at::Tensor gemv_bf16_act(const at::Tensor& x, const at::Tensor& packed, int64_t 
     // One task: an even number of gate blocks and their up blocks, ~64 KB or more (two gate
     // blocks' outputs are one line a row: amx_gemm_bf16 writes them together).
     const int64_t grain = (std::max<int64_t>(1, 65536 / (kp * 64) / 2) + 1) / 2 * 2;
-    return gemm(x, packed, a, N, bias, grain, amx_gemm_bf16, blocks / 2, /*f32=*/false, false, kAmxBf16RowChunk);
+    return gemm(x, packed, a, N, bias, grain, amx_gemm_bf16, blocks / 2, /*f32=*/false, false, kAmxBf16RowChunk,
+                amx_gemm_bf16_flush);
   }
   const at::Tensor y = gemv_bf16_out(x, packed, N, bias, false);
   return act == "silu" ? silu_and_mul(y) : gelu_tanh_and_mul(y);
