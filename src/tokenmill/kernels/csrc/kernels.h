@@ -324,11 +324,11 @@ struct alignas(64) AmxTileConfig {
 void amx_gemm(const AmxArgs&, int64_t, int64_t);
 
 // bf16 weights in kernels/gemv_layout.py's blocks on AMX-BF16 (TDPBF16PS): 16-channel blocks
-// [begin, end), every row of a.x (bf16 out to a.y, or fp32 to a.yf); a.K a multiple of 32.
-// Only call when amx_bf16_active() said so, with a.M <= kAmxBf16MaxRows. The outputs of the call's last channel blocks may
-// still be pending on the calling thread when it returns (the next call on that thread
-// writes them between its own tile steps): the thread calls amx_gemm_bf16_flush() before
-// anything reads them. a.x, a.bias and a.y must live until then.
+// [begin, end), every row of a.x (bf16 out to a.y, or fp32 to a.yf); a.K a multiple of 32,
+// a.M <= kAmxBf16MaxRows. Only call when amx_bf16_active() said so. The outputs of the call's
+// last channel blocks may still be pending on the calling thread when it returns (the
+// thread's next call writes them between its own tile steps): the thread calls
+// amx_gemm_bf16_flush() before anything reads them, and a.y (a.yf) must live until then.
 constexpr int64_t kAmxBf16MaxRows = 256;
 void amx_gemm_bf16(const GemmArgs&, int64_t, int64_t);
 void amx_gemm_bf16_flush();

@@ -20,7 +20,8 @@ namespace {
 constexpr int64_t kStreamOutBytes = 2 << 20;
 
 // ``row_chunk`` > 0: the rows go in chunks of that many, each split over the threads in
-// turn, so a chunk of x stays in each core's L2 while the weights pass.
+// turn, so a chunk of x stays in each core's L2 while the weights pass. ``flush``: called on
+// every thread after its last task (amx_gemm_bf16 leaves a task's last outputs to the next).
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, GemmArgs args, int64_t N,
                 const c10::optional<at::Tensor>& bias, int64_t grain,
                 void (*fn)(const GemmArgs&, int64_t, int64_t), int64_t range = -1, bool f32 = false,
