@@ -318,6 +318,10 @@ struct PairEpilogue {
     else _mm256_mask_storeu_epi16(g.y + i * g.ldy + n1, mask1, Vec::to_bf16(v1));
   }
 
+  // Rows a step, so that the rows still to be written go out within ``steps`` steps (the
+  // next pair's: K / 32 a row block).
+  void pace(int64_t steps) { per_step = (int)((end - next + steps - 1) / steps); }
+
   // per_step rows (a step of 32 inputs), none once the pair is written.
   inline void step() {
     for (int left = per_step; left > 0 && next < end; --left) row(next++);
@@ -341,58 +345,6 @@ struct PairEpilogue {
 constexpr int64_t kBf16KPass = 256;
 
 namespace {
-
-// Channel blocks [b0, b1) of a, in groups (a channel pair, or with a.act two gated pairs),
-// every row, 32 at a time, in passes over K (`pass`). The rows are x's (ops_linear.cpp passes
-// 256 at a time, so they stay in L2 too). Each group's sums go to one half of ``sums``
-// (``stride`` Bf16Tiles a half, one a 32-row block a pair) and its outputs are written by
-// ``ep`` between the next group's tile steps; the last group's stay pending in ``ep`` (the
-// group's arguments copied to ``group_args[half]``, as the caller's may be gone by then), as
-// may a group of a call before, which this call's first pair writes.
-void bf16_groups(const tokenmill::GemmArgs& a, int64_t b0, int64_t b1, Bf16Tiles* sums, int64_t stride, int& half,
-                 PairEpilogue& ep, tokenmill::GemmArgs* group_args) {
-  const int64_t row_blocks = (a.M + 31) / 32;
-  // One row block (a decode batch of <= 32 rows) reuses no weights across blocks: one pass.
-  const int64_t pass = row_blocks > 1 ? kBf16KPass : a.K;
-  // Rows written a step: a group's rows within the next pair's steps (K / 32 a row block).
-  const int64_t pair_steps = (a.K / 32) * row_blocks;
-  if (ep.next < ep.end) ep.per_step = (int)((ep.end - ep.next + pair_steps - 1) / pair_steps);
-  int configured0 = -1, configured1 = -1;
-  for (int64_t nb = b0; nb < b1;) {
-    const int64_t first = nb;
-    const int pairs = a.act && nb % 2 == 0 && nb + 2 <= b1 ? 2 : 1;
-    const int nbs = a.act || nb + 2 <= b1 ? 2 : 1;
-    Bf16Tiles* group = sums + half * stride;
-    for (int p = 0; p < pairs; ++p, nb += a.act ? 1 : 2) {
-      Bf16Tiles* pair = group + p * row_blocks;
-      const int64_t partner = partner_block(a, nb);
-      for (int64_t k0 = 0; k0 < a.K; k0 += pass) {
-        const int64_t k1 = k0 + pass < a.K ? k0 + pass : a.K;
-        for (int64_t m0 = 0; m0 < a.M; m0 += 32) {
-          const int64_t left = a.M - m0;
-          const int rows0 = (int)(left < 16 ? left : 16);
-          const int rows1 = (int)(left <= 16 ? 0 : (left < 32 ? left - 16 : 16));
-          if (rows0 != configured0 || rows1 != configured1) {
-            configure_bf16(rows0, rows1);  // every block's sums are in memory between passes
-            configured0 = rows0;
-            configured1 = rows1;
-          }
-          const Bf16Block block{nb, partner, m0, rows0, rows1, nbs};
-          if (k0 == 0) zero_tiles(block);
-          else load_tiles(block, pair[m0 / 32]);
-          block_bf16(a, block, k0, k1, ep);
-          store_tiles(block, pair[m0 / 32]);
-        }
-      }
-    }
-    ep.finish();  // the group before (normally written by now): its half is the next group's
-    group_args[half] = a;
-    ep.start(group_args[half], group, first, nbs, pairs);
-    ep.per_step = (int)((a.M + pair_steps - 1) / pair_steps);
-    half = 1 - half;
-  }
-  _tile_release();
-}
 
 // Row blocks a carried half holds: a call's rows (kAmxBf16MaxRows).
 constexpr int64_t kCarryRowBlocks = tokenmill::kAmxBf16MaxRows / 32;
@@ -418,6 +370,57 @@ struct Bf16Carry {
 
 thread_local Bf16Carry carry;
 
+// Channel blocks [b0, b1) of a, in groups (a channel pair, or with a.act two gated pairs),
+// every row, 32 at a time, in passes over K (`pass`). The rows are x's (ops_linear.cpp passes
+// 256 at a time, so they stay in L2 too). Each group's sums go to one half of c.sums and its
+// outputs are written by c.ep between the next group's tile steps; the last group's stay
+// pending in c.ep (the group's arguments copied to c.args, as the caller's may be gone by
+// then), as may a group of a call before, which this call's first pair writes.
+void bf16_groups(const tokenmill::GemmArgs& a, int64_t b0, int64_t b1, Bf16Carry& c) {
+  const int64_t row_blocks = (a.M + 31) / 32;
+  // One row block (a decode batch of <= 32 rows) reuses no weights across blocks: one pass.
+  const int64_t pass = row_blocks > 1 ? kBf16KPass : a.K;
+  // Rows written a step: a group's rows within the next pair's steps (K / 32 a row block).
+  const int64_t pair_steps = (a.K / 32) * row_blocks;
+  PairEpilogue& ep = c.ep;
+  ep.pace(pair_steps);
+  int configured0 = -1, configured1 = -1;
+  for (int64_t nb = b0; nb < b1;) {
+    const int64_t first = nb;
+    const int pairs = a.act && nb % 2 == 0 && nb + 2 <= b1 ? 2 : 1;
+    const int nbs = a.act || nb + 2 <= b1 ? 2 : 1;
+    Bf16Tiles* group = c.sums + c.half * 2 * kCarryRowBlocks;
+    for (int p = 0; p < pairs; ++p, nb += a.act ? 1 : 2) {
+      Bf16Tiles* pair = group + p * row_blocks;
+      const int64_t partner = partner_block(a, nb);
+      for (int64_t k0 = 0; k0 < a.K; k0 += pass) {
+        const int64_t k1 = k0 + pass < a.K ? k0 + pass : a.K;
+        for (int64_t m0 = 0; m0 < a.M; m0 += 32) {
+          const int64_t left = a.M - m0;
+          const int rows0 = (int)(left < 16 ? left : 16);
+          const int rows1 = (int)(left <= 16 ? 0 : (left < 32 ? left - 16 : 16));
+          if (rows0 != configured0 || rows1 != configured1) {
+            configure_bf16(rows0, rows1);  // every block's sums are in memory between passes
+            configured0 = rows0;
+            configured1 = rows1;
+          }
+          const Bf16Block block{nb, partner, m0, rows0, rows1, nbs};
+          if (k0 == 0) zero_tiles(block);
+          else load_tiles(block, pair[m0 / 32]);
+          block_bf16(a, block, k0, k1, ep);
+          store_tiles(block, pair[m0 / 32]);
+        }
+      }
+    }
+    ep.finish();  // the group before (normally written by now): its half is the next group's
+    c.args[c.half] = a;
+    ep.start(c.args[c.half], group, first, nbs, pairs);
+    ep.pace(pair_steps);
+    c.half = 1 - c.half;
+  }
+  _tile_release();
+}
+
 }  // namespace
 
 void tokenmill::amx_gemm_bf16_flush() {
@@ -432,7 +435,7 @@ void tokenmill::amx_gemm_bf16_flush() {
 void tokenmill::amx_gemm_bf16(const GemmArgs& a, int64_t b0, int64_t b1) {
   Bf16Carry& c = carry;
   if (!c.sums) c.sums = static_cast<Bf16Tiles*>(std::aligned_alloc(64, 4 * kCarryRowBlocks * sizeof(Bf16Tiles)));
-  bf16_groups(a, b0, b1, c.sums, 2 * kCarryRowBlocks, c.half, c.ep, c.args);
+  bf16_groups(a, b0, b1, c);
   c.streamed = c.streamed || a.stream_out;
 }
 
