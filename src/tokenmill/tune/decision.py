@@ -37,9 +37,7 @@ def decide(search: Search, stopped_by_budget: bool) -> dict[str, Any]:
     base = {"stopped_by_budget": stopped_by_budget, "sla": search.sla}
     if n is None:
         measured = any(
-            s.rung_figures(m)
-            for s in search.state.candidates.values()
-            for m in [search.num_trace_requests, *search.rungs()]
+            s.rung_figures(m) for s in search.state.candidates.values() for m in _sizes(search)
         )
         reason = (
             "no candidate measured is left to choose: each failed a later run or lost on "
@@ -131,12 +129,18 @@ def _contenders(search: Search, n: int) -> list[CandidateState]:
     ]
 
 
+def _sizes(search: Search) -> list[int]:
+    """The request counts a decision may rank on, largest first: the full trace, then the
+    rungs."""
+    return [search.num_trace_requests, *reversed(search.rungs())]
+
+
 def _best_rung(search: Search) -> int | None:
     """The largest request count every contender was measured at (full trace first), among
     those where a contender stands; None where none does (nothing measured, or every
     candidate measured failed later: a count whose only figures are a failed candidate's
     has nobody to rank)."""
-    sizes = [search.num_trace_requests, *reversed(search.rungs())]
+    sizes = _sizes(search)
     for n in sizes:
         if any(s.status in ("finalist", "unstable") for s in _contenders(search, n)):
             return n
